@@ -1,0 +1,18 @@
+"""One package per process. ``SERVICES`` maps each component to its service class."""
+
+SERVICES = {
+    "tokenizer": "components.tokenizer.service:TokenizerService",
+    "admission": "components.admission.service:AdmissionService",
+    "scheduler": "components.scheduler.service:SchedulerService",
+    "kv_manager": "components.kv_manager.service:KvManagerService",
+    "executor": "components.executor.service:ExecutorService",
+    "detokenizer": "components.detokenizer.service:DetokenizerService",
+    "streamer": "components.streamer.service:StreamerService",
+}
+
+
+def service_class(name: str):
+    import importlib
+
+    module, _, attr = SERVICES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -48,5 +48,15 @@ def default_model_path() -> Path:
     return target
 
 
+def resolve_model(model: str) -> Path:
+    """The weights to load: ``model`` if given (a .gguf file or an HF directory), else the default."""
+    if not model:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    return path
+
+
 if __name__ == "__main__":
     print(default_model_path())

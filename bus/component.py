@@ -1,0 +1,114 @@
+"""The component runtime: lifecycle (start → ready → draining → stopped), heartbeats
+to the supervisor, and control messages (Drain, Stop, PeerRestarted) from it.
+
+A component subclasses ``Component`` and implements ``setup`` (bind sockets, load
+state), ``run`` (its main loop) and optionally ``stats``, ``drain`` and
+``peer_restarted``. Compute code never touches sockets directly except here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from typing import ClassVar
+
+import anyio
+import structlog
+import zmq
+
+from bus.socket import BusSocket, context
+from schemas.config import WeirConfig
+from schemas.wire import ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop
+
+log = structlog.get_logger("component")
+
+
+class Component:
+    name: ClassVar[str]
+
+    def __init__(self, config: WeirConfig) -> None:
+        self.config = config
+        self.topology = config.topology
+        self.state = "starting"
+        self._sockets: list[BusSocket] = []
+
+    # -- for subclasses
+    def socket(self, kind: int, name: str, accepts=None) -> BusSocket:
+        sock = BusSocket(kind, f"{self.name}.{name}", accepts)
+        self._sockets.append(sock)
+        return sock
+
+    def push_to(self, component: str) -> BusSocket:
+        return self.socket(zmq.PUSH, f"to_{component}").connect(self.topology.inbox(component))
+
+    def inbox(self, accepts) -> BusSocket:
+        return self.socket(zmq.PULL, "inbox", accepts).bind(self.topology.inbox(self.name, bind=True))
+
+    async def setup(self) -> None:
+        """Bind and connect sockets, load what the component needs. Runs before ready."""
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    async def drain(self) -> None:
+        """Stop taking new work (default: nothing to do)."""
+
+    async def peer_restarted(self, name: str) -> None:
+        """A peer lost its state; drop whatever depended on it."""
+
+    # -- runtime
+    def _malformed(self) -> float:
+        return float(sum(s.malformed for s in self._sockets))
+
+    async def _heartbeats(self) -> None:
+        sock = self.socket(zmq.PUSH, "heartbeat").connect(self.topology.heartbeats())
+        interval = self.config.supervisor.heartbeat_interval_s
+        while True:
+            stats = {"malformed": self._malformed(), **self.stats()}
+            await sock.send(ComponentHeartbeat(self.name, os.getpid(), self.state, stats))
+            await anyio.sleep(interval)
+
+    async def _control(self, scope: anyio.CancelScope) -> None:
+        sock = self.socket(zmq.SUB, "control", ControlMsg).connect(self.topology.control())
+        while True:
+            match (await sock.recv()).body:
+                case Stop():
+                    log.info("stop")
+                    self.state = "stopped"
+                    scope.cancel()
+                    return
+                case Drain():
+                    self.state = "draining"
+                    await self.drain()
+                case PeerRestarted(name=name) if name != self.name:
+                    await self.peer_restarted(name)
+
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._control, tg.cancel_scope)
+            await self.setup()
+            self.state = "ready"
+            log.info("ready")
+            tg.start_soon(self._heartbeats)
+            await self.run()
+            tg.cancel_scope.cancel()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+def run(component_cls: type[Component], config: WeirConfig) -> None:
+    """Process entry point: the supervisor handles Ctrl-C for the whole group."""
+    from bus.log import configure
+
+    configure(component_cls.name, config.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    comp = component_cls(config)
+    try:
+        anyio.run(comp.serve)
+    finally:
+        comp.close()
+        context().destroy(linger=0)

@@ -1,0 +1,111 @@
+"""One typed socket wrapper over pyzmq, used by every process.
+
+Each process has one ``zmq.asyncio.Context`` (``context()``), and each socket
+belongs to exactly one task. Receiving sockets decode with a ``Codec`` over the
+union they accept; a malformed frame is counted, logged without its payload
+and dropped, so bad input never crashes a process.
+"""
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from bus.codec import Codec, encode
+from schemas.wire import Envelope
+
+T = TypeVar("T")
+log = structlog.get_logger("bus")
+
+_CONTEXT: zmq.asyncio.Context | None = None
+
+
+def context() -> zmq.asyncio.Context:
+    """The process's single ZeroMQ context."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = zmq.asyncio.Context()
+    return _CONTEXT
+
+
+class Received(msgspec.Struct, Generic[T], frozen=True):
+    envelope: Envelope[T]
+    identity: bytes | None = None
+
+    @property
+    def body(self) -> T:
+        return self.envelope.body
+
+
+class MalformedFrame(msgspec.Struct, frozen=True):
+    """A frame that failed to decode, handed to ``on_malformed`` for a reply if wanted."""
+
+    identity: bytes | None
+    data: bytes
+    error: str
+
+
+class BusSocket(Generic[T]):
+    """A ZeroMQ socket that sends Envelope-wrapped Structs and receives a checked union.
+
+    ``accepts`` is the union this socket decodes (None for send-only sockets).
+    ROUTER sockets carry the peer identity in ``Received.identity`` and take ``to=`` on send.
+    """
+
+    def __init__(self, kind: int, name: str, accepts: Any = None, *, hwm: int = 100_000) -> None:
+        self.name = name
+        self.kind = kind
+        self._sock = context().socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)
+        if kind == zmq.SUB:
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.codec: Codec[T] | None = Codec(accepts) if accepts is not None else None
+
+    @property
+    def malformed(self) -> int:
+        return self.codec.malformed if self.codec else 0
+
+    def bind(self, address: str) -> "BusSocket[T]":
+        self._sock.bind(address)
+        return self
+
+    def connect(self, address: str) -> "BusSocket[T]":
+        self._sock.connect(address)
+        return self
+
+    async def send(self, body: Any, *, to: bytes | None = None,
+                   traceparent: str | None = None) -> None:
+        data = encode(body, traceparent)
+        if to is not None:
+            await self._sock.send_multipart((to, data))
+        else:
+            await self._sock.send(data)
+
+    async def recv(self, on_malformed=None) -> Received[T]:
+        """Wait for the next well-formed message. Malformed frames are counted, logged
+        (type of error only, never the payload) and passed to ``on_malformed``."""
+        assert self.codec is not None, "send-only socket"
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            identity = frames[0] if self.kind == zmq.ROUTER and len(frames) >= 2 else None
+            data = frames[-1]
+            bad = len(frames) != (2 if self.kind == zmq.ROUTER else 1)
+            try:
+                if bad:
+                    raise msgspec.DecodeError(f"expected one payload frame, got {len(frames)}")
+                return Received(self.codec.decode(data), identity)
+            except msgspec.DecodeError as exc:
+                if bad:
+                    self.codec.malformed += 1
+                log.warning("malformed_message", socket=self.name, error=str(exc)[:200],
+                            size=len(data), count=self.codec.malformed)
+                if on_malformed is not None:
+                    await on_malformed(MalformedFrame(identity, data, str(exc)))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

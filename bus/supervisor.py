@@ -1,0 +1,172 @@
+"""The supervisor: starts each component as its own OS process, watches heartbeats,
+restarts by policy, relays cluster status to the streamer, and drains on SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+import zmq
+
+from bus.socket import BusSocket
+from schemas.config import COMPONENTS, WeirConfig
+from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentStatus, Drain,
+                          PeerRestarted, Stop, SupervisorMsg)
+
+log = structlog.get_logger("supervisor")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen | None = None
+    state: str = "starting"
+    last_beat: float = 0.0
+    restarts: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    def __init__(self, config: WeirConfig, components: tuple[str, ...] = COMPONENTS) -> None:
+        self.config = config
+        self.children = {name: Child(name) for name in components}
+        self.draining = False
+        self.stopping = False
+        run_dir = Path(config.topology.run_dir or f"/tmp/weir-{os.getpid()}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path = run_dir / "config.json"
+        self.config_path.write_bytes(msgspec.json.encode(config))
+
+    # -- processes
+    def _spawn(self, child: Child) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "bus.launch", child.name, str(self.config_path)],
+            env=env, cwd=str(ROOT), start_new_session=False)
+        child.state = "starting"
+        child.last_beat = time.monotonic()
+        log.info("spawned", child=child.name, child_pid=child.proc.pid)
+
+    def status(self) -> ClusterStatus:
+        now = time.monotonic()
+        return ClusterStatus(tuple(
+            ComponentStatus(c.name, c.proc.pid if c.proc else 0, c.alive, c.state, c.restarts,
+                            round(now - c.last_beat, 3), c.stats)
+            for c in self.children.values()), self.draining)
+
+    # -- loops
+    async def _heartbeats(self, sock: BusSocket) -> None:
+        while True:
+            match (await sock.recv()).body:
+                case ComponentHeartbeat(name=name, pid=pid, state=state, stats=stats):
+                    child = self.children.get(name)
+                    if child and child.proc and child.proc.pid == pid:
+                        child.state, child.stats = state, stats
+                        child.last_beat = time.monotonic()
+
+    async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:
+        cfg = self.config.supervisor
+        while not self.stopping:
+            await anyio.sleep(cfg.heartbeat_interval_s)
+            now = time.monotonic()
+            for child in self.children.values():
+                dead = not child.alive
+                silent = child.state != "starting" and now - child.last_beat > cfg.heartbeat_timeout_s
+                if not (dead or silent) or self.stopping:
+                    continue
+                code = child.proc.poll() if child.proc else None
+                log.error("component_down", child=child.name, exit_code=code, silent=silent)
+                if silent and child.alive:
+                    child.proc.kill()
+                    child.proc.wait()
+                restart = cfg.restart == "always" or (cfg.restart == "on-failure" and code != 0)
+                if restart and child.restarts < cfg.max_restarts and not self.draining:
+                    child.restarts += 1
+                    self._spawn(child)
+                    await control.send(PeerRestarted(child.name))
+                else:
+                    child.state = "dead"
+            await to_streamer.send(self.status())
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
+        while any(c.state != "ready" for c in self.children.values()):
+            for c in self.children.values():
+                if not c.alive:
+                    raise StartupError(f"component {c.name} exited during startup "
+                                       f"(code {c.proc.poll() if c.proc else None})")
+            if time.monotonic() > deadline:
+                slow = [c.name for c in self.children.values() if c.state != "ready"]
+                raise StartupError(f"components not ready in time: {slow}")
+            await anyio.sleep(0.05)
+
+    async def drain_and_stop(self, control: BusSocket) -> None:
+        """No new work, let active streams finish (bounded), then stop every process."""
+        self.draining = True
+        log.info("draining")
+        await control.send(Drain())
+        deadline = time.monotonic() + self.config.streamer.drain_timeout_s
+        streamer = self.children.get("streamer")
+        await anyio.sleep(0.3)
+        while streamer and streamer.alive and time.monotonic() < deadline:
+            if streamer.stats.get("active_requests", 0) == 0:
+                break
+            await anyio.sleep(0.05)
+        self.stopping = True
+        await control.send(Stop())
+        end = time.monotonic() + 5
+        while any(c.alive for c in self.children.values()) and time.monotonic() < end:
+            await anyio.sleep(0.05)
+        for c in self.children.values():
+            if c.alive:
+                c.proc.kill()
+                c.proc.wait()
+        log.info("stopped")
+
+    async def serve(self, on_ready=None) -> None:
+        """Run until SIGTERM/SIGINT, then drain and stop."""
+        topo = self.config.topology
+        beats = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg).bind(topo.heartbeats(bind=True))
+        control = BusSocket(zmq.PUB, "supervisor.control").bind(topo.control(bind=True))
+        to_streamer = BusSocket(zmq.PUSH, "supervisor.to_streamer").connect(topo.inbox("streamer"))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeats, beats)
+                for child in self.children.values():
+                    self._spawn(child)
+                try:
+                    await self.wait_ready()
+                except StartupError:
+                    self.stopping = True
+                    await self.drain_and_stop(control)
+                    raise
+                tg.start_soon(self._watch, control, to_streamer)
+                if on_ready is not None:
+                    on_ready(self)
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        log.info("signal", signal=signal.Signals(signum).name)
+                        break
+                await self.drain_and_stop(control)
+                tg.cancel_scope.cancel()
+        finally:
+            for sock in (beats, control, to_streamer):
+                sock.close()

@@ -1,0 +1,94 @@
+"""The admission process: validates requests, enforces bounded queue caps per tenant
+and overall, and rejects early with a reason and a retry-after estimate.
+Deeper policy (deadlines, degrade, fairness) builds on this."""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+import structlog
+
+from bus.component import Component
+from components.admission.validate import check_length, check_params
+from schemas.wire import (Accepted, AdmissionMsg, Admitted, CancelRequest, EventBatch, Rejected,
+                          Released, Tokenized)
+
+log = structlog.get_logger("admission")
+
+
+class AdmissionService(Component):
+    name = "admission"
+
+    async def setup(self) -> None:
+        self.tenants = {t.name: t for t in self.config.admission.tenants}
+        self.outstanding: dict[str, str] = {}         # request_id -> tenant
+        self.per_tenant: Counter[str] = Counter()
+        self.releases: deque[float] = deque(maxlen=256)
+        self.decisions: Counter[str] = Counter()
+        self.inbox_sock = self.inbox(AdmissionMsg)
+        self.to_scheduler = self.push_to("scheduler")
+        self.to_streamer = self.push_to("streamer")
+
+    def retry_after(self, backlog: int) -> float:
+        """Seconds until ``backlog`` requests would drain at the recently observed rate."""
+        now = time.monotonic()
+        recent = [t for t in self.releases if now - t < 30]
+        rate = len(recent) / max(now - recent[0], 1.0) if len(recent) >= 2 else 0.5
+        return round(min(max(backlog / rate, 1.0), 60.0), 1)
+
+    def decide(self, req: Tokenized) -> Rejected | None:
+        rid = req.request_id
+        tenant = self.tenants.get(req.tenant)
+        if tenant is None:
+            return Rejected(rid, "unknown_tenant", f"unknown tenant {req.tenant!r}")
+        if (why := check_params(req.params)) is not None:
+            return Rejected(rid, "invalid_request", why)
+        if (bad := check_length(len(req.prompt_token_ids), req.params.max_tokens,
+                                self.config.engine.max_model_len)) is not None:
+            return Rejected(rid, bad[0], bad[1])
+        cap = self.config.admission.max_outstanding
+        if len(self.outstanding) >= cap:
+            return Rejected(rid, "overloaded", f"the engine holds {cap} requests, its cap",
+                            self.retry_after(len(self.outstanding) - cap + 1))
+        if self.per_tenant[req.tenant] >= tenant.max_outstanding:
+            return Rejected(rid, "tenant_over_budget",
+                            f"tenant holds {tenant.max_outstanding} requests, its cap",
+                            self.retry_after(self.per_tenant[req.tenant] - tenant.max_outstanding + 1))
+        return None
+
+    async def run(self) -> None:
+        while True:
+            match (await self.inbox_sock.recv()).body:
+                case Tokenized() as req:
+                    rejected = self.decide(req)
+                    self.decisions[rejected.reason if rejected else "accepted"] += 1
+                    if rejected is not None:
+                        log.info("rejected", request_id=req.request_id, reason=rejected.reason)
+                        await self.to_streamer.send(EventBatch([rejected]))
+                        continue
+                    self.outstanding[req.request_id] = req.tenant
+                    self.per_tenant[req.tenant] += 1
+                    await self.to_scheduler.send(Admitted(
+                        req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
+                        req.params, req.arrival_ns, req.eos_token_ids))
+                    await self.to_streamer.send(EventBatch(
+                        [Accepted(req.request_id, len(req.prompt_token_ids))]))
+                case CancelRequest() as cancel:
+                    if cancel.request_id in self.outstanding:
+                        await self.to_scheduler.send(cancel)
+                case Released(request_ids=ids):
+                    now = time.monotonic()
+                    for rid in ids:
+                        tenant = self.outstanding.pop(rid, None)
+                        if tenant is not None:
+                            self.per_tenant[tenant] -= 1
+                            self.releases.append(now)
+
+    async def peer_restarted(self, name: str) -> None:
+        if name == "scheduler":                        # it dropped everything it held
+            self.outstanding.clear()
+            self.per_tenant.clear()
+
+    def stats(self) -> dict[str, float]:
+        return {"outstanding": len(self.outstanding),
+                **{f"decisions.{k}": v for k, v in self.decisions.items()}}

@@ -1,0 +1,107 @@
+"""Llama-family decoder over a flat batch of tokens from many sequences (selective batching).
+
+Linear layers, norms and RoPE run on the flat ``[T, hidden]`` tensor; only attention
+looks at sequence boundaries, through the paged-attention backend and its metadata.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels import AttentionBackend, AttentionMetadata, KVCache, get_backend
+from schemas.model import ModelSpec
+
+
+class _Layer:
+    __slots__ = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")
+
+
+class LlamaModel:
+    """Inference-only Llama/Qwen2-style model built from :func:`loader.load_model` output.
+
+    Weights are converted to ``dtype`` on ``device``; Q/K/V and gate/up are fused.
+    Norms and RoPE tables are computed in float32; logits are returned as float32.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 backend: AttentionBackend | str = "auto"):
+        self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.backend = get_backend(backend, self.device) if isinstance(backend, str) else backend
+        put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
+        self.embed = put(weights["embed"])
+        tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
+        self.lm_head = self.embed if tied else put(weights["lm_head"])
+        self.norm = put(weights["norm"])
+        self.layers: list[_Layer] = []
+        for i in range(spec.num_layers):
+            w = lambda name: weights[f"layers.{i}.{name}"]  # noqa: E731
+            layer = _Layer()
+            layer.attn_norm, layer.mlp_norm = put(w("attn_norm")), put(w("mlp_norm"))
+            layer.qkv = put(torch.cat([w("q"), w("k"), w("v")]))
+            biases = [weights.get(f"layers.{i}.{n}_bias") for n in "qkv"]
+            layer.qkv_bias = None
+            if any(b is not None for b in biases):
+                sizes = [w(n).shape[0] for n in "qkv"]
+                layer.qkv_bias = put(torch.cat([b if b is not None else torch.zeros(s)
+                                                for b, s in zip(biases, sizes)]))
+            layer.o = put(w("o"))
+            layer.gate_up = put(torch.cat([w("gate"), w("up")]))
+            layer.down = put(w("down"))
+            self.layers.append(layer)
+        d = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        freqs = torch.outer(torch.arange(spec.max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        self.scale = 1.0 / math.sqrt(d)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """Allocate a paged KV cache that fits this model, in its dtype and device."""
+        s = self.spec
+        return KVCache.allocate(s.num_layers, num_blocks, block_size, s.num_kv_heads,
+                                s.head_dim, self.dtype, self.device)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return weight * x32.to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run one step over ``T`` flat tokens and return float32 logits ``[S, vocab]``
+        for the rows ``logits_indices`` (e.g. each sequence's last new token).
+
+        ``input_ids`` and ``positions`` are ``[T]`` long tensors laid out as in ``meta``;
+        new keys/values are written to ``kv`` at ``meta.slot_mapping``.
+        """
+        s = self.spec
+        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos = self.cos[positions].to(self.dtype)[:, None, :]
+        sin = self.sin[positions].to(self.dtype)[:, None, :]
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.attn_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = self._rope(qkv[:, :n_q].view(-1, s.num_heads, s.head_dim), cos, sin)
+            k = self._rope(qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+            v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
+            k_cache, v_cache = kv.key(i), kv.value(i)
+            self.backend.write_kv(k_cache, v_cache, k, v, meta)
+            attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, n_q), layer.o)
+            gate, up = F.linear(self._rms_norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = self._rms_norm(h[logits_indices], self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward

@@ -1,0 +1,54 @@
+"""The executor process: model weights, the paged KV tensors and the step runner."""
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import structlog
+import torch
+
+from bus.component import Component
+from components.executor.loader import load_model
+from components.executor.model import LlamaModel
+from components.executor.runner import ModelRunner
+from schemas.wire import ExecutorMsg, StepPlan
+from weir.model_fetch import resolve_model
+
+log = structlog.get_logger("executor")
+
+
+class ExecutorService(Component):
+    name = "executor"
+
+    async def setup(self) -> None:
+        eng, kv = self.config.engine, self.config.kv
+        torch.set_num_threads(eng.num_threads or os.cpu_count() or 1)
+        t0 = time.perf_counter()
+        spec, weights = load_model(resolve_model(eng.model))
+        if eng.max_model_len > spec.max_position:
+            raise ValueError(f"engine.max_model_len {eng.max_model_len} exceeds the model's "
+                             f"context of {spec.max_position}")
+        dtype = getattr(torch, eng.dtype)
+        model = LlamaModel(spec, weights, dtype=dtype, backend=eng.attention_backend)
+        del weights
+        self.runner = ModelRunner(model, model.new_kv_cache(kv.num_blocks, kv.block_size))
+        log.info("model_loaded", model=spec.name, dtype=eng.dtype, layers=spec.num_layers,
+                 kv_blocks=kv.num_blocks, seconds=round(time.perf_counter() - t0, 2))
+        self.inbox_sock = self.inbox(ExecutorMsg)
+        self.to_scheduler = self.push_to("scheduler")
+        self.steps = 0
+        self.busy_ns = 0
+
+    async def run(self) -> None:
+        while True:
+            match (await self.inbox_sock.recv()).body:
+                case StepPlan() as plan:
+                    result = await anyio.to_thread.run_sync(self.runner.step, plan)
+                    self.steps += 1
+                    self.busy_ns += result.elapsed_ns
+                    await self.to_scheduler.send(result)
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
+                "sequences": len(self.runner.seqs)}

@@ -1,0 +1,69 @@
+"""The kv_manager process: owns the block pool and leases blocks to the scheduler
+under the scheduler's epoch. A newer epoch reclaims every older lease."""
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from bus.component import Component
+from components.kv_manager.pool import BlockPool
+from schemas.wire import KvGrant, KvGrants, KvHello, KvManagerUp, KvMsg, KvOps
+
+log = structlog.get_logger("kv_manager")
+
+
+class KvManagerService(Component):
+    name = "kv_manager"
+
+    async def setup(self) -> None:
+        kv = self.config.kv
+        self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache)
+        self.epoch = 0
+        self.stale_ops = 0
+        self.alloc_failures = 0
+        self.instance = time.time_ns()
+        self.inbox_sock = self.inbox(KvMsg)
+        self.to_scheduler = self.push_to("scheduler")
+        await self.to_scheduler.send(KvManagerUp(self.instance, kv.num_blocks))
+
+    def _advance_epoch(self, epoch: int) -> None:
+        if epoch > self.epoch:
+            reclaimed = self.pool.reclaim(epoch)
+            if reclaimed:
+                log.warning("leases_reclaimed", count=len(reclaimed), old_epoch=self.epoch)
+            self.epoch = epoch
+
+    def handle(self, ops: KvOps) -> list[KvGrant]:
+        self._advance_epoch(ops.epoch)
+        if ops.epoch < self.epoch:
+            self.stale_ops += 1
+            return []
+        for f in ops.frees:
+            self.pool.free(f.seq_id, f.num_computed_tokens)
+        grants = []
+        for a in ops.allocs:
+            g = self.pool.allocate(a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope,
+                                   block_hashes=a.block_hashes, token_ids=a.token_ids,
+                                   max_cached_blocks=a.max_cached_blocks)
+            self.alloc_failures += not g.ok
+            grants.append(KvGrant(ops.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
+        return grants
+
+    async def run(self) -> None:
+        while True:
+            match (await self.inbox_sock.recv()).body:
+                case KvOps() as ops:
+                    grants = self.handle(ops)
+                    if grants:
+                        await self.to_scheduler.send(KvGrants(grants))
+                case KvHello(epoch=epoch):
+                    self._advance_epoch(epoch)
+                    await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))
+
+    def stats(self) -> dict[str, float]:
+        s = self.pool.stats()
+        return {"total_blocks": s.total, "free_blocks": s.free, "cached_blocks": s.cached,
+                "leased_seqs": s.leased_seqs, "alloc_failures": self.alloc_failures,
+                "prefix_query_tokens": self.pool.query_tokens,
+                "prefix_hit_tokens": self.pool.hit_tokens, "stale_ops": self.stale_ops}

@@ -1,0 +1,96 @@
+"""The scheduler process: a thin async shell around ``SchedulerCore``.
+
+One StepPlan is in flight at a time; every inbound message is applied to the
+core, and whatever the core produced (KV ops, detokenizer output, releases,
+the next plan) is sent before the next message is read.
+"""
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from bus.component import Component
+from components.scheduler.core import Outcome, SchedulerCore
+from schemas.wire import (Admitted, CancelRequest, EventBatch, Failed, ForgetRequest, KvGrants,
+                          KvHello, KvManagerUp, Released, SchedulerMsg, StepResult, StopRequest,
+                          TokenBatch)
+
+log = structlog.get_logger("scheduler")
+
+
+class SchedulerService(Component):
+    name = "scheduler"
+
+    async def setup(self) -> None:
+        cfg = self.config
+        self.core = SchedulerCore(cfg.scheduler, cfg.kv, cfg.engine.max_model_len,
+                                  epoch=time.time_ns())
+        self.kv_instance: int | None = None
+        self.inbox_sock = self.inbox(SchedulerMsg)
+        self.to_executor = self.push_to("executor")
+        self.to_kv = self.push_to("kv_manager")
+        self.to_detok = self.push_to("detokenizer")
+        self.to_admission = self.push_to("admission")
+        self.to_streamer = self.push_to("streamer")
+        self.step_started = 0
+        self.last_step_ms = 0.0
+        await self.to_kv.send(KvHello(self.core.epoch))
+
+    async def run(self) -> None:
+        while True:
+            body = (await self.inbox_sock.recv()).body
+            out = Outcome()
+            match body:
+                case Admitted() as req:
+                    self.core.add(req)
+                case StepResult() as res:
+                    self.last_step_ms = (time.perf_counter_ns() - self.step_started) / 1e6
+                    out = self.core.on_result(res)
+                case KvGrants(grants=grants):
+                    self.core.on_grants(grants)
+                case CancelRequest(request_id=rid) | StopRequest(request_id=rid):
+                    out = self.core.cancel(rid)
+                case KvManagerUp(instance=instance):
+                    if self.kv_instance is not None and instance != self.kv_instance:
+                        log.error("kv_manager_restarted")
+                        out = await self._fail_all(kv_lost=True)
+                        await self.to_kv.send(KvHello(self.core.epoch))
+                    self.kv_instance = instance
+            await self._emit(out)
+
+    async def _fail_all(self, kv_lost: bool) -> Outcome:
+        out = self.core.reset(kv_lost)
+        if out.released:
+            await self.to_streamer.send(EventBatch(
+                [Failed(rid, "engine component restarted") for rid in out.released]))
+        return out
+
+    async def peer_restarted(self, name: str) -> None:
+        if name == "executor":
+            await self._emit(await self._fail_all(kv_lost=False))
+
+    async def _emit(self, out: Outcome) -> None:
+        core = self.core
+        if out.tokens:
+            await self.to_detok.send(TokenBatch(out.tokens))
+        for rid in out.forget:
+            await self.to_detok.send(ForgetRequest(rid))
+        if out.released:
+            await self.to_admission.send(Released(out.released))
+        if core.in_flight is None and core.has_work:
+            plan = core.schedule()
+            if plan is not None:
+                self.step_started = time.perf_counter_ns()
+                ops = core.take_kv_ops()
+                if ops is not None:
+                    await self.to_kv.send(ops)
+                await self.to_executor.send(plan)
+        ops = core.take_kv_ops()
+        if ops is not None:
+            await self.to_kv.send(ops)
+
+    def stats(self) -> dict[str, float]:
+        c = self.core
+        return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
+                "preemptions": c.preemptions, "last_step_ms": round(self.last_step_ms, 3)}

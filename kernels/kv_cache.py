@@ -1,0 +1,66 @@
+"""Paged key/value cache storage: fixed-size blocks of token slots, one pool per layer."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for every layer, in one tensor of shape
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Slot ``s`` of a layer is token ``s % block_size`` of block ``s // block_size``.
+    """
+
+    def __init__(self, data: torch.Tensor):
+        if data.dim() != 6 or data.shape[1] != 2:
+            raise ValueError(f"bad KV cache shape {tuple(data.shape)}")
+        self.data = data
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> "KVCache":
+        """Allocate a zero-filled cache once; its size never changes afterwards."""
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def num_layers(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def key(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s keys, a view shaped ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        return self.data[layer, 0]
+
+    def value(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s values, shaped like :meth:`key`."""
+        return self.data[layer, 1]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (keys and values).
+
+        All sources are read before any destination is written.
+        """
+        if len(src) != len(dst):
+            raise ValueError("src and dst must have the same length")
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.data.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.data.device)
+        self.data[:, :, d] = self.data[:, :, s]

@@ -1,0 +1,98 @@
+"""Per-step attention metadata, built once on the host and shared by every layer.
+
+Token layout: the step's ``T`` new tokens are concatenated sequence by sequence, so
+sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i + 1]`` of the flat batch,
+and its new tokens sit at positions ``context_lens[i] .. context_lens[i] + query_lens[i] - 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together as one padded batch (``b`` sequences, ``q`` padded
+    query rows, ``l`` padded key rows each)."""
+
+    token_rows: torch.Tensor    # [n] long: flat-batch rows of this group's real query tokens
+    query_index: torch.Tensor   # [b, q] long: flat-batch row for each padded query (pads repeat)
+    out_index: torch.Tensor     # [n] long: index into the [b * q] padded output, per token_rows
+    kv_slots: torch.Tensor      # [b, l] long: cache slot of each key (pads point at slot 0)
+    mask: torch.Tensor          # [b, 1, q, l] bool: True where the query may attend the key
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention kernels need for one forward step."""
+
+    num_tokens: int
+    query_lens: list[int]
+    context_lens: list[int]
+    block_size: int
+    positions: torch.Tensor        # [T] long: absolute position of each new token
+    slot_mapping: torch.Tensor     # [T] long: cache slot each new token's K/V is written to
+    seq_lens: torch.Tensor         # [B] int32: context + query length per sequence
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
+    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
+    groups: list[AttentionGroup]   # decode rows (query len 1) and the rest, when present
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int],
+              block_tables: list[list[int]], block_size: int,
+              device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Precompute slot mapping, gather indices and masks for one step.
+
+        ``context_lens[i]`` counts tokens of sequence ``i`` already in the cache before this
+        step; ``block_tables[i]`` lists its blocks in order and must cover
+        ``context_lens[i] + query_lens[i]`` tokens.
+        """
+        n = len(query_lens)
+        if len(context_lens) != n or len(block_tables) != n:
+            raise ValueError("query_lens, context_lens and block_tables differ in length")
+        if any(q < 1 for q in query_lens) or any(c < 0 for c in context_lens):
+            raise ValueError("query lengths must be >= 1 and context lengths >= 0")
+        for i, (q, c, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
+            if len(bt) * block_size < q + c:
+                raise ValueError(f"block table of sequence {i} is too short for {q + c} tokens")
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        ctx = torch.tensor(context_lens, dtype=torch.long)
+        width = max((len(bt) for bt in block_tables), default=0) or 1
+        table = torch.zeros((n, width), dtype=torch.long)
+        for i, bt in enumerate(block_tables):
+            table[i, :len(bt)] = torch.tensor(bt, dtype=torch.long)
+        starts = torch.zeros(n + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(n), q_lens)
+        positions = ctx[seq_idx] + torch.arange(len(seq_idx)) - starts[seq_idx]
+        slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        decode = q_lens == 1
+        groups = [_group(sel, q_lens, ctx, starts, table, block_size)
+                  for sel in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]) if len(sel)]
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            num_tokens=int(starts[-1]), query_lens=list(query_lens),
+            context_lens=list(context_lens), block_size=block_size,
+            positions=to(positions), slot_mapping=to(slots),
+            seq_lens=to((q_lens + ctx).int()), query_start_loc=to(starts.int()),
+            block_tables=to(table.int()),
+            groups=[AttentionGroup(*(to(t) for t in (g.token_rows, g.query_index, g.out_index,
+                                                      g.kv_slots, g.mask))) for g in groups],
+        )
+
+
+def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,
+           table: torch.Tensor, block_size: int) -> AttentionGroup:
+    ql, cl, st = q_lens[sel], ctx[sel], starts[sel]
+    q_max, l_max = int(ql.max()), int((ql + cl).max())
+    j = torch.arange(q_max)
+    valid = j[None, :] < ql[:, None]
+    jc = torch.minimum(j[None, :], ql[:, None] - 1)
+    query_index = st[:, None] + jc
+    kpos = torch.arange(l_max)
+    kv_slots = table[sel][:, kpos // block_size] * block_size + kpos % block_size
+    kv_slots = torch.where(kpos[None, :] < (ql + cl)[:, None], kv_slots, 0)
+    mask = kpos[None, None, :] <= (cl[:, None] + jc)[:, :, None]
+    out_index = (torch.arange(len(sel))[:, None] * q_max + j[None, :])[valid]
+    return AttentionGroup(query_index[valid], query_index, out_index, kv_slots, mask[:, None])

@@ -1,0 +1,46 @@
+"""Reference paged attention in plain torch (the CPU backend).
+
+Each :class:`~kernels.metadata.AttentionGroup` is gathered from the cache into a padded
+dense batch with one index op and run through ``scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store new keys/values ``[T, kv_heads, head_dim]`` into their slots of one layer's
+    ``[num_blocks, block_size, kv_heads, head_dim]`` caches (in place)."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of queries ``[T, heads, head_dim]`` over each sequence's cached
+    prefix plus its new tokens (which must already be written with :func:`write_kv`).
+
+    Grouped-query attention: ``heads`` must be a multiple of the cache's kv_heads.
+    Returns ``[T, heads, head_dim]`` in ``q``'s dtype.
+    """
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    keys = k_cache.reshape(-1, kv_heads, dim)
+    values = v_cache.reshape(-1, kv_heads, dim)
+    out = q.new_empty(q.shape)
+    for g in meta.groups:
+        b, l = g.kv_slots.shape
+        slots = g.kv_slots.reshape(-1)
+        qg = q.index_select(0, g.query_index.reshape(-1)).view(b, -1, heads, dim).transpose(1, 2)
+        kg = keys.index_select(0, slots).view(b, l, kv_heads, dim).to(q.dtype).transpose(1, 2)
+        vg = values.index_select(0, slots).view(b, l, kv_heads, dim).to(q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=heads != kv_heads)
+        o = o.transpose(1, 2).reshape(-1, heads, dim)
+        out.index_copy_(0, g.token_rows, o.index_select(0, g.out_index))
+    return out

@@ -1,0 +1,172 @@
+"""Configuration: frozen msgspec Structs, loadable from TOML, validated once.
+
+A config is built once (from defaults, a TOML file and CLI overrides), checked
+by ``__post_init__`` with a clear ``ConfigError``, and never changed after.
+Derived values (socket addresses, block counts) are properties, not fields.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+COMPONENTS = ("tokenizer", "admission", "scheduler", "kv_manager", "executor", "detokenizer",
+              "streamer")
+DEFAULT_CLIENT_ENDPOINT = "tcp://127.0.0.1:7450"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where every socket lives. ``ipc`` puts them under ``run_dir``; ``tcp`` gives each
+    component ``base_port + index`` on its host (``hosts`` maps component → hostname)."""
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    run_dir: str = ""
+    client_endpoint: str = DEFAULT_CLIENT_ENDPOINT
+    bind_host: str = "127.0.0.1"
+    base_port: int = 7460
+    hosts: dict[str, str] = {}
+    supervisor_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _require(self.transport != "ipc" or bool(self.run_dir),
+                 "topology.run_dir is required for ipc transport")
+        _require(1024 <= self.base_port <= 65000, "topology.base_port must be in 1024..65000")
+        unknown = set(self.hosts) - set(COMPONENTS) - {"supervisor"}
+        _require(not unknown, f"topology.hosts names unknown components: {sorted(unknown)}")
+
+    def _address(self, name: str, index: int, bind: bool) -> str:
+        if self.transport == "ipc":
+            return f"ipc://{Path(self.run_dir) / name}.sock"
+        host = self.bind_host if bind else self.hosts.get(name, self.supervisor_host
+                                                           if name in ("supervisor", "control")
+                                                           else "127.0.0.1")
+        return f"tcp://{host}:{self.base_port + index}"
+
+    def inbox(self, component: str, bind: bool = False) -> str:
+        """The PULL address of a component's inbox."""
+        return self._address(component, COMPONENTS.index(component), bind)
+
+    def heartbeats(self, bind: bool = False) -> str:
+        """The supervisor's PULL address for component heartbeats."""
+        return self._address("supervisor", len(COMPONENTS), bind)
+
+    def control(self, bind: bool = False) -> str:
+        """The supervisor's PUB address for control messages (drain, stop, restarts)."""
+        return self._address("control", len(COMPONENTS) + 1, bind)
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int = 2048
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
+        _require(self.num_threads >= 0, "engine.num_threads must be >= 0")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 256
+    lookahead_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 16,
+                 "scheduler.max_num_batched_tokens is too small")
+        _require(self.lookahead_tokens >= 1, "scheduler.lookahead_tokens must be >= 1")
+
+
+class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    block_size: int = 16
+    num_blocks: int = 2048
+    grow_blocks: int = 2
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "kv.block_size must be 8..128, a power of 2")
+        _require(self.num_blocks >= 2, "kv.num_blocks must be >= 2")
+        _require(self.grow_blocks >= 1, "kv.grow_blocks must be >= 1")
+
+
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    max_outstanding: int = 256
+
+
+class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_outstanding: int = 512
+    tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
+
+    def __post_init__(self) -> None:
+        _require(self.max_outstanding >= 1, "admission.max_outstanding must be >= 1")
+        names = [t.name for t in self.tenants]
+        _require(len(set(names)) == len(names), "admission.tenants has duplicate names")
+
+
+class StreamerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    client_timeout_s: float = 0.6
+    drain_timeout_s: float = 30.0
+    max_clients_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        _require(self.client_timeout_s > 0, "streamer.client_timeout_s must be > 0")
+
+
+class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 10.0
+    restart: Literal["always", "on-failure", "never"] = "on-failure"
+    max_restarts: int = 3
+    startup_timeout_s: float = 120.0
+
+
+class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    topology: Topology
+    engine: EngineConfig = EngineConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kv: KvConfig = KvConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    streamer: StreamerConfig = StreamerConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        _require(self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
+                 "engine.max_model_len exceeds the KV pool (kv.num_blocks * kv.block_size)")
+
+
+def load_config(path: str | os.PathLike | None = None, **overrides: dict) -> WeirConfig:
+    """Build a config from defaults, an optional TOML file, then section overrides.
+
+    ``overrides`` maps a section name to a dict of fields, e.g. ``engine={"dtype": "bfloat16"}``.
+    """
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = msgspec.toml.decode(Path(path).read_bytes())
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+        elif values is not None:
+            raw[section] = values
+    raw.setdefault("topology", {})
+    try:
+        return msgspec.convert(raw, WeirConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc

@@ -1,0 +1,403 @@
+"""Every message that crosses the bus, grouped by the process that receives it.
+
+Wire types are frozen msgspec Structs with ``tag=True``; each receiving socket
+decodes with a ``Decoder(Envelope[Union])`` over exactly the union it accepts,
+so an unknown or malformed message fails at the socket, never deeper.
+
+Client-facing types (``ClientMsg`` in, ``ServerMsg`` out) encode as msgpack
+maps so that clients in other languages can speak them; hot-path internal
+types (and the items they carry) are ``gc=False``; hot items are ``array_like``.
+"""
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar, Union
+
+import msgspec
+
+T = TypeVar("T")
+
+FinishReason = Literal["stop", "length"]
+RejectReason = Literal[
+    "invalid_request", "unknown_tenant", "prompt_too_long", "overloaded", "tenant_over_budget",
+    "draining",
+]
+
+
+class Envelope(msgspec.Struct, Generic[T], frozen=True, array_like=True, gc=False):
+    """Wraps every body on the wire: a message id, the send time and W3C trace context."""
+
+    msg_id: int
+    sent_ns: int
+    traceparent: str | None
+    body: T
+
+
+# ---------------------------------------------------------------- client protocol
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-request generation parameters. Validated by admission, not at decode."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
+    """Start a request. Exactly one of ``prompt`` (completion) or ``messages`` (chat) is set."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    params: SamplingParams = SamplingParams()
+    tenant: str = "default"
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):
+    """Keeps a client's requests alive; a client silent past the timeout is cancelled."""
+
+
+class StatusQuery(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fields=True):
+    query_id: str = ""
+
+
+ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery]
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Accepted(msgspec.Struct, tag="accepted", frozen=True):
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class TextDelta(msgspec.Struct, tag="delta", frozen=True):
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    """Terminal: the request completed normally."""
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    text: str = ""
+
+
+class Rejected(msgspec.Struct, tag="rejected", frozen=True):
+    """Terminal: the request was refused before running. ``retry_after_s`` is an estimate."""
+
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after_s: float | None = None
+
+
+class Cancelled(msgspec.Struct, tag="cancelled", frozen=True):
+    """Terminal: the client cancelled, or disappeared."""
+
+    request_id: str
+    reason: str
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """Terminal: the engine could not complete the request."""
+
+    request_id: str
+    reason: str
+
+
+class ComponentStatus(msgspec.Struct, frozen=True):
+    name: str
+    pid: int
+    alive: bool
+    state: str
+    restarts: int
+    heartbeat_age_s: float
+    stats: dict[str, float] = {}
+
+
+class StatusReport(msgspec.Struct, tag="status_report", frozen=True):
+    query_id: str
+    components: tuple[ComponentStatus, ...]
+    draining: bool = False
+
+
+class ProtocolError(msgspec.Struct, tag="protocol_error", frozen=True):
+    """Sent to a client whose message could not be decoded and carried no request id."""
+
+    message: str
+
+
+Terminal = Union[Finished, Rejected, Cancelled, Failed]
+ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
+                  ProtocolError]
+
+
+# ---------------------------------------------------------------- tokenizer inbox
+
+class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
+    request_id: str
+    tenant: str
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    params: SamplingParams
+    arrival_ns: int
+
+
+class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
+    """Follows a request's own path (streamer → tokenizer → admission → scheduler),
+    so it can never overtake the request it cancels."""
+
+    request_id: str
+    reason: str
+
+
+TokenizerMsg = Union[NewRequest, CancelRequest]
+
+
+# ---------------------------------------------------------------- admission inbox
+
+class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    arrival_ns: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
+    """The scheduler no longer holds these requests (finished, cancelled or failed)."""
+
+    request_ids: list[str]
+
+
+AdmissionMsg = Union[Tokenized, CancelRequest, Released]
+
+
+# ---------------------------------------------------------------- scheduler inbox
+
+class Admitted(msgspec.Struct, tag="admitted", frozen=True, gc=False):
+    request_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    params: SamplingParams
+    arrival_ns: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):
+    """From the detokenizer: a stop string matched; the sequence is done."""
+
+    request_id: str
+
+
+class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
+    """The executor's answer to one StepPlan: one sampled token per sampling sequence."""
+
+    step_id: int
+    seq_ids: list[int]
+    token_ids: list[int]
+    elapsed_ns: int
+
+
+class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
+    """Blocks leased to a sequence. ``ok`` false means the pool could not satisfy it."""
+
+    epoch: int
+    seq_id: int
+    ok: bool
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):
+    grants: list[KvGrant]
+
+
+class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
+    """The kv_manager (re)started with an empty pool; all earlier leases are void."""
+
+    instance: int
+    total_blocks: int
+
+
+SchedulerMsg = Union[Admitted, CancelRequest, StopRequest, StepResult, KvGrants, KvManagerUp]
+
+
+# ---------------------------------------------------------------- kv_manager inbox
+
+class AllocRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Lease ``num_blocks`` more blocks to ``seq_id``. On a sequence's first request,
+    ``block_hashes``/``token_ids`` let the pool reuse cached prefix blocks (verified)."""
+
+    seq_id: int
+    num_blocks: int
+    scope: str = ""
+    block_hashes: list[int] = []
+    token_ids: list[int] = []
+    max_cached_blocks: int = 0
+
+
+class FreeRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Return all of a sequence's blocks; the first ``num_computed_tokens`` hold valid KV."""
+
+    seq_id: int
+    num_computed_tokens: int
+
+
+class KvOps(msgspec.Struct, tag="kv_ops", frozen=True, gc=False):
+    """One batched message per scheduler step: frees first, then allocations."""
+
+    epoch: int
+    frees: list[FreeRequest]
+    allocs: list[AllocRequest]
+
+
+class KvHello(msgspec.Struct, tag="kv_hello", frozen=True):
+    """A scheduler announces its epoch; leases from older epochs are reclaimed."""
+
+    epoch: int
+
+
+KvMsg = Union[KvOps, KvHello]
+
+
+# ---------------------------------------------------------------- executor inbox
+
+class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Full state of a sequence the executor has not seen (or must recompute)."""
+
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    num_computed: int
+    block_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+
+
+class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Diff for one scheduled sequence: compute ``num_tokens`` more tokens, with
+    ``new_block_ids`` appended to its block table; sample iff ``sample``."""
+
+    seq_id: int
+    num_tokens: int
+    new_block_ids: list[int]
+    sample: bool
+
+
+class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
+    step_id: int
+    new_seqs: list[NewSeq]
+    steps: list[SeqStep]
+    drop: list[int]
+
+
+ExecutorMsg = Union[StepPlan]
+
+
+# ---------------------------------------------------------------- detokenizer inbox
+
+class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    stop: tuple[str, ...]
+    skip_special_tokens: bool
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """New tokens of one request. ``params`` rides on a request's first output;
+    ``finish_reason``/``usage`` on its last."""
+
+    request_id: str
+    token_ids: list[int]
+    params: DetokParams | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True, gc=False):
+    items: list[TokenOut]
+
+
+class ForgetRequest(msgspec.Struct, tag="forget_request", frozen=True):
+    """Drop a request's detokenizer state (cancelled or failed upstream)."""
+
+    request_id: str
+
+
+DetokenizerMsg = Union[TokenBatch, ForgetRequest]
+
+
+# ---------------------------------------------------------------- streamer internal inbox
+
+class EventBatch(msgspec.Struct, tag="event_batch", frozen=True, gc=False):
+    """Client-bound events from the engine, in order."""
+
+    events: list[Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed]]
+
+
+class ClusterStatus(msgspec.Struct, tag="cluster_status", frozen=True):
+    """The supervisor's view of every component, relayed to the streamer for status queries."""
+
+    components: tuple[ComponentStatus, ...]
+    draining: bool
+
+
+StreamerMsg = Union[EventBatch, ClusterStatus]
+
+
+# ---------------------------------------------------------------- supervisor and control plane
+
+class ComponentHeartbeat(msgspec.Struct, tag="component_heartbeat", frozen=True):
+    name: str
+    pid: int
+    state: str
+    stats: dict[str, float] = {}
+
+
+SupervisorMsg = Union[ComponentHeartbeat]
+
+
+class Drain(msgspec.Struct, tag="drain", frozen=True):
+    """Stop taking new work; finish what is in flight."""
+
+
+class Stop(msgspec.Struct, tag="stop", frozen=True):
+    """Exit now. Shutdown is a message, not an exception."""
+
+
+class PeerRestarted(msgspec.Struct, tag="peer_restarted", frozen=True):
+    """A component died and was restarted; its in-flight state is gone."""
+
+    name: str
+
+
+ControlMsg = Union[Drain, Stop, PeerRestarted]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment (.venv) and install Weir into it.
+# Usage: source scripts/env.sh [extra]   e.g. "test". Reinstalls only when pyproject.toml changes.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${WEIR_VENV:-$ROOT/.venv}"
+EXTRA="${1:-}"
+STAMP="$VENV/.weir-stamp${EXTRA:+-$EXTRA}"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "weir: installing into $VENV ..." >&2
+  # CPU torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0 >&2
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT${EXTRA:+[$EXTRA]}" >&2
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

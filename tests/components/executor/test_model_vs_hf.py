@@ -1,0 +1,181 @@
+"""Our loader + LlamaModel + paged cache against Hugging Face transformers on the default GGUF."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from components.executor.loader import load_model
+from components.executor.model import LlamaModel
+from kernels import AttentionMetadata
+from weir.model_fetch import default_model_path
+
+BLOCK = 16
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def model(loaded):
+    return LlamaModel(*loaded)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return m, tok
+
+
+class _Runner:
+    """Drives LlamaModel over a paged cache with shuffled, non-contiguous blocks."""
+
+    def __init__(self, model: LlamaModel, seed: int = 0):
+        self.model = model
+        self.kv = model.new_kv_cache(64, BLOCK)
+        self.free = list(range(64))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> list[torch.Tensor]:
+        """Feed ``chunks[seq] = new token ids``; return logits per sequence (last row, or all)."""
+        ids, ctx, tables = [], [], []
+        for seq, toks in chunks.items():
+            c = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * BLOCK < c + len(toks):
+                table.append(self.free.pop())
+            ids += toks
+            ctx.append(c)
+            tables.append(table)
+            self.lens[seq] = c + len(toks)
+        q_lens = [len(t) for t in chunks.values()]
+        meta = AttentionMetadata.build(q_lens, ctx, tables, BLOCK)
+        ends = torch.tensor(q_lens).cumsum(0)
+        rows = torch.arange(len(ids)) if all_logits else ends - 1
+        out = self.model.forward(torch.tensor(ids), meta.positions, self.kv, meta, rows)
+        if all_logits:
+            return list(out.split(q_lens))
+        return list(out)
+
+
+def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0]
+
+
+def test_spec(loaded):
+    spec, weights = loaded
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (30, 576, 9, 3)
+    assert (spec.head_dim, spec.intermediate_size, spec.vocab_size) == (64, 1536, 49152)
+    assert spec.rope_theta == 1e5 and spec.tie_word_embeddings and 2 in spec.eos_token_ids
+    assert weights["lm_head"] is weights["embed"]
+
+
+def test_weights_equal_hf(loaded, hf):
+    _, w = loaded
+    sd = hf[0].state_dict()
+    pairs = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+             "layers.0.q": "model.layers.0.self_attn.q_proj.weight",
+             "layers.7.k": "model.layers.7.self_attn.k_proj.weight",
+             "layers.29.v": "model.layers.29.self_attn.v_proj.weight",
+             "layers.3.o": "model.layers.3.self_attn.o_proj.weight",
+             "layers.11.gate": "model.layers.11.mlp.gate_proj.weight",
+             "layers.12.down": "model.layers.12.mlp.down_proj.weight",
+             "layers.4.attn_norm": "model.layers.4.input_layernorm.weight",
+             "layers.4.mlp_norm": "model.layers.4.post_attention_layernorm.weight"}
+    for ours, theirs in pairs.items():
+        assert torch.equal(w[ours], sd[theirs]), ours
+
+
+def test_full_prefill_logits(model, hf):
+    m, tok = hf
+    ids = tok(PROMPTS[1]).input_ids
+    (ours,) = _Runner(model).step({0: ids}, all_logits=True)
+    torch.testing.assert_close(ours, _hf_logits(m, ids), atol=1e-4, rtol=0)
+
+
+def test_chunked_prefill_then_decode_batched(model, hf):
+    m, tok = hf
+    a, b = (tok(p).input_ids for p in PROMPTS)
+    r = _Runner(model, seed=1)
+    out_a1, out_b = r.step({0: a[:2], 1: b}, all_logits=True)
+    (out_a2,) = r.step({0: a[2:4]}, all_logits=True)
+    (out_a3,) = r.step({0: a[4:]}, all_logits=True)
+    torch.testing.assert_close(torch.cat([out_a1, out_a2, out_a3]), _hf_logits(m, a),
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(out_b, _hf_logits(m, b), atol=1e-4, rtol=0)
+    seqs = {0: list(a), 1: list(b)}
+    last = {0: out_a3[-1], 1: out_b[-1]}
+    for _ in range(4):
+        nxt = {s: [int(last[s].argmax())] for s in seqs}
+        for s in seqs:
+            seqs[s] += nxt[s]
+        last = dict(zip(seqs, r.step(nxt)))
+        for s in seqs:
+            torch.testing.assert_close(last[s], _hf_logits(m, seqs[s])[-1], atol=1e-4, rtol=0)
+
+
+def test_greedy_generation_matches_hf(model, hf):
+    m, tok = hf
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    r = _Runner(model, seed=2)
+    last = r.step(dict(enumerate(prompts)))
+    generated: list[list[int]] = [[], []]
+    for _ in range(16):
+        for s in range(2):
+            generated[s].append(int(last[s].argmax()))
+        last = r.step({s: [generated[s][-1]] for s in range(2)})
+    for s, ids in enumerate(prompts):
+        with torch.no_grad():
+            ref = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+        assert generated[s][:len(ref)] == ref
+
+
+def test_bf16_tracks_fp32(loaded, model, hf):
+    ids = hf[1](PROMPTS[0]).input_ids
+    ref = _Runner(model).step({0: ids})[0]
+    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16)).step({0: ids})[0]
+    assert got.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
+    assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_hf_directory_matches_gguf(loaded, hf, tmp_path):
+    from safetensors.torch import save_file
+
+    cfg = hf[0].config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.contiguous() for k, v in hf[0].state_dict().items() if k != "lm_head.weight"}
+    names = sorted(sd)
+    save_file({k: sd[k] for k in names[::2]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({k: sd[k] for k in names[1::2]}, tmp_path / "model-00002-of-00002.safetensors")
+    spec_dir, w_dir = load_model(tmp_path)
+    spec, w = loaded
+    for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                  "head_dim", "vocab_size", "rope_theta", "max_position", "tie_word_embeddings",
+                  "bos_token_id", "eos_token_ids"):
+        assert getattr(spec_dir, field) == getattr(spec, field), field
+    assert abs(spec_dir.rms_norm_eps - spec.rms_norm_eps) < 1e-9
+    assert w_dir.keys() == w.keys() and w_dir["lm_head"] is w_dir["embed"]
+    for name in w:
+        assert torch.equal(w_dir[name], w[name]), name
+    cfg["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="RoPE"):
+        load_model(tmp_path)

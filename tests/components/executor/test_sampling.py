@@ -1,0 +1,94 @@
+"""Sampling: greedy, filters, seeded determinism and the distribution it draws from."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from components.executor.sampling import sample, seed_process_generator
+
+V = 49152
+
+
+def _logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _sample(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, index=0):
+    n = logits.shape[0]
+    as_list = lambda v: v if isinstance(v, list) else [v] * n  # noqa: E731
+    return sample(logits, as_list(temperature), as_list(top_p), as_list(top_k),
+                  seeds if seeds is not None else [None] * n, as_list(index))
+
+
+def test_greedy_is_argmax():
+    x = _logits(8)
+    assert torch.equal(_sample(x, temperature=0.0, seeds=list(range(8))), x.argmax(-1))
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    x = _logits(8, seed=1)
+    assert torch.equal(_sample(x, top_k=1, seeds=list(range(8))), x.argmax(-1))
+    assert torch.equal(_sample(x, top_p=1e-6, seeds=list(range(8))), x.argmax(-1))
+    assert torch.equal(_sample(x, top_p=0.0), x.argmax(-1))
+
+
+def test_seeded_draw_reproducible_and_batch_independent():
+    x = _logits(6, seed=2)
+    row = x[3:4]
+    alone = [int(_sample(row, seeds=[42], index=i)) for i in range(10)]
+    assert alone == [int(_sample(row, seeds=[42], index=i)) for i in range(10)]
+    assert len(set(alone)) > 1, "output index must change the draw"
+    assert alone != [int(_sample(row, seeds=[43], index=i)) for i in range(10)]
+    for i in range(10):
+        for pos in (0, 2, 5):
+            batch = torch.cat([x[:pos], row, x[pos:]])
+            n = batch.shape[0]
+            seeds = [None if j % 2 else 7 + j for j in range(n)]
+            seeds[pos] = 42
+            temps = [0.0 if j == 1 else 1.0 for j in range(n)]
+            top_ps = [0.9 if j % 3 == 0 else 1.0 for j in range(n)]
+            top_ks = [50 if j % 4 == 1 else 0 for j in range(n)]
+            temps[pos], top_ps[pos], top_ks[pos] = 1.0, 1.0, 0
+            index = [pos + 100 if j != pos else i for j in range(n)]
+            got = sample(batch, temps, top_ps, top_ks, seeds, index)
+            assert int(got[pos]) == alone[i]
+
+
+def test_unseeded_rows_use_process_generator():
+    x = _logits(4, seed=3)
+    seed_process_generator(5)
+    a = _sample(x)
+    seed_process_generator(5)
+    assert torch.equal(a, _sample(x))
+
+
+def _frequencies(logits_row, n=4000, **kw) -> torch.Tensor:
+    x = logits_row.expand(n, -1).contiguous()
+    picks = _sample(x, seeds=list(range(n)), **kw)
+    return torch.bincount(picks, minlength=x.shape[1]).float() / n
+
+
+def _close(freq, probs, n=4000):
+    probs = torch.tensor(probs)
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((freq - probs).abs() <= 4 * sigma + 1e-9).all(), (freq, probs)
+
+
+P = [0.5, 0.25, 0.15, 0.1]
+
+
+@pytest.mark.parametrize("kw,expected", [
+    ({}, P),
+    ({"temperature": 2.0}, [math.sqrt(p) for p in P]),
+    ({"top_k": 2}, [0.5, 0.25, 0, 0]),
+    ({"top_p": 0.6}, [0.5, 0.25, 0, 0]),
+    # top-p applies to the probabilities renormalised after top-k: [.56, .28, .17]
+    ({"top_p": 0.8, "top_k": 3}, [0.5, 0.25, 0, 0]),
+    ({"top_p": 0.95, "top_k": 3}, [0.5, 0.25, 0.15, 0]),
+])
+def test_distribution(kw, expected):
+    logits = torch.tensor(P).log()
+    expected = [e / sum(expected) for e in expected]
+    _close(_frequencies(logits[None], **kw), expected)

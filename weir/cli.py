@@ -1,0 +1,155 @@
+"""The ``weir`` command: serve, generate, status."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from schemas.config import ConfigError, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import anyio
+
+    from bus.log import configure
+    from bus.supervisor import StartupError, Supervisor
+    from weir.client import default_endpoint
+    from weir.model_fetch import resolve_model
+
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-run-")
+    try:
+        config = load_config(
+            args.config,
+            topology={"run_dir": run_dir, "client_endpoint": args.endpoint or default_endpoint()},
+            engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len},
+            kv={"num_blocks": args.num_blocks})
+    except ConfigError as exc:
+        print(f"weir serve: {exc}", file=sys.stderr)
+        return 2
+    configure("supervisor", config.log_level)
+    print(f"weir: model {resolve_model(config.engine.model)}", file=sys.stderr)
+
+    def ready(sup: Supervisor) -> None:
+        print(f"weir: ready on {config.topology.client_endpoint} "
+              f"(run dir {run_dir})", file=sys.stderr, flush=True)
+
+    try:
+        anyio.run(Supervisor(config).serve, ready)
+    except StartupError as exc:
+        print(f"weir serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from weir.client import Client
+    from weir.errors import WeirError
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+    if args.ignore_eos:
+        params["ignore_eos"] = True
+    if args.chat:
+        kwargs = {"messages": [{"role": "user", "content": args.prompt}]}
+    else:
+        kwargs = {"prompt": args.prompt}
+    try:
+        with Client(args.endpoint, tenant=args.tenant, timeout=args.timeout) as client:
+            stream = client.stream(**kwargs, **params)
+            for delta in stream:
+                if not args.json:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            result = stream.result
+    except WeirError as exc:
+        print(f"\nweir generate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from weir.client import Client
+    from weir.errors import WeirError
+
+    try:
+        with Client(args.endpoint) as client:
+            report = client.status(timeout=args.timeout)
+    except WeirError as exc:
+        print(f"weir status: {exc}", file=sys.stderr)
+        return 1
+    comps = {c.name: c for c in report.components}
+    sched = comps.get("scheduler").stats if "scheduler" in comps else {}
+    kv = comps.get("kv_manager").stats if "kv_manager" in comps else {}
+    out = {
+        "draining": report.draining,
+        "components": {c.name: {"alive": c.alive, "pid": c.pid, "state": c.state,
+                                "restarts": c.restarts, "heartbeat_age_s": c.heartbeat_age_s}
+                       for c in report.components},
+        "scheduler": {"running": int(sched.get("running", 0)),
+                      "waiting": int(sched.get("waiting", 0))},
+        "kv": {"total_blocks": int(kv.get("total_blocks", 0)),
+               "free_blocks": int(kv.get("free_blocks", 0)),
+               "cached_blocks": int(kv.get("cached_blocks", 0))},
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for name, c in out["components"].items():
+        print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
+    print(f"scheduler    running {out['scheduler']['running']} waiting {out['scheduler']['waiting']}")
+    k = out["kv"]
+    print(f"kv           total {k['total_blocks']} free {k['free_blocks']} cached {k['cached_blocks']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weir", description="Weir LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    endpoint_help = "client endpoint (default $WEIR_ENDPOINT or tcp://127.0.0.1:7450)"
+
+    s = sub.add_parser("serve", help="run every component locally")
+    s.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory")
+    s.add_argument("--config", default=None, help="a TOML config file")
+    s.add_argument("--endpoint", default=None, help=endpoint_help)
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    s.add_argument("--run-dir", default=None, help="directory for ipc sockets")
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--tenant", default="default")
+    g.add_argument("--timeout", type=float, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    g.add_argument("--endpoint", default=None, help=endpoint_help)
+    g.set_defaults(func=_generate)
+
+    st = sub.add_parser("status", help="show components, queue and KV state")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--endpoint", default=None, help=endpoint_help)
+    st.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The Weir client SDK: ``AsyncClient`` (anyio/asyncio) and ``Client`` (blocking).
+
+Both speak the ZeroMQ wire protocol documented in docs/PROTOCOL.md: a DEALER
+socket to the streamer's ROUTER, msgpack Envelopes, one terminal message per
+request. While any request is open the client sends heartbeats, so a killed
+client's requests are cancelled by the server.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import anyio
+import zmq
+from anyio.from_thread import start_blocking_portal
+
+from bus.socket import BusSocket
+from schemas.config import DEFAULT_CLIENT_ENDPOINT
+from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
+                          ProtocolError, Rejected, SamplingParams, ServerMsg, StatusQuery,
+                          StatusReport, Submit, TextDelta, Usage)
+from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
+                         RequestTimeout)
+
+
+def default_endpoint() -> str:
+    return os.environ.get("WEIR_ENDPOINT") or DEFAULT_CLIENT_ENDPOINT
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    ttft_ms: float | None
+    e2e_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason,
+                "usage": {"prompt_tokens": self.usage.prompt_tokens,
+                          "completion_tokens": self.usage.completion_tokens,
+                          "cached_tokens": self.usage.cached_tokens},
+                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms}
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's event stream. Iterate for ``TextDelta``s; ``result`` holds the
+    Completion once the stream ends. Errors surface as typed exceptions."""
+
+    request_id: str
+    _client: "AsyncClient"
+    _recv: Any
+    _deadline: float | None
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    result: Completion | None = None
+    prompt_tokens: int | None = None
+    _cancelled_by_user: bool = False
+
+    def __aiter__(self) -> AsyncIterator[TextDelta]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TextDelta]:
+        try:
+            while True:
+                timeout = None if self._deadline is None else self._deadline - time.monotonic()
+                with anyio.move_on_after(timeout) as scope:
+                    event = await self._recv.receive()
+                if scope.cancelled_caught:
+                    await self._client.cancel(self.request_id)
+                    raise RequestTimeout(f"request {self.request_id} timed out")
+                match event:
+                    case Accepted(prompt_tokens=n):
+                        self.prompt_tokens = n
+                    case TextDelta():
+                        if self.first_token_at is None:
+                            self.first_token_at = time.perf_counter()
+                        self.text.append(event.text)
+                        self.token_ids.extend(event.token_ids)
+                        yield event
+                    case Finished(finish_reason=reason, usage=usage):
+                        self._finish(reason, usage)
+                        return
+                    case Rejected():
+                        raise RequestRejected(event.request_id, event.reason, event.message,
+                                              event.retry_after_s)
+                    case Cancelled(reason=reason):
+                        if self._cancelled_by_user:
+                            self._finish("cancelled", Usage(self.prompt_tokens or 0,
+                                                            len(self.token_ids)))
+                            return
+                        raise RequestCancelled(self.request_id, reason)
+                    case Failed(reason=reason):
+                        raise RequestFailed(self.request_id, reason)
+                    case ProtocolError(message=message):
+                        raise ProtocolViolation(message)
+        finally:
+            self._client._close_stream(self.request_id)
+
+    def _finish(self, reason: str, usage: Usage) -> None:
+        now = time.perf_counter()
+        ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1e3
+        self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
+                                 usage, ttft, (now - self.started) * 1e3)
+
+    async def cancel(self) -> None:
+        self._cancelled_by_user = True
+        await self._client.cancel(self.request_id)
+
+    async def collect(self) -> Completion:
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class AsyncClient:
+    """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task)."""
+
+    def __init__(self, endpoint: str | None = None, *, tenant: str = "default",
+                 timeout: float | None = None, heartbeat_interval: float = 0.15) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.tenant = tenant
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self._streams: dict[str, Any] = {}
+        self._pending_errors: list[str] = []
+        self._tg = None
+        self._sock: BusSocket | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        self._sock = BusSocket(zmq.DEALER, "client", ServerMsg).connect(self.endpoint)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._receiver)
+        self._tg.start_soon(self._heartbeats)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._tg = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def _receiver(self) -> None:
+        while True:
+            msg = await self._sock.recv()
+            event = msg.body
+            if isinstance(event, StatusReport):
+                send = self._streams.get("status:" + event.query_id)
+            elif isinstance(event, ProtocolError):
+                send = next(iter(self._streams.values()), None)
+            else:
+                send = self._streams.get(event.request_id)
+            if send is not None:
+                try:
+                    await send.send(event)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await anyio.sleep(self.heartbeat_interval)
+            if self._streams:
+                await self._sock.send(Heartbeat())
+
+    def _open(self, key: str):
+        send, recv = anyio.create_memory_object_stream[Any](1024)
+        self._streams[key] = send
+        return recv
+
+    def _close_stream(self, key: str) -> None:
+        send = self._streams.pop(key, None)
+        if send is not None:
+            send.close()
+
+    async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                     request_id: str | None = None, tenant: str | None = None,
+                     timeout: float | None = None, **params: Any) -> Stream:
+        """Submit a request and return its Stream. ``params`` are SamplingParams fields."""
+        rid = request_id or uuid.uuid4().hex
+        msgs = None if messages is None else tuple(ChatMessage(m["role"], m["content"])
+                                                    for m in messages)
+        if "stop" in params and isinstance(params["stop"], str):
+            params["stop"] = (params["stop"],)
+        sub = Submit(rid, prompt, msgs, SamplingParams(**params), tenant or self.tenant)
+        recv = self._open(rid)
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stream = Stream(rid, self, recv, deadline)
+        await self._sock.send(sub)
+        return stream
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return await (await self.stream(prompt, **kwargs)).collect()
+
+    async def cancel(self, request_id: str) -> None:
+        await self._sock.send(Cancel(request_id))
+
+    async def status(self, timeout: float = 5.0) -> StatusReport:
+        qid = uuid.uuid4().hex
+        recv = self._open("status:" + qid)
+        try:
+            await self._sock.send(StatusQuery(qid))
+            with anyio.fail_after(timeout):
+                return await recv.receive()
+        except TimeoutError:
+            raise RequestTimeout(f"no status from {self.endpoint} within {timeout}s") from None
+        finally:
+            self._close_stream("status:" + qid)
+
+
+class Client:
+    """Blocking client; runs an AsyncClient on a background event loop thread."""
+
+    def __init__(self, endpoint: str | None = None, **kwargs: Any) -> None:
+        self._portal_cm = start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._async = AsyncClient(endpoint, **kwargs)
+        self._async_cm = self._portal.wrap_async_context_manager(self._async)
+        self._async_cm.__enter__()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._portal is not None:
+            self._async_cm.__exit__(None, None, None)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = None
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> "SyncStream":
+        return SyncStream(self._portal, self._portal.call(lambda: self._async.stream(prompt, **kwargs)))
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return self._portal.call(lambda: self._async.generate(prompt, **kwargs))
+
+    def cancel(self, request_id: str) -> None:
+        self._portal.call(self._async.cancel, request_id)
+
+    def status(self, timeout: float = 5.0) -> StatusReport:
+        return self._portal.call(self._async.status, timeout)
+
+
+class SyncStream:
+    """Blocking iteration over a Stream's TextDeltas."""
+
+    def __init__(self, portal, stream: Stream) -> None:
+        self._portal, self.stream = portal, stream
+        self._it = stream.__aiter__()
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    @property
+    def result(self) -> Completion | None:
+        return self.stream.result
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        while True:
+            try:
+                yield self._portal.call(self._it.__anext__)
+            except StopAsyncIteration:
+                return
+
+    def cancel(self) -> None:
+        self._portal.call(self.stream.cancel)
+
+    def collect(self) -> Completion:
+        for _ in self:
+            pass
+        return self.stream.result
