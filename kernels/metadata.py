@@ -19,7 +19,7 @@ class AttentionGroup:
     token_rows: torch.Tensor    # [n] long: flat-batch rows of this group's real query tokens
     query_index: torch.Tensor   # [b, q] long: flat-batch row for each padded query (pads repeat)
     out_index: torch.Tensor     # [n] long: index into the [b * q] padded output, per token_rows
-    kv_slots: torch.Tensor      # [b, l] long: cache slot of each key (pads point at slot 0)
+    kv_slots: torch.Tensor      # [b, l] long: cache slot of each key (pads: any valid slot)
     mask: torch.Tensor          # [b, 1, q, l] bool: True where the query may attend the key
 
 
@@ -92,7 +92,6 @@ def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: t
     query_index = st[:, None] + jc
     kpos = torch.arange(l_max)
     kv_slots = table[sel][:, kpos // block_size] * block_size + kpos % block_size
-    kv_slots = torch.where(kpos[None, :] < (ql + cl)[:, None], kv_slots, 0)
     mask = kpos[None, None, :] <= (cl[:, None] + jc)[:, :, None]
     out_index = (torch.arange(len(sel))[:, None] * q_max + j[None, :])[valid]
     return AttentionGroup(query_index[valid], query_index, out_index, kv_slots, mask[:, None])

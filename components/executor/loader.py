@@ -53,9 +53,8 @@ _HF_MAP = {h: c for c, (_, h) in _GLOBAL_KEYS.items()}
 _GGUF_LAYER = {g: c for c, (g, _) in _LAYER_KEYS.items()}
 _HF_LAYER = {h: c for c, (_, h) in _LAYER_KEYS.items()}
 _PERMUTED_ARCHS = {"llama"}
-_SCALARS = {VT.UINT8: "B", VT.INT8: "b", VT.UINT16: "H", VT.INT16: "h", VT.UINT32: "I",
-            VT.INT32: "i", VT.FLOAT32: "f", VT.BOOL: "?", VT.UINT64: "Q", VT.INT64: "q",
-            VT.FLOAT64: "d"}
+_SCALARS = dict(zip([VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.FLOAT32,
+                     VT.BOOL, VT.UINT64, VT.INT64, VT.FLOAT64], "BbHhIif?Qqd"))
 
 
 def load_model(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -95,8 +94,6 @@ def _finish(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> tuple[ModelSpe
         raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:5]}")
     return spec, weights
 
-
-# ---- GGUF -------------------------------------------------------------------------------
 
 class _Reader:
     def __init__(self, buf: memoryview):
@@ -184,6 +181,9 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         raise ValueError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported")
     n_head, n_kv = a("attention.head_count"), a("attention.head_count_kv") or a("attention.head_count")
     hidden = a("embedding_length")
+    head_dim = a("attention.key_length", hidden // n_head)
+    if a("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
     data = torch.from_numpy(mm)
     weights: dict[str, torch.Tensor] = {}
     for name, dims, qtype, offset in infos:
@@ -202,7 +202,7 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         name=re.sub(r"\.(I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.I),
         num_layers=a("block_count"), hidden_size=hidden,
         intermediate_size=a("feed_forward_length"), num_heads=n_head, num_kv_heads=n_kv,
-        head_dim=a("attention.key_length", hidden // n_head),
+        head_dim=head_dim,
         vocab_size=a("vocab_size", weights["embed"].shape[0]),
         rope_theta=float(a("rope.freq_base", 10000.0)),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -213,8 +213,6 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     )
     return _finish(spec, weights)
 
-
-# ---- Hugging Face directory --------------------------------------------------------------
 
 def _load_hf_dir(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
@@ -239,7 +237,8 @@ def _load_hf_dir(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     if tied:
         weights.pop("lm_head", None)
     eos: list[int] = []
-    for src in (cfg, _read_json(path / "generation_config.json")):
+    gen = path / "generation_config.json"
+    for src in (cfg, json.loads(gen.read_text()) if gen.exists() else {}):
         e = src.get("eos_token_id")
         eos += [e] if isinstance(e, int) else list(e or [])
     n_head = cfg["num_attention_heads"]
@@ -254,7 +253,3 @@ def _load_hf_dir(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),
     )
     return _finish(spec, weights)
-
-
-def _read_json(p: Path) -> dict:
-    return json.loads(p.read_text()) if p.exists() else {}

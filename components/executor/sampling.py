@@ -68,6 +68,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     Row ``i`` uses ``temperature[i]`` (0 means greedy argmax), ``top_k[i]`` (0 = off),
     ``top_p[i]`` (1.0 = off) and, when ``seeds[i]`` is not None, noise that depends only
     on ``(seeds[i], output_index[i])`` -- the number of the output token being drawn.
+    Top-k is applied first, then top-p on the renormalised survivors.
     """
     rows, vocab = logits.shape
     out = logits.argmax(dim=-1)

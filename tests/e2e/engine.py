@@ -1,0 +1,70 @@
+"""Start a real `weir serve` (seven processes) for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Engine:
+    def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = ()):
+        self.run_dir = run_dir
+        self.endpoint = f"ipc://{run_dir}/client.sock"
+        self.log_path = run_dir / "serve.log"
+        cfg = run_dir / "weir.toml"
+        cfg.write_text(config_toml)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
+             "--run-dir", str(run_dir), "--endpoint", self.endpoint, *extra_args],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weir serve exited: {self.log_path.read_text()[-3000:]}")
+            if b"weir: ready" in self.log_path.read_bytes():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("weir serve did not become ready")
+
+    def client(self, **kwargs):
+        from weir import Client
+
+        return Client(self.endpoint, **kwargs)
+
+    def status(self) -> dict:
+        with self.client() as c:
+            report = c.status()
+        return {comp.name: comp for comp in report.components}
+
+    def kv(self) -> dict[str, float]:
+        return self.status()["kv_manager"].stats
+
+    def wait_kv_free(self, timeout: float = 1.0) -> float:
+        """Seconds until free == total (raises AssertionError after ``timeout``)."""
+        start = time.monotonic()
+        while True:
+            kv = self.kv()
+            if kv["free_blocks"] == kv["total_blocks"] and kv["leased_seqs"] == 0:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"KV not free after {timeout}s: {kv}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
