@@ -45,7 +45,7 @@ class KVCache:
         return self.data.device
 
     def key(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s keys, a view shaped ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        """Layer ``layer``'s keys: a view ``[num_blocks, block_size, kv_heads, head_dim]``."""
         return self.data[layer, 0]
 
     def value(self, layer: int) -> torch.Tensor:

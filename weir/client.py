@@ -194,6 +194,8 @@ class AsyncClient:
                      timeout: float | None = None, **params: Any) -> Stream:
         """Submit a request and return its Stream. ``params`` are SamplingParams fields."""
         rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already open on this client")
         msgs = None if messages is None else tuple(ChatMessage(m["role"], m["content"])
                                                     for m in messages)
         if "stop" in params and isinstance(params["stop"], str):

@@ -179,7 +179,8 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if a("rope.scaling.type", "none") not in ("none", None):
         raise ValueError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported")
-    n_head, n_kv = a("attention.head_count"), a("attention.head_count_kv") or a("attention.head_count")
+    n_head = a("attention.head_count")
+    n_kv = a("attention.head_count_kv") or n_head
     hidden = a("embedding_length")
     head_dim = a("attention.key_length", hidden // n_head)
     if a("rope.dimension_count", head_dim) != head_dim:
@@ -197,7 +198,8 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         if arch in _PERMUTED_ARCHS and canon.endswith((".q", ".k", ".q_bias", ".k_bias")):
             w = _unpermute(w, n_head if ".q" in canon else n_kv)
         weights[canon] = w
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot")
+           if f"tokenizer.ggml.{k}_token_id" in meta]
     spec = ModelSpec(
         name=re.sub(r"\.(I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.I),
         num_layers=a("block_count"), hidden_size=hidden,
@@ -247,7 +249,8 @@ def _load_hf_dir(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         intermediate_size=cfg["intermediate_size"], num_heads=n_head,
         num_kv_heads=cfg.get("num_key_value_heads") or n_head,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-        vocab_size=cfg["vocab_size"], rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        vocab_size=cfg["vocab_size"],
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=cfg.get("max_position_embeddings", 2048), tie_word_embeddings=tied,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(dict.fromkeys(eos)),

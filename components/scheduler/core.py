@@ -53,7 +53,8 @@ class SchedulerCore:
         self._frees: list[FreeRequest] = []
         self._drop: list[int] = []
         self.in_flight: dict[int, int] | None = None   # seq_id -> tokens, for the step in flight
-        self._frees_since_denial = False
+        self.in_flight_step = 0                         # step_id of the plan in flight
+        self._frees_emitted = 0    # FreeRequests so far; a denied lease retries after more
         self.preemptions = 0
         self.steps = 0
 
@@ -86,6 +87,7 @@ class SchedulerCore:
             if seq is None or seq.phase is Phase.DONE:
                 if g.ok:
                     self._frees.append(FreeRequest(g.seq_id, 0))
+                    self._frees_emitted += 1
                 self.by_seq.pop(g.seq_id, None)
                 continue
             seq.pending_blocks = 0
@@ -155,6 +157,7 @@ class SchedulerCore:
             return None
         plan = self._plan(chosen)
         self.in_flight = {s.seq_id: n for s, n in chosen}
+        self.in_flight_step = plan.step_id
         self.steps += 1
         return plan
 
@@ -195,15 +198,15 @@ class SchedulerCore:
             slots -= 1
             if seq.phase is Phase.READY or seq.pending_blocks:
                 continue
-            if seq.alloc_denied and not self._frees_since_denial:
-                break
+            if seq.alloc_denied and seq.frees_at_request == self._frees_emitted:
+                break                                 # nothing freed since the pool said no
             seq.alloc_denied = False
             n = -(-(seq.num_tokens + 1) // bs)
             seq.pending_blocks = n
+            seq.frees_at_request = self._frees_emitted
             max_cached = (seq.num_tokens - 1) // bs
             self._allocs.append(AllocRequest(seq.seq_id, n, seq.tenant, seq.block_hashes,
                                              seq.token_ids[:len(seq.block_hashes) * bs], max_cached))
-        self._frees_since_denial = False
 
     def _preempt_if_stuck(self) -> None:
         """Free memory for sequences that cannot proceed. Ready-but-unscheduled sequences
@@ -234,7 +237,7 @@ class SchedulerCore:
             self.running.remove(seq)
             self.waiting.appendleft(seq)
         self._frees.append(FreeRequest(seq.seq_id, seq.num_computed))
-        self._frees_since_denial = True
+        self._frees_emitted += 1
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
         del self.by_seq[seq.seq_id]                 # late grants for the old lease get freed
@@ -251,7 +254,9 @@ class SchedulerCore:
     # ------------------------------------------------------------------ results
     def on_result(self, result: StepResult) -> Outcome:
         out = Outcome()
-        in_flight, self.in_flight = self.in_flight or {}, None
+        if self.in_flight is None or result.step_id != self.in_flight_step:
+            return out                                # a step planned before a reset
+        in_flight, self.in_flight = self.in_flight, None
         for seq_id, n in in_flight.items():
             seq = self.by_seq.get(seq_id)
             if seq is not None and seq.phase is Phase.RUNNING:
@@ -291,7 +296,7 @@ class SchedulerCore:
         seq.phase = Phase.DONE
         if seq.block_ids:
             self._frees.append(FreeRequest(seq.seq_id, seq.num_computed))
-            self._frees_since_denial = True
+            self._frees_emitted += 1
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
         del self.by_request[seq.request_id]

@@ -31,6 +31,7 @@ class Seq:
     blocks_sent: int = 0           # how many of block_ids the executor already knows
     pending_blocks: int = 0        # requested from the kv_manager, not yet granted
     alloc_denied: bool = False
+    frees_at_request: int = 0      # the core's free count when the first lease was asked
     grow_denied: bool = False
     known_to_executor: bool = False
     cached_tokens: int = 0

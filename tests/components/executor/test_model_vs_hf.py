@@ -79,7 +79,8 @@ def _hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 def test_spec(loaded):
     spec, weights = loaded
-    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (30, 576, 9, 3)
+    assert (spec.num_layers, spec.hidden_size) == (30, 576)
+    assert (spec.num_heads, spec.num_kv_heads) == (9, 3)
     assert (spec.head_dim, spec.intermediate_size, spec.vocab_size) == (64, 1536, 49152)
     assert spec.rope_theta == 1e5 and spec.tie_word_embeddings and 2 in spec.eos_token_ids
     assert weights["lm_head"] is weights["embed"]
@@ -141,9 +142,10 @@ def test_greedy_generation_matches_hf(model, hf):
         last = r.step({s: [generated[s][-1]] for s in range(2)})
     for s, ids in enumerate(prompts):
         with torch.no_grad():
-            ref = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
-        assert generated[s][:len(ref)] == ref
+            out = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                             do_sample=False, max_new_tokens=16)
+        ref = out[0, len(ids):].tolist()
+        assert len(ref) >= 8 and generated[s][:len(ref)] == ref
 
 
 def test_bf16_tracks_fp32(loaded, model, hf):

@@ -1,0 +1,160 @@
+"""Envelope encoding, checked decoding against a union, and a typed PUSH/PULL socket."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import anyio
+import msgspec
+import pytest
+import zmq
+
+from bus.codec import Codec, encode, salvage_request_id
+from bus.socket import BusSocket, MalformedFrame
+from schemas.wire import (Cancel, ClientMsg, Envelope, KvGrant, KvGrants, SamplingParams,
+                          SchedulerMsg, StepPlan, StepResult, Submit)
+
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def raw_envelope(body) -> bytes:
+    return msgspec.msgpack.encode([7, 123, None, body])
+
+
+# ---------------------------------------------------------------- codec
+
+def test_roundtrip_client_union():
+    codec = Codec(ClientMsg)
+    sub = Submit("r1", prompt="hi", params=SamplingParams(max_tokens=3, stop=("x",)),
+                 tenant="acme")
+    before = time.time_ns()
+    env = codec.decode(encode(sub, TRACE))
+    assert type(env) is Envelope
+    assert env.body == sub and type(env.body) is Submit
+    assert env.traceparent == TRACE
+    assert before <= env.sent_ns <= time.time_ns()
+    assert codec.decode(encode(Cancel("r1"))).body == Cancel("r1")
+    assert codec.malformed == 0
+
+
+def test_message_ids_are_unique_and_increasing():
+    codec = Codec(ClientMsg)
+    ids = [codec.decode(encode(Cancel(str(i)))).msg_id for i in range(3)]
+    assert ids[1] == ids[0] + 1 and ids[2] == ids[1] + 1
+    assert ids[0] >> 40 == os.getpid() & 0xFFFF
+
+
+def test_roundtrip_internal_union():
+    codec = Codec(SchedulerMsg)
+    grants = KvGrants([KvGrant(3, 1, True, [4, 5], 16), KvGrant(3, 2, False, [], 0)])
+    assert codec.decode(encode(grants)).body == grants
+    res = StepResult(9, [1, 2], [10, 11], 1234)
+    env = codec.decode(encode(res))
+    assert env.body == res and env.traceparent is None
+
+
+def test_client_messages_are_maps_with_a_type_tag():
+    raw = msgspec.msgpack.decode(encode(Cancel("r9")))
+    assert isinstance(raw, list) and len(raw) == 4
+    assert raw[3] == {"type": "cancel", "request_id": "r9"}
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",                                            # never-used msgpack byte
+    b"",                                                # empty frame
+    encode(Cancel("r1"))[:-1],                          # truncated
+    msgspec.msgpack.encode({"type": "cancel", "request_id": "r1"}),   # no envelope
+    raw_envelope({"type": "nope", "request_id": "r1"}),               # unknown tag
+    raw_envelope({"type": "cancel", "request_id": 5}),                # wrong field type
+    raw_envelope({"type": "cancel"}),                                 # missing field
+    raw_envelope({"type": "cancel", "request_id": "r1", "extra": 1}),  # unknown field
+])
+def test_malformed_raises_and_counts(data):
+    codec = Codec(ClientMsg)
+    with pytest.raises(msgspec.DecodeError):
+        codec.decode(data)
+    assert codec.malformed == 1
+    assert codec.decode(encode(Cancel("ok"))).body == Cancel("ok")
+    assert codec.malformed == 1
+
+
+def test_wrong_type_for_the_union():
+    codec = Codec(ClientMsg)
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode(encode(StepPlan(1, [], [], [])))
+    with pytest.raises(msgspec.DecodeError):
+        codec.decode(encode(StepResult(1, [], [], 0)))
+    assert codec.malformed == 2
+    # and the other way round
+    internal = Codec(SchedulerMsg)
+    with pytest.raises(msgspec.DecodeError):
+        internal.decode(encode(Cancel("r1")))
+    assert internal.malformed == 1 and codec.malformed == 2
+
+
+def test_unknown_field_on_submit_and_salvage():
+    codec = Codec(ClientMsg)
+    data = raw_envelope({"type": "submit", "request_id": "r42", "prompt": "x", "bogus": True})
+    with pytest.raises(msgspec.ValidationError, match="bogus"):
+        codec.decode(data)
+    assert codec.malformed == 1
+    assert salvage_request_id(data) == "r42"
+    # unknown field nested in params is refused too
+    nested = raw_envelope({"type": "submit", "request_id": "r43",
+                           "params": {"max_tokens": 2, "beam": 4}})
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode(nested)
+    assert codec.malformed == 2
+    assert salvage_request_id(nested) == "r43"
+
+
+@pytest.mark.parametrize("data", [
+    b"\xc1",
+    msgspec.msgpack.encode({"request_id": "r1"}),                 # not an envelope
+    msgspec.msgpack.encode([1, 2, None]),                         # short envelope
+    raw_envelope({"type": "submit", "request_id": 7}),            # not a string
+    raw_envelope(["submit", "r1"]),                               # body not a map
+])
+def test_salvage_gives_up(data):
+    assert salvage_request_id(data) is None
+
+
+# ---------------------------------------------------------------- socket
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_pull_drops_malformed_and_returns_valid(tmp_path):
+    address = f"ipc://{tmp_path}/inbox.sock"
+    pull = BusSocket(zmq.PULL, "test.inbox", ClientMsg).bind(address)
+    push = BusSocket(zmq.PUSH, "test.out").connect(address)
+    seen: list[MalformedFrame] = []
+
+    async def on_malformed(frame: MalformedFrame) -> None:
+        seen.append(frame)
+
+    try:
+        junk = random.Random(0).randbytes(64)
+        await push._sock.send(junk)
+        await push.send(Submit("r1", prompt="hello"), traceparent=TRACE)
+        with anyio.fail_after(5):
+            got = await pull.recv(on_malformed)
+        assert got.body == Submit("r1", prompt="hello")
+        assert got.envelope.traceparent == TRACE and got.identity is None
+        assert pull.malformed == 1 and push.malformed == 0
+        assert [f.data for f in seen] == [junk] and seen[0].identity is None
+
+        # a multi-frame message on a PULL socket is malformed as well
+        await push._sock.send_multipart([b"a", encode(Cancel("r1"))])
+        await push.send(Cancel("r2"))
+        with anyio.fail_after(5):
+            got = await pull.recv()
+        assert got.body == Cancel("r2")
+        assert pull.malformed == 2
+    finally:
+        push.close()
+        pull.close()

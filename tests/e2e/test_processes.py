@@ -1,0 +1,27 @@
+"""`weir status` shows seven distinct live OS processes and agrees with the KV pool."""
+import json
+import os
+import subprocess
+import sys
+
+from schemas.config import COMPONENTS
+from tests.e2e.engine import ROOT
+
+
+def test_seven_distinct_live_processes(engine):
+    out = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--json", "--endpoint",
+                          engine.endpoint], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
+    status = json.loads(out.stdout)
+    comps = status["components"]
+    assert set(comps) == set(COMPONENTS)
+    pids = {c["pid"] for c in comps.values()}
+    assert len(pids) == 7 and os.getpid() not in pids
+    for name, c in comps.items():
+        assert c["alive"] and c["state"] == "ready", name
+        os.kill(c["pid"], 0)                      # raises if no such process
+        cmdline = open(f"/proc/{c['pid']}/cmdline", "rb").read().split(b"\0")
+        assert b"bus.launch" in cmdline and name.encode() in cmdline
+    assert status["kv"]["total_blocks"] == 512
+    assert status["kv"]["free_blocks"] == status["kv"]["total_blocks"]
+    assert status["scheduler"] == {"running": 0, "waiting": 0}
