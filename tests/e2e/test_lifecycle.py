@@ -1,0 +1,126 @@
+"""Supervisor behaviour: restart by policy with a terminal message for every in-flight
+request, drain on SIGTERM, bounded queues, and preemption that keeps outputs exact."""
+import os
+import signal
+import threading
+import time
+
+import anyio
+import pytest
+
+from tests.e2e.engine import Engine
+from weir import AsyncClient, RequestFailed, RequestRejected
+
+SMALL = """
+[kv]
+num_blocks = 64
+[engine]
+max_model_len = 1024
+[scheduler]
+max_num_batched_tokens = 128
+[admission]
+max_outstanding = 24
+"""
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory, model_path):
+    eng = Engine(tmp_path_factory.mktemp("small"), SMALL)
+    yield eng
+    eng.stop()
+
+
+async def _many(endpoint, prompts, **params):
+    out = {}
+
+    async def one(i, p, client):
+        try:
+            out[i] = await client.generate(p, **params)
+        except Exception as exc:        # collected and asserted by the caller
+            out[i] = exc
+
+    async with AsyncClient(endpoint) as client:
+        async with anyio.create_task_group() as tg:
+            for i, p in enumerate(prompts):
+                tg.start_soon(one, i, p, client)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_preemption_keeps_greedy_outputs_exact(small_engine):
+    # 12 sequences of ~40 prompt + 100 output tokens need ~108 blocks; the pool has 64.
+    prompts = [f"Story number {i}: once upon a time in a land far away, there lived a" for i in range(12)]
+    params = dict(max_tokens=100, temperature=0.0, ignore_eos=True)
+    together = anyio.run(lambda: _many(small_engine.endpoint, prompts, **params))
+    sched = small_engine.status()["scheduler"].stats
+    assert sched["preemptions"] >= 1
+    with small_engine.client() as c:
+        alone = [c.generate(p, **params).token_ids for p in prompts[:3]]
+    assert [r.token_ids for r in together[:3]] == alone
+    assert all(len(r.token_ids) == 100 for r in together)
+    small_engine.wait_kv_free(timeout=1.0)
+
+
+def test_overload_rejected_with_retry_after(small_engine):
+    prompts = ["Tell me about rivers."] * 40
+    results = anyio.run(lambda: _many(small_engine.endpoint, prompts, max_tokens=24,
+                                      temperature=0.0, ignore_eos=True))
+    rejected = [r for r in results if isinstance(r, RequestRejected)]
+    done = [r for r in results if not isinstance(r, Exception)]
+    assert rejected and done and len(rejected) + len(done) == 40
+    assert all(r.reason == "overloaded" and r.retry_after_s >= 1.0 for r in rejected)
+    small_engine.wait_kv_free(timeout=1.0)
+
+
+def test_component_crash_fails_in_flight_and_restarts(small_engine):
+    pid = small_engine.status()["detokenizer"].pid
+    errors = []
+
+    def stream():
+        with small_engine.client(timeout=30) as c:
+            try:
+                c.generate("Write a long essay.", max_tokens=500, temperature=0.0, ignore_eos=True)
+            except RequestFailed as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.5)
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive()
+    assert len(errors) == 1 and "detokenizer" in errors[0].reason
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = small_engine.status()["detokenizer"]
+        if st.alive and st.state == "ready" and st.pid != pid:
+            break
+        time.sleep(0.2)
+    assert st.restarts == 1 and st.pid != pid
+    small_engine.wait_kv_free(timeout=2.0)
+    with small_engine.client() as c:
+        assert c.generate("Hello", max_tokens=4, temperature=0.0).usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_active_streams_then_exits(tmp_path, model_path):
+    eng = Engine(tmp_path, SMALL)
+    try:
+        pids = [c.pid for c in eng.status().values()]
+        with eng.client() as c:
+            stream = c.stream("Describe the sea.", max_tokens=60, temperature=0.0, ignore_eos=True)
+            it = iter(stream)
+            next(it)
+            eng.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(RequestRejected) as err:
+                c.generate("too late", max_tokens=4)
+            assert err.value.reason == "draining"
+            for _ in it:
+                pass
+            assert stream.result.finish_reason == "length"
+            assert stream.result.usage.completion_tokens == 60
+        assert eng.proc.wait(30) == 0
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        eng.stop()
