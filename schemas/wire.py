@@ -54,11 +54,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
-    """Start a request. Exactly one of ``prompt`` (completion) or ``messages`` (chat) is set."""
+    """Start a request. Exactly one of ``prompt`` (completion text), ``prompt_token_ids``
+    (a pre-tokenized completion prompt) or ``messages`` (chat) is set."""
 
     request_id: str
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    prompt_token_ids: list[int] | None = None
     params: SamplingParams = SamplingParams()
     tenant: str = "default"
 
@@ -164,6 +166,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     messages: tuple[ChatMessage, ...] | None
     params: SamplingParams
     arrival_ns: int
+    prompt_token_ids: list[int] | None = None
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):

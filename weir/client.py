@@ -190,9 +190,11 @@ class AsyncClient:
             send.close()
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                     request_id: str | None = None, tenant: str | None = None,
-                     timeout: float | None = None, **params: Any) -> Stream:
-        """Submit a request and return its Stream. ``params`` are SamplingParams fields."""
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                     tenant: str | None = None, timeout: float | None = None,
+                     **params: Any) -> Stream:
+        """Submit a request and return its Stream. Give one of ``prompt`` (text),
+        ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -200,7 +202,8 @@ class AsyncClient:
                                                     for m in messages)
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
-        sub = Submit(rid, prompt, msgs, SamplingParams(**params), tenant or self.tenant)
+        sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
+                     tenant or self.tenant)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -56,8 +56,8 @@ class DetokenizerService(Component):
                 reason = "stop"
                 stopped.append(item.request_id)
             elif item.finish_reason is not None:
-                reason = item.finish_reason
                 text += stream.detok.flush()
+                reason = "stop" if stream.detok.stopped else item.finish_reason
             else:
                 events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
                 continue

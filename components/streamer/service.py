@@ -92,9 +92,9 @@ class StreamerService(Component):
         if not rid or rid in self.active:
             return await self._terminal_to(who, Rejected(rid, "invalid_request",
                                                          "request_id is empty or already in use"))
-        if (sub.prompt is None) == (sub.messages is None):
+        if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
             return await self._terminal_to(who, Rejected(
-                rid, "invalid_request", "set exactly one of prompt or messages"))
+                rid, "invalid_request", "set exactly one of prompt, prompt_token_ids or messages"))
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return await self._terminal_to(who, Rejected(rid, "overloaded",
                                                          "too many open streams", 1.0))
@@ -102,7 +102,8 @@ class StreamerService(Component):
         self.active[rid] = Active(who, sub.tenant, now)
         self.counts["submitted"] += 1
         await self.to_tokenizer.send(
-            NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, now),
+            NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, now,
+                       sub.prompt_token_ids),
             traceparent=traceparent)
 
     async def _terminal_to(self, who: bytes, event) -> None:

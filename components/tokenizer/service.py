@@ -32,6 +32,11 @@ class TokenizerService(Component):
 
     def tokenize(self, req: NewRequest) -> list[int] | str:
         """Token ids for a request, or why it cannot be tokenized."""
+        if req.prompt_token_ids is not None:
+            vocab = self.bundle.vocab_size
+            if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+                return f"prompt_token_ids must be in [0, {vocab})"
+            return list(req.prompt_token_ids)
         if req.messages is not None:
             if self.chat is None:
                 return "this model has no chat template; send a prompt instead"

@@ -560,6 +560,28 @@ def test_ready_sequence_gives_blocks_back_before_running_one_is_preempted():
     assert [s.request_id for s in core.running] == ["a", "b"]
 
 
+def test_denied_head_takes_back_leases_of_ready_sequences_behind_it():
+    core = make()
+    a_toks, b_toks = prompt(10), prompt(3, base=50)
+    core.add(admitted("a", a_toks))
+    core.add(admitted("b", b_toks))
+    assert core.schedule() is None
+    assert core.take_kv_ops() == KvOps(EPOCH, [], [alloc_for(1, a_toks), alloc_for(2, b_toks)])
+    core.on_grants([grant(1, [], ok=False), grant(2, [0])])
+    b = core.by_request["b"]
+    assert b.phase is Phase.READY
+    # b may not overtake a; it hands its lease back so that a can be served, and both ask again
+    assert core.schedule() is None
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(2, 0)],
+                                       [alloc_for(1, a_toks), alloc_for(3, b_toks)])
+    assert b.seq_id == 3 and b.phase is Phase.WAITING and b.block_ids == []
+    assert core.preemptions == 0 and b.preemptions == 0
+    assert [s.request_id for s in core.waiting] == ["a", "b"]
+    core.on_grants([grant(1, [0, 1]), grant(3, [2])])
+    plan = core.schedule()
+    assert [s.seq_id for s in plan.steps] == [1, 3] and plan.drop == []
+
+
 def test_new_prefill_blocked_while_preempted_sequence_waits():
     core = make(max_tokens_per_step=32, lookahead=1, grow_blocks=1)
     a_toks, b_toks = prompt(15), prompt(15, base=300)
