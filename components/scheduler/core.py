@@ -112,6 +112,7 @@ class SchedulerCore:
             out.forget.append(seq.request_id)
             if kv_lost:
                 seq.block_ids = []
+            seq.num_computed = 0          # the executor's KV is gone (or void): cache nothing
             seq.known_to_executor = False
             self._finish(seq, out)
         if kv_lost:

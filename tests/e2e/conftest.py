@@ -9,6 +9,8 @@ num_blocks = 512
 max_model_len = 1024
 [scheduler]
 max_num_batched_tokens = 256
+[admission]
+tenants = [{ name = "default" }, { name = "acme" }, { name = "globex" }]
 """
 
 

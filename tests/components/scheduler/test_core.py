@@ -3,16 +3,19 @@ cancellation, prefix-cache grants and preemption by recompute."""
 from __future__ import annotations
 
 import itertools
+import random
+from collections import deque
 
 import pytest
 
 from components.kv_manager.pool import BlockPool
-from components.scheduler.core import SchedulerCore
+from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.sequence import Phase
 from components.tokenizer.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig
-from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
-                          NewSeq, SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, FreeRequest,
+                          KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq,
+                          SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
 
 BS = 8
 EPOCH = 1
@@ -734,3 +737,214 @@ def test_reset_without_kv_loss_frees_blocks():
     assert out.released == ["a"]
     assert core.epoch == EPOCH
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0)], [])
+
+
+# ---------------------------------------------------------------- randomized whole-loop check
+
+class Cluster:
+    """The scheduler service's loop around a SchedulerCore, a kv_manager over a real
+    BlockPool and an executor model, joined by FIFO channels delivered in random order.
+
+    The executor model keeps what each KV slot holds (tenant, hash of the token prefix up
+    to it) and checks, for every token it computes, that its whole context reads back
+    exactly its own prefix: a wrong block table, a bad prefix-cache hit, a block reused
+    while still needed, or KV leaking between tenants all fail here."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = rng = random.Random(seed)
+        self.seed = seed
+        self.num_blocks = rng.choice([4, 6, 8, 12, 20])
+        self.max_model_len = min(self.num_blocks * BS, 64)
+        self.core = SchedulerCore(
+            SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4]),
+                            max_num_batched_tokens=rng.choice([16, 24, 32]),
+                            lookahead_tokens=rng.choice([1, 4, 8])),
+            KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2])),
+            self.max_model_len, epoch=1)
+        self.prefix_cache = rng.random() < 0.8
+        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache)
+        self.kv_epoch = 0
+        self.to_kv: deque = deque()
+        self.to_executor: deque = deque()
+        self.inbox = {"from_kv": deque(), "from_executor": deque(), "from_client": deque()}
+        self.kv_slots: dict[tuple[int, int], tuple[str, int]] = {}
+        self.ex_seqs: dict[int, dict] = {}
+        self.tenant_of: dict[int, str] = {}
+        self.requests: dict[str, dict] = {}
+        self.ended: dict[str, str] = {}
+        self.restarts = 0
+
+    @staticmethod
+    def next_token(tenant: str, tokens: list[int]) -> int:
+        return hash((tenant == "a", tuple(tokens))) % 50 + 1000
+
+    # -- the scheduler service
+    def emit(self, out) -> None:
+        core = self.core
+        for t in out.tokens:
+            self.requests[t.request_id]["out"].extend(t.token_ids)
+            if t.finish_reason:
+                self.ended[t.request_id] = t.finish_reason
+        for rid in out.released:
+            self.ended.setdefault(rid, "failed")
+        if core.in_flight is None and core.has_work:
+            plan = core.schedule()
+            if plan is not None:
+                self.send_kv(core.take_kv_ops())
+                self.to_executor.append(plan)
+        self.send_kv(core.take_kv_ops())
+        self.tenant_of.update((s.seq_id, s.tenant) for s in core.by_seq.values())
+
+    def send_kv(self, ops) -> None:
+        if ops is not None:
+            self.to_kv.append(ops)
+
+    def scheduler_step(self, source: str) -> None:
+        msg = self.inbox[source].popleft()
+        core = self.core
+        if isinstance(msg, Admitted):
+            core.add(msg)
+            self.emit(Outcome())
+        elif isinstance(msg, CancelRequest):
+            self.emit(core.cancel(msg.request_id))
+        elif isinstance(msg, KvGrants):
+            core.on_grants(msg.grants)
+            self.emit(Outcome())
+        elif isinstance(msg, StepResult):
+            self.emit(core.on_result(msg))
+        elif isinstance(msg, KvManagerUp):
+            self.emit(core.reset(kv_lost=True))
+            self.to_kv.append(KvHello(core.epoch))
+
+    # -- the kv_manager service
+    def kv_step(self) -> None:
+        msg = self.to_kv.popleft()
+        if msg.epoch > self.kv_epoch:
+            self.pool.reclaim(msg.epoch)
+            self.kv_epoch = msg.epoch
+        if isinstance(msg, KvHello) or msg.epoch < self.kv_epoch:
+            return
+        for f in msg.frees:
+            self.pool.free(f.seq_id, f.num_computed_tokens)
+        grants = []
+        for a in msg.allocs:
+            g = self.pool.allocate(a.seq_id, a.num_blocks, epoch=msg.epoch, scope=a.scope,
+                                   block_hashes=a.block_hashes, token_ids=a.token_ids,
+                                   max_cached_blocks=a.max_cached_blocks)
+            grants.append(KvGrant(msg.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
+        if grants:
+            self.inbox["from_kv"].append(KvGrants(grants))
+
+    def kv_restart(self) -> None:
+        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache)
+        self.kv_epoch = 0
+        self.inbox["from_kv"].append(KvManagerUp(self.restarts, self.num_blocks))
+
+    # -- the executor
+    def executor_step(self) -> None:
+        plan = self.to_executor.popleft()
+        for seq_id in plan.drop:
+            self.ex_seqs.pop(seq_id, None)
+        for n in plan.new_seqs:
+            self.ex_seqs[n.seq_id] = dict(tokens=list(n.token_ids), done=n.num_computed,
+                                          blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id])
+        ids, tokens = [], []
+        for st in plan.steps:
+            s = self.ex_seqs[st.seq_id]
+            s["blocks"].extend(st.new_block_ids)
+            toks, blocks, tenant = s["tokens"], s["blocks"], s["tenant"]
+            for p in range(s["done"], s["done"] + st.num_tokens):
+                assert p < len(blocks) * BS, f"seed {self.seed}: no slot for token {p}"
+                for q in range(p):
+                    assert self.kv_slots.get((blocks[q // BS], q % BS)) == (
+                        tenant, hash(tuple(toks[:q + 1]))), \
+                        f"seed {self.seed}: seq {st.seq_id} reads wrong KV at {q}"
+                self.kv_slots[(blocks[p // BS], p % BS)] = (tenant, hash(tuple(toks[:p + 1])))
+            s["done"] += st.num_tokens
+            assert (s["done"] == len(toks)) == st.sample, f"seed {self.seed}: sample flag"
+            if st.sample:
+                ids.append(st.seq_id)
+                tokens.append(self.next_token(tenant, toks))
+                toks.append(tokens[-1])
+        self.inbox["from_executor"].append(StepResult(plan.step_id, ids, tokens, 1))
+
+    def executor_restart(self) -> None:
+        """Its state and KV are gone; plans not yet run are lost, results already sent are
+        still delivered. The scheduler hears of it at once (a fresh executor must not get
+        diffs for sequences it never saw; that window is the executor service's concern)."""
+        self.ex_seqs.clear()
+        self.kv_slots.clear()
+        self.to_executor.clear()
+        self.emit(self.core.reset(kv_lost=False))
+
+    # -- the world
+    def run(self, num_requests: int, restarts: bool) -> None:
+        rng, arrived = self.rng, 0
+        for _ in range(20_000):
+            moves = []
+            if arrived < num_requests:
+                moves.append("arrive")
+            if self.to_kv:
+                moves += ["kv"] * 3
+            if self.to_executor:
+                moves += ["executor"] * 2
+            moves += [src for src, q in self.inbox.items() if q for _ in range(2)]
+            if not moves:
+                return
+            live = [r for r in self.requests if r not in self.ended]
+            if live and rng.random() < 0.03:
+                moves.append("cancel")
+            if restarts and self.restarts < 2 and rng.random() < 0.01:
+                moves.append("kv_restart")
+                # the pool's prefix cache outlives the executor's KV memory (see
+                # test_prefix_cache_survives_executor_restart): restart it only without one
+                if not self.prefix_cache:
+                    moves.append("executor_restart")
+            move = rng.choice(moves)
+            if move == "arrive":
+                arrived += 1
+                tenant = rng.choice("ab")
+                n = rng.randint(1, self.max_model_len // 2)
+                shared = rng.choice([[1] * 8, [2] * 8, []])
+                toks = (shared + [rng.randint(0, 3) for _ in range(n)])[:n]
+                rid = f"r{arrived}"
+                self.requests[rid] = dict(tenant=tenant, tokens=toks, out=[])
+                self.inbox["from_client"].append(
+                    Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
+                             SamplingParams(max_tokens=rng.randint(1, 12)), arrived))
+            elif move == "cancel":
+                self.inbox["from_client"].append(CancelRequest(rng.choice(live), "client"))
+            elif move == "kv":
+                self.kv_step()
+            elif move == "executor":
+                self.executor_step()
+            elif move.endswith("_restart"):
+                self.restarts += 1
+                getattr(self, move)()
+            else:
+                self.scheduler_step(move)
+        raise AssertionError(f"seed {self.seed}: no quiescence")
+
+    def check_quiescent(self) -> None:
+        stuck = sorted(set(self.requests) - set(self.ended))
+        assert not stuck, f"seed {self.seed}: requests never finished: {stuck}"
+        assert not self.core.has_work and self.core.by_request == {}
+        assert self.pool.num_free == self.num_blocks, f"seed {self.seed}: leaked blocks"
+        assert self.pool.stats().leased_seqs == 0
+        for rid, r in self.requests.items():
+            if self.ended[rid] in ("stop", "length"):
+                toks = list(r["tokens"])
+                for t in r["out"]:            # every output token continues its own prefix
+                    assert t == self.next_token(r["tenant"], toks), f"seed {self.seed}: {rid}"
+                    toks.append(t)
+
+
+@pytest.mark.parametrize("restarts", [False, True])
+def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts):
+    preempted = 0
+    for seed in range(800):
+        cluster = Cluster(seed)
+        cluster.run(num_requests=cluster.rng.randint(1, 8), restarts=restarts)
+        cluster.check_quiescent()
+        preempted += cluster.core.preemptions > 0
+    assert preempted > 50                     # the runs do exercise preemption
