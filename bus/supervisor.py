@@ -31,8 +31,14 @@ class StartupError(RuntimeError):
 
 @dataclass
 class Child:
+    """A supervised component: a process we spawned, or (``external``) one started by
+    someone else (e.g. compose), known only through its heartbeats."""
+
     name: str
+    external: bool = False
+    timeout_s: float = 10.0
     proc: subprocess.Popen | None = None
+    pid: int = 0
     state: str = "starting"
     last_beat: float = 0.0
     restarts: int = 0
@@ -40,13 +46,19 @@ class Child:
 
     @property
     def alive(self) -> bool:
+        if self.external:
+            return self.last_beat > 0 and time.monotonic() - self.last_beat < self.timeout_s
         return self.proc is not None and self.proc.poll() is None
 
 
 class Supervisor:
-    def __init__(self, config: WeirConfig, components: tuple[str, ...] = COMPONENTS) -> None:
+    def __init__(self, config: WeirConfig, components: tuple[str, ...] = COMPONENTS,
+                 spawn: bool = True) -> None:
         self.config = config
-        self.children = {name: Child(name) for name in components}
+        self.spawn = spawn
+        timeout = config.supervisor.heartbeat_timeout_s
+        self.children = {name: Child(name, external=not spawn, timeout_s=timeout)
+                         for name in components}
         self.draining = False
         self.stopping = False
         run_dir = Path(config.topology.run_dir or f"/tmp/weir-{os.getpid()}")
@@ -61,6 +73,7 @@ class Supervisor:
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "bus.launch", child.name, str(self.config_path)],
             env=env, cwd=str(ROOT), start_new_session=False)
+        child.pid = child.proc.pid
         child.state = "starting"
         child.last_beat = time.monotonic()
         log.info("spawned", child=child.name, child_pid=child.proc.pid)
@@ -68,7 +81,7 @@ class Supervisor:
     def status(self) -> ClusterStatus:
         now = time.monotonic()
         return ClusterStatus(tuple(
-            ComponentStatus(c.name, c.proc.pid if c.proc else 0, c.alive, c.state, c.restarts,
+            ComponentStatus(c.name, c.pid, c.alive, c.state, c.restarts,
                             round(now - c.last_beat, 3), c.stats)
             for c in self.children.values()), self.draining)
 
@@ -78,8 +91,10 @@ class Supervisor:
             match (await sock.recv()).body:
                 case ComponentHeartbeat(name=name, pid=pid, state=state, stats=stats):
                     child = self.children.get(name)
-                    if child and child.proc and child.proc.pid == pid:
-                        child.state, child.stats = state, stats
+                    if child and (child.external or child.pid == pid):
+                        if child.external and child.pid not in (0, pid):
+                            child.restarts += 1
+                        child.pid, child.state, child.stats = pid, state, stats
                         child.last_beat = time.monotonic()
 
     async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:
@@ -88,6 +103,8 @@ class Supervisor:
             await anyio.sleep(cfg.heartbeat_interval_s)
             now = time.monotonic()
             for child in self.children.values():
+                if child.external:
+                    continue
                 dead = not child.alive
                 silent = child.state != "starting" and now - child.last_beat > cfg.heartbeat_timeout_s
                 if not (dead or silent) or self.stopping:
@@ -110,7 +127,7 @@ class Supervisor:
         deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
         while any(c.state != "ready" for c in self.children.values()):
             for c in self.children.values():
-                if not c.alive:
+                if not c.external and not c.alive:
                     raise StartupError(f"component {c.name} exited during startup "
                                        f"(code {c.proc.poll() if c.proc else None})")
             if time.monotonic() > deadline:
@@ -136,7 +153,7 @@ class Supervisor:
         while any(c.alive for c in self.children.values()) and time.monotonic() < end:
             await anyio.sleep(0.05)
         for c in self.children.values():
-            if c.alive:
+            if c.proc is not None and c.alive:
                 c.proc.kill()
                 c.proc.wait()
         log.info("stopped")
@@ -151,7 +168,8 @@ class Supervisor:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeats, beats)
                 for child in self.children.values():
-                    self._spawn(child)
+                    if self.spawn:
+                        self._spawn(child)
                 try:
                     await self.wait_ready()
                 except StartupError:

@@ -43,6 +43,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _component(args: argparse.Namespace) -> int:
+    """Run one component in this process (compose / multi-host deployments)."""
+    from bus.component import run
+    from components import service_class
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"weir component: {exc}", file=sys.stderr)
+        return 2
+    run(service_class(args.name), config)
+    return 0
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Watch components started elsewhere: heartbeats, status relay, drain on SIGTERM."""
+    import anyio
+
+    from bus.log import configure
+    from bus.supervisor import Supervisor
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"weir supervise: {exc}", file=sys.stderr)
+        return 2
+    configure("supervisor", config.log_level)
+    anyio.run(Supervisor(config, spawn=False).serve, None)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from weir.client import Client
     from weir.errors import WeirError
@@ -137,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     g.add_argument("--endpoint", default=None, help=endpoint_help)
     g.set_defaults(func=_generate)
+
+    from schemas.config import COMPONENTS
+
+    comp = sub.add_parser("component", help="run one component (for compose / multi-host)")
+    comp.add_argument("name", choices=COMPONENTS)
+    comp.add_argument("--config", required=True, help="a TOML config with a tcp topology")
+    comp.set_defaults(func=_component)
+
+    sup = sub.add_parser("supervise", help="watch components started elsewhere")
+    sup.add_argument("--config", required=True)
+    sup.set_defaults(func=_supervise)
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")

@@ -730,13 +730,23 @@ def test_stale_step_result_after_reset_is_ignored():
     assert core.by_request["b"].num_computed == 5
 
 
-def test_reset_without_kv_loss_frees_blocks():
+def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
     core, kv = make(), Kv(16)
-    start(core, kv, admitted("a", prompt(10)))
-    out = core.reset(kv_lost=False)
-    assert out.released == ["a"]
-    assert core.epoch == EPOCH
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0)], [])
+    plan = start(core, kv, admitted("a", prompt(20)), admitted("b", prompt(3, base=50)))
+    core.on_result(result(plan, {1: 5, 2: 6}))
+    assert core.schedule() is not None
+    core.on_grants(kv.apply(core.take_kv_ops()))         # a's growth
+    out = core.reset(kv_lost=False)                      # the executor restarted
+    assert sorted(out.released) == ["a", "b"] and sorted(out.forget) == ["a", "b"]
+    assert core.epoch == EPOCH and core.in_flight is None and not core.has_work
+    # same epoch, so the leases are returned; the executor's KV is gone, so a's 20
+    # computed tokens must not be offered to the prefix cache
+    ops = core.take_kv_ops()
+    assert sorted(ops.frees, key=lambda f: f.seq_id) == [FreeRequest(1, 0), FreeRequest(2, 0)]
+    kv.apply(ops)
+    assert kv.pool.stats().cached == 0 and kv.pool.num_free == 16
+    plan = core.schedule()
+    assert plan is None or plan.drop == []               # nothing to drop on a new executor
 
 
 # ---------------------------------------------------------------- randomized whole-loop check
