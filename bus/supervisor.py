@@ -57,6 +57,8 @@ class Supervisor:
         self.config = config
         self.spawn = spawn
         timeout = config.supervisor.heartbeat_timeout_s
+        if config.gateway.enabled and "gateway" not in components:
+            components = (*components, "gateway")
         self.children = {name: Child(name, external=not spawn, timeout_s=timeout)
                          for name in components}
         self.draining = False

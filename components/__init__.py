@@ -8,6 +8,7 @@ SERVICES = {
     "executor": "components.executor.service:ExecutorService",
     "detokenizer": "components.detokenizer.service:DetokenizerService",
     "streamer": "components.streamer.service:StreamerService",
+    "gateway": "components.gateway.service:GatewayService",
 }
 
 

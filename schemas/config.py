@@ -45,17 +45,29 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         unknown = set(self.hosts) - set(COMPONENTS) - {"supervisor"}
         _require(not unknown, f"topology.hosts names unknown components: {sorted(unknown)}")
 
-    def _address(self, name: str, index: int, bind: bool) -> str:
+    def _address(self, name: str, index: int, bind: bool, host_key: str | None = None) -> str:
         if self.transport == "ipc":
             return f"ipc://{Path(self.run_dir) / name}.sock"
-        host = self.bind_host if bind else self.hosts.get(name, self.supervisor_host
-                                                           if name in ("supervisor", "control")
-                                                           else "127.0.0.1")
+        if bind:
+            host = self.bind_host
+        elif (host_key or name) == "supervisor":
+            host = self.hosts.get("supervisor", self.supervisor_host)
+        else:
+            host = self.hosts.get(host_key or name, "127.0.0.1")
         return f"tcp://{host}:{self.base_port + index}"
 
     def inbox(self, component: str, bind: bool = False) -> str:
         """The PULL address of a component's inbox."""
         return self._address(component, COMPONENTS.index(component), bind)
+
+    @property
+    def client_connect(self) -> str:
+        """The client endpoint as a client dials it (a wildcard bind host becomes the streamer's host)."""
+        ep = self.client_endpoint
+        for wildcard in ("0.0.0.0", "*"):
+            if f"//{wildcard}:" in ep:
+                return ep.replace(wildcard, self.hosts.get("streamer", "127.0.0.1"))
+        return ep
 
     def heartbeats(self, bind: bool = False) -> str:
         """The supervisor's PULL address for component heartbeats."""
@@ -63,7 +75,7 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def control(self, bind: bool = False) -> str:
         """The supervisor's PUB address for control messages (drain, stop, restarts)."""
-        return self._address("control", len(COMPONENTS) + 1, bind)
+        return self._address("control", len(COMPONENTS) + 1, bind, host_key="supervisor")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,6 +138,30 @@ class StreamerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.client_timeout_s > 0, "streamer.client_timeout_s must be > 0")
 
 
+class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An API key, stored only as its SHA-256 hex digest (``weir hash-key KEY`` prints it)."""
+
+    sha256: str
+    tenant: str
+
+    def __post_init__(self) -> None:
+        _require(len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256),
+                 "gateway.api_keys[].sha256 must be a lowercase hex SHA-256 digest")
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The OpenAI-compatible HTTP gateway. With no ``api_keys`` everyone is ``default``."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+    api_keys: tuple[ApiKey, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "gateway.port must be a TCP port")
+
+
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 0.1
     heartbeat_timeout_s: float = 10.0
@@ -142,6 +178,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig = AdmissionConfig()
     streamer: StreamerConfig = StreamerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    gateway: GatewayConfig = GatewayConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

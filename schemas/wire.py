@@ -40,9 +40,10 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Per-request generation parameters. Validated by admission, not at decode."""
+    """Per-request generation parameters. Validated by admission, not at decode.
+    ``max_tokens=None`` means "until the context window is full"."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -105,6 +106,7 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
     finish_reason: FinishReason
     usage: Usage
     text: str = ""
+    queue_time_s: float = 0.0
 
 
 class Rejected(msgspec.Struct, tag="rejected", frozen=True):
@@ -226,6 +228,7 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     seq_ids: list[int]
     token_ids: list[int]
     elapsed_ns: int
+    failed: bool = False
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
@@ -333,6 +336,7 @@ class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     skip_special_tokens: bool
     prompt_tokens: int
     cached_tokens: int
+    queue_time_s: float = 0.0
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):

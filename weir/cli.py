@@ -24,7 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.config,
             topology={"run_dir": run_dir, "client_endpoint": args.endpoint or default_endpoint()},
             engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len},
-            kv={"num_blocks": args.num_blocks})
+            kv={"num_blocks": args.num_blocks},
+            gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
     except ConfigError as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 2
@@ -32,7 +33,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"weir: model {resolve_model(config.engine.model)}", file=sys.stderr)
 
     def ready(sup: Supervisor) -> None:
-        print(f"weir: ready on {config.topology.client_endpoint} "
+        http = (f", http://{config.gateway.host}:{config.gateway.port}/v1"
+                if config.gateway.enabled else "")
+        print(f"weir: ready on {config.topology.client_endpoint}{http} "
               f"(run dir {run_dir})", file=sys.stderr, flush=True)
 
     try:
@@ -40,6 +43,18 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from components.gateway.auth import hash_key
+
+    print(hash_key(args.key))
     return 0
 
 
@@ -152,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     s.add_argument("--run-dir", default=None, help="directory for ipc sockets")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="OpenAI-compatible gateway port (default $WEIR_HTTP_PORT or 8000)")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
@@ -172,9 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     from schemas.config import COMPONENTS
 
     comp = sub.add_parser("component", help="run one component (for compose / multi-host)")
-    comp.add_argument("name", choices=COMPONENTS)
+    comp.add_argument("name", choices=(*COMPONENTS, "gateway"))
     comp.add_argument("--config", required=True, help="a TOML config with a tcp topology")
     comp.set_defaults(func=_component)
+
+    hk = sub.add_parser("hash-key", help="print the SHA-256 to store for an API key")
+    hk.add_argument("key")
+    hk.set_defaults(func=_hash_key)
 
     sup = sub.add_parser("supervise", help="watch components started elsewhere")
     sup.add_argument("--config", required=True)

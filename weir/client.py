@@ -39,6 +39,7 @@ class Completion:
     usage: Usage
     ttft_ms: float | None
     e2e_ms: float
+    queue_time_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -87,8 +88,8 @@ class Stream:
                         self.text.append(event.text)
                         self.token_ids.extend(event.token_ids)
                         yield event
-                    case Finished(finish_reason=reason, usage=usage):
-                        self._finish(reason, usage)
+                    case Finished(finish_reason=reason, usage=usage, queue_time_s=queue):
+                        self._finish(reason, usage, queue)
                         return
                     case Rejected():
                         raise RequestRejected(event.request_id, event.reason, event.message,
@@ -106,11 +107,11 @@ class Stream:
         finally:
             self._client._close_stream(self.request_id)
 
-    def _finish(self, reason: str, usage: Usage) -> None:
+    def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0) -> None:
         now = time.perf_counter()
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1e3
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
-                                 usage, ttft, (now - self.started) * 1e3)
+                                 usage, ttft, (now - self.started) * 1e3, queue_time_s)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True

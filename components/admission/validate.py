@@ -10,7 +10,7 @@ MAX_STOP_STRINGS = 16
 
 def check_params(p: SamplingParams) -> str | None:
     """Return why these sampling parameters are invalid, or None."""
-    if p.max_tokens <= 0:
+    if p.max_tokens is not None and p.max_tokens <= 0:
         return f"max_tokens must be at least 1, got {p.max_tokens}"
     if not math.isfinite(p.temperature) or p.temperature < 0:
         return f"temperature must be a finite number >= 0, got {p.temperature}"
@@ -27,14 +27,15 @@ def check_params(p: SamplingParams) -> str | None:
     return None
 
 
-def check_length(prompt_len: int, max_tokens: int, max_model_len: int) -> tuple[str, str] | None:
+def check_length(prompt_len: int, max_tokens: int | None,
+                 max_model_len: int) -> tuple[str, str] | None:
     """Return (reason, message) if the prompt cannot fit the context window, or None."""
     if prompt_len == 0:
         return "invalid_request", "the prompt is empty"
     if prompt_len >= max_model_len:
         return "prompt_too_long", (f"the prompt has {prompt_len} tokens; the context window is "
                                    f"{max_model_len} tokens, including at least one output token")
-    if prompt_len + max_tokens > max_model_len:
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         return "invalid_request", (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
                                    f"exceeds the context window of {max_model_len} tokens")
     return None

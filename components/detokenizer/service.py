@@ -20,6 +20,7 @@ class _Stream:
     detok: IncrementalDetokenizer
     prompt_tokens: int
     cached_tokens: int
+    queue_time_s: float
     completion_tokens: int = 0
 
 
@@ -39,7 +40,8 @@ class DetokenizerService(Component):
             p = item.params
             detok = IncrementalDetokenizer(self.bundle.tokenizer, self.bundle.special_ids,
                                            p.skip_special_tokens, p.stop)
-            stream = self.streams[item.request_id] = _Stream(detok, p.prompt_tokens, p.cached_tokens)
+            stream = self.streams[item.request_id] = _Stream(detok, p.prompt_tokens, p.cached_tokens,
+                                                              p.queue_time_s)
         return stream
 
     def process(self, batch: TokenBatch) -> tuple[list, list[str]]:
@@ -65,7 +67,7 @@ class DetokenizerService(Component):
             events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
             usage = item.usage or Usage(stream.prompt_tokens, stream.completion_tokens,
                                         stream.cached_tokens)
-            events.append(Finished(item.request_id, reason, usage))
+            events.append(Finished(item.request_id, reason, usage, "", stream.queue_time_s))
         return events, stopped
 
     async def run(self) -> None:

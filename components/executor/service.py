@@ -12,7 +12,7 @@ from bus.component import Component
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
-from schemas.wire import ExecutorMsg, StepPlan
+from schemas.wire import ExecutorMsg, StepPlan, StepResult
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("executor")
@@ -44,7 +44,15 @@ class ExecutorService(Component):
         while True:
             match (await self.inbox_sock.recv()).body:
                 case StepPlan() as plan:
-                    result = await anyio.to_thread.run_sync(self.runner.step, plan)
+                    try:
+                        result = await anyio.to_thread.run_sync(self.runner.step, plan)
+                    except Exception:
+                        # e.g. a plan from before a restart naming sequences we never saw;
+                        # the scheduler fails the step's requests and resets.
+                        log.exception("step_failed", step_id=plan.step_id)
+                        self.runner.seqs.clear()
+                        await self.to_scheduler.send(StepResult(plan.step_id, [], [], 0, True))
+                        continue
                     self.steps += 1
                     self.busy_ns += result.elapsed_ns
                     await self.to_scheduler.send(result)

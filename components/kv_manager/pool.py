@@ -42,7 +42,10 @@ class _Lease:
 
 @dataclass(frozen=True)
 class _CachedKey:
+    """What a cached block must match exactly for a hit: scope, parent hash, own tokens."""
+
     scope: str
+    parent: int | None
     tokens: tuple[int, ...]
 
 
@@ -112,6 +115,7 @@ class BlockPool:
         if self.prefix_cache:
             for i in range(full):
                 self._register(lease.blocks[i], lease.hashes[i], lease.scope,
+                               lease.hashes[i - 1] if i else None,
                                lease.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for b in lease.blocks:
             self._decref(b)
@@ -129,18 +133,32 @@ class BlockPool:
         hits = []
         for i in range(limit):
             b = self._hash_to_block.get(lease.hashes[i])
-            want = _CachedKey(lease.scope, tuple(lease.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            parent = lease.hashes[i - 1] if i else None
+            want = _CachedKey(lease.scope, parent,
+                              tuple(lease.token_ids[i * self.block_size:(i + 1) * self.block_size]))
             if b is None or self._block_key.get(b) != want:
                 break
             hits.append(b)
         return hits
 
-    def _register(self, block: int, h: int, scope: str, tokens: Sequence[int]) -> None:
+    def _register(self, block: int, h: int, scope: str, parent: int | None,
+                  tokens: Sequence[int]) -> None:
         if h in self._hash_to_block or block in self._block_hash:
             return
         self._hash_to_block[h] = block
         self._block_hash[block] = h
-        self._block_key[block] = _CachedKey(scope, tuple(tokens))
+        self._block_key[block] = _CachedKey(scope, parent, tuple(tokens))
+
+    def drop_cache(self) -> int:
+        """Forget every cached prefix (their KV is gone, e.g. the executor restarted).
+        Unreferenced cached blocks become plain free blocks. Returns how many were dropped."""
+        dropped = len(self._block_hash)
+        for block in list(self._block_hash):
+            self._evict(block)
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._plain.append(block)
+        return dropped
 
     def _take_free(self) -> int:
         if self._plain:

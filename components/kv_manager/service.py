@@ -61,6 +61,10 @@ class KvManagerService(Component):
                     self._advance_epoch(epoch)
                     await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))
 
+    async def peer_restarted(self, name: str) -> None:
+        if name == "executor":                       # the KV tensors behind the cache are gone
+            log.warning("prefix_cache_dropped", blocks=self.pool.drop_cache())
+
     def stats(self) -> dict[str, float]:
         s = self.pool.stats()
         return {"total_blocks": s.total, "free_blocks": s.free, "cached_blocks": s.cached,

@@ -125,9 +125,9 @@ class SchedulerCore:
         return out
 
     # ------------------------------------------------------------------ planning
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, now_ns: int = 0) -> StepPlan | None:
         """Plan the next step, or None if nothing can run now. Call only when no step
-        is in flight."""
+        is in flight. ``now_ns`` (wall clock) stamps first scheduling, for queue time."""
         assert self.in_flight is None
         self._preempt_if_stuck()
         budget = self.cfg.max_num_batched_tokens
@@ -149,6 +149,7 @@ class SchedulerCore:
                 break
             self.waiting.popleft()
             seq.phase = Phase.RUNNING
+            seq.first_scheduled_ns = seq.first_scheduled_ns or now_ns
             self.running.append(seq)
             n = min(seq.remaining, budget)
             chosen.append((seq, n))
@@ -271,7 +272,8 @@ class SchedulerCore:
             first = seq.outputs_sent == 0
             seq.outputs_sent += 1
             p = seq.params
-            params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens)
+            params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
+                                  max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9)
                       if first else None)
             if reason is None:
                 out.tokens.append(TokenOut(seq.request_id, [token], params))
@@ -285,7 +287,8 @@ class SchedulerCore:
         p = seq.params
         if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                or seq.num_tokens >= self.max_model_len):
             return "length"
         return None
 

@@ -37,6 +37,7 @@ class Seq:
     cached_tokens: int = 0
     outputs_sent: int = 0          # output tokens already handed to the detokenizer
     preemptions: int = 0
+    first_scheduled_ns: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,10 @@ class SchedulerService(Component):
             match body:
                 case Admitted() as req:
                     self.core.add(req)
+                case StepResult(failed=True, step_id=step_id):
+                    if self.core.in_flight is not None and step_id == self.core.in_flight_step:
+                        log.error("step_failed", step_id=step_id)
+                        out = await self._fail_all(kv_lost=False, reason="executor step failed")
                 case StepResult() as res:
                     self.last_step_ms = (time.perf_counter_ns() - self.step_started) / 1e6
                     out = self.core.on_result(res)
@@ -59,11 +63,11 @@ class SchedulerService(Component):
                     self.kv_instance = instance
             await self._emit(out)
 
-    async def _fail_all(self, kv_lost: bool) -> Outcome:
+    async def _fail_all(self, kv_lost: bool,
+                        reason: str = "engine component restarted") -> Outcome:
         out = self.core.reset(kv_lost)
         if out.released:
-            await self.to_streamer.send(EventBatch(
-                [Failed(rid, "engine component restarted") for rid in out.released]))
+            await self.to_streamer.send(EventBatch([Failed(rid, reason) for rid in out.released]))
         return out
 
     async def peer_restarted(self, name: str) -> None:
@@ -79,7 +83,7 @@ class SchedulerService(Component):
         if out.released:
             await self.to_admission.send(Released(out.released))
         if core.in_flight is None and core.has_work:
-            plan = core.schedule()
+            plan = core.schedule(time.time_ns())
             if plan is not None:
                 self.step_started = time.perf_counter_ns()
                 ops = core.take_kv_ops()

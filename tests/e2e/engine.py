@@ -12,12 +12,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Engine:
-    def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = ()):
+    def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
+                 http_port: int | None = None, gateway_extra: str = ""):
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
         self.log_path = run_dir / "serve.log"
+        self.http_port = http_port
+        self.base_url = f"http://127.0.0.1:{http_port}" if http_port else None
         cfg = run_dir / "weir.toml"
-        cfg.write_text(config_toml)
+        gateway = (f"\n[gateway]\nport = {http_port}\n{gateway_extra}" if http_port
+                   else "\n[gateway]\nenabled = false\n")
+        cfg.write_text(config_toml + gateway)
         env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),

@@ -203,8 +203,6 @@ def test_tcp_needs_no_run_dir_and_all_addresses_distinct():
     assert topo.inbox("admission") == "tcp://127.0.0.1:7461"
 
 
-@pytest.mark.xfail(strict=True, reason="schemas/config.py: control() looks up hosts['control'], "
-                   "a key hosts may not contain, instead of hosts['supervisor']")
 def test_supervisor_host_from_hosts_applies_to_both_supervisor_sockets():
     topo = Topology(transport="tcp", hosts={"supervisor": "box"})
     assert topo.heartbeats() == "tcp://box:7467"

@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP app (Starlette). It is a client of the streamer via the SDK."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from components.gateway.auth import Authenticator
+from components.gateway.metrics import GatewayMetrics
+from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                           Shaper, parse, submit_kwargs)
+from weir.client import AsyncClient, Stream
+from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
+
+_REJECT_STATUS = {"tenant_over_budget": 429, "overloaded": 503, "draining": 503,
+                  "unknown_tenant": 403}
+_json = msgspec.json.Encoder()
+
+
+class GatewayState:
+    """What the routes share: the SDK client, auth, metrics and lifecycle flags."""
+
+    def __init__(self, client: AsyncClient, auth: Authenticator, model: str) -> None:
+        self.client, self.auth, self.model = client, auth, model
+        self.metrics = GatewayMetrics(model)
+        self.draining = False
+
+
+def _error_response(err: ApiError, request_id: str) -> JSONResponse:
+    headers = {"x-request-id": request_id}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _from_rejection(exc: RequestRejected) -> ApiError:
+    status = _REJECT_STATUS.get(exc.reason, 400)
+    kind = {429: "rate_limit_exceeded", 503: "service_unavailable", 403: "permission_error"}
+    return ApiError(status, exc.message, kind.get(status, "invalid_request_error"),
+                    code=exc.reason, retry_after=exc.retry_after_s if status in (429, 503) else None)
+
+
+def build_app(state: GatewayState) -> Starlette:
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.model, "object": "model", "created": 0, "owned_by": "weir"}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        ok = not state.draining
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        try:
+            report = await state.client.status(timeout=2.0)
+            state.metrics.engine.stats = {c.name: c.stats for c in report.components}
+        except RequestTimeout:
+            pass
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(request: Request) -> Response:
+        return await _generate(request, CompletionRequest, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(request, ChatCompletionRequest, chat=True)
+
+    async def _generate(request: Request, kind: type, chat: bool) -> Response:
+        started = time.perf_counter()
+        echo_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            if state.draining:
+                raise ApiError(503, "the server is draining", "service_unavailable",
+                               code="draining", retry_after=5)
+            tenant = state.auth.tenant_for(request.headers.get("authorization"))
+            if tenant is None:
+                raise ApiError(401, "invalid API key", "authentication_error",
+                               code="invalid_api_key")
+            req = parse(await request.body(), kind)
+            kwargs = submit_kwargs(req, state.model)
+            rid = uuid.uuid4().hex
+            stream = await state.client.stream(request_id=rid, tenant=tenant, **kwargs)
+            events = stream.__aiter__()
+            try:
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                first = None
+            except RequestRejected as exc:
+                raise _from_rejection(exc) from None
+            except (RequestFailed, RequestCancelled) as exc:
+                raise ApiError(500, f"request failed: {exc}", "server_error") from None
+        except ApiError as err:
+            state.metrics.error(f"http_{err.status}")
+            return _error_response(err, echo_id)
+        state.metrics.ttft.labels(state.model).observe(time.perf_counter() - started)
+        shaper = Shaper(chat, rid, state.model)
+        headers = {"x-request-id": echo_id}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _sse(stream, events, first, shaper, include_usage, started)
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return await _collect(stream, events, first, shaper, started, headers)
+
+    async def _collect(stream: Stream, events, first, shaper: Shaper, started: float,
+                       headers: dict) -> Response:
+        last = time.perf_counter()
+        try:
+            async for _ in events:
+                now = time.perf_counter()
+                state.metrics.itl.labels(state.model).observe(now - last)
+                last = now
+        except (RequestFailed, RequestCancelled) as exc:
+            state.metrics.error("failed")
+            return _error_response(ApiError(500, f"request failed: {exc}", "server_error"),
+                                   headers["x-request-id"])
+        res = stream.result
+        _record(res, started)
+        return Response(_json.encode(shaper.full(res.text, res.finish_reason, res.usage)),
+                        media_type="application/json", headers=headers)
+
+    def _record(res, started: float) -> None:
+        state.metrics.finished(res.finish_reason, res.usage.prompt_tokens,
+                               res.usage.completion_tokens, res.queue_time_s,
+                               time.perf_counter() - started)
+
+    async def _sse(stream: Stream, events, first, shaper: Shaper, include_usage: bool,
+                   started: float) -> AsyncIterator[bytes]:
+        def frame(obj: Any) -> bytes:
+            return b"data: " + _json.encode(obj) + b"\n\n"
+
+        done = False
+        try:
+            if shaper.chat:
+                yield frame(shaper.chunk("", first=True))
+            last = time.perf_counter()
+            if first is not None and first.text:
+                yield frame(shaper.chunk(first.text))
+            try:
+                async for delta in events:
+                    now = time.perf_counter()
+                    state.metrics.itl.labels(state.model).observe(now - last)
+                    last = now
+                    if delta.text:
+                        yield frame(shaper.chunk(delta.text))
+            except (RequestFailed, RequestCancelled) as exc:
+                state.metrics.error("failed")
+                yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())
+                done = True
+                return
+            res = stream.result
+            done = True
+            _record(res, started)
+            yield frame(shaper.chunk(None if shaper.chat else "", res.finish_reason))
+            if include_usage:
+                yield frame(shaper.usage_chunk(res.usage))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not done:                       # the client went away mid-stream
+                state.metrics.error("cancelled")
+                with anyio.CancelScope(shield=True):
+                    await stream.cancel()
+                    await events.aclose()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        state.metrics.error("http_500")
+        return JSONResponse(ApiError(500, "internal server error", "server_error").body(),
+                            status_code=500)
+
+    return Starlette(routes=routes, exception_handlers={Exception: internal_error})

@@ -1,0 +1,84 @@
+"""Prometheus metrics for the gateway: per-request latencies measured here, and engine
+state (queues, KV, prefix cache, preemptions) read from the latest status report.
+Names follow vLLM's where the meaning is the same, under the ``weir:`` prefix."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0)
+_ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+        0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.stats: dict[str, dict[str, float]] = {}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self.model], value)
+        return c
+
+    def collect(self):
+        sched = self.stats.get("scheduler", {})
+        kv = self.stats.get("kv_manager", {})
+        total = kv.get("total_blocks", 0) or 1
+        yield self._gauge("weir:num_requests_running", "Sequences in the running batch.",
+                          sched.get("running", 0))
+        yield self._gauge("weir:num_requests_waiting", "Sequences waiting to be scheduled.",
+                          sched.get("waiting", 0))
+        yield self._gauge("weir:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                          1.0 - kv.get("free_blocks", total) / total)
+        yield self._gauge("weir:kv_free_blocks", "Free KV blocks (including evictable cached).",
+                          kv.get("free_blocks", 0))
+        yield self._counter("weir:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            kv.get("prefix_query_tokens", 0))
+        yield self._counter("weir:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                            kv.get("prefix_hit_tokens", 0))
+        yield self._counter("weir:num_preemptions", "Sequences preempted by the scheduler.",
+                            sched.get("preemptions", 0))
+
+
+class GatewayMetrics:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("weir:time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("weir:inter_token_latency_seconds", "Time between output tokens.",
+                             m, buckets=_ITL, registry=r)
+        self.queue = Histogram("weir:request_queue_time_seconds",
+                               "Time from arrival to first scheduling.", m, buckets=_LATENCY,
+                               registry=r)
+        self.e2e = Histogram("weir:e2e_request_latency_seconds", "End-to-end request latency.",
+                             m, buckets=_LATENCY, registry=r)
+        self.success = Counter("weir:request_success", "Finished requests by reason.",
+                               m + ["finished_reason"], registry=r)
+        self.errors = Counter("weir:request_errors", "Requests that ended without finishing, "
+                              "by kind (rejected:<reason>, cancelled, failed, http_<status>).",
+                              m + ["kind"], registry=r)
+        self.prompt_tokens = Counter("weir:prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("weir:generation_tokens", "Tokens generated.", m,
+                                         registry=r)
+        self.engine = _EngineCollector(model)
+        r.register(self.engine)
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,
+                 queue_s: float, e2e_s: float) -> None:
+        self.success.labels(self.model, reason).inc()
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model).inc(completion_tokens)
+        self.queue.labels(self.model).observe(queue_s)
+        self.e2e.labels(self.model).observe(e2e_s)
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(self.model, kind).inc()

@@ -1,0 +1,191 @@
+"""The OpenAI wire format: request types, their translation to Weir requests, and the
+shape of responses and stream chunks. Pure functions; no I/O."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from schemas.wire import Usage
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, rendered in OpenAI's error JSON shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class TextPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str = ""
+
+
+class ChatMsg(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class _Common(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+
+class CompletionRequest(_Common, frozen=True, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
+    messages: list[ChatMsg]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+
+def parse(body: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _unsupported(req: _Common) -> str | None:
+    if req.n != 1:
+        return "n: only n=1 is supported"
+    if req.best_of not in (None, 1):
+        return "best_of is not supported"
+    if req.presence_penalty or req.frequency_penalty:
+        return "presence_penalty and frequency_penalty are not supported"
+    if req.logit_bias:
+        return "logit_bias is not supported"
+    if isinstance(req, CompletionRequest) and (req.logprobs or req.echo or req.suffix):
+        return "logprobs, echo and suffix are not supported"
+    if isinstance(req, ChatCompletionRequest) and (req.logprobs or req.top_logprobs or req.tools):
+        return "logprobs and tools are not supported"
+    return None
+
+
+def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: str) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncClient.stream`` from an OpenAI request."""
+    if req.model not in (None, "", served_model):
+        raise ApiError(404, f"the model `{req.model}` does not exist; this server serves "
+                            f"`{served_model}`", "invalid_request_error", "model", "model_not_found")
+    if (why := _unsupported(req)) is not None:
+        raise ApiError(400, why)
+    params: dict[str, Any] = {"ignore_eos": req.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if (value := getattr(req, name)) is not None:
+            params[name] = value
+    if req.stop is not None:
+        params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if req.stop_token_ids:
+        params["stop_token_ids"] = tuple(req.stop_token_ids)
+    if isinstance(req, ChatCompletionRequest):
+        params["max_tokens"] = req.max_completion_tokens or req.max_tokens
+        msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        return {"messages": msgs, **params}
+    params["max_tokens"] = req.max_tokens
+    return {**_prompt(req.prompt), **params}
+
+
+def _prompt(prompt: str | list[Any]) -> dict[str, Any]:
+    """OpenAI's prompt forms: a string, token ids, or a batch of one of either."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "batched prompts are not supported; send one prompt per request",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt_token_ids": list(prompt)}
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of those",
+                   param="prompt")
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(p.type != "text" for p in content):
+        raise ApiError(400, "only text content parts are supported", param="messages")
+    return "".join(p.text for p in content)
+
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+class Shaper:
+    """Builds response bodies and stream chunks for one request."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._base(self.object), "choices": [choice], "usage": usage_dict(usage)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None,
+              first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage_dict(usage)}

@@ -1,0 +1,57 @@
+"""The gateway process: serves the OpenAI-compatible HTTP API with uvicorn and talks to
+the streamer through the ZeroMQ SDK like any other client."""
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from bus.component import Component
+from components.gateway.app import GatewayState, build_app
+from components.gateway.auth import Authenticator
+from weir.client import AsyncClient
+from weir.model_fetch import resolve_model
+
+log = structlog.get_logger("gateway")
+
+
+def served_model_name(model: str, configured: str) -> str:
+    """The id clients use: configured, or the weights' name without a quantization suffix."""
+    if configured:
+        return configured
+    path = resolve_model(model) if not model else Path(model)
+    name = path.stem if path.suffix == ".gguf" else path.name
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.I)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):                    # the supervisor owns signals
+        yield
+
+
+class GatewayService(Component):
+    name = "gateway"
+
+    async def setup(self) -> None:
+        gw = self.config.gateway
+        self.model = served_model_name(self.config.engine.model, gw.served_model_name)
+        self.auth = Authenticator(gw.api_keys)
+        self.gw: GatewayState | None = None
+
+    async def run(self) -> None:
+        gw = self.config.gateway
+        async with AsyncClient(self.topology.client_connect) as client:
+            self.gw = GatewayState(client, self.auth, self.model)
+            server = _Server(uvicorn.Config(build_app(self.gw), host=gw.host, port=gw.port,
+                                            log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=5))
+            log.info("http_listening", host=gw.host, port=gw.port, model=self.model)
+            await server.serve()
+
+    async def drain(self) -> None:
+        if self.gw is not None:
+            self.gw.draining = True

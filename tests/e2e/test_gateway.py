@@ -1,0 +1,169 @@
+"""The OpenAI-compatible gateway, driven by real clients: the official `openai` package,
+raw httpx for disconnects and errors, and prometheus_client's parser for /metrics."""
+import concurrent.futures
+import hashlib
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.engine import Engine
+from tests.e2e.test_tcp_topology import free_base_port
+
+KEY = "sk-test-acme-123"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory, model_path):
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    toml = f"""
+[kv]
+num_blocks = 256
+[engine]
+max_model_len = 1024
+[admission]
+max_outstanding = 4
+tenants = [{{ name = "default" }}, {{ name = "acme" }}]
+"""
+    eng = Engine(tmp_path_factory.mktemp("gw"), toml, http_port=free_base_port(1),
+                 gateway_extra=f'api_keys = [{{ sha256 = "{digest}", tenant = "acme" }}]\n')
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def oai(gw):
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_openai_client_chat_and_completion(gw, oai):
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+                                       max_tokens=20, temperature=0)
+    parts = [c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=20,
+        temperature=0, stream=True)]
+    assert chat.choices[0].message.content == "".join(parts) != ""
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens > 0
+
+    comp = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16,
+                                  temperature=0)
+    chunks = list(oai.completions.create(model=MODEL, prompt="The capital of France is",
+                                         max_tokens=16, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert comp.choices[0].text == streamed != ""
+    assert comp.choices[0].finish_reason == "length"
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 16 and usage.prompt_tokens == comp.usage.prompt_tokens
+    # the second identical prompt is served partly from the (tenant-scoped) prefix cache
+    again = oai.completions.create(model=MODEL, prompt="The capital of France is " * 8,
+                                   max_tokens=2, temperature=0)
+    again2 = oai.completions.create(model=MODEL, prompt="The capital of France is " * 8,
+                                    max_tokens=2, temperature=0)
+    assert again2.usage.prompt_tokens_details.cached_tokens >= 16
+    assert again.usage.prompt_tokens_details.cached_tokens < again2.usage.prompt_tokens_details.cached_tokens
+
+
+def test_models_health_ready_and_request_id(gw):
+    r = httpx.get(gw.base_url + "/v1/models")
+    assert r.json()["data"][0]["id"] == MODEL
+    assert httpx.get(gw.base_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(gw.base_url + "/ready").status_code == 200
+    r = httpx.post(gw.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
+                   "x-request-id": "abc-123"}, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+
+
+def test_disconnect_cancels_and_frees_kv(gw):
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", gw.base_url + "/v1/completions",
+                         headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": MODEL, "prompt": "Write a long story.", "max_tokens": 800,
+                               "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert gw.kv()["leased_seqs"] == 1
+        # leaving the block closes the connection mid-stream
+    elapsed = gw.wait_kv_free(timeout=1.0)
+    assert elapsed < 1.0
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 2}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "max_tokens": 3}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"model": "gpt-9", "prompt": "hi"}, "gpt-9"),
+])
+def test_bad_parameters_get_openai_errors(gw, body, words):
+    r = httpx.post(gw.base_url + "/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code in (400, 404)
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"]
+
+
+def test_invalid_json_and_unknown_key(gw):
+    r = httpx.post(gw.base_url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(gw.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer nope"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.base_url + "/v1", api_key="wrong", max_retries=0) \
+            .completions.create(model=MODEL, prompt="x", max_tokens=1)
+
+
+def test_overload_gets_503_with_retry_after(gw):
+    def call(i):
+        return httpx.post(gw.base_url + "/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 40,
+                                "temperature": 0, "ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(call, range(12)))
+    codes = [r.status_code for r in results]
+    assert 200 in codes and 503 in codes, codes
+    for r in results:
+        if r.status_code == 503:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "overloaded"
+    gw.wait_kv_free(timeout=2.0)
+
+
+def _metrics(gw) -> dict[str, float]:
+    text = httpx.get(gw.base_url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_metrics_parse_and_move(gw, oai):
+    before = _metrics(gw)
+    for name in ("weir:time_to_first_token_seconds_count", "weir:e2e_request_latency_seconds_count",
+                 "weir:num_requests_running", "weir:num_requests_waiting",
+                 "weir:kv_cache_usage_perc", "weir:prefix_cache_queries_total",
+                 "weir:prefix_cache_hits_total", "weir:request_queue_time_seconds_count",
+                 "weir:inter_token_latency_seconds_count"):
+        assert name in before, name
+    oai.completions.create(model=MODEL, prompt="Count with me: one, two, three, four, five, six, seven,", max_tokens=5, temperature=0,
+                           extra_body={"ignore_eos": True})
+    time.sleep(0.5)                     # engine gauges/counters arrive with the next heartbeat
+    after = _metrics(gw)
+    assert after["weir:e2e_request_latency_seconds_count"] == before["weir:e2e_request_latency_seconds_count"] + 1
+    assert after["weir:generation_tokens_total"] == before.get("weir:generation_tokens_total", 0) + 5
+    assert after["weir:request_success_total[length]"] == before.get("weir:request_success_total[length]", 0) + 1
+    assert after["weir:inter_token_latency_seconds_count"] >= before["weir:inter_token_latency_seconds_count"] + 4
+    assert after["weir:prefix_cache_queries_total"] > before["weir:prefix_cache_queries_total"]
