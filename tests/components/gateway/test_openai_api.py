@@ -1,0 +1,83 @@
+"""OpenAI request parsing and translation, auth, and response shapes (no engine)."""
+import hashlib
+
+import pytest
+
+from components.gateway.auth import Authenticator, hash_key
+from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                           Shaper, parse, submit_kwargs)
+from schemas.config import ApiKey, ConfigError
+from schemas.wire import Usage
+
+M = "SmolLM2-135M-Instruct"
+
+
+def kwargs(body: bytes, kind=CompletionRequest):
+    return submit_kwargs(parse(body, kind), M)
+
+
+def test_completion_forms_of_prompt():
+    assert kwargs(b'{"prompt": "hi", "max_tokens": 3, "temperature": 0}') == {
+        "prompt": "hi", "max_tokens": 3, "temperature": 0.0, "ignore_eos": False}
+    assert kwargs(b'{"prompt": [1, 2, 3]}')["prompt_token_ids"] == [1, 2, 3]
+    assert kwargs(b'{"prompt": ["one"]}')["prompt"] == "one"
+    assert kwargs(b'{"prompt": [[4, 5]]}')["prompt_token_ids"] == [4, 5]
+    with pytest.raises(ApiError, match="batched"):
+        kwargs(b'{"prompt": ["a", "b"]}')
+    with pytest.raises(ApiError, match="token ids"):
+        kwargs(b'{"prompt": [1, "x"]}')
+
+
+def test_chat_translation_and_defaults():
+    k = kwargs(b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "system", "content": "s"},'
+               b'{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],'
+               b'"max_completion_tokens": 7, "stop": "END", "seed": 3, "top_p": 0.5}',
+               ChatCompletionRequest)
+    assert k == {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}],
+                 "max_tokens": 7, "stop": ("END",), "seed": 3, "top_p": 0.5, "ignore_eos": False}
+    k = kwargs(b'{"messages": [{"role": "user", "content": "x"}]}', ChatCompletionRequest)
+    assert k["max_tokens"] is None            # up to the context window, as vLLM does
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b'{"prompt": "x", "n": 3}', 400, "n=1"),
+    (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "penalty"),
+    (b'{"prompt": "x", "model": "other"}', 404, "other"),
+    (b'{"max_tokens": 1}', 400, "prompt"),
+    (b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+    (b'not json', 400, "JSON"),
+])
+def test_errors(body, status, words):
+    with pytest.raises(ApiError) as err:
+        kwargs(body)
+    assert err.value.status == status and words in err.value.message
+    assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_auth_hashed_keys():
+    digest = hashlib.sha256(b"sk-1").hexdigest()
+    assert hash_key("sk-1") == digest
+    auth = Authenticator((ApiKey(digest, "acme"),))
+    assert auth.tenant_for("Bearer sk-1") == "acme"
+    assert auth.tenant_for("bearer sk-1") == "acme"
+    assert auth.tenant_for("Bearer sk-2") is None
+    assert auth.tenant_for(None) is None
+    assert Authenticator(()).tenant_for(None) == "default"
+    with pytest.raises((ConfigError, ValueError)):
+        ApiKey("sk-plaintext-key", "acme")
+
+
+def test_shapes():
+    u = Usage(5, 3, 4)
+    full = Shaper(False, "r", M).full("hey", "stop", u)
+    assert full["object"] == "text_completion" and full["choices"][0]["text"] == "hey"
+    assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    chat = Shaper(True, "r", M)
+    assert chat.full("hey", "length", u)["choices"][0]["message"] == {"role": "assistant",
+                                                                      "content": "hey"}
+    assert chat.chunk("", first=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat.chunk(None, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                                      "finish_reason": "stop"}
+    assert chat.usage_chunk(u)["choices"] == []
