@@ -185,6 +185,8 @@ TokenizerMsg = Union[NewRequest, CancelRequest]
 # ---------------------------------------------------------------- admission inbox
 
 class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
+    """A request in tokens: prompt ids, per-tenant prefix block hashes, the model's eos ids."""
+
     request_id: str
     tenant: str
     prompt_token_ids: list[int]
@@ -205,14 +207,8 @@ AdmissionMsg = Union[Tokenized, CancelRequest, Released]
 
 # ---------------------------------------------------------------- scheduler inbox
 
-class Admitted(msgspec.Struct, tag="admitted", frozen=True, gc=False):
-    request_id: str
-    tenant: str
-    prompt_token_ids: list[int]
-    block_hashes: list[int]
-    params: SamplingParams
-    arrival_ns: int
-    eos_token_ids: tuple[int, ...] = ()
+class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
+    """A tokenized request that admission accepted; the scheduler now holds it."""
 
 
 class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):

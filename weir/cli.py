@@ -58,17 +58,19 @@ def _hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_or_exit(args: argparse.Namespace):
+    try:
+        return load_config(args.config)
+    except ConfigError as exc:
+        sys.exit(f"weir {args.command}: {exc}")
+
+
 def _component(args: argparse.Namespace) -> int:
     """Run one component in this process (compose / multi-host deployments)."""
     from bus.component import run
     from components import service_class
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"weir component: {exc}", file=sys.stderr)
-        return 2
-    run(service_class(args.name), config)
+    run(service_class(args.name), _config_or_exit(args))
     return 0
 
 
@@ -79,11 +81,7 @@ def _supervise(args: argparse.Namespace) -> int:
     from bus.log import configure
     from bus.supervisor import Supervisor
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"weir supervise: {exc}", file=sys.stderr)
-        return 2
+    config = _config_or_exit(args)
     configure("supervisor", config.log_level)
     anyio.run(Supervisor(config, spawn=False).serve, None)
     return 0
