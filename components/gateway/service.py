@@ -48,6 +48,7 @@ class GatewayService(Component):
             self.gw = GatewayState(client, self.auth, self.model)
             server = _Server(uvicorn.Config(build_app(self.gw), host=gw.host, port=gw.port,
                                             log_level="warning", access_log=False,
+                                            lifespan="off",
                                             timeout_graceful_shutdown=5))
             log.info("http_listening", host=gw.host, port=gw.port, model=self.model)
             await server.serve()
