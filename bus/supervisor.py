@@ -134,6 +134,9 @@ class Supervisor:
                                        f"(code {c.proc.poll() if c.proc else None})")
             if time.monotonic() > deadline:
                 slow = [c.name for c in self.children.values() if c.state != "ready"]
+                if not self.spawn:            # watch-only: keep watching, report them down
+                    log.error("components_not_ready", components=slow)
+                    return
                 raise StartupError(f"components not ready in time: {slow}")
             await anyio.sleep(0.05)
 

@@ -22,7 +22,7 @@ class Engine:
         cfg = run_dir / "weir.toml"
         gateway = (f"\n[gateway]\nport = {http_port}\n{gateway_extra}" if http_port
                    else "\n[gateway]\nenabled = false\n")
-        cfg.write_text(config_toml + gateway)
+        cfg.write_text(config_toml if "[gateway]" in config_toml else config_toml + gateway)
         env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),

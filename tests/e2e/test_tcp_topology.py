@@ -40,6 +40,8 @@ client_endpoint = "tcp://127.0.0.1:{client_port}"
 num_blocks = 256
 [engine]
 max_model_len = 1024
+[gateway]
+enabled = false
 """
 
 
