@@ -102,9 +102,11 @@ class Component:
 
 def run(component_cls: type[Component], config: WeirConfig) -> None:
     """Process entry point: the supervisor handles Ctrl-C for the whole group."""
+    from bus import tracing
     from bus.log import configure
 
     configure(component_cls.name, config.log_level)
+    tracing.setup(component_cls.name, config.telemetry)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     comp = component_cls(config)
     try:
@@ -112,3 +114,4 @@ def run(component_cls: type[Component], config: WeirConfig) -> None:
     finally:
         comp.close()
         context().destroy(linger=0)
+        tracing.shutdown()

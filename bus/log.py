@@ -6,9 +6,19 @@ import os
 import sys
 
 import structlog
+from opentelemetry import trace
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
+
+
+def _add_trace_ids(logger, method, event: dict) -> dict:
+    """Every line carries the current trace and span id (when a span is active)."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event.setdefault("trace_id", f"{ctx.trace_id:032x}")
+        event.setdefault("span_id", f"{ctx.span_id:016x}")
+    return event
 
 
 def configure(component: str, level: str = "info") -> None:
@@ -16,6 +26,7 @@ def configure(component: str, level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -162,6 +162,27 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(0 < self.port < 65536, "gateway.port must be a TCP port")
 
 
+class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Traces of every request and every scheduler/admission decision.
+
+    ``exporter``: "none", "otlp" (HTTP/protobuf to ``otlp_endpoint``) or "jsonl" (one span
+    per line appended to ``jsonl_path``). The standard ``OTEL_TRACES_EXPORTER``,
+    ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT`` and ``OTEL_TRACES_SAMPLER_ARG`` variables
+    override these. Prompt and completion text are never recorded unless ``record_content``.
+    """
+
+    exporter: Literal["none", "otlp", "jsonl"] = "none"
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    jsonl_path: str = ""
+    sample_ratio: float = 1.0
+    record_content: bool = False
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.sample_ratio <= 1.0, "telemetry.sample_ratio must be in [0, 1]")
+        _require(self.exporter != "jsonl" or bool(self.jsonl_path),
+                 "telemetry.jsonl_path is required for the jsonl exporter")
+
+
 class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float = 0.1
     heartbeat_timeout_s: float = 10.0
@@ -179,6 +200,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     streamer: StreamerConfig = StreamerConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     gateway: GatewayConfig = GatewayConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

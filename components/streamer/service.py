@@ -10,18 +10,25 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from typing import Any
+
 import anyio
 import structlog
 import zmq
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from bus.codec import salvage_request_id
+from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
 from schemas.wire import (Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           ComponentStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
-                          ProtocolError, Rejected, StatusQuery, StatusReport, StreamerMsg, Submit)
+                          ProtocolError, Rejected, StatusQuery, StatusReport, StreamerMsg, Submit,
+                          TextDelta, Usage)
 
 log = structlog.get_logger("streamer")
+_TRACER = trace.get_tracer("weir.streamer")
 TERMINAL = (Finished, Rejected, Cancelled, Failed)
 
 
@@ -30,6 +37,23 @@ class Active:
     identity: bytes
     tenant: str
     arrival_ns: int
+    span: Any = None                 # the request's root span in the engine
+    delivery: Any = None             # "stream" span: first delta to terminal
+
+    def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
+        attrs = {"weir.terminal": terminal, "weir.reason": reason}
+        if usage is not None:
+            attrs.update({"gen_ai.usage.input_tokens": usage.prompt_tokens,
+                          "gen_ai.usage.output_tokens": usage.completion_tokens,
+                          "weir.usage.cached_tokens": usage.cached_tokens})
+        if terminal == "finished":
+            attrs["gen_ai.response.finish_reasons"] = (reason,)
+        elif terminal in ("failed", "rejected"):
+            self.span.set_status(Status(StatusCode.ERROR, terminal))
+        if self.delivery is not None:
+            self.delivery.end()
+        self.span.set_attributes(attrs)
+        self.span.end()
 
 
 class StreamerService(Component):
@@ -86,25 +110,38 @@ class StreamerService(Component):
 
     async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
-        if self.draining:
-            return await self._terminal_to(who, Rejected(rid, "draining", "the server is draining",
-                                                         self.config.streamer.drain_timeout_s))
-        if not rid or rid in self.active:
-            return await self._terminal_to(who, Rejected(rid, "invalid_request",
-                                                         "request_id is empty or already in use"))
-        if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
-            return await self._terminal_to(who, Rejected(
-                rid, "invalid_request", "set exactly one of prompt, prompt_token_ids or messages"))
-        if len(self.active) >= self.config.streamer.max_clients_requests:
-            return await self._terminal_to(who, Rejected(rid, "overloaded",
-                                                         "too many open streams", 1.0))
-        now = time.time_ns()
-        self.active[rid] = Active(who, sub.tenant, now)
+        p = sub.params
+        span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
+                                  kind=trace.SpanKind.SERVER, attributes={
+            "weir.request_id": rid, "weir.tenant": sub.tenant,
+            "gen_ai.operation.name": "chat" if sub.messages is not None else "text_completion",
+            "gen_ai.request.max_tokens": p.max_tokens if p.max_tokens is not None else -1,
+            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
+            "gen_ai.request.top_k": p.top_k})
+        req = Active(who, sub.tenant, time.time_ns(), span)
+        if (rejected := self._check_submit(sub)) is not None:
+            req.end("rejected", rejected.reason)
+            return await self._terminal_to(who, rejected)
+        self.active[rid] = req
         self.counts["submitted"] += 1
         await self.to_tokenizer.send(
-            NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, now,
+            NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, req.arrival_ns,
                        sub.prompt_token_ids),
-            traceparent=traceparent)
+            traceparent=tracing.traceparent_of(span))
+
+    def _check_submit(self, sub: Submit) -> Rejected | None:
+        rid = sub.request_id
+        if self.draining:
+            return Rejected(rid, "draining", "the server is draining",
+                            self.config.streamer.drain_timeout_s)
+        if not rid or rid in self.active:
+            return Rejected(rid, "invalid_request", "request_id is empty or already in use")
+        if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
+            return Rejected(rid, "invalid_request",
+                            "set exactly one of prompt, prompt_token_ids or messages")
+        if len(self.active) >= self.config.streamer.max_clients_requests:
+            return Rejected(rid, "overloaded", "too many open streams", 1.0)
+        return None
 
     async def _terminal_to(self, who: bytes, event) -> None:
         self.counts[type(event).__name__.lower()] += 1
@@ -112,6 +149,7 @@ class StreamerService(Component):
 
     async def _cancel(self, rid: str, reason: str) -> None:
         req = self.active.pop(rid)
+        req.end("cancelled", reason)
         self.counts["cancelled"] += 1
         await self.clients.send(Cancelled(rid, reason), to=req.identity)
         await self.to_tokenizer.send(CancelRequest(rid, reason))
@@ -119,9 +157,14 @@ class StreamerService(Component):
     async def _reaper(self) -> None:
         """Cancel the requests of clients that stopped sending (killed, hung, gone)."""
         timeout = self.config.streamer.client_timeout_s
+        tick = min(0.05, timeout / 4)
+        last = time.monotonic()
         while True:
-            await anyio.sleep(min(0.05, timeout / 4))
+            await anyio.sleep(tick)
             now = time.monotonic()
+            stalled, last = now - last > timeout / 2, now
+            if stalled:        # we were not running: heartbeats may be queued unread, not late
+                continue
             gone = {who for who, t in self.last_seen.items() if now - t > timeout}
             if not gone:
                 continue
@@ -141,9 +184,15 @@ class StreamerService(Component):
                         if req is None:
                             self.counts["late_events"] += 1
                             continue
+                        if isinstance(event, TextDelta) and req.delivery is None:
+                            req.delivery = _TRACER.start_span(
+                                "stream", context=trace.set_span_in_context(req.span))
                         if isinstance(event, TERMINAL):
                             del self.active[event.request_id]
-                            self.counts[type(event).__name__.lower()] += 1
+                            terminal = type(event).__name__.lower()
+                            self.counts[terminal] += 1
+                            req.end(terminal, getattr(event, "finish_reason", None)
+                                    or getattr(event, "reason", ""), getattr(event, "usage", None))
                         await self.clients.send(event, to=req.identity)
                 case ClusterStatus() as status:
                     self.cluster = status
@@ -151,6 +200,7 @@ class StreamerService(Component):
     async def peer_restarted(self, name: str) -> None:
         for rid in list(self.active):
             req = self.active.pop(rid)
+            req.end("failed", f"{name} restarted")
             self.counts["failed"] += 1
             await self.clients.send(Failed(rid, f"engine component {name} restarted"),
                                     to=req.identity)
