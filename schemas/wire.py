@@ -87,6 +87,14 @@ class Usage(msgspec.Struct, frozen=True):
     cached_tokens: int = 0
 
 
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Where a request's time went, measured by the scheduler (seconds)."""
+
+    queue_s: float = 0.0        # arrival → first scheduled
+    prefill_s: float = 0.0      # first scheduled → first token
+    decode_s: float = 0.0       # first token → finished
+
+
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     request_id: str
     prompt_tokens: int
@@ -107,6 +115,7 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
     usage: Usage
     text: str = ""
     queue_time_s: float = 0.0
+    timing: RequestTiming | None = None
 
 
 class Rejected(msgspec.Struct, tag="rejected", frozen=True):
@@ -239,6 +248,7 @@ class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=F
 
 class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):
     grants: list[KvGrant]
+    free_blocks: int = -1
 
 
 class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
@@ -333,6 +343,7 @@ class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     prompt_tokens: int
     cached_tokens: int
     queue_time_s: float = 0.0
+    traceparent: str | None = None
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -344,6 +355,7 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     params: DetokParams | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    timing: RequestTiming | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True, gc=False):

@@ -51,6 +51,18 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from weir.trace_view import load, render, timeline
+
+    try:
+        rows = timeline(load(args.file), args.request_id)
+    except (OSError, LookupError, ValueError) as exc:
+        print(f"weir trace: {exc}", file=sys.stderr)
+        return 1
+    print(render(rows, args.request_id))
+    return 0
+
+
 def _hash_key(args: argparse.Namespace) -> int:
     from components.gateway.auth import hash_key
 
@@ -128,6 +140,11 @@ def _status(args: argparse.Namespace) -> int:
         print(f"weir status: {exc}", file=sys.stderr)
         return 1
     comps = {c.name: c for c in report.components}
+    if args.component:                      # health check: exit 0 iff that component is ready
+        c = comps.get(args.component)
+        ok = c is not None and c.alive and c.state == "ready"
+        print(f"{args.component}: {'ready' if ok else 'not ready'}")
+        return 0 if ok else 1
     sched = comps.get("scheduler").stats if "scheduler" in comps else {}
     kv = comps.get("kv_manager").stats if "kv_manager" in comps else {}
     out = {
@@ -191,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--config", required=True, help="a TOML config with a tcp topology")
     comp.set_defaults(func=_component)
 
+    tr = sub.add_parser("trace", help="print a request's timeline from a JSONL span export")
+    tr.add_argument("request_id")
+    tr.add_argument("--file", required=True, help="spans.jsonl written by telemetry.exporter=jsonl")
+    tr.set_defaults(func=_trace)
+
     hk = sub.add_parser("hash-key", help="print the SHA-256 to store for an API key")
     hk.add_argument("key")
     hk.set_defaults(func=_hash_key)
@@ -201,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--component", default=None,
+                    help="exit 0 only if this component is alive and ready (health checks)")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--endpoint", default=None, help=endpoint_help)
     st.set_defaults(func=_status)

@@ -23,7 +23,8 @@ from bus.socket import BusSocket
 from bus.tracing import traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
-                          ProtocolError, Rejected, SamplingParams, ServerMsg, StatusQuery,
+                          ProtocolError, Rejected, RequestTiming, SamplingParams, ServerMsg,
+                          StatusQuery,
                           StatusReport, Submit, TextDelta, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
@@ -46,6 +47,7 @@ class Completion:
     ttft_ms: float | None
     e2e_ms: float
     queue_time_s: float = 0.0
+    timing: RequestTiming | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -95,8 +97,9 @@ class Stream:
                         self.text.append(event.text)
                         self.token_ids.extend(event.token_ids)
                         yield event
-                    case Finished(finish_reason=reason, usage=usage, queue_time_s=queue):
-                        self._finish(reason, usage, queue)
+                    case Finished(finish_reason=reason, usage=usage, queue_time_s=queue,
+                                  timing=timing):
+                        self._finish(reason, usage, queue, timing)
                         return
                     case Rejected():
                         raise RequestRejected(event.request_id, event.reason, event.message,
@@ -126,11 +129,12 @@ class Stream:
                 self.span.end()
                 self.span = None
 
-    def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0) -> None:
+    def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0,
+                timing: RequestTiming | None = None) -> None:
         now = time.perf_counter()
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1e3
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
-                                 usage, ttft, (now - self.started) * 1e3, queue_time_s)
+                                 usage, ttft, (now - self.started) * 1e3, queue_time_s, timing)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True

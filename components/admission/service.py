@@ -7,6 +7,9 @@ import time
 from collections import Counter, deque
 
 import structlog
+from opentelemetry import trace
+
+from bus import tracing
 
 from bus.component import Component
 from components.admission.validate import check_length, check_params
@@ -14,6 +17,7 @@ from schemas.wire import (Accepted, AdmissionMsg, Admitted, CancelRequest, Event
                           Released, Tokenized)
 
 log = structlog.get_logger("admission")
+_TRACER = trace.get_tracer("weir.admission")
 
 
 class AdmissionService(Component):
@@ -56,21 +60,46 @@ class AdmissionService(Component):
                             self.retry_after(self.per_tenant[req.tenant] - tenant.max_outstanding + 1))
         return None
 
+    def _decision_attributes(self, req: Tokenized, rejected: Rejected | None) -> dict:
+        tenant = self.tenants.get(req.tenant)
+        bs = self.config.kv.block_size
+        return {
+            "weir.tenant": req.tenant, "weir.service_class": "standard",
+            "weir.admission.decision": "reject" if rejected else "accept",
+            "weir.admission.reason": rejected.reason if rejected else "within_caps",
+            "weir.admission.retry_after_s": (rejected.retry_after_s or 0.0) if rejected else 0.0,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+            "weir.admission.uncached_prompt_tokens": len(req.prompt_token_ids),
+            "gen_ai.request.max_tokens": req.params.max_tokens or -1,
+            "weir.admission.kv_blocks_requested": -(-(len(req.prompt_token_ids) + 1) // bs),
+            "weir.tenant.outstanding": self.per_tenant[req.tenant],
+            "weir.tenant.max_outstanding": tenant.max_outstanding if tenant else 0,
+            "weir.engine.outstanding": len(self.outstanding),
+            "weir.engine.max_outstanding": self.config.admission.max_outstanding,
+        }
+
     async def run(self) -> None:
         while True:
-            match (await self.inbox_sock.recv()).body:
+            msg = await self.inbox_sock.recv()
+            match msg.body:
                 case Tokenized() as req:
                     rejected = self.decide(req)
                     self.decisions[rejected.reason if rejected else "accepted"] += 1
+                    parent = tracing.context_from(msg.envelope.traceparent)
+                    with _TRACER.start_as_current_span(
+                            "admission.decide", context=parent,
+                            attributes=self._decision_attributes(req, rejected)):
+                        log.info("admission", request_id=req.request_id,
+                                 decision=rejected.reason if rejected else "accepted")
                     if rejected is not None:
-                        log.info("rejected", request_id=req.request_id, reason=rejected.reason)
                         await self.to_streamer.send(EventBatch([rejected]))
                         continue
                     self.outstanding[req.request_id] = req.tenant
                     self.per_tenant[req.tenant] += 1
                     await self.to_scheduler.send(Admitted(
                         req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
-                        req.params, req.arrival_ns, req.eos_token_ids))
+                        req.params, req.arrival_ns, req.eos_token_ids),
+                        traceparent=msg.envelope.traceparent)
                     await self.to_streamer.send(EventBatch(
                         [Accepted(req.request_id, len(req.prompt_token_ids))]))
                 case CancelRequest() as cancel:

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from bus import tracing
 
 from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
@@ -13,6 +17,7 @@ from schemas.wire import (DetokenizerMsg, EventBatch, Finished, ForgetRequest, S
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("detokenizer")
+_TRACER = trace.get_tracer("weir.detokenizer")
 
 
 @dataclass
@@ -21,6 +26,7 @@ class _Stream:
     prompt_tokens: int
     cached_tokens: int
     queue_time_s: float
+    span: Span
     completion_tokens: int = 0
 
 
@@ -40,8 +46,10 @@ class DetokenizerService(Component):
             p = item.params
             detok = IncrementalDetokenizer(self.bundle.tokenizer, self.bundle.special_ids,
                                            p.skip_special_tokens, p.stop)
+            span = _TRACER.start_span("detokenize", context=tracing.context_from(p.traceparent),
+                                      attributes={"weir.detok.stop_strings": len(p.stop)})
             stream = self.streams[item.request_id] = _Stream(detok, p.prompt_tokens, p.cached_tokens,
-                                                              p.queue_time_s)
+                                                              p.queue_time_s, span)
         return stream
 
     def process(self, batch: TokenBatch) -> tuple[list, list[str]]:
@@ -64,10 +72,14 @@ class DetokenizerService(Component):
                 events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
                 continue
             del self.streams[item.request_id]
+            stream.span.set_attributes({"gen_ai.usage.output_tokens": stream.completion_tokens,
+                                        "gen_ai.response.finish_reasons": (reason,)})
+            stream.span.end()
             events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
             usage = item.usage or Usage(stream.prompt_tokens, stream.completion_tokens,
                                         stream.cached_tokens)
-            events.append(Finished(item.request_id, reason, usage, "", stream.queue_time_s))
+            events.append(Finished(item.request_id, reason, usage, "", stream.queue_time_s,
+                                   item.timing))
         return events, stopped
 
     async def run(self) -> None:
@@ -80,7 +92,9 @@ class DetokenizerService(Component):
                     for rid in stopped:
                         await self.to_scheduler.send(StopRequest(rid))
                 case ForgetRequest(request_id=rid):
-                    self.streams.pop(rid, None)
+                    if (stream := self.streams.pop(rid, None)) is not None:
+                        stream.span.set_attribute("weir.ended", "forgotten")
+                        stream.span.end()
 
     def stats(self) -> dict[str, float]:
         return {"streams": len(self.streams)}

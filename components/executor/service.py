@@ -7,6 +7,10 @@ import time
 import anyio
 import structlog
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from bus import tracing
 
 from bus.component import Component
 from components.executor.loader import load_model
@@ -16,6 +20,7 @@ from schemas.wire import ExecutorMsg, StepPlan, StepResult
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("executor")
+_TRACER = trace.get_tracer("weir.executor")
 
 
 class ExecutorService(Component):
@@ -42,8 +47,14 @@ class ExecutorService(Component):
 
     async def run(self) -> None:
         while True:
-            match (await self.inbox_sock.recv()).body:
+            msg = await self.inbox_sock.recv()
+            match msg.body:
                 case StepPlan() as plan:
+                    span = _TRACER.start_span("executor.step",
+                                              context=tracing.context_from(msg.envelope.traceparent),
+                                              attributes={"weir.step.id": plan.step_id,
+                                                          "weir.step.num_seqs": len(plan.steps),
+                                                          "weir.step.new_seqs": len(plan.new_seqs)})
                     try:
                         result = await anyio.to_thread.run_sync(self.runner.step, plan)
                     except Exception:
@@ -52,7 +63,11 @@ class ExecutorService(Component):
                         log.exception("step_failed", step_id=plan.step_id)
                         self.runner.seqs.clear()
                         await self.to_scheduler.send(StepResult(plan.step_id, [], [], 0, True))
+                        span.set_status(Status(StatusCode.ERROR, "step failed"))
+                        span.end()
                         continue
+                    span.set_attribute("weir.step.forward_ms", round(result.elapsed_ns / 1e6, 3))
+                    span.end()
                     self.steps += 1
                     self.busy_ns += result.elapsed_ns
                     await self.to_scheduler.send(result)

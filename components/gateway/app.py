@@ -8,12 +8,14 @@ from typing import Any, AsyncIterator
 
 import anyio
 import msgspec
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bus import tracing
 from components.gateway.auth import Authenticator
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -24,6 +26,7 @@ from weir.errors import RequestCancelled, RequestFailed, RequestRejected, Reques
 _REJECT_STATUS = {"tenant_over_budget": 429, "overloaded": 503, "draining": 503,
                   "unknown_tenant": 403}
 _json = msgspec.json.Encoder()
+_TRACER = trace.get_tracer("weir.gateway")
 
 
 class GatewayState:
@@ -76,6 +79,22 @@ def build_app(state: GatewayState) -> Starlette:
         return await _generate(request, ChatCompletionRequest, chat=True)
 
     async def _generate(request: Request, kind: type, chat: bool) -> Response:
+        span = _TRACER.start_span(f"POST {request.url.path}", kind=trace.SpanKind.SERVER,
+                                  context=tracing.context_from(request.headers.get("traceparent")),
+                                  attributes={"http.request.method": "POST",
+                                              "url.path": request.url.path})
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                response = await _generate_in_span(request, kind, chat, span)
+        except BaseException:
+            span.end()
+            raise
+        if not isinstance(response, StreamingResponse):
+            span.set_attribute("http.response.status_code", response.status_code)
+            span.end()
+        return response
+
+    async def _generate_in_span(request: Request, kind: type, chat: bool, span) -> Response:
         started = time.perf_counter()
         echo_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
@@ -107,7 +126,7 @@ def build_app(state: GatewayState) -> Starlette:
         headers = {"x-request-id": echo_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _sse(stream, events, first, shaper, include_usage, started)
+            body = _sse(stream, events, first, shaper, include_usage, started, span)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         return await _collect(stream, events, first, shaper, started, headers)
 
@@ -131,10 +150,10 @@ def build_app(state: GatewayState) -> Starlette:
     def _record(res, started: float) -> None:
         state.metrics.finished(res.finish_reason, res.usage.prompt_tokens,
                                res.usage.completion_tokens, res.queue_time_s,
-                               time.perf_counter() - started)
+                               time.perf_counter() - started, res.timing)
 
     async def _sse(stream: Stream, events, first, shaper: Shaper, include_usage: bool,
-                   started: float) -> AsyncIterator[bytes]:
+                   started: float, span) -> AsyncIterator[bytes]:
         def frame(obj: Any) -> bytes:
             return b"data: " + _json.encode(obj) + b"\n\n"
 
@@ -167,9 +186,12 @@ def build_app(state: GatewayState) -> Starlette:
         finally:
             if not done:                       # the client went away mid-stream
                 state.metrics.error("cancelled")
+                span.set_attribute("weir.client_disconnected", True)
                 with anyio.CancelScope(shield=True):
                     await stream.cancel()
                     await events.aclose()
+            span.set_attribute("http.response.status_code", 200)
+            span.end()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

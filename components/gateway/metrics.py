@@ -4,7 +4,8 @@ Names follow vLLM's where the meaning is the same, under the ``weir:`` prefix.""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0)
@@ -45,6 +46,43 @@ class _EngineCollector:
                             kv.get("prefix_hit_tokens", 0))
         yield self._counter("weir:num_preemptions", "Sequences preempted by the scheduler.",
                             sched.get("preemptions", 0))
+        yield self._gauge("weir:num_active_kv_tokens", "Tokens held in KV by running sequences.",
+                          sched.get("active_kv_tokens", 0))
+        yield self._counter("weir:kv_allocation_failures", "KV allocations the pool refused.",
+                            kv.get("alloc_failures", 0))
+        yield self._batch_histogram(sched)
+        streamer = self.stats.get("streamer", {})
+        yield self._counter("weir:request_cancellations", "Requests cancelled (client or timeout).",
+                            streamer.get("requests.cancelled", 0))
+        rej = CounterMetricFamily("weir:request_rejections", "Requests rejected, by reason.",
+                                  labels=["model_name", "reason"])
+        for key, value in self.stats.get("admission", {}).items():
+            if key.startswith("decisions.") and key != "decisions.accepted":
+                rej.add_metric([self.model, key.removeprefix("decisions.")], value)
+        yield rej
+        tok = CounterMetricFamily("weir:tenant_tokens", "Tokens per tenant (processed = prompt "
+                                  "and fed-back tokens computed; generated = sampled).",
+                                  labels=["model_name", "tenant", "kind"])
+        kvb = GaugeMetricFamily("weir:tenant_kv_blocks", "KV blocks held per tenant.",
+                                labels=["model_name", "tenant"])
+        for key, value in sched.items():
+            if key.startswith("tenant.kv_blocks."):
+                kvb.add_metric([self.model, key.removeprefix("tenant.kv_blocks.")], value)
+            elif key.startswith("tenant.") and "_tokens." in key:
+                kind, tenant = key.removeprefix("tenant.").split("_tokens.", 1)
+                tok.add_metric([self.model, tenant, kind], value)
+        yield tok
+        yield kvb
+
+    def _batch_histogram(self, sched: dict[str, float]) -> HistogramMetricFamily:
+        h = HistogramMetricFamily("weir:batch_size", "Sequences per scheduler step.",
+                                  labels=["model_name"])
+        buckets = sorted((float(k.removeprefix("batch_size.le.")), v) for k, v in sched.items()
+                         if k.startswith("batch_size.le."))
+        count = sched.get("batch_size.count", 0)
+        h.add_metric([self.model], [(str(int(le)), v) for le, v in buckets] + [("+Inf", count)],
+                     sum_value=sched.get("batch_size.sum", 0))
+        return h
 
 
 class GatewayMetrics:
@@ -61,6 +99,10 @@ class GatewayMetrics:
                                registry=r)
         self.e2e = Histogram("weir:e2e_request_latency_seconds", "End-to-end request latency.",
                              m, buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("weir:request_prefill_time_seconds",
+                                 "First scheduled to first token.", m, buckets=_LATENCY, registry=r)
+        self.decode = Histogram("weir:request_decode_time_seconds",
+                                "First token to finish.", m, buckets=_LATENCY, registry=r)
         self.success = Counter("weir:request_success", "Finished requests by reason.",
                                m + ["finished_reason"], registry=r)
         self.errors = Counter("weir:request_errors", "Requests that ended without finishing, "
@@ -73,8 +115,11 @@ class GatewayMetrics:
         r.register(self.engine)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int,
-                 queue_s: float, e2e_s: float) -> None:
+                 queue_s: float, e2e_s: float, timing=None) -> None:
         self.success.labels(self.model, reason).inc()
+        if timing is not None:
+            self.prefill.labels(self.model).observe(timing.prefill_s)
+            self.decode.labels(self.model).observe(timing.decode_s)
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.generation_tokens.labels(self.model).inc(completion_tokens)
         self.queue.labels(self.model).observe(queue_s)

@@ -56,7 +56,7 @@ class KvManagerService(Component):
                 case KvOps() as ops:
                     grants = self.handle(ops)
                     if grants:
-                        await self.to_scheduler.send(KvGrants(grants))
+                        await self.to_scheduler.send(KvGrants(grants, self.pool.num_free))
                 case KvHello(epoch=epoch):
                     self._advance_epoch(epoch)
                     await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from components.scheduler.sequence import Phase, Seq
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
-                          NewSeq, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+                          NewSeq, RequestTiming, SeqStep, StepPlan, StepResult, TokenOut, Usage)
 
 
 @dataclass
@@ -56,6 +56,7 @@ class SchedulerCore:
         self.in_flight_step = 0                         # step_id of the plan in flight
         self._frees_emitted = 0    # FreeRequests so far; a denied lease retries after more
         self.preemptions = 0
+        self.last_preempted: list[tuple[str, str, int]] = []   # (request, reason, wasted tokens)
         self.steps = 0
 
     # ------------------------------------------------------------------ inputs
@@ -129,6 +130,7 @@ class SchedulerCore:
         """Plan the next step, or None if nothing can run now. Call only when no step
         is in flight. ``now_ns`` (wall clock) stamps first scheduling, for queue time."""
         assert self.in_flight is None
+        self.last_preempted = []
         self._preempt_if_stuck()
         budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Seq, int]] = []
@@ -232,6 +234,9 @@ class SchedulerCore:
     def _preempt(self, seq: Seq, count: bool = True) -> None:
         """Return a sequence's blocks (its computed full blocks stay cached) and send it
         back to wait under a fresh seq id; a running victim goes to the head of the queue."""
+        self.last_preempted.append((seq.request_id, "kv_growth_denied" if count
+                                    else "returned_unscheduled_blocks",
+                                    seq.num_computed if count else 0))
         if count:
             self.preemptions += 1
             seq.preemptions += 1
@@ -254,7 +259,7 @@ class SchedulerCore:
         seq.known_to_executor = False
 
     # ------------------------------------------------------------------ results
-    def on_result(self, result: StepResult) -> Outcome:
+    def on_result(self, result: StepResult, now_ns: int = 0) -> Outcome:
         out = Outcome()
         if self.in_flight is None or result.step_id != self.in_flight_step:
             return out                                # a step planned before a reset
@@ -270,6 +275,8 @@ class SchedulerCore:
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             first = seq.outputs_sent == 0
+            if first:
+                seq.first_token_ns = now_ns
             seq.outputs_sent += 1
             p = seq.params
             params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
@@ -279,7 +286,10 @@ class SchedulerCore:
                 out.tokens.append(TokenOut(seq.request_id, [token], params))
                 continue
             usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
-            out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage))
+            timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
+                                   max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
+                                   max(now_ns - seq.first_token_ns, 0) / 1e9)
+            out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing))
             self._finish(seq, out)
         return out
 

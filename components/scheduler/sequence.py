@@ -38,6 +38,7 @@ class Seq:
     outputs_sent: int = 0          # output tokens already handed to the detokenizer
     preemptions: int = 0
     first_scheduled_ns: int = 0
+    first_token_ns: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,11 @@ import time
 import structlog
 
 from bus.component import Component
+import msgspec
+
 from components.scheduler.core import Outcome, SchedulerCore
+from components.scheduler.step_trace import StepTracer
+from components.scheduler.usage import UsageStats
 from schemas.wire import (Admitted, CancelRequest, EventBatch, Failed, ForgetRequest, KvGrants,
                           KvHello, KvManagerUp, Released, SchedulerMsg, StepResult, StopRequest,
                           TokenBatch)
@@ -35,23 +39,31 @@ class SchedulerService(Component):
         self.to_streamer = self.push_to("streamer")
         self.step_started = 0
         self.last_step_ms = 0.0
+        self.trace = StepTracer(self.core, cfg.scheduler.max_num_batched_tokens)
+        self.usage = UsageStats()
         await self.to_kv.send(KvHello(self.core.epoch))
 
     async def run(self) -> None:
         while True:
-            body = (await self.inbox_sock.recv()).body
+            msg = await self.inbox_sock.recv()
             out = Outcome()
-            match body:
+            match msg.body:
                 case Admitted() as req:
                     self.core.add(req)
+                    self.trace.admitted(req.request_id, msg.envelope.traceparent)
                 case StepResult(failed=True, step_id=step_id):
                     if self.core.in_flight is not None and step_id == self.core.in_flight_step:
                         log.error("step_failed", step_id=step_id)
                         out = await self._fail_all(kv_lost=False, reason="executor step failed")
                 case StepResult() as res:
-                    self.last_step_ms = (time.perf_counter_ns() - self.step_started) / 1e6
-                    out = self.core.on_result(res)
-                case KvGrants(grants=grants):
+                    measured = (time.perf_counter_ns() - self.step_started) / 1e9
+                    self.last_step_ms = measured * 1e3
+                    if self.core.in_flight is not None and res.step_id == self.core.in_flight_step:
+                        self.trace.finished_step(measured, res.elapsed_ns / 1e9)
+                        self.usage.sampled(self.core, res.seq_ids)
+                    out = self.core.on_result(res, time.time_ns())
+                case KvGrants(grants=grants, free_blocks=free):
+                    self.trace.free_blocks = free
                     self.core.on_grants(grants)
                 case CancelRequest(request_id=rid) | StopRequest(request_id=rid):
                     out = self.core.cancel(rid)
@@ -77,10 +89,16 @@ class SchedulerService(Component):
     async def _emit(self, out: Outcome) -> None:
         core = self.core
         if out.tokens:
-            await self.to_detok.send(TokenBatch(out.tokens))
+            self.trace.outputs(out.tokens)
+            tokens = [t if t.params is None else msgspec.structs.replace(
+                t, params=msgspec.structs.replace(
+                    t.params, traceparent=self.trace.traceparents.get(t.request_id)))
+                for t in out.tokens]
+            await self.to_detok.send(TokenBatch(tokens))
         for rid in out.forget:
             await self.to_detok.send(ForgetRequest(rid))
         if out.released:
+            self.trace.released(out.released)
             await self.to_admission.send(Released(out.released))
         if core.in_flight is None and core.has_work:
             plan = core.schedule(time.time_ns())
@@ -89,7 +107,8 @@ class SchedulerService(Component):
                 ops = core.take_kv_ops()
                 if ops is not None:
                     await self.to_kv.send(ops)
-                await self.to_executor.send(plan)
+                self.usage.planned(core, plan)
+                await self.to_executor.send(plan, traceparent=self.trace.planned(plan))
         ops = core.take_kv_ops()
         if ops is not None:
             await self.to_kv.send(ops)
@@ -97,4 +116,5 @@ class SchedulerService(Component):
     def stats(self) -> dict[str, float]:
         c = self.core
         return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
-                "preemptions": c.preemptions, "last_step_ms": round(self.last_step_ms, 3)}
+                "preemptions": c.preemptions, "last_step_ms": round(self.last_step_ms, 3),
+                **self.usage.stats(c)}

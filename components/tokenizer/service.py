@@ -4,6 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import structlog
+from opentelemetry import trace
+
+from bus import tracing
 
 from bus.component import Component
 from components.tokenizer.chat import ChatTemplate
@@ -14,6 +17,7 @@ from schemas.wire import (CancelRequest, EventBatch, NewRequest, Rejected, Token
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("tokenizer")
+_TRACER = trace.get_tracer("weir.tokenizer")
 
 
 class TokenizerService(Component):
@@ -57,13 +61,19 @@ class TokenizerService(Component):
             msg = await self.inbox_sock.recv()
             match msg.body:
                 case NewRequest() as req:
-                    ids = self.tokenize(req)
-                    if isinstance(ids, str):
-                        await self.to_streamer.send(EventBatch(
-                            [Rejected(req.request_id, "invalid_request", ids)]))
-                        continue
+                    parent = tracing.context_from(msg.envelope.traceparent)
+                    with _TRACER.start_as_current_span("tokenize", context=parent) as span:
+                        ids = self.tokenize(req)
+                        if isinstance(ids, str):
+                            span.set_attribute("weir.rejected", "invalid_request")
+                            await self.to_streamer.send(EventBatch(
+                                [Rejected(req.request_id, "invalid_request", ids)]))
+                            continue
+                        hashes = block_hashes(ids, bs, req.tenant, self.model_id)
+                        span.set_attributes({"gen_ai.usage.input_tokens": len(ids),
+                                             "weir.prefix.full_blocks": len(hashes),
+                                             "weir.chat": req.messages is not None})
                     self.tokenized += 1
-                    hashes = block_hashes(ids, bs, req.tenant, self.model_id)
                     await self.to_admission.send(
                         Tokenized(req.request_id, req.tenant, ids, hashes, req.params,
                                   req.arrival_ns, self.bundle.eos_token_ids),

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class Engine:
     def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
-                 http_port: int | None = None, gateway_extra: str = ""):
+                 http_port: int | None = None, gateway_extra: str = "",
+                 log_level: str = "warning"):
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
         self.log_path = run_dir / "serve.log"
@@ -23,7 +24,7 @@ class Engine:
         gateway = (f"\n[gateway]\nport = {http_port}\n{gateway_extra}" if http_port
                    else "\n[gateway]\nenabled = false\n")
         cfg.write_text(config_toml if "[gateway]" in config_toml else config_toml + gateway)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL=log_level)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
              "--run-dir", str(run_dir), "--endpoint", self.endpoint, *extra_args],

@@ -9,6 +9,7 @@ from collections import deque
 import pytest
 
 from components.kv_manager.pool import BlockPool
+from schemas.wire import RequestTiming
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.sequence import Phase
 from components.tokenizer.hashing import block_hashes
@@ -16,6 +17,8 @@ from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, FreeRequest,
                           KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq,
                           SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+
+T0 = RequestTiming()    # timings are zero when the test passes no clock
 
 BS = 8
 EPOCH = 1
@@ -267,7 +270,7 @@ def test_eos_stops_and_frees():
     plan = run_to_sample(core, kv, admitted("a", toks, eos=(2,)), admitted("b", prompt(3, 50)))
     out = core.on_result(result(plan, {1: 2, 2: 2}))       # b has no eos ids
     assert out.tokens == [
-        TokenOut("a", [2], DetokParams((), True, 10, 0), "stop", Usage(10, 1, 0)),
+        TokenOut("a", [2], DetokParams((), True, 10, 0), "stop", Usage(10, 1, 0), T0),
         TokenOut("b", [2], DetokParams((), True, 3, 0))]
     assert out.released == ["a"] and out.forget == []
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
@@ -286,7 +289,7 @@ def test_ignore_eos():
     assert out.tokens[0].finish_reason is None and out.released == []
     plan = core.schedule()
     out = core.on_result(result(plan, {1: 2}))
-    assert out.tokens == [TokenOut("a", [2], None, "length", Usage(10, 2, 0))]
+    assert out.tokens == [TokenOut("a", [2], None, "length", Usage(10, 2, 0), T0)]
 
 
 def test_stop_token_ids():
@@ -295,7 +298,7 @@ def test_stop_token_ids():
     assert core.on_result(result(plan, {1: 9})).released == []
     plan = core.schedule()
     out = core.on_result(result(plan, {1: 8}))
-    assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 2, 0))]
+    assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 2, 0), T0)]
     assert out.released == ["a"]
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 11)], [])
 
@@ -440,7 +443,7 @@ def test_prefix_cache_grant_starts_at_cached_tokens():
                             [SeqStep(2, 4, [], True)], [1])
     out = core.on_result(result(plan, {2: 9}))
     assert out.tokens == [TokenOut("b", [9], DetokParams((), True, 20, 16), "length",
-                                   Usage(20, 1, 16))]
+                                   Usage(20, 1, 16), T0)]
 
 
 def test_other_tenant_gets_no_cache():
@@ -958,3 +961,22 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts)
         cluster.check_quiescent()
         preempted += cluster.core.preemptions > 0
     assert preempted > 50                     # the runs do exercise preemption
+
+
+def test_request_timing_from_the_clock():
+    core = make()
+    req = Admitted("tm", "t1", prompt(5), [], SamplingParams(max_tokens=2), 1_000_000_000)
+    core.add(req)
+    assert core.schedule(now_ns=1_100_000_000) is None
+    ops = core.take_kv_ops()
+    pool = BlockPool(64, BS)
+    a = ops.allocs[0]
+    g = pool.allocate(a.seq_id, a.num_blocks, epoch=ops.epoch)
+    core.on_grants([KvGrant(ops.epoch, a.seq_id, True, g.block_ids, 0)])
+    plan = core.schedule(now_ns=1_250_000_000)                   # queued 0.25 s
+    out = core.on_result(result(plan, {a.seq_id: 7}), now_ns=1_400_000_000)
+    assert out.tokens[0].timing is None and out.tokens[0].params.queue_time_s == 0.25
+    core.take_kv_ops()
+    plan = core.schedule(now_ns=1_450_000_000)
+    out = core.on_result(result(plan, {a.seq_id: 8}), now_ns=1_900_000_000)
+    assert out.tokens[0].timing == RequestTiming(0.25, 0.15, 0.5)

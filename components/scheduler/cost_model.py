@@ -1,0 +1,39 @@
+"""The step-cost model: predicts a step's time from its shape, learned from measured steps.
+
+time ≈ a + b · batch_tokens + c · context_tokens + d · num_seqs, fitted by least squares over
+a sliding window of recent steps. Until it has seen enough distinct steps it predicts from
+the average time per token. Pure and synchronous.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class StepCostModel:
+    def __init__(self, window: int = 256, min_samples: int = 8) -> None:
+        self._x: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._coef: np.ndarray | None = None
+        self._dirty = False
+        self.min_samples = min_samples
+
+    def observe(self, batch_tokens: int, context_tokens: int, num_seqs: int, seconds: float) -> None:
+        self._x.append((1.0, float(batch_tokens), float(context_tokens), float(num_seqs)))
+        self._y.append(seconds)
+        self._dirty = True
+
+    def predict(self, batch_tokens: int, context_tokens: int, num_seqs: int) -> float:
+        """Predicted seconds for a step; 0.0 before any observation."""
+        if not self._y:
+            return 0.0
+        if len(self._y) < self.min_samples:
+            per_token = sum(self._y) / max(sum(x[1] for x in self._x), 1.0)
+            return per_token * batch_tokens
+        if self._dirty:
+            x, y = np.array(self._x), np.array(self._y)
+            self._coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            self._dirty = False
+        est = float(self._coef @ np.array([1.0, batch_tokens, context_tokens, num_seqs]))
+        return max(est, 0.0)

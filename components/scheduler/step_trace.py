@@ -1,0 +1,110 @@
+"""What the scheduler tells OpenTelemetry: per-request queue / prefill-chunk / decode spans
+in each request's trace, and one ``scheduler.step`` span per step on the engine's own trace,
+linked to every request in the step, carrying the step's decisions as attributes."""
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span
+
+from bus import tracing
+from components.scheduler.core import SchedulerCore
+from components.scheduler.cost_model import StepCostModel
+from schemas.wire import StepPlan, TokenOut
+
+_TRACER = trace.get_tracer("weir.scheduler")
+
+
+class StepTracer:
+    def __init__(self, core: SchedulerCore, token_budget: int) -> None:
+        self.core = core
+        self.budget = token_budget
+        self.cost = StepCostModel()
+        self.free_blocks = -1
+        self.traceparents: dict[str, str | None] = {}
+        self._queue: dict[str, Span] = {}
+        self._decode: dict[str, Span] = {}
+        self._prefill: list[Span] = []
+        self._step: Span | None = None
+        self._shape = (0, 0, 0)
+        self._predicted = 0.0
+
+    def _ctx(self, rid: str):
+        tp = self.traceparents.get(rid)
+        return tracing.context_from(tp)
+
+    def admitted(self, rid: str, traceparent: str | None) -> None:
+        self.traceparents[rid] = traceparent
+        self._queue[rid] = _TRACER.start_span("queue", context=self._ctx(rid))
+
+    def planned(self, plan: StepPlan) -> str | None:
+        """Open the step's spans; returns the step span's traceparent for the executor."""
+        rids, tokens, chunks, links = [], [], [], []
+        num_decode = context = 0
+        for st in plan.steps:
+            seq = self.core.by_seq[st.seq_id]
+            rid = seq.request_id
+            rids.append(rid)
+            tokens.append(st.num_tokens)
+            context += seq.num_computed + st.num_tokens
+            if (q := self._queue.pop(rid, None)) is not None:
+                q.end()
+            decode = st.num_tokens == 1 and seq.num_output > 0 and seq.remaining == 1
+            num_decode += decode
+            if not decode:
+                chunks.append(st.num_tokens)
+                self._prefill.append(_TRACER.start_span("prefill", context=self._ctx(rid), attributes={
+                    "weir.step.id": plan.step_id, "weir.prefill.chunk_tokens": st.num_tokens,
+                    "weir.prefill.start_token": seq.num_computed,
+                    "weir.prefill.prompt_tokens": seq.prompt_len}))
+            if (ctx := self._ctx(rid)) is not None:
+                links.append(Link(trace.get_current_span(ctx).get_span_context()))
+        used = sum(tokens)
+        self._shape = (used, context, len(tokens))
+        self._predicted = self.cost.predict(*self._shape)
+        self._step = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
+            "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
+            "weir.step.num_prefill": len(tokens) - num_decode,
+            "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
+            "weir.step.token_budget": self.budget, "weir.step.tokens_used": used,
+            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": context,
+            "weir.step.predicted_ms": round(self._predicted * 1e3, 3),
+            "weir.step.free_kv_blocks": self.free_blocks,
+            "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
+            "weir.step.preemptions": len(self.core.last_preempted)})
+        for rid, reason, wasted in self.core.last_preempted:
+            self._step.add_event("preemption", {"weir.victim": rid, "weir.reason": reason,
+                                                "weir.choice": "recompute",
+                                                "weir.wasted_tokens": wasted})
+        return tracing.traceparent_of(self._step)
+
+    def finished_step(self, measured_s: float, executor_s: float) -> None:
+        for span in self._prefill:
+            span.end()
+        self._prefill = []
+        if self._step is not None:
+            self._step.set_attributes({"weir.step.measured_ms": round(measured_s * 1e3, 3),
+                                       "weir.step.executor_ms": round(executor_s * 1e3, 3)})
+            self._step.end()
+            self._step = None
+        self.cost.observe(*self._shape, measured_s)
+
+    def outputs(self, items: list[TokenOut]) -> None:
+        for item in items:
+            rid = item.request_id
+            if item.params is not None and rid not in self._decode:
+                self._decode[rid] = _TRACER.start_span("decode", context=self._ctx(rid))
+            if item.finish_reason is not None and (span := self._decode.pop(rid, None)):
+                span.set_attributes({"gen_ai.usage.output_tokens": item.usage.completion_tokens,
+                                     "gen_ai.response.finish_reasons": (item.finish_reason,)})
+                span.end()
+
+    def released(self, rids: list[str]) -> None:
+        for rid in rids:
+            for spans in (self._queue, self._decode):
+                if (span := spans.pop(rid, None)) is not None:
+                    span.set_attribute("weir.ended", "released")
+                    span.end()
+            self.traceparents.pop(rid, None)
