@@ -64,6 +64,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = SamplingParams()
     tenant: str = "default"
+    deadline_ms: int | None = None      # time-to-first-token deadline, from arrival
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -178,6 +179,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     params: SamplingParams
     arrival_ns: int
     prompt_token_ids: list[int] | None = None
+    deadline_ms: int | None = None
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
@@ -203,6 +205,18 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     params: SamplingParams
     arrival_ns: int
     eos_token_ids: tuple[int, ...] = ()
+    deadline_ms: int | None = None
+
+
+class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
+    """The scheduler's view of its backlog, sent to admission a few times a second so
+    admission can predict time to first token."""
+
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float      # 0 until the step cost model has data
+    decode_step_s: float
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
@@ -211,7 +225,7 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
     request_ids: list[str]
 
 
-AdmissionMsg = Union[Tokenized, CancelRequest, Released]
+AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad]
 
 
 # ---------------------------------------------------------------- scheduler inbox

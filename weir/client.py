@@ -216,7 +216,7 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      tenant: str | None = None, timeout: float | None = None,
-                     **params: Any) -> Stream:
+                     deadline_ms: int | None = None, **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields."""
         rid = request_id or uuid.uuid4().hex
@@ -227,7 +227,7 @@ class AsyncClient:
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
-                     tenant or self.tenant)
+                     tenant or self.tenant, deadline_ms)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -14,7 +14,7 @@ from bus import tracing
 from bus.component import Component
 from components.admission.validate import check_length, check_params
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, CancelRequest, EventBatch, Rejected,
-                          Released, Tokenized)
+                          Released, SchedulerLoad, Tokenized)
 
 log = structlog.get_logger("admission")
 _TRACER = trace.get_tracer("weir.admission")
@@ -29,6 +29,7 @@ class AdmissionService(Component):
         self.per_tenant: Counter[str] = Counter()
         self.releases: deque[float] = deque(maxlen=256)
         self.decisions: Counter[str] = Counter()
+        self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.inbox_sock = self.inbox(AdmissionMsg)
         self.to_scheduler = self.push_to("scheduler")
         self.to_streamer = self.push_to("streamer")
@@ -60,10 +61,21 @@ class AdmissionService(Component):
                             self.retry_after(self.per_tenant[req.tenant] - tenant.max_outstanding + 1))
         return None
 
+    def predicted_ttft_s(self, prompt_tokens: int) -> float | None:
+        """Backlog plus this prompt at the measured prefill rate, plus one step; None
+        while the scheduler has not measured enough steps."""
+        load = self.load
+        if load.prefill_tokens_per_s <= 0:
+            return None
+        return (load.queued_prefill_tokens + prompt_tokens) / load.prefill_tokens_per_s \
+            + load.decode_step_s
+
     def _decision_attributes(self, req: Tokenized, rejected: Rejected | None) -> dict:
+        ttft = self.predicted_ttft_s(len(req.prompt_token_ids))
         tenant = self.tenants.get(req.tenant)
         bs = self.config.kv.block_size
         return {
+            "weir.request_id": req.request_id,
             "weir.tenant": req.tenant, "weir.service_class": "standard",
             "weir.admission.decision": "reject" if rejected else "accept",
             "weir.admission.reason": rejected.reason if rejected else "within_caps",
@@ -76,6 +88,9 @@ class AdmissionService(Component):
             "weir.tenant.max_outstanding": tenant.max_outstanding if tenant else 0,
             "weir.engine.outstanding": len(self.outstanding),
             "weir.engine.max_outstanding": self.config.admission.max_outstanding,
+            "weir.admission.predicted_ttft_ms": round(ttft * 1e3, 2) if ttft is not None else -1.0,
+            "weir.admission.deadline_ms": req.deadline_ms if req.deadline_ms is not None else -1,
+            "weir.scheduler.queued_prefill_tokens": self.load.queued_prefill_tokens,
         }
 
     async def run(self) -> None:
@@ -98,13 +113,15 @@ class AdmissionService(Component):
                     self.per_tenant[req.tenant] += 1
                     await self.to_scheduler.send(Admitted(
                         req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
-                        req.params, req.arrival_ns, req.eos_token_ids),
+                        req.params, req.arrival_ns, req.eos_token_ids, req.deadline_ms),
                         traceparent=msg.envelope.traceparent)
                     await self.to_streamer.send(EventBatch(
                         [Accepted(req.request_id, len(req.prompt_token_ids))]))
                 case CancelRequest() as cancel:
                     if cancel.request_id in self.outstanding:
                         await self.to_scheduler.send(cancel)
+                case SchedulerLoad() as load:
+                    self.load = load
                 case Released(request_ids=ids):
                     now = time.monotonic()
                     for rid in ids:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import structlog
 
 from bus.component import Component
@@ -17,7 +18,8 @@ from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
 from schemas.wire import (Admitted, CancelRequest, EventBatch, Failed, ForgetRequest, KvGrants,
-                          KvHello, KvManagerUp, Released, SchedulerMsg, StepResult, StopRequest,
+                          KvHello, KvManagerUp, Released, SchedulerLoad, SchedulerMsg, StepResult,
+                          StopRequest,
                           TokenBatch)
 
 log = structlog.get_logger("scheduler")
@@ -44,6 +46,26 @@ class SchedulerService(Component):
         await self.to_kv.send(KvHello(self.core.epoch))
 
     async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._report_load)
+            await self._serve()
+
+    async def _report_load(self) -> None:
+        """Tell admission about the backlog, so it can predict time to first token."""
+        core, budget = self.core, self.config.scheduler.max_num_batched_tokens
+        while True:
+            await anyio.sleep(0.1)
+            queued = sum(s.remaining for s in core.waiting) + sum(
+                s.remaining for s in core.running if s.remaining > 1)
+            chunk_s = self.trace.cost.predict(budget, 0, 1)
+            decode_s = self.trace.cost.predict(len(core.running) or 1,
+                                               sum(s.num_tokens for s in core.running),
+                                               len(core.running) or 1)
+            await self.to_admission.send(SchedulerLoad(
+                len(core.running), len(core.waiting), queued,
+                budget / chunk_s if chunk_s > 0 else 0.0, decode_s))
+
+    async def _serve(self) -> None:
         while True:
             msg = await self.inbox_sock.recv()
             out = Outcome()

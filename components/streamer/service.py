@@ -126,7 +126,7 @@ class StreamerService(Component):
         self.counts["submitted"] += 1
         await self.to_tokenizer.send(
             NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, req.arrival_ns,
-                       sub.prompt_token_ids),
+                       sub.prompt_token_ids, sub.deadline_ms),
             traceparent=tracing.traceparent_of(span))
 
     def _check_submit(self, sub: Submit) -> Rejected | None:

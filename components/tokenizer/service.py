@@ -76,7 +76,7 @@ class TokenizerService(Component):
                     self.tokenized += 1
                     await self.to_admission.send(
                         Tokenized(req.request_id, req.tenant, ids, hashes, req.params,
-                                  req.arrival_ns, self.bundle.eos_token_ids),
+                                  req.arrival_ns, self.bundle.eos_token_ids, req.deadline_ms),
                         traceparent=msg.envelope.traceparent)
                 case CancelRequest() as cancel:
                     await self.to_admission.send(cancel)

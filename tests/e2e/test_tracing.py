@@ -77,6 +77,7 @@ def test_one_request_is_one_whole_trace(traced):
     decide = next(s for s in mine if s["name"] == "admission.decide")["attributes"]
     assert decide["weir.admission.decision"] == "accept" and decide["weir.tenant"] == "default"
     assert decide["gen_ai.request.max_tokens"] == 6
+    assert decide["weir.admission.deadline_ms"] == -1 and "weir.admission.predicted_ttft_ms" in decide
     # the scheduler's step spans live on the engine trace and link to this request
     steps = [s for s in spans if s["name"] == "scheduler.step"
              and any(link["span_id"] == root["span_id"] for link in s["links"])]
@@ -184,3 +185,20 @@ def test_jsonl_export_and_weir_trace(tmp_path, model_path):
                          cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert bad.returncode == 1 and "no request" in bad.stderr
+
+
+def test_admission_predicts_ttft_and_records_the_deadline(traced):
+    eng, receiver = traced
+    with eng.client() as c:
+        for i in range(3):                       # let the step cost model see some steps
+            c.generate(f"Warm up {i}: " + "words " * 40, max_tokens=4, temperature=0.0)
+        time.sleep(0.3)
+        r = c.generate("Now with a deadline, please answer briefly.", max_tokens=4,
+                       temperature=0.0, deadline_ms=5000)
+    spans = _wait_for(receiver, lambda ss: any(
+        s["name"] == "admission.decide" and s["attributes"].get("weir.request_id") == r.request_id
+        for s in ss))
+    decide = next(s for s in spans if s["name"] == "admission.decide"
+                  and s["attributes"].get("weir.request_id") == r.request_id)["attributes"]
+    assert decide["weir.admission.deadline_ms"] == 5000
+    assert decide["weir.admission.predicted_ttft_ms"] > 0
