@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request seeded determinism.
 
-Sampling uses the exponential race: ``argmax_v p_v / E_v`` with ``E_v ~ Exponential(1)``
-draws ``v`` with probability ``p_v``. For a seeded row the noise comes from a generator
-seeded by ``(seed, output_index)`` alone, so its draw is independent of the batch.
+Sampling inverts the CDF: one uniform ``u`` per row picks the first token whose cumulative
+probability reaches ``u`` times the total. That costs one cumsum and a binary search per
+row (a few ms for 64 rows over a 49k vocabulary, where a full-vocabulary noise draw cost
+~70 ms). For a seeded row ``u`` is a hash of ``(seed, output_index)`` alone, so its draw is
+independent of the batch and of preemption.
 """
 from __future__ import annotations
 
@@ -26,22 +28,18 @@ def seed_process_generator(seed: int) -> None:
     _process_generator = torch.Generator().manual_seed(seed)
 
 
-def _exponential_noise(rows: int, vocab: int, seeds: list[int | None],
-                       output_index: list[int]) -> torch.Tensor:
+def _uniforms(seeds: list[int | None], output_index: list[int]) -> torch.Tensor:
+    """One uniform in (0, 1] per row: hashed from (seed, index) for seeded rows, from the
+    process generator otherwise."""
     global _process_generator
     if _process_generator is None:
         _process_generator = torch.Generator()
         _process_generator.seed()
-    noise = torch.empty(rows, vocab)
-    unseeded = [i for i, s in enumerate(seeds) if s is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
-            generator=_process_generator)
+    u = 1.0 - torch.rand(len(seeds), generator=_process_generator)
     for i, s in enumerate(seeds):
         if s is not None:
-            g = torch.Generator().manual_seed(_mix(s, output_index[i]))
-            noise[i].exponential_(generator=g)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+            u[i] = ((_mix(s, output_index[i]) >> 39) + 1) / float(1 << 24)
+    return u
 
 
 def _filtered_log_probs(logits: torch.Tensor, top_p: torch.Tensor,
@@ -59,6 +57,48 @@ def _filtered_log_probs(logits: torch.Tensor, top_p: torch.Tensor,
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return filtered.log_softmax(dim=-1)
+
+
+_CANDIDATES = 1024
+
+
+def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: the first index whose cumulative mass reaches u * total."""
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+
+
+def _filtered_draw(x: torch.Tensor, p: torch.Tensor, k: torch.Tensor,
+                   u: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p draw. Works on the top ``_CANDIDATES`` tokens when the filtered set
+    provably lies inside them (top-k within it, or that slice already holds top_p of the
+    mass); only other rows pay for a full-vocabulary sort."""
+    rows, vocab = x.shape
+    probs = x.softmax(dim=-1)
+    kk = torch.where((k <= 0) | (k > vocab), vocab, k)
+    width = min(vocab, max(_CANDIDATES, int(kk[kk < vocab].max()) if bool((kk < vocab).any()) else 0))
+    vals, idx = probs.topk(width, dim=-1)
+    inside = (kk <= width) | (vals.sum(dim=-1) >= p)
+    out = torch.empty(rows, dtype=torch.long)
+    if bool(inside.any()):
+        sel = inside.nonzero()[:, 0]
+        out[sel] = idx[sel].gather(1, _draw(_nucleus(vals[sel], p[sel], kk[sel]), u[sel])
+                                   .unsqueeze(1)).squeeze(1)
+    if not bool(inside.all()):
+        sel = (~inside).nonzero()[:, 0]
+        full = _filtered_log_probs(x[sel], p[sel], k[sel]).exp_()
+        out[sel] = _draw(full.cumsum_(dim=-1), u[sel])
+    return out
+
+
+def _nucleus(sorted_probs: torch.Tensor, p: torch.Tensor, kk: torch.Tensor) -> torch.Tensor:
+    """CDF over descending-sorted probabilities after top-k and top-p filtering."""
+    rank = torch.arange(sorted_probs.shape[1])
+    kept = sorted_probs.masked_fill(rank[None, :] >= kk[:, None], 0.0)
+    total = kept.sum(dim=-1, keepdim=True)
+    before = (kept.cumsum(dim=-1) - kept) / total
+    drop = (before >= p[:, None]) & (rank[None, :] > 0) & (p[:, None] < 1.0)
+    return kept.masked_fill_(drop, 0.0).cumsum_(dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
@@ -79,12 +119,10 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     x = logits[rand].float().cpu() / temp[rand, None]
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)
     k = torch.tensor([top_k[i] for i in rand], dtype=torch.long)
+    u = _uniforms([seeds[i] for i in rand], [output_index[i] for i in rand])
     if bool((p < 1.0).any()) or bool(((k > 0) & (k < vocab)).any()):
-        log_probs = _filtered_log_probs(x, p, k)
+        picked = _filtered_draw(x, p, k, u)
     else:
-        log_probs = x.log_softmax(dim=-1)
-    noise = _exponential_noise(len(rand), vocab, [seeds[i] for i in rand],
-                               [output_index[i] for i in rand])
-    picked = (log_probs - noise.log()).argmax(dim=-1)
+        picked = _draw(x.softmax(dim=-1).cumsum_(dim=-1), u)
     out[torch.tensor(rand, device=out.device)] = picked.to(out.device)
     return out
