@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch (the CPU backend).
 
 Each :class:`~kernels.metadata.AttentionGroup` is gathered from the cache into a padded
-dense batch with one index op and run through ``scaled_dot_product_attention``.
+dense batch with one index op and run through ``scaled_dot_product_attention`` (prefill)
+or two batched matmuls (decode: one query per sequence).
 """
 from __future__ import annotations
 
@@ -39,8 +40,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qg = q.index_select(0, g.query_index.reshape(-1)).view(b, -1, heads, dim).transpose(1, 2)
         kg = keys.index_select(0, slots).view(b, l, kv_heads, dim).to(q.dtype).transpose(1, 2)
         vg = values.index_select(0, slots).view(b, l, kv_heads, dim).to(q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
-                                           enable_gqa=heads != kv_heads)
+        if qg.shape[2] == 1:
+            o = _decode_attention(qg, kg, vg, g.mask, scale)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale,
+                                               enable_gqa=heads != kv_heads)
         o = o.transpose(1, 2).reshape(-1, heads, dim)
         out.index_copy_(0, g.token_rows, o.index_select(0, g.out_index))
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence: two batched matmuls with the query heads of each kv head
+    stacked, softmax in float32. CPU SDPA's flash kernel is slow for a single query row
+    (especially in bf16), and this needs no repeat of K/V for GQA.
+
+    ``q`` [B, H, 1, D], ``k``/``v`` [B, KVH, L, D], ``mask`` [B, 1, 1, L] → [B, H, 1, D].
+    """
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    qg = q.reshape(b, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    scores.masked_fill_(~mask.view(b, 1, 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, heads, 1, dim)
