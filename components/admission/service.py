@@ -81,7 +81,6 @@ class AdmissionService(Component):
             "weir.admission.reason": rejected.reason if rejected else "within_caps",
             "weir.admission.retry_after_s": (rejected.retry_after_s or 0.0) if rejected else 0.0,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
-            "weir.admission.uncached_prompt_tokens": len(req.prompt_token_ids),
             "gen_ai.request.max_tokens": req.params.max_tokens or -1,
             "weir.admission.kv_blocks_requested": -(-(len(req.prompt_token_ids) + 1) // bs),
             "weir.tenant.outstanding": self.per_tenant[req.tenant],
