@@ -1,0 +1,150 @@
+"""The client protocol: what a client sends the streamer (``ClientMsg``) and what it gets
+back (``ServerMsg``). These encode as msgpack maps with a ``type`` tag, so clients in other
+languages can speak them; docs/PROTOCOL.md is the contract.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]
+RejectReason = Literal[
+    "invalid_request", "unknown_tenant", "prompt_too_long", "overloaded", "tenant_over_budget",
+    "draining",
+]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-request generation parameters. Validated by admission, not at decode.
+    ``max_tokens=None`` means "until the context window is full"."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
+    """Start a request. Exactly one of ``prompt`` (completion text), ``prompt_token_ids``
+    (a pre-tokenized completion prompt) or ``messages`` (chat) is set."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = SamplingParams()
+    tenant: str = "default"
+    deadline_ms: int | None = None      # time-to-first-token deadline, from arrival
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):
+    """Keeps a client's requests alive; a client silent past the timeout is cancelled."""
+
+
+class StatusQuery(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fields=True):
+    query_id: str = ""
+
+
+ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery]
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Where a request's time went, measured by the scheduler (seconds)."""
+
+    queue_s: float = 0.0        # arrival → first scheduled
+    prefill_s: float = 0.0      # first scheduled → first token
+    decode_s: float = 0.0       # first token → finished
+
+
+class Accepted(msgspec.Struct, tag="accepted", frozen=True):
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class TextDelta(msgspec.Struct, tag="delta", frozen=True):
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True):
+    """Terminal: the request completed normally."""
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    text: str = ""
+    queue_time_s: float = 0.0
+    timing: RequestTiming | None = None
+
+
+class Rejected(msgspec.Struct, tag="rejected", frozen=True):
+    """Terminal: the request was refused before running. ``retry_after_s`` is an estimate."""
+
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after_s: float | None = None
+
+
+class Cancelled(msgspec.Struct, tag="cancelled", frozen=True):
+    """Terminal: the client cancelled, or disappeared."""
+
+    request_id: str
+    reason: str
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """Terminal: the engine could not complete the request."""
+
+    request_id: str
+    reason: str
+
+
+class ComponentStatus(msgspec.Struct, frozen=True):
+    name: str
+    pid: int
+    alive: bool
+    state: str
+    restarts: int
+    heartbeat_age_s: float
+    stats: dict[str, float] = {}
+
+
+class StatusReport(msgspec.Struct, tag="status_report", frozen=True):
+    query_id: str
+    components: tuple[ComponentStatus, ...]
+    draining: bool = False
+
+
+class ProtocolError(msgspec.Struct, tag="protocol_error", frozen=True):
+    """Sent to a client whose message could not be decoded and carried no request id."""
+
+    message: str
+
+
+Terminal = Union[Finished, Rejected, Cancelled, Failed]
+ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
+                  ProtocolError]
