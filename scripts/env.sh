@@ -13,8 +13,9 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "weir: installing into $VENV ..." >&2
   # CPU torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0 >&2
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT${EXTRA:+[$EXTRA]}" >&2
+  quiet() { { grep -v "^WARNING: Location" || true; } >&2; }   # this machine's pip mirror notes
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0 2>&1 | quiet
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT${EXTRA:+[$EXTRA]}" 2>&1 | quiet
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
