@@ -73,6 +73,10 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The supervisor's PULL address for component heartbeats."""
         return self._address("supervisor", len(COMPONENTS), bind)
 
+    def kv_events(self, bind: bool = False) -> str:
+        """The kv_manager's PUB address for prefix-cache events (stored / removed blocks)."""
+        return self._address("kv_events", len(COMPONENTS) + 2, bind, host_key="kv_manager")
+
     def control(self, bind: bool = False) -> str:
         """The supervisor's PUB address for control messages (drain, stop, restarts)."""
         return self._address("control", len(COMPONENTS) + 1, bind, host_key="supervisor")

@@ -174,6 +174,19 @@ class KvHello(msgspec.Struct, tag="kv_hello", frozen=True):
 KvMsg = Union[KvOps, KvHello]
 
 
+class KvEvents(msgspec.Struct, tag="kv_events", frozen=True, gc=False):
+    """Published by the kv_manager (PUB) after each batch of operations that changed the
+    prefix cache: ``(kind, block_hash, scope, tier, parent_hash)`` tuples, in order.
+    ``seq`` increases by one per message so subscribers can detect gaps."""
+
+    seq: int
+    instance: int
+    events: list[tuple[str, int, str, str, int | None]]
+
+
+KvEventsMsg = Union[KvEvents]
+
+
 # ---------------------------------------------------------------- executor inbox
 
 class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):

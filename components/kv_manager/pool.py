@@ -24,6 +24,17 @@ class Grant(msgspec.Struct, frozen=True):
     num_cached_tokens: int = 0
 
 
+class CacheEvent(msgspec.Struct, frozen=True, array_like=True):
+    """A prefix block entered or left the cache. ``tier`` is where its KV lives
+    ("gpu" is the executor's main pool, whatever the device)."""
+
+    kind: str                 # "stored" | "removed"
+    block_hash: int
+    scope: str
+    tier: str
+    parent_hash: int | None
+
+
 class PoolStats(msgspec.Struct, frozen=True):
     total: int
     free: int
@@ -63,6 +74,7 @@ class BlockPool:
         self._leases: dict[int, _Lease] = {}
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.events: list[CacheEvent] = []
 
     # -- queries
     @property
@@ -148,6 +160,7 @@ class BlockPool:
         self._hash_to_block[h] = block
         self._block_hash[block] = h
         self._block_key[block] = _CachedKey(scope, parent, tuple(tokens))
+        self.events.append(CacheEvent("stored", h, scope, "gpu", parent))
 
     def drop_cache(self) -> int:
         """Forget every cached prefix (their KV is gone, e.g. the executor restarted).
@@ -173,7 +186,13 @@ class BlockPool:
         h = self._block_hash.pop(block, None)
         if h is not None:
             del self._hash_to_block[h]
-            del self._block_key[block]
+            key = self._block_key.pop(block)
+            self.events.append(CacheEvent("removed", h, key.scope, "gpu", key.parent))
+
+    def take_events(self) -> list["CacheEvent"]:
+        """Cache changes since the last call, in order (for the KV event stream)."""
+        events, self.events = self.events, []
+        return events
 
     def _incref(self, block: int) -> None:
         if self._ref[block] == 0:

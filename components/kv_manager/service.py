@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 
 import structlog
+import zmq
 
 from bus.component import Component
 from components.kv_manager.pool import BlockPool
-from schemas.wire import KvGrant, KvGrants, KvHello, KvManagerUp, KvMsg, KvOps
+from schemas.wire import KvEvents, KvGrant, KvGrants, KvHello, KvManagerUp, KvMsg, KvOps
 
 log = structlog.get_logger("kv_manager")
 
@@ -25,6 +26,8 @@ class KvManagerService(Component):
         self.instance = time.time_ns()
         self.inbox_sock = self.inbox(KvMsg)
         self.to_scheduler = self.push_to("scheduler")
+        self.events_pub = self.socket(zmq.PUB, "events").bind(self.topology.kv_events(bind=True))
+        self.events_seq = 0
         await self.to_scheduler.send(KvManagerUp(self.instance, kv.num_blocks))
 
     def _advance_epoch(self, epoch: int) -> None:
@@ -57,13 +60,22 @@ class KvManagerService(Component):
                     grants = self.handle(ops)
                     if grants:
                         await self.to_scheduler.send(KvGrants(grants, self.pool.num_free))
+                    await self._publish()
                 case KvHello(epoch=epoch):
                     self._advance_epoch(epoch)
                     await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))
 
+    async def _publish(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self.events_seq += 1
+            await self.events_pub.send(KvEvents(self.events_seq, self.instance, [
+                (e.kind, e.block_hash, e.scope, e.tier, e.parent_hash) for e in events]))
+
     async def peer_restarted(self, name: str) -> None:
         if name == "executor":                       # the KV tensors behind the cache are gone
             log.warning("prefix_cache_dropped", blocks=self.pool.drop_cache())
+            await self._publish()
 
     def stats(self) -> dict[str, float]:
         s = self.pool.stats()

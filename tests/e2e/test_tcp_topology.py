@@ -12,7 +12,7 @@ from schemas.config import COMPONENTS
 from tests.e2e.engine import ROOT, Engine
 
 
-def free_base_port(span: int = 10) -> int:
+def free_base_port(span: int = 11) -> int:
     for _ in range(50):
         base = random.randint(20000, 60000)
         try:
@@ -47,9 +47,9 @@ enabled = false
 
 def test_serve_over_tcp(tmp_path, model_path):
     base = free_base_port()
-    eng = Engine(tmp_path, tcp_toml(base, base + 9),
-                 extra_args=("--endpoint", f"tcp://127.0.0.1:{base + 9}"))
-    eng.endpoint = f"tcp://127.0.0.1:{base + 9}"
+    eng = Engine(tmp_path, tcp_toml(base, base + 10),
+                 extra_args=("--endpoint", f"tcp://127.0.0.1:{base + 10}"))
+    eng.endpoint = f"tcp://127.0.0.1:{base + 10}"
     try:
         assert not list(tmp_path.glob("*.sock"))          # nothing went over ipc
         with eng.client() as c:
@@ -62,9 +62,9 @@ def test_serve_over_tcp(tmp_path, model_path):
 
 def test_separately_started_components_over_tcp(tmp_path, model_path):
     base = free_base_port()
-    endpoint = f"tcp://127.0.0.1:{base + 9}"
+    endpoint = f"tcp://127.0.0.1:{base + 10}"
     cfg = tmp_path / "weir.toml"
-    cfg.write_text(tcp_toml(base, base + 9))
+    cfg.write_text(tcp_toml(base, base + 10))
     env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
     cli = [sys.executable, "-m", "weir.cli"]
     procs = [subprocess.Popen(cli + ["supervise", "--config", str(cfg)], cwd=ROOT, env=env)]

@@ -416,3 +416,20 @@ class PoolMachine(RuleBasedStateMachine):
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_cache_events_record_stores_and_evictions_in_order():
+    from components.kv_manager.pool import CacheEvent
+
+    pool = BlockPool(3, 4)
+    toks = list(range(12))
+    pool.allocate(1, 3, scope="t1", block_hashes=[11, 12], token_ids=toks[:8], max_cached_blocks=2)
+    pool.free(1, num_computed_tokens=8)
+    assert pool.take_events() == [CacheEvent("stored", 11, "t1", "gpu", None),
+                                  CacheEvent("stored", 12, "t1", "gpu", 11)]
+    assert pool.take_events() == []
+    pool.allocate(2, 2)                       # the one plain block, then the LRU cached block
+    assert pool.take_events() == [CacheEvent("removed", 11, "t1", "gpu", None)]
+    pool.free(2)
+    pool.drop_cache()
+    assert pool.take_events() == [CacheEvent("removed", 12, "t1", "gpu", 11)]
