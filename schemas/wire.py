@@ -86,7 +86,14 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
     request_ids: list[str]
 
 
-AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad]
+class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
+    """The kv_manager's answer to a CacheQuery: prompt tokens already in the cache (verified)."""
+
+    request_id: str
+    cached_tokens: int
+
+
+AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad, CacheAnswer]
 
 
 # ---------------------------------------------------------------- scheduler inbox
@@ -171,7 +178,18 @@ class KvHello(msgspec.Struct, tag="kv_hello", frozen=True):
     epoch: int
 
 
-KvMsg = Union[KvOps, KvHello]
+class CacheQuery(msgspec.Struct, tag="cache_query", frozen=True, gc=False):
+    """From admission: how many of this prompt's leading full blocks are cached in ``scope``?
+    Read-only; no blocks are leased."""
+
+    request_id: str
+    scope: str
+    block_hashes: list[int]
+    token_ids: list[int]
+    max_blocks: int
+
+
+KvMsg = Union[KvOps, KvHello, CacheQuery]
 
 
 class KvEvents(msgspec.Struct, tag="kv_events", frozen=True, gc=False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
+import anyio
 import structlog
 from opentelemetry import trace
 
@@ -13,8 +14,8 @@ from bus import tracing
 
 from bus.component import Component
 from components.admission.validate import check_length, check_params
-from schemas.wire import (Accepted, AdmissionMsg, Admitted, CancelRequest, EventBatch, Rejected,
-                          Released, SchedulerLoad, Tokenized)
+from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
+                          CancelRequest, EventBatch, Rejected, Released, SchedulerLoad, Tokenized)
 
 log = structlog.get_logger("admission")
 _TRACER = trace.get_tracer("weir.admission")
@@ -30,9 +31,11 @@ class AdmissionService(Component):
         self.releases: deque[float] = deque(maxlen=256)
         self.decisions: Counter[str] = Counter()
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
+        self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
         self.inbox_sock = self.inbox(AdmissionMsg)
         self.to_scheduler = self.push_to("scheduler")
         self.to_streamer = self.push_to("streamer")
+        self.to_kv = self.push_to("kv_manager")
 
     def retry_after(self, backlog: int) -> float:
         """Seconds until ``backlog`` requests would drain at the recently observed rate."""
@@ -70,8 +73,10 @@ class AdmissionService(Component):
         return (load.queued_prefill_tokens + prompt_tokens) / load.prefill_tokens_per_s \
             + load.decode_step_s
 
-    def _decision_attributes(self, req: Tokenized, rejected: Rejected | None) -> dict:
-        ttft = self.predicted_ttft_s(len(req.prompt_token_ids))
+    def _decision_attributes(self, req: Tokenized, rejected: Rejected | None,
+                             cached: int | None) -> dict:
+        prompt = len(req.prompt_token_ids)
+        ttft = self.predicted_ttft_s(prompt - (cached or 0))
         tenant = self.tenants.get(req.tenant)
         bs = self.config.kv.block_size
         return {
@@ -80,7 +85,9 @@ class AdmissionService(Component):
             "weir.admission.decision": "reject" if rejected else "accept",
             "weir.admission.reason": rejected.reason if rejected else "within_caps",
             "weir.admission.retry_after_s": (rejected.retry_after_s or 0.0) if rejected else 0.0,
-            "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+            "gen_ai.usage.input_tokens": prompt,
+            "weir.admission.cached_prompt_tokens": cached if cached is not None else -1,
+            "weir.admission.uncached_prompt_tokens": prompt - (cached or 0),
             "gen_ai.request.max_tokens": req.params.max_tokens or -1,
             "weir.admission.kv_blocks_requested": -(-(len(req.prompt_token_ids) + 1) // bs),
             "weir.tenant.outstanding": self.per_tenant[req.tenant],
@@ -92,31 +99,63 @@ class AdmissionService(Component):
             "weir.scheduler.queued_prefill_tokens": self.load.queued_prefill_tokens,
         }
 
+    async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None) -> None:
+        """Decide, trace the decision, and pass the request on (or reject it).
+        ``cached`` is the kv_manager's count of already-cached prompt tokens (None: unknown)."""
+        rejected = self.decide(req)
+        self.decisions[rejected.reason if rejected else "accepted"] += 1
+        with _TRACER.start_as_current_span(
+                "admission.decide", context=tracing.context_from(traceparent),
+                attributes=self._decision_attributes(req, rejected, cached)):
+            log.info("admission", request_id=req.request_id,
+                     decision=rejected.reason if rejected else "accepted")
+        if rejected is not None:
+            await self.to_streamer.send(EventBatch([rejected]))
+            return
+        self.outstanding[req.request_id] = req.tenant
+        self.per_tenant[req.tenant] += 1
+        await self.to_scheduler.send(Admitted(
+            req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, req.params,
+            req.arrival_ns, req.eos_token_ids, req.deadline_ms), traceparent=traceparent)
+        await self.to_streamer.send(EventBatch(
+            [Accepted(req.request_id, len(req.prompt_token_ids), cached or 0)]))
+
+    async def _expire_cache_queries(self) -> None:
+        """Never let a request wait on a lost answer (e.g. the kv_manager restarted)."""
+        while True:
+            await anyio.sleep(0.1)
+            now = time.monotonic()
+            for rid in [r for r, (_, _, t) in self.pending.items() if now - t > 0.5]:
+                req, traceparent, _ = self.pending.pop(rid)
+                log.warning("cache_query_timeout", request_id=rid)
+                await self._admit(req, traceparent, None)
+
     async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._expire_cache_queries)
+            await self._serve()
+
+    async def _serve(self) -> None:
         while True:
             msg = await self.inbox_sock.recv()
             match msg.body:
                 case Tokenized() as req:
-                    rejected = self.decide(req)
-                    self.decisions[rejected.reason if rejected else "accepted"] += 1
-                    parent = tracing.context_from(msg.envelope.traceparent)
-                    with _TRACER.start_as_current_span(
-                            "admission.decide", context=parent,
-                            attributes=self._decision_attributes(req, rejected)):
-                        log.info("admission", request_id=req.request_id,
-                                 decision=rejected.reason if rejected else "accepted")
-                    if rejected is not None:
-                        await self.to_streamer.send(EventBatch([rejected]))
-                        continue
-                    self.outstanding[req.request_id] = req.tenant
-                    self.per_tenant[req.tenant] += 1
-                    await self.to_scheduler.send(Admitted(
-                        req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
-                        req.params, req.arrival_ns, req.eos_token_ids, req.deadline_ms),
-                        traceparent=msg.envelope.traceparent)
-                    await self.to_streamer.send(EventBatch(
-                        [Accepted(req.request_id, len(req.prompt_token_ids))]))
+                    if self.config.kv.enable_prefix_cache and req.block_hashes:
+                        self.pending[req.request_id] = (req, msg.envelope.traceparent,
+                                                        time.monotonic())
+                        bs = self.config.kv.block_size
+                        await self.to_kv.send(CacheQuery(
+                            req.request_id, req.tenant, req.block_hashes,
+                            req.prompt_token_ids[:len(req.block_hashes) * bs],
+                            (len(req.prompt_token_ids) - 1) // bs))
+                    else:
+                        await self._admit(req, msg.envelope.traceparent, 0)
+                case CacheAnswer(request_id=rid, cached_tokens=cached):
+                    if (pending := self.pending.pop(rid, None)) is not None:
+                        await self._admit(pending[0], pending[1], cached)
                 case CancelRequest() as cancel:
+                    if self.pending.pop(cancel.request_id, None) is not None:
+                        continue                      # never admitted; the streamer answered
                     if cancel.request_id in self.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:

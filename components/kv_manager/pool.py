@@ -117,6 +117,14 @@ class BlockPool:
         self.hit_tokens += cached_tokens
         return Grant(True, hits + fresh, cached_tokens)
 
+    def cached_tokens(self, scope: str, block_hashes: Sequence[int], token_ids: Sequence[int],
+                      max_blocks: int) -> int:
+        """Tokens of this prompt a new lease would get from the cache now (verified, read-only)."""
+        if not self.prefix_cache:
+            return 0
+        probe = _Lease(0, [], scope, list(block_hashes), list(token_ids))
+        return len(self._match(probe, min(max_blocks, len(block_hashes)))) * self.block_size
+
     def free(self, seq_id: int, num_computed_tokens: int = 0) -> int:
         """Release a sequence's lease. Full prompt blocks below ``num_computed_tokens``
         become cached (reusable by the same scope). Returns the number of blocks released."""

@@ -9,7 +9,8 @@ import zmq
 
 from bus.component import Component
 from components.kv_manager.pool import BlockPool
-from schemas.wire import KvEvents, KvGrant, KvGrants, KvHello, KvManagerUp, KvMsg, KvOps
+from schemas.wire import (CacheAnswer, CacheQuery, KvEvents, KvGrant, KvGrants, KvHello,
+                          KvManagerUp, KvMsg, KvOps)
 
 log = structlog.get_logger("kv_manager")
 
@@ -26,6 +27,7 @@ class KvManagerService(Component):
         self.instance = time.time_ns()
         self.inbox_sock = self.inbox(KvMsg)
         self.to_scheduler = self.push_to("scheduler")
+        self.to_admission = self.push_to("admission")
         self.events_pub = self.socket(zmq.PUB, "events").bind(self.topology.kv_events(bind=True))
         self.events_seq = 0
         await self.to_scheduler.send(KvManagerUp(self.instance, kv.num_blocks))
@@ -61,6 +63,10 @@ class KvManagerService(Component):
                     if grants:
                         await self.to_scheduler.send(KvGrants(grants, self.pool.num_free))
                     await self._publish()
+                case CacheQuery() as q:
+                    cached = self.pool.cached_tokens(q.scope, q.block_hashes, q.token_ids,
+                                                     q.max_blocks)
+                    await self.to_admission.send(CacheAnswer(q.request_id, cached))
                 case KvHello(epoch=epoch):
                     self._advance_epoch(epoch)
                     await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))

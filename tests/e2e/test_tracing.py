@@ -202,3 +202,22 @@ def test_admission_predicts_ttft_and_records_the_deadline(traced):
                   and s["attributes"].get("weir.request_id") == r.request_id)["attributes"]
     assert decide["weir.admission.deadline_ms"] == 5000
     assert decide["weir.admission.predicted_ttft_ms"] > 0
+
+
+def test_admission_knows_the_cached_prefix(traced):
+    eng, receiver = traced
+    prompt = "Cache probe: " + "lorem ipsum dolor sit amet " * 10
+    with eng.client() as c:
+        first = c.generate(prompt, max_tokens=2, temperature=0.0)
+        second = c.generate(prompt, max_tokens=2, temperature=0.0)
+
+    def decide_of(spans, rid):
+        return next((s["attributes"] for s in spans if s["name"] == "admission.decide"
+                     and s["attributes"].get("weir.request_id") == rid), None)
+
+    spans = _wait_for(receiver, lambda ss: decide_of(ss, second.request_id) is not None)
+    n = second.usage.prompt_tokens
+    a1, a2 = decide_of(spans, first.request_id), decide_of(spans, second.request_id)
+    assert a1["weir.admission.cached_prompt_tokens"] == 0
+    assert a2["weir.admission.cached_prompt_tokens"] == (n - 1) // 16 * 16 == second.usage.cached_tokens
+    assert a2["weir.admission.uncached_prompt_tokens"] == n - second.usage.cached_tokens

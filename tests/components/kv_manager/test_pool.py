@@ -433,3 +433,19 @@ def test_cache_events_record_stores_and_evictions_in_order():
     pool.free(2)
     pool.drop_cache()
     assert pool.take_events() == [CacheEvent("removed", 12, "t1", "gpu", 11)]
+
+
+def test_cached_tokens_query_is_read_only_and_scoped():
+    pool = BlockPool(8, 4)
+    toks = list(range(100, 112))
+    hashes = [21, 22, 23]
+    pool.allocate(1, 4, scope="t1", block_hashes=hashes, token_ids=toks, max_cached_blocks=2)
+    assert pool.cached_tokens("t1", hashes, toks, 3) == 0          # nothing registered yet
+    pool.free(1, num_computed_tokens=12)
+    free_before, refs_before = pool.num_free, [pool.refcount(b) for b in range(8)]
+    assert pool.cached_tokens("t1", hashes, toks, 3) == 12
+    assert pool.cached_tokens("t1", hashes, toks, 2) == 8           # capped like a lease
+    assert pool.cached_tokens("t2", hashes, toks, 3) == 0           # other scope: no hit
+    assert pool.cached_tokens("t1", hashes, toks[:4] + [0] * 8, 3) == 4   # verified per block
+    assert pool.num_free == free_before
+    assert [pool.refcount(b) for b in range(8)] == refs_before
