@@ -44,8 +44,14 @@ class _EngineCollector:
                             kv.get("prefix_query_tokens", 0))
         yield self._counter("weir:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                             kv.get("prefix_hit_tokens", 0))
-        yield self._counter("weir:num_preemptions", "Sequences preempted by the scheduler.",
-                            sched.get("preemptions", 0))
+        pre = CounterMetricFamily("weir:num_preemptions", "Sequences preempted, by kind.",
+                                  labels=["model_name", "kind"])
+        pre.add_metric([self.model, "recompute"], sched.get("preemptions", 0))
+        yield pre
+        yield self._counter("weir:preemption_wasted_tokens",
+                            "Computed tokens discarded by preemption.", sched.get("wasted_tokens", 0))
+        yield self._gauge("weir:kv_cached_blocks", "Blocks holding reusable prefix KV.",
+                          kv.get("cached_blocks", 0))
         yield self._gauge("weir:num_active_kv_tokens", "Tokens held in KV by running sequences.",
                           sched.get("active_kv_tokens", 0))
         yield self._counter("weir:kv_allocation_failures", "KV allocations the pool refused.",

@@ -56,6 +56,7 @@ class SchedulerCore:
         self.in_flight_step = 0                         # step_id of the plan in flight
         self._frees_emitted = 0    # FreeRequests so far; a denied lease retries after more
         self.preemptions = 0
+        self.wasted_tokens = 0           # computed tokens thrown away by preemption (recompute)
         self.last_preempted: list[tuple[str, str, int]] = []   # (request, reason, wasted tokens)
         self.steps = 0
 
@@ -239,6 +240,7 @@ class SchedulerCore:
                                     seq.num_computed if count else 0))
         if count:
             self.preemptions += 1
+            self.wasted_tokens += seq.num_computed
             seq.preemptions += 1
         if seq.phase is Phase.RUNNING:
             self.running.remove(seq)

@@ -138,5 +138,6 @@ class SchedulerService(Component):
     def stats(self) -> dict[str, float]:
         c = self.core
         return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
-                "preemptions": c.preemptions, "last_step_ms": round(self.last_step_ms, 3),
+                "preemptions": c.preemptions, "wasted_tokens": c.wasted_tokens,
+                "last_step_ms": round(self.last_step_ms, 3),
                 **self.usage.stats(c)}

@@ -484,6 +484,8 @@ def test_preemption_by_recompute(prefix_cache):
     b = core.by_request["b"]
     assert core.schedule() is None
     assert core.preemptions == 1 and b.preemptions == 1
+    assert core.wasted_tokens == 16                      # b had computed 15 + 1 tokens
+    assert core.last_preempted == [("b", "kv_growth_denied", 16)]
     assert b.seq_id == 3 and 2 not in core.by_seq and core.by_seq[3] is b
     assert list(core.waiting) == [b] and core.running == [core.by_request["a"]]
     assert b.phase is Phase.WAITING and b.num_computed == 0 and b.block_ids == []
