@@ -6,6 +6,7 @@ Backends are registered by name with a zero-argument factory, imported lazily.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable, Protocol
 
 import torch
@@ -33,7 +34,14 @@ class _TorchBackend:
         self.paged_attention = torch_ref.paged_attention
 
 
+def _triton_backend() -> AttentionBackend:
+    from kernels.triton_paged import TritonBackend
+    return TritonBackend()
+
+
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {"torch": _TorchBackend}
+if importlib.util.find_spec("triton") is not None:
+    _REGISTRY["triton"] = _triton_backend
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:

@@ -1,0 +1,177 @@
+"""Paged attention in Triton (the GPU backend; checked on CPU under TRITON_INTERPRET=1).
+
+Two kernels over the same paged cache ``[num_blocks, block_size, kv_heads, head_dim]``:
+
+- ``_prefill_kernel``: variable-length queries, one program per (sequence, query tile,
+  head), attending causally to the sequence's cached prefix and its new tokens (already
+  written by ``write_kv``), block by block through the block table, with online softmax.
+- ``_decode_kernel``: one query per sequence, FlashDecoding style: the context is split into
+  partitions of ``PARTITION_BLOCKS`` blocks, one program per (sequence, kv head, partition)
+  serving all the query heads of that kv head; partial results are merged with a
+  log-sum-exp reduction.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+
+@triton.jit
+def _write_kv_kernel(K, V, KC, VC, SLOTS, row, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t)
+    cols = tl.arange(0, ROW_PAD)
+    ok = cols < row
+    tl.store(KC + slot * row + cols, tl.load(K + t * row + cols, mask=ok), mask=ok)
+    tl.store(VC + slot * row + cols, tl.load(V + t * row + cols, mask=ok), mask=ok)
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
+                    sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    s = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q0 = tl.load(QSTART + s)
+    q_len = tl.load(QSTART + s + 1) - q0
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(SEQ_LENS + s)
+        ctx = seq_len - q_len
+        m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        row_ok = m_offs < q_len
+        q = tl.load(Q + (q0 + m_offs)[:, None] * sq_t + h * sq_h + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q_pos = ctx + m_offs
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        last = ctx + tl.minimum((tile + 1) * BLOCK_M, q_len)
+        n_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
+        offs = tl.arange(0, BLOCK_SIZE)
+        for b in range(0, n_blocks):
+            block = tl.load(BT + s * bt_stride + b)
+            base = block * sk_b + kvh * sk_h
+            k = tl.load(KC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
+            v = tl.load(VC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
+            k_pos = b * BLOCK_SIZE + offs
+            scores = tl.dot(q, tl.trans(k)) * scale
+            ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            scores = tl.where(ok, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + (q0 + m_offs)[:, None] * sq_t + h * sq_h + d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(Q, KC, VC, ACC, ML, BT, SEQ_LENS, scale,
+                   sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride, num_parts,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    num_kv = tl.num_programs(1)
+    seq_len = tl.load(SEQ_LENS + s)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    q = tl.load(Q + s * sq_t + (kvh * GROUP + g)[:, None] * sq_h + d[None, :],
+                mask=g_ok[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    total_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = part * PARTITION_BLOCKS
+    stop = tl.minimum(first + PARTITION_BLOCKS, total_blocks)
+    offs = tl.arange(0, BLOCK_SIZE)
+    for b in range(first, stop):
+        block = tl.load(BT + s * bt_stride + b)
+        base = block * sk_b + kvh * sk_h
+        k = tl.load(KC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
+        v = tl.load(VC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where((b * BLOCK_SIZE + offs)[None, :] < seq_len, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    row = (s * num_kv + kvh) * num_parts + part
+    tl.store(ACC + row * GROUP_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :], acc)
+    tl.store(ML + row * GROUP_PAD * 2 + g * 2, m_i)
+    tl.store(ML + row * GROUP_PAD * 2 + g * 2 + 1, l_i)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store new keys/values ``[T, kv_heads, head_dim]`` at ``meta.slot_mapping``."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    row = k.shape[1] * k.shape[2]
+    _write_kv_kernel[(t,)](k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous(),
+                           k_cache, v_cache, meta.slot_mapping, row,
+                           ROW_PAD=triton.next_power_of_2(row))
+
+
+def _pow2(n: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, block_m: int = 16,
+                    partition_blocks: int = 16) -> torch.Tensor:
+    """Same contract as :func:`kernels.torch_ref.paged_attention`."""
+    tokens, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    q = q.contiguous()
+    bt = meta.block_tables
+    n = len(meta.query_lens)
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+               k_cache.stride(2), bt.stride(0))
+    if all(ql == 1 for ql in meta.query_lens):
+        max_blocks = -(-max(c + 1 for c in meta.context_lens) // block_size)
+        parts = -(-max_blocks // partition_blocks)
+        gp = _pow2(group)
+        acc = torch.empty(n, kv_heads, parts, gp, dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n, kv_heads, parts, gp, 2, dtype=torch.float32, device=q.device)
+        _decode_kernel[(n, kv_heads, parts)](
+            q, k_cache, v_cache, acc, ml, bt, meta.seq_lens, scale, *strides, parts,
+            GROUP=group, GROUP_PAD=gp, BLOCK_SIZE=block_size, HEAD_DIM=dim,
+            PARTITION_BLOCKS=partition_blocks)
+        m, lsum = ml[..., 0], ml[..., 1]
+        m_max = m.amax(dim=2, keepdim=True)
+        w = torch.exp(m - torch.where(torch.isinf(m_max), 0.0, m_max)).nan_to_num_(0.0)
+        merged = (acc * w[..., None]).sum(2) / (lsum * w).sum(2)[..., None]
+        return merged[:, :, :group].reshape(n, heads, dim).to(q.dtype)
+    tiles = -(-max(meta.query_lens) // block_m)
+    _prefill_kernel[(n, tiles, heads)](
+        q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc, scale, *strides,
+        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim)
+    return out
+
+
+class TritonBackend:
+    name = "triton"
+    write_kv = staticmethod(write_kv)
+    paged_attention = staticmethod(paged_attention)
