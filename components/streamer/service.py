@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 import zmq
 from opentelemetry import trace
@@ -39,6 +40,7 @@ class Active:
     arrival_ns: int
     span: Any = None                 # the request's root span in the engine
     delivery: Any = None             # "stream" span: first delta to terminal
+    completion: list[str] | None = None   # only with telemetry.record_content
 
     def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
         attrs = {"weir.terminal": terminal, "weir.reason": reason}
@@ -52,6 +54,8 @@ class Active:
             self.span.set_status(Status(StatusCode.ERROR, terminal))
         if self.delivery is not None:
             self.delivery.end()
+        if self.completion is not None:
+            attrs["gen_ai.completion"] = "".join(self.completion)
         self.span.set_attributes(attrs)
         self.span.end()
 
@@ -119,6 +123,10 @@ class StreamerService(Component):
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.top_k": p.top_k})
         req = Active(who, sub.tenant, time.time_ns(), span)
+        if self.config.telemetry.record_content:          # off by default: text stays out
+            span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
+                               msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
+            req.completion = []
         if (rejected := self._check_submit(sub)) is not None:
             req.end("rejected", rejected.reason)
             return await self._terminal_to(who, rejected)
@@ -184,6 +192,8 @@ class StreamerService(Component):
                         if req is None:
                             self.counts["late_events"] += 1
                             continue
+                        if isinstance(event, TextDelta) and req.completion is not None:
+                            req.completion.append(event.text)
                         if isinstance(event, TextDelta) and req.delivery is None:
                             req.delivery = _TRACER.start_span(
                                 "stream", context=trace.set_span_in_context(req.span))

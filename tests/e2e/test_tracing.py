@@ -166,6 +166,7 @@ def test_jsonl_export_and_weir_trace(tmp_path, model_path):
 
     spans = tmp_path / "spans.jsonl"
     eng = Engine(tmp_path, f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{spans}"\n'
+                           'record_content = true\n'
                            '[kv]\nnum_blocks = 128\n[engine]\nmax_model_len = 512\n')
     try:
         with eng.client() as c:
@@ -181,6 +182,12 @@ def test_jsonl_export_and_weir_trace(tmp_path, model_path):
         assert f" {name} " in out, (name, out)
     assert "weir-scheduler" in out and "weir-tokenizer" in out
     assert "output_tokens=5" in out
+    import json
+
+    root = next(json.loads(line) for line in spans.read_text().splitlines()
+                if '"weir.request"' in line and r.request_id in line)
+    assert root["attributes"]["gen_ai.prompt"].startswith("Explain rain in one line")
+    assert root["attributes"]["gen_ai.completion"] == r.text      # only because it was asked
     bad = subprocess.run([sys.executable, "-m", "weir.cli", "trace", "nope", "--file", str(spans)],
                          cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
