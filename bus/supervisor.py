@@ -105,7 +105,7 @@ class Supervisor:
             await anyio.sleep(cfg.heartbeat_interval_s)
             now = time.monotonic()
             for child in self.children.values():
-                if child.external:
+                if child.external or child.state == "dead":
                     continue
                 dead = not child.alive
                 silent = child.state != "starting" and now - child.last_beat > cfg.heartbeat_timeout_s
@@ -181,6 +181,8 @@ class Supervisor:
                     self.stopping = True
                     await self.drain_and_stop(control)
                     raise
+                await to_streamer.send(self.status())     # status is never empty once ready
+                await anyio.sleep(0.05)
                 tg.start_soon(self._watch, control, to_streamer)
                 if on_ready is not None:
                     on_ready(self)

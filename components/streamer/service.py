@@ -149,6 +149,9 @@ class StreamerService(Component):
                             "set exactly one of prompt, prompt_token_ids or messages")
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
+        down = [c.name for c in self.cluster.components if not c.alive]
+        if down:                      # it would never be answered: say so now, not never
+            return Rejected(rid, "overloaded", f"engine component down: {', '.join(down)}", 5.0)
         return None
 
     async def _terminal_to(self, who: bytes, event) -> None:

@@ -124,3 +124,21 @@ def test_sigterm_drains_active_streams_then_exits(tmp_path, model_path):
                 os.kill(pid, 0)
     finally:
         eng.stop()
+
+
+def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path):
+    eng = Engine(tmp_path, SMALL + "[supervisor]\nmax_restarts = 0\n")
+    try:
+        pid = eng.status()["detokenizer"].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and eng.status()["detokenizer"].alive:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        with eng.client(timeout=10) as c:
+            with pytest.raises(RequestRejected) as err:
+                c.generate("Hello?", max_tokens=4)
+        assert err.value.reason == "overloaded" and "detokenizer" in err.value.message
+        assert err.value.retry_after_s >= 1
+    finally:
+        eng.stop()
