@@ -7,6 +7,7 @@ state), ``run`` (its main loop) and optionally ``stats``, ``drain`` and
 """
 from __future__ import annotations
 
+import abc
 import os
 import signal
 from typing import ClassVar
@@ -22,7 +23,7 @@ from schemas.wire import ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, S
 log = structlog.get_logger("component")
 
 
-class Component:
+class Component(abc.ABC):
     name: ClassVar[str]
 
     def __init__(self, config: WeirConfig) -> None:
@@ -46,8 +47,9 @@ class Component:
     async def setup(self) -> None:
         """Bind and connect sockets, load what the component needs. Runs before ready."""
 
+    @abc.abstractmethod
     async def run(self) -> None:
-        raise NotImplementedError
+        """The component's main loop; returning ends the process."""
 
     def stats(self) -> dict[str, float]:
         return {}

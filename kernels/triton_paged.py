@@ -30,6 +30,16 @@ def _write_kv_kernel(K, V, KC, VC, SLOTS, row, ROW_PAD: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(scores, v, m_i, l_i, acc):
+    """Fold one block of masked scores into the running max, sum and weighted values."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
 def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
                     sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -64,13 +74,7 @@ def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
             scores = tl.dot(q, tl.trans(k)) * scale
             ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             scores = tl.where(ok, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q0 + m_offs)[:, None] * sq_t + h * sq_h + d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -105,13 +109,7 @@ def _decode_kernel(Q, KC, VC, ACC, ML, BT, SEQ_LENS, scale,
         v = tl.load(VC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where((b * BLOCK_SIZE + offs)[None, :] < seq_len, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc)
     row = (s * num_kv + kvh) * num_parts + part
     tl.store(ACC + row * GROUP_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :], acc)
     tl.store(ML + row * GROUP_PAD * 2 + g * 2, m_i)
