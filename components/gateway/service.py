@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from pathlib import Path
 
 import structlog
 import uvicorn
@@ -22,7 +21,7 @@ def served_model_name(model: str, configured: str) -> str:
     """The id clients use: configured, or the weights' name without a quantization suffix."""
     if configured:
         return configured
-    path = resolve_model(model) if not model else Path(model)
+    path = resolve_model(model)
     name = path.stem if path.suffix == ".gguf" else path.name
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name, flags=re.I)
 

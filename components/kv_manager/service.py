@@ -8,6 +8,7 @@ import structlog
 import zmq
 
 from bus.component import Component
+from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from schemas.wire import (CacheAnswer, CacheQuery, KvEvents, KvGrant, KvGrants, KvHello,
                           KvManagerUp, KvMsg, KvOps)
@@ -44,15 +45,8 @@ class KvManagerService(Component):
         if ops.epoch < self.epoch:
             self.stale_ops += 1
             return []
-        for f in ops.frees:
-            self.pool.free(f.seq_id, f.num_computed_tokens)
-        grants = []
-        for a in ops.allocs:
-            g = self.pool.allocate(a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope,
-                                   block_hashes=a.block_hashes, token_ids=a.token_ids,
-                                   max_cached_blocks=a.max_cached_blocks)
-            self.alloc_failures += not g.ok
-            grants.append(KvGrant(ops.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
+        grants = apply_ops(self.pool, ops)
+        self.alloc_failures += sum(not g.ok for g in grants)
         return grants
 
     async def run(self) -> None:

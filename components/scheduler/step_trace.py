@@ -23,7 +23,8 @@ class StepTracer:
         self.budget = token_budget
         self.cost = StepCostModel()
         self.free_blocks = -1
-        self.traceparents: dict[str, str | None] = {}
+        self.traceparents: dict[str, str | None] = {}   # request → root span, for other processes
+        self._contexts: dict[str, Context | None] = {}  # the same, parsed once
         self._queue: dict[str, Span] = {}
         self._decode: dict[str, Span] = {}
         self._prefill: list[Span] = []
@@ -31,12 +32,12 @@ class StepTracer:
         self._shape = (0, 0, 0)
         self._predicted = 0.0
 
-    def _ctx(self, rid: str):
-        tp = self.traceparents.get(rid)
-        return tracing.context_from(tp)
+    def _ctx(self, rid: str) -> Context | None:
+        return self._contexts.get(rid)
 
     def admitted(self, rid: str, traceparent: str | None) -> None:
         self.traceparents[rid] = traceparent
+        self._contexts[rid] = tracing.context_from(traceparent)
         self._queue[rid] = _TRACER.start_span("queue", context=self._ctx(rid))
 
     def planned(self, plan: StepPlan) -> str | None:
@@ -108,3 +109,4 @@ class StepTracer:
                     span.set_attribute("weir.ended", "released")
                     span.end()
             self.traceparents.pop(rid, None)
+            self._contexts.pop(rid, None)

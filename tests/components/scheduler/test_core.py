@@ -8,6 +8,7 @@ from collections import deque
 
 import pytest
 
+from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from schemas.wire import RequestTiming
 from components.scheduler.core import Outcome, SchedulerCore
@@ -31,17 +32,7 @@ class Kv:
         self.pool = BlockPool(num_blocks, BS, prefix_cache)
 
     def apply(self, ops: KvOps | None) -> list[KvGrant]:
-        if ops is None:
-            return []
-        for f in ops.frees:
-            self.pool.free(f.seq_id, f.num_computed_tokens)
-        grants = []
-        for a in ops.allocs:
-            g = self.pool.allocate(a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope,
-                                   block_hashes=a.block_hashes, token_ids=a.token_ids,
-                                   max_cached_blocks=a.max_cached_blocks)
-            grants.append(KvGrant(ops.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
-        return grants
+        return [] if ops is None else apply_ops(self.pool, ops)
 
 
 _clock = itertools.count(1000)
