@@ -145,6 +145,14 @@ SchedulerMsg = Union[Admitted, CancelRequest, StopRequest, StepResult, KvGrants,
 
 # ---------------------------------------------------------------- kv_manager inbox
 
+class BlockCopy(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Copy KV block ``src`` to block ``dst``. Ids below the pool's ``num_blocks`` are the
+    executor's main KV pool; the rest are its host-memory tier (``id - num_blocks``)."""
+
+    src: int
+    dst: int
+
+
 class AllocRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Lease ``num_blocks`` more blocks to ``seq_id``. On a sequence's first request,
     ``block_hashes``/``token_ids`` let the pool reuse cached prefix blocks (verified)."""

@@ -1,37 +1,53 @@
-"""The block pool: fixed-size KV blocks, refcounts, leases and a verified prefix cache.
+"""The block pool: KV blocks in two tiers, refcounts, leases, copy-on-write forks, swap,
+and a verified prefix cache scoped per tenant.
 
-Pure and synchronous; the kv_manager service wraps it. The pool hands out block
-ids only; the executor holds the memory.
+Pure and synchronous; the kv_manager service wraps it. The pool hands out block ids and
+says which block copies must happen; the executor holds the memory and does the copies.
 
-Free blocks live in two places: ``_plain`` (no reusable content) and ``_cached``
-(an LRU of unreferenced blocks whose KV is still valid under a prefix hash).
-Allocation prefers plain blocks and evicts the least recently freed cached block
-only when it must. A prefix hit is verified against the stored scope and token
-ids, so a hash collision is never read as a hit.
+Ids ``0 .. num_blocks-1`` are blocks of the main pool ("gpu" tier, whatever the device);
+ids ``num_blocks .. num_blocks+num_cpu_blocks-1`` are blocks of the executor's host-memory
+tier ("cpu"). Each tier keeps its free blocks in two places: ``_plain`` (no reusable
+content) and ``_cached`` (an O(1) LRU of unreferenced blocks whose KV is still valid under a
+prefix hash). Allocation prefers plain blocks and evicts the least recently freed cached
+block only when it must. An evicted gpu prefix block is *demoted* to the cpu tier when that
+tier has room (a copy), and a later hit *promotes* it back (a copy) when the caller says a
+transfer beats recompute.
+
+Every hit is verified against the stored scope, parent hash and token ids, so a hash
+collision is never read as a hit. A block's scope is the lease's tenant scope, except the
+first ``public_blocks`` blocks of a lease, which live in ``public_scope`` (a named public
+system prompt the server chose to share).
+
+Copies are returned in order and must be done in that order, before the next forward step
+writes any block: a later copy may overwrite the source of an earlier one.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgspec
+
+from schemas.wire import BlockCopy
+
+GPU, CPU = "gpu", "cpu"
 
 
 class Grant(msgspec.Struct, frozen=True):
     ok: bool
     block_ids: list[int]
     num_cached_tokens: int = 0
+    copies: list[BlockCopy] = []
 
 
 class CacheEvent(msgspec.Struct, frozen=True, array_like=True):
-    """A prefix block entered or left the cache. ``tier`` is where its KV lives
-    ("gpu" is the executor's main pool, whatever the device)."""
+    """A prefix block entered or left a tier of the cache."""
 
     kind: str                 # "stored" | "removed"
     block_hash: int
     scope: str
-    tier: str
+    tier: str                 # "gpu" (the executor's main pool) | "cpu" (its host tier)
     parent_hash: int | None
 
 
@@ -40,6 +56,10 @@ class PoolStats(msgspec.Struct, frozen=True):
     free: int
     cached: int
     leased_seqs: int
+    cpu_total: int = 0
+    cpu_free: int = 0
+    cpu_cached: int = 0
+    swapped_seqs: int = 0
 
 
 @dataclass
@@ -49,6 +69,12 @@ class _Lease:
     scope: str
     hashes: list[int]
     token_ids: list[int]
+    public_scope: str = ""
+    public_blocks: int = 0
+    swapped: bool = False
+
+    def scope_of(self, index: int) -> str:
+        return self.public_scope if index < self.public_blocks else self.scope
 
 
 @dataclass(frozen=True)
@@ -60,29 +86,68 @@ class _CachedKey:
     tokens: tuple[int, ...]
 
 
+@dataclass
+class _Tier:
+    plain: deque[int]
+    cached: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    @property
+    def free(self) -> int:
+        return len(self.plain) + len(self.cached)
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
+                 num_cpu_blocks: int = 0, watermark_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self._ref = [0] * num_blocks
-        self._plain: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.watermark_blocks = watermark_blocks
+        self._ref = [0] * (num_blocks + num_cpu_blocks)
+        self._tiers = {GPU: _Tier(deque(range(num_blocks))),
+                       CPU: _Tier(deque(range(num_blocks, num_blocks + num_cpu_blocks)))}
         self._hash_to_block: dict[int, int] = {}
         self._block_hash: dict[int, int] = {}
         self._block_key: dict[int, _CachedKey] = {}
         self._leases: dict[int, _Lease] = {}
+        self._copies: list[BlockCopy] = []
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.promoted_blocks = 0
+        self.demoted_blocks = 0
         self.events: list[CacheEvent] = []
 
+    # -- compatibility views of the main tier (tests and stats read these)
+    @property
+    def _plain(self) -> deque[int]:
+        return self._tiers[GPU].plain
+
+    @property
+    def _cached(self) -> OrderedDict[int, None]:
+        return self._tiers[GPU].cached
+
     # -- queries
+    def tier(self, block: int) -> str:
+        return GPU if block < self.num_blocks else CPU
+
     @property
     def num_free(self) -> int:
-        return len(self._plain) + len(self._cached)
+        return self._tiers[GPU].free
+
+    @property
+    def num_cpu_free(self) -> int:
+        return self._tiers[CPU].free
 
     def stats(self) -> PoolStats:
-        return PoolStats(self.num_blocks, self.num_free, len(self._block_hash), len(self._leases))
+        cached = sum(1 for b in self._block_hash if b < self.num_blocks)
+        return PoolStats(self.num_blocks, self.num_free, cached, len(self._leases),
+                         self.num_cpu_blocks, self.num_cpu_free, len(self._block_hash) - cached,
+                         sum(1 for lease in self._leases.values() if lease.swapped))
+
+    @property
+    def below_watermark(self) -> bool:
+        return self.num_free < self.watermark_blocks
 
     def blocks_of(self, seq_id: int) -> list[int]:
         lease = self._leases.get(seq_id)
@@ -94,36 +159,118 @@ class BlockPool:
     # -- operations
     def allocate(self, seq_id: int, num_blocks: int, *, epoch: int = 0, scope: str = "",
                  block_hashes: Sequence[int] = (), token_ids: Sequence[int] = (),
-                 max_cached_blocks: int = 0) -> Grant:
-        """Lease ``num_blocks`` more blocks to ``seq_id``. The first allocation of a
-        sequence may satisfy up to ``max_cached_blocks`` leading blocks from the cache."""
+                 max_cached_blocks: int = 0, public_scope: str = "", public_blocks: int = 0,
+                 promote: bool = True) -> Grant:
+        """Lease ``num_blocks`` more main-tier blocks to ``seq_id``. The first allocation of
+        a sequence may satisfy up to ``max_cached_blocks`` leading blocks from the cache
+        (cpu-tier hits only if ``promote``: each costs a copy back). A first allocation
+        must also leave ``watermark_blocks`` free; growth may dip below."""
         lease = self._leases.get(seq_id)
-        hits: list[int] = []
-        if lease is None:
-            lease = _Lease(epoch, [], scope, list(block_hashes), list(token_ids))
-            if self.prefix_cache:
-                hits = self._match(lease, min(max_cached_blocks, len(block_hashes), num_blocks))
-                self.query_tokens += len(token_ids)
-        need = num_blocks - len(hits)
-        if need > self.num_free - sum(1 for b in hits if self._ref[b] == 0):
+        if lease is not None and lease.swapped:
             return Grant(False, [])
-        for b in hits:
+        hits: list[int] = []
+        first = lease is None
+        if first:
+            lease = _Lease(epoch, [], scope, list(block_hashes), list(token_ids), public_scope,
+                           public_blocks)
+            if self.prefix_cache:
+                hits = self._match(lease, min(max_cached_blocks, len(block_hashes), num_blocks),
+                                   promote)
+                self.query_tokens += len(token_ids)
+        resident = [b for b in hits if b < self.num_blocks]
+        need = num_blocks - len(resident)
+        reserve = self.watermark_blocks if first else 0
+        if need > self.num_free - sum(1 for b in resident if self._ref[b] == 0) - reserve:
+            return Grant(False, [])
+        self._copies = []
+        for b in hits:                          # pin every hit before anything is evicted
             self._incref(b)
-        fresh = [self._take_free() for _ in range(need)]
-        lease.blocks.extend(hits)
-        lease.blocks.extend(fresh)
+        blocks = [self._promote(b, lease, i) if b >= self.num_blocks else b
+                  for i, b in enumerate(hits)]
+        blocks += [self._take_free(GPU) for _ in range(num_blocks - len(hits))]
+        lease.blocks.extend(blocks)
         self._leases[seq_id] = lease
         cached_tokens = len(hits) * self.block_size
         self.hit_tokens += cached_tokens
-        return Grant(True, hits + fresh, cached_tokens)
+        return Grant(True, blocks, cached_tokens, self._take_copies())
+
+    def fork(self, parent: int, child: int, num_tokens: int, *, epoch: int = 0) -> Grant:
+        """Give ``child`` the blocks holding ``parent``'s first ``num_tokens`` tokens,
+        shared (refcounted). A shared block is copied on the first write into it: the
+        child's copy of a partial last block is made now, since its next token goes there.
+        Returns the child's whole block table."""
+        src = self._leases.get(parent)
+        n = -(-num_tokens // self.block_size)
+        if src is None or src.swapped or child in self._leases or n > len(src.blocks):
+            return Grant(False, [])
+        partial = num_tokens % self.block_size != 0
+        if partial and self.num_free < 1:
+            return Grant(False, [])
+        lease = _Lease(epoch, list(src.blocks[:n]), src.scope, list(src.hashes),
+                       list(src.token_ids), src.public_scope, src.public_blocks)
+        for b in lease.blocks:
+            self._incref(b)
+        self._leases[child] = lease
+        self._copies = []
+        if partial:
+            self._cow(lease, n - 1)
+        return Grant(True, list(lease.blocks), 0, self._take_copies())
+
+    def write_block(self, seq_id: int, index: int) -> list[BlockCopy] | None:
+        """Make block ``index`` of ``seq_id`` private before it is written (copy-on-write).
+        Returns the copies to do (none if it was not shared), or None if no block is free."""
+        lease = self._leases[seq_id]
+        if self._shared(lease.blocks[index]) and self.num_free < 1:
+            return None
+        self._copies = []
+        self._cow(lease, index)
+        return self._take_copies()
+
+    def swap_out(self, seq_id: int, num_tokens: int) -> Grant:
+        """Move the blocks holding a sequence's first ``num_tokens`` tokens to the cpu tier
+        (copies) and free all its main-tier blocks. Refused, changing nothing, if the cpu
+        tier cannot take them. Returns the cpu block ids."""
+        lease = self._leases.get(seq_id)
+        n = -(-num_tokens // self.block_size)
+        if lease is None or lease.swapped or n > len(lease.blocks) or n > self.num_cpu_free:
+            return Grant(False, [])
+        self._copies = []
+        cpu = []
+        for b in lease.blocks[:n]:
+            c = self._take_free(CPU)
+            self._copies.append(BlockCopy(b, c))
+            cpu.append(c)
+        for b in lease.blocks:
+            self._decref(b)
+        lease.blocks, lease.swapped = cpu, True
+        return Grant(True, list(cpu), 0, self._take_copies())
+
+    def swap_in(self, seq_id: int) -> Grant:
+        """Bring a swapped sequence's blocks back to the main tier (copies); refused if the
+        main tier cannot hold them. Returns the new block table."""
+        lease = self._leases.get(seq_id)
+        if lease is None or not lease.swapped or len(lease.blocks) > self.num_free:
+            return Grant(False, [])
+        self._copies = []
+        gpu = []
+        for c in lease.blocks:
+            g = self._take_free(GPU)
+            self._copies.append(BlockCopy(c, g))
+            gpu.append(g)
+        for c in lease.blocks:
+            self._decref(c)
+        lease.blocks, lease.swapped = gpu, False
+        return Grant(True, list(gpu), 0, self._take_copies())
 
     def cached_tokens(self, scope: str, block_hashes: Sequence[int], token_ids: Sequence[int],
-                      max_blocks: int) -> int:
-        """Tokens of this prompt a new lease would get from the cache now (verified, read-only)."""
+                      max_blocks: int, public_scope: str = "", public_blocks: int = 0) -> int:
+        """Tokens of this prompt a new lease would get from the cache now (verified, read-only;
+        cpu-tier blocks count, as they would be promoted)."""
         if not self.prefix_cache:
             return 0
-        probe = _Lease(0, [], scope, list(block_hashes), list(token_ids))
-        return len(self._match(probe, min(max_blocks, len(block_hashes)))) * self.block_size
+        probe = _Lease(0, [], scope, list(block_hashes), list(token_ids), public_scope,
+                       public_blocks)
+        return len(self._match(probe, min(max_blocks, len(block_hashes)), True)) * self.block_size
 
     def free(self, seq_id: int, num_computed_tokens: int = 0) -> int:
         """Release a sequence's lease. Full prompt blocks below ``num_computed_tokens``
@@ -134,7 +281,7 @@ class BlockPool:
         full = min(num_computed_tokens // self.block_size, len(lease.hashes), len(lease.blocks))
         if self.prefix_cache:
             for i in range(full):
-                self._register(lease.blocks[i], lease.hashes[i], lease.scope,
+                self._register(lease.blocks[i], lease.hashes[i], lease.scope_of(i),
                                lease.hashes[i - 1] if i else None,
                                lease.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for b in lease.blocks:
@@ -148,18 +295,61 @@ class BlockPool:
             self.free(seq_id, 0)
         return stale
 
+    def drop_cache(self) -> int:
+        """Forget every cached prefix in both tiers (their KV is gone, e.g. the executor
+        restarted). Unreferenced cached blocks become plain. Returns how many were dropped."""
+        dropped = len(self._block_hash)
+        for block in list(self._block_hash):
+            self._unregister(block)
+        for t in self._tiers.values():
+            while t.cached:
+                t.plain.append(t.cached.popitem(last=False)[0])
+        return dropped
+
+    def take_events(self) -> list[CacheEvent]:
+        """Cache changes since the last call, in order (for the KV event stream)."""
+        events, self.events = self.events, []
+        return events
+
     # -- internals
-    def _match(self, lease: _Lease, limit: int) -> list[int]:
+    def _take_copies(self) -> list[BlockCopy]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _match(self, lease: _Lease, limit: int, promote: bool) -> list[int]:
         hits = []
         for i in range(limit):
             b = self._hash_to_block.get(lease.hashes[i])
             parent = lease.hashes[i - 1] if i else None
-            want = _CachedKey(lease.scope, parent,
+            want = _CachedKey(lease.scope_of(i), parent,
                               tuple(lease.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            if b is None or self._block_key.get(b) != want:
+            if b is None or self._block_key.get(b) != want or (b >= self.num_blocks and not promote):
                 break
             hits.append(b)
         return hits
+
+    def _shared(self, block: int) -> bool:
+        return self._ref[block] > 1 or block in self._block_hash
+
+    def _cow(self, lease: _Lease, index: int) -> None:
+        b = lease.blocks[index]
+        if self._shared(b):
+            new = self._take_free(GPU)
+            self._copies.append(BlockCopy(b, new))
+            self._decref(b)
+            lease.blocks[index] = new
+
+    def _promote(self, cpu_block: int, lease: _Lease, index: int) -> int:
+        """Copy a (pinned) cpu-tier prefix hit into a fresh main-tier block, which takes over
+        its cache entry; the cpu block is released."""
+        g = self._take_free(GPU)
+        self._copies.append(BlockCopy(cpu_block, g))
+        h, key = self._block_hash[cpu_block], self._block_key[cpu_block]
+        self._unregister(cpu_block)
+        self._register(g, h, key.scope, key.parent, key.tokens)
+        self._decref(cpu_block)
+        self.promoted_blocks += 1
+        return g
 
     def _register(self, block: int, h: int, scope: str, parent: int | None,
                   tokens: Sequence[int]) -> None:
@@ -168,49 +358,49 @@ class BlockPool:
         self._hash_to_block[h] = block
         self._block_hash[block] = h
         self._block_key[block] = _CachedKey(scope, parent, tuple(tokens))
-        self.events.append(CacheEvent("stored", h, scope, "gpu", parent))
+        self.events.append(CacheEvent("stored", h, scope, self.tier(block), parent))
 
-    def drop_cache(self) -> int:
-        """Forget every cached prefix (their KV is gone, e.g. the executor restarted).
-        Unreferenced cached blocks become plain free blocks. Returns how many were dropped."""
-        dropped = len(self._block_hash)
-        for block in list(self._block_hash):
-            self._evict(block)
-        while self._cached:
-            block, _ = self._cached.popitem(last=False)
-            self._plain.append(block)
-        return dropped
-
-    def _take_free(self) -> int:
-        if self._plain:
-            b = self._plain.popleft()
-        else:
-            b, _ = self._cached.popitem(last=False)
-            self._evict(b)
-        self._ref[b] = 1
-        return b
-
-    def _evict(self, block: int) -> None:
+    def _unregister(self, block: int) -> None:
         h = self._block_hash.pop(block, None)
         if h is not None:
             del self._hash_to_block[h]
             key = self._block_key.pop(block)
-            self.events.append(CacheEvent("removed", h, key.scope, "gpu", key.parent))
+            self.events.append(CacheEvent("removed", h, key.scope, self.tier(block), key.parent))
 
-    def take_events(self) -> list["CacheEvent"]:
-        """Cache changes since the last call, in order (for the KV event stream)."""
-        events, self.events = self.events, []
-        return events
+    def _take_free(self, tier: str) -> int:
+        """A free block of ``tier`` with refcount 1: plain if any, else the least recently
+        freed cached block, evicted (a main-tier one is demoted to the cpu tier if it can)."""
+        t = self._tiers[tier]
+        if t.plain:
+            b = t.plain.popleft()
+        else:
+            b, _ = t.cached.popitem(last=False)
+            if tier == GPU and self.num_cpu_blocks and self._tiers[CPU].free:
+                self._demote(b)
+            else:
+                self._unregister(b)
+        self._ref[b] = 1
+        return b
+
+    def _demote(self, block: int) -> None:
+        h, key = self._block_hash[block], self._block_key[block]
+        c = self._take_free(CPU)
+        self._copies.append(BlockCopy(block, c))
+        self._unregister(block)
+        self._register(c, h, key.scope, key.parent, key.tokens)
+        self._decref(c)
+        self.demoted_blocks += 1
 
     def _incref(self, block: int) -> None:
         if self._ref[block] == 0:
-            del self._cached[block]
+            del self._tiers[self.tier(block)].cached[block]
         self._ref[block] += 1
 
     def _decref(self, block: int) -> None:
         self._ref[block] -= 1
         if self._ref[block] == 0:
+            t = self._tiers[self.tier(block)]
             if block in self._block_hash:
-                self._cached[block] = None
+                t.cached[block] = None
             else:
-                self._plain.append(block)
+                t.plain.append(block)
