@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1                       # parallel samples sharing the prompt's KV (copy-on-write)
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
@@ -46,6 +47,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     params: SamplingParams = SamplingParams()
     tenant: str = "default"
     deadline_ms: int | None = None      # time-to-first-token deadline, from arrival
+    priority: int = 0                   # lower is more important; preemption takes the highest
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -87,6 +89,13 @@ class TextDelta(msgspec.Struct, tag="delta", frozen=True):
     request_id: str
     text: str
     token_ids: tuple[int, ...]
+    index: int = 0                   # the choice (0 .. n-1)
+
+
+class ChoiceEnd(msgspec.Struct, frozen=True, array_like=True):
+    index: int
+    finish_reason: FinishReason
+    completion_tokens: int
 
 
 class Finished(msgspec.Struct, tag="finished", frozen=True):
@@ -98,6 +107,7 @@ class Finished(msgspec.Struct, tag="finished", frozen=True):
     text: str = ""
     queue_time_s: float = 0.0
     timing: RequestTiming | None = None
+    choices: tuple[ChoiceEnd, ...] = ()     # every choice's end, by index (n >= 1)
 
 
 class Rejected(msgspec.Struct, tag="rejected", frozen=True):

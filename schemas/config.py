@@ -106,16 +106,43 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.lookahead_tokens >= 1, "scheduler.lookahead_tokens must be >= 1")
 
 
+class PublicPrefix(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A named public system prompt whose KV blocks may be shared across tenants.
+
+    A chat request whose first message is ``system_prompt`` (exactly) gets the full blocks
+    of that message in the cache scope ``public:<name>``; everything after stays in the
+    tenant's own scope. ``tenants`` limits who shares it (empty: every tenant). Chosen by the
+    server from the authenticated tenant; a client cannot name a scope."""
+
+    name: str
+    system_prompt: str
+    tenants: tuple[str, ...] = ()
+
+
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     num_blocks: int = 2048
     grow_blocks: int = 2
     enable_prefix_cache: bool = True
+    num_cpu_blocks: int = 1024        # the executor's host-memory tier (swap + demoted prefixes)
+    watermark: float = 0.01           # fraction of blocks a new sequence's first lease leaves free
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"   # auto: cheaper by estimate
+    public_prefixes: tuple[PublicPrefix, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "kv.block_size must be 8..128, a power of 2")
         _require(self.num_blocks >= 2, "kv.num_blocks must be >= 2")
         _require(self.grow_blocks >= 1, "kv.grow_blocks must be >= 1")
+        _require(self.num_cpu_blocks >= 0, "kv.num_cpu_blocks must be >= 0")
+        _require(0 <= self.watermark < 0.5, "kv.watermark must be in [0, 0.5)")
+        _require(self.preemption_mode != "swap" or self.num_cpu_blocks > 0,
+                 "kv.preemption_mode 'swap' needs kv.num_cpu_blocks > 0")
+        names = [p.name for p in self.public_prefixes]
+        _require(len(set(names)) == len(names), "kv.public_prefixes has duplicate names")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.num_blocks * self.watermark)
 
 
 class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

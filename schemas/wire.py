@@ -14,7 +14,7 @@ from typing import Generic, TypeVar, Union
 import msgspec
 
 from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
-    Accepted, Cancel, Cancelled, ChatMessage, ClientMsg, ComponentStatus, Failed,
+    Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, ProtocolError, RejectReason, Rejected, RequestTiming,
     SamplingParams, ServerMsg, StatusQuery, StatusReport, Submit, Terminal, TextDelta, Usage)
 
@@ -41,6 +41,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     arrival_ns: int
     prompt_token_ids: list[int] | None = None
     deadline_ms: int | None = None
+    priority: int = 0
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
@@ -52,6 +53,14 @@ class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
 
 
 TokenizerMsg = Union[NewRequest, CancelRequest]
+
+
+class BlockCopy(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Copy KV block ``src`` to block ``dst``. Ids below the pool's ``num_blocks`` are the
+    executor's main KV pool; the rest are its host-memory tier (``id - num_blocks``)."""
+
+    src: int
+    dst: int
 
 
 # ---------------------------------------------------------------- admission inbox
@@ -67,6 +76,9 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     arrival_ns: int
     eos_token_ids: tuple[int, ...] = ()
     deadline_ms: int | None = None
+    priority: int = 0                 # lower is more important (vLLM's convention)
+    public_scope: str = ""            # the first public_blocks blocks are a shared public prefix
+    public_blocks: int = 0
 
 
 class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
@@ -103,9 +115,10 @@ class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
 
 
 class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):
-    """From the detokenizer: a stop string matched; the sequence is done."""
+    """From the detokenizer: a stop string matched; choice ``index`` of the request is done."""
 
     request_id: str
+    index: int = 0
 
 
 class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
@@ -119,18 +132,32 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
-    """Blocks leased to a sequence. ``ok`` false means the pool could not satisfy it."""
+    """The answer to one KV op. ``ok`` false means the pool could not satisfy it (and
+    changed nothing). ``kind`` names the op: "alloc" (``block_ids`` are the new blocks),
+    "fork" (the child's whole table), "swap_out" (the host-tier blocks), "swap_in" (the new
+    table). ``copies`` must reach the executor, in order, before its next step."""
 
     epoch: int
     seq_id: int
     ok: bool
     block_ids: list[int]
     num_cached_tokens: int
+    kind: str = "alloc"
+    copies: list[BlockCopy] = []
 
 
 class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):
     grants: list[KvGrant]
     free_blocks: int = -1
+    free_cpu_blocks: int = -1
+
+
+class ExecutorReady(msgspec.Struct, tag="executor_ready", frozen=True):
+    """The executor is up: what a KV block costs to move to and from its host tier."""
+
+    block_bytes: int
+    copy_bytes_per_s: float          # measured at startup, device -> host -> device average
+    num_cpu_blocks: int
 
 
 class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
@@ -140,18 +167,11 @@ class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
     total_blocks: int
 
 
-SchedulerMsg = Union[Admitted, CancelRequest, StopRequest, StepResult, KvGrants, KvManagerUp]
+SchedulerMsg = Union[Admitted, CancelRequest, StopRequest, StepResult, KvGrants, KvManagerUp,
+                     ExecutorReady]
 
 
 # ---------------------------------------------------------------- kv_manager inbox
-
-class BlockCopy(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Copy KV block ``src`` to block ``dst``. Ids below the pool's ``num_blocks`` are the
-    executor's main KV pool; the rest are its host-memory tier (``id - num_blocks``)."""
-
-    src: int
-    dst: int
-
 
 class AllocRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Lease ``num_blocks`` more blocks to ``seq_id``. On a sequence's first request,
@@ -163,6 +183,25 @@ class AllocRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     block_hashes: list[int] = []
     token_ids: list[int] = []
     max_cached_blocks: int = 0
+    public_scope: str = ""
+    public_blocks: int = 0
+    promote: bool = True             # take host-tier prefix hits (a copy each) if any
+
+
+class ForkRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Share ``parent``'s blocks for its first ``num_tokens`` tokens with new sequence
+    ``child`` (copy-on-write; a partial last block is copied for the child at once)."""
+
+    parent: int
+    child: int
+    num_tokens: int
+
+
+class SwapOutRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Move the blocks of a sequence's first ``num_tokens`` tokens to the host tier."""
+
+    seq_id: int
+    num_tokens: int
 
 
 class FreeRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -173,11 +212,15 @@ class FreeRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class KvOps(msgspec.Struct, tag="kv_ops", frozen=True, gc=False):
-    """One batched message per scheduler step: frees first, then allocations."""
+    """One batched message per scheduler step, applied in this order: forks (before a
+    parent's free), frees, swap-outs, swap-ins, allocations."""
 
     epoch: int
     frees: list[FreeRequest]
     allocs: list[AllocRequest]
+    forks: list[ForkRequest] = []
+    swap_outs: list[SwapOutRequest] = []
+    swap_ins: list[int] = []
 
 
 class KvHello(msgspec.Struct, tag="kv_hello", frozen=True):
@@ -237,13 +280,18 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_tokens: int
     new_block_ids: list[int]
     sample: bool
+    num_samples: int = 1             # independent samples from the last row (n > 1 fork)
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
+    """One step: forget ``drop``, do ``copies`` in order (KV block moves the kv_manager
+    asked for), learn ``new_seqs``, then run ``steps`` as one forward."""
+
     step_id: int
     new_seqs: list[NewSeq]
     steps: list[SeqStep]
     drop: list[int]
+    copies: list[BlockCopy] = []
 
 
 ExecutorMsg = Union[StepPlan]
@@ -258,6 +306,7 @@ class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     cached_tokens: int
     queue_time_s: float = 0.0
     traceparent: str | None = None
+    n: int = 1                        # choices in the request; Finished waits for all
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -270,6 +319,7 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timing: RequestTiming | None = None
+    index: int = 0                    # which of the request's n choices
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True, gc=False):

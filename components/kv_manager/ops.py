@@ -1,18 +1,29 @@
-"""Apply one scheduler step's KV operations to a block pool: frees first, then allocations."""
+"""Apply one scheduler step's KV operations to a block pool, in the order KvOps documents:
+forks, frees, swap-outs, swap-ins, allocations. One grant (ok or refused) per op but frees."""
 from __future__ import annotations
 
-from components.kv_manager.pool import BlockPool
+from components.kv_manager.pool import BlockPool, Grant
 from schemas.wire import KvGrant, KvOps
 
 
 def apply_ops(pool: BlockPool, ops: KvOps) -> list[KvGrant]:
-    """Free, then lease, under ``ops.epoch``; one grant (ok or refused) per allocation."""
+    grants: list[KvGrant] = []
+
+    def grant(seq_id: int, kind: str, g: Grant) -> None:
+        grants.append(KvGrant(ops.epoch, seq_id, g.ok, g.block_ids, g.num_cached_tokens, kind,
+                              g.copies))
+
+    for f in ops.forks:
+        grant(f.child, "fork", pool.fork(f.parent, f.child, f.num_tokens, epoch=ops.epoch))
     for f in ops.frees:
         pool.free(f.seq_id, f.num_computed_tokens)
-    grants = []
+    for s in ops.swap_outs:
+        grant(s.seq_id, "swap_out", pool.swap_out(s.seq_id, s.num_tokens))
+    for seq_id in ops.swap_ins:
+        grant(seq_id, "swap_in", pool.swap_in(seq_id))
     for a in ops.allocs:
-        g = pool.allocate(a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope,
-                          block_hashes=a.block_hashes, token_ids=a.token_ids,
-                          max_cached_blocks=a.max_cached_blocks)
-        grants.append(KvGrant(ops.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
+        grant(a.seq_id, "alloc", pool.allocate(
+            a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope, block_hashes=a.block_hashes,
+            token_ids=a.token_ids, max_cached_blocks=a.max_cached_blocks,
+            public_scope=a.public_scope, public_blocks=a.public_blocks, promote=a.promote))
     return grants

@@ -9,21 +9,32 @@ several steps while others keep decoding.
 KV blocks come from the kv_manager asynchronously. The core never waits: it
 emits batched ``AllocRequest``/``FreeRequest`` ops, asks for growth
 ``lookahead_tokens`` ahead, and a sequence whose grant has not arrived simply
-sits out a step. If growth is denied, the latest arrival is preempted
-(recompute) and no new prefill is admitted while it waits.
+sits out a step. If growth is denied, a victim is preempted — the least important
+priority, then the latest arrival — either by recompute (its blocks are freed; its
+computed prompt blocks stay in the prefix cache) or by swapping its blocks to the
+executor's host tier, whichever the cost estimate says is cheaper; no new prefill is
+admitted while a preempted sequence waits.
+
+Parallel sampling (n > 1): the prompt is prefilled once; its last row is sampled n times
+and the sequence forks into n choices that share the prompt's blocks (copy-on-write in
+the kv_manager). Block copies the kv_manager asks for (copy-on-write, swap, prefix
+demotion and promotion) ride to the executor on the next StepPlan, in order.
 
 Synchronous and torch-free; the service feeds it messages and sends what it returns.
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import math
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from components.scheduler.sequence import Phase, Seq
 from schemas.config import KvConfig, SchedulerConfig
-from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
-                          NewSeq, RequestTiming, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+from schemas.wire import (Admitted, AllocRequest, BlockCopy, DetokParams, ForkRequest,
+                          FreeRequest, KvGrant, KvOps, NewSeq, RequestTiming, SeqStep, StepPlan,
+                          StepResult, SwapOutRequest, TokenOut, Usage)
 
 
 @dataclass
@@ -33,6 +44,19 @@ class Outcome:
     tokens: list[TokenOut] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """One preemption, as recorded for traces and stats."""
+
+    request_id: str
+    index: int
+    reason: str            # "kv_growth_denied" | "returned_unscheduled_blocks" | "fork_denied" | ...
+    choice: str            # "recompute" | "swap"
+    wasted_tokens: int     # computed tokens that will be computed again
+    recompute_s: float     # the estimates the choice was made on
+    swap_s: float
 
 
 class SchedulerCore:
@@ -55,71 +79,140 @@ class SchedulerCore:
         self.in_flight: dict[int, int] | None = None   # seq_id -> tokens, for the step in flight
         self.in_flight_step = 0                         # step_id of the plan in flight
         self._frees_emitted = 0    # FreeRequests so far; a denied lease retries after more
+        self._forks: list[ForkRequest] = []
+        self._swap_outs: list[SwapOutRequest] = []
+        self._swap_ins: list[int] = []
+        self._copies: list[BlockCopy] = []
+        self.preemption_mode = kv.preemption_mode
+        self.cpu_free = kv.num_cpu_blocks       # host-tier blocks free, as last reported
+        self.block_bytes = 0                    # set when the executor reports in
+        self.copy_bytes_per_s = 0.0
+        self.recompute_s: Callable[[int], float] = lambda tokens: 0.0   # prefill estimate
         self.preemptions = 0
+        self.preemptions_by_kind: Counter[str] = Counter()
         self.wasted_tokens = 0           # computed tokens thrown away by preemption (recompute)
-        self.last_preempted: list[tuple[str, str, int]] = []   # (request, reason, wasted tokens)
+        self.swapped_blocks = 0          # blocks sent to the host tier by preemption
+        self.last_preempted: list[Preemption] = []
         self.steps = 0
 
     # ------------------------------------------------------------------ inputs
     def add(self, req: Admitted) -> Seq:
         seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
                   len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
-                  req.arrival_ns, frozenset(req.eos_token_ids))
+                  req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
+                  public_scope=req.public_scope, public_blocks=req.public_blocks)
+        seq.group.append(seq)
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
 
     def cancel(self, request_id: str) -> Outcome:
-        """Cancel (or stop) a request wherever it is; its blocks go back at once."""
+        """Cancel a request (every choice) wherever it is; its blocks go back at once."""
         seq = self.by_request.get(request_id)
         out = Outcome()
         if seq is None:
             return out
-        if seq.outputs_sent:
+        if any(s.outputs_sent for s in seq.group):
             out.forget.append(request_id)
-        self._finish(seq, out)
+        for s in list(seq.group):
+            if s.phase is not Phase.DONE:
+                self._finish(s, out)
         return out
 
-    def on_grants(self, grants: list[KvGrant]) -> None:
+    def stop(self, request_id: str, index: int = 0) -> Outcome:
+        """A stop string ended choice ``index`` (the detokenizer already closed it)."""
+        seq = self.by_request.get(request_id)
+        out = Outcome()
+        if seq is None:
+            return out
+        if seq.n == 1:
+            return self.cancel(request_id)
+        for s in seq.group:
+            if s.index == index and s.phase is not Phase.DONE:
+                self._finish(s, out)
+        return out
+
+    def on_executor(self, block_bytes: int, copy_bytes_per_s: float) -> None:
+        """The executor reported what moving a block to and from its host tier costs."""
+        self.block_bytes, self.copy_bytes_per_s = block_bytes, copy_bytes_per_s
+
+    def on_grants(self, grants: list[KvGrant], free_cpu_blocks: int = -1) -> None:
+        if free_cpu_blocks >= 0:
+            self.cpu_free = free_cpu_blocks
         for g in grants:
+            if g.ok:
+                self._copies.extend(g.copies)          # whoever they were for: the pool moved
             if g.epoch != self.epoch:
                 continue
             seq = self.by_seq.get(g.seq_id)
             if seq is None or seq.phase is Phase.DONE:
-                if g.ok:
-                    self._frees.append(FreeRequest(g.seq_id, 0))
-                    self._frees_emitted += 1
+                if g.ok or g.kind == "swap_out":        # a lease exists: give it back
+                    self._free_lease(g.seq_id, 0)
                 self.by_seq.pop(g.seq_id, None)
                 continue
             seq.pending_blocks = 0
-            if not g.ok:
+            if g.kind == "fork":
+                self._forked(seq, g)
+            elif g.kind == "swap_out":
+                if not g.ok:                           # the host tier filled up: recompute
+                    seq.has_lease = True
+                    self._recompute(seq, "swap_refused", count=True)
+            elif g.kind == "swap_in":
+                if g.ok:
+                    seq.block_ids = list(g.block_ids)
+                    seq.phase = Phase.READY
+                else:
+                    seq.alloc_denied = True
+            elif not g.ok:
                 if seq.block_ids:
                     seq.grow_denied = True
                 else:
                     seq.alloc_denied = True
-                continue
-            if not seq.block_ids:
-                seq.num_computed = g.num_cached_tokens
-                seq.cached_tokens = g.num_cached_tokens
-                seq.phase = Phase.READY
-            seq.block_ids.extend(g.block_ids)
-            seq.grow_denied = False
+            else:
+                if not seq.block_ids:
+                    seq.num_computed = g.num_cached_tokens
+                    seq.cached_tokens = g.num_cached_tokens
+                    seq.phase = Phase.READY
+                    seq.has_lease = True
+                seq.block_ids.extend(g.block_ids)
+                seq.grow_denied = False
+
+    def _forked(self, seq: Seq, g: KvGrant) -> None:
+        if g.ok:
+            seq.block_ids = list(g.block_ids)
+            seq.has_lease = True
+            return
+        # no block for the copy-on-write: compute this choice from scratch when there is room
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        seq.phase = Phase.WAITING
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self._record(seq, "fork_denied", "recompute", 0, 0.0, 0.0)
 
     def reset(self, kv_lost: bool) -> Outcome:
         """A peer lost its state (executor or kv_manager restarted): drop every sequence.
         Their blocks are freed unless the pool itself was lost. Starts a new epoch."""
         out = Outcome()
-        for seq in list(self.by_request.values()):
-            out.forget.append(seq.request_id)
-            if kv_lost:
-                seq.block_ids = []
-            seq.num_computed = 0          # the executor's KV is gone (or void): cache nothing
-            seq.known_to_executor = False
-            self._finish(seq, out)
+        for parent in list(self.by_request.values()):
+            out.forget.append(parent.request_id)
+            for seq in list(parent.group):
+                if seq.phase is Phase.DONE:
+                    continue
+                if kv_lost:
+                    seq.block_ids = []
+                    seq.has_lease = False
+                seq.num_computed = 0      # the executor's KV is gone (or void): cache nothing
+                seq.known_to_executor = False
+                self._finish(seq, out)
+        self._copies.clear()              # the executor's memory is new (or void)
         if kv_lost:
             self._frees.clear()
             self._allocs.clear()
+            self._forks.clear()
+            self._swap_outs.clear()
+            self._swap_ins.clear()
             self.epoch += 1
         self._drop.clear()
         self.by_seq.clear()
@@ -154,9 +247,12 @@ class SchedulerCore:
             seq.phase = Phase.RUNNING
             seq.first_scheduled_ns = seq.first_scheduled_ns or now_ns
             self.running.append(seq)
-            n = min(seq.remaining, budget)
-            chosen.append((seq, n))
-            budget -= n
+            # a sequence back from the host tier holds only its computed blocks: it runs
+            # once growth (asked below, as for any running sequence) is granted
+            n = min(seq.remaining, budget, seq.capacity(self.block_size) - seq.num_computed)
+            if n > 0:
+                chosen.append((seq, n))
+                budget -= n
         self._request_blocks(chosen)
         if not chosen:
             return None
@@ -170,18 +266,22 @@ class SchedulerCore:
         new_seqs, steps = [], []
         for seq, n in chosen:
             sample = seq.num_computed + n == seq.num_tokens
+            samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
             if not seq.known_to_executor:
                 p = seq.params
+                seed = None if p.seed is None else p.seed + seq.index
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
                                        seq.num_computed, list(seq.block_ids), p.temperature,
-                                       p.top_p, p.top_k, p.seed))
+                                       p.top_p, p.top_k, seed))
                 seq.known_to_executor = True
-                steps.append(SeqStep(seq.seq_id, n, [], sample))
+                steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
             else:
-                steps.append(SeqStep(seq.seq_id, n, seq.block_ids[seq.blocks_sent:], sample))
+                steps.append(SeqStep(seq.seq_id, n, seq.block_ids[seq.blocks_sent:], sample,
+                                     samples))
             seq.blocks_sent = len(seq.block_ids)
         drop, self._drop = self._drop, []
-        return StepPlan(next(self._step_ids), new_seqs, steps, drop)
+        copies, self._copies = self._copies, []
+        return StepPlan(next(self._step_ids), new_seqs, steps, drop, copies)
 
     def _request_blocks(self, chosen: list[tuple[Seq, int]]) -> None:
         bs = self.block_size
@@ -206,21 +306,28 @@ class SchedulerCore:
             if seq.alloc_denied and seq.frees_at_request == self._frees_emitted:
                 break                                 # nothing freed since the pool said no
             seq.alloc_denied = False
+            seq.frees_at_request = self._frees_emitted
+            if seq.phase is Phase.SWAPPED:
+                seq.pending_blocks = 1
+                self._swap_ins.append(seq.seq_id)
+                continue
             n = -(-(seq.num_tokens + 1) // bs)
             seq.pending_blocks = n
-            seq.frees_at_request = self._frees_emitted
             max_cached = (seq.num_tokens - 1) // bs
-            self._allocs.append(AllocRequest(seq.seq_id, n, seq.tenant, seq.block_hashes,
-                                             seq.token_ids[:len(seq.block_hashes) * bs], max_cached))
+            self._allocs.append(AllocRequest(
+                seq.seq_id, n, seq.tenant, seq.block_hashes,
+                seq.token_ids[:len(seq.block_hashes) * bs], max_cached, seq.public_scope,
+                seq.public_blocks, self._promote_pays()))
 
     def _preempt_if_stuck(self) -> None:
         """Free memory for sequences that cannot proceed. Ready-but-unscheduled sequences
-        give their blocks back first; then the latest running arrival is preempted
-        (recompute). A stuck sequence may be its own victim."""
+        give their blocks back first; then a running victim is preempted by policy: the
+        least important priority, then the latest arrival. A stuck sequence may be its
+        own victim."""
         head = self.waiting[0] if self.waiting else None
         if head is not None and head.alloc_denied:
             for seq in [s for s in self.waiting if s.phase is Phase.READY]:
-                self._preempt(seq, count=False)
+                self._give_back(seq)
         for seq in [s for s in self.running if s.grow_denied]:
             if seq.phase is not Phase.RUNNING:
                 continue
@@ -228,25 +335,91 @@ class SchedulerCore:
                 seq.grow_denied = False          # can still make progress; ask again later
                 continue
             ready = [s for s in self.waiting if s.phase is Phase.READY]
-            victim = max(ready or self.running, key=lambda s: (s.arrival_ns, s.seq_id))
-            self._preempt(victim, count=not ready)
+            if ready:
+                self._give_back(max(ready, key=lambda s: (s.arrival_ns, s.seq_id)))
+            else:
+                self._preempt(max(self.running,
+                                  key=lambda s: (s.priority, s.arrival_ns, s.seq_id)))
             seq.grow_denied = False
 
-    def _preempt(self, seq: Seq, count: bool = True) -> None:
-        """Return a sequence's blocks (its computed full blocks stay cached) and send it
-        back to wait under a fresh seq id; a running victim goes to the head of the queue."""
-        self.last_preempted.append((seq.request_id, "kv_growth_denied" if count
-                                    else "returned_unscheduled_blocks",
-                                    seq.num_computed if count else 0))
-        if count:
-            self.preemptions += 1
-            self.wasted_tokens += seq.num_computed
-            seq.preemptions += 1
+    def _give_back(self, seq: Seq) -> None:
+        """A ready sequence returns its blocks. One resumed from the host tier holds real
+        work, so it is preempted like a running victim; a fresh one loses nothing."""
+        if seq.num_computed > seq.cached_tokens:
+            self._preempt(seq, "returned_unscheduled_blocks")
+        else:
+            self._recompute(seq, "returned_unscheduled_blocks", count=False)
+
+    def _costs(self, seq: Seq) -> tuple[float, float]:
+        """Estimated seconds to recompute ``seq``'s computed tokens, and to swap its blocks
+        out and back in (bytes / measured host-copy bandwidth, both ways)."""
+        blocks = -(-seq.num_computed // self.block_size)
+        swap_s = (2 * blocks * self.block_bytes / self.copy_bytes_per_s
+                  if self.copy_bytes_per_s > 0 else math.inf)
+        return self.recompute_s(seq.num_computed), swap_s
+
+    def _promote_pays(self) -> bool:
+        """Is copying a host-tier prefix block back cheaper than recomputing its tokens?
+        Until both are measured, assume so (a copy is a memcpy; recompute is a forward)."""
+        recompute_s = self.recompute_s(self.block_size)
+        if self.copy_bytes_per_s <= 0 or recompute_s <= 0:
+            return True
+        return self.block_bytes / self.copy_bytes_per_s < recompute_s
+
+    def _preempt(self, seq: Seq, reason: str = "kv_growth_denied") -> None:
+        recompute_s, swap_s = self._costs(seq)
+        blocks = -(-seq.num_computed // self.block_size)
+        can_swap = (self.preemption_mode != "recompute" and seq.num_computed > 0
+                    and seq.has_lease and not seq.pending_blocks and blocks <= self.cpu_free
+                    and swap_s < math.inf)
+        if can_swap and (self.preemption_mode == "swap" or swap_s < recompute_s):
+            self._swap_out(seq, reason, blocks, recompute_s, swap_s)
+        else:
+            self._recompute(seq, reason, count=True, costs=(recompute_s, swap_s))
+
+    def _record(self, seq: Seq, reason: str, choice: str, wasted: int, recompute_s: float,
+                swap_s: float) -> None:
+        self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, choice, wasted,
+                                              recompute_s, swap_s))
+        self.preemptions += 1
+        self.preemptions_by_kind[choice] += 1
+        self.wasted_tokens += wasted
+
+    def _swap_out(self, seq: Seq, reason: str, blocks: int, recompute_s: float,
+                  swap_s: float) -> None:
+        """Send a victim's computed blocks to the host tier; it keeps its seq id, progress
+        and lease, and waits at the head of the queue to be swapped back in."""
+        self._record(seq, reason, "swap", 0, recompute_s, swap_s)
+        seq.preemptions += 1
+        self.swapped_blocks += blocks
+        self.cpu_free -= blocks
         if seq.phase is Phase.RUNNING:
             self.running.remove(seq)
             self.waiting.appendleft(seq)
-        self._frees.append(FreeRequest(seq.seq_id, seq.num_computed))
-        self._frees_emitted += 1
+        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
+        if seq.known_to_executor:
+            self._drop.append(seq.seq_id)
+        seq.phase = Phase.SWAPPED
+        seq.block_ids = []
+        seq.blocks_sent = 0
+        seq.pending_blocks = 1
+        seq.grow_denied = seq.alloc_denied = False
+        seq.known_to_executor = False
+
+    def _recompute(self, seq: Seq, reason: str, count: bool,
+                   costs: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Return a sequence's blocks (its computed full blocks stay cached) and send it
+        back to wait under a fresh seq id; a running victim goes to the head of the queue."""
+        if count:
+            self._record(seq, reason, "recompute", seq.num_computed, *costs)
+            seq.preemptions += 1
+        else:
+            self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, "recompute",
+                                                  0, *costs))
+        if seq.phase is Phase.RUNNING:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+        self._free_lease(seq.seq_id, seq.num_computed)
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
         del self.by_seq[seq.seq_id]                 # late grants for the old lease get freed
@@ -257,8 +430,13 @@ class SchedulerCore:
         seq.block_ids = []
         seq.blocks_sent = 0
         seq.pending_blocks = 0
+        seq.has_lease = False
         seq.grow_denied = seq.alloc_denied = False
         seq.known_to_executor = False
+
+    def _free_lease(self, seq_id: int, num_computed: int) -> None:
+        self._frees.append(FreeRequest(seq_id, num_computed))
+        self._frees_emitted += 1
 
     # ------------------------------------------------------------------ results
     def on_result(self, result: StepResult, now_ns: int = 0) -> Outcome:
@@ -270,30 +448,58 @@ class SchedulerCore:
             seq = self.by_seq.get(seq_id)
             if seq is not None and seq.phase is Phase.RUNNING:
                 seq.num_computed += n
+        sampled: dict[int, list[int]] = {}
         for seq_id, token in zip(result.seq_ids, result.token_ids):
+            sampled.setdefault(seq_id, []).append(token)
+        for seq_id, tokens in sampled.items():
             seq = self.by_seq.get(seq_id)
             if seq is None or seq.phase is not Phase.RUNNING:
                 continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            first = seq.outputs_sent == 0
-            if first:
-                seq.first_token_ns = now_ns
-            seq.outputs_sent += 1
-            p = seq.params
-            params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
-                                  max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9)
-                      if first else None)
-            if reason is None:
-                out.tokens.append(TokenOut(seq.request_id, [token], params))
-                continue
-            usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
-            timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
-                                   max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
-                                   max(now_ns - seq.first_token_ns, 0) / 1e9)
-            out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing))
-            self._finish(seq, out)
+            if seq.n > 1 and not seq.forked:
+                seq.forked = True
+                for index, token in enumerate(tokens[1:seq.n], start=1):
+                    self._fork(seq, index, token, now_ns, out)
+            seq.token_ids.append(tokens[0])
+            self._emit_token(seq, tokens[0], now_ns, out)
         return out
+
+    def _fork(self, parent: Seq, index: int, token: int, now_ns: int, out: Outcome) -> None:
+        """Choice ``index`` of an n > 1 request: the parent's computed prompt plus its own
+        first token, sharing the parent's blocks once the kv_manager grants the fork."""
+        child = Seq(next(self._ids), parent.request_id, parent.tenant, parent.params,
+                    parent.prompt_len, parent.token_ids + [token], parent.block_hashes,
+                    parent.arrival_ns, parent.eos_token_ids, phase=Phase.RUNNING,
+                    num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
+                    first_scheduled_ns=parent.first_scheduled_ns, index=index,
+                    priority=parent.priority, public_scope=parent.public_scope,
+                    public_blocks=parent.public_blocks, forked=True, group=parent.group)
+        parent.group.append(child)
+        self.by_seq[child.seq_id] = child
+        self.running.append(child)
+        child.pending_blocks = 1
+        self._forks.append(ForkRequest(parent.seq_id, child.seq_id, parent.num_computed))
+        self._emit_token(child, token, now_ns, out)
+
+    def _emit_token(self, seq: Seq, token: int, now_ns: int, out: Outcome) -> None:
+        reason = self._stop_reason(seq, token)
+        first = seq.outputs_sent == 0
+        if first:
+            seq.first_token_ns = now_ns
+        seq.outputs_sent += 1
+        p = seq.params
+        params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
+                              max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n)
+                  if first else None)
+        if reason is None:
+            out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index))
+            return
+        usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
+        timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
+                               max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
+                               max(now_ns - seq.first_token_ns, 0) / 1e9)
+        out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
+                                   seq.index))
+        self._finish(seq, out)
 
     def _stop_reason(self, seq: Seq, token: int) -> str | None:
         p = seq.params
@@ -305,27 +511,29 @@ class SchedulerCore:
         return None
 
     def _finish(self, seq: Seq, out: Outcome) -> None:
+        """End one choice; the request is released when its last choice ends."""
         if seq.phase is Phase.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.phase = Phase.DONE
-        if seq.block_ids:
-            self._frees.append(FreeRequest(seq.seq_id, seq.num_computed))
-            self._frees_emitted += 1
+        if seq.has_lease or seq.block_ids:
+            self._free_lease(seq.seq_id, seq.num_computed)
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
-        del self.by_request[seq.request_id]
         if not seq.pending_blocks:
             del self.by_seq[seq.seq_id]
-        out.released.append(seq.request_id)
+        if all(s.phase is Phase.DONE for s in seq.group):
+            del self.by_request[seq.request_id]
+            out.released.append(seq.request_id)
 
     # ------------------------------------------------------------------ kv traffic
     def take_kv_ops(self) -> KvOps | None:
-        if not (self._allocs or self._frees):
+        if not (self._allocs or self._frees or self._forks or self._swap_outs or self._swap_ins):
             return None
-        ops = KvOps(self.epoch, self._frees, self._allocs)
-        self._allocs, self._frees = [], []
+        ops = KvOps(self.epoch, self._frees, self._allocs, self._forks, self._swap_outs,
+                    self._swap_ins)
+        self._allocs, self._frees, self._forks, self._swap_outs, self._swap_ins = [], [], [], [], []
         return ops
 
     @property

@@ -10,6 +10,7 @@ from schemas.wire import SamplingParams
 class Phase(enum.Enum):
     WAITING = "waiting"        # no blocks yet (allocation may be in flight)
     READY = "ready"            # initial blocks granted, not yet scheduled
+    SWAPPED = "swapped"        # preempted to the host tier; waits to be swapped back in
     RUNNING = "running"
     DONE = "done"
 
@@ -39,6 +40,17 @@ class Seq:
     preemptions: int = 0
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
+    index: int = 0                 # which of the request's n choices
+    priority: int = 0              # lower is more important
+    public_scope: str = ""
+    public_blocks: int = 0
+    forked: bool = False           # n > 1: the first sample (and the fork) happened
+    has_lease: bool = False        # the kv_manager holds a lease under seq_id
+    group: list["Seq"] = field(default_factory=list)   # every choice of the request
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
     @property
     def num_tokens(self) -> int:

@@ -210,7 +210,7 @@ class TieredPoolMachine(RuleBasedStateMachine):
         if not g.ok:
             return None
         self.apply(g.copies)
-        s = dict(scope=scope, public=2 if public else 0, tokens=tokens, hashes=hs,
+        s = dict(scope=scope, public=2 if public else 0, tokens=tokens, prompt=len(tokens),
                  computed=g.num_cached_tokens, swapped=False)
         for i in range(g.num_cached_tokens // BS):          # every hit reads back right
             assert self.content.get(g.block_ids[i]) == self.expected(s, i)
@@ -245,8 +245,8 @@ class TieredPoolMachine(RuleBasedStateMachine):
     @rule(target=seqs, seq=seqs)
     def fork(self, seq):
         s = self.seqs_.get(seq)
-        if s is None or s["swapped"] or s["computed"] == 0:
-            return None
+        if s is None or s["swapped"] or s["computed"] < max(s["prompt"], 1):
+            return None                        # forks happen once the prompt is computed
         g = self.pool.fork(seq, self.next_id, s["computed"])
         if not g.ok:
             return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 
@@ -476,7 +476,8 @@ def test_preemption_by_recompute(prefix_cache):
     assert core.schedule() is None
     assert core.preemptions == 1 and b.preemptions == 1
     assert core.wasted_tokens == 16                      # b had computed 15 + 1 tokens
-    assert core.last_preempted == [("b", "kv_growth_denied", 16)]
+    assert [(p.request_id, p.reason, p.choice, p.wasted_tokens) for p in core.last_preempted] \
+        == [("b", "kv_growth_denied", "recompute", 16)]
     assert b.seq_id == 3 and 2 not in core.by_seq and core.by_seq[3] is b
     assert list(core.waiting) == [b] and core.running == [core.by_request["a"]]
     assert b.phase is Phase.WAITING and b.num_computed == 0 and b.block_ids == []
@@ -752,23 +753,32 @@ class Cluster:
     BlockPool and an executor model, joined by FIFO channels delivered in random order.
 
     The executor model keeps what each KV slot holds (tenant, hash of the token prefix up
-    to it) and checks, for every token it computes, that its whole context reads back
+    to it), replays every block copy a plan carries (copy-on-write, swap, demotion,
+    promotion), and checks, for every token it computes, that its whole context reads back
     exactly its own prefix: a wrong block table, a bad prefix-cache hit, a block reused
-    while still needed, or KV leaking between tenants all fail here."""
+    while still needed, a lost or misordered copy, or KV leaking between tenants all fail
+    here. Requests may ask for n > 1 choices and carry priorities; a host tier of random
+    size makes preemption swap as well as recompute."""
 
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
         self.seed = seed
         self.num_blocks = rng.choice([4, 6, 8, 12, 20])
+        self.num_cpu_blocks = rng.choice([0, 2, 8, 20])
         self.max_model_len = min(self.num_blocks * BS, 64)
+        mode = rng.choice(["auto", "recompute"] + ["swap"] * (self.num_cpu_blocks > 0))
         self.core = SchedulerCore(
             SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4]),
                             max_num_batched_tokens=rng.choice([16, 24, 32]),
                             lookahead_tokens=rng.choice([1, 4, 8])),
-            KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2])),
+            KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2]),
+                     num_cpu_blocks=self.num_cpu_blocks, preemption_mode=mode),
             self.max_model_len, epoch=1)
+        if rng.random() < 0.8:                # swap costs 2 blocks * 1 B / bw; recompute 1 ms/token
+            self.core.on_executor(1, rng.choice([100.0, 1e5]))
+            self.core.recompute_s = lambda tokens: tokens * 1e-3
         self.prefix_cache = rng.random() < 0.8
-        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache)
+        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache, self.num_cpu_blocks)
         self.kv_epoch = 0
         self.to_kv: deque = deque()
         self.to_executor: deque = deque()
@@ -781,18 +791,21 @@ class Cluster:
         self.restarts = 0
 
     @staticmethod
-    def next_token(tenant: str, tokens: list[int]) -> int:
-        return hash((tenant == "a", tuple(tokens))) % 50 + 1000
+    def next_token(tenant: str, tokens: list[int], sample: int = 0) -> int:
+        return hash((tenant == "a", tuple(tokens), sample)) % 50 + 1000
 
     # -- the scheduler service
     def emit(self, out) -> None:
         core = self.core
         for t in out.tokens:
-            self.requests[t.request_id]["out"].extend(t.token_ids)
+            r = self.requests[t.request_id]
+            r["out"].setdefault(t.index, []).extend(t.token_ids)
             if t.finish_reason:
-                self.ended[t.request_id] = t.finish_reason
+                r["ends"][t.index] = t.finish_reason
         for rid in out.released:
-            self.ended.setdefault(rid, "failed")
+            ends = self.requests[rid]["ends"]
+            self.ended[rid] = ("failed" if len(ends) < self.requests[rid]["n"]
+                               or "failed" in ends.values() else "done")
         if core.in_flight is None and core.has_work:
             plan = core.schedule()
             if plan is not None:
@@ -814,7 +827,7 @@ class Cluster:
         elif isinstance(msg, CancelRequest):
             self.emit(core.cancel(msg.request_id))
         elif isinstance(msg, KvGrants):
-            core.on_grants(msg.grants)
+            core.on_grants(msg.grants, msg.free_cpu_blocks)
             self.emit(Outcome())
         elif isinstance(msg, StepResult):
             self.emit(core.on_result(msg))
@@ -830,19 +843,13 @@ class Cluster:
             self.kv_epoch = msg.epoch
         if isinstance(msg, KvHello) or msg.epoch < self.kv_epoch:
             return
-        for f in msg.frees:
-            self.pool.free(f.seq_id, f.num_computed_tokens)
-        grants = []
-        for a in msg.allocs:
-            g = self.pool.allocate(a.seq_id, a.num_blocks, epoch=msg.epoch, scope=a.scope,
-                                   block_hashes=a.block_hashes, token_ids=a.token_ids,
-                                   max_cached_blocks=a.max_cached_blocks)
-            grants.append(KvGrant(msg.epoch, a.seq_id, g.ok, g.block_ids, g.num_cached_tokens))
+        grants = apply_ops(self.pool, msg)
         if grants:
-            self.inbox["from_kv"].append(KvGrants(grants))
+            self.inbox["from_kv"].append(KvGrants(grants, self.pool.num_free,
+                                                  self.pool.num_cpu_free))
 
     def kv_restart(self) -> None:
-        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache)
+        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache, self.num_cpu_blocks)
         self.kv_epoch = 0
         self.inbox["from_kv"].append(KvManagerUp(self.restarts, self.num_blocks))
 
@@ -851,6 +858,12 @@ class Cluster:
         plan = self.to_executor.popleft()
         for seq_id in plan.drop:
             self.ex_seqs.pop(seq_id, None)
+        for c in plan.copies:
+            for slot in range(BS):
+                if (c.src, slot) in self.kv_slots:
+                    self.kv_slots[(c.dst, slot)] = self.kv_slots[(c.src, slot)]
+                else:
+                    self.kv_slots.pop((c.dst, slot), None)
         for n in plan.new_seqs:
             self.ex_seqs[n.seq_id] = dict(tokens=list(n.token_ids), done=n.num_computed,
                                           blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id])
@@ -869,9 +882,10 @@ class Cluster:
             s["done"] += st.num_tokens
             assert (s["done"] == len(toks)) == st.sample, f"seed {self.seed}: sample flag"
             if st.sample:
-                ids.append(st.seq_id)
-                tokens.append(self.next_token(tenant, toks))
-                toks.append(tokens[-1])
+                drawn = [self.next_token(tenant, toks, i) for i in range(st.num_samples)]
+                ids += [st.seq_id] * st.num_samples
+                tokens += drawn
+                toks.append(drawn[0])
         self.inbox["from_executor"].append(StepResult(plan.step_id, ids, tokens, 1))
 
     def executor_restart(self) -> None:
@@ -882,6 +896,7 @@ class Cluster:
         self.kv_slots.clear()
         self.to_executor.clear()
         self.emit(self.core.reset(kv_lost=False))
+        self.pool.drop_cache()            # the kv_manager forgets what lived in that memory
 
     # -- the world
     def run(self, num_requests: int, restarts: bool) -> None:
@@ -914,10 +929,12 @@ class Cluster:
                 shared = rng.choice([[1] * 8, [2] * 8, []])
                 toks = (shared + [rng.randint(0, 3) for _ in range(n)])[:n]
                 rid = f"r{arrived}"
-                self.requests[rid] = dict(tenant=tenant, tokens=toks, out=[])
+                n = rng.choice([1, 1, 1, 2, 3])
+                self.requests[rid] = dict(tenant=tenant, tokens=toks, out={}, ends={}, n=n)
                 self.inbox["from_client"].append(
                     Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
-                             SamplingParams(max_tokens=rng.randint(1, 12)), arrived))
+                             SamplingParams(max_tokens=rng.randint(1, 12), n=n), arrived,
+                             priority=rng.choice([0, 0, 1])))
             elif move == "cancel":
                 self.inbox["from_client"].append(CancelRequest(rng.choice(live), "client"))
             elif move == "kv":
@@ -936,24 +953,30 @@ class Cluster:
         assert not stuck, f"seed {self.seed}: requests never finished: {stuck}"
         assert not self.core.has_work and self.core.by_request == {}
         assert self.pool.num_free == self.num_blocks, f"seed {self.seed}: leaked blocks"
+        assert self.pool.num_cpu_free == self.num_cpu_blocks, f"seed {self.seed}: leaked cpu"
         assert self.pool.stats().leased_seqs == 0
         for rid, r in self.requests.items():
-            if self.ended[rid] in ("stop", "length"):
-                toks = list(r["tokens"])
-                for t in r["out"]:            # every output token continues its own prefix
-                    assert t == self.next_token(r["tenant"], toks), f"seed {self.seed}: {rid}"
-                    toks.append(t)
+            if self.ended[rid] == "done":
+                assert sorted(r["out"]) == list(range(r["n"])), f"seed {self.seed}: {rid}"
+                for index, out in r["out"].items():
+                    toks = list(r["tokens"])  # every output token continues its own prefix
+                    for j, t in enumerate(out):
+                        want = self.next_token(r["tenant"], toks, index if j == 0 else 0)
+                        assert t == want, f"seed {self.seed}: {rid}[{index}]"
+                        toks.append(t)
 
 
 @pytest.mark.parametrize("restarts", [False, True])
 def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts):
-    preempted = 0
+    kinds, forked = Counter(), 0
     for seed in range(800):
         cluster = Cluster(seed)
         cluster.run(num_requests=cluster.rng.randint(1, 8), restarts=restarts)
         cluster.check_quiescent()
-        preempted += cluster.core.preemptions > 0
-    assert preempted > 50                     # the runs do exercise preemption
+        kinds.update(k for k, v in cluster.core.preemptions_by_kind.items() if v)
+        forked += any(r["n"] > 1 and r["ends"] for r in cluster.requests.values())
+    assert kinds["recompute"] > 50 and kinds["swap"] > 50, kinds   # both kinds exercised
+    assert forked > 100
 
 
 def test_request_timing_from_the_clock():
