@@ -238,6 +238,8 @@ class CacheQuery(msgspec.Struct, tag="cache_query", frozen=True, gc=False):
     block_hashes: list[int]
     token_ids: list[int]
     max_blocks: int
+    public_scope: str = ""
+    public_blocks: int = 0
 
 
 KvMsg = Union[KvOps, KvHello, CacheQuery]

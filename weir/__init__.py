@@ -1,7 +1,7 @@
 """Weir: an LLM serving engine built as a scheduler. ``weir.Client`` is the SDK."""
-from weir.client import AsyncClient, Client, Completion
+from weir.client import AsyncClient, Choice, Client, Completion
 from weir.errors import (RequestCancelled, RequestFailed, RequestRejected, RequestTimeout,
                          WeirError)
 
-__all__ = ["AsyncClient", "Client", "Completion", "RequestCancelled", "RequestFailed",
+__all__ = ["AsyncClient", "Choice", "Client", "Completion", "RequestCancelled", "RequestFailed",
            "RequestRejected", "RequestTimeout", "WeirError"]

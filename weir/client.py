@@ -38,7 +38,20 @@ def default_endpoint() -> str:
 
 
 @dataclass
+class Choice:
+    """One of a request's n completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
 class Completion:
+    """A finished request. ``text``/``token_ids``/``finish_reason`` are choice 0's;
+    ``choices`` holds all n (n = 1 unless the request asked for more)."""
+
     request_id: str
     text: str
     token_ids: list[int]
@@ -48,14 +61,19 @@ class Completion:
     e2e_ms: float
     queue_time_s: float = 0.0
     timing: RequestTiming | None = None
+    choices: list[Choice] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason,
-                "usage": {"prompt_tokens": self.usage.prompt_tokens,
-                          "completion_tokens": self.usage.completion_tokens,
-                          "cached_tokens": self.usage.cached_tokens},
-                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms}
+        out = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason,
+               "usage": {"prompt_tokens": self.usage.prompt_tokens,
+                         "completion_tokens": self.usage.completion_tokens,
+                         "cached_tokens": self.usage.cached_tokens},
+               "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms}
+        if len(self.choices) > 1:
+            out["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                               "finish_reason": c.finish_reason} for c in self.choices]
+        return out
 
 
 @dataclass(eq=False)
@@ -69,8 +87,10 @@ class Stream:
     _deadline: float | None
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)           # choice 0
+    token_ids: list[int] = field(default_factory=list)      # choice 0
+    texts: dict[int, list[str]] = field(default_factory=dict)        # every choice
+    choice_token_ids: dict[int, list[int]] = field(default_factory=dict)
     result: Completion | None = None
     prompt_tokens: int | None = None
     _cancelled_by_user: bool = False
@@ -94,12 +114,15 @@ class Stream:
                     case TextDelta():
                         if self.first_token_at is None:
                             self.first_token_at = time.perf_counter()
-                        self.text.append(event.text)
-                        self.token_ids.extend(event.token_ids)
+                        if event.index == 0:
+                            self.text.append(event.text)
+                            self.token_ids.extend(event.token_ids)
+                        self.texts.setdefault(event.index, []).append(event.text)
+                        self.choice_token_ids.setdefault(event.index, []).extend(event.token_ids)
                         yield event
                     case Finished(finish_reason=reason, usage=usage, queue_time_s=queue,
-                                  timing=timing):
-                        self._finish(reason, usage, queue, timing)
+                                  timing=timing, choices=ends):
+                        self._finish(reason, usage, queue, timing, ends)
                         return
                     case Rejected():
                         raise RequestRejected(event.request_id, event.reason, event.message,
@@ -130,11 +153,15 @@ class Stream:
                 self.span = None
 
     def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0,
-                timing: RequestTiming | None = None) -> None:
+                timing: RequestTiming | None = None, ends: tuple = ()) -> None:
         now = time.perf_counter()
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1e3
+        reasons = {e.index: e.finish_reason for e in ends} or {0: reason}
+        choices = [Choice(i, "".join(self.texts.get(i, [])), self.choice_token_ids.get(i, []),
+                          reasons[i]) for i in sorted(reasons)]
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
-                                 usage, ttft, (now - self.started) * 1e3, queue_time_s, timing)
+                                 usage, ttft, (now - self.started) * 1e3, queue_time_s, timing,
+                                 choices)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True
@@ -216,9 +243,12 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      tenant: str | None = None, timeout: float | None = None,
-                     deadline_ms: int | None = None, **params: Any) -> Stream:
+                     deadline_ms: int | None = None, priority: int = 0,
+                     **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
-        ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields."""
+        ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
+        (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
+        lower is more important when the engine must preempt."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -227,7 +257,7 @@ class AsyncClient:
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
-                     tenant or self.tenant, deadline_ms)
+                     tenant or self.tenant, deadline_ms, priority)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

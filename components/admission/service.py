@@ -51,6 +51,9 @@ class AdmissionService(Component):
             return Rejected(rid, "unknown_tenant", f"unknown tenant {req.tenant!r}")
         if (why := check_params(req.params)) is not None:
             return Rejected(rid, "invalid_request", why)
+        if req.params.n > self.config.scheduler.max_num_seqs:
+            return Rejected(rid, "invalid_request", f"n ({req.params.n}) exceeds the engine's "
+                            f"max_num_seqs ({self.config.scheduler.max_num_seqs})")
         if (bad := check_length(len(req.prompt_token_ids), req.params.max_tokens,
                                 self.config.engine.max_model_len)) is not None:
             return Rejected(rid, bad[0], bad[1])
@@ -116,7 +119,8 @@ class AdmissionService(Component):
         self.per_tenant[req.tenant] += 1
         await self.to_scheduler.send(Admitted(
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, req.params,
-            req.arrival_ns, req.eos_token_ids, req.deadline_ms), traceparent=traceparent)
+            req.arrival_ns, req.eos_token_ids, req.deadline_ms, req.priority, req.public_scope,
+            req.public_blocks), traceparent=traceparent)
         await self.to_streamer.send(EventBatch(
             [Accepted(req.request_id, len(req.prompt_token_ids), cached or 0)]))
 
@@ -147,7 +151,8 @@ class AdmissionService(Component):
                         await self.to_kv.send(CacheQuery(
                             req.request_id, req.tenant, req.block_hashes,
                             req.prompt_token_ids[:len(req.block_hashes) * bs],
-                            (len(req.prompt_token_ids) - 1) // bs))
+                            (len(req.prompt_token_ids) - 1) // bs, req.public_scope,
+                            req.public_blocks))
                     else:
                         await self._admit(req, msg.envelope.traceparent, 0)
                 case CacheAnswer(request_id=rid, cached_tokens=cached):

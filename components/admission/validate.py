@@ -6,6 +6,7 @@ import math
 from schemas.wire import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16
 
 
 def check_params(p: SamplingParams) -> str | None:
@@ -24,6 +25,8 @@ def check_params(p: SamplingParams) -> str | None:
         return f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings"
     if any(t < 0 for t in p.stop_token_ids):
         return "stop_token_ids must be non-negative"
+    if not 1 <= p.n <= MAX_N:
+        return f"n must be in [1, {MAX_N}], got {p.n}"
     return None
 
 

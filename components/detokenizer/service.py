@@ -1,7 +1,9 @@
-"""The detokenizer process: incremental text for every request, and stop strings."""
+"""The detokenizer process: incremental text for every choice of every request, and stop
+strings. A request with n choices ends (one ``Finished``) when its last choice ends."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import structlog
 from opentelemetry import trace
@@ -12,8 +14,8 @@ from bus import tracing
 from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
 from components.tokenizer.vocab import load_tokenizer
-from schemas.wire import (DetokenizerMsg, EventBatch, Finished, ForgetRequest, StopRequest,
-                          TextDelta, TokenBatch, TokenOut, Usage)
+from schemas.wire import (ChoiceEnd, DetokenizerMsg, EventBatch, Finished, ForgetRequest,
+                          StopRequest, TextDelta, TokenBatch, TokenOut, Usage)
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("detokenizer")
@@ -22,12 +24,16 @@ _TRACER = trace.get_tracer("weir.detokenizer")
 
 @dataclass
 class _Stream:
-    detok: IncrementalDetokenizer
+    detoks: dict[int, IncrementalDetokenizer]      # open choices, by index
+    n: int
     prompt_tokens: int
     cached_tokens: int
     queue_time_s: float
     span: Span
     completion_tokens: int = 0
+    ends: dict[int, ChoiceEnd] = field(default_factory=dict)
+    choice_tokens: Counter = field(default_factory=Counter)
+    timing: object = None
 
 
 class DetokenizerService(Component):
@@ -40,46 +46,63 @@ class DetokenizerService(Component):
         self.to_streamer = self.push_to("streamer")
         self.to_scheduler = self.push_to("scheduler")
 
-    def _open(self, item: TokenOut) -> _Stream | None:
+    def _open(self, item: TokenOut) -> tuple[_Stream, IncrementalDetokenizer] | None:
+        """The request's stream and this choice's detokenizer (each choice's first output
+        carries the params)."""
         stream = self.streams.get(item.request_id)
-        if stream is None and item.params is not None:
-            p = item.params
-            detok = IncrementalDetokenizer(self.bundle.tokenizer, self.bundle.special_ids,
-                                           p.skip_special_tokens, p.stop)
+        p = item.params
+        if stream is None and p is not None:
             span = _TRACER.start_span("detokenize", context=tracing.context_from(p.traceparent),
-                                      attributes={"weir.detok.stop_strings": len(p.stop)})
-            stream = self.streams[item.request_id] = _Stream(detok, p.prompt_tokens, p.cached_tokens,
-                                                              p.queue_time_s, span)
-        return stream
+                                      attributes={"weir.detok.stop_strings": len(p.stop),
+                                                  "weir.detok.choices": p.n})
+            stream = self.streams[item.request_id] = _Stream(
+                {}, p.n, p.prompt_tokens, p.cached_tokens, p.queue_time_s, span)
+        if stream is None:
+            return None
+        detok = stream.detoks.get(item.index)
+        if detok is None and p is not None and item.index not in stream.ends:
+            detok = stream.detoks[item.index] = IncrementalDetokenizer(
+                self.bundle.tokenizer, self.bundle.special_ids, p.skip_special_tokens, p.stop)
+        return None if detok is None else (stream, detok)
 
-    def process(self, batch: TokenBatch) -> tuple[list, list[str]]:
-        """Events for the streamer, and requests whose stop string matched."""
+    def process(self, batch: TokenBatch) -> tuple[list, list[tuple[str, int]]]:
+        """Events for the streamer, and (request, choice) pairs whose stop string matched."""
         events, stopped = [], []
         for item in batch.items:
-            stream = self._open(item)
-            if stream is None:
+            opened = self._open(item)
+            if opened is None:
                 continue
+            stream, detok = opened
+            rid, index = item.request_id, item.index
             stream.completion_tokens += len(item.token_ids)
-            out = stream.detok.push(item.token_ids)
+            stream.choice_tokens[index] += len(item.token_ids)
+            out = detok.push(item.token_ids)
             text = out.text
             if out.stopped:
                 reason = "stop"
-                stopped.append(item.request_id)
+                stopped.append((rid, index))
             elif item.finish_reason is not None:
-                text += stream.detok.flush()
-                reason = "stop" if stream.detok.stopped else item.finish_reason
+                text += detok.flush()
+                reason = "stop" if detok.stopped else item.finish_reason
             else:
-                events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
+                events.append(TextDelta(rid, text, tuple(item.token_ids), index))
                 continue
-            del self.streams[item.request_id]
-            stream.span.set_attributes({"gen_ai.usage.output_tokens": stream.completion_tokens,
-                                        "gen_ai.response.finish_reasons": (reason,)})
+            events.append(TextDelta(rid, text, tuple(item.token_ids), index))
+            del stream.detoks[index]
+            stream.ends[index] = ChoiceEnd(index, reason, stream.choice_tokens[index])
+            stream.timing = item.timing or stream.timing
+            if len(stream.ends) < stream.n:
+                continue
+            del self.streams[rid]
+            ends = tuple(stream.ends[i] for i in sorted(stream.ends))
+            stream.span.set_attributes({
+                "gen_ai.usage.output_tokens": stream.completion_tokens,
+                "gen_ai.response.finish_reasons": tuple(e.finish_reason for e in ends)})
             stream.span.end()
-            events.append(TextDelta(item.request_id, text, tuple(item.token_ids)))
-            usage = item.usage or Usage(stream.prompt_tokens, stream.completion_tokens,
-                                        stream.cached_tokens)
-            events.append(Finished(item.request_id, reason, usage, "", stream.queue_time_s,
-                                   item.timing))
+            usage = Usage(stream.prompt_tokens, sum(e.completion_tokens for e in ends),
+                          stream.cached_tokens)
+            events.append(Finished(rid, ends[0].finish_reason, usage, "", stream.queue_time_s,
+                                   stream.timing, ends))
         return events, stopped
 
     async def run(self) -> None:
@@ -89,8 +112,8 @@ class DetokenizerService(Component):
                     events, stopped = self.process(batch)
                     if events:
                         await self.to_streamer.send(EventBatch(events))
-                    for rid in stopped:
-                        await self.to_scheduler.send(StopRequest(rid))
+                    for rid, index in stopped:
+                        await self.to_scheduler.send(StopRequest(rid, index))
                 case ForgetRequest(request_id=rid):
                     if (stream := self.streams.pop(rid, None)) is not None:
                         stream.span.set_attribute("weir.ended", "forgotten")

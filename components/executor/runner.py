@@ -1,5 +1,6 @@
-"""The step runner: applies a StepPlan's diffs to per-sequence state, runs one flat
-forward over every scheduled token, and samples. No policy lives here."""
+"""The step runner: applies a StepPlan's diffs to per-sequence state, does the plan's KV
+block copies (copy-on-write, swap to and from the host tier, prefix demotion/promotion),
+runs one flat forward over every scheduled token, and samples. No policy lives here."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import torch
 
 from components.executor.sampling import sample
 from kernels import AttentionMetadata, KVCache
-from schemas.wire import StepPlan, StepResult
+from schemas.wire import BlockCopy, StepPlan, StepResult
 
 
 @dataclass(eq=False)
@@ -25,23 +26,81 @@ class SeqState:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache) -> None:
+    def __init__(self, model, kv: KVCache, num_host_blocks: int = 0) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.seqs: dict[int, SeqState] = {}
+        self.num_blocks = kv.num_blocks
+        # the host-memory tier: same layout, pinned when the main pool is on a GPU; pages
+        # are only touched when a block is first copied there
+        shape = list(kv.data.shape)
+        shape[2] = num_host_blocks
+        self.host = torch.empty(shape, dtype=kv.dtype, device="cpu",
+                                pin_memory=kv.device.type == "cuda")
+        self.copied_blocks = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across every layer (keys and values)."""
+        return self.kv.data[:, :, 0].numel() * self.kv.data.element_size()
+
+    def _tier(self, block: int) -> tuple[torch.Tensor, int]:
+        return (self.kv.data, block) if block < self.num_blocks else (self.host,
+                                                                      block - self.num_blocks)
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Do the copies in order. Consecutive copies between the same pair of tiers go as
+        one batched index copy, unless one reads a block an earlier one in the batch wrote."""
+        i = 0
+        while i < len(copies):
+            src_t, _ = self._tier(copies[i].src)
+            dst_t, _ = self._tier(copies[i].dst)
+            src, dst, written = [], [], set()
+            while i < len(copies):
+                c = copies[i]
+                (s_t, s), (d_t, d) = self._tier(c.src), self._tier(c.dst)
+                if s_t is not src_t or d_t is not dst_t or c.src in written:
+                    break
+                src.append(s)
+                dst.append(d)
+                written.add(c.dst)
+                i += 1
+            s_idx = torch.tensor(src, device=src_t.device)
+            d_idx = torch.tensor(dst, device=dst_t.device)
+            dst_t[:, :, d_idx] = src_t[:, :, s_idx].to(dst_t.device, non_blocking=True)
+            self.copied_blocks += len(src)
+
+    def measure_copy_bandwidth(self, blocks: int = 32) -> float:
+        """Bytes/s of moving blocks main -> host -> main (median of 3), 0 without a host tier."""
+        n = min(blocks, self.host.shape[2], self.num_blocks)
+        if n == 0:
+            return 0.0
+        ids = list(range(n))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self.copy_blocks([BlockCopy(b, self.num_blocks + b) for b in ids])
+            self.copy_blocks([BlockCopy(self.num_blocks + b, b) for b in ids])
+            if self.kv.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        self.copied_blocks = 0
+        return 2 * n * self.block_bytes / sorted(times)[1]
 
     def step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter_ns()
         for seq_id in plan.drop:
             self.seqs.pop(seq_id, None)
+        if plan.copies:
+            self.copy_blocks(plan.copies)
         for n in plan.new_seqs:
             self.seqs[n.seq_id] = SeqState(list(n.token_ids), n.prompt_len, n.num_computed,
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
                                            n.seed)
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
-        sampled: list[tuple[int, SeqState]] = []
+        sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
         for st in plan.steps:
             s = self.seqs[st.seq_id]
             s.block_ids.extend(st.new_block_ids)
@@ -50,8 +109,9 @@ class ModelRunner:
             context_lens.append(s.num_computed)
             tables.append(s.block_ids)
             if st.sample:
-                rows.append(len(input_ids) - 1)
-                sampled.append((st.seq_id, s))
+                for k in range(st.num_samples):
+                    rows.append(len(input_ids) - 1)
+                    sampled.append((st.seq_id, s, k))
         meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
                                        self.kv.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.kv.device)
@@ -59,13 +119,16 @@ class ModelRunner:
                                     torch.tensor(rows, dtype=torch.long, device=self.kv.device))
         tokens: list[int] = []
         if sampled:
-            states = [s for _, s in sampled]
+            # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
+            states = [s for _, s, _ in sampled]
+            seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
-                            [s.top_k for s in states], [s.seed for s in states],
+                            [s.top_k for s in states], seeds,
                             [len(s.token_ids) - s.prompt_len for s in states]).tolist()
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
-        for (_, s), tok in zip(sampled, tokens):
-            s.token_ids.append(tok)
-        return StepResult(plan.step_id, [sid for sid, _ in sampled], tokens,
+        for (_, s, k), tok in zip(sampled, tokens):
+            if k == 0:
+                s.token_ids.append(tok)
+        return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
                           time.perf_counter_ns() - start)

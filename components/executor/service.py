@@ -16,7 +16,7 @@ from bus.component import Component
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
-from schemas.wire import ExecutorMsg, StepPlan, StepResult
+from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("executor")
@@ -37,11 +37,18 @@ class ExecutorService(Component):
         dtype = getattr(torch, eng.dtype)
         model = LlamaModel(spec, weights, dtype=dtype, backend=eng.attention_backend)
         del weights
-        self.runner = ModelRunner(model, model.new_kv_cache(kv.num_blocks, kv.block_size))
+        self.runner = ModelRunner(model, model.new_kv_cache(kv.num_blocks, kv.block_size),
+                                  kv.num_cpu_blocks)
+        # measured once, before any KV exists: it overwrites the first blocks of both tiers
+        self.bandwidth = bandwidth = self.runner.measure_copy_bandwidth()
         log.info("model_loaded", model=spec.name, dtype=eng.dtype, layers=spec.num_layers,
-                 kv_blocks=kv.num_blocks, seconds=round(time.perf_counter() - t0, 2))
+                 kv_blocks=kv.num_blocks, host_kv_blocks=kv.num_cpu_blocks,
+                 block_bytes=self.runner.block_bytes, copy_gb_per_s=round(bandwidth / 1e9, 2),
+                 seconds=round(time.perf_counter() - t0, 2))
         self.inbox_sock = self.inbox(ExecutorMsg)
         self.to_scheduler = self.push_to("scheduler")
+        await self.to_scheduler.send(ExecutorReady(self.runner.block_bytes, bandwidth,
+                                                   kv.num_cpu_blocks))
         self.steps = 0
         self.busy_ns = 0
 
@@ -72,6 +79,11 @@ class ExecutorService(Component):
                     self.busy_ns += result.elapsed_ns
                     await self.to_scheduler.send(result)
 
+    async def peer_restarted(self, name: str) -> None:
+        if name == "scheduler":                   # a new scheduler needs the copy costs
+            await self.to_scheduler.send(ExecutorReady(
+                self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks))
+
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
-                "sequences": len(self.runner.seqs)}
+                "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks}

@@ -126,7 +126,7 @@ def build_app(state: GatewayState) -> Starlette:
         headers = {"x-request-id": echo_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _sse(stream, events, first, shaper, include_usage, started, span)
+            body = _sse(stream, events, first, shaper, include_usage, started, span, req.n)
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
         return await _collect(stream, events, first, shaper, started, headers)
 
@@ -144,8 +144,8 @@ def build_app(state: GatewayState) -> Starlette:
                                    headers["x-request-id"])
         res = stream.result
         _record(res, started)
-        return Response(_json.encode(shaper.full(res.text, res.finish_reason, res.usage)),
-                        media_type="application/json", headers=headers)
+        body = shaper.full([(c.text, c.finish_reason) for c in res.choices], res.usage)
+        return Response(_json.encode(body), media_type="application/json", headers=headers)
 
     def _record(res, started: float) -> None:
         state.metrics.finished(res.finish_reason, res.usage.prompt_tokens,
@@ -153,24 +153,25 @@ def build_app(state: GatewayState) -> Starlette:
                                time.perf_counter() - started, res.timing)
 
     async def _sse(stream: Stream, events, first, shaper: Shaper, include_usage: bool,
-                   started: float, span) -> AsyncIterator[bytes]:
+                   started: float, span, n: int = 1) -> AsyncIterator[bytes]:
         def frame(obj: Any) -> bytes:
             return b"data: " + _json.encode(obj) + b"\n\n"
 
         done = False
         try:
             if shaper.chat:
-                yield frame(shaper.chunk("", first=True))
+                for index in range(n):
+                    yield frame(shaper.chunk("", first=True, index=index))
             last = time.perf_counter()
             if first is not None and first.text:
-                yield frame(shaper.chunk(first.text))
+                yield frame(shaper.chunk(first.text, index=first.index))
             try:
                 async for delta in events:
                     now = time.perf_counter()
                     state.metrics.itl.labels(state.model).observe(now - last)
                     last = now
                     if delta.text:
-                        yield frame(shaper.chunk(delta.text))
+                        yield frame(shaper.chunk(delta.text, index=delta.index))
             except (RequestFailed, RequestCancelled) as exc:
                 state.metrics.error("failed")
                 yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())
@@ -179,7 +180,9 @@ def build_app(state: GatewayState) -> Starlette:
             res = stream.result
             done = True
             _record(res, started)
-            yield frame(shaper.chunk(None if shaper.chat else "", res.finish_reason))
+            for c in res.choices:
+                yield frame(shaper.chunk(None if shaper.chat else "", c.finish_reason,
+                                         index=c.index))
             if include_usage:
                 yield frame(shaper.usage_chunk(res.usage))
             yield b"data: [DONE]\n\n"

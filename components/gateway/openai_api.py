@@ -56,6 +56,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    priority: int = 0               # vLLM's extension: lower is more important
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -85,10 +86,8 @@ def parse(body: bytes, kind: type) -> Any:
 
 
 def _unsupported(req: _Common) -> str | None:
-    if req.n != 1:
-        return "n: only n=1 is supported"
-    if req.best_of not in (None, 1):
-        return "best_of is not supported"
+    if req.best_of not in (None, req.n):
+        return "best_of (other than n) is not supported"
     if req.presence_penalty or req.frequency_penalty:
         return "presence_penalty and frequency_penalty are not supported"
     if req.logit_bias:
@@ -108,6 +107,10 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
     if (why := _unsupported(req)) is not None:
         raise ApiError(400, why)
     params: dict[str, Any] = {"ignore_eos": req.ignore_eos}
+    if req.n != 1:
+        params["n"] = req.n
+    if req.priority:
+        params["priority"] = req.priority
     for name in ("temperature", "top_p", "top_k", "seed"):
         if (value := getattr(req, name)) is not None:
             params[name] = value
@@ -165,25 +168,31 @@ class Shaper:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._base(self.object), "choices": [choice], "usage": usage_dict(usage)}
+    def full(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
+        """The whole response; ``choices`` are (text, finish_reason) by index."""
+        out = []
+        for index, (text, finish_reason) in enumerate(choices):
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": finish_reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": finish_reason})
+        return {**self._base(self.object), "choices": out, "usage": usage_dict(usage)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None,
-              first: bool = False) -> dict[str, Any]:
+              first: bool = False, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None,
+                  "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

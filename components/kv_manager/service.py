@@ -21,7 +21,8 @@ class KvManagerService(Component):
 
     async def setup(self) -> None:
         kv = self.config.kv
-        self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache)
+        self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
+                              kv.num_cpu_blocks, kv.watermark_blocks)
         self.epoch = 0
         self.stale_ops = 0
         self.alloc_failures = 0
@@ -55,11 +56,12 @@ class KvManagerService(Component):
                 case KvOps() as ops:
                     grants = self.handle(ops)
                     if grants:
-                        await self.to_scheduler.send(KvGrants(grants, self.pool.num_free))
+                        await self.to_scheduler.send(KvGrants(grants, self.pool.num_free,
+                                                              self.pool.num_cpu_free))
                     await self._publish()
                 case CacheQuery() as q:
                     cached = self.pool.cached_tokens(q.scope, q.block_hashes, q.token_ids,
-                                                     q.max_blocks)
+                                                     q.max_blocks, q.public_scope, q.public_blocks)
                     await self.to_admission.send(CacheAnswer(q.request_id, cached))
                 case KvHello(epoch=epoch):
                     self._advance_epoch(epoch)
@@ -80,6 +82,12 @@ class KvManagerService(Component):
     def stats(self) -> dict[str, float]:
         s = self.pool.stats()
         return {"total_blocks": s.total, "free_blocks": s.free, "cached_blocks": s.cached,
+                "cpu_total_blocks": s.cpu_total, "cpu_free_blocks": s.cpu_free,
+                "cpu_cached_blocks": s.cpu_cached, "swapped_seqs": s.swapped_seqs,
+                "watermark_blocks": self.pool.watermark_blocks,
+                "below_watermark": int(self.pool.below_watermark),
+                "promoted_blocks": self.pool.promoted_blocks,
+                "demoted_blocks": self.pool.demoted_blocks,
                 "leased_seqs": s.leased_seqs, "alloc_failures": self.alloc_failures,
                 "prefix_query_tokens": self.pool.query_tokens,
                 "prefix_hit_tokens": self.pool.hit_tokens, "stale_ops": self.stale_ops}

@@ -15,12 +15,12 @@ from bus.component import Component
 import msgspec
 
 from components.scheduler.core import Outcome, SchedulerCore
+from components.scheduler.sequence import Phase
 from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
-from schemas.wire import (Admitted, CancelRequest, EventBatch, Failed, ForgetRequest, KvGrants,
-                          KvHello, KvManagerUp, Released, SchedulerLoad, SchedulerMsg, StepResult,
-                          StopRequest,
-                          TokenBatch)
+from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
+                          ForgetRequest, KvGrants, KvHello, KvManagerUp, Released, SchedulerLoad,
+                          SchedulerMsg, StepResult, StopRequest, TokenBatch)
 
 log = structlog.get_logger("scheduler")
 
@@ -42,6 +42,8 @@ class SchedulerService(Component):
         self.step_started = 0
         self.last_step_ms = 0.0
         self.trace = StepTracer(self.core, cfg.scheduler.max_num_batched_tokens)
+        # recompute cost for preemption choices: the prefill time of those tokens
+        self.core.recompute_s = lambda tokens: self.trace.cost.predict(tokens, tokens, 1)
         self.usage = UsageStats()
         await self.to_kv.send(KvHello(self.core.epoch))
 
@@ -84,11 +86,17 @@ class SchedulerService(Component):
                         self.trace.finished_step(measured, res.elapsed_ns / 1e9)
                         self.usage.sampled(self.core, res.seq_ids)
                     out = self.core.on_result(res, time.time_ns())
-                case KvGrants(grants=grants, free_blocks=free):
+                case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):
                     self.trace.free_blocks = free
-                    self.core.on_grants(grants)
-                case CancelRequest(request_id=rid) | StopRequest(request_id=rid):
+                    self.core.on_grants(grants, free_cpu)
+                case StopRequest(request_id=rid, index=index):
+                    out = self.core.stop(rid, index)
+                case CancelRequest(request_id=rid):
                     out = self.core.cancel(rid)
+                case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw):
+                    self.core.on_executor(block_bytes, bw)
+                    log.info("executor_ready", block_bytes=block_bytes,
+                             copy_gb_per_s=round(bw / 1e9, 2))
                 case KvManagerUp(instance=instance):
                     if self.kv_instance is not None and instance != self.kv_instance:
                         log.error("kv_manager_restarted")
@@ -124,6 +132,11 @@ class SchedulerService(Component):
             await self.to_admission.send(Released(out.released))
         if core.in_flight is None and core.has_work:
             plan = core.schedule(time.time_ns())
+            for p in core.last_preempted:
+                log.info("preemption", request_id=p.request_id, choice_index=p.index,
+                         reason=p.reason, choice=p.choice, wasted_tokens=p.wasted_tokens,
+                         recompute_ms=round(p.recompute_s * 1e3, 2),
+                         swap_ms=round(min(p.swap_s, 1e9) * 1e3, 2))
             if plan is not None:
                 self.step_started = time.perf_counter_ns()
                 ops = core.take_kv_ops()
@@ -139,5 +152,9 @@ class SchedulerService(Component):
         c = self.core
         return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
                 "preemptions": c.preemptions, "wasted_tokens": c.wasted_tokens,
+                "preemptions.recompute": c.preemptions_by_kind["recompute"],
+                "preemptions.swap": c.preemptions_by_kind["swap"],
+                "swapped_out_blocks": c.swapped_blocks,
+                "swapped_seqs": sum(s.phase is Phase.SWAPPED for s in c.waiting),
                 "last_step_ms": round(self.last_step_ms, 3),
                 **self.usage.stats(c)}

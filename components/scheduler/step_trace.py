@@ -75,10 +75,13 @@ class StepTracer:
             "weir.step.free_kv_blocks": self.free_blocks,
             "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
             "weir.step.preemptions": len(self.core.last_preempted)})
-        for rid, reason, wasted in self.core.last_preempted:
-            self._step.add_event("preemption", {"weir.victim": rid, "weir.reason": reason,
-                                                "weir.choice": "recompute",
-                                                "weir.wasted_tokens": wasted})
+        for p in self.core.last_preempted:
+            self._step.add_event("preemption", {
+                "weir.victim": p.request_id, "weir.victim.choice_index": p.index,
+                "weir.reason": p.reason, "weir.choice": p.choice,
+                "weir.wasted_tokens": p.wasted_tokens,
+                "weir.estimate.recompute_ms": round(p.recompute_s * 1e3, 3),
+                "weir.estimate.swap_ms": round(min(p.swap_s, 1e9) * 1e3, 3)})
         return tracing.traceparent_of(self._step)
 
     def finished_step(self, measured_s: float, executor_s: float) -> None:

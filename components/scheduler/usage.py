@@ -39,7 +39,7 @@ class UsageStats:
             "batch_size.sum": self.batch_sum, "batch_size.count": self.batch_count}
         out.update({f"batch_size.le.{le}": self.batch_buckets[le] for le in BATCH_BUCKETS})
         kv_blocks: Counter[str] = Counter()
-        for seq in core.by_request.values():
+        for seq in core.by_seq.values():
             kv_blocks[seq.tenant] += len(seq.block_ids)
         for tenant in set(self.tenant_processed) | set(kv_blocks):
             out[f"tenant.processed_tokens.{tenant}"] = self.tenant_processed[tenant]

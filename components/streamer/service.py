@@ -134,7 +134,7 @@ class StreamerService(Component):
         self.counts["submitted"] += 1
         await self.to_tokenizer.send(
             NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, req.arrival_ns,
-                       sub.prompt_token_ids, sub.deadline_ms),
+                       sub.prompt_token_ids, sub.deadline_ms, sub.priority),
             traceparent=tracing.traceparent_of(span))
 
     def _check_submit(self, sub: Submit) -> Rejected | None:

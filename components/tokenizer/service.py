@@ -33,6 +33,28 @@ class TokenizerService(Component):
         self.to_admission = self.push_to("admission")
         self.to_streamer = self.push_to("streamer")
         self.tokenized = 0
+        self.public = self._public_prefixes()
+
+    def _public_prefixes(self) -> list[tuple[str, list[int], frozenset[str]]]:
+        """(scope, token ids, tenants) of each configured public system prompt: the tokens
+        of that system message alone, which prefix every chat prompt that starts with it."""
+        out = []
+        for p in self.config.kv.public_prefixes:
+            if self.chat is None:
+                raise ValueError("kv.public_prefixes needs a model with a chat template")
+            ids = self.bundle.encode(self.chat.render(
+                [{"role": "system", "content": p.system_prompt}], add_generation_prompt=False))
+            out.append((f"public:{p.name}", ids, frozenset(p.tenants)))
+        return out
+
+    def scope_prefix(self, tenant: str, ids: list[int]) -> tuple[str, int]:
+        """The public scope and the number of leading full blocks in it, for this prompt
+        (("", 0) unless it starts with a public system prompt this tenant may share)."""
+        bs = self.config.kv.block_size
+        for scope, pref, tenants in self.public:
+            if (not tenants or tenant in tenants) and len(pref) >= bs and ids[:len(pref)] == pref:
+                return scope, len(pref) // bs
+        return "", 0
 
     def tokenize(self, req: NewRequest) -> list[int] | str:
         """Token ids for a request, or why it cannot be tokenized."""
@@ -69,14 +91,19 @@ class TokenizerService(Component):
                             await self.to_streamer.send(EventBatch(
                                 [Rejected(req.request_id, "invalid_request", ids)]))
                             continue
-                        hashes = block_hashes(ids, bs, req.tenant, self.model_id)
+                        public_scope, public_blocks = self.scope_prefix(req.tenant, ids)
+                        hashes = block_hashes(ids[:public_blocks * bs], bs, public_scope,
+                                              self.model_id)
+                        hashes += block_hashes(ids[public_blocks * bs:], bs, req.tenant,
+                                               self.model_id, hashes[-1] if hashes else None)
                         span.set_attributes({"gen_ai.usage.input_tokens": len(ids),
                                              "weir.prefix.full_blocks": len(hashes),
                                              "weir.chat": req.messages is not None})
                     self.tokenized += 1
                     await self.to_admission.send(
                         Tokenized(req.request_id, req.tenant, ids, hashes, req.params,
-                                  req.arrival_ns, self.bundle.eos_token_ids, req.deadline_ms),
+                                  req.arrival_ns, self.bundle.eos_token_ids, req.deadline_ms,
+                                  req.priority, public_scope, public_blocks),
                         traceparent=msg.envelope.traceparent)
                 case CancelRequest() as cancel:
                     await self.to_admission.send(cancel)

@@ -60,7 +60,8 @@ class Engine:
         start = time.monotonic()
         while True:
             kv = self.kv()
-            if kv["free_blocks"] == kv["total_blocks"] and kv["leased_seqs"] == 0:
+            if (kv["free_blocks"] == kv["total_blocks"] and kv["leased_seqs"] == 0
+                    and kv["cpu_free_blocks"] == kv["cpu_total_blocks"]):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 raise AssertionError(f"KV not free after {timeout}s: {kv}")

@@ -68,6 +68,38 @@ def test_openai_client_chat_and_completion(gw, oai):
     assert again.usage.prompt_tokens_details.cached_tokens < again2.usage.prompt_tokens_details.cached_tokens
 
 
+def test_parallel_sampling_n(gw, oai):
+    """n choices share the prompt's KV (copy-on-write); each is its own sample, streamed
+    with its index; usage sums them; every block comes back."""
+    msgs = [{"role": "user", "content": "Write a word."}]
+    res = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, n=3,
+                                      temperature=1.0, seed=7)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    texts = [c.message.content for c in res.choices]
+    assert len(set(texts)) > 1                          # independent samples
+    assert all(c.finish_reason in ("stop", "length") for c in res.choices)
+    assert res.usage.completion_tokens <= 36 and res.usage.completion_tokens >= 3
+    again = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, n=3,
+                                        temperature=1.0, seed=7)
+    assert [c.message.content for c in again.choices] == texts      # seeded: reproducible
+    chunks = list(oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                         n=2, temperature=1.0, stream=True))
+    by_index = {0: "", 1: ""}
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            by_index[ch.index] += ch.text
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1} and all(by_index.values())
+    greedy = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, n=2,
+                                    temperature=0)
+    single = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                    temperature=0)
+    assert [c.text for c in greedy.choices] == [single.choices[0].text] * 2
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_models_health_ready_and_request_id(gw):
     r = httpx.get(gw.base_url + "/v1/models")
     assert r.json()["data"][0]["id"] == MODEL
@@ -97,7 +129,8 @@ def test_disconnect_cancels_and_frees_kv(gw):
 @pytest.mark.parametrize("body, words", [
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "top_p": 2}, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, "n must be"),
+    ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ({"model": MODEL, "max_tokens": 3}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"model": "gpt-9", "prompt": "hi"}, "gpt-9"),

@@ -40,7 +40,7 @@ def test_chat_translation_and_defaults():
 
 
 @pytest.mark.parametrize("body, status, words", [
-    (b'{"prompt": "x", "n": 3}', 400, "n=1"),
+    (b'{"prompt": "x", "n": 3, "best_of": 5}', 400, "best_of"),
     (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "penalty"),
     (b'{"prompt": "x", "model": "other"}', 404, "other"),
@@ -70,13 +70,17 @@ def test_auth_hashed_keys():
 
 def test_shapes():
     u = Usage(5, 3, 4)
-    full = Shaper(False, "r", M).full("hey", "stop", u)
+    full = Shaper(False, "r", M).full([("hey", "stop")], u)
     assert full["object"] == "text_completion" and full["choices"][0]["text"] == "hey"
     assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 4}}
     chat = Shaper(True, "r", M)
-    assert chat.full("hey", "length", u)["choices"][0]["message"] == {"role": "assistant",
-                                                                      "content": "hey"}
+    assert chat.full([("hey", "length")], u)["choices"][0]["message"] == {"role": "assistant",
+                                                                          "content": "hey"}
+    two = chat.full([("a", "stop"), ("b", "length")], u)["choices"]
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in two] == [
+        (0, "a", "stop"), (1, "b", "length")]
+    assert chat.chunk("x", index=2)["choices"][0]["index"] == 2
     assert chat.chunk("", first=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chat.chunk(None, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                       "finish_reason": "stop"}
