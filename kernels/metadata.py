@@ -3,6 +3,10 @@
 Token layout: the step's ``T`` new tokens are concatenated sequence by sequence, so
 sequence ``i`` owns rows ``query_start_loc[i] : query_start_loc[i + 1]`` of the flat batch,
 and its new tokens sit at positions ``context_lens[i] .. context_lens[i] + query_lens[i] - 1``.
+
+Two constructors: :meth:`AttentionMetadata.build` computes everything for one step from
+host lists; :meth:`AttentionMetadata.for_decode_buffers` wraps preallocated device buffers
+(one query per sequence) without touching their contents, for CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -80,6 +84,38 @@ class AttentionMetadata:
             groups=[AttentionGroup(*(to(t) for t in (g.token_rows, g.query_index, g.out_index,
                                                       g.kv_slots, g.mask))) for g in groups],
         )
+
+    @classmethod
+    def for_decode_buffers(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                           block_tables: torch.Tensor, block_size: int,
+                           max_seq_len: int) -> "AttentionMetadata":
+        """Decode metadata (one new token per sequence) over static device buffers.
+
+        Nothing is copied or read: the tensors are used as given, so their contents may
+        change between CUDA-graph replays. ``B = len(seq_lens)``; ``positions``,
+        ``slot_mapping`` [B] long (slot ``-1`` = write nothing), ``seq_lens`` [B] int32
+        (each ``<= max_seq_len``), ``query_start_loc`` [B + 1] int32 (``arange``),
+        ``block_tables`` [B, >= ceil(max_seq_len / block_size)] int32 (last dim contiguous).
+
+        The host lists hold upper bounds (``context_lens`` = ``max_seq_len - 1``), so kernels
+        size their grids for ``max_seq_len`` and mask by ``seq_lens``. There are no gather
+        groups: the torch reference cannot run from these; the Triton and flash-attn
+        backends can.
+        """
+        b = seq_lens.shape[0]
+        if not (positions.shape[0] == slot_mapping.shape[0] == block_tables.shape[0] == b
+                and query_start_loc.shape[0] == b + 1):
+            raise ValueError("decode buffers disagree on the number of sequences")
+        if block_tables.shape[1] * block_size < max_seq_len:
+            raise ValueError(f"block table width {block_tables.shape[1]} cannot hold "
+                             f"{max_seq_len} tokens of {block_size}")
+        if seq_lens.dtype != torch.int32 or block_tables.dtype != torch.int32:
+            raise ValueError("seq_lens and block_tables must be int32")
+        return cls(num_tokens=b, query_lens=[1] * b, context_lens=[max_seq_len - 1] * b,
+                   block_size=block_size, positions=positions, slot_mapping=slot_mapping,
+                   seq_lens=seq_lens, query_start_loc=query_start_loc,
+                   block_tables=block_tables, groups=[])
 
 
 def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,

@@ -29,6 +29,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Grouped-query attention: ``heads`` must be a multiple of the cache's kv_heads.
     Returns ``[T, heads, head_dim]`` in ``q``'s dtype.
     """
+    if meta.num_tokens and not meta.groups:
+        raise ValueError("metadata without gather groups (static decode buffers) needs a "
+                         "GPU backend (triton or flash_attn)")
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     keys = k_cache.reshape(-1, kv_heads, dim)

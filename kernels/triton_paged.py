@@ -7,8 +7,15 @@ Two kernels over the same paged cache ``[num_blocks, block_size, kv_heads, head_
   written by ``write_kv``), block by block through the block table, with online softmax.
 - ``_decode_kernel``: one query per sequence, FlashDecoding style: the context is split into
   partitions of ``PARTITION_BLOCKS`` blocks, one program per (sequence, kv head, partition)
-  serving all the query heads of that kv head; partial results are merged with a
-  log-sum-exp reduction.
+  serving all the query heads of that kv head; ``_merge_kernel`` combines the partitions'
+  partial results with a log-sum-exp reduction, one program per (sequence, query head).
+
+The decode path is CUDA-graph safe: no host syncs, and its grid depends only on host
+lists in the metadata (the number of sequences and ``max(context_lens)``), so metadata from
+:meth:`AttentionMetadata.for_decode_buffers` (upper-bound context lengths) gives a fixed grid
+whose partitions past a sequence's end do nothing. ``write_kv`` skips negative slots, which
+padding rows of a captured batch use. Dot products run in IEEE fp32 for float32 caches and
+TF32 otherwise (bf16/fp16 inputs are exact in TF32).
 """
 from __future__ import annotations
 
@@ -23,27 +30,29 @@ from kernels.metadata import AttentionMetadata
 def _write_kv_kernel(K, V, KC, VC, SLOTS, row, ROW_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t)
-    cols = tl.arange(0, ROW_PAD)
-    ok = cols < row
-    tl.store(KC + slot * row + cols, tl.load(K + t * row + cols, mask=ok), mask=ok)
-    tl.store(VC + slot * row + cols, tl.load(V + t * row + cols, mask=ok), mask=ok)
+    if slot >= 0:  # padding rows of a captured batch have slot -1
+        cols = tl.arange(0, ROW_PAD)
+        ok = cols < row
+        tl.store(KC + slot * row + cols, tl.load(K + t * row + cols, mask=ok), mask=ok)
+        tl.store(VC + slot * row + cols, tl.load(V + t * row + cols, mask=ok), mask=ok)
 
 
 @triton.jit
-def _online_softmax(scores, v, m_i, l_i, acc):
+def _online_softmax(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     """Fold one block of masked scores into the running max, sum and weighted values."""
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+    return (m_new, l_i * alpha + tl.sum(p, 1),
+            acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION))
 
 
 @triton.jit
 def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
                     sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -66,15 +75,15 @@ def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
         n_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
         offs = tl.arange(0, BLOCK_SIZE)
         for b in range(0, n_blocks):
-            block = tl.load(BT + s * bt_stride + b)
+            block = tl.load(BT + s * bt_stride + b).to(tl.int64)  # int64 offsets
             base = block * sk_b + kvh * sk_h
             k = tl.load(KC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
             v = tl.load(VC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
             k_pos = b * BLOCK_SIZE + offs
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             scores = tl.where(ok, scores, float("-inf"))
-            m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc)
+            m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + (q0 + m_offs)[:, None] * sq_t + h * sq_h + d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -84,7 +93,8 @@ def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
 def _decode_kernel(Q, KC, VC, ACC, ML, BT, SEQ_LENS, scale,
                    sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr,
+                   PRECISION: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -103,17 +113,40 @@ def _decode_kernel(Q, KC, VC, ACC, ML, BT, SEQ_LENS, scale,
     stop = tl.minimum(first + PARTITION_BLOCKS, total_blocks)
     offs = tl.arange(0, BLOCK_SIZE)
     for b in range(first, stop):
-        block = tl.load(BT + s * bt_stride + b)
+        block = tl.load(BT + s * bt_stride + b).to(tl.int64)  # int64 offsets
         base = block * sk_b + kvh * sk_h
         k = tl.load(KC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
         v = tl.load(VC + base + offs[:, None] * sk_s + d[None, :]).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where((b * BLOCK_SIZE + offs)[None, :] < seq_len, scores, float("-inf"))
-        m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc)
-    row = (s * num_kv + kvh) * num_parts + part
-    tl.store(ACC + row * GROUP_PAD * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :], acc)
-    tl.store(ML + row * GROUP_PAD * 2 + g * 2, m_i)
-    tl.store(ML + row * GROUP_PAD * 2 + g * 2 + 1, l_i)
+        m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, PRECISION)
+    # partial results [seq, kv head, partition, GROUP]: only the real query heads are stored
+    row = ((s * num_kv + kvh) * num_parts + part) * GROUP + g
+    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(ML + row * 2, m_i, mask=g_ok)
+    tl.store(ML + row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(ACC, ML, O, so_t, so_h, num_parts, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, PARTS_PAD: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, query head)'s partitions; empty partitions
+    (max -inf, sum 0) get weight 0."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    num_kv = tl.num_programs(1) // GROUP
+    p = tl.arange(0, PARTS_PAD)
+    ok = p < num_parts
+    row = ((s * num_kv + h // GROUP) * num_parts + p) * GROUP + h % GROUP
+    m = tl.load(ML + row * 2, mask=ok, other=float("-inf"))
+    lsum = tl.load(ML + row * 2 + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(ACC + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    den = tl.sum(lsum * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)
+    tl.store(O + s * so_t + h * so_h + d, out.to(O.dtype.element_ty))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,10 +165,17 @@ def _pow2(n: int, at_least: int = 16) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
+MAX_PARTITIONS = 64
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, block_m: int = 16,
                     partition_blocks: int = 16) -> torch.Tensor:
-    """Same contract as :func:`kernels.torch_ref.paged_attention`."""
+    """Same contract as :func:`kernels.torch_ref.paged_attention`.
+
+    Decode splits each context into partitions of ``partition_blocks`` blocks, widened so
+    that there are at most ``MAX_PARTITIONS`` of them.
+    """
     tokens, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -147,29 +187,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), bt.stride(0))
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     if all(ql == 1 for ql in meta.query_lens):
         max_blocks = -(-max(c + 1 for c in meta.context_lens) // block_size)
+        partition_blocks = max(partition_blocks, -(-max_blocks // MAX_PARTITIONS))
         parts = -(-max_blocks // partition_blocks)
-        gp = _pow2(group)
-        acc = torch.empty(n, kv_heads, parts, gp, dim, dtype=torch.float32, device=q.device)
-        ml = torch.empty(n, kv_heads, parts, gp, 2, dtype=torch.float32, device=q.device)
+        acc = torch.empty(n, kv_heads, parts, group, dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(n, kv_heads, parts, group, 2, dtype=torch.float32, device=q.device)
         _decode_kernel[(n, kv_heads, parts)](
             q, k_cache, v_cache, acc, ml, bt, meta.seq_lens, scale, *strides, parts,
-            GROUP=group, GROUP_PAD=gp, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-            PARTITION_BLOCKS=partition_blocks)
-        m, lsum = ml[..., 0], ml[..., 1]
-        m_max = m.amax(dim=2, keepdim=True)
-        w = torch.exp(m - torch.where(torch.isinf(m_max), 0.0, m_max)).nan_to_num_(0.0)
-        merged = (acc * w[..., None]).sum(2) / (lsum * w).sum(2)[..., None]
-        return merged[:, :, :group].reshape(n, heads, dim).to(q.dtype)
+            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_SIZE=block_size, HEAD_DIM=dim,
+            PARTITION_BLOCKS=partition_blocks, PRECISION=precision)
+        _merge_kernel[(n, heads)](acc, ml, out, out.stride(0), out.stride(1), parts,
+                                  GROUP=group, HEAD_DIM=dim,
+                                  PARTS_PAD=_pow2(parts, 2))
+        return out
     tiles = -(-max(meta.query_lens) // block_m)
     _prefill_kernel[(n, tiles, heads)](
         q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc, scale, *strides,
-        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim)
+        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
+        PRECISION=precision)
     return out
 
 
 class TritonBackend:
     name = "triton"
+    graph_safe = True  # decode from static buffers is capturable; write_kv skips slot -1
     write_kv = staticmethod(write_kv)
     paged_attention = staticmethod(paged_attention)

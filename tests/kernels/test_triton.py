@@ -2,15 +2,21 @@
 
 Randomised but seeded: block sizes 16 and 32, GQA ratios 1 and 3, context lengths from 1 to
 ~2000 straddling block edges, batches mixing different lengths, decode (FlashDecoding
-split-K) and prefill with cached prefixes. Tolerance 1e-4 relative in fp32.
+split-K) and prefill with cached prefixes, and decode from static buffers as replayed by
+CUDA graphs (padding rows, fixed grid). Tolerance 1e-4 relative in fp32.
+
+Where CUDA is available the same checks run natively on the GPU instead (the interpreter is
+only switched on without CUDA, so it never leaks into GPU tests of the same run).
 """
 import os
 import random
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
 
@@ -33,13 +39,14 @@ def _case(rng: random.Random, block_size: int, kv_heads: int, group: int,
         tables.append(ids[at:at + n])
         at += n
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    kc = torch.randn(num_blocks, block_size, kv_heads, DIM, generator=g)
-    vc = torch.randn(num_blocks, block_size, kv_heads, DIM, generator=g)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    kc = rand(num_blocks, block_size, kv_heads, DIM)
+    vc = rand(num_blocks, block_size, kv_heads, DIM)
     t = sum(query_lens)
-    q = torch.randn(t, heads, DIM, generator=g)
-    k = torch.randn(t, kv_heads, DIM, generator=g)
-    v = torch.randn(t, kv_heads, DIM, generator=g)
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+    q = rand(t, heads, DIM)
+    k = rand(t, kv_heads, DIM)
+    v = rand(t, kv_heads, DIM)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, DEVICE)
     return q, k, v, kc, vc, meta
 
 
@@ -85,3 +92,65 @@ def test_seeded_random_batches():
             qs = [rng.randrange(1, 33) for _ in range(n)]
             cs = [rng.randrange(0, 400) for _ in range(n)]
         _check(*_case(rng, bs, kvh, group, qs, cs))
+
+
+def test_decode_partitions_widen_to_the_cap():
+    """partition_blocks=1 over ~125 blocks would give 125 partitions; they are widened to at
+    most MAX_PARTITIONS (a few blocks each) and still merge to the reference."""
+    from kernels.triton_paged import MAX_PARTITIONS
+    rng = random.Random(5)
+    assert -(-2000 // 16) > MAX_PARTITIONS
+    _check(*_case(rng, 16, 1, 3, [1, 1, 1], [1999, 5, 16 * MAX_PARTITIONS]), partition_blocks=1)
+
+
+@pytest.mark.parametrize("block_size, kv_heads, group", [(16, 3, 3), (32, 3, 1)])
+def test_static_decode_buffers_match_reference(block_size, kv_heads, group):
+    """Decode from AttentionMetadata.for_decode_buffers (as inside a CUDA graph): a grid
+    sized for max_seq_len (most partitions empty), padded rows with slot -1 and seq_len 1
+    that write nothing, a block table wider than needed with stale entries."""
+    rng = random.Random(block_size + group)
+    contexts = [0, block_size - 1, 3 * block_size, rng.randrange(500, 900)]
+    n, pad, max_seq_len = len(contexts), 3, 1200
+    q, k, v, kc, vc, meta = _case(rng, block_size, kv_heads, group, [1] * n, contexts)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
+    want = torch_ref.paged_attention(q, kc_ref, vc_ref, meta, DIM ** -0.5)
+
+    b = n + pad
+    width = -(-max_seq_len // block_size)
+    tables = torch.randint(0, kc.shape[0], (b, width), dtype=torch.int32)  # stale junk
+    tables[n:, 0] = 0
+    tables = tables.to(DEVICE)
+    tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+    g = torch.Generator().manual_seed(3)
+    extra = lambda t: torch.cat(  # noqa: E731
+        [t, torch.randn(pad, *t.shape[1:], generator=g).to(DEVICE)])
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    static = AttentionMetadata.for_decode_buffers(
+        positions=torch.tensor(contexts + [0] * pad, device=DEVICE),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=DEVICE)]),
+        seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
+        query_start_loc=torch.arange(b + 1, **i32), block_tables=tables,
+        block_size=block_size, max_seq_len=max_seq_len)
+    assert static.context_lens == [max_seq_len - 1] * b
+    write_kv(kc, vc, extra(k), extra(v), static)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    got = paged_attention(extra(q), kc, vc, static, DIM ** -0.5, partition_blocks=4)
+    torch.testing.assert_close(got[:n], want, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(got[n:]).all()
+    with pytest.raises(ValueError, match="GPU backend"):
+        torch_ref.paged_attention(extra(q), kc, vc, static, DIM ** -0.5)
+
+
+def test_decode_buffers_validate_shapes():
+    z = torch.zeros(2, dtype=torch.long)
+    ok = dict(positions=z, slot_mapping=z, seq_lens=torch.ones(2, dtype=torch.int32),
+              query_start_loc=torch.arange(3, dtype=torch.int32),
+              block_tables=torch.zeros(2, 4, dtype=torch.int32), block_size=16)
+    AttentionMetadata.for_decode_buffers(**ok, max_seq_len=64)
+    with pytest.raises(ValueError, match="width"):
+        AttentionMetadata.for_decode_buffers(**ok, max_seq_len=65)
+    with pytest.raises(ValueError, match="disagree"):
+        AttentionMetadata.for_decode_buffers(**{**ok, "positions": torch.zeros(3)}, max_seq_len=8)
+    with pytest.raises(ValueError, match="int32"):
+        AttentionMetadata.for_decode_buffers(**{**ok, "seq_lens": z}, max_seq_len=8)
