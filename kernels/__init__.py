@@ -1,18 +1,30 @@
 """Attention kernels behind a small backend registry.
 
 A backend is any object with ``name``, ``write_kv(k_cache, v_cache, k, v, meta)`` and
-``paged_attention(q, k_cache, v_cache, meta, scale)`` (see :mod:`kernels.torch_ref`).
-Backends are registered by name with a zero-argument factory, imported lazily.
+``paged_attention(q, k_cache, v_cache, meta, scale)`` (see :mod:`kernels.torch_ref`), and
+optionally ``graph_safe = True`` when its decode path runs from
+:meth:`AttentionMetadata.for_decode_buffers` inside a CUDA graph.
+
+Backends are registered by name with a factory, imported lazily and called with keyword
+arguments ``block_size``, ``dtype`` and ``device`` (each may be None = unknown); a factory
+raises ``ValueError`` when its backend cannot serve that configuration.
+
+``get_backend("auto", device)`` tries, on CUDA: ``flash_attn`` (registered only when the
+package is installed; needs KV blocks of a multiple of 256 tokens and fp16/bf16), then
+``triton``, then ``torch``; elsewhere ``torch``. A named backend is built or refused.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Callable, Protocol
 
 import torch
 
 from kernels.kv_cache import KVCache
 from kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -28,36 +40,57 @@ class AttentionBackend(Protocol):
 class _TorchBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, **_opts) -> None:
         from kernels import torch_ref
         self.write_kv = torch_ref.write_kv
         self.paged_attention = torch_ref.paged_attention
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(**_opts) -> AttentionBackend:
     from kernels.triton_paged import TritonBackend
     return TritonBackend()
 
 
-_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {"torch": _TorchBackend}
+def _flash_attn_backend(**opts) -> AttentionBackend:
+    from kernels.flash_attn_backend import FlashAttnBackend
+    return FlashAttnBackend(**opts)
+
+
+_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {"torch": _TorchBackend}
 if importlib.util.find_spec("triton") is not None:
     _REGISTRY["triton"] = _triton_backend
+if importlib.util.find_spec("flash_attn") is not None:
+    _REGISTRY["flash_attn"] = _flash_attn_backend
+
+AUTO_ORDER_CUDA = ("flash_attn", "triton", "torch")
 
 
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    """Make ``factory()`` available as ``get_backend(name)``."""
+def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
+    """Make ``factory(block_size=..., dtype=..., device=...)`` available as
+    ``get_backend(name)``."""
     _REGISTRY[name] = factory
 
 
-def get_backend(name: str = "auto", device: torch.device | str | None = None) -> AttentionBackend:
-    """Return the named backend; ``"auto"`` picks the best registered one for ``device``
-    (currently always ``"torch"``; a GPU kernel backend would be preferred on CUDA)."""
+def get_backend(name: str = "auto", device: torch.device | str | None = None, *,
+                block_size: int | None = None,
+                dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Return the named backend, built for KV blocks of ``block_size`` tokens in ``dtype``;
+    ``"auto"`` picks the first usable one for ``device`` (see the module docstring)."""
+    opts = {"block_size": block_size, "dtype": dtype, "device": device}
     if name == "auto":
         is_cuda = device is not None and torch.device(device).type == "cuda"
-        name = next((n for n in ("triton", "flash_attn") if is_cuda and n in _REGISTRY), "torch")
+        for candidate in AUTO_ORDER_CUDA if is_cuda else ("torch",):
+            if candidate not in _REGISTRY:
+                continue
+            try:
+                return _REGISTRY[candidate](**opts)
+            except ValueError as e:
+                log.info("attention backend %s not usable, trying the next: %s", candidate, e)
+        raise ValueError("no usable attention backend")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; have {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+        hint = " (the flash_attn package is not installed)" if name == "flash_attn" else ""
+        raise ValueError(f"unknown attention backend {name!r}{hint}; have {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**opts)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "get_backend", "register_backend"]

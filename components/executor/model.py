@@ -6,12 +6,15 @@ looks at sequence boundaries, through the paged-attention backend and its metada
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels import AttentionBackend, AttentionMetadata, KVCache, get_backend
-from schemas.model import ModelSpec
+
+if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
+    from schemas.model import ModelSpec
 
 
 class _Layer:
@@ -23,13 +26,18 @@ class LlamaModel:
 
     Weights are converted to ``dtype`` on ``device``; Q/K/V and gate/up are fused.
     Norms and RoPE tables are computed in float32; logits are returned as float32.
+    ``kv_block_size`` (the KV cache's block size, when known) lets the backend choice see
+    it: flash-attn needs blocks of a multiple of 256 tokens, so ``"auto"`` only picks it
+    when told the size.
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 backend: AttentionBackend | str = "auto"):
+                 backend: AttentionBackend | str = "auto", kv_block_size: int | None = None):
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
-        self.backend = get_backend(backend, self.device) if isinstance(backend, str) else backend
+        if isinstance(backend, str):
+            backend = get_backend(backend, self.device, block_size=kv_block_size, dtype=dtype)
+        self.backend = backend
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = put(weights["embed"])
         tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
@@ -60,6 +68,10 @@ class LlamaModel:
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate a paged KV cache that fits this model, in its dtype and device."""
+        need = getattr(self.backend, "block_size", None)
+        if need is not None and block_size != need:
+            raise ValueError(f"the {self.backend.name} backend was built for KV blocks of "
+                             f"{need} tokens, not {block_size}")
         s = self.spec
         return KVCache.allocate(s.num_layers, num_blocks, block_size, s.num_kv_heads,
                                 s.head_dim, self.dtype, self.device)
@@ -77,12 +89,18 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over ``T`` flat tokens and return float32 logits ``[S, vocab]``
         for the rows ``logits_indices`` (e.g. each sequence's last new token).
 
         ``input_ids`` and ``positions`` are ``[T]`` long tensors laid out as in ``meta``;
-        new keys/values are written to ``kv`` at ``meta.slot_mapping``.
+        new keys/values are written to ``kv`` at ``meta.slot_mapping``. With
+        ``logits_out`` (float32 ``[S, vocab]``, e.g. a CUDA graph's static output) the logits
+        are written there and it is returned.
+
+        No host syncs and no branching on tensor values, so with a graph-safe backend and
+        :meth:`AttentionMetadata.for_decode_buffers` a call can be captured in a CUDA graph.
         """
         s = self.spec
         n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -102,6 +120,8 @@ class LlamaModel:
             gate, up = F.linear(self._rms_norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(h[logits_indices], self.norm)
+        if logits_out is not None:
+            return logits_out.copy_(F.linear(h, self.lm_head))
         return F.linear(h, self.lm_head).float()
 
     __call__ = forward
