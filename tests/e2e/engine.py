@@ -52,8 +52,16 @@ class Engine:
             report = c.status()
         return {comp.name: comp for comp in report.components}
 
+    def async_client(self, **kwargs):
+        from weir import AsyncClient
+
+        return AsyncClient(self.endpoint, **kwargs)
+
+    def stats(self, component: str) -> dict[str, float]:
+        return self.status()[component].stats
+
     def kv(self) -> dict[str, float]:
-        return self.status()["kv_manager"].stats
+        return self.stats("kv_manager")
 
     def wait_kv_free(self, timeout: float = 1.0) -> float:
         """Seconds until free == total (raises AssertionError after ``timeout``)."""
