@@ -1,0 +1,556 @@
+#!/usr/bin/env python3
+"""Check and time the executor's GPU paths in one call (run as ``bash scripts/gpu_check``).
+
+On a CUDA device, within a hard time budget (default 270 s):
+
+1. device-to-device copy bandwidth (the practical memory roofline);
+2. Triton write_kv / prefill / decode against the torch reference (fp32 at 1e-4, bf16 at
+   2e-2 against an fp32 reference): block sizes 16 and 32, GQA 1 and 3, contexts straddling
+   block edges up to ~2000, mixed prefill + decode batches, and decode from static buffers
+   with padding rows (the CUDA-graph path);
+3. the flash-attn adapter the same way (block size 256), or "skipped: not installed";
+4. CUDA-graph replay against eager logits for every batch bucket (SmolLM2-135M-shaped model,
+   fp32, random weights or ``--model-path`` GGUF), padding rows writing no KV;
+5. decode-step timing at batch 1, 8, 64, 256 with ~512 tokens of context each, eager and
+   graph, bf16: SmolLM2-135M-shaped, then Llama-1B-shaped while time remains; a table of
+   ms/step, tokens/s, bytes moved (weights + KV read), GB/s and fractions of the HBM peak
+   and of the measured copy bandwidth.
+
+Exit status: 0 all checks passed, 1 a correctness check failed, 3 no CUDA device.
+``--cpu-dry-run`` exercises the same code on the CPU at tiny sizes (Triton under
+TRITON_INTERPRET=1, timing with the torch backend). Needs only torch, triton and numpy.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+EXIT_FAILED, EXIT_NO_CUDA = 1, 3
+DEFAULT_GGUF = Path.home() / ".cache/weir/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.seconds, self.t0 = seconds, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+class Report:
+    """Correctness results, printed as they come."""
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failures: list[str] = []
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}  {detail}", flush=True)
+        if ok:
+            self.passed += 1
+        else:
+            self.failures.append(name)
+        return ok
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    mode: str
+    ms: float
+    bytes: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.ms / 1e3)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / (self.ms / 1e3)
+
+
+def format_table(rows: list[Row], peak_bps: float, copy_bps: float) -> str:
+    """The timing table: one line per (model, batch, mode)."""
+    head = (f"{'model':<22} {'batch':>5} {'mode':<6} {'ms/step':>9} {'tokens/s':>10} "
+            f"{'MB/step':>9} {'GB/s':>8} {'%peak':>6} {'%copy':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.model:<22} {r.batch:>5} {r.mode:<6} {r.ms:>9.3f} "
+                     f"{r.tokens_per_s:>10.1f} {r.bytes / 1e6:>9.1f} "
+                     f"{r.bytes_per_s / 1e9:>8.1f} {100 * r.bytes_per_s / peak_bps:>6.1f} "
+                     f"{100 * r.bytes_per_s / copy_bps:>6.1f}")
+    return "\n".join(lines)
+
+
+def _sync(device) -> None:
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, nbytes: int, iters: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- kernels against the reference
+
+def _attention_case(rng: random.Random, device, dtype, block_size: int, kv_heads: int,
+                    group: int, query_lens: list[int], context_lens: list[int], dim: int = 64):
+    """Random q/k/v and caches with shuffled block tables; metadata built for ``device``."""
+    import torch
+    from kernels.metadata import AttentionMetadata
+    need = [-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(need) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    t = sum(query_lens)
+    make = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    cache = (num_blocks, block_size, kv_heads, dim)
+    kc, vc = make(*cache), make(*cache)
+    q, k, v = make(t, kv_heads * group, dim), make(t, kv_heads, dim), make(t, kv_heads, dim)
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, device)
+    return q, k, v, kc, vc, meta
+
+
+def _tolerance(dtype) -> float:
+    import torch
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _compare_backend(report: Report, label: str, backend, case, dtype) -> None:
+    """Write K/V and attend with ``backend``; the reference is the torch backend in fp32 on
+    the same (rounded) inputs."""
+    import torch
+    from kernels import torch_ref
+    q, k, v, kc, vc, meta = case
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
+    scale = q.shape[-1] ** -0.5
+    want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta, scale)
+    backend.write_kv(kc, vc, k, v, meta)
+    kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    got = backend.paged_attention(q, kc, vc, meta, scale).float()
+    tol = _tolerance(dtype)
+    err = (got - want).abs().max().item()
+    ok = kv_ok and torch.allclose(got, want, rtol=tol, atol=tol)
+    report.check(label, ok,
+                 f"max|err|={err:.2e} tol={tol:g}" + ("" if kv_ok else " KV WRITE DIFFERS"))
+
+
+def _kernel_cases(rng: random.Random, tiny: bool):
+    """(kind, block_size, kv_heads, group, query_lens, context_lens) for the kernel checks."""
+    out = []
+    for bs in (16,) if tiny else (16, 32):
+        for kvh, group in ((3, 1), (3, 3)) if not tiny else ((2, 1), (1, 3)):
+            top = 100 if tiny else 2000
+            edges = [0, bs - 1, bs, 2 * bs + 1, rng.randrange(top // 4, top // 2),
+                     rng.randrange(top // 2, top - 1)]
+            out.append(("decode", bs, kvh, group, [1] * len(edges), edges))
+            out.append(("prefill", bs, kvh, group, [1, bs + 1, rng.randrange(2, 40)],
+                        [rng.randrange(0, 60), 0, rng.randrange(top // 2, top * 3 // 5)]))
+            out.append(("mixed", bs, kvh, group, [1, 1, rng.randrange(2, 70), 1],
+                        [rng.randrange(0, top), bs - 1, rng.randrange(0, top // 6), 2 * bs]))
+    return out
+
+
+def check_triton(report: Report, device, dtypes, tiny: bool = False) -> None:
+    import torch
+    from kernels import torch_ref
+    from kernels.metadata import AttentionMetadata
+    from kernels.triton_paged import TritonBackend
+    backend = TritonBackend()
+    rng = random.Random(0)
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        for kind, bs, kvh, group, qls, cls in _kernel_cases(rng, tiny):
+            case = _attention_case(rng, device, dtype, bs, kvh, group, qls, cls)
+            _compare_backend(report, f"triton {kind:<7} {name:<8} block {bs} gqa {group} "
+                             f"ctx<={max(cls)}", backend, case, dtype)
+        # decode from static buffers: fixed grid for max_seq_len, padding rows (slot -1)
+        for bs, kvh, group in ((16, 3, 3), (32, 3, 1)):
+            long_ctx = rng.randrange(40, 90) if tiny else rng.randrange(500, 900)
+            contexts = [0, bs - 1, 3 * bs, long_ctx]
+            n, pad, max_len = len(contexts), 3, 128 if tiny else 2048
+            q, k, v, kc, vc, meta = _attention_case(rng, device, dtype, bs, kvh, group,
+                                                    [1] * n, contexts)
+            kc_ref, vc_ref = kc.clone(), vc.clone()
+            torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
+            scale = q.shape[-1] ** -0.5
+            want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta,
+                                             scale)
+            b, width = n + pad, -(-max_len // bs)
+            tables = torch.zeros(b, width, dtype=torch.int32, device=device)
+            tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+            extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])  # noqa: E731
+            i32 = dict(dtype=torch.int32, device=device)
+            static = AttentionMetadata.for_decode_buffers(
+                positions=torch.tensor(contexts + [0] * pad, device=device),
+                slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)]),
+                seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
+                query_start_loc=torch.arange(b + 1, **i32), block_tables=tables,
+                block_size=bs, max_seq_len=max_len)
+            backend.write_kv(kc, vc, extra(k), extra(v), static)
+            kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+            got = backend.paged_attention(extra(q), kc, vc, static, scale).float()
+            tol = _tolerance(dtype)
+            ok = kv_ok and torch.allclose(got[:n], want, rtol=tol, atol=tol) \
+                and bool(torch.isfinite(got).all())
+            report.check(f"triton static-decode {name:<8} block {bs} gqa {group} pad {pad}", ok,
+                         f"max|err|={(got[:n] - want).abs().max().item():.2e}"
+                         + ("" if kv_ok else " PAD ROWS WROTE KV"))
+
+
+def check_flash_attn(report: Report, device, tiny: bool = False) -> None:
+    import torch
+    from kernels import get_backend
+    from kernels.flash_attn_backend import FlashAttnBackend, is_installed
+    if not is_installed():
+        print("  flash-attn: skipped: not installed", flush=True)
+        return
+    try:
+        fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
+    except ValueError as e:
+        report.check("flash-attn adapter constructs (block 256, bf16)", False, str(e))
+        return
+    report.check("auto picks flash_attn for block 256 bf16",
+                 get_backend("auto", device, block_size=256, dtype=torch.bfloat16).name
+                 == "flash_attn")
+    report.check("auto falls back to triton for block 16",
+                 get_backend("auto", device, block_size=16, dtype=torch.bfloat16).name == "triton")
+    rng = random.Random(1)
+    for kind, _, kvh, group, qls, cls in _kernel_cases(rng, tiny):
+        case = _attention_case(rng, device, torch.bfloat16, 256, kvh, group, qls, cls)
+        _compare_backend(report, f"flash-attn {kind:<7} bf16 block 256 gqa {group}", fa, case,
+                         torch.bfloat16)
+
+
+# ---------------------------------------------------------------- CUDA graphs against eager
+
+def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num_blocks: int,
+                  vocab: int, context: int | None = None):
+    """n decode sequences on disjoint shuffled blocks (with spare lookahead blocks); each at
+    position ``context`` or at a random / block-edge position below ``max_len``."""
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    edges = [0, block_size - 1, block_size, 2 * block_size - 1, max_len - 1]
+    ids, pos, tables = [], [], []
+    for i in range(n):
+        p = context if context is not None else (
+            edges[i] if i < len(edges) else rng.randrange(max_len))
+        need = p // block_size + 1 + rng.randint(0, 1)
+        tables.append([pool.pop() for _ in range(need)])
+        ids.append(rng.randrange(vocab))
+        pos.append(p)
+    return ids, pos, tables
+
+
+def _eager_decode(model, kv, ids, pos, tables):
+    import torch
+    from kernels.metadata import AttentionMetadata
+    dev = kv.device
+    meta = AttentionMetadata.build([1] * len(ids), pos, tables, kv.block_size, dev)
+    return model.forward(torch.tensor(ids, device=dev), meta.positions, kv, meta,
+                         torch.arange(len(ids), device=dev))
+
+
+def check_graphs(report: Report, label: str, model, max_len: int, max_batch: int,
+                 block_size: int, tol: float, partials=(3, 13, 250), seed: int = 0):
+    """Capture every bucket, then per bucket (and a few padded sizes) compare replayed logits
+    with the eager forward; padded batches must change no KV outside their own slots."""
+    import torch
+    from components.executor.cuda_graphs import DecodeGraphs
+    num_blocks = max_batch * (-(-max_len // block_size) + 2)
+    kv = model.new_kv_cache(num_blocks, block_size)
+    kv.data.normal_()
+    graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max_batch)
+    info = graphs.capture()
+    print(f"  {label}: captured {len(info['buckets'])} buckets in {info['seconds']} s, pool "
+          f"reserved {info['pool_reserved_bytes'] / 2**20:.1f} MiB, allocated "
+          f"{info['pool_allocated_bytes'] / 2**20:.1f} MiB, static buffers "
+          f"{info['static_bytes'] / 2**20:.1f} MiB", flush=True)
+    rng = random.Random(seed)
+    sizes = list(graphs.buckets) + [p for p in partials
+                                    if p <= max_batch and p not in graphs.buckets]
+    worst = 0.0
+    for n in sizes:
+        ids, pos, tables = _decode_batch(rng, n, max_len, block_size, num_blocks,
+                                         model.spec.vocab_size)
+        want = _eager_decode(model, kv, ids, pos, tables)
+        padded = graphs.bucket_for(n) != n
+        before = kv.data[0].clone() if padded else None
+        got = graphs.replay(ids, pos, tables)
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+        worst = max(worst, err)
+        ok = err <= tol and bool(torch.isfinite(got).all())
+        detail = f"rel err {err:.2e}"
+        if before is not None:
+            changed = (kv.data[0] != before).flatten(3).any(-1).any(0).flatten()  # per slot
+            real = torch.zeros_like(changed)
+            slots = [t[p // block_size] * block_size + p % block_size
+                     for p, t in zip(pos, tables)]
+            real[torch.tensor(slots, device=real.device)] = True
+            stray = int((changed & ~real).sum())
+            ok = ok and stray == 0
+            detail += f", padded to {graphs.bucket_for(n)}, stray KV writes {stray}"
+        report.check(f"{label} graph == eager, batch {n}", ok, detail)
+    print(f"  {label}: worst relative logits error {worst:.2e} (tol {tol:g})", flush=True)
+    return graphs, kv, info
+
+
+# ---------------------------------------------------------------- timing
+
+def time_steps(fn, device, steps: int, warmup: int = 2) -> float:
+    """Mean ms per call of ``fn`` with a device sync after each (as a real step, which
+    waits for its sampled tokens)."""
+    for _ in range(warmup):
+        fn()
+        _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+        _sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def time_decode(report: Report | None, label: str, model, shape, kv, graphs, batches,
+                context: int, elem_bytes: int, steps: int, budget: Budget, reserve_s: float,
+                tol: float = 5e-2) -> list[Row]:
+    """Eager and graph decode steps at each batch size (every sequence at ``context``)."""
+    from components.executor.synthetic import decode_bytes
+    rows: list[Row] = []
+    rng = random.Random(7)
+    for b in batches:
+        if budget.left() < reserve_s:
+            print(f"  {label}: batch {b} and larger skipped (time budget)", flush=True)
+            break
+        ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
+                                         shape.vocab_size, context=context)
+        moved = decode_bytes(shape, [context + 1] * b, elem_bytes)
+        eager_logits = _eager_decode(model, kv, ids, pos, tables)
+        ms = time_steps(lambda: _eager_decode(model, kv, ids, pos, tables), kv.device, steps)
+        rows.append(Row(label, b, "eager", ms, moved))
+        timed = f"eager {ms:.3f} ms"
+        if graphs is not None and graphs.can_replay(b, context + 1):
+            got = graphs.replay(ids, pos, tables)
+            if report is not None:
+                err = ((got - eager_logits).abs().max()
+                       / eager_logits.abs().max().clamp_min(1e-6)).item()
+                report.check(f"{label} bf16 graph == eager, batch {b}", err <= tol,
+                             f"rel err {err:.2e} tol {tol:g}")
+            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
+            rows.append(Row(label, b, "graph", ms, moved))
+            timed += f", graph {ms:.3f} ms"
+        print(f"  {label}: batch {b}: {timed} per step ({budget.elapsed():.0f} s elapsed)",
+              flush=True)
+    return rows
+
+
+def _free(device) -> None:
+    import torch
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _load_gguf(path: Path):
+    """(spec, fp32 weights) from a GGUF file, or None when it or the loader is missing."""
+    if not path.is_file():
+        return None
+    try:
+        from components.executor.loader import load_model
+    except ImportError as e:
+        print(f"  {path.name}: loader unavailable ({e}); random weights instead", flush=True)
+        return None
+    return load_model(path)
+
+
+def run_timing(report, label, shape, weights, dtype, device, batches, context, steps, budget,
+               reserve_s, max_len, capture: bool) -> list[Row]:
+    import torch
+    from components.executor.model import LlamaModel
+    model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16)
+    del weights
+    print(f"  {label}: backend {model.backend.name}", flush=True)
+    blocks = max(batches) * (-(-(context + 1) // 16) + 1) + 1
+    kv = model.new_kv_cache(blocks, 16)
+    kv.data.normal_()
+    graphs = None
+    if capture and getattr(model.backend, "graph_safe", False):
+        from components.executor.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max(batches))
+        info = graphs.capture()
+        print(f"  {label}: captured {len(info['buckets'])} buckets in {info['seconds']} s, "
+              f"pool reserved {info['pool_reserved_bytes'] / 2**20:.1f} MiB", flush=True)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = time_decode(report, label, model, shape, kv, graphs, batches, context, elem, steps,
+                       budget, reserve_s)
+    del model, kv, graphs
+    return rows
+
+
+# ---------------------------------------------------------------- entry points
+
+def gpu_main(args) -> int:
+    import torch
+    import triton
+
+    import kernels
+    from components.executor.model import LlamaModel
+    from components.executor.synthetic import LLAMA_1B, SMOLLM2_135M, random_weights
+    budget = Budget(args.budget_s)
+    device = torch.device("cuda")
+    report = Report()
+    print(f"gpu_check: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, budget {args.budget_s:.0f} s", flush=True)
+    copy_bps = copy_bandwidth(device, 2 << 30)
+    print(f"device-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write); peak assumed "
+          f"{args.peak_tbs} TB/s", flush=True)
+
+    print("[1] Triton kernels vs torch reference", flush=True)
+    check_triton(report, device, [torch.float32, torch.bfloat16])
+    print("[2] flash-attn adapter", flush=True)
+    check_flash_attn(report, device)
+
+    print("[3] CUDA graphs vs eager, every bucket (fp32)", flush=True)
+    real = _load_gguf(Path(args.model_path)) if args.model_path else None
+    shape, label = (real[0], "smollm2-135m") if real else (SMOLLM2_135M, "smollm2-135m-rand")
+    weights = real[1] if real else random_weights(shape, torch.float32, device)
+    model = LlamaModel(shape, weights, dtype=torch.float32, device=device, backend="triton")
+    check_graphs(report, label + " fp32", model, max_len=1024, max_batch=args.max_batch,
+                 block_size=16, tol=1e-3)
+    del model
+    _free(device)
+    if "flash_attn" in kernels._REGISTRY and budget.left() > 120:
+        from kernels.flash_attn_backend import FlashAttnBackend
+        fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
+        model = LlamaModel(shape, random_weights(shape, torch.bfloat16, device),
+                           dtype=torch.bfloat16, device=device, backend=fa)
+        check_graphs(report, label + " flash-attn bf16", model, max_len=1024, max_batch=16,
+                     block_size=256, tol=5e-2)
+        del model
+        _free(device)
+
+    print("[4] decode timing (bf16)", flush=True)
+    rows: list[Row] = []
+    steps = args.steps
+    weights = real[1] if real else random_weights(shape, torch.bfloat16, device)
+    rows += run_timing(report, label, shape, weights, torch.bfloat16, device, args.batches,
+                       args.context, steps, budget, 25, 2048, capture=True)
+    _free(device)
+    if not args.skip_1b and budget.left() > 60:
+        rows += run_timing(report, "llama-1b-rand", LLAMA_1B,
+                           random_weights(LLAMA_1B, torch.bfloat16, device), torch.bfloat16,
+                           device, args.batches, args.context, steps, budget, 20, 2048,
+                           capture=True)
+    elif not args.skip_1b:
+        print("  llama-1b-rand: skipped (time budget)", flush=True)
+    print()
+    print(format_table(rows, args.peak_tbs * 1e12, copy_bps))
+    print("bytes/step = every weight once + K/V of every cached token in every layer "
+          "(logits and activations not counted)")
+    return summary(report, budget)
+
+
+def summary(report: Report, budget: Budget) -> int:
+    print(f"\n{report.passed} checks passed, {len(report.failures)} failed, "
+          f"{budget.elapsed():.0f} s")
+    for name in report.failures:
+        print(f"  FAILED: {name}")
+    return EXIT_FAILED if report.failures else 0
+
+
+def cpu_dry_run(args) -> int:
+    """The same code at tiny sizes on the CPU: Triton checks under the interpreter, the
+    static-buffer graph path without graphs, timing with the torch backend."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import importlib.util
+    import torch
+    from components.executor.model import LlamaModel
+    from components.executor.synthetic import ModelShape, random_weights
+    budget = Budget(args.budget_s)
+    report = Report()
+    tiny = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=6,
+                      num_kv_heads=2, head_dim=16, vocab_size=101, max_position=256)
+    if importlib.util.find_spec("triton") is not None:
+        print("[1] Triton kernels vs torch reference (interpreter)", flush=True)
+        check_triton(report, "cpu", [torch.float32], tiny=True)
+        print("[2] flash-attn adapter", flush=True)
+        check_flash_attn(report, "cpu", tiny=True)
+        print("[3] static-buffer decode vs eager (no graphs on the CPU)", flush=True)
+        model = LlamaModel(tiny, random_weights(tiny), backend="triton")
+        check_graphs(report, "tiny fp32", model, max_len=64, max_batch=4, block_size=16,
+                     tol=1e-4, partials=(3,))
+    print("[4] decode timing (torch backend, eager)", flush=True)
+    model = LlamaModel(tiny, random_weights(tiny), backend="torch")
+    kv = model.new_kv_cache(2 * 3 + 1, 16)
+    rows = time_decode(None, "tiny", model, tiny, kv, None, [1, 2], 24, 4, 2, budget, 0)
+    copy_bps = copy_bandwidth("cpu", 16 << 20, iters=3)
+    print()
+    print(format_table(rows, args.peak_tbs * 1e12, copy_bps))
+    return summary(report, budget)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Exit status: 0 passed, 1 a check failed, 3 no CUDA.")
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="run the script's logic on the CPU at tiny sizes")
+    p.add_argument("--model-path", default=str(DEFAULT_GGUF) if DEFAULT_GGUF.is_file() else None,
+                   help="SmolLM2 GGUF for real weights (default: random weights unless "
+                        f"{DEFAULT_GGUF} exists and the loader's packages are installed)")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="hard time budget; larger timing configs are skipped near it")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 8, 64, 256], help="decode batch sizes to time (comma list)")
+    p.add_argument("--context", type=int, default=512, help="context tokens per sequence")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    p.add_argument("--max-batch", type=int, default=256, help="largest captured bucket")
+    p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
+    p.add_argument("--skip-1b", action="store_true", help="do not time the 1B-shaped model")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cpu_dry_run:
+        return cpu_dry_run(args)
+    import torch
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}); nothing checked. "
+              "Use --cpu-dry-run to exercise the script on the CPU.")
+        return EXIT_NO_CUDA
+    return gpu_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
