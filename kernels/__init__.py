@@ -46,7 +46,9 @@ class _TorchBackend:
         self.paged_attention = torch_ref.paged_attention
 
 
-def _triton_backend(**_opts) -> AttentionBackend:
+def _triton_backend(block_size: int | None = None, **_opts) -> AttentionBackend:
+    if block_size is not None and block_size < 16:  # tl.dot needs tiles of >= 16
+        raise ValueError(f"the Triton kernels need KV blocks of >= 16 tokens, not {block_size}")
     from kernels.triton_paged import TritonBackend
     return TritonBackend()
 

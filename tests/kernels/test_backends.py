@@ -37,6 +37,14 @@ def test_auto_falls_back_to_triton_on_cuda(monkeypatch, block_size, dtype):
     assert backend.name == "triton"
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_refuses_blocks_below_16():
+    with pytest.raises(ValueError, match=">= 16 tokens, not 8"):
+        get_backend("triton", "cuda", block_size=8)
+    assert get_backend("auto", "cuda", block_size=8).name == "torch"
+    assert get_backend("auto", "cuda", block_size=16).name == "triton"
+
+
 def test_auto_order_and_explicit_names(monkeypatch):
     assert get_backend("auto", "cpu").name == "torch"
     assert get_backend("auto").name == "torch"
