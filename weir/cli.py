@@ -153,19 +153,37 @@ def _status(args: argparse.Namespace) -> int:
                                 "restarts": c.restarts, "heartbeat_age_s": c.heartbeat_age_s}
                        for c in report.components},
         "scheduler": {"running": int(sched.get("running", 0)),
-                      "waiting": int(sched.get("waiting", 0))},
+                      "waiting": int(sched.get("waiting", 0)),
+                      "preemptions": {"recompute": int(sched.get("preemptions.recompute", 0)),
+                                      "swap": int(sched.get("preemptions.swap", 0))},
+                      "wasted_tokens": int(sched.get("wasted_tokens", 0))},
         "kv": {"total_blocks": int(kv.get("total_blocks", 0)),
                "free_blocks": int(kv.get("free_blocks", 0)),
-               "cached_blocks": int(kv.get("cached_blocks", 0))},
+               "cached_blocks": int(kv.get("cached_blocks", 0)),
+               "usage": round(1 - kv.get("free_blocks", 0) / (kv.get("total_blocks", 0) or 1), 4),
+               "cpu_total_blocks": int(kv.get("cpu_total_blocks", 0)),
+               "cpu_free_blocks": int(kv.get("cpu_free_blocks", 0)),
+               "cpu_cached_blocks": int(kv.get("cpu_cached_blocks", 0)),
+               "swapped_seqs": int(kv.get("swapped_seqs", 0)),
+               "prefix_query_tokens": int(kv.get("prefix_query_tokens", 0)),
+               "prefix_hit_tokens": int(kv.get("prefix_hit_tokens", 0)),
+               "below_watermark": bool(kv.get("below_watermark", 0))},
     }
     if args.json:
         print(json.dumps(out))
         return 0
     for name, c in out["components"].items():
         print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
-    print(f"scheduler    running {out['scheduler']['running']} waiting {out['scheduler']['waiting']}")
+    s = out["scheduler"]
+    print(f"scheduler    running {s['running']} waiting {s['waiting']} preemptions "
+          f"recompute {s['preemptions']['recompute']} swap {s['preemptions']['swap']} "
+          f"wasted_tokens {s['wasted_tokens']}")
     k = out["kv"]
-    print(f"kv           total {k['total_blocks']} free {k['free_blocks']} cached {k['cached_blocks']}")
+    print(f"kv           total {k['total_blocks']} free {k['free_blocks']} cached {k['cached_blocks']}"
+          f" usage {k['usage']:.1%}{' BELOW WATERMARK' if k['below_watermark'] else ''}")
+    print(f"kv cpu tier  total {k['cpu_total_blocks']} free {k['cpu_free_blocks']} cached "
+          f"{k['cpu_cached_blocks']} swapped_seqs {k['swapped_seqs']}")
+    print(f"prefix cache hit {k['prefix_hit_tokens']} of {k['prefix_query_tokens']} tokens")
     return 0
 
 

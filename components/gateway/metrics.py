@@ -46,8 +46,29 @@ class _EngineCollector:
                             kv.get("prefix_hit_tokens", 0))
         pre = CounterMetricFamily("weir:num_preemptions", "Sequences preempted, by kind.",
                                   labels=["model_name", "kind"])
-        pre.add_metric([self.model, "recompute"], sched.get("preemptions", 0))
+        for kind in ("recompute", "swap"):
+            pre.add_metric([self.model, kind], sched.get(f"preemptions.{kind}", 0))
         yield pre
+        yield self._gauge("weir:kv_cpu_tier_blocks", "Blocks in the executor's host-memory tier.",
+                          kv.get("cpu_total_blocks", 0))
+        yield self._gauge("weir:kv_cpu_tier_free_blocks", "Free host-tier blocks (incl. cached).",
+                          kv.get("cpu_free_blocks", 0))
+        yield self._gauge("weir:kv_cpu_tier_cached_blocks",
+                          "Host-tier blocks holding demoted prefix KV.", kv.get("cpu_cached_blocks", 0))
+        yield self._gauge("weir:num_requests_swapped", "Sequences swapped out to the host tier.",
+                          kv.get("swapped_seqs", 0))
+        yield self._counter("weir:kv_swapped_out_blocks", "Blocks swapped out by preemption.",
+                            sched.get("swapped_out_blocks", 0))
+        yield self._counter("weir:kv_prefix_demoted_blocks",
+                            "Evicted prefix blocks demoted to the host tier.",
+                            kv.get("demoted_blocks", 0))
+        yield self._counter("weir:kv_prefix_promoted_blocks",
+                            "Host-tier prefix blocks copied back on a hit.",
+                            kv.get("promoted_blocks", 0))
+        yield self._gauge("weir:kv_watermark_blocks", "Blocks a new sequence's first lease "
+                          "must leave free.", kv.get("watermark_blocks", 0))
+        yield self._gauge("weir:kv_below_watermark", "1 while free blocks are under the "
+                          "watermark (new sequences wait).", kv.get("below_watermark", 0))
         yield self._counter("weir:preemption_wasted_tokens",
                             "Computed tokens discarded by preemption.", sched.get("wasted_tokens", 0))
         yield self._gauge("weir:kv_cached_blocks", "Blocks holding reusable prefix KV.",

@@ -189,7 +189,10 @@ def test_metrics_parse_and_move(gw, oai):
                  "weir:num_requests_running", "weir:num_requests_waiting",
                  "weir:kv_cache_usage_perc", "weir:prefix_cache_queries_total",
                  "weir:prefix_cache_hits_total", "weir:request_queue_time_seconds_count",
-                 "weir:inter_token_latency_seconds_count"):
+                 "weir:inter_token_latency_seconds_count", "weir:kv_cpu_tier_blocks",
+                 "weir:kv_cpu_tier_free_blocks", "weir:kv_cpu_tier_cached_blocks",
+                 "weir:kv_below_watermark", "weir:num_preemptions_total",
+                 "weir:kv_swapped_out_blocks_total"):
         assert name in before, name
     oai.completions.create(model=MODEL, prompt="Count with me: one, two, three, four, five, six, seven,", max_tokens=5, temperature=0,
                            extra_body={"ignore_eos": True})

@@ -102,3 +102,26 @@ def test_prefix_cache_hits_within_tenant_only(engine):
     assert again.usage.cached_tokens == (n - 1) // 16 * 16 > 0
     assert other.usage.cached_tokens == 0
     assert again.token_ids == first.token_ids == other.token_ids
+
+
+def test_public_system_prompt_is_shared_only_where_configured(engine):
+    """The configured public system prompt's blocks are shared between the tenants it names;
+    everything after it stays in each tenant's own scope; other tenants share nothing."""
+    from tests.e2e.conftest import PUBLIC_SYSTEM
+
+    def ask(c, tenant, question):
+        msgs = [{"role": "system", "content": PUBLIC_SYSTEM}, {"role": "user", "content": question}]
+        return c.generate(messages=msgs, max_tokens=3, temperature=0.0, tenant=tenant)
+
+    q = "When does the library open on Sundays, and can I renew a loan by phone?"
+    with engine.client() as c:
+        a = ask(c, "acme", q)
+        b = ask(c, "globex", q)                 # same prompt, other tenant: only the public part
+        b2 = ask(c, "globex", q)                # its own earlier prompt: everything
+        d = ask(c, "default", q)                # not named in the config: nothing shared
+    public = b.usage.cached_tokens
+    assert a.usage.cached_tokens == 0 or a.usage.cached_tokens < public
+    assert 16 <= public < b.usage.prompt_tokens - 16
+    assert b2.usage.cached_tokens == (b2.usage.prompt_tokens - 1) // 16 * 16 > public
+    assert d.usage.cached_tokens == 0
+    assert a.token_ids == b.token_ids == b2.token_ids == d.token_ids

@@ -59,3 +59,30 @@ def test_tiny_pool_preempts_by_swap_and_recompute_and_loses_nothing(engines):
     tiny.wait_kv_free(timeout=2.0)                        # free == total, both tiers
     print("tiny engine scheduler stats:", {k: v for k, v in sched.items() if "preempt" in k
                                            or "wasted" in k or "swapped" in k})
+
+
+PAGE = ("Chapter {i}. The archive held maps of every river in the valley, drawn by hand over "
+        "two centuries, with notes on floods, bridges, mills and the families who ran them. ")
+
+
+def test_evicted_prefix_is_demoted_to_the_host_tier_and_promoted_on_a_hit(tmp_path, model_path):
+    eng = Engine(tmp_path, "[engine]\nmax_model_len = 384\n"
+                           "[kv]\nnum_blocks = 24\nnum_cpu_blocks = 16\n")
+    try:
+        with eng.client() as c:
+            def ask(i):
+                return c.generate(PAGE.format(i=i) * 4, max_tokens=2, temperature=0.0,
+                                  ignore_eos=True)
+            first = ask(0)
+            assert first.usage.prompt_tokens > 144
+            for i in (1, 2, 3):            # each evicts older prefixes from the 24-block pool
+                ask(i)
+            assert eng.kv()["demoted_blocks"] >= 9
+            again = ask(0)                 # its blocks now live only in the host tier
+        kv = eng.kv()
+        assert again.usage.cached_tokens == 144, again.usage
+        assert kv["promoted_blocks"] >= 9
+        assert again.token_ids == first.token_ids
+        eng.wait_kv_free(timeout=2.0)
+    finally:
+        eng.stop()

@@ -24,4 +24,7 @@ def test_seven_distinct_live_processes(engine):
         assert b"bus.launch" in cmdline and name.encode() in cmdline
     assert status["kv"]["total_blocks"] == 512
     assert status["kv"]["free_blocks"] == status["kv"]["total_blocks"]
-    assert status["scheduler"] == {"running": 0, "waiting": 0}
+    assert status["scheduler"] == {"running": 0, "waiting": 0, "wasted_tokens": 0,
+                                   "preemptions": {"recompute": 0, "swap": 0}}
+    assert status["kv"]["cpu_free_blocks"] == status["kv"]["cpu_total_blocks"] > 0
+    assert status["kv"]["below_watermark"] is False
