@@ -88,10 +88,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int = 2048
     attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     num_threads: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
+    cuda_graphs: bool = True                            # capture decode steps on CUDA
+    cuda_graph_max_batch: int = 256                     # largest captured bucket
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
         _require(self.num_threads >= 0, "engine.num_threads must be >= 0")
+        _require(1 <= self.cuda_graph_max_batch <= 1024,
+                 "engine.cuda_graph_max_batch must be in [1, 1024]")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -130,7 +135,10 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     public_prefixes: tuple[PublicPrefix, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), "kv.block_size must be 8..128, a power of 2")
+        _require(self.block_size in (8, 16, 32, 64, 128) or (self.block_size % 256 == 0
+                                                              and self.block_size <= 1024),
+                 "kv.block_size must be 8..128 (a power of 2) or a multiple of 256 up to 1024 "
+                 "(flash-attn's paged KV)")
         _require(self.num_blocks >= 2, "kv.num_blocks must be >= 2")
         _require(self.grow_blocks >= 1, "kv.grow_blocks must be >= 1")
         _require(self.num_cpu_blocks >= 0, "kv.num_cpu_blocks must be >= 0")

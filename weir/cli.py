@@ -23,7 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(
             args.config,
             topology={"run_dir": run_dir, "client_endpoint": args.endpoint or default_endpoint()},
-            engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len},
+            engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+                    "device": args.device},
             kv={"num_blocks": args.num_blocks},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
     except ConfigError as exc:
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="a TOML config file")
     s.add_argument("--endpoint", default=None, help=endpoint_help)
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                   help="where the executor runs (auto: the first GPU if any)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     s.add_argument("--run-dir", default=None, help="directory for ipc sockets")

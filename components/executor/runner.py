@@ -26,9 +26,11 @@ class SeqState:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, num_host_blocks: int = 0) -> None:
+    def __init__(self, model, kv: KVCache, num_host_blocks: int = 0, graphs=None) -> None:
         self.model = model
         self.kv = kv
+        self.graphs = graphs              # DecodeGraphs (CUDA) or None
+        self.graph_steps = 0
         self.block_size = kv.block_size
         self.seqs: dict[int, SeqState] = {}
         self.num_blocks = kv.num_blocks
@@ -112,11 +114,18 @@ class ModelRunner:
                 for k in range(st.num_samples):
                     rows.append(len(input_ids) - 1)
                     sampled.append((st.seq_id, s, k))
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
-                                       self.kv.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.kv.device)
-        logits = self.model.forward(ids, meta.positions, self.kv, meta,
-                                    torch.tensor(rows, dtype=torch.long, device=self.kv.device))
+        n = len(query_lens)
+        if (self.graphs is not None and len(input_ids) == n == len(rows)
+                and self.graphs.can_replay(n, max(context_lens) + 1)):
+            # decode only, one sample each: replay the captured graph of this batch bucket
+            logits = self.graphs.replay(input_ids, context_lens, tables)
+            self.graph_steps += 1
+        else:
+            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
+                                           self.kv.device)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.kv.device)
+            logits = self.model.forward(ids, meta.positions, self.kv, meta,
+                                        torch.tensor(rows, dtype=torch.long, device=self.kv.device))
         tokens: list[int] = []
         if sampled:
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k

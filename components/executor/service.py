@@ -35,13 +35,31 @@ class ExecutorService(Component):
             raise ValueError(f"engine.max_model_len {eng.max_model_len} exceeds the model's "
                              f"context of {spec.max_position}")
         dtype = getattr(torch, eng.dtype)
-        model = LlamaModel(spec, weights, dtype=dtype, backend=eng.attention_backend)
+        if eng.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("engine.device is 'cuda' but no CUDA device is available")
+        device = torch.device("cuda" if eng.device == "cuda" or (
+            eng.device == "auto" and torch.cuda.is_available()) else "cpu")
+        model = LlamaModel(spec, weights, dtype=dtype, device=device,
+                           backend=eng.attention_backend, kv_block_size=kv.block_size)
         del weights
-        self.runner = ModelRunner(model, model.new_kv_cache(kv.num_blocks, kv.block_size),
-                                  kv.num_cpu_blocks)
+        kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
+        graphs = None
+        if device.type == "cuda" and eng.cuda_graphs and getattr(model.backend, "graph_safe",
+                                                                  False):
+            from components.executor.cuda_graphs import DecodeGraphs
+            try:
+                graphs = DecodeGraphs(model, kv_cache, max_model_len=eng.max_model_len,
+                                      max_batch=min(eng.cuda_graph_max_batch,
+                                                    self.config.scheduler.max_num_seqs))
+                log.info("cuda_graphs_captured", backend=model.backend.name, **graphs.capture())
+            except Exception:
+                log.exception("cuda_graph_capture_failed; decode runs eagerly")
+                graphs = None
+        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs)
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = bandwidth = self.runner.measure_copy_bandwidth()
-        log.info("model_loaded", model=spec.name, dtype=eng.dtype, layers=spec.num_layers,
+        log.info("model_loaded", model=spec.name, dtype=eng.dtype, device=str(device),
+                 backend=model.backend.name, layers=spec.num_layers,
                  kv_blocks=kv.num_blocks, host_kv_blocks=kv.num_cpu_blocks,
                  block_bytes=self.runner.block_bytes, copy_gb_per_s=round(bandwidth / 1e9, 2),
                  seconds=round(time.perf_counter() - t0, 2))
@@ -86,4 +104,5 @@ class ExecutorService(Component):
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
-                "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks}
+                "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks,
+                "graph_steps": self.runner.graph_steps}

@@ -109,3 +109,35 @@ def test_refuses_bad_input(model):
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA"):
             DecodeGraphs(model, kv, max_model_len=MAX_LEN, use_graphs=True)
+
+
+def test_runner_uses_the_decode_path_for_decode_only_steps(model):
+    """The ModelRunner replays the static decode path (graphs on CUDA) for decode-only
+    steps, runs prefill/mixed steps eagerly, and samples the same greedy tokens either way."""
+    from components.executor.runner import ModelRunner
+    from schemas.wire import NewSeq, SeqStep, StepPlan
+
+    def run(use_graphs: bool) -> tuple[list[list[int]], int]:
+        kv = model.new_kv_cache(32, BS)
+        graphs = (DecodeGraphs(model, kv, max_model_len=MAX_LEN, max_batch=8,
+                               use_graphs=DEVICE == "cuda") if use_graphs else None)
+        if graphs is not None:
+            graphs.capture()
+        runner = ModelRunner(model, kv, graphs=graphs)
+        prompts = [[3, 5, 7, 9, 11], list(range(20, 40)), [1]]
+        tables = [[4, 9], [2, 7, 12], [30]]
+        news = [NewSeq(i + 1, p, len(p), 0, t, 0.0, 1.0, 0, None)
+                for i, (p, t) in enumerate(zip(prompts, tables))]
+        out = [[] for _ in prompts]
+        plan = StepPlan(1, news, [SeqStep(i + 1, len(p), [], True) for i, p in enumerate(prompts)], [])
+        for step in range(6):
+            res = runner.step(plan)
+            for sid, tok in zip(res.seq_ids, res.token_ids):
+                out[sid - 1].append(tok)
+            plan = StepPlan(step + 2, [], [SeqStep(i + 1, 1, [], True) for i in range(3)], [])
+        return out, runner.graph_steps
+
+    eager, none = run(False)
+    static, replays = run(True)
+    assert none == 0 and replays == 5          # the prefill step is eager, decodes replay
+    assert static == eager
