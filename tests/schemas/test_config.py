@@ -93,7 +93,7 @@ def test_override_creates_missing_section(tmp_path):
 
 @pytest.mark.parametrize("section, values, message", [
     ("kv", {"block_size": 3}, "kv.block_size"),
-    ("kv", {"block_size": 256}, "kv.block_size"),
+    ("kv", {"block_size": 384}, "kv.block_size"),
     ("kv", {"num_blocks": -1}, "kv.num_blocks must be >= 2"),
     ("kv", {"grow_blocks": 0}, "kv.grow_blocks must be >= 1"),
     ("scheduler", {"max_num_seqs": -4}, "scheduler.max_num_seqs must be >= 1"),

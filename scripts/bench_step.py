@@ -1,0 +1,137 @@
+"""Executor step time on this machine, without the bus: SmolLM2 decode steps at several
+batch sizes over a paged KV cache, against two floors, plus an optional operator profile.
+
+- Bandwidth floor (batch 1): weight bytes / measured memory-copy bandwidth — a decode step
+  must stream every weight once.
+- Compute floor (larger batches): 2 x parameters x tokens / measured GEMM rate of the same
+  dtype on a large matmul.
+
+    python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
+
+Prints ms/step (median of ``--steps``), tokens/s, and each floor as a fraction achieved.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from components.executor.loader import load_model  # noqa: E402
+from components.executor.model import LlamaModel  # noqa: E402
+from components.executor.runner import ModelRunner  # noqa: E402
+from schemas.wire import NewSeq, SeqStep, StepPlan  # noqa: E402
+from weir.model_fetch import default_model_path  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(times)          # read + write
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 2048) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(times)
+
+
+class DecodeBench:
+    """A runner with ``batch`` sequences prefilled to ``context`` tokens, stepping decode."""
+
+    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16):
+        blocks_per_seq = -(-(context + 64) // block_size)
+        self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size))
+        g = torch.Generator().manual_seed(batch)
+        news, steps = [], []
+        for i in range(batch):
+            toks = torch.randint(100, 40000, (context,), generator=g).tolist()
+            table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None))
+            steps.append(SeqStep(i + 1, context, [], True))
+        self.batch = batch
+        self.step_id = 1
+        # prefill in chunks of 512 tokens' worth of sequences
+        per = max(1, 512 // context)
+        for start in range(0, batch, per):
+            self._run(StepPlan(self._next(), news[start:start + per], steps[start:start + per], []))
+
+    def _next(self) -> int:
+        self.step_id += 1
+        return self.step_id
+
+    def _run(self, plan: StepPlan):
+        return self.runner.step(plan)
+
+    def decode(self) -> float:
+        plan = StepPlan(self._next(), [], [SeqStep(i + 1, 1, [], True) for i in range(self.batch)], [])
+        t0 = time.perf_counter()
+        self._run(plan)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, help="print an operator profile at this batch")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    spec, weights = load_model(default_model_path())
+    model = LlamaModel(spec, weights, dtype=dtype, backend="torch")
+    del weights
+    elem = torch.finfo(dtype).bits // 8
+    params = sum(t.numel() for t in [model.embed, model.norm] + [
+        getattr(layer, n) for layer in model.layers
+        for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")])
+    nonembed = params - model.embed.numel()
+    weight_bytes = params * elem            # tied lm_head: the embedding is read once per step
+    bw, rate = copy_bandwidth(), gemm_rate(dtype)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
+          f"context {args.context}")
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s, "
+          f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
+          f"{nonembed / 1e6:.1f}M non-embedding)")
+    print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
+          f"{'flop floor ms':>13} {'of flops':>8}")
+    for b in [int(x) for x in args.batches.split(",")]:
+        bench = DecodeBench(model, b, args.context)
+        for _ in range(2):
+            bench.decode()
+        ms = statistics.median(bench.decode() for _ in range(args.steps)) * 1e3
+        kv_bytes = b * args.context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
+        bw_floor = (weight_bytes + kv_bytes) / bw * 1e3
+        flop_floor = 2 * params * b / rate * 1e3
+        print(f"{b:>5} {ms:>9.2f} {b / ms * 1e3:>8.0f} {bw_floor:>11.2f} {bw_floor / ms:>6.0%} "
+              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%}")
+        if b == args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    bench.decode()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
