@@ -4,6 +4,9 @@ FROM python:3.11-slim
 ARG TORCH_INDEX=cpu
 ARG TORCH_VERSION=2.13.0
 WORKDIR /opt/weir
+# g++ builds the native CPU decode-attention kernel at first use (kernels/cpu_native.py)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" \
         --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}"
 COPY pyproject.toml README.md ./

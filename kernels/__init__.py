@@ -11,7 +11,8 @@ raises ``ValueError`` when its backend cannot serve that configuration.
 
 ``get_backend("auto", device)`` tries, on CUDA: ``flash_attn`` (registered only when the
 package is installed; needs KV blocks of a multiple of 256 tokens and fp16/bf16), then
-``triton``, then ``torch``; elsewhere ``torch``. A named backend is built or refused.
+``triton``, then ``torch``; on the CPU: ``cpu`` (native decode kernel, if it builds), then
+``torch``. A named backend is built or refused.
 """
 from __future__ import annotations
 
@@ -53,18 +54,27 @@ def _triton_backend(block_size: int | None = None, **_opts) -> AttentionBackend:
     return TritonBackend()
 
 
+def _cpu_backend(device: torch.device | str | None = None, **opts) -> AttentionBackend:
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError("the native CPU attention kernel runs on CPU tensors only")
+    from kernels.cpu_native import CpuBackend
+    return CpuBackend(**opts)
+
+
 def _flash_attn_backend(**opts) -> AttentionBackend:
     from kernels.flash_attn_backend import FlashAttnBackend
     return FlashAttnBackend(**opts)
 
 
-_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {"torch": _TorchBackend}
+_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {"torch": _TorchBackend,
+                                                         "cpu": _cpu_backend}
 if importlib.util.find_spec("triton") is not None:
     _REGISTRY["triton"] = _triton_backend
 if importlib.util.find_spec("flash_attn") is not None:
     _REGISTRY["flash_attn"] = _flash_attn_backend
 
 AUTO_ORDER_CUDA = ("flash_attn", "triton", "torch")
+AUTO_ORDER_CPU = ("cpu", "torch")
 
 
 def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
@@ -81,7 +91,7 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None, *,
     opts = {"block_size": block_size, "dtype": dtype, "device": device}
     if name == "auto":
         is_cuda = device is not None and torch.device(device).type == "cuda"
-        for candidate in AUTO_ORDER_CUDA if is_cuda else ("torch",):
+        for candidate in AUTO_ORDER_CUDA if is_cuda else AUTO_ORDER_CPU:
             if candidate not in _REGISTRY:
                 continue
             try:

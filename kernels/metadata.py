@@ -25,6 +25,7 @@ class AttentionGroup:
     out_index: torch.Tensor     # [n] long: index into the [b * q] padded output, per token_rows
     kv_slots: torch.Tensor      # [b, l] long: cache slot of each key (pads: any valid slot)
     mask: torch.Tensor          # [b, 1, q, l] bool: True where the query may attend the key
+    seq_index: torch.Tensor     # [b] long: the group's sequences (rows of block_tables)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class AttentionMetadata:
             seq_lens=to((q_lens + ctx).int()), query_start_loc=to(starts.int()),
             block_tables=to(table.int()),
             groups=[AttentionGroup(*(to(t) for t in (g.token_rows, g.query_index, g.out_index,
-                                                      g.kv_slots, g.mask))) for g in groups],
+                                                      g.kv_slots, g.mask, g.seq_index)))
+                    for g in groups],
         )
 
     @classmethod
@@ -130,4 +132,5 @@ def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: t
     kv_slots = table[sel][:, kpos // block_size] * block_size + kpos % block_size
     mask = kpos[None, None, :] <= (cl[:, None] + jc)[:, :, None]
     out_index = (torch.arange(len(sel))[:, None] * q_max + j[None, :])[valid]
-    return AttentionGroup(query_index[valid], query_index, out_index, kv_slots, mask[:, None])
+    return AttentionGroup(query_index[valid], query_index, out_index, kv_slots, mask[:, None],
+                          sel)

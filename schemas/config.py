@@ -86,7 +86,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_model_len: int = 2048
-    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton", "flash_attn"] = "auto"
     num_threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA

@@ -94,12 +94,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="print an operator profile at this batch")
+    ap.add_argument("--backend", default="auto", help="attention backend (auto, cpu, torch)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     spec, weights = load_model(default_model_path())
-    model = LlamaModel(spec, weights, dtype=dtype, backend="torch")
+    model = LlamaModel(spec, weights, dtype=dtype, backend=args.backend)
     del weights
     elem = torch.finfo(dtype).bits // 8
     params = sum(t.numel() for t in [model.embed, model.norm] + [
@@ -109,7 +110,7 @@ def main() -> None:
     weight_bytes = params * elem            # tied lm_head: the embedding is read once per step
     bw, rate = copy_bandwidth(), gemm_rate(dtype)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
-          f"context {args.context}")
+          f"context {args.context}, attention backend {model.backend.name}")
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s, "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")

@@ -121,7 +121,7 @@ def test_copy_blocks_all_layers():
 
 
 def test_backend_registry():
-    backend = get_backend()
+    backend = get_backend("torch")
     assert backend.name == "torch"
     assert backend.paged_attention is paged_attention and backend.write_kv is write_kv
     with pytest.raises(ValueError):

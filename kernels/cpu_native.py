@@ -1,0 +1,125 @@
+"""The CPU backend: native paged decode attention, the torch reference for everything else.
+
+``csrc/cpu_decode_attention.cpp`` is compiled once per machine with the system C++
+compiler (``-O3 -march=native -fopenmp``), cached under ``~/.cache/weir/kernels`` (or
+``$WEIR_KERNEL_CACHE``) keyed by source, flags and CPU, and called through ctypes — no
+torch headers, so the build takes about a second. It reads each sequence's keys and values
+straight from its blocks (no gather into a padded copy) and shares torch's OpenMP runtime
+(the same ``libgomp.so.1`` soname resolves to the copy torch already loaded).
+
+If no compiler is available or the build fails, the backend refuses (ValueError) and
+``get_backend("auto")`` falls back to ``torch``.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels import torch_ref
+from kernels.metadata import AttentionGroup, AttentionMetadata
+
+_SRC = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
+          "-fPIC"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lib: ctypes.CDLL | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def build() -> Path:
+    """Compile (or find the cached) shared library; raises ValueError if it cannot."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise ValueError("no C++ compiler found for the native CPU attention kernel")
+    source = _SRC.read_bytes()
+    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")
+    target = cache / f"weir_cpu_decode_{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", str(out)], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise ValueError(f"building the native CPU attention kernel failed: "
+                             f"{proc.stderr[-2000:]}")
+        os.replace(out, target)                  # atomic: concurrent builders agree
+    return target
+
+
+def load() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(str(build()))
+        f = lib.weir_decode_attention
+        f.restype = ctypes.c_int
+        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
+                      + [ctypes.c_float, ctypes.c_int])
+        _lib = lib
+    return _lib
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, g: AttentionGroup, scale: float,
+                     out: torch.Tensor) -> None:
+    """One-query rows of group ``g``: write their attention output into ``out`` in place."""
+    if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
+        raise ValueError(f"native decode needs q and cache in one of {list(_DTYPES)}")
+    if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous()):
+        raise ValueError("native decode needs contiguous q, out and caches")
+    rows = g.token_rows.contiguous()
+    seqs = g.seq_index.contiguous()
+    tables = meta.block_tables.contiguous()
+    lens = meta.seq_lens.contiguous()
+    heads, dim = q.shape[1], q.shape[2]
+    rc = load().weir_decode_attention(
+        _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        rows.data_ptr(), seqs.data_ptr(), rows.numel(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), heads, k_cache.shape[2], dim, k_cache.shape[1], scale,
+        torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"native decode refused shapes: heads {heads}, kv heads "
+                         f"{k_cache.shape[2]}, dim {dim}")
+
+
+class CpuBackend:
+    """Prefill through the torch reference (SDPA), decode through the native kernel."""
+
+    name = "cpu"
+
+    def __init__(self, dtype: torch.dtype | None = None, **_opts) -> None:
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"the native CPU kernel supports {list(_DTYPES)}, not {dtype}")
+        load()
+        self.write_kv = torch_ref.write_kv
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and q.dtype == k_cache.dtype
+        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale,
+                                         decode=decode_attention if native else None)
+
+
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """The shapes compiled into the kernel (others decode through the torch reference)."""
+    return head_dim in (64, 128) and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8

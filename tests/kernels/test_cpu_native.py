@@ -1,0 +1,74 @@
+"""The native CPU decode kernel (kernels/csrc, built at first use) against the torch
+reference: randomized shapes — block sizes 16 and 32, GQA ratios 1 and 3, head dims 64 and
+128, contexts 1..2000 straddling block edges, mixed lengths and a prefill row in one batch."""
+import random
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata, get_backend, torch_ref
+
+try:
+    from kernels import cpu_native
+    cpu_native.load()
+except ValueError as exc:                    # no compiler: the backend refuses, auto -> torch
+    pytest.skip(f"native CPU kernel unavailable: {exc}", allow_module_level=True)
+
+
+def _case(rng: random.Random, dtype, block_size, kv_heads, group, dim):
+    heads = kv_heads * group
+    edges = [1, block_size - 1, block_size, block_size + 1, 2000, rng.randint(1, 2000)]
+    ctx = [rng.choice(edges) - 1 for _ in range(rng.randint(1, 6))]   # context before the new token
+    qlens = [1] * len(ctx)
+    if rng.random() < 0.5:                                            # a prefill row too
+        ctx.append(rng.randint(0, 40))
+        qlens.append(rng.randint(2, 9))
+    need = [-(-(c + q) // block_size) for c, q in zip(ctx, qlens)]
+    num_blocks = sum(need) + 3
+    perm = list(range(num_blocks))
+    rng.shuffle(perm)
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at:at + n] + [perm[-1]] * rng.randint(0, 2))   # lookahead blocks
+        at += n
+    g = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(sum(qlens), heads, dim, generator=g).to(dtype)
+    return q, kc, vc, AttentionMetadata.build(qlens, ctx, tables, block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_matches_reference_fp32(block_size, group, dim):
+    rng = random.Random(block_size * 100 + group * 10 + dim)
+    backend = get_backend("cpu", "cpu")
+    for _ in range(4):
+        q, kc, vc, meta = _case(rng, torch.float32, block_size, rng.choice([1, 2, 3]), group, dim)
+        want = torch_ref.paged_attention(q, kc, vc, meta, dim ** -0.5)
+        got = backend.paged_attention(q, kc, vc, meta, dim ** -0.5)
+        err = (got - want).abs().max() / want.abs().max()
+        assert err <= 1e-4, err
+
+
+def test_bf16_close_to_fp32_reference():
+    rng = random.Random(7)
+    backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
+    for _ in range(4):
+        q, kc, vc, meta = _case(rng, torch.bfloat16, 16, 3, 3, 64)
+        want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
+        got = backend.paged_attention(q, kc, vc, meta, 0.125).float()
+        assert ((got - want).abs().max() / want.abs().max()) <= 1e-2
+
+
+def test_unsupported_shapes_fall_back_and_auto_prefers_native():
+    assert not cpu_native.supports(9, 3, 80) and cpu_native.supports(9, 3, 64)
+    rng = random.Random(3)
+    q, kc, vc, meta = _case(rng, torch.float32, 16, 1, 1, 64)
+    q80 = torch.randn(q.shape[0], 2, 80)
+    k80, v80 = torch.randn(kc.shape[0], 16, 2, 80), torch.randn(kc.shape[0], 16, 2, 80)
+    backend = get_backend("cpu", "cpu")
+    assert torch.allclose(backend.paged_attention(q80, k80, v80, meta, 0.1),
+                          torch_ref.paged_attention(q80, k80, v80, meta, 0.1))
+    assert get_backend("auto", "cpu").name == "cpu"
