@@ -1,6 +1,7 @@
-"""The CPU backend: native paged decode attention, the torch reference for everything else.
+"""Native CPU kernels: paged decode attention (the ``cpu`` attention backend; the torch
+reference does everything else) and token sampling.
 
-``csrc/cpu_decode_attention.cpp`` is compiled once per machine with the system C++
+``csrc/*.cpp`` are compiled into one library once per machine with the system C++
 compiler (``-O3 -march=native -fopenmp``), cached under ``~/.cache/weir/kernels`` (or
 ``$WEIR_KERNEL_CACHE``) keyed by source, flags and CPU, and called through ctypes — no
 torch headers, so the build takes about a second. It reads each sequence's keys and values
@@ -26,7 +27,8 @@ import torch
 from kernels import torch_ref
 from kernels.metadata import AttentionGroup, AttentionMetadata
 
-_SRC = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -47,17 +49,17 @@ def build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise ValueError("no C++ compiler found for the native CPU attention kernel")
-    source = _SRC.read_bytes()
+    source = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
     key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")
-    target = cache / f"weir_cpu_decode_{key}.so"
+    target = cache / f"weir_cpu_{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", str(out)], capture_output=True,
-                              text=True)
+        proc = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", str(out)],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise ValueError(f"building the native CPU attention kernel failed: "
                              f"{proc.stderr[-2000:]}")
@@ -74,6 +76,10 @@ def load() -> ctypes.CDLL:
         f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
                       ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
                       + [ctypes.c_float, ctypes.c_int])
+        s = lib.weir_sample
+        s.restype = None
+        s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+                      + [ctypes.c_int])
         _lib = lib
     return _lib
 
@@ -100,6 +106,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if rc != 0:
         raise ValueError(f"native decode refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 ``logits`` [S, vocab] (every temperature > 0): top-k,
+    then top-p on the renormalised survivors, then the inverse-CDF draw at ``u``."""
+    x = logits.contiguous()
+    t = temperature.to(torch.float32).contiguous()
+    k = top_k.to(torch.int64).contiguous()
+    p = top_p.to(torch.float32).contiguous()
+    uu = u.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load().weir_sample(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), k.data_ptr(),
+                       p.data_ptr(), uu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 class CpuBackend:

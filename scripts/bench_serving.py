@@ -103,15 +103,30 @@ def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str)
     return json.loads((out_dir / "result.json").read_text())
 
 
+def weir_engine_stats(run_dir: str) -> str:
+    """Where Weir's time went during the run: executor busy time and steps, from status."""
+    sys.path.insert(0, str(ROOT))
+    from weir import Client
+
+    with Client(f"ipc://{run_dir}/client.sock") as c:
+        comps = {x.name: x.stats for x in c.status().components}
+    ex, sc = comps.get("executor", {}), comps.get("scheduler", {})
+    return (f"executor busy {ex.get('busy_s', 0):.1f} s over {int(ex.get('steps', 0))} steps; "
+            f"mean batch {sc.get('batch_size.sum', 0) / max(sc.get('batch_size.count', 1), 1):.1f}"
+            f" seqs; preemptions {int(sc.get('preemptions', 0))}")
+
+
 def start_weir(port: int, dtype: str) -> subprocess.Popen:
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\nmax_num_seqs = 256\n"
                    f"max_num_batched_tokens = 512\n[gateway]\nport = {port}\n")
-    return subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
+    proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
                                                WEIR_LOG_LEVEL="warning"))
+    proc.run_dir = run_dir
+    return proc
 
 
 def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, rate: str) -> subprocess.Popen:
@@ -141,12 +156,14 @@ def main() -> None:
     args = ap.parse_args()
     py = ensure_vllm_venv()
     hf_dir = ensure_hf_dir()
-    rows = []
+    rows, notes = [], []
     for rate in args.rates.split(","):
         weir = start_weir(args.weir_port, args.dtype)
         try:
             wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
             rows.append(("weir", rate, summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))))
+            notes.append(f"weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
+                         f"duration {rows[-1][2]['duration']:.1f} s")
         finally:
             stop(weir)
         if args.with_vllm:
@@ -165,6 +182,8 @@ def main() -> None:
         print(f"{name:10} {rate:>5} {s['completed']:>5} {s['output_throughput']:>10.1f} "
               f"{s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} {s['p50_tpot_ms']:>9.1f} "
               f"{s['p99_tpot_ms']:>9.1f}")
+    for note in notes:
+        print(note)
     for rate in args.rates.split(","):
         by = {n: s for n, r, s in rows if r == rate}
         if "weir" in by and "vllm-cpu" in by:

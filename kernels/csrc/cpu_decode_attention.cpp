@@ -11,48 +11,15 @@
 // that vectorizes. D and G are template constants (D 64/128, G 1..8) so the loops unroll
 // into registers; that took the SmolLM2 decode layer at batch 64 from 7.6 ms to 0.96 ms
 // on one core compared with runtime sizes.
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "cpu_common.h"
 
 namespace {
 
-inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) {
-    uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-inline void store(float* p, int i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int i, float v) {   // round to nearest even
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { p[i] = 0x7fc0; return; }   // NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    p[i] = static_cast<uint16_t>(bits >> 16);
-}
-
-// exp(x) for x <= 0 (softmax arguments), ~2 ulp; 0 below -87.
-inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float log2e = 1.44269504088896341f;
-    float n = std::nearbyint(x * log2e);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = static_cast<int32_t>(n) + 127;
-    uint32_t bits = static_cast<uint32_t>(e < 0 ? 0 : e) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+using weir::exp_neg;
+using weir::load;
+using weir::store;
 
 // One work item: G query heads of one kv head over one sequence's blocks. D and G are
 // compile-time constants, so q, the widened key row and the G accumulators stay in vector

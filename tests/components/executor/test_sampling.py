@@ -92,3 +92,45 @@ def test_distribution(kw, expected):
     logits = torch.tensor(P).log()
     expected = [e / sum(expected) for e in expected]
     _close(_frequencies(logits[None], **kw), expected)
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """Run a test through the native CPU sampler and through the torch path."""
+    from components.executor import sampling
+    if request.param == "torch":
+        monkeypatch.setattr(sampling, "_native", None)
+    elif sampling._native is None:
+        pytest.skip("native sampler unavailable (no C++ compiler)")
+    return request.param
+
+
+def test_top_p_nucleus_is_measured_against_the_whole_vocabulary(path):
+    """Token 0 holds 0.5, tokens 1..1023 (decreasing) 0.45 together, the other 48k tokens
+    0.05: the top 1024 candidates hold 0.95 >= p = 0.9, but the nucleus is cut at 0.9 of the
+    *whole* mass, not at 0.9 of the candidates' 0.95."""
+    probs = torch.full((V,), 0.05 / (V - 1024), dtype=torch.float64)
+    probs[0] = 0.5
+    w = torch.arange(2047, 1024, -1, dtype=torch.float64)
+    probs[1:1024] = 0.45 * w / w.sum()
+    before = probs.cumsum(0) - probs
+    cut = int((before >= 0.9).nonzero()[0])                    # exact nucleus: tokens < cut
+    narrow = int((before >= 0.9 * 0.95).nonzero()[0])          # the candidates-relative cut
+    assert narrow + 50 < cut < 1024
+    picks = _sample(probs.float().log()[None].expand(4000, -1).contiguous(), top_p=0.9,
+                    seeds=list(range(4000)))
+    assert int(picks.max()) < cut
+    assert int((picks >= narrow).sum()) > 30
+
+
+def test_native_and_torch_paths_draw_the_same_tokens(monkeypatch):
+    from components.executor import sampling
+    if sampling._native is None:
+        pytest.skip("native sampler unavailable")
+    x = _logits(256, seed=9)
+    kw = dict(temperature=[0.7] * 256, top_p=[1.0, 0.9, 1.0, 0.8] * 64,
+              top_k=[0, 0, 40, 100] * 64, seeds=list(range(256)), index=3)
+    native = _sample(x, **kw)
+    monkeypatch.setattr(sampling, "_native", None)
+    torch_path = _sample(x, **kw)
+    assert (native == torch_path).float().mean() >= 0.99
