@@ -110,6 +110,8 @@ def run(component_cls: type[Component], config: WeirConfig) -> None:
     configure(component_cls.name, config.log_level)
     tracing.setup(component_cls.name, config.telemetry)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if (nice := config.supervisor.nice.get(component_cls.name, 0)) > 0:
+        os.nice(nice)       # yield the cores to the executor's OpenMP threads (see config)
     comp = component_cls(config)
     try:
         anyio.run(comp.serve)

