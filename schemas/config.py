@@ -90,6 +90,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA
+    cpu_packed_weights: bool = True                     # oneDNN-blocked linear weights on CPU
     cuda_graph_max_batch: int = 256                     # largest captured bucket
 
     def __post_init__(self) -> None:

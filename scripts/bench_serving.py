@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -99,8 +100,12 @@ def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str)
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", "result.json"]
     print(f"bench: {label} rate={rate}: {' '.join(cmd[2:])}", flush=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
-    return json.loads((out_dir / "result.json").read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = json.loads((out_dir / "result.json").read_text())
+    res["client_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return res
 
 
 def weir_engine_stats(run_dir: str) -> str:
@@ -116,11 +121,11 @@ def weir_engine_stats(run_dir: str) -> str:
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
 
-def start_weir(port: int, dtype: str, trace: str = "") -> subprocess.Popen:
+def start_weir(port: int, dtype: str, trace: str = "", budget: int = 512) -> subprocess.Popen:
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\nmax_num_seqs = 256\n"
-                   f"max_num_batched_tokens = 512\n[gateway]\nport = {port}\n"
+                   f"max_num_batched_tokens = {budget}\n[gateway]\nport = {port}\n"
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
@@ -141,7 +146,8 @@ def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, rate: str) -> s
 
 def summary(res: dict) -> dict:
     return {k: res.get(k) for k in ("completed", "output_throughput", "p50_ttft_ms",
-                                     "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration")}
+                                     "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration",
+                                     "client_cpu_s")}
 
 
 def main() -> None:
@@ -155,17 +161,20 @@ def main() -> None:
     ap.add_argument("--weir-port", type=int, default=8100)
     ap.add_argument("--vllm-port", type=int, default=8200)
     ap.add_argument("--trace", default="", help="write Weir's spans (JSONL) to this file")
+    ap.add_argument("--budget", type=int, default=512,
+                    help="Weir's scheduler.max_num_batched_tokens (tokens per step)")
     args = ap.parse_args()
     py = ensure_vllm_venv()
     hf_dir = ensure_hf_dir()
     rows, notes = [], []
     for rate in args.rates.split(","):
-        weir = start_weir(args.weir_port, args.dtype, args.trace)
+        weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget)
         try:
             wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
             rows.append(("weir", rate, summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))))
             notes.append(f"weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
-                         f"duration {rows[-1][2]['duration']:.1f} s")
+                         f"duration {rows[-1][2]['duration']:.1f} s; client process CPU "
+                         f"{rows[-1][2]['client_cpu_s']:.1f} s (incl. its start-up)")
         finally:
             stop(weir)
         if args.with_vllm:

@@ -17,6 +17,19 @@ if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (s
     from schemas.model import ModelSpec
 
 
+_PACK_HINT = 64          # the batch size oneDNN lays packed weights out for (any M works)
+
+
+def _can_pack() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+
+
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down")
 
@@ -33,7 +46,8 @@ class LlamaModel:
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 backend: AttentionBackend | str = "auto", kv_block_size: int | None = None):
+                 backend: AttentionBackend | str = "auto", kv_block_size: int | None = None,
+                 pack_weights: bool = True):
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
         if isinstance(backend, str):
             backend = get_backend(backend, self.device, block_size=kv_block_size, dtype=dtype)
@@ -65,6 +79,22 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
         self.scale = 1.0 / math.sqrt(d)
+        self.packed = pack_weights and self.device.type == "cpu" and _can_pack()
+        if self.packed:
+            self._pack()
+
+    def _pack(self) -> None:
+        """Reorder every linear weight once into oneDNN's blocked layout, so no GEMM
+        repacks it per call. Measured on 2 cores (bf16, 3072x576): M=1 0.098 -> 0.047 ms,
+        M=64 0.59 -> 0.52, M=512 4.42 -> 4.23; the 49k-row lm_head at M=1 3.3 -> 1.75 ms.
+        Results are bit-identical in bf16 (fp32 within 1e-6). The embedding keeps its
+        plain copy for lookups; a tied lm_head gets its own packed one."""
+        pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT)  # noqa: E731
+        for layer in self.layers:
+            layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
+            layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
+        self.lm_head = pack(self.lm_head)
+        self._linear = _packed_linear
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate a paged KV cache that fits this model, in its dtype and device."""
@@ -109,19 +139,21 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.attn_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self._linear(x, layer.qkv, layer.qkv_bias)
             q = self._rope(qkv[:, :n_q].view(-1, s.num_heads, s.head_dim), cos, sin)
             k = self._rope(qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim), cos, sin)
             v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
             k_cache, v_cache = kv.key(i), kv.value(i)
             self.backend.write_kv(k_cache, v_cache, k, v, meta)
             attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, n_q), layer.o)
-            gate, up = F.linear(self._rms_norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = h + self._linear(attn.reshape(-1, n_q), layer.o)
+            gate, up = self._linear(self._rms_norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(h[logits_indices], self.norm)
         if logits_out is not None:
-            return logits_out.copy_(F.linear(h, self.lm_head))
-        return F.linear(h, self.lm_head).float()
+            return logits_out.copy_(self._linear(h, self.lm_head))
+        return self._linear(h, self.lm_head).float()
+
+    _linear = staticmethod(F.linear)
 
     __call__ = forward

@@ -65,7 +65,8 @@ class ExecutorService(Component):
         device = torch.device("cuda" if eng.device == "cuda" or (
             eng.device == "auto" and torch.cuda.is_available()) else "cpu")
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
-                           backend=eng.attention_backend, kv_block_size=kv.block_size)
+                           backend=eng.attention_backend, kv_block_size=kv.block_size,
+                           pack_weights=eng.cpu_packed_weights)
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
         graphs = None

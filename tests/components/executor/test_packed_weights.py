@@ -1,0 +1,29 @@
+"""oneDNN-packed linear weights (the CPU default) give the unpacked model's logits."""
+import pytest
+import torch
+
+from components.executor.model import LlamaModel, _can_pack
+from components.executor.synthetic import ModelShape, random_weights
+from kernels import AttentionMetadata
+
+SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=6,
+                   num_kv_heads=2, head_dim=16, vocab_size=101, max_position=128)
+
+
+@pytest.mark.skipif(not _can_pack(), reason="this torch build has no oneDNN linear packing")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+def test_packed_equals_plain(dtype, tol):
+    weights = random_weights(SHAPE, seed=3)
+    packed = LlamaModel(SHAPE, weights, dtype=dtype, backend="torch")
+    plain = LlamaModel(SHAPE, weights, dtype=dtype, backend="torch", pack_weights=False)
+    assert packed.packed and not plain.packed
+    lens = [5, 1, 9]
+    meta = AttentionMetadata.build(lens, [0, 0, 0], [[0], [1], [2]], 16)
+    ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([4, 5, 14])
+    outs = []
+    for model in (packed, plain):
+        kv = model.new_kv_cache(4, 16)
+        outs.append(model.forward(ids, meta.positions, kv, meta, rows))
+    err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+    assert err <= tol, err
