@@ -74,7 +74,7 @@ def load() -> ctypes.CDLL:
         f = lib.weir_decode_attention
         f.restype = ctypes.c_int
         f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
+                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
                       + [ctypes.c_float, ctypes.c_int])
         s = lib.weir_sample
         s.restype = None
@@ -84,28 +84,43 @@ def load() -> ctypes.CDLL:
     return _lib
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, g: AttentionGroup, scale: float,
-                     out: torch.Tensor) -> None:
-    """One-query rows of group ``g``: write their attention output into ``out`` in place."""
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+            rows: torch.Tensor, seqs: torch.Tensor, meta: AttentionMetadata,
+            row_lens: torch.Tensor | None, scale: float) -> None:
     if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
-        raise ValueError(f"native decode needs q and cache in one of {list(_DTYPES)}")
+        raise ValueError(f"native attention needs q and cache in one of {list(_DTYPES)}")
     if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
             and v_cache.is_contiguous()):
-        raise ValueError("native decode needs contiguous q, out and caches")
-    rows = g.token_rows.contiguous()
-    seqs = g.seq_index.contiguous()
-    tables = meta.block_tables.contiguous()
-    lens = meta.seq_lens.contiguous()
+        raise ValueError("native attention needs contiguous q, out and caches")
+    rows, seqs = rows.contiguous(), seqs.contiguous()
+    tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         rows.data_ptr(), seqs.data_ptr(), rows.numel(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), heads, k_cache.shape[2], dim, k_cache.shape[1], scale,
-        torch.get_num_threads())
+        lens.data_ptr(), None if row_lens is None else row_lens.data_ptr(), heads,
+        k_cache.shape[2], dim, k_cache.shape[1], scale, torch.get_num_threads())
     if rc != 0:
-        raise ValueError(f"native decode refused shapes: heads {heads}, kv heads "
+        raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, g: AttentionGroup, scale: float,
+                     out: torch.Tensor) -> None:
+    """One-query rows of group ``g``: write their attention output into ``out`` in place."""
+    _attend(q, k_cache, v_cache, out, g.token_rows, g.seq_index, meta, None, scale)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Every new token at once, decode and prefill alike: the token at position p attends
+    keys 0..p of its sequence (causal), read in place from the blocks."""
+    out = torch.empty_like(q)
+    rows = torch.arange(q.shape[0])
+    _attend(q, k_cache, v_cache, out, rows, meta.token_seq, meta,
+            (meta.positions + 1).to(torch.int32), scale)
+    return out
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -124,7 +139,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 class CpuBackend:
-    """Prefill through the torch reference (SDPA), decode through the native kernel."""
+    """Every token through the native kernel (decode and prefill; measured for 4 x 128
+    prefill tokens per layer, bf16, 2 cores: SDPA with a causal mask 1.46 ms), the torch
+    reference for shapes not compiled in."""
 
     name = "cpu"
 
@@ -137,6 +154,8 @@ class CpuBackend:
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and q.dtype == k_cache.dtype
+        if native and meta.token_seq is not None:
+            return paged_attention(q, k_cache, v_cache, meta, scale)
         return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale,
                                          decode=decode_attention if native else None)
 

@@ -42,6 +42,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
     block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
     groups: list[AttentionGroup]   # decode rows (query len 1) and the rest, when present
+    token_seq: torch.Tensor | None = None   # [T] long: the sequence of each new token
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int],
@@ -77,6 +78,7 @@ class AttentionMetadata:
                   for sel in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]) if len(sel)]
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
+            token_seq=to(seq_idx),
             num_tokens=int(starts[-1]), query_lens=list(query_lens),
             context_lens=list(context_lens), block_size=block_size,
             positions=to(positions), slot_mapping=to(slots),

@@ -80,12 +80,12 @@ template <typename T, int D, int G>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int64_t* rows, const int64_t* seqs, int64_t n,
                       const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
-                      int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                      int num_threads) {
+                      const int32_t* row_lens, int64_t heads, int64_t kv_heads,
+                      int64_t block_size, float scale, int num_threads) {
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < n * kv_heads; ++item) {
         const int64_t i = item / kv_heads, h = item % kv_heads;
-        const int64_t s = seqs[i], len = seq_lens[s];
+        const int64_t s = seqs[i], len = row_lens ? row_lens[i] : seq_lens[s];
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
         attend<T, D, G>(q, k_cache, v_cache, out, rows[i], h, len,
@@ -98,10 +98,12 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 template <typename T, int D>
 int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* rows,
                const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* lens,
-               int64_t heads, int64_t kv_heads, int64_t bs, float scale, int threads) {
+               const int32_t* rlens, int64_t heads, int64_t kv_heads, int64_t bs, float scale,
+               int threads) {
     switch (g) {
 #define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, rows, seqs, n, bt, w, lens, \
-                                                    heads, kv_heads, bs, scale, threads); return 0;
+                                                    rlens, heads, kv_heads, bs, scale, threads); \
+                          return 0;
         WEIR_G(1) WEIR_G(2) WEIR_G(3) WEIR_G(4) WEIR_G(5) WEIR_G(6) WEIR_G(7) WEIR_G(8)
 #undef WEIR_G
         default: return -1;
@@ -111,14 +113,14 @@ int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int6
 template <typename T>
 int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
              const int64_t* rows, const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w,
-             const int32_t* lens, int64_t heads, int64_t kv_heads, int64_t bs, float scale,
-             int threads) {
+             const int32_t* lens, const int32_t* rlens, int64_t heads, int64_t kv_heads,
+             int64_t bs, float scale, int threads) {
     if (dim == 64)
-        return dispatch_g<T, 64>(g, q, k, v, out, rows, seqs, n, bt, w, lens, heads, kv_heads,
-                                 bs, scale, threads);
+        return dispatch_g<T, 64>(g, q, k, v, out, rows, seqs, n, bt, w, lens, rlens, heads,
+                                 kv_heads, bs, scale, threads);
     if (dim == 128)
-        return dispatch_g<T, 128>(g, q, k, v, out, rows, seqs, n, bt, w, lens, heads, kv_heads,
-                                  bs, scale, threads);
+        return dispatch_g<T, 128>(g, q, k, v, out, rows, seqs, n, bt, w, lens, rlens, heads,
+                                  kv_heads, bs, scale, threads);
     return -1;
 }
 
@@ -127,25 +129,28 @@ int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
 extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
-// (head_dim 64 or 128, 1..8 query heads per kv head).
+// (head_dim 64 or 128, 1..8 query heads per kv head). Row i attends the first
+// row_lens[i] keys of sequence seqs[i] (or seq_lens[seqs[i]] when row_lens is null): a
+// prefill token at position p passes p + 1, which makes it causal.
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
                           void* out, const int64_t* rows, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
-                          const int32_t* seq_lens, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t block_size, float scale, int num_threads) {
+                          const int32_t* seq_lens, const int32_t* row_lens, int64_t heads,
+                          int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                          int num_threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
     const int64_t g = heads / kv_heads;
     if (dtype == 0)
         return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),
                         static_cast<const float*>(v_cache), static_cast<float*>(out), rows, seqs,
-                        n, block_tables, table_width, seq_lens, heads, kv_heads, block_size,
-                        scale, num_threads);
+                        n, block_tables, table_width, seq_lens, row_lens, heads, kv_heads,
+                        block_size, scale, num_threads);
     if (dtype == 1)
         return dispatch(dim, g, static_cast<const uint16_t*>(q),
                         static_cast<const uint16_t*>(k_cache),
                         static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), rows,
-                        seqs, n, block_tables, table_width, seq_lens, heads, kv_heads, block_size,
-                        scale, num_threads);
+                        seqs, n, block_tables, table_width, seq_lens, row_lens, heads, kv_heads,
+                        block_size, scale, num_threads);
     return -1;
 }
 
