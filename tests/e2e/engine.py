@@ -60,6 +60,15 @@ class Engine:
     def stats(self, component: str) -> dict[str, float]:
         return self.status()[component].stats
 
+    def wait_stat(self, component: str, key: str, value: float, timeout: float = 1.0) -> None:
+        """Stats ride on heartbeats (every 0.1 s), so each component's view is a little
+        behind: wait until ``key`` reads ``value``."""
+        deadline = time.monotonic() + timeout
+        while (got := self.stats(component).get(key)) != value:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{component}.{key} is {got}, not {value}, after {timeout}s")
+            time.sleep(0.02)
+
     def kv(self) -> dict[str, float]:
         return self.stats("kv_manager")
 

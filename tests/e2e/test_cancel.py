@@ -19,8 +19,7 @@ def test_cancel_mid_stream_frees_kv(engine):
         assert stream.result.finish_reason == "cancelled"
         assert len(stream.result.token_ids) < 600
     engine.wait_kv_free(timeout=1.0)
-    report = engine.status()
-    assert report["scheduler"].stats["running"] == 0
+    engine.wait_stat("scheduler", "running", 0, timeout=0.5)
 
 
 CLIENT = """

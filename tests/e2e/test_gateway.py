@@ -120,7 +120,7 @@ def test_disconnect_cancels_and_frees_kv(gw):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert gw.kv()["leased_seqs"] == 1
+            gw.wait_stat("kv_manager", "leased_seqs", 1, timeout=0.5)
         # leaving the block closes the connection mid-stream
     elapsed = gw.wait_kv_free(timeout=1.0)
     assert elapsed < 1.0
