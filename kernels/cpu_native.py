@@ -28,7 +28,8 @@ from kernels import torch_ref
 from kernels.metadata import AttentionGroup, AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp"]
+_SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
+            _CSRC / "cpu_fused.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -80,6 +81,14 @@ def load() -> ctypes.CDLL:
         s.restype = None
         s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
                       + [ctypes.c_int])
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        lib.weir_add_rms_norm.restype = None
+        lib.weir_add_rms_norm.argtypes = [ctypes.c_int, vp, vp, vp, vp, i64, i64, ctypes.c_float,
+                                          ctypes.c_int]
+        lib.weir_rope.restype = None
+        lib.weir_rope.argtypes = [ctypes.c_int, vp, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+        lib.weir_silu_mul.restype = None
+        lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
         _lib = lib
     return _lib
 
@@ -135,6 +144,36 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load().weir_sample(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), k.data_ptr(),
                        p.data_ptr(), uu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 out: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += delta`` (in place, if given), then ``out = rmsnorm(h) * weight``; rows of
+    ``h`` [T, hidden] contiguous, all in one dtype (float32 or bfloat16)."""
+    load().weir_add_rms_norm(_DTYPES[h.dtype], h.data_ptr(),
+                             None if delta is None else delta.contiguous().data_ptr(),
+                             weight.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps,
+                             torch.get_num_threads())
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
+          cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on the first ``heads`` heads of each contiguous qkv row;
+    ``cos``/``sin`` float32 tables [max_position, head_dim]."""
+    pos = positions.contiguous()
+    load().weir_rope(_DTYPES[qkv.dtype], qkv.data_ptr(), qkv.shape[0], qkv.stride(0), heads,
+                     head_dim, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     torch.get_num_threads())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous fused rows [T, 2 * inter]."""
+    inter = gate_up.shape[1] // 2
+    out = gate_up.new_empty(gate_up.shape[0], inter)
+    load().weir_silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+                         gate_up.shape[0], inter, torch.get_num_threads())
     return out
 
 

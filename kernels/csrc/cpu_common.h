@@ -7,20 +7,19 @@
 
 namespace weir {
 
-inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) {
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {
     uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
 }
-inline void store(float* p, int i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int i, float v) {   // round to nearest even
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) {   // round to nearest even; branch-free
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { p[i] = 0x7fc0; return; }   // NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    p[i] = static_cast<uint16_t>(bits >> 16);
+    const uint16_t r = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    p[i] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) : r;   // NaN
 }
 
 // exp(x) for x <= 0 (softmax arguments), ~2 ulp; 0 below -87.

@@ -27,3 +27,28 @@ def test_packed_equals_plain(dtype, tol):
         outs.append(model.forward(ids, meta.positions, kv, meta, rows))
     err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
     assert err <= tol, err
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_native_ops_equal_the_torch_forward(dtype, tol):
+    """The CPU forward with fused native ops (add+RMSNorm, in-place RoPE, SiLU x up) gives
+    the torch forward's logits; contexts include cached prefixes (a second step)."""
+    weights = random_weights(SHAPE, seed=4)
+    fused = LlamaModel(SHAPE, weights, dtype=dtype)
+    plain = LlamaModel(SHAPE, weights, dtype=dtype, native_ops=False)
+    if fused.native is None:
+        pytest.skip("native CPU kernels unavailable (no C++ compiler)")
+    assert plain.native is None
+    g = torch.Generator().manual_seed(1)
+    outs = {}
+    for name, model in (("fused", fused), ("plain", plain)):
+        kv = model.new_kv_cache(8, 16)
+        got = []
+        for lens, ctx in (([5, 1, 9], [0, 0, 0]), ([1, 3, 1], [5, 1, 9])):
+            meta = AttentionMetadata.build(lens, ctx, [[0, 1], [2, 3], [4, 5]], 16)
+            ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(sum(ctx)))
+            rows = torch.cumsum(torch.tensor(lens), 0) - 1
+            got.append(model.forward(ids, meta.positions, kv, meta, rows))
+        outs[name] = torch.cat(got)
+    err = ((outs["fused"] - outs["plain"]).abs().max() / outs["plain"].abs().max()).item()
+    assert err <= tol, err

@@ -1,0 +1,130 @@
+// Fused elementwise ops for the CPU forward: each replaces a chain of 4-10 torch ops (and
+// as many passes over memory and Python dispatches) with one pass per row, float32 inside.
+//   weir_add_rms_norm: h += delta (optional), x = rmsnorm(h) * weight
+//   weir_rope:         rotate-half RoPE in place on the q and k heads of the fused qkv rows
+//   weir_silu_mul:     out = silu(gate) * up from the fused gate_up rows
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+namespace {
+
+using weir::exp_neg;
+using weir::load;
+using weir::store;
+
+// Round a float to the precision of T (bf16: nearest even, branch-free so loops vectorize;
+// NaN stays NaN).
+template <typename T> inline float rnd(float v);
+template <> inline float rnd<float>(float v) { return v; }
+template <> inline float rnd<uint16_t>(float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    uint32_t r = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    float out;
+    std::memcpy(&out, &r, sizeof out);
+    return v != v ? v : out;
+}
+
+template <typename T>
+void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight, T* __restrict__ x, int64_t rows, int64_t dim,
+                  float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        T* hr = h + r * dim;
+        float ss = 0.0f;
+        for (int64_t d = 0; d < dim; ++d) {
+            float v = load(hr, d);
+            if (delta) {
+                v += load(delta + r * dim, d);
+                store(hr, d, v);
+                v = load(hr, d);                 // the residual stream keeps the model dtype
+            }
+            ss += v * v;
+        }
+        const float inv = 1.0f / std::sqrt(ss / dim + eps);
+        for (int64_t d = 0; d < dim; ++d)   // as torch: normalise in float32, round, scale
+            store(x + r * dim, d, rnd<T>(load(hr, d) * inv) * load(weight, d));
+    }
+}
+
+template <typename T>
+void rope(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
+          const int64_t* positions, const float* cos, const float* sin, int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (rows > 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* c = cos + positions[r] * dim;
+        const float* s = sin + positions[r] * dim;
+        for (int64_t hd = 0; hd < heads; ++hd) {
+            T* x = qkv + r * row_stride + hd * dim;
+            float tmp[256];
+            for (int64_t d = 0; d < dim; ++d) tmp[d] = load(x, d);
+            // as the torch path: cos/sin rounded to the model dtype, products in it too
+            for (int64_t d = 0; d < half; ++d)
+                store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(-tmp[d + half] * rnd<T>(s[d])));
+            for (int64_t d = half; d < dim; ++d)
+                store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(tmp[d - half] * rnd<T>(s[d])));
+        }
+    }
+}
+
+template <typename T>
+void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows > 2)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* g = gate_up + r * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + r * inter;
+        for (int64_t d = 0; d < inter; ++d) {
+            const float gv = load(g, d);
+            const float e = exp_neg(-std::fabs(gv));       // exp(-|g|) <= 1
+            const float sig = gv >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            store(o, d, rnd<T>(gv * sig) * load(u, d));   // silu rounded to T, as torch
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. delta may be null (no residual add).
+void weir_add_rms_norm(int dtype, void* h, const void* delta, const void* weight, void* x,
+                       int64_t rows, int64_t dim, float eps, int threads) {
+    if (dtype == 0)
+        add_rms_norm(static_cast<float*>(h), static_cast<const float*>(delta),
+                     static_cast<const float*>(weight), static_cast<float*>(x), rows, dim, eps,
+                     threads);
+    else
+        add_rms_norm(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(delta),
+                     static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(x), rows, dim,
+                     eps, threads);
+}
+
+// The first `heads` heads (q then k) of each qkv row; head_dim <= 256; cos/sin float32
+// tables [max_position, dim].
+void weir_rope(int dtype, void* qkv, int64_t rows, int64_t row_stride, int64_t heads,
+               int64_t dim, const int64_t* positions, const float* cos, const float* sin,
+               int threads) {
+    if (dtype == 0)
+        rope(static_cast<float*>(qkv), rows, row_stride, heads, dim, positions, cos, sin,
+             threads);
+    else
+        rope(static_cast<uint16_t*>(qkv), rows, row_stride, heads, dim, positions, cos, sin,
+             threads);
+}
+
+void weir_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
+                   int threads) {
+    if (dtype == 0)
+        silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
+                 threads);
+    else
+        silu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows,
+                 inter, threads);
+}
+
+}
