@@ -60,11 +60,13 @@ class Engine:
     def stats(self, component: str) -> dict[str, float]:
         return self.status()[component].stats
 
-    def wait_stat(self, component: str, key: str, value: float, timeout: float = 1.0) -> None:
+    def wait_stat(self, component: str, key: str, value: float, timeout: float = 1.0,
+                  at_least: bool = False) -> None:
         """Stats ride on heartbeats (every 0.1 s), so each component's view is a little
-        behind: wait until ``key`` reads ``value``."""
+        behind: wait until ``key`` reads ``value`` (or more, with ``at_least``)."""
         deadline = time.monotonic() + timeout
-        while (got := self.stats(component).get(key)) != value:
+        while not ((got := self.stats(component).get(key)) == value
+                   or (at_least and got is not None and got >= value)):
             if time.monotonic() > deadline:
                 raise AssertionError(f"{component}.{key} is {got}, not {value}, after {timeout}s")
             time.sleep(0.02)
