@@ -116,10 +116,14 @@ def bench_vllm_throughput(args) -> float:
                VLLM_LOGGING_LEVEL="WARNING")
     subprocess.run([str(py), str(LAUNCHER), "bench", "throughput", "--model", str(hf_dir),
                     "--dtype", args.dtype, "--dataset-name", "random",
-                    "--input-len", str(args.prompt_len), "--output-len", str(args.output_len),
+                    "--random-input-len", str(args.prompt_len),
+                    "--random-output-len", str(args.output_len),
                     "--num-prompts", str(args.requests), "--max-model-len", "2048",
                     "--output-json", str(out)], check=True, env=env, cwd=ROOT / ".bench")
-    return float(json.loads(out.read_text())["elapsed_time"])
+    res = json.loads(out.read_text())
+    if res.get("num_requests") != args.requests:
+        raise RuntimeError(f"vllm bench throughput ran {res.get('num_requests')} requests")
+    return float(res["elapsed_time"])
 
 
 def main() -> None:

@@ -118,27 +118,10 @@ def copy_bandwidth(device, nbytes: int, iters: int = 10) -> float:
 
 # ---------------------------------------------------------------- kernels against the reference
 
-def _attention_case(rng: random.Random, device, dtype, block_size: int, kv_heads: int,
-                    group: int, query_lens: list[int], context_lens: list[int], dim: int = 64):
-    """Random q/k/v and caches with shuffled block tables; metadata built for ``device``."""
-    import torch
-    from kernels.metadata import AttentionMetadata
-    need = [-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)]
-    num_blocks = sum(need) + 3
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    t = sum(query_lens)
-    make = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    cache = (num_blocks, block_size, kv_heads, dim)
-    kc, vc = make(*cache), make(*cache)
-    q, k, v = make(t, kv_heads * group, dim), make(t, kv_heads, dim), make(t, kv_heads, dim)
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, device)
-    return q, k, v, kc, vc, meta
+def _attention_case(*args, **kwargs):
+    """Random q/k/v, caches and metadata (see kernels/testing.py)."""
+    from kernels.testing import random_paged_case
+    return random_paged_case(*args, **kwargs)
 
 
 def _tolerance(dtype) -> float:

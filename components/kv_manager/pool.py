@@ -234,16 +234,7 @@ class BlockPool:
         n = -(-num_tokens // self.block_size)
         if lease is None or lease.swapped or n > len(lease.blocks) or n > self.num_cpu_free:
             return Grant(False, [])
-        self._copies = []
-        cpu = []
-        for b in lease.blocks[:n]:
-            c = self._take_free(CPU)
-            self._copies.append(BlockCopy(b, c))
-            cpu.append(c)
-        for b in lease.blocks:
-            self._decref(b)
-        lease.blocks, lease.swapped = cpu, True
-        return Grant(True, list(cpu), 0, self._take_copies())
+        return self._move(lease, lease.blocks[:n], CPU)
 
     def swap_in(self, seq_id: int) -> Grant:
         """Bring a swapped sequence's blocks back to the main tier (copies); refused if the
@@ -251,16 +242,21 @@ class BlockPool:
         lease = self._leases.get(seq_id)
         if lease is None or not lease.swapped or len(lease.blocks) > self.num_free:
             return Grant(False, [])
+        return self._move(lease, lease.blocks, GPU)
+
+    def _move(self, lease: _Lease, blocks: list[int], tier: str) -> Grant:
+        """Copy ``blocks`` into fresh blocks of ``tier``, which become the whole lease; every
+        block the lease held is released (a swap, either way)."""
         self._copies = []
-        gpu = []
-        for c in lease.blocks:
-            g = self._take_free(GPU)
-            self._copies.append(BlockCopy(c, g))
-            gpu.append(g)
-        for c in lease.blocks:
-            self._decref(c)
-        lease.blocks, lease.swapped = gpu, False
-        return Grant(True, list(gpu), 0, self._take_copies())
+        moved = []
+        for b in blocks:
+            d = self._take_free(tier)
+            self._copies.append(BlockCopy(b, d))
+            moved.append(d)
+        for b in lease.blocks:
+            self._decref(b)
+        lease.blocks, lease.swapped = moved, tier == CPU
+        return Grant(True, list(moved), 0, self._take_copies())
 
     def cached_tokens(self, scope: str, block_hashes: Sequence[int], token_ids: Sequence[int],
                       max_blocks: int, public_scope: str = "", public_blocks: int = 0) -> int:

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata, get_backend, torch_ref
+from kernels import get_backend, torch_ref
+from kernels.testing import random_paged_case
 
 try:
     from kernels import cpu_native
@@ -16,26 +17,15 @@ except ValueError as exc:                    # no compiler: the backend refuses,
 
 
 def _case(rng: random.Random, dtype, block_size, kv_heads, group, dim):
-    heads = kv_heads * group
     edges = [1, block_size - 1, block_size, block_size + 1, 2000, rng.randint(1, 2000)]
     ctx = [rng.choice(edges) - 1 for _ in range(rng.randint(1, 6))]   # context before the new token
     qlens = [1] * len(ctx)
     if rng.random() < 0.5:                                            # a prefill row too
         ctx.append(rng.randint(0, 40))
         qlens.append(rng.randint(2, 9))
-    need = [-(-(c + q) // block_size) for c, q in zip(ctx, qlens)]
-    num_blocks = sum(need) + 3
-    perm = list(range(num_blocks))
-    rng.shuffle(perm)
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at:at + n] + [perm[-1]] * rng.randint(0, 2))   # lookahead blocks
-        at += n
-    g = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    q = torch.randn(sum(qlens), heads, dim, generator=g).to(dtype)
-    return q, kc, vc, AttentionMetadata.build(qlens, ctx, tables, block_size)
+    q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", dtype, block_size, kv_heads, group,
+                                              qlens, ctx, dim, lookahead=2)
+    return q, kc, vc, meta
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 from kernels import torch_ref  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.testing import random_paged_case  # noqa: E402
 from kernels.triton_paged import paged_attention, write_kv  # noqa: E402
 
 DIM = 64
@@ -29,25 +30,8 @@ DIM = 64
 
 def _case(rng: random.Random, block_size: int, kv_heads: int, group: int,
           query_lens: list[int], context_lens: list[int]):
-    heads = kv_heads * group
-    need = [-(-(q + c) // block_size) for q, c in zip(query_lens, context_lens)]
-    num_blocks = sum(need) + 3
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
-    kc = rand(num_blocks, block_size, kv_heads, DIM)
-    vc = rand(num_blocks, block_size, kv_heads, DIM)
-    t = sum(query_lens)
-    q = rand(t, heads, DIM)
-    k = rand(t, kv_heads, DIM)
-    v = rand(t, kv_heads, DIM)
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, DEVICE)
-    return q, k, v, kc, vc, meta
+    return random_paged_case(rng, DEVICE, torch.float32, block_size, kv_heads, group,
+                             query_lens, context_lens, DIM)
 
 
 def _check(q, k, v, kc, vc, meta, **kw):
