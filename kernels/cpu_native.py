@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kernels import torch_ref
-from kernels.metadata import AttentionGroup, AttentionMetadata
+from kernels.metadata import AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
@@ -93,42 +93,28 @@ def load() -> ctypes.CDLL:
     return _lib
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-            rows: torch.Tensor, seqs: torch.Tensor, meta: AttentionMetadata,
-            row_lens: torch.Tensor | None, scale: float) -> None:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Every new token at once, decode and prefill alike: the token at position p attends
+    keys 0..p of its sequence (causal), read in place from the blocks."""
     if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
         raise ValueError(f"native attention needs q and cache in one of {list(_DTYPES)}")
-    if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
-            and v_cache.is_contiguous()):
-        raise ValueError("native attention needs contiguous q, out and caches")
-    rows, seqs = rows.contiguous(), seqs.contiguous()
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("native attention needs contiguous q and caches")
+    out = torch.empty_like(q)
+    rows = torch.arange(q.shape[0])
+    seqs = meta.token_seq.contiguous()
+    row_lens = (meta.positions + 1).to(torch.int32)
     tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         rows.data_ptr(), seqs.data_ptr(), rows.numel(), tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), None if row_lens is None else row_lens.data_ptr(), heads,
-        k_cache.shape[2], dim, k_cache.shape[1], scale, torch.get_num_threads())
+        lens.data_ptr(), row_lens.data_ptr(), heads, k_cache.shape[2], dim, k_cache.shape[1],
+        scale, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, g: AttentionGroup, scale: float,
-                     out: torch.Tensor) -> None:
-    """One-query rows of group ``g``: write their attention output into ``out`` in place."""
-    _attend(q, k_cache, v_cache, out, g.token_rows, g.seq_index, meta, None, scale)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Every new token at once, decode and prefill alike: the token at position p attends
-    keys 0..p of its sequence (causal), read in place from the blocks."""
-    out = torch.empty_like(q)
-    rows = torch.arange(q.shape[0])
-    _attend(q, k_cache, v_cache, out, rows, meta.token_seq, meta,
-            (meta.positions + 1).to(torch.int32), scale)
     return out
 
 
@@ -195,8 +181,7 @@ class CpuBackend:
         native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and q.dtype == k_cache.dtype
         if native and meta.token_seq is not None:
             return paged_attention(q, k_cache, v_cache, meta, scale)
-        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale,
-                                         decode=decode_attention if native else None)
+        return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:

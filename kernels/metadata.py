@@ -10,7 +10,7 @@ host lists; :meth:`AttentionMetadata.for_decode_buffers` wraps preallocated devi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +25,6 @@ class AttentionGroup:
     out_index: torch.Tensor     # [n] long: index into the [b * q] padded output, per token_rows
     kv_slots: torch.Tensor      # [b, l] long: cache slot of each key (pads: any valid slot)
     mask: torch.Tensor          # [b, 1, q, l] bool: True where the query may attend the key
-    seq_index: torch.Tensor     # [b] long: the group's sequences (rows of block_tables)
 
 
 @dataclass
@@ -41,8 +40,18 @@ class AttentionMetadata:
     seq_lens: torch.Tensor         # [B] int32: context + query length per sequence
     query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
     block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
-    groups: list[AttentionGroup]   # decode rows (query len 1) and the rest, when present
     token_seq: torch.Tensor | None = None   # [T] long: the sequence of each new token
+    _group_inputs: tuple | None = field(default=None, repr=False)
+    _groups: list[AttentionGroup] | None = field(default=None, repr=False)
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """Gather groups for the torch reference: decode rows (query len 1) and the rest,
+        when present. Built on first use: the native CPU and GPU kernels read the block
+        tables directly and never pay for them."""
+        if self._groups is None:
+            self._groups = [] if self._group_inputs is None else _groups(*self._group_inputs)
+        return self._groups
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int],
@@ -73,9 +82,6 @@ class AttentionMetadata:
         seq_idx = torch.repeat_interleave(torch.arange(n), q_lens)
         positions = ctx[seq_idx] + torch.arange(len(seq_idx)) - starts[seq_idx]
         slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
-        decode = q_lens == 1
-        groups = [_group(sel, q_lens, ctx, starts, table, block_size)
-                  for sel in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]) if len(sel)]
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
             token_seq=to(seq_idx),
@@ -84,9 +90,7 @@ class AttentionMetadata:
             positions=to(positions), slot_mapping=to(slots),
             seq_lens=to((q_lens + ctx).int()), query_start_loc=to(starts.int()),
             block_tables=to(table.int()),
-            groups=[AttentionGroup(*(to(t) for t in (g.token_rows, g.query_index, g.out_index,
-                                                      g.kv_slots, g.mask, g.seq_index)))
-                    for g in groups],
+            _group_inputs=(q_lens, ctx, starts, table, block_size, device),
         )
 
     @classmethod
@@ -119,11 +123,19 @@ class AttentionMetadata:
         return cls(num_tokens=b, query_lens=[1] * b, context_lens=[max_seq_len - 1] * b,
                    block_size=block_size, positions=positions, slot_mapping=slot_mapping,
                    seq_lens=seq_lens, query_start_loc=query_start_loc,
-                   block_tables=block_tables, groups=[])
+                   block_tables=block_tables)
+
+
+def _groups(q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor, table: torch.Tensor,
+            block_size: int, device: torch.device | str) -> list[AttentionGroup]:
+    decode = q_lens == 1
+    return [AttentionGroup(*(t.to(device, non_blocking=True)
+                             for t in _group(sel, q_lens, ctx, starts, table, block_size)))
+            for sel in (decode.nonzero()[:, 0], (~decode).nonzero()[:, 0]) if len(sel)]
 
 
 def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,
-           table: torch.Tensor, block_size: int) -> AttentionGroup:
+           table: torch.Tensor, block_size: int) -> tuple[torch.Tensor, ...]:
     ql, cl, st = q_lens[sel], ctx[sel], starts[sel]
     q_max, l_max = int(ql.max()), int((ql + cl).max())
     j = torch.arange(q_max)
@@ -134,5 +146,4 @@ def _group(sel: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: t
     kv_slots = table[sel][:, kpos // block_size] * block_size + kpos % block_size
     mask = kpos[None, None, :] <= (cl[:, None] + jc)[:, :, None]
     out_index = (torch.arange(len(sel))[:, None] * q_max + j[None, :])[valid]
-    return AttentionGroup(query_index[valid], query_index, out_index, kv_slots, mask[:, None],
-                          sel)
+    return query_index[valid], query_index, out_index, kv_slots, mask[:, None]

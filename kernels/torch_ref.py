@@ -22,11 +22,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, decode=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of queries ``[T, heads, head_dim]`` over each sequence's cached
     prefix plus its new tokens (which must already be written with :func:`write_kv`).
-    ``decode(q, k_cache, v_cache, meta, group, scale, out)``, if given, handles the group
-    of one-query sequences instead (the native CPU kernel).
 
     Grouped-query attention: ``heads`` must be a multiple of the cache's kv_heads.
     Returns ``[T, heads, head_dim]`` in ``q``'s dtype.
@@ -40,9 +38,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     values = v_cache.reshape(-1, kv_heads, dim)
     out = q.new_empty(q.shape)
     for g in meta.groups:
-        if decode is not None and g.query_index.shape[1] == 1:
-            decode(q, k_cache, v_cache, meta, g, scale, out)
-            continue
         b, l = g.kv_slots.shape
         slots = g.kv_slots.reshape(-1)
         qg = q.index_select(0, g.query_index.reshape(-1)).view(b, -1, heads, dim).transpose(1, 2)

@@ -141,61 +141,67 @@ class LlamaModel:
         No host syncs and no branching on tensor values, so with a graph-safe backend and
         :meth:`AttentionMetadata.for_decode_buffers` a call can be captured in a CUDA graph.
         """
-        if self.native is not None and logits_out is None:
-            return self._forward_native(input_ids, positions, kv, meta, logits_indices)
         s = self.spec
-        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        cos = self.cos[positions].to(self.dtype)[:, None, :]
-        sin = self.sin[positions].to(self.dtype)[:, None, :]
-        h = F.embedding(input_ids, self.embed)
+        n_q = s.num_heads * s.head_dim
+        rope = None if self.native is not None else (
+            self.cos[positions].to(self.dtype)[:, None, :],
+            self.sin[positions].to(self.dtype)[:, None, :])
+        h, x = self._add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.attn_norm)
-            qkv = self._linear(x, layer.qkv, layer.qkv_bias)
-            q = self._rope(qkv[:, :n_q].view(-1, s.num_heads, s.head_dim), cos, sin)
-            k = self._rope(qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-            v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
+            q, k, v = self._split_qkv(self._linear(x, layer.qkv, layer.qkv_bias), positions, rope)
             k_cache, v_cache = kv.key(i), kv.value(i)
             self.backend.write_kv(k_cache, v_cache, k, v, meta)
             attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + self._linear(attn.reshape(-1, n_q), layer.o)
-            gate, up = self._linear(self._rms_norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, layer.down)
-        h = self._rms_norm(h[logits_indices], self.norm)
+            h, x = self._add_norm(h, self._linear(attn.reshape(-1, n_q), layer.o), layer.mlp_norm)
+            down = self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+            h, x = self._add_norm(h, down, following)
+        _, x = self._add_norm(h[logits_indices].contiguous(), None, self.norm)
+        logits = self._linear(x, self.lm_head)
         if logits_out is not None:
-            return logits_out.copy_(self._linear(h, self.lm_head))
-        return self._linear(h, self.lm_head).float()
+            return logits_out.copy_(logits)
+        return logits.float()
 
     _linear = staticmethod(F.linear)
 
-    def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                        meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """The same computation with the CPU's fused native ops (kernels/csrc/cpu_fused.cpp):
-        residual add + RMSNorm in one pass, RoPE in place on the fused qkv rows, SiLU x up
-        in one pass — a handful of calls per layer instead of ~30 torch ops."""
-        s, nat, eps = self.spec, self.native, self.spec.rms_norm_eps
-        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        h = F.embedding(input_ids, self.embed)
+    # The elementwise steps, each in two forms: the CPU's fused native ops
+    # (kernels/csrc/cpu_fused.cpp: one pass per row instead of ~30 torch ops per layer), or
+    # torch (GPU, graph-capturable; and the CPU without a compiler).
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream ``h + delta`` (``delta`` None: ``h``) and its RMSNorm
+        scaled by ``weight`` (None: skipped). The native form updates ``h`` in place."""
+        if self.native is None:
+            if delta is not None:
+                h = h + delta
+            return h, None if weight is None else self._rms_norm(h, weight)
+        if weight is None:
+            h += delta
+            return h, None
         x = torch.empty_like(h)
-        nat.add_rms_norm(h, None, self.layers[0].attn_norm, x, eps)
-        for i, layer in enumerate(self.layers):
-            qkv = self._linear(x, layer.qkv, layer.qkv_bias)
-            nat.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos, self.sin)
-            q = qkv[:, :n_q].contiguous().view(-1, s.num_heads, s.head_dim)
-            k = qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim)
-            v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
-            k_cache, v_cache = kv.key(i), kv.value(i)
-            self.backend.write_kv(k_cache, v_cache, k, v, meta)
-            attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            nat.add_rms_norm(h, self._linear(attn.reshape(-1, n_q), layer.o), layer.mlp_norm, x,
-                             eps)
-            down = self._linear(nat.silu_mul(self._linear(x, layer.gate_up)), layer.down)
-            if i + 1 < len(self.layers):
-                nat.add_rms_norm(h, down, self.layers[i + 1].attn_norm, x, eps)
-            else:
-                h += down
-        hs = h[logits_indices].contiguous()
-        out = torch.empty_like(hs)
-        nat.add_rms_norm(hs, None, self.norm, out, eps)
-        return self._linear(out, self.lm_head).float()
+        self.native.add_rms_norm(h, delta, weight, x, self.spec.rms_norm_eps)
+        return h, x
+
+    def _split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rope) -> tuple:
+        """q, k, v views of the fused projection rows, with RoPE applied to q and k."""
+        s = self.spec
+        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
+        v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
+        if self.native is None:
+            cos, sin = rope
+            return (self._rope(q.view(-1, s.num_heads, s.head_dim), cos, sin),
+                    self._rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin), v)
+        self.native.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
+                          self.sin)
+        return (q.contiguous().view(-1, s.num_heads, s.head_dim),
+                k.view(-1, s.num_kv_heads, s.head_dim), v)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     __call__ = forward
