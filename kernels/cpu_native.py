@@ -50,8 +50,11 @@ def build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise ValueError("no C++ compiler found for the native CPU attention kernel")
+    flags = list(_FLAGS)
+    if os.environ.get("WEIR_CPU_KERNEL_PORTABLE"):      # the kernels for CPUs without AVX-512
+        flags.append("-mno-avx512f")
     source = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")
     target = cache / f"weir_cpu_{key}.so"
     if target.exists():
@@ -59,7 +62,7 @@ def build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", str(out)],
+        proc = subprocess.run([cxx, *flags, *map(str, _SOURCES), "-o", str(out)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise ValueError(f"building the native CPU attention kernel failed: "
@@ -186,4 +189,5 @@ class CpuBackend:
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     """The shapes compiled into the kernel (others decode through the torch reference)."""
-    return head_dim in (64, 128) and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8
+    return (head_dim in (64, 128) and heads <= 64 and heads % kv_heads == 0
+            and 1 <= heads // kv_heads <= 8)

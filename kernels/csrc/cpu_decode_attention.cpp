@@ -1,19 +1,200 @@
-// Paged decode attention for the CPU: one query token per sequence, read straight from
-// the block table — no gather, no padded copy. Built at first use by kernels/cpu_native.py
+// Paged attention for the CPU, decode and prefill rows alike, read straight from the block
+// table — no gather, no padded copy. Built at first use by kernels/cpu_native.py
 // (g++ -O3 -march=native -fopenmp) and called through ctypes.
 //
 // Layout: q and out [T, H, D]; each layer's cache [num_blocks, block_size, KVH, D];
-// block_tables [B, W] int32; seq_lens [B] int32 (keys to attend, including the new token,
-// already written). Work item (i, kvh): decode row rows[i] of sequence seqs[i], all G = H/KVH
-// query heads of kv head kvh at once, so every key and value row is read from memory once
-// and widened once. Scores are kept for the whole context (two passes: scores + softmax,
-// then values), in float32; bf16 is widened by a shift. exp is a branch-free polynomial
-// that vectorizes. D and G are template constants (D 64/128, G 1..8) so the loops unroll
-// into registers; that took the SmolLM2 decode layer at batch 64 from 7.6 ms to 0.96 ms
-// on one core compared with runtime sizes.
+// block_tables [B, W] int32; row i attends the first row_lens[i] keys of its sequence
+// (already written). Scores are kept for the whole context (two passes: scores + softmax,
+// then values), in float32. exp is a branch-free polynomial that vectorizes. D and G = H/KVH
+// are template constants (D 64/128, G 1..8) so the loops unroll into registers.
+//
+// Two kernels: the AVX-512 tiled one below (what runs here), and a portable one per
+// (row, kv head) for CPUs without AVX-512. Measured on 2 Zen 4 cores, bf16, SmolLM2 shapes,
+// 30 layers' caches (so the keys come from memory, not cache):
+//   decode, batch 64 x 160 keys:   portable 1.17 ms/layer, tiled 0.48 (16 GB/s of KV)
+//   prefill, 4 x 128 new tokens:   portable 1.48 ms/layer, tiled 0.65
+//   prefill, 2 x 256 after 1000:   portable 24.1 ms/layer, tiled 9.2 (145 GFLOP/s)
 #include <vector>
 
 #include "cpu_common.h"
+
+// ---- The AVX-512 tiled kernel ------------------------------------------------------------
+// A work item is a tile of up to kTile consecutive rows of one sequence (a prefill chunk's
+// neighbouring positions; a decode row alone) against all its kv heads, so each key and
+// value row — all heads, contiguous — is read from memory once for kTile x H queries.
+// Scores: 16 keys at a time, each q.k a vector of partial sums (bf16 pairs by vdpbf16ps
+// where the CPU has it), then one transpose-reduce turns the 16 vectors into the 16 scores
+// instead of a horizontal sum per dot product.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+// out lane j = sum of the lanes of v[j]
+inline __m512 hsum16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// Partial sums (16 lanes) of the dot product of q and k, D elements.
+template <int D> inline __m512 dot_partial(const float* q, const float* k) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int d = 16; d < D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    return acc;
+}
+inline __m512 widen(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+template <int D> inline __m512 dot_partial(const uint16_t* q, const uint16_t* k) {
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                               (__m512bh)_mm512_loadu_si512(k + d));
+    return acc;
+#else
+    __m512 acc = _mm512_mul_ps(widen(q), widen(k));
+    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(widen(q + d), widen(k + d), acc);
+    return acc;
+#endif
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return widen(p); }
+
+constexpr int kTile = 8;       // rows per work item
+
+// Row pointers of keys t0 .. t0 + nk - 1 (all kv heads: one contiguous row each), walking
+// the block table with (blk, off).
+template <typename T>
+inline void chunk_rows(const T* cache, const int32_t* table, int64_t block_size,
+                       int64_t row_stride, int64_t& blk, int64_t& off, int nk, const T** rows) {
+    for (int j = 0; j < nk; ++j) {
+        rows[j] = cache + (static_cast<int64_t>(table[blk]) * block_size + off) * row_stride;
+        if (++off == block_size) { off = 0; ++blk; }
+    }
+}
+
+// Prefetch rows [t, t + n) (clipped to len) of a cache into cache level Hint.
+template <int Hint, typename T>
+inline void prefetch_rows(const T* cache, const int32_t* table, int64_t block_size,
+                          int64_t row_stride, int64_t t, int64_t n, int64_t len) {
+    const int64_t bytes = row_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t u = t; u < t + n && u < len; ++u) {
+        const char* p = reinterpret_cast<const char*>(
+            cache + (static_cast<int64_t>(table[u / block_size]) * block_size + u % block_size)
+                    * row_stride);
+        for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + x, static_cast<_mm_hint>(Hint));
+    }
+}
+
+// One tile of nrows rows (positions consecutive, lens[r] keys each, increasing) against
+// every kv head of its sequence: query (h, r, g) is qi = (h * nrows + r) * G + g.
+// scores: [kv_heads * kTile * G][lpad]; acc: [kv_heads * kTile * G][D].
+template <typename T, int D, int G>
+void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
+                 int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
+                 int64_t heads, int64_t block_size, float scale, float* scores, int64_t lpad,
+                 float* acc) {
+    const int64_t L = lens[nrows - 1];
+    const int64_t row_stride = kv_heads * D;
+    const int nq = static_cast<int>(kv_heads) * nrows * G;
+    auto qp = [&](int64_t h, int r, int g) { return q + ((row0 + r) * heads + h * G + g) * D; };
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const T* kp[16];
+    int64_t blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
+        chunk_rows(k_cache, table, block_size, row_stride, blk, off, nk, kp);
+        // into L2 while this chunk computes: the next chunk's keys, this chunk's values (for
+        // the second pass). Measured (batch 64 x 160 keys, 30 layers, bf16): 0.65 ms/layer
+        // without, 0.63 with keys to L1, 0.49 with both to L2
+        prefetch_rows<_MM_HINT_T1>(k_cache, table, block_size, row_stride, t0 + 16, 16, L);
+        prefetch_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, 16, L);
+        for (int r = 0; r < nrows; ++r) {
+            if (t0 >= lens[r]) continue;
+            const __mmask16 live = _mm512_cmp_ps_mask(
+                lane, _mm512_set1_ps(static_cast<float>(lens[r] - t0)), _CMP_LT_OQ);
+            for (int64_t h = 0; h < kv_heads; ++h)
+                for (int g = 0; g < G; ++g) {
+                    const T* qq = qp(h, r, g);
+                    __m512 v[16];
+                    for (int j = 0; j < 16; ++j)
+                        v[j] = j < nk ? dot_partial<D>(qq, kp[j] + h * D) : _mm512_setzero_ps();
+                    const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+                    _mm512_storeu_ps(scores + ((h * nrows + r) * G + g) * lpad + t0,
+                                     _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s));
+                }
+        }
+    }
+    // softmax per query over its own keys
+    float inv[64 * kTile];                 // kv_heads * G <= 64 (heads <= 64)
+    for (int qi = 0; qi < nq; ++qi) {
+        float* s = scores + qi * lpad;
+        const int64_t len = lens[(qi / G) % nrows];
+        float m = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            const float e = weir::exp_neg(s[t] - m);
+            s[t] = e;
+            sum += e;
+        }
+        inv[qi] = 1.0f / sum;
+        for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
+    }
+    // values, 16 keys at a time: each head's value row widened in registers and added
+    // into register accumulators for SG queries (same head and row) at a time
+    constexpr int C = D / 16;
+    constexpr int SG = G * C <= 24 ? G : (G % 2 == 0 && (G / 2) * C <= 24 ? G / 2 : 1);
+    blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
+        chunk_rows(v_cache, table, block_size, row_stride, blk, off, nk, kp);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int r = 0; r < nrows; ++r) {
+                if (t0 >= lens[r]) continue;
+                const int kn = lens[r] - t0 < nk ? static_cast<int>(lens[r] - t0) : nk;
+                for (int g0 = 0; g0 < G; g0 += SG) {
+                    const int q0 = static_cast<int>((h * nrows + r) * G + g0);
+                    __m512 a[SG][C];
+                    for (int g = 0; g < SG; ++g)
+                        for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (q0 + g) * D + c * 16);
+                    for (int j = 0; j < kn; ++j) {
+                        const T* vr = kp[j] + h * D;
+                        __m512 vv[C];
+                        for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
+                        for (int g = 0; g < SG; ++g) {
+                            const __m512 p = _mm512_set1_ps(scores[(q0 + g) * lpad + t0 + j]);
+                            for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+                        }
+                    }
+                    for (int g = 0; g < SG; ++g)
+                        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (q0 + g) * D + c * 16, a[g][c]);
+                }
+            }
+    }
+    for (int qi = 0; qi < nq; ++qi) {
+        const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
+        T* o = out + ((row0 + r) * heads + h * G + g) * D;
+        for (int d = 0; d < D; ++d) weir::store(o, d, acc[qi * D + d] * inv[qi]);
+    }
+}
+
+}  // namespace
+#endif
 
 namespace {
 
@@ -21,6 +202,7 @@ using weir::exp_neg;
 using weir::load;
 using weir::store;
 
+// ---- The portable kernel ---------------------------------------------------------------
 // One work item: G query heads of one kv head over one sequence's blocks. D and G are
 // compile-time constants, so q, the widened key row and the G accumulators stay in vector
 // registers; each key row is widened once and shared by the G dot products.
@@ -82,16 +264,52 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
                       const int32_t* row_lens, int64_t heads, int64_t kv_heads,
                       int64_t block_size, float scale, int num_threads) {
+    auto row_len = [&](int64_t i) -> int64_t { return row_lens ? row_lens[i] : seq_lens[seqs[i]]; };
+#if defined(__AVX512F__)
+    // tiles: runs of up to kTile entries of one sequence at consecutive rows and positions
+    std::vector<int64_t> starts;
+    starts.reserve(static_cast<size_t>(n) + 1);
+    for (int64_t i = 0; i < n; ++i)
+        if (i == 0 || seqs[i] != seqs[i - 1] || rows[i] != rows[i - 1] + 1
+                || row_len(i) != row_len(i - 1) + 1 || i - starts.back() == kTile)
+            starts.push_back(i);
+    starts.push_back(n);
+    const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
+    // one item per tile, all kv heads: a key row's heads share cache lines, so reading
+    // them together moves each line once (decode attention is memory-bound)
+    // round robin (a sequence's later tiles are longer), so each thread knows its next
+    // tile and prefetches its first keys
+#pragma omp parallel for schedule(static, 1) num_threads(num_threads)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t i0 = starts[tile];
+        if (tile + num_threads < tiles) {
+            const int64_t i1 = starts[tile + num_threads];
+            prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
+                                       block_size, kv_heads * D, 0, 16, row_len(i1));
+        }
+        const int nrows = static_cast<int>(starts[tile + 1] - i0);
+        int32_t lens[kTile];
+        for (int r = 0; r < nrows; ++r) lens[r] = static_cast<int32_t>(row_len(i0 + r));
+        const int64_t lpad = (lens[nrows - 1] + 15) / 16 * 16;
+        const int64_t nq = kv_heads * kTile * G;
+        thread_local std::vector<float> buf;
+        buf.resize(static_cast<size_t>(nq * (lpad + D)));
+        attend_tile<T, D, G>(q, k_cache, v_cache, out, rows[i0], nrows, lens, kv_heads,
+                             block_tables + seqs[i0] * table_width, heads, block_size, scale,
+                             buf.data(), lpad, buf.data() + nq * lpad);
+    }
+#else
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < n * kv_heads; ++item) {
         const int64_t i = item / kv_heads, h = item % kv_heads;
-        const int64_t s = seqs[i], len = row_lens ? row_lens[i] : seq_lens[s];
+        const int64_t s = seqs[i], len = row_len(i);
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
         attend<T, D, G>(q, k_cache, v_cache, out, rows[i], h, len,
                         block_tables + s * table_width, heads, kv_heads * D, block_size, scale,
                         scores.data());
     }
+#endif
 }
 
 // The shapes compiled in: head_dim 64 or 128; 1..8 query heads per kv head.
@@ -129,7 +347,7 @@ int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
 extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
-// (head_dim 64 or 128, 1..8 query heads per kv head). Row i attends the first
+// (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Row i attends the first
 // row_lens[i] keys of sequence seqs[i] (or seq_lens[seqs[i]] when row_lens is null): a
 // prefill token at position p passes p + 1, which makes it causal.
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
@@ -138,7 +356,7 @@ int weir_decode_attention(int dtype, const void* q, const void* k_cache, const v
                           const int32_t* seq_lens, const int32_t* row_lens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
                           int num_threads) {
-    if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
     const int64_t g = heads / kv_heads;
     if (dtype == 0)
         return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),

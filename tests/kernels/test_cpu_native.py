@@ -1,7 +1,12 @@
 """The native CPU decode kernel (kernels/csrc, built at first use) against the torch
 reference: randomized shapes — block sizes 16 and 32, GQA ratios 1 and 3, head dims 64 and
-128, contexts 1..2000 straddling block edges, mixed lengths and a prefill row in one batch."""
+128, contexts 1..2000 straddling block edges, mixed lengths and a prefill row (one or several
+row tiles, partial ones too) in one batch."""
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +27,7 @@ def _case(rng: random.Random, dtype, block_size, kv_heads, group, dim):
     qlens = [1] * len(ctx)
     if rng.random() < 0.5:                                            # a prefill row too
         ctx.append(rng.randint(0, 40))
-        qlens.append(rng.randint(2, 9))
+        qlens.append(rng.choice([rng.randint(2, 9), rng.randint(17, 70)]))   # tiles of 8 rows
     q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", dtype, block_size, kv_heads, group,
                                               qlens, ctx, dim, lookahead=2)
     return q, kc, vc, meta
@@ -62,3 +67,24 @@ def test_unsupported_shapes_fall_back_and_auto_prefers_native():
     assert torch.allclose(backend.paged_attention(q80, k80, v80, meta, 0.1),
                           torch_ref.paged_attention(q80, k80, v80, meta, 0.1))
     assert get_backend("auto", "cpu").name == "cpu"
+
+
+def test_portable_kernel_matches_reference():
+    """The kernels built without AVX-512 (what a CPU without it runs), in a fresh process."""
+    code = (
+        "import random, torch\n"
+        "from kernels import get_backend, torch_ref\n"
+        "from kernels.testing import random_paged_case\n"
+        "for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):\n"
+        "    rng = random.Random(5)\n"
+        "    q, _, _, kc, vc, meta = random_paged_case(rng, 'cpu', dtype, 16, 3, 3,\n"
+        "        [1, 1, 40], [0, 300, 17], 64)\n"
+        "    want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)\n"
+        "    got = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(q, kc, vc, meta, 0.125)\n"
+        "    err = ((got.float() - want).abs().max() / want.abs().max()).item()\n"
+        "    assert err <= tol, (dtype, err)\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "WEIR_CPU_KERNEL_PORTABLE": "1"}, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
