@@ -29,24 +29,33 @@ template <> inline float rnd<uint16_t>(float v) {
 }
 
 template <typename T>
-void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight, T* __restrict__ x, int64_t rows, int64_t dim,
-                  float eps, int threads) {
+void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight,
+                  T* __restrict__ x, int64_t rows, int64_t dim, float eps, int threads) {
+    // two straight loops per row (no branch or reload inside), so both vectorize
 #pragma omp parallel for num_threads(threads) if (rows > 8)
     for (int64_t r = 0; r < rows; ++r) {
-        T* hr = h + r * dim;
-        float ss = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) {
-            float v = load(hr, d);
-            if (delta) {
-                v += load(delta + r * dim, d);
+        T* __restrict__ hr = h + r * dim;
+        double ss = 0.0;                     // the sum of squares in double: order-proof
+        if (delta) {
+            const T* __restrict__ dr = delta + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) {
+                const float v = rnd<T>(load(hr, d) + load(dr, d));   // the stream keeps T
                 store(hr, d, v);
-                v = load(hr, d);                 // the residual stream keeps the model dtype
+                ss += static_cast<double>(v) * v;
             }
-            ss += v * v;
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) {
+                const float v = load(hr, d);
+                ss += static_cast<double>(v) * v;
+            }
         }
-        const float inv = 1.0f / std::sqrt(ss / dim + eps);
+        const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+        T* __restrict__ xr = x + r * dim;
+#pragma omp simd
         for (int64_t d = 0; d < dim; ++d)   // as torch: normalise in float32, round, scale
-            store(x + r * dim, d, rnd<T>(load(hr, d) * inv) * load(weight, d));
+            store(xr, d, rnd<T>(load(hr, d) * inv) * load(weight, d));
     }
 }
 
@@ -77,11 +86,13 @@ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, 
     for (int64_t r = 0; r < rows; ++r) {
         const T* g = gate_up + r * 2 * inter;
         const T* u = g + inter;
-        T* o = out + r * inter;
+        T* __restrict__ o = out + r * inter;
+#pragma omp simd
         for (int64_t d = 0; d < inter; ++d) {
             const float gv = load(g, d);
             const float e = exp_neg(-std::fabs(gv));       // exp(-|g|) <= 1
-            const float sig = gv >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            const float s = 1.0f / (1.0f + e);                 // one division, not two
+            const float sig = gv >= 0.0f ? s : e * s;
             store(o, d, rnd<T>(gv * sig) * load(u, d));   // silu rounded to T, as torch
         }
     }
