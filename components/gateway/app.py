@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from bus import tracing
+from schemas.client import StatusReport
 from components.gateway.auth import Authenticator
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -36,6 +37,27 @@ class GatewayState:
         self.client, self.auth, self.model = client, auth, model
         self.metrics = GatewayMetrics(model)
         self.draining = False
+        self._ready_at = -1.0               # monotonic time of the last engine check
+        self._engine_ready = False
+
+    async def engine_ready(self, max_age_s: float = 1.0) -> bool:
+        """Whether every component of the engine reports ready (the gateway comes up
+        before the model does): the supervisor's status, asked at most once per
+        ``max_age_s``."""
+        now = time.monotonic()
+        if now - self._ready_at >= max_age_s:
+            try:
+                self._engine_ready = all_ready(await self.client.status(timeout=2.0))
+            except RequestTimeout:
+                self._engine_ready = False
+            self._ready_at = now
+        return self._engine_ready
+
+
+def all_ready(report: StatusReport) -> bool:
+    """Every component alive and past start-up."""
+    return bool(report.components) and all(c.alive and c.state == "ready"
+                                           for c in report.components)
 
 
 def _error_response(err: ApiError, request_id: str) -> JSONResponse:
@@ -61,7 +83,7 @@ def build_app(state: GatewayState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        ok = not state.draining
+        ok = not state.draining and await state.engine_ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:

@@ -85,3 +85,17 @@ def test_shapes():
     assert chat.chunk(None, "stop")["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
                                                       "finish_reason": "stop"}
     assert chat.usage_chunk(u)["choices"] == []
+
+
+def test_ready_needs_every_component_ready():
+    from components.gateway.app import all_ready
+    from schemas.client import ComponentStatus, StatusReport
+
+    def report(*states, alive=True):
+        return StatusReport("q", tuple(ComponentStatus(f"c{i}", 1, alive, s, 0, 0.0)
+                                       for i, s in enumerate(states)))
+    assert all_ready(report("ready", "ready"))
+    assert not all_ready(report("ready", "starting"))       # the model still loading
+    assert not all_ready(report("ready", "dead"))
+    assert not all_ready(report("ready", alive=False))
+    assert not all_ready(report())
