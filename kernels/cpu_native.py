@@ -90,6 +90,8 @@ def load() -> ctypes.CDLL:
                                           ctypes.c_int]
         lib.weir_rope.restype = None
         lib.weir_rope.argtypes = [ctypes.c_int, vp, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+        lib.weir_write_kv.restype = None
+        lib.weir_write_kv.argtypes = [vp, vp, i64, vp, vp, i64, vp, i64]
         lib.weir_silu_mul.restype = None
         lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
         _lib = lib
@@ -105,20 +107,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("native attention needs contiguous q and caches")
     out = torch.empty_like(q)
-    rows = torch.arange(q.shape[0])
-    seqs = meta.token_seq.contiguous()
-    row_lens = (meta.positions + 1).to(torch.int32)
-    tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+    args = meta.derived.get("cpu")
+    if args is None:            # once per step, not per layer
+        args = meta.derived["cpu"] = (meta.token_seq.contiguous(),
+                                      (meta.positions + 1).to(torch.int32),
+                                      meta.block_tables.contiguous(), meta.seq_lens.contiguous())
+    seqs, row_lens, tables, lens = args
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        rows.data_ptr(), seqs.data_ptr(), rows.numel(), tables.data_ptr(), tables.shape[1],
+        None, seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), row_lens.data_ptr(), heads, k_cache.shape[2], dim, k_cache.shape[1],
         scale, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
     return out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """:func:`torch_ref.write_kv` natively: rows of ``k``/``v`` [T, kv_heads, dim] may be
+    views with a row stride (the fused qkv projection); other layouts go through torch."""
+    row = k.shape[1] * k.shape[2]
+    if not (k.dtype == v.dtype == k_cache.dtype and k.shape == v.shape
+            and k.stride(0) == v.stride(0) and k.stride(1) == k.shape[2] and k.stride(2) == 1
+            and v.stride(1) == v.shape[2] and v.stride(2) == 1 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and meta.slot_mapping.dtype == torch.long
+            and row == k_cache.shape[2] * k_cache.shape[3]):
+        return torch_ref.write_kv(k_cache, v_cache, k, v, meta)
+    size = k.element_size()
+    slots = meta.slot_mapping.contiguous()
+    load().weir_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * size, k_cache.data_ptr(),
+                         v_cache.data_ptr(), row * size, slots.data_ptr(), slots.numel())
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -177,7 +198,7 @@ class CpuBackend:
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"the native CPU kernel supports {list(_DTYPES)}, not {dtype}")
         load()
-        self.write_kv = torch_ref.write_kv
+        self.write_kv = write_kv
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -41,6 +41,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths
     block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
     token_seq: torch.Tensor | None = None   # [T] long: the sequence of each new token
+    # per-step values a backend derives once and reuses in every layer (e.g. the native CPU
+    # kernel's row lengths), keyed by the backend
+    derived: dict = field(default_factory=dict, repr=False)
     _group_inputs: tuple | None = field(default=None, repr=False)
     _groups: list[AttentionGroup] | None = field(default=None, repr=False)
 

@@ -265,12 +265,13 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int32_t* row_lens, int64_t heads, int64_t kv_heads,
                       int64_t block_size, float scale, int num_threads) {
     auto row_len = [&](int64_t i) -> int64_t { return row_lens ? row_lens[i] : seq_lens[seqs[i]]; };
+    auto row = [&](int64_t i) -> int64_t { return rows ? rows[i] : i; };
 #if defined(__AVX512F__)
     // tiles: runs of up to kTile entries of one sequence at consecutive rows and positions
     std::vector<int64_t> starts;
     starts.reserve(static_cast<size_t>(n) + 1);
     for (int64_t i = 0; i < n; ++i)
-        if (i == 0 || seqs[i] != seqs[i - 1] || rows[i] != rows[i - 1] + 1
+        if (i == 0 || seqs[i] != seqs[i - 1] || row(i) != row(i - 1) + 1
                 || row_len(i) != row_len(i - 1) + 1 || i - starts.back() == kTile)
             starts.push_back(i);
     starts.push_back(n);
@@ -294,7 +295,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         const int64_t nq = kv_heads * kTile * G;
         thread_local std::vector<float> buf;
         buf.resize(static_cast<size_t>(nq * (lpad + D)));
-        attend_tile<T, D, G>(q, k_cache, v_cache, out, rows[i0], nrows, lens, kv_heads,
+        attend_tile<T, D, G>(q, k_cache, v_cache, out, row(i0), nrows, lens, kv_heads,
                              block_tables + seqs[i0] * table_width, heads, block_size, scale,
                              buf.data(), lpad, buf.data() + nq * lpad);
     }
@@ -305,7 +306,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         const int64_t s = seqs[i], len = row_len(i);
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
-        attend<T, D, G>(q, k_cache, v_cache, out, rows[i], h, len,
+        attend<T, D, G>(q, k_cache, v_cache, out, row(i), h, len,
                         block_tables + s * table_width, heads, kv_heads * D, block_size, scale,
                         scores.data());
     }
@@ -346,8 +347,25 @@ int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
 
 extern "C" {
 
+// Store n new key and value rows (row_bytes each: all kv heads; source rows src_stride
+// bytes apart, e.g. views into the fused qkv projection) at their cache slots; slot -1 =
+// skip. The same bytes torch's index_copy_ writes, without its ~20 us per call.
+void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cache,
+                   void* v_cache, int64_t row_bytes, const int64_t* slots, int64_t n) {
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        std::memcpy(static_cast<char*>(k_cache) + slots[i] * row_bytes, ks + i * src_stride,
+                    static_cast<size_t>(row_bytes));
+        std::memcpy(static_cast<char*>(v_cache) + slots[i] * row_bytes, vs + i * src_stride,
+                    static_cast<size_t>(row_bytes));
+    }
+}
+
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
-// (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Row i attends the first
+// (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Entry i (query row
+// rows[i], or i when rows is null) attends the first
 // row_lens[i] keys of sequence seqs[i] (or seq_lens[seqs[i]] when row_lens is null): a
 // prefill token at position p passes p + 1, which makes it causal.
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,

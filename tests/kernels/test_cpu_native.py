@@ -88,3 +88,16 @@ def test_portable_kernel_matches_reference():
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                        env={**os.environ, "WEIR_CPU_KERNEL_PORTABLE": "1"}, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference_on_qkv_views(dtype):
+    rng = random.Random(11)
+    _, k, v, kc, vc, meta = random_paged_case(rng, "cpu", dtype, 16, 3, 3, [5, 1, 40], [0, 20, 33])
+    qkv = torch.cat([torch.randn(k.shape[0], 9 * 64).to(dtype), k.flatten(1), v.flatten(1)], 1)
+    kview = qkv[:, 9 * 64:12 * 64].view(-1, 3, 64)           # row stride 15 * 64, as the model
+    vview = qkv[:, 12 * 64:].view(-1, 3, 64)
+    want_k, want_v = kc.clone(), vc.clone()
+    torch_ref.write_kv(want_k, want_v, k, v, meta)
+    cpu_native.write_kv(kc, vc, kview, vview, meta)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
