@@ -137,7 +137,9 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     Top-k is applied first, then top-p on the renormalised survivors.
     """
     rows, vocab = logits.shape
-    out = logits.argmax(dim=-1)
+    native = (_native is not None and logits.device.type == "cpu"
+              and logits.dtype == torch.float32)
+    out = _native.argmax(logits) if native else logits.argmax(dim=-1)
     temp = torch.tensor(temperature, dtype=torch.float32)
     rand = (temp > 0).nonzero()[:, 0].tolist()
     if not rand:

@@ -96,3 +96,24 @@ void weir_sample(const float* logits, int64_t rows, int64_t vocab, const float* 
 }
 
 }
+
+extern "C" {
+
+// Greedy: the first index of each row's maximum (as torch.argmax), rows in parallel. NaN
+// rows are not special-cased: logits of a finite model are finite.
+void weir_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t* out,
+                 int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* x = logits + r * vocab;
+        // vectorizable max, then the first position that holds it
+        float m = x[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 0; i < vocab; ++i) m = x[i] > m ? x[i] : m;
+        int64_t at = 0;
+        while (at < vocab - 1 && x[at] != m) ++at;
+        out[r] = at;
+    }
+}
+
+}

@@ -24,6 +24,8 @@ def _sample(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, index=0):
 
 def test_greedy_is_argmax():
     x = _logits(8)
+    x[2, 7] = x[2, 4000] = x[2, V - 1] = 100.0           # ties: the first maximum, as torch
+    x[5, V - 1] = 100.0                                  # the last position
     assert torch.equal(_sample(x, temperature=0.0, seeds=list(range(8))), x.argmax(-1))
 
 
