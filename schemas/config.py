@@ -102,7 +102,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 2048
     lookahead_tokens: int = 16
 
     def __post_init__(self) -> None:

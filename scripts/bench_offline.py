@@ -79,8 +79,9 @@ def bench_weir(prompts, out_len: int, dtype: str, repeats: int, budget: int,
 dtype = "{dtype}"
 [scheduler]
 max_num_seqs = {max(len(prompts), 1)}
-max_num_batched_tokens = {budget}
 """
+    if budget:
+        toml += f"max_num_batched_tokens = {budget}\n"
     if trace:
         toml += f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n'
     batches = [prompts] + [make_prompts(len(prompts), len(prompts[0]), 49152, seed=r + 1)
@@ -133,7 +134,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget", type=int, default=512, help="Weir max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="Weir's scheduler.max_num_batched_tokens (default: the engine's own)")
     ap.add_argument("--skip-hf", action="store_true", help="only Weir (and vLLM if asked)")
     ap.add_argument("--trace", default="", help="write Weir's spans (JSONL) to this file")
     ap.add_argument("--with-vllm", action="store_true",

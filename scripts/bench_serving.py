@@ -139,11 +139,12 @@ def weir_engine_stats(run_dir: str) -> str:
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
 
-def start_weir(port: int, dtype: str, trace: str = "", budget: int = 512) -> subprocess.Popen:
+def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0) -> subprocess.Popen:
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
-    cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\nmax_num_seqs = 256\n"
-                   f"max_num_batched_tokens = {budget}\n[gateway]\nport = {port}\n"
+    cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\n"
+                   + (f"max_num_batched_tokens = {budget}\n" if budget else "")
+                   + f"[gateway]\nport = {port}\n"
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
@@ -179,8 +180,9 @@ def main() -> None:
     ap.add_argument("--weir-port", type=int, default=8100)
     ap.add_argument("--vllm-port", type=int, default=8200)
     ap.add_argument("--trace", default="", help="write Weir's spans (JSONL) to this file")
-    ap.add_argument("--budget", type=int, default=512,
-                    help="Weir's scheduler.max_num_batched_tokens (tokens per step)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="Weir's scheduler.max_num_batched_tokens (tokens per step; "
+                         "default: the engine's own)")
     args = ap.parse_args()
     py = ensure_vllm_venv()
     hf_dir = ensure_hf_dir()
