@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import signal
 import subprocess
 import sys
@@ -183,48 +184,73 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=0,
                     help="Weir's scheduler.max_num_batched_tokens (tokens per step; "
                          "default: the engine's own)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the whole comparison this many times; prints every run and the "
+                         "medians (this machine is noisy: quote medians)")
     args = ap.parse_args()
     py = ensure_vllm_venv()
     hf_dir = ensure_hf_dir()
-    rows, notes = [], []
-    for rate in args.rates.split(","):
-        weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget)
-        try:
-            wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
-            cpu0 = component_cpu(weir.pid)
-            rows.append(("weir", rate, summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))))
-            cpu = {k: v - cpu0.get(k, 0.0) for k, v in component_cpu(weir.pid).items()}
-            notes.append(f"weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
-                         f"duration {rows[-1][2]['duration']:.1f} s; client process CPU "
-                         f"{rows[-1][2]['client_cpu_s']:.1f} s (incl. its start-up); Weir CPU s: "
-                         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(),
-                                                                        key=lambda kv: -kv[1])))
-        finally:
-            stop(weir)
-        if args.with_vllm:
-            vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate)
+    rows, notes = [], []                 # rows: (repeat, engine, rate, summary)
+    for rep in range(args.repeats):
+        for rate in args.rates.split(","):
+            weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget)
             try:
-                wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
-                rows.append(("vllm-cpu", rate, summary(run_bench(py, args.vllm_port, hf_dir, args,
-                                                                 "vllm", rate))))
+                wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
+                cpu0 = component_cpu(weir.pid)
+                res = summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))
+                rows.append((rep, "weir", rate, res))
+                cpu = {k: v - cpu0.get(k, 0.0) for k, v in component_cpu(weir.pid).items()}
+                notes.append(f"run {rep + 1} weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
+                             f"duration {res['duration']:.1f} s; client process CPU "
+                             f"{res['client_cpu_s']:.1f} s (incl. its start-up); Weir CPU s: "
+                             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(),
+                                                                            key=lambda kv: -kv[1])))
             finally:
-                stop(vllm)
+                stop(weir)
+            if args.with_vllm:
+                vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate)
+                try:
+                    wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
+                    rows.append((rep, "vllm-cpu", rate,
+                                 summary(run_bench(py, args.vllm_port, hf_dir, args, "vllm", rate))))
+                finally:
+                    stop(vllm)
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
           f"{args.dtype}")
-    print(f"{'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9}")
-    for name, rate, s in rows:
-        print(f"{name:10} {rate:>5} {s['completed']:>5} {s['output_throughput']:>10.1f} "
+    head = (f"{'run':>3} {'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
+            f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    print(head)
+    for rep, name, rate, s in rows:
+        print(f"{rep + 1:>3} {name:10} {rate:>5} {s['completed']:>5} {s['output_throughput']:>10.1f} "
               f"{s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} {s['p50_tpot_ms']:>9.1f} "
               f"{s['p99_tpot_ms']:>9.1f}")
     for note in notes:
         print(note)
+    keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
+    med = {}
     for rate in args.rates.split(","):
-        by = {n: s for n, r, s in rows if r == rate}
-        if "weir" in by and "vllm-cpu" in by:
-            ratio = by["weir"]["output_throughput"] / by["vllm-cpu"]["output_throughput"]
-            print(f"rate {rate}: weir / vllm-cpu output tok/s = {ratio:.2f}")
-
+        for name in ("weir", "vllm-cpu"):
+            got = [s for _, n, r, s in rows if n == name and r == rate]
+            if got:
+                med[name, rate] = {k: statistics.median(s[k] for s in got) for k in keys}
+    if args.repeats > 1:
+        print(f"\nmedians of {args.repeats} runs")
+        print(head.replace("run", "   ", 1))
+        for (name, rate), m in med.items():
+            print(f"{'':>3} {name:10} {rate:>5} {'':>5} {m['output_throughput']:>10.1f} "
+                  f"{m['p50_ttft_ms']:>9.1f} {m['p99_ttft_ms']:>9.1f} {m['p50_tpot_ms']:>9.1f} "
+                  f"{m['p99_tpot_ms']:>9.1f}")
+    for rate in args.rates.split(","):
+        for rep in range(args.repeats):
+            by = {n: s for r_, n, r, s in rows if r == rate and r_ == rep}
+            if "weir" in by and "vllm-cpu" in by:
+                print(f"run {rep + 1} rate {rate}: weir / vllm-cpu output tok/s = "
+                      f"{by['weir']['output_throughput'] / by['vllm-cpu']['output_throughput']:.2f}")
+        if ("weir", rate) in med and ("vllm-cpu", rate) in med:
+            w, v = med["weir", rate], med["vllm-cpu", rate]
+            print(f"rate {rate}: median weir / vllm-cpu output tok/s = "
+                  f"{w['output_throughput'] / v['output_throughput']:.2f}; TPOT p99 median "
+                  f"{w['p99_tpot_ms']:.1f} vs {v['p99_tpot_ms']:.1f} ms")
 
 if __name__ == "__main__":
     main()
