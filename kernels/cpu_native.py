@@ -29,7 +29,7 @@ from kernels.metadata import AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
-            _CSRC / "cpu_fused.cpp"]
+            _CSRC / "cpu_fused.cpp", _CSRC / "cpu_gemv.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -85,6 +85,10 @@ def load() -> ctypes.CDLL:
         s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
                       + [ctypes.c_int])
         i64, vp = ctypes.c_int64, ctypes.c_void_p
+        lib.weir_gemv_supported.restype = ctypes.c_int
+        lib.weir_gemv_supported.argtypes = []
+        lib.weir_gemv_bf16.restype = ctypes.c_int
+        lib.weir_gemv_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
         lib.weir_argmax.argtypes = [vp, i64, i64, vp, ctypes.c_int]
         lib.weir_add_rms_norm.restype = None
@@ -157,6 +161,38 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     load().weir_sample(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), k.data_ptr(),
                        p.data_ptr(), uu.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+SMALL_BATCH_MAX = 256     # beyond this oneDNN's blocked GEMM is as fast or faster
+
+
+def small_batch_supported() -> bool:
+    """Whether this CPU runs the small-batch bf16 linear kernel (AVX512-BF16)."""
+    return bool(load().weir_gemv_supported())
+
+
+def pack_small_batch(w: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight [N, K] in the small-batch kernel's layout [N/16, K/2, 16, 2], or None
+    when its shape does not fit (N % 16, K % 2)."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % 16 or k % 2:
+        return None
+    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` for bf16 ``x`` [M, K] against ``pack_small_batch(w)``."""
+    nb, kp = packed.shape[0], packed.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = x.new_empty(x.shape[0], nb * 16)
+    rc = load().weir_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(),
+                               x.shape[0], nb * 16, kp * 2, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"small-batch linear refused {tuple(x.shape)} x {nb * 16}")
+    return y
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -91,11 +91,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA
     cpu_packed_weights: bool = True                     # oneDNN-blocked linear weights on CPU
+    # bf16 on AVX512-BF16 CPUs: steps of at most this many tokens use the native small-batch
+    # linear kernel (a second copy of the weights in its layout); 0 = off
+    cpu_small_batch_max: int = 64
     cuda_graph_max_batch: int = 256                     # largest captured bucket
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
         _require(self.num_threads >= 0, "engine.num_threads must be >= 0")
+        _require(0 <= self.cpu_small_batch_max <= 256,
+                 "engine.cpu_small_batch_max must be in [0, 256]")
         _require(1 <= self.cuda_graph_max_batch <= 1024,
                  "engine.cuda_graph_max_batch must be in [1, 1024]")
 

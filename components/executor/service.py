@@ -66,7 +66,8 @@ class ExecutorService(Component):
             eng.device == "auto" and torch.cuda.is_available()) else "cpu")
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
-                           pack_weights=eng.cpu_packed_weights)
+                           pack_weights=eng.cpu_packed_weights,
+                           small_batch_max=eng.cpu_small_batch_max)
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
         graphs = None

@@ -101,3 +101,27 @@ def test_write_kv_matches_reference_on_qkv_views(dtype):
     torch_ref.write_kv(want_k, want_v, k, v, meta)
     cpu_native.write_kv(kc, vc, kview, vview, meta)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@pytest.mark.skipif(not cpu_native.small_batch_supported(), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (160, 2)])
+def test_small_batch_linear_matches_float_reference(n, k):
+    """bf16 products are exact in float32, so only the summation order and the final
+    rounding differ from a float32 reference: within bf16's half-ulp, scaled by the sum."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    for m in (1, 3, 8, 9, 17, 64):                  # one pass, 8-row passes and a remainder
+        x = torch.randn(m + 2, k, generator=g).bfloat16()[1:m + 1]   # a row-strided view
+        for bias in (None, b):
+            want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+            got = cpu_native.small_batch_linear(x, packed, bias).float()
+            scale = (x.float().abs() @ w.float().abs().T + 1).max()
+            assert (got - want).abs().max() <= 2 ** -8 * scale
+
+
+def test_small_batch_pack_refuses_unfit_shapes():
+    assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
+    assert cpu_native.pack_small_batch(torch.randn(48, 63).bfloat16()) is None     # k % 2
+    assert cpu_native.pack_small_batch(torch.randn(48, 64)) is None                # float32

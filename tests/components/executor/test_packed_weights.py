@@ -52,3 +52,25 @@ def test_fused_native_ops_equal_the_torch_forward(dtype, tol):
         outs[name] = torch.cat(got)
     err = ((outs["fused"] - outs["plain"]).abs().max() / outs["plain"].abs().max()).item()
     assert err <= tol, err
+
+
+@pytest.mark.parametrize("steps", [([5, 1, 9], [0, 0, 0]), ([1, 1, 1], [5, 1, 9])])
+def test_small_batch_kernel_equals_onednn(steps):
+    """bf16 steps of few tokens through the native small-batch linear kernel give oneDNN's
+    logits within bf16 rounding (prefill and decode shapes)."""
+    from kernels import cpu_native
+    weights = random_weights(SHAPE, seed=5)
+    small = LlamaModel(SHAPE, weights, dtype=torch.bfloat16, small_batch_max=64)
+    onednn = LlamaModel(SHAPE, weights, dtype=torch.bfloat16, small_batch_max=0)
+    if small.small_max == 0:
+        pytest.skip("no native small-batch kernel on this CPU")
+    assert onednn.small_max == 0 and small.layers[0].qkv_s is not None
+    lens, ctx = steps
+    meta = AttentionMetadata.build(lens, ctx, [[0, 1], [2, 3], [4, 5]], 16)
+    ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(2))
+    rows = torch.cumsum(torch.tensor(lens), 0) - 1
+    outs = [m.forward(ids, meta.positions, m.new_kv_cache(8, 16), meta, rows)
+            for m in (small, onednn)]
+    err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+    assert err <= 2e-2, err
+    assert cpu_native.small_batch_supported()
