@@ -7,6 +7,7 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
   dtype on a large matmul.
 
     python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
+        [--breakdown 1]
 
 Prints ms/step (median of ``--steps``), tokens/s, and each floor as a fraction achieved.
 """
@@ -86,6 +87,39 @@ class DecodeBench:
         return time.perf_counter() - t0
 
 
+def time_parts(model: LlamaModel) -> dict[str, float]:
+    """Wrap the forward's parts (native kernels, oneDNN GEMMs, metadata, sampling) with
+    wall-clock timers; returns the dict they add seconds to. The native calls are invisible
+    to torch.profiler (ctypes), so this is the step's profile."""
+    import components.executor.runner as runner_mod
+    import kernels.metadata as meta_mod
+
+    spent: dict[str, float] = {}
+
+    def timed(fn, label):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+        return call
+
+    native = model.native
+    if native is not None:
+        for name, label in (("paged_attention", "attention"), ("add_rms_norm", "add+rmsnorm"),
+                            ("rope_", "rope"), ("silu_mul", "silu*up"),
+                            ("small_batch_linear", "linear (small-batch kernel)"),
+                            ("argmax", "argmax"), ("write_kv", "kv write")):
+            setattr(native, name, timed(getattr(native, name), label))
+        if getattr(model.backend, "name", "") == "cpu":
+            model.backend.write_kv = native.write_kv
+    model._linear = timed(model._linear, "linear (oneDNN)")
+    meta_mod.AttentionMetadata.build = timed(meta_mod.AttentionMetadata.build, "metadata")
+    runner_mod.sample = timed(runner_mod.sample, "sampling")
+    return spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -95,6 +129,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--profile", type=int, default=0, help="print an operator profile at this batch")
     ap.add_argument("--backend", default="auto", help="attention backend (auto, cpu, torch)")
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="after the table, time each part of the step at this batch")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,6 +168,19 @@ def main() -> None:
                 for _ in range(3):
                     bench.decode()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.breakdown:               # last: the timers stay wrapped around the model
+        b = args.breakdown
+        bench = DecodeBench(model, b, args.context)
+        for _ in range(2):
+            bench.decode()
+        spent = time_parts(model)
+        n = args.steps
+        total = sum(bench.decode() for _ in range(n))
+        parts = sorted(spent.items(), key=lambda kv: -kv[1])
+        print(f"batch {b} breakdown, ms/step (mean of {n}): total {total / n * 1e3:.2f}; "
+              + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in parts)
+              + f", rest (Python, embedding, logits cast) "
+                f"{(total - sum(spent.values())) / n * 1e3:.2f}")
 
 
 if __name__ == "__main__":
