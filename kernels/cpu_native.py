@@ -77,8 +77,8 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
         f = lib.weir_decode_attention
         f.restype = ctypes.c_int
-        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4
+        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
                       + [ctypes.c_float, ctypes.c_int])
         s = lib.weir_sample
         s.restype = None
@@ -104,6 +104,16 @@ def load() -> ctypes.CDLL:
     return _lib
 
 
+def available() -> bool:
+    """Whether the native library builds and loads here (False: no compiler, or it failed;
+    callers fall back to torch)."""
+    try:
+        load()
+    except (ValueError, OSError):
+        return False
+    return True
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Every new token at once, decode and prefill alike: the token at position p attends
@@ -117,14 +127,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if args is None:            # once per step, not per layer
         args = meta.derived["cpu"] = (meta.token_seq.contiguous(),
                                       (meta.positions + 1).to(torch.int32),
-                                      meta.block_tables.contiguous(), meta.seq_lens.contiguous())
-    seqs, row_lens, tables, lens = args
+                                      meta.block_tables.contiguous())
+    seqs, row_lens, tables = args
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        None, seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), row_lens.data_ptr(), heads, k_cache.shape[2], dim, k_cache.shape[1],
-        scale, torch.get_num_threads())
+        seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1], row_lens.data_ptr(),
+        heads, k_cache.shape[2], dim, k_cache.shape[1], scale, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")

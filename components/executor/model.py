@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionBackend, AttentionMetadata, KVCache, get_backend
+from kernels import AttentionBackend, AttentionMetadata, KVCache, cpu_native, get_backend
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
     from schemas.model import ModelSpec
@@ -83,13 +83,8 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(d)
         self.native = None
         if native_ops and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
-                and d <= 256:
-            try:
-                from kernels import cpu_native
-                cpu_native.load()
-                self.native = cpu_native
-            except (ValueError, OSError):
-                self.native = None
+                and d <= 256 and cpu_native.available():
+            self.native = cpu_native
         self._pack_small_batch(small_batch_max)
         self.packed = pack_weights and self.device.type == "cpu" and _can_pack()
         if self.packed:

@@ -16,23 +16,15 @@ import os
 
 import torch
 
+from kernels import cpu_native
+
 _MASK64 = (1 << 64) - 1
 
 
-def _load_native():
-    """The native CPU sampler (kernels/csrc/cpu_sampling.cpp), or None: no compiler, or
-    WEIR_NATIVE_SAMPLING=0."""
-    if os.environ.get("WEIR_NATIVE_SAMPLING", "1") == "0":
-        return None
-    try:
-        from kernels import cpu_native
-        cpu_native.load()
-        return cpu_native
-    except (ValueError, OSError):
-        return None
-
-
-_native = _load_native()
+# The native CPU sampler (kernels/csrc/cpu_sampling.cpp), or None: no compiler, or
+# WEIR_NATIVE_SAMPLING=0.
+_native = (cpu_native if os.environ.get("WEIR_NATIVE_SAMPLING", "1") != "0"
+           and cpu_native.available() else None)
 _process_generator: torch.Generator | None = None
 
 
@@ -137,9 +129,9 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     Top-k is applied first, then top-p on the renormalised survivors.
     """
     rows, vocab = logits.shape
-    native = (_native is not None and logits.device.type == "cpu"
-              and logits.dtype == torch.float32)
-    out = _native.argmax(logits) if native else logits.argmax(dim=-1)
+    native = _native is not None and logits.device.type == "cpu"
+    out = (_native.argmax(logits) if native and logits.dtype == torch.float32
+           else logits.argmax(dim=-1))
     temp = torch.tensor(temperature, dtype=torch.float32)
     rand = (temp > 0).nonzero()[:, 0].tolist()
     if not rand:
@@ -147,7 +139,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)
     k = torch.tensor([top_k[i] for i in rand], dtype=torch.long)
     u = _uniforms([seeds[i] for i in rand], [output_index[i] for i in rand])
-    if _native is not None and logits.device.type == "cpu":
+    if native:
         picked = _native.sample(logits[rand].float(), temp[rand], k, p, u)
         out[torch.tensor(rand)] = picked
         return out

@@ -260,19 +260,16 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row,
 
 template <typename T, int D, int G>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
-                      const int64_t* rows, const int64_t* seqs, int64_t n,
-                      const int32_t* block_tables, int64_t table_width, const int32_t* seq_lens,
-                      const int32_t* row_lens, int64_t heads, int64_t kv_heads,
-                      int64_t block_size, float scale, int num_threads) {
-    auto row_len = [&](int64_t i) -> int64_t { return row_lens ? row_lens[i] : seq_lens[seqs[i]]; };
-    auto row = [&](int64_t i) -> int64_t { return rows ? rows[i] : i; };
+                      const int64_t* seqs, int64_t n, const int32_t* block_tables,
+                      int64_t table_width, const int32_t* row_lens, int64_t heads,
+                      int64_t kv_heads, int64_t block_size, float scale, int num_threads) {
 #if defined(__AVX512F__)
-    // tiles: runs of up to kTile entries of one sequence at consecutive rows and positions
+    // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
     std::vector<int64_t> starts;
     starts.reserve(static_cast<size_t>(n) + 1);
     for (int64_t i = 0; i < n; ++i)
-        if (i == 0 || seqs[i] != seqs[i - 1] || row(i) != row(i - 1) + 1
-                || row_len(i) != row_len(i - 1) + 1 || i - starts.back() == kTile)
+        if (i == 0 || seqs[i] != seqs[i - 1] || row_lens[i] != row_lens[i - 1] + 1
+                || i - starts.back() == kTile)
             starts.push_back(i);
     starts.push_back(n);
     const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
@@ -286,16 +283,16 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         if (tile + num_threads < tiles) {
             const int64_t i1 = starts[tile + num_threads];
             prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
-                                       block_size, kv_heads * D, 0, 16, row_len(i1));
+                                       block_size, kv_heads * D, 0, 16, row_lens[i1]);
         }
         const int nrows = static_cast<int>(starts[tile + 1] - i0);
         int32_t lens[kTile];
-        for (int r = 0; r < nrows; ++r) lens[r] = static_cast<int32_t>(row_len(i0 + r));
+        for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
         const int64_t lpad = (lens[nrows - 1] + 15) / 16 * 16;
         const int64_t nq = kv_heads * kTile * G;
         thread_local std::vector<float> buf;
         buf.resize(static_cast<size_t>(nq * (lpad + D)));
-        attend_tile<T, D, G>(q, k_cache, v_cache, out, row(i0), nrows, lens, kv_heads,
+        attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
                              block_tables + seqs[i0] * table_width, heads, block_size, scale,
                              buf.data(), lpad, buf.data() + nq * lpad);
     }
@@ -303,10 +300,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < n * kv_heads; ++item) {
         const int64_t i = item / kv_heads, h = item % kv_heads;
-        const int64_t s = seqs[i], len = row_len(i);
+        const int64_t s = seqs[i], len = row_lens[i];
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
-        attend<T, D, G>(q, k_cache, v_cache, out, row(i), h, len,
+        attend<T, D, G>(q, k_cache, v_cache, out, i, h, len,
                         block_tables + s * table_width, heads, kv_heads * D, block_size, scale,
                         scores.data());
     }
@@ -315,13 +312,12 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 
 // The shapes compiled in: head_dim 64 or 128; 1..8 query heads per kv head.
 template <typename T, int D>
-int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* rows,
-               const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* lens,
-               const int32_t* rlens, int64_t heads, int64_t kv_heads, int64_t bs, float scale,
-               int threads) {
+int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* seqs,
+               int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens, int64_t heads,
+               int64_t kv_heads, int64_t bs, float scale, int threads) {
     switch (g) {
-#define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, rows, seqs, n, bt, w, lens, \
-                                                    rlens, heads, kv_heads, bs, scale, threads); \
+#define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
+                                                    kv_heads, bs, scale, threads); \
                           return 0;
         WEIR_G(1) WEIR_G(2) WEIR_G(3) WEIR_G(4) WEIR_G(5) WEIR_G(6) WEIR_G(7) WEIR_G(8)
 #undef WEIR_G
@@ -331,15 +327,14 @@ int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int6
 
 template <typename T>
 int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
-             const int64_t* rows, const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w,
-             const int32_t* lens, const int32_t* rlens, int64_t heads, int64_t kv_heads,
-             int64_t bs, float scale, int threads) {
+             const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens,
+             int64_t heads, int64_t kv_heads, int64_t bs, float scale, int threads) {
     if (dim == 64)
-        return dispatch_g<T, 64>(g, q, k, v, out, rows, seqs, n, bt, w, lens, rlens, heads,
-                                 kv_heads, bs, scale, threads);
+        return dispatch_g<T, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, kv_heads, bs,
+                                 scale, threads);
     if (dim == 128)
-        return dispatch_g<T, 128>(g, q, k, v, out, rows, seqs, n, bt, w, lens, rlens, heads,
-                                  kv_heads, bs, scale, threads);
+        return dispatch_g<T, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, kv_heads, bs,
+                                  scale, threads);
     return -1;
 }
 
@@ -364,29 +359,27 @@ void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cac
 }
 
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
-// (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Entry i (query row
-// rows[i], or i when rows is null) attends the first
-// row_lens[i] keys of sequence seqs[i] (or seq_lens[seqs[i]] when row_lens is null): a
-// prefill token at position p passes p + 1, which makes it causal.
+// (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Query row i
+// attends the first row_lens[i] keys of sequence seqs[i]: a token at position p passes
+// p + 1, which makes prefill causal.
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
-                          void* out, const int64_t* rows, const int64_t* seqs, int64_t n,
+                          void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
-                          const int32_t* seq_lens, const int32_t* row_lens, int64_t heads,
-                          int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                          int num_threads) {
+                          const int32_t* row_lens, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t block_size, float scale, int num_threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
     const int64_t g = heads / kv_heads;
     if (dtype == 0)
         return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),
-                        static_cast<const float*>(v_cache), static_cast<float*>(out), rows, seqs,
-                        n, block_tables, table_width, seq_lens, row_lens, heads, kv_heads,
-                        block_size, scale, num_threads);
+                        static_cast<const float*>(v_cache), static_cast<float*>(out), seqs, n,
+                        block_tables, table_width, row_lens, heads, kv_heads, block_size, scale,
+                        num_threads);
     if (dtype == 1)
         return dispatch(dim, g, static_cast<const uint16_t*>(q),
                         static_cast<const uint16_t*>(k_cache),
-                        static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), rows,
-                        seqs, n, block_tables, table_width, seq_lens, row_lens, heads, kv_heads,
-                        block_size, scale, num_threads);
+                        static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), seqs,
+                        n, block_tables, table_width, row_lens, heads, kv_heads, block_size,
+                        scale, num_threads);
     return -1;
 }
 
