@@ -88,24 +88,37 @@ class BusSocket(Generic[T]):
 
     async def recv(self, on_malformed=None) -> Received[T]:
         """Wait for the next well-formed message. Malformed frames are counted, logged
-        (type of error only, never the payload) and passed to ``on_malformed``."""
+        (type of error only, never the payload) and passed to ``on_malformed``.
+
+        Nothing a peer sends can make this raise: decoding fails only the counted way, and
+        an exception from ``on_malformed`` is logged and swallowed."""
         assert self.codec is not None, "send-only socket"
         while True:
             frames = await self._sock.recv_multipart(copy=True)
             identity = frames[0] if self.kind == zmq.ROUTER and len(frames) >= 2 else None
             data = frames[-1]
-            bad = len(frames) != (2 if self.kind == zmq.ROUTER else 1)
             try:
-                if bad:
-                    raise msgspec.DecodeError(f"expected one payload frame, got {len(frames)}")
-                return Received(self.codec.decode(data), identity)
-            except msgspec.DecodeError as exc:
-                if bad:
+                if len(frames) != (2 if self.kind == zmq.ROUTER else 1):
                     self.codec.malformed += 1
-                log.warning("malformed_message", socket=self.name, error=str(exc)[:200],
-                            size=len(data), count=self.codec.malformed)
-                if on_malformed is not None:
-                    await on_malformed(MalformedFrame(identity, data, str(exc)))
+                    error = f"expected one payload frame, got {len(frames)}"
+                else:
+                    return Received(self.codec.decode(data), identity)
+            except Exception as exc:         # Codec.decode raises only DecodeError, counted
+                error = str(exc)[:200]
+            self._log_malformed(error, len(data))
+            if on_malformed is not None:
+                try:
+                    await on_malformed(MalformedFrame(identity, data, error))
+                except Exception as exc:
+                    log.error("on_malformed_failed", socket=self.name, error=type(exc).__name__)
+
+    def _log_malformed(self, error: str, size: int) -> None:
+        """The first few malformed frames each, then one line per 1000 (a flood must not
+        become a flood of log lines)."""
+        count = self.malformed
+        if count <= 20 or count % 1000 == 0:
+            log.warning("malformed_message", socket=self.name, error=error, size=size,
+                        count=count)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -12,8 +12,12 @@ import zmq
 
 from bus.codec import Codec, encode, salvage_request_id
 from bus.socket import BusSocket, MalformedFrame
-from schemas.wire import (Cancel, ClientMsg, Envelope, KvGrant, KvGrants, SamplingParams,
-                          SchedulerMsg, StepPlan, StepResult, Submit)
+import zmq.asyncio
+
+from schemas.wire import (AdmissionMsg, Cancel, ClientMsg, ControlMsg, DetokenizerMsg, Envelope,
+                          ExecutorMsg, KvEventsMsg, KvGrant, KvGrants, KvMsg, SamplingParams,
+                          SchedulerMsg, StepPlan, StepResult, StreamerMsg, Submit, SupervisorMsg,
+                          TokenizerMsg)
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -158,3 +162,89 @@ async def test_pull_drops_malformed_and_returns_valid(tmp_path):
     finally:
         push.close()
         pull.close()
+
+
+# ---------------------------------------------------------------- hostile frames
+
+ALL_UNIONS = [ClientMsg, TokenizerMsg, AdmissionMsg, SchedulerMsg, KvMsg, ExecutorMsg,
+              DetokenizerMsg, StreamerMsg, SupervisorMsg, ControlMsg, KvEventsMsg]
+ENV = b"\x94\x01\x01\xc0"                  # [1, 1, nil, <body>]
+DEEP_ARRAY = b"\x91" * 100_000 + b"\xc0"   # the frame from the reliability issue
+DEEP_MAP = b"\x81\xa1k" * 100_000 + b"\xc0"
+
+PATHOLOGICAL = {
+    "deep_array": DEEP_ARRAY,
+    "deep_map": DEEP_MAP,
+    "deep_body": ENV + DEEP_ARRAY,
+    "deep_unknown_field": ENV + b"\x83\xa4type\xa9step_plan\xa7step_id\x01\xa1x" + DEEP_ARRAY,
+    "deep_request_id": ENV + b"\x82\xa4type\xa6submit\xaarequest_id" + DEEP_ARRAY,
+    "deep_envelope_field": b"\x94" + DEEP_ARRAY + b"\x01\xc0\x80",
+    "deep_ext": b"\xc7\x05\x01" + b"\x91" * 5,
+    "huge_array_len": ENV + b"\xdd\xff\xff\xff\xff",
+    "huge_map_len": ENV + b"\xdf\xff\xff\xff\xff",
+    "huge_str_len": ENV + b"\xdb\xff\xff\xff\xff",
+    "huge_bin_len": ENV + b"\xc6\xff\xff\xff\xff",
+    "huge_int_ids": b"\x94\xcf" + b"\xff" * 8 + b"\xd3" + b"\x80" + b"\x00" * 7 + b"\xc0\xc0",
+    "float_as_id": b"\x94\xcb" + b"\x7f\xf8" + b"\x00" * 6 + b"\x01\xc0\xc0",
+    "invalid_utf8_tag": ENV + b"\x81\xa4type\xa2\xff\xfe",
+    "timestamp_ext": ENV + b"\xd6\xff\xff\xff\xff\xff",
+    "bad_timestamp_ext": ENV + b"\xc7\x0c\xff" + b"\xff" * 12,
+    "nul": b"\x00",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("name", PATHOLOGICAL)
+def test_pathological_frames_fail_the_counted_way(name):
+    data = PATHOLOGICAL[name]
+    for union in ALL_UNIONS:
+        codec = Codec(union)
+        with pytest.raises(msgspec.DecodeError):
+            codec.decode(data)
+        assert codec.malformed == 1, union
+    assert salvage_request_id(data) is None
+
+
+def test_salvage_never_raises_on_the_issue_frame():
+    assert salvage_request_id(DEEP_ARRAY) is None
+    assert salvage_request_id(ENV + DEEP_MAP) is None
+    # an undecodable submit with a deeply nested unknown field: no id either, but no error
+    frame = ENV + b"\x83\xa4type\xa6submit\xaarequest_id\xa2r1\xa1x" + DEEP_ARRAY
+    assert salvage_request_id(frame) is None
+    # a large but shallow malformed frame is not searched
+    big = raw_envelope({"type": "submit", "request_id": "r1", "prompt": "x" * (1 << 20),
+                        "bogus": 1})
+    assert salvage_request_id(big) is None
+    small = raw_envelope({"type": "submit", "request_id": "r1", "prompt": [[["x"]]], "b": 1})
+    assert salvage_request_id(small) == "r1"
+
+
+@pytest.mark.anyio
+async def test_router_survives_the_issue_frame_and_a_failing_handler(tmp_path):
+    """The streamer's path: ROUTER.recv(on_malformed) salvages and replies. Neither the
+    frame nor an exception in the handler stops the receive loop."""
+    address = f"ipc://{tmp_path}/clients.sock"
+    router = BusSocket(zmq.ROUTER, "test.clients", ClientMsg).bind(address)
+    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    salvaged: list = []
+
+    async def on_malformed(frame: MalformedFrame) -> None:
+        salvaged.append(salvage_request_id(frame.data))
+        if len(salvaged) == 2:
+            raise RuntimeError("handler bug")
+
+    try:
+        for data in (DEEP_ARRAY, *PATHOLOGICAL.values()):
+            await dealer.send(data)
+        await dealer.send_multipart([b"a", b"b"])
+        await dealer.send(encode(Cancel("ok")))
+        with anyio.fail_after(10):
+            got = await router.recv(on_malformed)
+        assert got.body == Cancel("ok") and got.identity is not None
+        assert router.malformed == len(PATHOLOGICAL) + 2
+        assert salvaged == [None] * (len(PATHOLOGICAL) + 2)
+    finally:
+        dealer.close(0)
+        router.close()
