@@ -191,11 +191,14 @@ def pack_small_batch(w: torch.Tensor) -> torch.Tensor | None:
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for bf16 ``x`` [M, K] against ``pack_small_batch(w)``."""
+    """``F.linear(x, w, bias)`` for bf16 ``x`` [M, K] against ``pack_small_batch(w)``;
+    M = 0 gives an empty [0, N] (as ``F.linear`` does)."""
     nb, kp = packed.shape[0], packed.shape[1]
+    y = x.new_empty(x.shape[0], nb * 16)
+    if x.shape[0] == 0:
+        return y
     if x.stride(-1) != 1:
         x = x.contiguous()
-    y = x.new_empty(x.shape[0], nb * 16)
     rc = load().weir_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                None if bias is None else bias.data_ptr(), y.data_ptr(),
                                x.shape[0], nb * 16, kp * 2, torch.get_num_threads())

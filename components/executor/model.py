@@ -160,7 +160,8 @@ class LlamaModel:
         ``input_ids`` and ``positions`` are ``[T]`` long tensors laid out as in ``meta``;
         new keys/values are written to ``kv`` at ``meta.slot_mapping``. With
         ``logits_out`` (float32 ``[S, vocab]``, e.g. a CUDA graph's static output) the logits
-        are written there and it is returned.
+        are written there and it is returned. With no ``logits_indices`` the step only
+        fills the KV cache: the lm_head is skipped and the result is empty ``[0, vocab]``.
 
         No host syncs and no branching on tensor values, so with a graph-safe backend and
         :meth:`AttentionMetadata.for_decode_buffers` a call can be captured in a CUDA graph.
@@ -183,6 +184,13 @@ class LlamaModel:
             down = self._lin(self._silu_mul(gate_up), layer.down, None, layer.down_s)
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
             h, x = self._add_norm(h, down, following)
+        if logits_indices.numel() == 0:
+            # no row samples (a step of middle prefill chunks): the layers wrote the KV,
+            # which is all such a step is for; skip the final norm and lm_head (a shape
+            # test, not a value one, so a captured graph is unaffected)
+            if logits_out is not None:
+                return logits_out[:0]
+            return torch.empty(0, s.vocab_size, dtype=torch.float32, device=self.device)
         _, x = self._add_norm(h[logits_indices].contiguous(), None, self.norm)
         logits = self._lin(x, self.lm_head, None, self.lm_head_s)
         if logits_out is not None:

@@ -115,6 +115,8 @@ class ModelRunner:
                     rows.append(len(input_ids) - 1)
                     sampled.append((st.seq_id, s, k))
         n = len(query_lens)
+        if n == 0:                    # only drops and copies: no forward to run
+            return StepResult(plan.step_id, [], [], time.perf_counter_ns() - start)
         if (self.graphs is not None and len(input_ids) == n == len(rows)
                 and self.graphs.can_replay(n, max(context_lens) + 1)):
             # decode only, one sample each: replay the captured graph of this batch bucket
@@ -127,7 +129,7 @@ class ModelRunner:
             logits = self.model.forward(ids, meta.positions, self.kv, meta,
                                         torch.tensor(rows, dtype=torch.long, device=self.kv.device))
         tokens: list[int] = []
-        if sampled:
+        if sampled:                   # a step of middle prefill chunks samples nothing
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
             states = [s for _, s, _ in sampled]
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]

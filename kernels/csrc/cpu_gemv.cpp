@@ -68,11 +68,13 @@ int weir_gemv_supported() {
 }
 
 // x [m, k] bf16 rows ldx apart; wp packed [n/16][k/2][16][2]; bias [n] or null; y [m, n].
-// n % 16 == 0, k % 2 == 0, m >= 1. Returns 0, or -1 if unsupported.
+// n % 16 == 0, k % 2 == 0, m >= 0 (m == 0: nothing to do, e.g. the lm_head of a step in
+// which no row samples). Returns 0, or -1 if unsupported.
 int weir_gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
                    uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {
 #if defined(__AVX512BF16__)
-    if (n % 16 || k % 2 || m < 1) return -1;
+    if (n % 16 || k % 2 || m < 0) return -1;
+    if (m == 0) return 0;
     const int64_t blocks = n / 16, kp = k / 2, pairs = (blocks + 1) / 2;
     // two blocks (32 outputs) per item; up to 8 rows of x per pass over them (the blocks
     // stay in L1 for the second pass when m > 8)

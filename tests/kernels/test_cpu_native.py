@@ -121,6 +121,30 @@ def test_small_batch_linear_matches_float_reference(n, k):
             assert (got - want).abs().max() <= 2 ** -8 * scale
 
 
+@pytest.mark.skipif(not cpu_native.small_batch_supported(), reason="no AVX512-BF16 here")
+def test_small_batch_linear_of_no_rows_is_empty():
+    """M = 0 (the lm_head of a step in which no row samples) is an empty result, as
+    F.linear gives, at both the wrapper and the kernel; only a negative M is refused."""
+    w = torch.randn(48, 64).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    for bias in (None, torch.randn(48).bfloat16()):
+        got = cpu_native.small_batch_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed, bias)
+        assert got.shape == (0, 48) and got.dtype == torch.bfloat16
+    x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 48, dtype=torch.bfloat16)
+    call = lambda m: cpu_native.load().weir_gemv_bf16(  # noqa: E731
+        x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(), m, 48, 64, 1)
+    assert call(0) == 0 and call(-1) == -1
+
+
+def test_native_row_ops_take_no_rows():
+    """The other per-row native ops accept an empty batch too."""
+    assert cpu_native.argmax(torch.empty(0, 10)).shape == (0,)
+    assert cpu_native.silu_mul(torch.empty(0, 8)).shape == (0, 4)
+    out = torch.empty(0, 8)
+    cpu_native.add_rms_norm(torch.empty(0, 8), None, torch.ones(8), out, 1e-5)
+    assert cpu_native.sample(torch.empty(0, 10), *(torch.empty(0),) * 4).shape == (0,)
+
+
 def test_small_batch_pack_refuses_unfit_shapes():
     assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
     assert cpu_native.pack_small_batch(torch.randn(48, 63).bfloat16()) is None     # k % 2
