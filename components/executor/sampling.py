@@ -29,7 +29,10 @@ _process_generator: torch.Generator | None = None
 
 
 def _mix(seed: int, index: int) -> int:
-    """SplitMix64-style hash of ``(seed, index)`` to a 63-bit generator seed."""
+    """SplitMix64-style hash of ``(seed, index)`` to a 63-bit generator seed. Any Python
+    int is taken modulo 2^64 first (negative seeds, ``seed + k`` past 2^63), so no seed
+    can overflow anything."""
+    seed, index = seed & _MASK64, index & _MASK64
     x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -119,6 +122,12 @@ def _nucleus(sorted_probs: torch.Tensor, p: torch.Tensor, kk: torch.Tensor,
     return kept.masked_fill_(drop, 0.0).cumsum_(dim=-1)
 
 
+def _top_k(k: int, vocab: int) -> int:
+    """``top_k`` as the samplers take it: 0 (off) unless 0 < k < vocab, so any Python int
+    (2^63 and past, negative) fits an int64 and means what it says."""
+    return k if 0 < k < vocab else 0
+
+
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
            top_k: list[int], seeds: list[int | None], output_index: list[int]) -> torch.Tensor:
     """Pick one token per row of ``logits`` ``[S, vocab]``; returns a ``[S]`` long tensor.
@@ -133,11 +142,14 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     out = (_native.argmax(logits) if native and logits.dtype == torch.float32
            else logits.argmax(dim=-1))
     temp = torch.tensor(temperature, dtype=torch.float32)
-    rand = (temp > 0).nonzero()[:, 0].tolist()
+    # one row's parameters must never fail the batch (admission validates them, but the
+    # executor does not rely on it): a temperature too small for its float32 reciprocal
+    # (or NaN) is the greedy limit, and top_k is clamped before it becomes an int64
+    rand = ((temp > 0) & temp.reciprocal().isfinite()).nonzero()[:, 0].tolist()
     if not rand:
         return out
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)
-    k = torch.tensor([top_k[i] for i in rand], dtype=torch.long)
+    k = torch.tensor([_top_k(top_k[i], vocab) for i in rand], dtype=torch.long)
     u = _uniforms([seeds[i] for i in rand], [output_index[i] for i in rand])
     if native:
         picked = _native.sample(logits[rand].float(), temp[rand], k, p, u)

@@ -136,3 +136,43 @@ def test_native_and_torch_paths_draw_the_same_tokens(monkeypatch):
     monkeypatch.setattr(sampling, "_native", None)
     torch_path = _sample(x, **kw)
     assert (native == torch_path).float().mean() >= 0.99
+
+
+def test_extreme_row_parameters_do_not_fail_the_batch(path):
+    """Admission validates sampling parameters, but the executor must not depend on it:
+    a row with top_k >= 2^63 (or any top_k >= vocab, or negative) samples as top-k off,
+    extreme seeds hash like any other, a temperature whose float32 reciprocal overflows
+    is greedy, and the other rows of the step draw exactly what they draw without it."""
+    vocab = 1000
+    x = _logits(8, seed=11, vocab=vocab)
+    normal = dict(temperature=[0.8] * 8, top_p=[0.9] * 8, top_k=[20] * 8,
+                  seeds=list(range(8)), index=[5] * 8)
+    want = _sample(x, **normal)
+    odd = {k: list(v) for k, v in normal.items()}
+    odd["top_k"][1] = 2**63                        # overflowed int64 before
+    odd["top_k"][2] = 2**64 + 5
+    odd["top_k"][3] = -(2**63) - 1
+    odd["seeds"][4] = 2**64 + 123                  # reduced modulo 2^64
+    odd["seeds"][5] = -(2**63)
+    odd["temperature"][6] = 1e-45                  # 1/t overflows float32: greedy
+    got = _sample(x, **odd)
+    assert got.shape == (8,) and int(got.min()) >= 0 and int(got.max()) < vocab
+    for i in (0, 7):
+        assert int(got[i]) == int(want[i])
+    # top_k past the vocabulary means "off": the same draw as top_k = 0, and as top_k = V
+    for i in (1, 2, 3):
+        off = {k: [v[i]] for k, v in odd.items()}
+        assert int(got[i]) == int(_sample(x[i:i + 1], **{**off, "top_k": [0]}))
+        assert int(got[i]) == int(_sample(x[i:i + 1], **{**off, "top_k": [vocab]}))
+    assert int(got[4]) == int(_sample(x[4:5], **{**{k: [v[4]] for k, v in odd.items()},
+                                                 "seeds": [123]}))
+    assert int(got[6]) == int(x[6].argmax())
+
+
+def test_seed_hash_reduces_any_int_modulo_2_64():
+    from components.executor.sampling import _mix
+    for seed in (0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)):
+        h = _mix(seed, 3)
+        assert 0 <= h < 2**63
+        assert h == _mix(seed + 2**64, 3) == _mix(seed - 2**64, 3)
+    assert _mix(-1, 0) == _mix(2**64 - 1, 0)
