@@ -1,37 +1,193 @@
-"""Request validation: pure checks that turn bad input into a clear rejection reason."""
+"""Request validation: pure checks that turn bad input into a clear rejection reason.
+
+This module is the one place that says what a request may ask for. The same checks run
+at the edge — the streamer calls :func:`check_submit` for every ``Submit`` that arrives over
+ZeroMQ, and the HTTP gateway calls it before it submits, so a bad request is refused
+before it costs a tokenizer pass — and again in admission (:func:`check_params`,
+:func:`check_length`) once the prompt's real token count is known.
+
+Every integer a client sends is bounded here, so nothing past 64 bits (or past what a
+tensor index can hold) ever reaches a later component, and every size is bounded before
+any work is done on it. The limits and why:
+
+- ``top_k``: 0 (off) .. ``MAX_TOP_K`` = 2^20. Larger vocabularies than that do not exist
+  (the biggest are ~256k); a ``top_k`` at or above the model's vocabulary is valid and
+  means "off", as the sampler has always treated it. Anything larger is a client bug and
+  is refused, instead of overflowing an int64 in the executor (which failed every request
+  in that step).
+- ``n``: 1 .. ``MAX_N`` (16); admission also caps it at ``scheduler.max_num_seqs``.
+- ``max_tokens``: None (until the context is full) or 1 .. ``MAX_MAX_TOKENS`` (2^31 - 1);
+  with the context window known, at most ``max_model_len - 1`` (a prompt is at least one
+  token, so more can never fit).
+- ``seed``: any 64-bit integer, signed or unsigned (-2^63 .. 2^64 - 1).
+- ``temperature``: finite, 0 (greedy) .. ``MAX_TEMPERATURE`` (100; beyond it sampling is
+  uniform noise). ``top_p``: (0, 1].
+- ``stop``: at most ``MAX_STOP_STRINGS`` (16) non-empty strings of at most
+  ``MAX_STOP_CHARS`` (256) characters each: the detokenizer rescans a window as long as
+  the longest stop string on every delta.
+- ``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` (64), each a token id
+  (0 .. ``MAX_TOKEN_ID``); the tokenizer checks ids against the real vocabulary.
+- ``logit_bias`` (HTTP only): at most ``MAX_LOGIT_BIAS`` (300, OpenAI's cap) entries,
+  keys are decimal token ids, values finite in [-100, 100].
+- ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
+- ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
+- Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
+  text (a prompt, or all messages' roles and contents together) at most
+  ``CHARS_PER_TOKEN_BOUND`` (32) characters per token of the context window
+  (``max_model_len * 32``; 64 Ki characters at the default 2048), or an explicit
+  ``max_prompt_chars``. A BPE token averages 3-5 characters of text; 32 per token of the
+  whole window leaves room for whitespace- or symbol-heavy text, and anything longer could
+  not have fit the context window as tokens, so it is refused as ``prompt_too_long``
+  without reaching the tokenizer.
+"""
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable
 
-from schemas.wire import SamplingParams
+from schemas.client import SamplingParams
 
-MAX_STOP_STRINGS = 16
 MAX_N = 16
+MAX_TOP_K = 2**20
+MAX_MAX_TOKENS = 2**31 - 1
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+MAX_ID_CHARS = 256
+CHARS_PER_TOKEN_BOUND = 32
+INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+Reason = tuple[str, str]            # (reject reason, message), as in ``Rejected``
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _token_ids_bad(ids: Iterable[Any]) -> bool:
+    return any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in ids)
 
 
 def check_params(p: SamplingParams) -> str | None:
-    """Return why these sampling parameters are invalid, or None."""
-    if p.max_tokens is not None and p.max_tokens <= 0:
-        return f"max_tokens must be at least 1, got {p.max_tokens}"
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        return f"temperature must be a finite number >= 0, got {p.temperature}"
-    if not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
+    """Return why these sampling parameters are invalid, or None. Types are checked too,
+    so a ``SamplingParams`` built in-process (not decoded) is safe to pass."""
+    if p.max_tokens is not None and (not _is_int(p.max_tokens)
+                                     or not 1 <= p.max_tokens <= MAX_MAX_TOKENS):
+        return f"max_tokens must be at least 1 and at most {MAX_MAX_TOKENS}, got {p.max_tokens}"
+    if not _is_num(p.temperature) or not math.isfinite(p.temperature) \
+            or not 0 <= p.temperature <= MAX_TEMPERATURE:
+        return (f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] "
+                f"(0 is greedy), got {p.temperature}")
+    if not _is_num(p.top_p) or not math.isfinite(p.top_p) or not 0 < p.top_p <= 1:
         return f"top_p must be in (0, 1], got {p.top_p}"
-    if p.top_k < 0:
-        return f"top_k must be >= 0 (0 disables it), got {p.top_k}"
-    if p.seed is not None and not -(2**63) <= p.seed < 2**63:
-        return "seed must fit in a signed 64-bit integer"
-    if len(p.stop) > MAX_STOP_STRINGS or any(not s for s in p.stop):
-        return f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings"
-    if any(t < 0 for t in p.stop_token_ids):
-        return "stop_token_ids must be non-negative"
-    if not 1 <= p.n <= MAX_N:
+    if not _is_int(p.top_k) or not 0 <= p.top_k <= MAX_TOP_K:
+        return (f"top_k must be in [0, {MAX_TOP_K}] (0, or at least the vocabulary size, "
+                f"disables it), got {p.top_k}")
+    if p.seed is not None and (not _is_int(p.seed) or not INT64_MIN <= p.seed <= UINT64_MAX):
+        return "seed must be an integer that fits in 64 bits"
+    if not _is_int(p.n) or not 1 <= p.n <= MAX_N:
         return f"n must be in [1, {MAX_N}], got {p.n}"
+    if len(p.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in p.stop):
+        return f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings"
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        return f"each stop string must be at most {MAX_STOP_CHARS} characters"
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids"
+    if _token_ids_bad(p.stop_token_ids):
+        return f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]"
     return None
 
 
+def check_logit_bias(bias: dict[Any, Any] | None) -> str | None:
+    """Return why an OpenAI ``logit_bias`` map is invalid, or None. Keys are token ids as
+    decimal strings (as JSON objects require), values in [-100, 100]."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries"
+    for key, value in bias.items():
+        if not (isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit()
+                and int(key) <= MAX_TOKEN_ID):
+            return f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}], got {key!r:.40}"
+        if not _is_num(value) or not math.isfinite(value) \
+                or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            return f"logit_bias values must be in [-100, 100], got {value!r:.40}"
+    return None
+
+
+def _message_chars(messages: Iterable[Any]) -> int:
+    total = 0
+    for m in messages:
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else \
+            (m.role, m.content)
+        total += len(role or "") + len(content or "")
+    return total
+
+
+def check_prompt_size(prompt: str | None, messages: Iterable[Any] | None,
+                      prompt_token_ids: list[int] | None, max_model_len: int,
+                      max_prompt_chars: int | None = None) -> Reason | None:
+    """Size checks that need no tokenizer: (reason, message) or None. ``messages`` are
+    ``ChatMessage`` structs or ``{"role", "content"}`` dicts. Text is bounded at
+    ``max_prompt_chars`` characters, by default ``max_model_len * CHARS_PER_TOKEN_BOUND``."""
+    limit = max_prompt_chars if max_prompt_chars is not None \
+        else max_model_len * CHARS_PER_TOKEN_BOUND
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) >= max_model_len:
+            return "prompt_too_long", (
+                f"the prompt has {len(prompt_token_ids)} tokens; the context window is "
+                f"{max_model_len} tokens, including at least one output token")
+        if _token_ids_bad(prompt_token_ids):
+            return "invalid_request", f"prompt_token_ids must be token ids in [0, {MAX_TOKEN_ID}]"
+    chars = len(prompt) if prompt is not None else 0
+    if messages is not None:
+        messages = list(messages)
+        if not messages:
+            return "invalid_request", "messages is empty"
+        chars += _message_chars(messages)
+    if chars > limit:
+        return "prompt_too_long", (
+            f"the prompt has {chars} characters; at most {limit} are accepted for a context "
+            f"window of {max_model_len} tokens")
+    return None
+
+
+def check_submit(sub: Any, max_model_len: int,
+                 max_prompt_chars: int | None = None) -> Reason | None:
+    """Every check that can be made on a ``Submit`` before tokenizing, as
+    ``(reason, message)`` for a ``Rejected``, or None. Cheap: O(prompt size) at worst,
+    with the size bounds checked before anything is iterated.
+
+    The streamer calls it for every Submit; the gateway for every HTTP request."""
+    for name in ("request_id", "idempotency_key", "tenant"):
+        value = getattr(sub, name, None)
+        if value is not None and len(value) > MAX_ID_CHARS:
+            return "invalid_request", f"{name} must be at most {MAX_ID_CHARS} characters"
+    if not _is_int(sub.priority) or not INT64_MIN <= sub.priority <= INT64_MAX:
+        return "invalid_request", "priority must be an integer that fits in 64 bits"
+    deadline = sub.deadline_ms
+    if deadline is not None and (not _is_int(deadline) or not 0 <= deadline <= INT64_MAX):
+        return "invalid_request", "deadline_ms must be >= 0 and fit in 64 bits"
+    if (why := check_params(sub.params)) is not None:
+        return "invalid_request", why
+    p = sub.params
+    if p.max_tokens is not None and p.max_tokens >= max_model_len:
+        return "invalid_request", (f"max_tokens ({p.max_tokens}) leaves no room for the prompt "
+                                   f"in the context window of {max_model_len} tokens")
+    return check_prompt_size(sub.prompt, sub.messages, sub.prompt_token_ids, max_model_len,
+                             max_prompt_chars)
+
+
 def check_length(prompt_len: int, max_tokens: int | None,
-                 max_model_len: int) -> tuple[str, str] | None:
+                 max_model_len: int) -> Reason | None:
     """Return (reason, message) if the prompt cannot fit the context window, or None."""
     if prompt_len == 0:
         return "invalid_request", "the prompt is empty"
