@@ -4,6 +4,7 @@ restarts by policy, relays cluster status to the streamer, and drains on SIGTERM
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import structlog
 import zmq
 
 from bus.socket import BusSocket
+from components.streamer.identity import SERVICE_KEY_ENV
 from schemas.config import COMPONENTS, WeirConfig
 from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentStatus, Drain,
                           PeerRestarted, Stop, SupervisorMsg)
@@ -63,6 +65,9 @@ class Supervisor:
                          for name in components}
         self.draining = False
         self.stopping = False
+        # the gateway's credential towards the streamer (components/streamer/identity.py):
+        # inherited by the children this supervisor spawns; compose sets it for every service
+        os.environ.setdefault(SERVICE_KEY_ENV, secrets.token_urlsafe(32))
         run_dir = Path(config.topology.run_dir or f"/tmp/weir-{os.getpid()}")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = run_dir / "config.json"

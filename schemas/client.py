@@ -11,7 +11,7 @@ import msgspec
 FinishReason = Literal["stop", "length"]
 RejectReason = Literal[
     "invalid_request", "unknown_tenant", "prompt_too_long", "overloaded", "tenant_over_budget",
-    "draining",
+    "draining", "unauthenticated",
 ]
 
 
@@ -48,6 +48,8 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     tenant: str = "default"
     deadline_ms: int | None = None      # time-to-first-token deadline, from arrival
     priority: int = 0                   # lower is more important; preemption takes the highest
+    api_key: str | None = None          # with keys configured, names the tenant (see PROTOCOL.md)
+    idempotency_key: str | None = None  # a retry with the same key attaches, never runs twice
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -55,11 +57,13 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=Tr
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):
-    """Keeps a client's requests alive; a client silent past the timeout is cancelled."""
+    """Keeps a client's requests alive; a client silent past the timeout is cancelled.
+    The server answers each one with a ``ServerHeartbeat``."""
 
 
 class StatusQuery(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fields=True):
     query_id: str = ""
+    api_key: str | None = None          # operators see every tenant; a tenant only its own
 
 
 ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery]
@@ -149,6 +153,14 @@ class StatusReport(msgspec.Struct, tag="status_report", frozen=True):
     draining: bool = False
 
 
+class ServerHeartbeat(msgspec.Struct, tag="server_heartbeat", frozen=True):
+    """The streamer's answer to a client ``Heartbeat``. ``instance`` changes when the
+    streamer restarts: the requests a client had open on the old instance are gone."""
+
+    instance: int
+    draining: bool = False
+
+
 class ProtocolError(msgspec.Struct, tag="protocol_error", frozen=True):
     """Sent to a client whose message could not be decoded and carried no request id."""
 
@@ -157,4 +169,4 @@ class ProtocolError(msgspec.Struct, tag="protocol_error", frozen=True):
 
 Terminal = Union[Finished, Rejected, Cancelled, Failed]
 ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
-                  ProtocolError]
+                  ServerHeartbeat, ProtocolError]

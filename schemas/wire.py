@@ -16,7 +16,8 @@ import msgspec
 from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, ProtocolError, RejectReason, Rejected, RequestTiming,
-    SamplingParams, ServerMsg, StatusQuery, StatusReport, Submit, Terminal, TextDelta, Usage)
+    SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit, Terminal,
+    TextDelta, Usage)
 
 T = TypeVar("T")
 

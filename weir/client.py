@@ -2,14 +2,25 @@
 
 Both speak the ZeroMQ wire protocol documented in docs/PROTOCOL.md: a DEALER
 socket to the streamer's ROUTER, msgpack Envelopes, one terminal message per
-request. While any request is open the client sends heartbeats, so a killed
-client's requests are cancelled by the server.
+request.
+
+Liveness runs both ways. While any request is open the client sends heartbeats,
+so a killed client's requests are cancelled by the server; the server answers
+each with a ``ServerHeartbeat``, so a client whose engine stops answering for
+``engine_timeout`` seconds, or whose streamer restarted, fails its open requests
+(``RequestFailed``) instead of waiting forever.
+
+One receive task serves every stream and never waits on any of them: each stream
+has a bounded buffer (see ``_Inbox``), and a stream that stops being read is
+cancelled in the engine rather than holding up the others.
 """
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -23,9 +34,8 @@ from bus.socket import BusSocket
 from bus.tracing import traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
-                          ProtocolError, Rejected, RequestTiming, SamplingParams, ServerMsg,
-                          StatusQuery,
-                          StatusReport, Submit, TextDelta, Usage)
+                          ProtocolError, Rejected, RequestTiming, SamplingParams, ServerHeartbeat,
+                          ServerMsg, StatusQuery, StatusReport, Submit, TextDelta, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
 
@@ -35,6 +45,68 @@ _TRACER = trace.get_tracer("weir.client")
 
 def default_endpoint() -> str:
     return os.environ.get("WEIR_ENDPOINT") or DEFAULT_CLIENT_ENDPOINT
+
+
+_TERMINAL = (Finished, Rejected, Cancelled, Failed)
+_RETRYABLE = ("overloaded", "tenant_over_budget")    # load: worth another try later
+
+
+class _Inbox:
+    """One stream's buffer between the shared receiver and its reader.
+
+    ``put`` never waits, so one reader cannot hold up the receiver. Policy: up to
+    ``capacity`` unread events is normal; past it the stream is *stalled*, and a stream
+    stalled for longer than ``stall_timeout`` seconds, or holding 4 x ``capacity`` events,
+    is over: ``put`` returns False, its buffer is dropped, and its reader gets
+    ``Cancelled(reason="slow_consumer")`` (the caller cancels it in the engine, freeing
+    its KV). Nothing is put after a terminal event."""
+
+    def __init__(self, capacity: int, stall_timeout: float) -> None:
+        self.capacity, self.stall_timeout = capacity, stall_timeout
+        self.items: deque = deque()
+        self.stalled_since: float | None = None
+        self.ended = False
+        self._wakeup: anyio.Event | None = None
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def put(self, event: Any) -> bool:
+        """Buffer ``event``; False if the stream is over its buffer policy (now dropped)."""
+        if self.ended:
+            return True
+        self.items.append(event)
+        self.ended = isinstance(event, _TERMINAL)
+        self._wake()
+        if len(self.items) <= self.capacity:
+            return True
+        now = time.monotonic()
+        if self.stalled_since is None:
+            self.stalled_since = now
+        if now - self.stalled_since <= self.stall_timeout and len(self.items) < 4 * self.capacity:
+            return True
+        request_id = event.request_id
+        self.items.clear()
+        self.end(Cancelled(request_id, f"slow_consumer: {self.capacity} events unread for "
+                                       f"over {self.stall_timeout:g}s"))
+        return False
+
+    def end(self, terminal: Any) -> None:
+        """Deliver a terminal event now (ahead of nothing, after what is buffered)."""
+        if not self.ended:
+            self.items.append(terminal)
+            self.ended = True
+            self._wake()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+        item = self.items.popleft()
+        if len(self.items) <= self.capacity:
+            self.stalled_since = None
+        return item
 
 
 @dataclass
@@ -83,8 +155,9 @@ class Stream:
 
     request_id: str
     _client: "AsyncClient"
-    _recv: Any
+    _recv: _Inbox
     _deadline: float | None
+    _submit: Submit | None = None                           # kept for retries
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     text: list[str] = field(default_factory=list)           # choice 0
@@ -95,6 +168,7 @@ class Stream:
     prompt_tokens: int | None = None
     _cancelled_by_user: bool = False
     span: Any = None
+    retries: int = 0
 
     def __aiter__(self) -> AsyncIterator[TextDelta]:
         return self._events()
@@ -104,7 +178,7 @@ class Stream:
             while True:
                 timeout = None if self._deadline is None else self._deadline - time.monotonic()
                 with anyio.move_on_after(timeout) as scope:
-                    event = await self._recv.receive()
+                    event = await self._recv.get()
                 if scope.cancelled_caught:
                     await self._client.cancel(self.request_id)
                     raise RequestTimeout(f"request {self.request_id} timed out")
@@ -125,6 +199,8 @@ class Stream:
                         self._finish(reason, usage, queue, timing, ends)
                         return
                     case Rejected():
+                        if await self._retry(event):
+                            continue
                         raise RequestRejected(event.request_id, event.reason, event.message,
                                               event.retry_after_s)
                     case Cancelled(reason=reason):
@@ -152,6 +228,25 @@ class Stream:
                 self.span.end()
                 self.span = None
 
+    async def _retry(self, event: Rejected) -> bool:
+        """Resubmit after a rejection that came with ``retry_after_s``: at most the client's
+        ``max_retries`` times, after a jittered wait, and only if the wait ends before
+        this request's deadline. Other rejections are final."""
+        client = self._client
+        wait = event.retry_after_s
+        if (wait is None or event.reason not in _RETRYABLE or self._submit is None
+                or self.retries >= client.max_retries or self._cancelled_by_user):
+            return False
+        wait = min(wait, client.max_retry_wait) * random.uniform(1.0, 1.5)
+        if self._deadline is not None and time.monotonic() + wait >= self._deadline:
+            return False
+        self.retries += 1
+        client.retries += 1
+        await anyio.sleep(wait)
+        self._recv = client._open(self.request_id)
+        await client._send_submit(self._submit, self.span)
+        return True
+
     def _finish(self, reason: str, usage: Usage, queue_time_s: float = 0.0,
                 timing: RequestTiming | None = None, ends: tuple = ()) -> None:
         now = time.perf_counter()
@@ -177,14 +272,35 @@ class Stream:
 class AsyncClient:
     """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task)."""
 
+    """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task).
+
+    ``api_key``: the key that names this client's tenant when the server has keys
+    configured (``WEIR_API_KEY`` by default). ``timeout``: the default per-request limit
+    (None: no limit). ``engine_timeout``: seconds without any answer from the engine, while
+    requests are open, after which they fail. ``max_retries``: resubmissions of a request
+    rejected with a ``retry_after_s`` (overload), each after a jittered wait; ``retries``
+    counts them. ``stream_buffer`` / ``stall_timeout``: the per-stream buffer policy of
+    ``_Inbox``."""
+
     def __init__(self, endpoint: str | None = None, *, tenant: str = "default",
-                 timeout: float | None = None, heartbeat_interval: float = 0.15) -> None:
+                 timeout: float | None = None, heartbeat_interval: float = 0.15,
+                 api_key: str | None = None, engine_timeout: float = 4.0,
+                 max_retries: int = 2, max_retry_wait: float = 10.0,
+                 stream_buffer: int = 1024, stall_timeout: float = 10.0) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.tenant = tenant
+        self.api_key = api_key if api_key is not None else os.environ.get("WEIR_API_KEY")
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
-        self._streams: dict[str, Any] = {}
-        self._pending_errors: list[str] = []
+        self.engine_timeout = engine_timeout
+        self.max_retries, self.max_retry_wait = max_retries, max_retry_wait
+        self.stream_buffer, self.stall_timeout = stream_buffer, stall_timeout
+        self.retries = 0                     # resubmissions after retry-after rejections
+        self.slow_consumer_cancels = 0
+        self._streams: dict[str, _Inbox] = {}
+        self._instance_of: dict[str, int | None] = {}   # request -> streamer it went to
+        self._instance: int | None = None
+        self._last_answer = time.monotonic()
         self._tg = None
         self._sock: BusSocket | None = None
 
@@ -209,46 +325,76 @@ class AsyncClient:
             self._sock = None
 
     async def _receiver(self) -> None:
+        """Route each server message to its stream; never waits on a stream."""
         while True:
-            msg = await self._sock.recv()
-            event = msg.body
+            event = (await self._sock.recv()).body
+            self._last_answer = time.monotonic()
+            if isinstance(event, ServerHeartbeat):
+                self._on_instance(event.instance)
+                continue
             if isinstance(event, StatusReport):
-                send = self._streams.get("status:" + event.query_id)
+                key = "status:" + event.query_id
             elif isinstance(event, ProtocolError):
-                send = next(iter(self._streams.values()), None)
+                key = next(iter(self._streams), None)
             else:
-                send = self._streams.get(event.request_id)
-            if send is not None:
-                try:
-                    await send.send(event)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    pass
+                key = event.request_id
+            if isinstance(event, _TERMINAL):
+                self._instance_of.pop(key, None)
+            inbox = self._streams.get(key) if key is not None else None
+            if inbox is not None and not inbox.put(event):
+                self.slow_consumer_cancels += 1
+                await self._sock.send(Cancel(key))
+
+    def _on_instance(self, instance: int) -> None:
+        """A new streamer instance has none of the requests sent to the old one."""
+        old, self._instance = self._instance, instance
+        if old is None or old == instance:
+            return
+        for rid, sent_to in list(self._instance_of.items()):
+            if sent_to != instance:
+                self._fail(rid, "engine_restarted: the streamer restarted and lost the request")
+
+    def _fail(self, rid: str, reason: str) -> None:
+        self._instance_of.pop(rid, None)
+        inbox = self._streams.get(rid)
+        if inbox is not None:
+            inbox.end(Failed(rid, reason))
 
     async def _heartbeats(self) -> None:
+        """Heartbeats while requests are open; fail them all if the engine stops answering."""
         while True:
             await anyio.sleep(self.heartbeat_interval)
-            if self._streams:
-                await self._sock.send(Heartbeat())
+            if not self._streams:
+                continue
+            await self._sock.send(Heartbeat())
+            silent = time.monotonic() - self._last_answer
+            if silent > self.engine_timeout and self._instance_of:
+                for rid in list(self._instance_of):
+                    self._fail(rid, f"engine_unreachable: no answer from {self.endpoint} "
+                                    f"for {silent:.1f}s")
+                    await self._sock.send(Cancel(rid))     # in case it is only slow
 
-    def _open(self, key: str):
-        send, recv = anyio.create_memory_object_stream[Any](1024)
-        self._streams[key] = send
-        return recv
+    def _open(self, key: str) -> _Inbox:
+        if not self._streams:                 # idle time is not silence
+            self._last_answer = time.monotonic()
+        inbox = self._streams[key] = _Inbox(self.stream_buffer, self.stall_timeout)
+        return inbox
 
     def _close_stream(self, key: str) -> None:
-        send = self._streams.pop(key, None)
-        if send is not None:
-            send.close()
+        self._streams.pop(key, None)
+        self._instance_of.pop(key, None)
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      tenant: str | None = None, timeout: float | None = None,
                      deadline_ms: int | None = None, priority: int = 0,
-                     **params: Any) -> Stream:
+                     idempotency_key: str | None = None, **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
-        lower is more important when the engine must preempt."""
+        lower is more important when the engine must preempt. ``idempotency_key``: a retry
+        with the same key (same tenant) attaches to the first request's stream, or gets its
+        finished result, instead of running again."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -257,16 +403,20 @@ class AsyncClient:
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
-                     tenant or self.tenant, deadline_ms, priority)
+                     tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        stream = Stream(rid, self, recv, deadline)
+        stream = Stream(rid, self, recv, deadline, sub)
         stream.span = _TRACER.start_span("weir.submit", kind=trace.SpanKind.CLIENT, attributes={
             "weir.request_id": rid, "weir.tenant": sub.tenant,
             "gen_ai.operation.name": "chat" if messages is not None else "text_completion"})
-        await self._sock.send(sub, traceparent=traceparent_of(stream.span))
+        await self._send_submit(sub, stream.span)
         return stream
+
+    async def _send_submit(self, sub: Submit, span: Any) -> None:
+        self._instance_of[sub.request_id] = self._instance
+        await self._sock.send(sub, traceparent=traceparent_of(span))
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return await (await self.stream(prompt, **kwargs)).collect()
@@ -278,9 +428,9 @@ class AsyncClient:
         qid = uuid.uuid4().hex
         recv = self._open("status:" + qid)
         try:
-            await self._sock.send(StatusQuery(qid))
+            await self._sock.send(StatusQuery(qid, self.api_key))
             with anyio.fail_after(timeout):
-                return await recv.receive()
+                return await recv.get()
         except TimeoutError:
             raise RequestTimeout(f"no status from {self.endpoint} within {timeout}s") from None
         finally:

@@ -3,6 +3,7 @@ the streamer through the ZeroMQ SDK like any other client."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import structlog
@@ -11,6 +12,8 @@ import uvicorn
 from bus.component import Component
 from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
+from components.gateway.http import guarded_protocol
+from components.streamer.identity import SERVICE_KEY_ENV
 from weir.client import AsyncClient
 from weir.model_fetch import resolve_model
 
@@ -43,12 +46,20 @@ class GatewayService(Component):
 
     async def run(self) -> None:
         gw = self.config.gateway
-        async with AsyncClient(self.topology.client_connect) as client:
-            self.gw = GatewayState(client, self.auth, self.model)
-            server = _Server(uvicorn.Config(build_app(self.gw), host=gw.host, port=gw.port,
-                                            log_level="warning", access_log=False,
-                                            lifespan="off",
-                                            timeout_graceful_shutdown=5))
+        # The gateway authenticated its callers itself: it speaks for them with the service
+        # credential, and passes rejections (Retry-After included) on instead of retrying.
+        async with AsyncClient(self.topology.client_connect, max_retries=0,
+                               api_key=os.environ.get(SERVICE_KEY_ENV)) as client:
+            self.gw = GatewayState(client, self.auth, self.model, gw,
+                                   self.config.engine.max_model_len)
+            server = _Server(uvicorn.Config(
+                build_app(self.gw), host=gw.host, port=gw.port, log_level="warning",
+                access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                # headers within read_timeout_s and 64 KiB, a send buffer that does not
+                # drain for stream_stall_timeout_s aborts the connection; past
+                # max_connections new requests get 503
+                http=guarded_protocol(gw.read_timeout_s, gw.stream_stall_timeout_s),
+                limit_concurrency=gw.max_connections))
             log.info("http_listening", host=gw.host, port=gw.port, model=self.model)
             await server.serve()
 

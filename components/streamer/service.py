@@ -2,12 +2,18 @@
 the guarantee of exactly one terminal message per request.
 
 A client's Cancel, or its silence past ``client_timeout_s``, cancels its requests
-in the engine. A component restart fails every in-flight request (the engine
-cannot vouch for them any more); draining refuses new work.
+in the engine. Each client heartbeat is answered with a ``ServerHeartbeat`` naming this
+instance, so clients notice a dead or restarted streamer. Identity comes from the
+request's API key (``identity.py``), never from what a client claims. A component
+restart fails only the requests whose state died with it (``peer_restarted``); an event
+for a request nobody holds any more is answered with a cancel, so the engine stops
+work nobody waits for. Draining refuses new work and fails what is still running at
+its deadline (``drain_timeout``).
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from typing import Any
@@ -23,14 +29,22 @@ from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
-from schemas.wire import (Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
+from components.admission.validate import check_params
+from components.streamer.idempotency import IdempotencyTable, rename
+from components.streamer.identity import Identity, Keyring, Refusal, visible_stats
+from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           ComponentStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
-                          ProtocolError, Rejected, StatusQuery, StatusReport, StreamerMsg, Submit,
-                          TextDelta, Usage)
+                          ProtocolError, Rejected, ServerHeartbeat, StatusQuery, StatusReport,
+                          StreamerMsg, Submit, TextDelta, Usage)
 
 log = structlog.get_logger("streamer")
 _TRACER = trace.get_tracer("weir.streamer")
 TERMINAL = (Finished, Rejected, Cancelled, Failed)
+# Whose death loses what (see ARCHITECTURE.md, "Restart policy"): requests the engine
+# accepted live in these components' state, so they fail; requests not yet accepted are
+# sent again (they are only NewRequests in flight through stateless steps).
+_HOLDS_ACCEPTED = ("scheduler", "kv_manager", "executor", "detokenizer")
+_REPLAYS = ("tokenizer", "admission", "scheduler")
 
 
 @dataclass
@@ -41,6 +55,9 @@ class Active:
     span: Any = None                 # the request's root span in the engine
     delivery: Any = None             # "stream" span: first delta to terminal
     completion: list[str] | None = None   # only with telemetry.record_content
+    pending: NewRequest | None = None     # until admission accepts it: replayable
+    traceparent: str | None = None
+    idempotent: bool = False
 
     def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
         attrs = {"weir.terminal": terminal, "weir.reason": reason}
@@ -64,12 +81,18 @@ class StreamerService(Component):
     name = "streamer"
 
     async def setup(self) -> None:
+        self.instance = time.time_ns()
         self.active: dict[str, Active] = {}
         self.last_seen: dict[bytes, float] = {}
         self.cluster = ClusterStatus((), False)
         self.draining = False
+        self.drain_deadline: float | None = None
+        self.keys = Keyring(self.config.gateway.api_keys)
+        self.idempotency = IdempotencyTable(self.config.streamer.idempotency_ttl_s)
+        self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
-                       "late_events": 0}
+                       "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
+                       "unauthenticated": 0, "idempotent_attached": 0}
         self.clients = self.socket(zmq.ROUTER, "clients", ClientMsg).bind(
             self.topology.client_endpoint)
         self.inbox_sock = self.inbox(StreamerMsg)
@@ -107,22 +130,29 @@ class StreamerService(Component):
                     if req is not None and req.identity == who:
                         await self._cancel(rid, "cancelled by client")
                 case Heartbeat():
-                    pass
-                case StatusQuery(query_id=qid):
-                    await self.clients.send(StatusReport(qid, self._components(), self.draining),
-                                            to=who)
+                    await self.clients.send(ServerHeartbeat(self.instance, self.draining), to=who)
+                case StatusQuery(query_id=qid, api_key=key):
+                    await self.clients.send(self._status(qid, key), to=who)
 
     async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
         p = sub.params
+        identity = self.keys.identify(sub.api_key, sub.tenant)
+        if isinstance(identity, Refusal):
+            self.counts["unauthenticated"] += 1
+            log.warning("unauthenticated", request_id=rid[:64])
+            return await self._terminal_to(who, Rejected(rid, "unauthenticated", identity.message))
+        tenant = identity.tenant
+        if sub.idempotency_key and rid not in self.active and await self._attach(who, sub, tenant):
+            return
         span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
                                   kind=trace.SpanKind.SERVER, attributes={
-            "weir.request_id": rid, "weir.tenant": sub.tenant,
+            "weir.request_id": rid, "weir.tenant": tenant,
             "gen_ai.operation.name": "chat" if sub.messages is not None else "text_completion",
             "gen_ai.request.max_tokens": p.max_tokens if p.max_tokens is not None else -1,
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.top_k": p.top_k})
-        req = Active(who, sub.tenant, time.time_ns(), span)
+        req = Active(who, tenant, time.time_ns(), span)
         if self.config.telemetry.record_content:          # off by default: text stays out
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
@@ -132,54 +162,101 @@ class StreamerService(Component):
             return await self._terminal_to(who, rejected)
         self.active[rid] = req
         self.counts["submitted"] += 1
-        await self.to_tokenizer.send(
-            NewRequest(rid, sub.tenant, sub.prompt, sub.messages, sub.params, req.arrival_ns,
-                       sub.prompt_token_ids, sub.deadline_ms, sub.priority),
-            traceparent=tracing.traceparent_of(span))
+        if sub.idempotency_key:
+            self.idempotency.start(tenant, sub.idempotency_key, rid)
+            req.idempotent = True
+        req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
+                                 req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
+                                 sub.priority)
+        req.traceparent = tracing.traceparent_of(span)
+        await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
+
+    async def _attach(self, who: bytes, sub: Submit, tenant: str) -> bool:
+        """A retry of an idempotent request: replay what it has produced to this client
+        (under this client's request id) and subscribe it to the rest."""
+        events = self.idempotency.attach(tenant, sub.idempotency_key, who, sub.request_id,
+                                         time.monotonic())
+        if events is None:
+            return False
+        self.counts["idempotent_attached"] += 1
+        for event in events:
+            await self.clients.send(event, to=who)
+        return True
 
     def _check_submit(self, sub: Submit) -> Rejected | None:
+        """Refusals at the edge, before anything is spent: every limit that can be checked
+        without tokenizing, so a bad value never reaches a batch."""
         rid = sub.request_id
         if self.draining:
             return Rejected(rid, "draining", "the server is draining",
                             self.config.streamer.drain_timeout_s)
-        if not rid or rid in self.active:
-            return Rejected(rid, "invalid_request", "request_id is empty or already in use")
+        if not rid or len(rid) > 256 or rid in self.active:
+            return Rejected(rid[:256], "invalid_request",
+                            "request_id is empty, longer than 256 characters or already in use")
         if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
             return Rejected(rid, "invalid_request",
                             "set exactly one of prompt, prompt_token_ids or messages")
+        if (why := check_params(sub.params)) is not None:
+            return Rejected(rid, "invalid_request", why)
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
-        down = [c.name for c in self.cluster.components if not c.alive]
+        down = [c.name for c in self.cluster.components if not c.alive or c.state == "starting"]
         if down:                      # it would never be answered: say so now, not never
-            return Rejected(rid, "overloaded", f"engine component down: {', '.join(down)}", 5.0)
+            return Rejected(rid, "overloaded",
+                            f"engine component down or restarting: {', '.join(down)}", 2.0)
         return None
 
     async def _terminal_to(self, who: bytes, event) -> None:
         self.counts[type(event).__name__.lower()] += 1
         await self.clients.send(event, to=who)
 
-    async def _cancel(self, rid: str, reason: str) -> None:
+    async def _end(self, rid: str, event: Any) -> None:
+        """Deliver a terminal event the streamer itself decided, and stop the engine's work
+        on the request (the cancel follows the request's own path)."""
         req = self.active.pop(rid)
-        req.end("cancelled", reason)
-        self.counts["cancelled"] += 1
-        await self.clients.send(Cancelled(rid, reason), to=req.identity)
-        await self.to_tokenizer.send(CancelRequest(rid, reason))
+        terminal = type(event).__name__.lower()
+        req.end(terminal, event.reason)
+        self.counts[terminal] += 1
+        await self._deliver(rid, req, event, terminal=True)
+        await self.to_tokenizer.send(CancelRequest(rid, event.reason))
+
+    async def _cancel(self, rid: str, reason: str) -> None:
+        await self._end(rid, Cancelled(rid, reason))
+
+    async def _deliver(self, rid: str, req: Active, event: Any, terminal: bool) -> None:
+        """Send one event to the request's client and to any idempotent retries attached."""
+        if req.identity:
+            await self.clients.send(event, to=req.identity)
+        if req.idempotent:
+            for who, their_id in self.idempotency.subscribers(rid):
+                await self.clients.send(rename(event, their_id), to=who)
+            self.idempotency.record(rid, event, time.monotonic(), terminal)
 
     async def _reaper(self) -> None:
-        """Cancel the requests of clients that stopped sending (killed, hung, gone)."""
+        """Cancel the requests of clients that stopped sending (killed, hung, gone), and
+        fail what still runs at the drain deadline."""
         timeout = self.config.streamer.client_timeout_s
         tick = min(0.05, timeout / 4)
         last = time.monotonic()
         while True:
             await anyio.sleep(tick)
             now = time.monotonic()
+            if self.drain_deadline is not None and now >= self.drain_deadline and self.active:
+                for rid in list(self.active):
+                    await self._end(rid, Failed(rid, "drain_timeout: the server shut down "
+                                                     "before the request finished"))
             stalled, last = now - last > timeout / 2, now
             if stalled:        # we were not running: heartbeats may be queued unread, not late
                 continue
             gone = {who for who, t in self.last_seen.items() if now - t > timeout}
             if not gone:
                 continue
-            for rid in [rid for rid, r in self.active.items() if r.identity in gone]:
+            for rid, req in list(self.active.items()):
+                if req.identity not in gone:
+                    continue
+                if req.idempotent:            # a retry may attach; it runs out on its own
+                    req.identity = b""
+                    continue
                 log.info("client_gone", request_id=rid)
                 await self._cancel(rid, "client disconnected")
             for who in gone:
@@ -191,40 +268,76 @@ class StreamerService(Component):
             match (await self.inbox_sock.recv()).body:
                 case EventBatch(events=events):
                     for event in events:
-                        req = self.active.get(event.request_id)
-                        if req is None:
-                            self.counts["late_events"] += 1
-                            continue
-                        if isinstance(event, TextDelta) and req.completion is not None:
-                            req.completion.append(event.text)
-                        if isinstance(event, TextDelta) and req.delivery is None:
-                            req.delivery = _TRACER.start_span(
-                                "stream", context=trace.set_span_in_context(req.span))
-                        if isinstance(event, TERMINAL):
-                            del self.active[event.request_id]
-                            terminal = type(event).__name__.lower()
-                            self.counts[terminal] += 1
-                            req.end(terminal, getattr(event, "finish_reason", None)
-                                    or getattr(event, "reason", ""), getattr(event, "usage", None))
-                        await self.clients.send(event, to=req.identity)
+                        await self._on_event(event)
                 case ClusterStatus() as status:
                     self.cluster = status
 
+    async def _on_event(self, event: Any) -> None:
+        rid = event.request_id
+        req = self.active.get(rid)
+        terminal = isinstance(event, TERMINAL)
+        if req is None:
+            self.counts["late_events"] += 1
+            if not terminal:
+                await self._cancel_orphan(rid)
+            return
+        if isinstance(event, Accepted):
+            req.pending = None
+        if isinstance(event, TextDelta) and req.completion is not None:
+            req.completion.append(event.text)
+        if isinstance(event, TextDelta) and req.delivery is None:
+            req.delivery = _TRACER.start_span(
+                "stream", context=trace.set_span_in_context(req.span))
+        if terminal:
+            del self.active[rid]
+            kind = type(event).__name__.lower()
+            self.counts[kind] += 1
+            req.end(kind, getattr(event, "finish_reason", None)
+                    or getattr(event, "reason", ""), getattr(event, "usage", None))
+        await self._deliver(rid, req, event, terminal)
+
+    async def _cancel_orphan(self, rid: str) -> None:
+        """Work for a request nobody holds (it failed, or this streamer restarted and never
+        knew it): stop it in the engine, once."""
+        if rid in self.orphans:
+            return
+        self.orphans[rid] = None
+        if len(self.orphans) > 4096:
+            self.orphans.popitem(last=False)
+        self.counts["orphans_cancelled"] += 1
+        await self.to_tokenizer.send(CancelRequest(rid, "orphaned"))
+
     async def peer_restarted(self, name: str) -> None:
-        for rid in list(self.active):
-            req = self.active.pop(rid)
-            req.end("failed", f"{name} restarted")
-            self.counts["failed"] += 1
-            await self.clients.send(Failed(rid, f"engine component {name} restarted"),
-                                    to=req.identity)
-            await self.to_tokenizer.send(CancelRequest(rid, "failed"))
+        """Fail only the requests whose state died with ``name``; send again the ones that
+        were only in flight through it. The gateway is a client: its death fails nothing
+        here (its requests are cancelled when its heartbeats stop)."""
+        if name in _HOLDS_ACCEPTED:
+            for rid, req in list(self.active.items()):
+                if req.pending is None:
+                    await self._end(rid, Failed(rid, f"engine component {name} restarted "
+                                                     "and lost the request's state"))
+        if name in _REPLAYS:
+            for req in list(self.active.values()):
+                if req.pending is not None:
+                    self.counts["replayed"] += 1
+                    await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
 
     async def drain(self) -> None:
         self.draining = True
+        margin = min(1.0, self.config.streamer.drain_timeout_s / 4)
+        self.drain_deadline = time.monotonic() + self.config.streamer.drain_timeout_s - margin
 
-    def _components(self) -> tuple[ComponentStatus, ...]:
-        return self.cluster.components
+    def _status(self, query_id: str, api_key: str | None) -> StatusReport:
+        """Every component's status; each tenant's usage only to itself or an operator."""
+        who = self.keys.identify(api_key, "default")
+        if isinstance(who, Identity) and who.sees_all:
+            return StatusReport(query_id, self.cluster.components, self.draining)
+        tenant = who.tenant if isinstance(who, Identity) else ""
+        comps = tuple(msgspec.structs.replace(c, stats=visible_stats(c.stats, tenant))
+                      for c in self.cluster.components)
+        return StatusReport(query_id, comps, self.draining)
 
     def stats(self) -> dict[str, float]:
         return {"active_requests": len(self.active), "clients": len(self.last_seen),
+                "idempotency_entries": len(self.idempotency),
                 **{f"requests.{k}": v for k, v in self.counts.items()}}

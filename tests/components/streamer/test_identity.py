@@ -1,0 +1,42 @@
+"""Identity on the ZeroMQ endpoint: keys name the tenant, the service key may speak for
+any tenant, status shows a tenant only its own usage."""
+from components.streamer.identity import Identity, Keyring, Refusal, digest, visible_stats
+from schemas.config import ApiKey
+
+KEYS = (ApiKey(digest("acme-secret"), "acme"), ApiKey(digest("ops-secret"), "ops", "operator"))
+
+
+def test_open_endpoint_takes_the_claimed_tenant():
+    ring = Keyring((), service_key="")
+    assert ring.identify(None, "acme") == Identity("acme", "open")
+
+
+def test_with_keys_a_missing_or_wrong_key_is_refused():
+    ring = Keyring(KEYS, service_key="")
+    assert isinstance(ring.identify(None, "default"), Refusal)
+    assert isinstance(ring.identify("guess", "default"), Refusal)
+
+
+def test_a_key_names_its_tenant_and_cannot_claim_another():
+    ring = Keyring(KEYS, service_key="")
+    assert ring.identify("acme-secret", "default") == Identity("acme", "tenant")
+    assert ring.identify("acme-secret", "acme") == Identity("acme", "tenant")
+    refused = ring.identify("acme-secret", "globex")
+    assert isinstance(refused, Refusal) and "globex" in refused.message
+
+
+def test_the_service_key_speaks_for_the_tenant_it_names():
+    ring = Keyring(KEYS, service_key="gw-secret")
+    assert ring.identify("gw-secret", "globex") == Identity("globex", "service")
+    assert ring.identify("gw-secret", "globex").sees_all
+
+
+def test_operators_see_all_tenants_see_their_own():
+    ring = Keyring(KEYS, service_key="")
+    assert ring.identify("ops-secret", "default").sees_all
+    assert not ring.identify("acme-secret", "default").sees_all
+    stats = {"running": 3.0, "tenant.kv_blocks.acme": 4.0, "tenant.kv_blocks.globex": 9.0,
+             "tenant.generated_tokens.acme": 7.0}
+    assert visible_stats(stats, "acme") == {"running": 3.0, "tenant.kv_blocks.acme": 4.0,
+                                            "tenant.generated_tokens.acme": 7.0}
+    assert visible_stats(stats, "") == {"running": 3.0}

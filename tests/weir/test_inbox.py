@@ -1,0 +1,60 @@
+"""The SDK's per-stream buffer: the receiver never waits on it, and a reader that stops
+reading is cut off by a stated policy, not by blocking everyone else."""
+import anyio
+
+from schemas.client import Cancelled, Finished, TextDelta, Usage
+from weir.client import _Inbox
+
+
+def _delta(i):
+    return TextDelta("r", str(i), (i,))
+
+
+def test_put_never_blocks_and_get_returns_in_order():
+    box = _Inbox(capacity=4, stall_timeout=60)
+    assert all(box.put(_delta(i)) for i in range(10))     # over capacity, within timeout
+
+    async def read():
+        return [(await box.get()).text for _ in range(10)]
+    assert anyio.run(read) == [str(i) for i in range(10)]
+    assert box.stalled_since is None
+
+
+def test_four_times_capacity_unread_ends_the_stream_as_slow_consumer():
+    box = _Inbox(capacity=4, stall_timeout=60)
+    results = [box.put(_delta(i)) for i in range(16)]
+    assert results == [True] * 15 + [False]
+    assert len(box.items) == 1 and isinstance(box.items[0], Cancelled)
+    assert box.items[0].reason.startswith("slow_consumer")
+    assert box.put(_delta(99)) and len(box.items) == 1          # nothing after the end
+
+
+def test_stalled_past_the_timeout_ends_the_stream(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("weir.client.time.monotonic", lambda: now[0])
+    box = _Inbox(capacity=2, stall_timeout=5)
+    assert box.put(_delta(0)) and box.put(_delta(1)) and box.put(_delta(2))   # stalled at 100
+    now[0] = 104.9
+    assert box.put(_delta(3))
+    now[0] = 105.1
+    assert not box.put(_delta(4))
+
+
+def test_a_reader_that_catches_up_clears_the_stall(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("weir.client.time.monotonic", lambda: now[0])
+    box = _Inbox(capacity=2, stall_timeout=5)
+    for i in range(3):
+        box.put(_delta(i))
+    anyio.run(box.get)
+    assert box.stalled_since is None
+    now[0] = 50.0
+    assert box.put(_delta(3))                                     # a fresh stall, not an old one
+
+
+def test_a_terminal_is_delivered_and_ends_the_stream():
+    box = _Inbox(capacity=2, stall_timeout=5)
+    box.put(Finished("r", "stop", Usage(1, 1)))
+    box.put(_delta(1))
+    box.end(Cancelled("r", "x"))
+    assert len(box.items) == 1 and isinstance(box.items[0], Finished)
