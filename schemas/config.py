@@ -202,9 +202,17 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: int = 8000
     served_model_name: str = ""
     api_keys: tuple[ApiKey, ...] = ()
+    max_body_bytes: int = 4 << 20             # larger request bodies get 413
+    read_timeout_s: float = 10.0              # headers, then body: else 408 / closed
+    stream_stall_timeout_s: float = 30.0      # a client not reading an SSE stream: cancelled
+    max_connections: int = 2048               # more concurrent connections get 503
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "gateway.port must be a TCP port")
+        _require(self.max_body_bytes >= 1024, "gateway.max_body_bytes must be >= 1024")
+        _require(self.read_timeout_s > 0 and self.stream_stall_timeout_s > 0,
+                 "gateway timeouts must be > 0")
+        _require(self.max_connections >= 1, "gateway.max_connections must be >= 1")
 
 
 class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

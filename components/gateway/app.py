@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -9,32 +10,39 @@ from typing import Any, AsyncIterator
 import anyio
 import msgspec
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bus import tracing
 from schemas.client import StatusReport
+from schemas.config import GatewayConfig
 from components.gateway.auth import Authenticator
+from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, parse, submit_kwargs)
+                                           Shaper, parse, submit_kwargs, validate_kwargs)
 from weir.client import AsyncClient, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
 
 _REJECT_STATUS = {"tenant_over_budget": 429, "overloaded": 503, "draining": 503,
                   "unknown_tenant": 403}
 _json = msgspec.json.Encoder()
+_SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # echoed only if printable ASCII
 _TRACER = trace.get_tracer("weir.gateway")
 
 
 class GatewayState:
     """What the routes share: the SDK client, auth, metrics and lifecycle flags."""
 
-    def __init__(self, client: AsyncClient, auth: Authenticator, model: str) -> None:
+    def __init__(self, client: AsyncClient, auth: Authenticator, model: str,
+                 config: GatewayConfig | None = None, max_model_len: int = 2048) -> None:
         self.client, self.auth, self.model = client, auth, model
+        self.config = config if config is not None else GatewayConfig()
+        self.max_model_len = max_model_len
         self.metrics = GatewayMetrics(model)
         self.draining = False
         self._ready_at = -1.0               # monotonic time of the last engine check
@@ -60,11 +68,18 @@ def all_ready(report: StatusReport) -> bool:
                                            for c in report.components)
 
 
-def _error_response(err: ApiError, request_id: str) -> JSONResponse:
-    headers = {"x-request-id": request_id}
+def _error_response(err: ApiError, request_id: str | None = None) -> JSONResponse:
+    headers = {} if request_id is None else {"x-request-id": request_id}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
+    if err.status in (408, 413):          # the rest of the body is unread: end the connection
+        headers["Connection"] = "close"
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    return given if given and _SAFE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 def _from_rejection(exc: RequestRejected) -> ApiError:
@@ -87,12 +102,16 @@ def build_app(state: GatewayState) -> Starlette:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
+        allowed, tenant = state.auth.metrics_scope(request.headers.get("authorization"))
+        if not allowed:
+            raise ApiError(401, "/metrics needs an API key (an operator key sees every "
+                                "tenant)", "authentication_error", code="invalid_api_key")
         try:
             report = await state.client.status(timeout=2.0)
             state.metrics.engine.stats = {c.name: c.stats for c in report.components}
         except RequestTimeout:
             pass
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(tenant), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(request: Request) -> Response:
         return await _generate(request, CompletionRequest, chat=False)
@@ -111,14 +130,15 @@ def build_app(state: GatewayState) -> Starlette:
         except BaseException:
             span.end()
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, GuardedStreamingResponse):
             span.set_attribute("http.response.status_code", response.status_code)
             span.end()
         return response
 
     async def _generate_in_span(request: Request, kind: type, chat: bool, span) -> Response:
         started = time.perf_counter()
-        echo_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        echo_id = _request_id(request)
+        cfg = state.config
         try:
             if state.draining:
                 raise ApiError(503, "the server is draining", "service_unavailable",
@@ -127,8 +147,11 @@ def build_app(state: GatewayState) -> Starlette:
             if tenant is None:
                 raise ApiError(401, "invalid API key", "authentication_error",
                                code="invalid_api_key")
-            req = parse(await request.body(), kind)
+            check_content_type(request.headers.get("content-type"))
+            body = await read_body(request, cfg.max_body_bytes, cfg.read_timeout_s)
+            req = parse(body, kind)
             kwargs = submit_kwargs(req, state.model)
+            validate_kwargs(kwargs, state.max_model_len)
             rid = uuid.uuid4().hex
             stream = await state.client.stream(request_id=rid, tenant=tenant, **kwargs)
             events = stream.__aiter__()
@@ -149,7 +172,10 @@ def build_app(state: GatewayState) -> Starlette:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = _sse(stream, events, first, shaper, include_usage, started, span, req.n)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            return GuardedStreamingResponse(
+                body, stall_timeout_s=cfg.stream_stall_timeout_s,
+                on_stall=lambda: state.metrics.error("stalled"),
+                media_type="text/event-stream", headers=headers)
         return await _collect(stream, events, first, shaper, started, headers)
 
     async def _collect(stream: Stream, events, first, shaper: Shaper, started: float,
@@ -226,9 +252,29 @@ def build_app(state: GatewayState) -> Starlette:
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+
+    # Client errors raised anywhere are answered as what they are; only a real fault is 500.
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        state.metrics.error(f"http_{exc.status}")
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    async def disconnected(request: Request, exc: Exception) -> Response:
+        state.metrics.error("client_disconnected")
+        return _error_response(ApiError(400, "the client disconnected",
+                                        code="client_disconnected"))
+
     async def internal_error(request: Request, exc: Exception) -> Response:
         state.metrics.error("http_500")
         return JSONResponse(ApiError(500, "internal server error", "server_error").body(),
                             status_code=500)
 
-    return Starlette(routes=routes, exception_handlers={Exception: internal_error})
+    return Starlette(routes=routes, exception_handlers={
+        ApiError: api_error, HTTPException: http_error, ClientDisconnect: disconnected,
+        Exception: internal_error})

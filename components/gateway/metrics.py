@@ -3,9 +3,9 @@ state (queues, KV, prefix cache, preemptions) read from the latest status report
 Names follow vLLM's where the meaning is the same, under the ``weir:`` prefix."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+                                    HistogramMetricFamily, Metric)
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0)
@@ -112,6 +112,21 @@ class _EngineCollector:
         return h
 
 
+class _TenantView:
+    """A registry seen by one tenant: every series that carries a ``tenant`` label is
+    dropped unless it is this tenant's; engine-wide series (no tenant label) stay."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry, self.tenant = registry, tenant
+
+    def collect(self):
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples
+                            if s.labels.get("tenant", self.tenant) == self.tenant]
+            yield kept
+
+
 class GatewayMetrics:
     def __init__(self, model: str) -> None:
         self.model = model
@@ -154,3 +169,9 @@ class GatewayMetrics:
 
     def error(self, kind: str) -> None:
         self.errors.labels(self.model, kind).inc()
+
+    def render(self, tenant: str | None = None) -> bytes:
+        """The exposition text: everything, or (``tenant``) only that tenant's labelled
+        series beside the engine-wide ones."""
+        return generate_latest(self.registry if tenant is None
+                               else _TenantView(self.registry, tenant))

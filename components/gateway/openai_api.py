@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from components.admission.validate import check_logit_bias, check_submit
+from schemas.client import SamplingParams, Submit
 from schemas.wire import Usage
 
 
@@ -60,7 +62,8 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
-    prompt: str | list[Any]
+    # a string, token ids, or a batch of one of either: never nested deeper
+    prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -77,12 +80,15 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
 
 
 def parse(body: bytes, kind: type) -> Any:
+    """Decode and type-check a request body; every way it can be wrong is a 400."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
+        raise ApiError(400, f"invalid request: {str(exc)[:500]}") from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:500]}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
 
 
 def _unsupported(req: _Common) -> str | None:
@@ -90,6 +96,8 @@ def _unsupported(req: _Common) -> str | None:
         return "best_of (other than n) is not supported"
     if req.presence_penalty or req.frequency_penalty:
         return "presence_penalty and frequency_penalty are not supported"
+    if (why := check_logit_bias(req.logit_bias)) is not None:
+        return why
     if req.logit_bias:
         return "logit_bias is not supported"
     if isinstance(req, CompletionRequest) and (req.logprobs or req.echo or req.suffix):
@@ -102,7 +110,7 @@ def _unsupported(req: _Common) -> str | None:
 def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: str) -> dict[str, Any]:
     """Keyword arguments for ``AsyncClient.stream`` from an OpenAI request."""
     if req.model not in (None, "", served_model):
-        raise ApiError(404, f"the model `{req.model}` does not exist; this server serves "
+        raise ApiError(404, f"the model `{req.model[:100]}` does not exist; this server serves "
                             f"`{served_model}`", "invalid_request_error", "model", "model_not_found")
     if (why := _unsupported(req)) is not None:
         raise ApiError(400, why)
@@ -124,6 +132,20 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         return {"messages": msgs, **params}
     params["max_tokens"] = req.max_tokens
     return {**_prompt(req.prompt), **params}
+
+
+_PARAMS = frozenset(SamplingParams.__struct_fields__)
+
+
+def validate_kwargs(kwargs: dict[str, Any], max_model_len: int,
+                    max_prompt_chars: int | None = None) -> None:
+    """The engine's own edge checks (``check_submit``, as the streamer runs them) on the
+    request ``submit_kwargs`` built, so a bad request is a 400 before it is sent."""
+    params = SamplingParams(**{k: v for k, v in kwargs.items() if k in _PARAMS})
+    sub = Submit("gateway", kwargs.get("prompt"), kwargs.get("messages"),
+                 kwargs.get("prompt_token_ids"), params, priority=kwargs.get("priority", 0))
+    if (bad := check_submit(sub, max_model_len, max_prompt_chars)) is not None:
+        raise ApiError(400, bad[1], code=bad[0])
 
 
 def _prompt(prompt: str | list[Any]) -> dict[str, Any]:

@@ -24,3 +24,36 @@ def engine(tmp_path_factory, model_path):
     eng = Engine(tmp_path_factory.mktemp("engine"), BASE_TOML)
     yield eng
     eng.stop()
+
+
+# -- the HTTP gateway (tests/e2e/test_gateway*.py, test_http_fuzz.py) -------------------
+GATEWAY_KEY = "sk-test-acme-123"            # tenant "acme"
+GATEWAY_MODEL = "SmolLM2-135M-Instruct"
+GATEWAY_TOML = """
+[kv]
+num_blocks = 256
+[engine]
+max_model_len = 1024
+[admission]
+max_outstanding = 4
+tenants = [{ name = "default" }, { name = "acme" }]
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_gateway(tmp_path_factory, gateway_options: str = "") -> Engine:
+    """The engine with its gateway on a free port; ``GATEWAY_KEY`` is tenant acme's key.
+    ``gateway_options``: extra ``[gateway]`` TOML lines."""
+    import hashlib
+
+    digest = hashlib.sha256(GATEWAY_KEY.encode()).hexdigest()
+    return Engine(tmp_path_factory.mktemp("gw"), GATEWAY_TOML, http_port=free_port(),
+                  gateway_extra=f'api_keys = [{{ sha256 = "{digest}", tenant = "acme" }}]\n'
+                                + gateway_options)

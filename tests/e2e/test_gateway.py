@@ -1,7 +1,6 @@
 """The OpenAI-compatible gateway, driven by real clients: the official `openai` package,
 raw httpx for disconnects and errors, and prometheus_client's parser for /metrics."""
 import concurrent.futures
-import hashlib
 import time
 
 import httpx
@@ -9,27 +8,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.engine import Engine
-from tests.e2e.test_tcp_topology import free_base_port
-
-KEY = "sk-test-acme-123"
-MODEL = "SmolLM2-135M-Instruct"
+from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL, start_gateway
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, model_path):
-    digest = hashlib.sha256(KEY.encode()).hexdigest()
-    toml = f"""
-[kv]
-num_blocks = 256
-[engine]
-max_model_len = 1024
-[admission]
-max_outstanding = 4
-tenants = [{{ name = "default" }}, {{ name = "acme" }}]
-"""
-    eng = Engine(tmp_path_factory.mktemp("gw"), toml, http_port=free_base_port(1),
-                 gateway_extra=f'api_keys = [{{ sha256 = "{digest}", tenant = "acme" }}]\n')
+    eng = start_gateway(tmp_path_factory)
     yield eng
     eng.stop()
 
@@ -134,6 +118,10 @@ def test_disconnect_cancels_and_frees_kv(gw):
     ({"model": MODEL, "max_tokens": 3}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"model": "gpt-9", "prompt": "hi"}, "gpt-9"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**70}, "seed"),             # was a 500
+    ({"model": MODEL, "prompt": "hi", "top_k": 2**63}, "top_k"),           # failed a step
+    ({"model": MODEL, "prompt": [1, 2**70]}, "prompt_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 1024}, "context window"),
 ])
 def test_bad_parameters_get_openai_errors(gw, body, words):
     r = httpx.post(gw.base_url + "/v1/completions", json=body,
@@ -145,8 +133,14 @@ def test_bad_parameters_get_openai_errors(gw, body, words):
 
 def test_invalid_json_and_unknown_key(gw):
     r = httpx.post(gw.base_url + "/v1/chat/completions", content=b"{not json",
-                   headers={"Authorization": f"Bearer {KEY}"})
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(gw.base_url + "/v1/chat/completions", content=b"[" * 5000 + b"]" * 5000,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400                                          # was a 500
+    r = httpx.post(gw.base_url + "/v1/completions", content=b'{"prompt": "x"}',
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"})
+    assert r.status_code == 415
     r = httpx.post(gw.base_url + "/v1/chat/completions", headers={"Authorization": "Bearer nope"},
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -174,7 +168,9 @@ def test_overload_gets_503_with_retry_after(gw):
 
 
 def _metrics(gw) -> dict[str, float]:
-    text = httpx.get(gw.base_url + "/metrics").text
+    r = httpx.get(gw.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    text = r.text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -184,6 +180,7 @@ def _metrics(gw) -> dict[str, float]:
 
 
 def test_metrics_parse_and_move(gw, oai):
+    assert httpx.get(gw.base_url + "/metrics").status_code == 401      # keys configured
     before = _metrics(gw)
     for name in ("weir:time_to_first_token_seconds_count", "weir:e2e_request_latency_seconds_count",
                  "weir:num_requests_running", "weir:num_requests_waiting",

@@ -5,7 +5,7 @@ import pytest
 
 from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, parse, submit_kwargs)
+                                           Shaper, parse, submit_kwargs, validate_kwargs)
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
 
@@ -55,6 +55,35 @@ def test_errors(body, status, words):
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("body, words", [
+    (b'{"prompt": "x", "seed": 123456789012345678901234567890}', "seed"),
+    (b'{"prompt": "x", "top_k": 9223372036854775808}', "top_k"),
+    (b'{"prompt": [1, 99999999999999999999999]}', "prompt_token_ids"),
+    (b'{"prompt": "x", "stop_token_ids": [-3]}', "stop_token_ids"),
+    (b'{"prompt": "x", "priority": 9223372036854775808}', "priority"),
+    (b'{"prompt": "x", "max_tokens": 4096}', "context window"),
+    (b'{"prompt": "' + b"x" * 65537 + b'"}', "characters"),
+])
+def test_engine_limits_checked_before_submitting(body, words):
+    with pytest.raises(ApiError) as err:
+        validate_kwargs(kwargs(body), 2048)
+    assert err.value.status == 400 and words in err.value.message
+    validate_kwargs(kwargs(b'{"prompt": "x", "seed": 18446744073709551615, "top_k": 40}'), 2048)
+    validate_kwargs(kwargs(b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
+                           ChatCompletionRequest), 2048)
+
+
+def test_deep_and_malformed_json_is_400():
+    for body in (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                 b'{"prompt": "x", "tools": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+                 b'{"prompt": [[[1]]]}', b'{"prompt": "\\ud800"}',
+                 b'{"prompt": "x", "logit_bias": {"x": 1}}',
+                 b'{"prompt": "x", "logit_bias": {"1": 101}}'):
+        with pytest.raises(ApiError) as err:
+            kwargs(body, ChatCompletionRequest if b"tools" in body else CompletionRequest)
+        assert err.value.status == 400, body[:40]
+
+
 def test_auth_hashed_keys():
     digest = hashlib.sha256(b"sk-1").hexdigest()
     assert hash_key("sk-1") == digest
@@ -64,6 +93,9 @@ def test_auth_hashed_keys():
     assert auth.tenant_for("Bearer sk-2") is None
     assert auth.tenant_for(None) is None
     assert Authenticator(()).tenant_for(None) == "default"
+    assert Authenticator(()).metrics_scope(None) == (True, None)         # no keys: open
+    assert auth.metrics_scope(None) == (False, None)
+    assert auth.metrics_scope("Bearer sk-1") == (True, "acme")          # its own series only
     with pytest.raises((ConfigError, ValueError)):
         ApiKey("sk-plaintext-key", "acme")
 

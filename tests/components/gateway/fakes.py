@@ -1,0 +1,94 @@
+"""An in-process gateway (the real app, protocol guards and uvicorn) over a fake engine
+client, for HTTP-level tests that need no model."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import types
+from typing import Any
+
+import anyio
+import uvicorn
+
+from components.gateway.app import GatewayState, build_app
+from components.gateway.auth import Authenticator
+from components.gateway.http import guarded_protocol
+from components.gateway.service import _Server
+from schemas.client import ComponentStatus, StatusReport, TextDelta, Usage
+from schemas.config import GatewayConfig
+
+
+class FakeStream:
+    """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes."""
+
+    def __init__(self, rid: str, deltas: int, text: str) -> None:
+        self.request_id, self.deltas, self.text = rid, deltas, text
+        self.cancelled = anyio.Event()
+        self.closed = anyio.Event()
+        self.result = None
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        try:
+            for _ in range(self.deltas):
+                await anyio.sleep(0)
+                yield TextDelta(self.request_id, self.text, (1,), 0)
+            choice = types.SimpleNamespace(index=0, text=self.text * self.deltas,
+                                           finish_reason="length")
+            self.result = types.SimpleNamespace(
+                choices=[choice], usage=Usage(3, self.deltas), finish_reason="length",
+                queue_time_s=0.0, timing=None)
+        finally:
+            self.closed.set()
+
+    async def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class FakeClient:
+    def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None) -> None:
+        self.deltas, self.text = deltas, text
+        self.stats = stats or {}
+        self.submitted: list[dict[str, Any]] = []
+        self.streams: list[FakeStream] = []
+
+    async def stream(self, request_id: str, tenant: str, **kwargs: Any) -> FakeStream:
+        self.submitted.append({"tenant": tenant, **kwargs})
+        s = FakeStream(request_id, self.deltas, self.text)
+        self.streams.append(s)
+        return s
+
+    async def status(self, timeout: float = 5.0) -> StatusReport:
+        return StatusReport("q", tuple(ComponentStatus(name, 1, True, "ready", 0, 0.0, stats)
+                                       for name, stats in self.stats.items()))
+
+
+class Gateway:
+    def __init__(self, port: int, client: FakeClient) -> None:
+        self.port, self.client = port, client
+        self.url = f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def serve(client: FakeClient, keys: tuple = (), max_model_len: int = 2048, **cfg: Any):
+    """Run the gateway app under uvicorn with the guarded protocol on a free port."""
+    config = GatewayConfig(**cfg)
+    state = GatewayState(client, Authenticator(keys), "m", config, max_model_len)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = _Server(uvicorn.Config(
+        build_app(state), log_level="critical", access_log=False, lifespan="off",
+        http=guarded_protocol(config.read_timeout_s, config.stream_stall_timeout_s),
+        limit_concurrency=config.max_connections, timeout_graceful_shutdown=1))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: server.serve(sockets=[sock]))
+        while not server.started:
+            await anyio.sleep(0.01)
+        try:
+            yield Gateway(sock.getsockname()[1], client)
+        finally:
+            server.should_exit = True
+            server.force_exit = True
+    sock.close()
