@@ -89,6 +89,37 @@ def _from_rejection(exc: RequestRejected) -> ApiError:
                     code=exc.reason, retry_after=exc.retry_after_s if status in (429, 503) else None)
 
 
+async def _unless_disconnected(request: Request, work) -> tuple[bool, Any]:
+    """Await ``work()`` unless the client disconnects first (its body is read, so the next
+    ASGI message is the disconnect). Returns (disconnected, result); ``work``'s exceptions
+    propagate as themselves."""
+    outcome: list[Any] = []
+    gone = False
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tg.cancel_scope.cancel()
+
+        async def run() -> None:
+            try:
+                outcome.append((True, await work()))
+            except Exception as exc:                  # re-raised below, outside the group
+                outcome.append((False, exc))
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(run)
+    if gone and not outcome:
+        return True, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return False, value
+
+
 def build_app(state: GatewayState) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -155,14 +186,21 @@ def build_app(state: GatewayState) -> Starlette:
             rid = uuid.uuid4().hex
             stream = await state.client.stream(request_id=rid, tenant=tenant, **kwargs)
             events = stream.__aiter__()
+
+            async def first_event():
+                try:
+                    return await events.__anext__()
+                except StopAsyncIteration:
+                    return None
+
             try:
-                first = await events.__anext__()
-            except StopAsyncIteration:
-                first = None
+                gone, first = await _unless_disconnected(request, first_event)
             except RequestRejected as exc:
                 raise _from_rejection(exc) from None
             except (RequestFailed, RequestCancelled) as exc:
                 raise ApiError(500, f"request failed: {exc}", "server_error") from None
+            if gone:
+                return await _client_gone(stream, events, echo_id)
         except ApiError as err:
             state.metrics.error(f"http_{err.status}")
             return _error_response(err, echo_id)
@@ -176,16 +214,30 @@ def build_app(state: GatewayState) -> Starlette:
                 body, stall_timeout_s=cfg.stream_stall_timeout_s,
                 on_stall=lambda: state.metrics.error("stalled"),
                 media_type="text/event-stream", headers=headers)
-        return await _collect(stream, events, first, shaper, started, headers)
+        return await _collect(request, stream, events, shaper, started, headers)
 
-    async def _collect(stream: Stream, events, first, shaper: Shaper, started: float,
-                       headers: dict) -> Response:
-        last = time.perf_counter()
-        try:
+    async def _client_gone(stream: Stream, events, echo_id: str) -> Response:
+        """The client left before its response: free the request's KV now."""
+        state.metrics.error("cancelled")
+        with anyio.CancelScope(shield=True):
+            await stream.cancel()
+            await events.aclose()
+        return _error_response(ApiError(400, "the client disconnected",
+                                        code="client_disconnected"), echo_id)
+
+    async def _collect(request: Request, stream: Stream, events, shaper: Shaper,
+                       started: float, headers: dict) -> Response:
+        async def drain() -> None:
+            last = time.perf_counter()
             async for _ in events:
                 now = time.perf_counter()
                 state.metrics.itl.labels(state.model).observe(now - last)
                 last = now
+
+        try:
+            gone, _ = await _unless_disconnected(request, drain)
+            if gone:
+                return await _client_gone(stream, events, headers["x-request-id"])
         except (RequestFailed, RequestCancelled) as exc:
             state.metrics.error("failed")
             return _error_response(ApiError(500, f"request failed: {exc}", "server_error"),

@@ -21,8 +21,8 @@ from schemas.config import GatewayConfig
 class FakeStream:
     """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes."""
 
-    def __init__(self, rid: str, deltas: int, text: str) -> None:
-        self.request_id, self.deltas, self.text = rid, deltas, text
+    def __init__(self, rid: str, deltas: int, text: str, delay: float = 0.0) -> None:
+        self.request_id, self.deltas, self.text, self.delay = rid, deltas, text, delay
         self.cancelled = anyio.Event()
         self.closed = anyio.Event()
         self.result = None
@@ -32,8 +32,9 @@ class FakeStream:
 
     async def _events(self):
         try:
+            await anyio.sleep(getattr(self, "first_delay", 0.0))       # queue + prefill
             for _ in range(self.deltas):
-                await anyio.sleep(0)
+                await anyio.sleep(self.delay)
                 yield TextDelta(self.request_id, self.text, (1,), 0)
             choice = types.SimpleNamespace(index=0, text=self.text * self.deltas,
                                            finish_reason="length")
@@ -48,15 +49,17 @@ class FakeStream:
 
 
 class FakeClient:
-    def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None) -> None:
-        self.deltas, self.text = deltas, text
+    def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,
+                 delay: float = 0.0, first_delay: float = 0.0) -> None:
+        self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.stats = stats or {}
         self.submitted: list[dict[str, Any]] = []
         self.streams: list[FakeStream] = []
 
     async def stream(self, request_id: str, tenant: str, **kwargs: Any) -> FakeStream:
         self.submitted.append({"tenant": tenant, **kwargs})
-        s = FakeStream(request_id, self.deltas, self.text)
+        s = FakeStream(request_id, self.deltas, self.text, self.delay)
+        s.first_delay = self.first_delay
         self.streams.append(s)
         return s
 
