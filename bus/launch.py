@@ -1,6 +1,8 @@
 """``python -m bus.launch COMPONENT CONFIG_JSON``: run one component as this process."""
 from __future__ import annotations
 
+import ctypes
+import signal
 import sys
 from pathlib import Path
 
@@ -11,8 +13,22 @@ from components import service_class
 from schemas.config import WeirConfig
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A component never outlives the supervisor that spawned it (Linux): a supervisor
+    killed without draining takes its children along instead of leaving them serving
+    nobody. Elsewhere the supervisor's heartbeat timeout is the only bound."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str]) -> None:
     name, config_path = argv
+    die_with_parent()
     config = msgspec.json.decode(Path(config_path).read_bytes(), type=WeirConfig)
     run(service_class(name), config)
 

@@ -130,9 +130,15 @@ class Supervisor:
                     child.state = "dead"
             await to_streamer.send(self.status())
 
-    async def wait_ready(self) -> None:
+    async def wait_ready(self, to_streamer: BusSocket | None = None) -> None:
+        """Until every component is ready; meanwhile the streamer hears each one's state,
+        so status shows components as ``starting`` and requests are refused, not held."""
         deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
+        tick = 0
         while any(c.state != "ready" for c in self.children.values()):
+            tick += 1
+            if to_streamer is not None and tick % 4 == 0:
+                await to_streamer.send(self.status())
             for c in self.children.values():
                 if not c.external and not c.alive:
                     raise StartupError(f"component {c.name} exited during startup "
@@ -181,7 +187,7 @@ class Supervisor:
                     if self.spawn:
                         self._spawn(child)
                 try:
-                    await self.wait_ready()
+                    await self.wait_ready(to_streamer)
                 except StartupError:
                     self.stopping = True
                     await self.drain_and_stop(control)

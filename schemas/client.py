@@ -50,6 +50,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     priority: int = 0                   # lower is more important; preemption takes the highest
     api_key: str | None = None          # with keys configured, names the tenant (see PROTOCOL.md)
     idempotency_key: str | None = None  # a retry with the same key attaches, never runs twice
+    attempt: int = 0                    # 0 first; n for the client's n-th retry (counted)
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):

@@ -161,7 +161,9 @@ def _status(args: argparse.Namespace) -> int:
         "kv": {"total_blocks": int(kv.get("total_blocks", 0)),
                "free_blocks": int(kv.get("free_blocks", 0)),
                "cached_blocks": int(kv.get("cached_blocks", 0)),
-               "usage": round(1 - kv.get("free_blocks", 0) / (kv.get("total_blocks", 0) or 1), 4),
+               # None until the kv_manager has reported (while starting)
+               "usage": (round(1 - kv["free_blocks"] / kv["total_blocks"], 4)
+                         if kv.get("total_blocks") else None),
                "cpu_total_blocks": int(kv.get("cpu_total_blocks", 0)),
                "cpu_free_blocks": int(kv.get("cpu_free_blocks", 0)),
                "cpu_cached_blocks": int(kv.get("cpu_cached_blocks", 0)),
@@ -181,7 +183,8 @@ def _status(args: argparse.Namespace) -> int:
           f"wasted_tokens {s['wasted_tokens']}")
     k = out["kv"]
     print(f"kv           total {k['total_blocks']} free {k['free_blocks']} cached {k['cached_blocks']}"
-          f" usage {k['usage']:.1%}{' BELOW WATERMARK' if k['below_watermark'] else ''}")
+          f" usage {'unknown' if k['usage'] is None else format(k['usage'], '.1%')}"
+          f"{' BELOW WATERMARK' if k['below_watermark'] else ''}")
     print(f"kv cpu tier  total {k['cpu_total_blocks']} free {k['cpu_free_blocks']} cached "
           f"{k['cpu_cached_blocks']} swapped_seqs {k['swapped_seqs']}")
     print(f"prefix cache hit {k['prefix_hit_tokens']} of {k['prefix_query_tokens']} tokens")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 import anyio
+import msgspec
 import zmq
 from anyio.from_thread import start_blocking_portal
 
@@ -45,6 +46,21 @@ _TRACER = trace.get_tracer("weir.client")
 
 def default_endpoint() -> str:
     return os.environ.get("WEIR_ENDPOINT") or DEFAULT_CLIENT_ENDPOINT
+
+
+def _ensure_tracing() -> None:
+    """The SDK's ``weir.submit`` spans go to the application's tracer provider. An
+    application that set none but has the standard ``OTEL_*`` variables gets one
+    (``service.name`` weir-client), so SDK requests are traced as HTTP ones are."""
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "")
+    configured = (exporter == "otlp" or (exporter == "jsonl" and os.environ.get("WEIR_TRACE_FILE"))
+                  or (not exporter and os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")))
+    if not configured or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return
+    from bus import tracing
+    from schemas.config import TelemetryConfig
+
+    tracing.setup("client", TelemetryConfig(exporter="otlp"))   # OTEL_* variables override
 
 
 _TERMINAL = (Finished, Rejected, Cancelled, Failed)
@@ -244,6 +260,7 @@ class Stream:
         client.retries += 1
         await anyio.sleep(wait)
         self._recv = client._open(self.request_id)
+        self._submit = msgspec.structs.replace(self._submit, attempt=self.retries)
         await client._send_submit(self._submit, self.span)
         return True
 
@@ -305,6 +322,7 @@ class AsyncClient:
         self._sock: BusSocket | None = None
 
     async def __aenter__(self) -> "AsyncClient":
+        _ensure_tracing()
         self._sock = BusSocket(zmq.DEALER, "client", ServerMsg).connect(self.endpoint)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()

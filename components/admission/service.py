@@ -143,6 +143,9 @@ class AdmissionService(Component):
         while True:
             msg = await self.inbox_sock.recv()
             match msg.body:
+                case Tokenized() as req if (req.request_id in self.pending
+                                            or req.request_id in self.outstanding):
+                    pass             # the streamer replayed it after a restart: already here
                 case Tokenized() as req:
                     if self.config.kv.enable_prefix_cache and req.block_hashes:
                         self.pending[req.request_id] = (req, msg.envelope.traceparent,

@@ -119,5 +119,13 @@ class DetokenizerService(Component):
                         stream.span.set_attribute("weir.ended", "forgotten")
                         stream.span.end()
 
+    async def peer_restarted(self, name: str) -> None:
+        """A new scheduler or streamer holds none of these requests: their text is dead."""
+        if name in ("scheduler", "streamer"):
+            for stream in self.streams.values():
+                stream.span.set_attribute("weir.ended", f"{name} restarted")
+                stream.span.end()
+            self.streams.clear()
+
     def stats(self) -> dict[str, float]:
         return {"streams": len(self.streams)}

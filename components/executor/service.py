@@ -117,6 +117,7 @@ class ExecutorService(Component):
 
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                   # a new scheduler needs the copy costs
+            await self.on_torch_thread(self.runner.seqs.clear)     # and has none of these
             await self.to_scheduler.send(ExecutorReady(
                 self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks))
 

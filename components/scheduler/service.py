@@ -73,8 +73,9 @@ class SchedulerService(Component):
             out = Outcome()
             match msg.body:
                 case Admitted() as req:
-                    self.core.add(req)
-                    self.trace.admitted(req.request_id, msg.envelope.traceparent)
+                    if req.request_id not in self.core.by_request:    # a replay may repeat it
+                        self.core.add(req)
+                        self.trace.admitted(req.request_id, msg.envelope.traceparent)
                 case StepResult(failed=True, step_id=step_id):
                     if self.core.in_flight is not None and step_id == self.core.in_flight_step:
                         log.error("step_failed", step_id=step_id)
@@ -113,7 +114,9 @@ class SchedulerService(Component):
         return out
 
     async def peer_restarted(self, name: str) -> None:
-        if name == "executor":
+        # the executor's KV is gone; a new streamer knows none of our requests, so nobody
+        # waits for their tokens
+        if name in ("executor", "streamer"):
             await self._emit(await self._fail_all(kv_lost=False))
 
     async def _emit(self, out: Outcome) -> None:

@@ -29,7 +29,7 @@ from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
-from components.admission.validate import check_params
+from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, rename
 from components.streamer.identity import Identity, Keyring, Refusal, visible_stats
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
@@ -92,7 +92,7 @@ class StreamerService(Component):
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
-                       "unauthenticated": 0, "idempotent_attached": 0}
+                       "unauthenticated": 0, "idempotent_attached": 0, "retries": 0}
         self.clients = self.socket(zmq.ROUTER, "clients", ClientMsg).bind(
             self.topology.client_endpoint)
         self.inbox_sock = self.inbox(StreamerMsg)
@@ -162,6 +162,7 @@ class StreamerService(Component):
             return await self._terminal_to(who, rejected)
         self.active[rid] = req
         self.counts["submitted"] += 1
+        self.counts["retries"] += sub.attempt > 0
         if sub.idempotency_key:
             self.idempotency.start(tenant, sub.idempotency_key, rid)
             req.idempotent = True
@@ -196,8 +197,8 @@ class StreamerService(Component):
         if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
             return Rejected(rid, "invalid_request",
                             "set exactly one of prompt, prompt_token_ids or messages")
-        if (why := check_params(sub.params)) is not None:
-            return Rejected(rid, "invalid_request", why)
+        if (bad := check_submit(sub, self.config.engine.max_model_len)) is not None:
+            return Rejected(rid, bad[0], bad[1])
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
         down = [c.name for c in self.cluster.components if not c.alive or c.state == "starting"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +25,11 @@ class Engine:
         gateway = (f"\n[gateway]\nport = {http_port}\n{gateway_extra}" if http_port
                    else "\n[gateway]\nenabled = false\n")
         cfg.write_text(config_toml if "[gateway]" in config_toml else config_toml + gateway)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL=log_level)
+        # the engine's service credential (the gateway's): test clients act with it, so they
+        # may name any tenant even where API keys are configured
+        self.service_key = secrets.token_urlsafe(16)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL=log_level,
+                   WEIR_SERVICE_KEY=self.service_key)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
              "--run-dir", str(run_dir), "--endpoint", self.endpoint, *extra_args],
@@ -45,6 +50,7 @@ class Engine:
     def client(self, **kwargs):
         from weir import Client
 
+        kwargs.setdefault("api_key", self.service_key)
         return Client(self.endpoint, **kwargs)
 
     def status(self) -> dict:
@@ -55,6 +61,7 @@ class Engine:
     def async_client(self, **kwargs):
         from weir import AsyncClient
 
+        kwargs.setdefault("api_key", self.service_key)
         return AsyncClient(self.endpoint, **kwargs)
 
     def stats(self, component: str) -> dict[str, float]:

@@ -64,7 +64,7 @@ def test_load_from_toml(cfg_path, tmp_path):
                                             lookahead_tokens=2)
     assert cfg.admission == AdmissionConfig(
         max_outstanding=10, tenants=(TenantConfig("acme", 4), TenantConfig("globex", 256)))
-    assert cfg.streamer.client_timeout_s == 0.6            # untouched sections keep defaults
+    assert cfg.streamer.client_timeout_s == 2.0            # untouched sections keep defaults
     assert cfg.supervisor.restart == "on-failure"
 
 

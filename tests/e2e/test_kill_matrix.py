@@ -1,0 +1,148 @@
+"""kill -9 of each process under 16 concurrent streams (8 SDK, 8 HTTP): no client hangs,
+every request ends as the restart policy says, the engine serves again, and every KV
+block comes back.
+
+The policy (docs/ARCHITECTURE.md, "Restart policy"):
+
+| killed | SDK streams | HTTP streams |
+|---|---|---|
+| tokenizer, admission | finish (nothing past them died) | finish |
+| scheduler, kv_manager, executor, detokenizer | fail (their state died) | error event |
+| streamer | fail (the client sees a new instance) | error event |
+| gateway | finish (the gateway is only a client) | connection lost |
+"""
+import os
+import signal
+import time
+
+import anyio
+import httpx
+import pytest
+
+from tests.e2e.conftest import free_port
+from tests.e2e.engine import Engine
+from weir import RequestFailed
+
+CONFIG = """
+[kv]
+num_blocks = 1024
+[engine]
+max_model_len = 1024
+[scheduler]
+max_num_batched_tokens = 512
+[supervisor]
+max_restarts = 10
+"""
+STREAMS = 8                  # of each kind
+MAX_TOKENS = 96              # long enough to be running when the kill lands
+HUNG_AFTER_S = 20.0          # a stream with no event for this long, and no end, hangs
+FAIL_WITHIN_S = 10.0         # where the policy fails streams, they all end this fast
+POLICY = {
+    "tokenizer": ("finished", "finished"), "admission": ("finished", "finished"),
+    "scheduler": ("failed", "failed"), "kv_manager": ("failed", "failed"),
+    "executor": ("failed", "failed"), "detokenizer": ("failed", "failed"),
+    "streamer": ("failed", "failed"), "gateway": ("finished", "disconnected"),
+}
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory, model_path):
+    e = Engine(tmp_path_factory.mktemp("kill"), CONFIG, http_port=free_port())
+    yield e
+    e.stop()
+
+
+async def _sdk_stream(eng, i, started, out):
+    async with eng.async_client() as c:
+        try:
+            stream = await c.stream(f"Story {i}: once upon a time", max_tokens=MAX_TOKENS,
+                                    temperature=0.0, ignore_eos=True)
+            async for _ in stream:
+                started[("sdk", i)] = time.monotonic()
+            out[("sdk", i)] = "finished"
+        except RequestFailed as exc:
+            out[("sdk", i)] = "failed"
+            out[("sdk_reason", i)] = exc.reason
+        except Exception as exc:            # classified, and asserted by the test
+            out[("sdk", i)] = f"error:{type(exc).__name__}:{exc}"
+
+
+async def _http_stream(http, i, started, out):
+    body = {"prompt": f"Story {i}: once upon a time", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out[("http", i)] = f"http_{r.status_code}"
+                return
+            state = "eof"
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"error"' in line:
+                    state = "failed"
+                elif line == "data: [DONE]":
+                    state = "finished"
+                elif line.startswith("data: "):
+                    started[("http", i)] = time.monotonic()
+            out[("http", i)] = state
+    except (httpx.TransportError, httpx.StreamError):
+        out[("http", i)] = "disconnected"
+
+
+async def _kill_under_load(eng, component):
+    started, out = {}, {}            # stream -> time of its last event; stream -> its end
+    pid = eng.status()[component].pid
+    limits = httpx.Limits(max_connections=2 * STREAMS)
+    async with httpx.AsyncClient(base_url=eng.base_url, timeout=60, limits=limits) as http, \
+            anyio.create_task_group() as tg:
+        for i in range(STREAMS):
+            tg.start_soon(_sdk_stream, eng, i, started, out)
+            tg.start_soon(_http_stream, http, i, started, out)
+        deadline = time.monotonic() + 120
+        while len(started) < 2 * STREAMS:              # every stream is producing tokens
+            assert time.monotonic() < deadline and not out, (sorted(started), out)
+            await anyio.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while sum(k[0] in ("sdk", "http") for k in out) < 2 * STREAMS:
+            last = max([killed] + [t for k, t in started.items() if k not in out])
+            if time.monotonic() - last > HUNG_AFTER_S:
+                break                                  # the open ones are hung
+            await anyio.sleep(0.05)
+        ended_in = time.monotonic() - killed
+        tg.cancel_scope.cancel()
+    return pid, out, ended_in
+
+
+def _wait_serving(eng, component, old_pid, timeout=120.0):
+    """Seconds until the killed component is back and a request completes end to end."""
+    start = time.monotonic()
+    while True:
+        assert time.monotonic() - start < timeout, f"{component} did not come back"
+        try:
+            comps = eng.status()
+            if (comps[component].pid != old_pid
+                    and all(c.alive and c.state == "ready" for c in comps.values())):
+                with eng.client(timeout=30, max_retries=0) as c:
+                    if c.generate("Hello", max_tokens=2, temperature=0.0).usage.completion_tokens:
+                        return time.monotonic() - start
+        except Exception:                      # not back yet: polled until the timeout
+            pass
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("component", list(POLICY))
+def test_kill_9_under_load(eng, component):
+    pid, out, ended_in = anyio.run(_kill_under_load, eng, component)
+    sdk = [out.get(("sdk", i), "hung") for i in range(STREAMS)]
+    http = [out.get(("http", i), "hung") for i in range(STREAMS)]
+    print(f"\nkill {component}: sdk={sorted(set(sdk))} http={sorted(set(http))} "
+          f"all ended {ended_in:.2f}s after the kill")
+    assert "hung" not in sdk + http
+    want_sdk, want_http = POLICY[component]
+    assert sdk == [want_sdk] * STREAMS, sdk
+    assert http == [want_http] * STREAMS, http
+    if want_sdk == "failed":
+        assert ended_in < FAIL_WITHIN_S
+    back = _wait_serving(eng, component, pid)
+    print(f"kill {component}: serving again {back:.2f}s later")
+    eng.wait_kv_free(timeout=10.0)
