@@ -175,19 +175,25 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StreamerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    client_timeout_s: float = 0.6
-    drain_timeout_s: float = 30.0
+    client_timeout_s: float = 2.0     # a client silent this long is gone: its requests cancelled
+    drain_timeout_s: float = 30.0     # then what still runs fails with drain_timeout
     max_clients_requests: int = 4096
+    idempotency_ttl_s: float = 600.0  # how long a finished idempotent result is kept
 
     def __post_init__(self) -> None:
         _require(self.client_timeout_s > 0, "streamer.client_timeout_s must be > 0")
+        _require(self.drain_timeout_s > 0, "streamer.drain_timeout_s must be > 0")
+        _require(self.idempotency_ttl_s >= 0, "streamer.idempotency_ttl_s must be >= 0")
 
 
 class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An API key, stored only as its SHA-256 hex digest (``weir hash-key KEY`` prints it)."""
+    """An API key, stored only as its SHA-256 hex digest (``weir hash-key KEY`` prints it).
+    It names a tenant on HTTP and on the ZeroMQ endpoint alike. ``role = "operator"``
+    also sees every tenant's usage (status, /metrics)."""
 
     sha256: str
     tenant: str
+    role: Literal["tenant", "operator"] = "tenant"
 
     def __post_init__(self) -> None:
         _require(len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256),
