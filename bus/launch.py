@@ -21,7 +21,7 @@ def die_with_parent() -> None:
     killed without draining takes its children along instead of leaving them serving
     nobody. Elsewhere the supervisor's heartbeat timeout is the only bound."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

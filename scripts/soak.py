@@ -1,0 +1,156 @@
+"""Soak: N requests in waves through the SDK and the HTTP gateway (streamed, cancelled,
+rejected and client-abandoned ones among them), with every process's RSS and open file
+descriptors sampled after each wave. Prints the curve, and exits non-zero if any process
+grew past the stated margin between the first measured wave and the last.
+
+    python scripts/soak.py [--requests 2000] [--wave 100] [--dtype bfloat16]
+
+A real `weir serve` (all components, gateway on) is started and stopped by the script.
+The first wave warms caches and allocators; growth is measured from the end of wave 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.conftest import free_port  # noqa: E402
+from tests.e2e.engine import Engine  # noqa: E402
+from weir import WeirError  # noqa: E402
+
+RSS_MARGIN = 0.10          # a process may grow 10% (plus 8 MiB of allocator slack) ...
+RSS_SLACK_KB = 8 * 1024
+FD_MARGIN = 4              # ... and hold 4 more file descriptors
+
+
+def sample(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """(RSS in KiB, open fds) of each process."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text()
+                       .splitlines() if line.startswith("VmRSS:"))
+            out[name] = (rss, len(os.listdir(f"/proc/{pid}/fd")))
+        except (OSError, StopIteration):
+            out[name] = (-1, -1)
+    return out
+
+
+async def one_sdk(client, i: int, rng: random.Random, tally: dict) -> None:
+    kind = rng.choice(["generate", "stream", "cancel", "bad"])
+    try:
+        if kind == "bad":
+            await client.generate("x", max_tokens=-1)
+        elif kind == "cancel":
+            stream = await client.stream(f"Soak {i}: tell a story", max_tokens=64,
+                                         ignore_eos=True)
+            async for _ in stream:
+                await stream.cancel()
+                break
+            async for _ in stream:
+                pass
+        else:
+            await client.generate(f"Soak {i}: say something", max_tokens=rng.randint(4, 32),
+                                  temperature=rng.choice([0.0, 0.8]), seed=i)
+        tally[kind] = tally.get(kind, 0) + 1
+    except WeirError as exc:
+        tally[f"{kind}:{type(exc).__name__}"] = tally.get(f"{kind}:{type(exc).__name__}", 0) + 1
+
+
+async def one_http(http, i: int, rng: random.Random, tally: dict) -> None:
+    kind = rng.choice(["json", "sse", "abandon", "bad"])
+    body = {"prompt": f"Soak {i}: say something", "max_tokens": rng.randint(4, 32),
+            "temperature": 0}
+    try:
+        if kind == "bad":
+            r = await http.post("/v1/completions", json={**body, "max_tokens": -5})
+            code = r.status_code
+        elif kind == "json":
+            code = (await http.post("/v1/completions", json=body)).status_code
+        else:
+            async with http.stream("POST", "/v1/completions",
+                                   json={**body, "stream": True, "max_tokens": 48,
+                                         "ignore_eos": True}) as r:
+                code = r.status_code
+                async for line in r.aiter_lines():
+                    if kind == "abandon" and line.startswith("data: "):
+                        break                  # drop the connection mid-stream
+        tally[f"{kind}:{code}"] = tally.get(f"{kind}:{code}", 0) + 1
+    except httpx.HTTPError as exc:
+        tally[f"{kind}:{type(exc).__name__}"] = tally.get(f"{kind}:{type(exc).__name__}", 0) + 1
+
+
+async def wave(eng: Engine, start: int, size: int, rng: random.Random, tally: dict) -> None:
+    async with eng.async_client(timeout=120) as client, \
+            httpx.AsyncClient(base_url=eng.base_url, timeout=120) as http, \
+            anyio.create_task_group() as tg:
+        for i in range(start, start + size):
+            if i % 2:
+                tg.start_soon(one_sdk, client, i, rng, tally)
+            else:
+                tg.start_soon(one_http, http, i, rng, tally)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--wave", type=int, default=100)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"{args.requests} requests in waves of {args.wave}")
+    run_dir = Path(tempfile.mkdtemp(prefix="weir-soak-"))
+    eng = Engine(run_dir, "[engine]\nmax_model_len = 1024\n", http_port=free_port(),
+                 extra_args=("--dtype", args.dtype))
+    rng = random.Random(args.seed)
+    tally: dict = {}
+    try:
+        status = eng.status()
+        pids = {name: c.pid for name, c in status.items()}
+        pids["supervisor"] = eng.proc.pid
+        names = sorted(pids)
+        print("wave  requests  secs  " + "  ".join(f"{n[:10]:>15}" for n in names))
+        print("                      " + "  ".join(f"{'rss MiB / fds':>15}" for _ in names))
+        curve = []
+        sent = 0
+        while sent < args.requests:
+            t0 = time.monotonic()
+            size = min(args.wave, args.requests - sent)
+            anyio.run(wave, eng, sent, size, rng, tally)
+            sent += size
+            eng.wait_kv_free(timeout=30)
+            s = sample(pids)
+            curve.append(s)
+            print(f"{len(curve):4}  {sent:8}  {time.monotonic() - t0:4.0f}  " + "  ".join(
+                f"{s[n][0] / 1024:8.1f} / {s[n][1]:3}" for n in names), flush=True)
+        base, last = curve[min(1, len(curve) - 1)], curve[-1]
+        grew = [n for n in names if last[n][0] > base[n][0] * (1 + RSS_MARGIN) + RSS_SLACK_KB
+                or last[n][1] > base[n][1] + FD_MARGIN]
+        print("outcomes:", dict(sorted(tally.items())))
+        restarts = {n: c.restarts for n, c in eng.status().items() if c.restarts}
+        print(f"restarts: {restarts or 'none'}; KV free == total after every wave")
+        if grew:
+            print(f"GREW past {RSS_MARGIN:.0%} RSS + {RSS_SLACK_KB // 1024} MiB or "
+                  f"{FD_MARGIN} fds since wave 2: {grew}")
+            return 1
+        print(f"flat: every process within {RSS_MARGIN:.0%} RSS (+{RSS_SLACK_KB // 1024} MiB) "
+              f"and {FD_MARGIN} fds of wave 2")
+        return 0 if not restarts else 1
+    finally:
+        eng.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""A component dies with the supervisor that spawned it."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import bus.launch as b, time; b.die_with_parent(); print('up', flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_component_dies_with_its_parent():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        stat = Path(f"/proc/{child}/stat")
+        if stat.exists() and stat.read_text().split()[2] == "Z":
+            return
+        assert time.monotonic() < deadline, "the child outlived its parent"
+        time.sleep(0.02)

@@ -1,0 +1,218 @@
+"""Reliability on the ZeroMQ endpoint, against the real engine: identity from API keys,
+private status, idempotency keys, a stream nobody reads, a drain that runs out of time,
+and a whole engine killed under its clients."""
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from tests.e2e.conftest import free_port
+from tests.e2e.engine import Engine
+from weir import AsyncClient, RequestCancelled, RequestFailed, RequestRejected
+
+ACME, OPS = "sk-acme-1", "sk-ops-1"
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+CONFIG = f"""
+[engine]
+max_model_len = 1024
+[kv]
+num_blocks = 512
+[admission]
+tenants = [{{ name = "default" }}, {{ name = "acme" }}, {{ name = "globex" }}]
+[streamer]
+drain_timeout_s = 4.0
+"""
+KEYS = (f'api_keys = [{{ sha256 = "{_sha(ACME)}", tenant = "acme" }}, '
+        f'{{ sha256 = "{_sha(OPS)}", tenant = "default", role = "operator" }}]\n')
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory, model_path):
+    e = Engine(tmp_path_factory.mktemp("rel"), CONFIG, http_port=free_port(), gateway_extra=KEYS)
+    yield e
+    e.stop()
+
+
+def test_with_keys_the_zeromq_endpoint_needs_one_and_it_names_the_tenant(eng):
+    with eng.client(api_key=None, max_retries=0) as c:
+        with pytest.raises(RequestRejected) as err:
+            c.generate("Hi", max_tokens=2)
+    assert err.value.reason == "unauthenticated"
+    with eng.client(api_key=ACME, tenant="globex", max_retries=0) as c:
+        with pytest.raises(RequestRejected) as err:
+            c.generate("Hi", max_tokens=2)
+    assert err.value.reason == "unauthenticated" and "globex" in err.value.message
+    secret = "The vault code of tenant acme is 4471-9902. " * 6
+    with eng.client(api_key=ACME) as c:
+        c.generate(secret, max_tokens=2, temperature=0.0)
+        assert c.generate(secret, max_tokens=2, temperature=0.0).usage.cached_tokens > 0
+    # claiming acme without its key is refused, so acme's cache cannot be probed
+    with eng.client(api_key="sk-guess", tenant="acme", max_retries=0) as c:
+        with pytest.raises(RequestRejected):
+            c.generate(secret, max_tokens=2)
+
+
+def test_status_shows_a_tenant_only_its_own_usage(eng):
+    with eng.client(api_key=ACME) as c:
+        c.generate("Hello there", max_tokens=2, temperature=0.0)
+
+    def tenants_seen(key):
+        with eng.client(api_key=key) as c:
+            stats = {c.name: c.stats for c in c.status().components}["scheduler"]
+        return {k.rsplit(".", 1)[-1] for k in stats if k.startswith("tenant.")}
+
+    eng.wait_stat("scheduler", "tenant.generated_tokens.acme", 2, timeout=5, at_least=True)
+    with eng.client(api_key=eng.service_key) as c:       # put globex on the books too
+        c.generate("Hello there", max_tokens=2, temperature=0.0, tenant="globex")
+    eng.wait_stat("scheduler", "tenant.generated_tokens.globex", 2, timeout=5, at_least=True)
+    assert tenants_seen(ACME) == {"acme"}
+    assert tenants_seen(OPS) >= {"acme", "globex"}
+    assert tenants_seen(None) == set()
+
+
+def test_idempotency_key_attaches_a_retry_instead_of_running_twice(eng):
+    before = eng.stats("streamer")
+
+    async def main():
+        async with eng.async_client() as c:
+            first = await c.stream("Count to twenty:", max_tokens=40, temperature=0.0,
+                                   ignore_eos=True, idempotency_key="order-42")
+            got_one = False
+            async for _ in first:
+                if not got_one:
+                    got_one = True
+                    # a retry from another client attaches mid-stream
+                    async with eng.async_client() as c2:
+                        retry = await c2.generate("Count to twenty:", max_tokens=40,
+                                                  temperature=0.0, ignore_eos=True,
+                                                  idempotency_key="order-42")
+            async with eng.async_client() as c3:                  # after it finished
+                late = await c3.generate("Count to twenty:", max_tokens=40, temperature=0.0,
+                                         ignore_eos=True, idempotency_key="order-42")
+            return first.result, retry, late
+
+    first, retry, late = anyio.run(main)
+    assert retry.token_ids == first.token_ids == late.token_ids
+    assert len(first.token_ids) == 40
+    eng.wait_stat("streamer", "requests.idempotent_attached",
+                  before.get("requests.idempotent_attached", 0) + 2, timeout=5)
+    after = eng.stats("streamer")
+    assert after["requests.submitted"] == before["requests.submitted"] + 1   # ran once
+    eng.wait_kv_free(timeout=5)
+
+
+def test_a_stream_nobody_reads_is_cancelled_and_blocks_no_one(eng):
+    async def main():
+        async with eng.async_client(stream_buffer=8, stall_timeout=1.0) as c:
+            unread = await c.stream("Write a long story.", max_tokens=300, ignore_eos=True,
+                                    temperature=0.0)
+            read = await c.generate("Write a short story.", max_tokens=60, ignore_eos=True,
+                                    temperature=0.0)
+            status = await c.status(timeout=5)        # the shared receiver is not stuck
+            with anyio.fail_after(60):
+                while c.slow_consumer_cancels == 0:
+                    await anyio.sleep(0.05)
+            with pytest.raises(RequestCancelled) as err:
+                async for _ in unread:
+                    pass
+            return read, status, err.value
+
+    read, status, err = anyio.run(main)
+    assert len(read.token_ids) == 60 and status.components
+    assert err.reason.startswith("slow_consumer")
+    eng.wait_kv_free(timeout=5)
+
+
+def test_drain_past_its_timeout_fails_what_still_runs(eng):
+    """Last in this module: it stops the engine. 4 s drain; streams that need far longer."""
+    body = {"prompt": "Tell me everything.", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+
+    async def main():
+        out = {}
+
+        async def sdk():
+            async with eng.async_client() as c:
+                try:
+                    await c.generate("Tell me everything.", max_tokens=900, ignore_eos=True)
+                except RequestFailed as exc:
+                    out["sdk"] = exc.reason
+
+        async def http():
+            lines = []
+            async with httpx.AsyncClient(base_url=eng.base_url, timeout=60) as h:
+                async with h.stream("POST", "/v1/completions", json=body,
+                                    headers={"authorization": f"Bearer {ACME}"}) as r:
+                    async for line in r.aiter_lines():
+                        if line:
+                            lines.append(line)
+                            out.setdefault("http_started", True)
+            out["http_last"] = lines[-1]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sdk)
+            tg.start_soon(http)
+            with anyio.fail_after(120):
+                while "http_started" not in out:
+                    await anyio.sleep(0.05)
+            eng.proc.send_signal(signal.SIGTERM)
+            out["sigterm"] = time.monotonic()
+        out["ended"] = time.monotonic()
+        return out
+
+    out = anyio.run(main)
+    assert out["sdk"].startswith("drain_timeout")
+    assert '"error"' in out["http_last"] and "drain_timeout" in out["http_last"]
+    assert out["ended"] - out["sigterm"] < 4.0 + 3.0
+    assert eng.proc.wait(30) == 0
+
+
+def test_a_killed_engine_fails_its_clients_within_the_engine_timeout(tmp_path, model_path):
+    e = Engine(tmp_path, "[engine]\nmax_model_len = 1024\n")
+    try:
+        pids = [c.pid for c in e.status().values()]
+
+        async def main():
+            async with AsyncClient(e.endpoint, engine_timeout=3.0) as c:
+                stream = await c.stream("Tell me everything.", max_tokens=900,
+                                        ignore_eos=True)
+                async for _ in stream:
+                    break
+                os.kill(e.proc.pid, signal.SIGKILL)           # the supervisor, and so all
+                killed = time.monotonic()
+                with pytest.raises(RequestFailed) as err:
+                    with anyio.fail_after(15):
+                        async for _ in stream:
+                            pass
+                return err.value, time.monotonic() - killed
+
+        err, took = anyio.run(main)
+        assert err.reason.startswith("engine_unreachable") and took < 3.0 + 2.0
+        deadline = time.monotonic() + 10                # the children died with it
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
+            time.sleep(0.05)
+    finally:
+        e.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                      # a zombie is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
