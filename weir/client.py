@@ -279,6 +279,15 @@ class Stream:
         self._cancelled_by_user = True
         await self._client.cancel(self.request_id)
 
+    async def abandon(self) -> None:
+        """The caller went away. A request with an idempotency key is left running, so a
+        retry with the same key attaches to it (its events are dropped here); any other
+        is cancelled, freeing its KV."""
+        if self._submit is not None and self._submit.idempotency_key:
+            self._client._close_stream(self.request_id)
+        else:
+            await self.cancel()
+
     async def collect(self) -> Completion:
         async for _ in self:
             pass

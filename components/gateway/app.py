@@ -184,7 +184,12 @@ def build_app(state: GatewayState) -> Starlette:
             kwargs = submit_kwargs(req, state.model)
             validate_kwargs(kwargs, state.max_model_len)
             rid = uuid.uuid4().hex
-            stream = await state.client.stream(request_id=rid, tenant=tenant, **kwargs)
+            idempotency_key = request.headers.get("idempotency-key") or None
+            if idempotency_key is not None and len(idempotency_key) > 256:
+                raise ApiError(400, "Idempotency-Key must be at most 256 characters",
+                               code="invalid_idempotency_key")
+            stream = await state.client.stream(request_id=rid, tenant=tenant,
+                                               idempotency_key=idempotency_key, **kwargs)
             events = stream.__aiter__()
 
             async def first_event():
@@ -220,7 +225,7 @@ def build_app(state: GatewayState) -> Starlette:
         """The client left before its response: free the request's KV now."""
         state.metrics.error("cancelled")
         with anyio.CancelScope(shield=True):
-            await stream.cancel()
+            await stream.abandon()
             await events.aclose()
         return _error_response(ApiError(400, "the client disconnected",
                                         code="client_disconnected"), echo_id)
@@ -291,7 +296,7 @@ def build_app(state: GatewayState) -> Starlette:
                 state.metrics.error("cancelled")
                 span.set_attribute("weir.client_disconnected", True)
                 with anyio.CancelScope(shield=True):
-                    await stream.cancel()
+                    await stream.abandon()
                     await events.aclose()
             span.set_attribute("http.response.status_code", 200)
             span.end()

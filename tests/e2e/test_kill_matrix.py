@@ -34,7 +34,7 @@ max_num_batched_tokens = 512
 max_restarts = 10
 """
 STREAMS = 8                  # of each kind
-MAX_TOKENS = 96              # long enough to be running when the kill lands
+MAX_TOKENS = 48              # long enough to be running when the kill lands
 HUNG_AFTER_S = 20.0          # a stream with no event for this long, and no end, hangs
 FAIL_WITHIN_S = 10.0         # where the policy fails streams, they all end this fast
 POLICY = {
@@ -130,6 +130,7 @@ def _wait_serving(eng, component, old_pid, timeout=120.0):
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("component", list(POLICY))
 def test_kill_9_under_load(eng, component):
     pid, out, ended_in = anyio.run(_kill_under_load, eng, component)

@@ -111,6 +111,28 @@ def test_idempotency_key_attaches_a_retry_instead_of_running_twice(eng):
     eng.wait_kv_free(timeout=5)
 
 
+def test_http_idempotency_key_survives_a_dropped_connection(eng):
+    """The first connection drops mid-stream; the retry with the same Idempotency-Key gets
+    the same completion, and the engine ran the request once."""
+    before = eng.stats("streamer")["requests.submitted"]
+    headers = {"authorization": f"Bearer {ACME}", "idempotency-key": "http-7"}
+    body = {"prompt": "List the planets:", "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=eng.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                         headers=headers) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break                                  # hang up after the first chunk
+        retry = http.post("/v1/completions", json=body, headers=headers)
+        alone = http.post("/v1/completions", json=body,
+                          headers={"authorization": f"Bearer {ACME}"})
+    assert retry.status_code == 200
+    assert retry.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    eng.wait_stat("streamer", "requests.submitted", before + 2, timeout=5)   # not 3
+    eng.wait_kv_free(timeout=5)
+
+
 def test_a_stream_nobody_reads_is_cancelled_and_blocks_no_one(eng):
     async def main():
         async with eng.async_client(stream_buffer=8, stall_timeout=1.0) as c:
