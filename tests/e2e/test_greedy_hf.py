@@ -1,40 +1,12 @@
 """Greedy decoding through all seven processes equals Hugging Face transformers (fp32,
 same GGUF), and does not depend on what else is in the batch."""
 import anyio
-import pytest
-import torch
 
+from tests.e2e.hf import hf_greedy
 from tests.e2e.prompts import CHATS, COMPLETIONS, LONG
 from weir import AsyncClient
 
 N_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tokenizers import pre_tokenizers
-
-    tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-    # HF's GGUF converter drops SmolLM2's digit split; the model's own tokenizer.json
-    # (and llama.cpp for tokenizer.ggml.pre=smollm) splits digits before byte-level BPE.
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                 dtype=torch.float32)
-    model.eval()
-    return tok, model
-
-
-def hf_greedy(hf, ids: list[int]) -> list[int]:
-    tok, model = hf
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=N_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=tok.pad_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def requests():
@@ -64,7 +36,7 @@ def test_greedy_matches_hf(engine, hf):
             want_prompt = hf_prompt_ids(hf, req)
             got = c.generate(**req, max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True)
             assert got.usage.prompt_tokens == len(want_prompt), req
-            assert got.token_ids == hf_greedy(hf, want_prompt), req
+            assert got.token_ids == hf_greedy(hf, want_prompt, N_TOKENS), req
             assert got.finish_reason == "length"
 
 
