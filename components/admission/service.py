@@ -4,7 +4,7 @@ Deeper policy (deadlines, degrade, fairness) builds on this."""
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 
 import anyio
 import structlog
@@ -13,6 +13,7 @@ from opentelemetry import trace
 from bus import tracing
 
 from bus.component import Component
+from components.admission.retry import DrainRate
 from components.admission.validate import check_length, check_params
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
                           CancelRequest, EventBatch, Rejected, Released, SchedulerLoad, Tokenized)
@@ -28,7 +29,7 @@ class AdmissionService(Component):
         self.tenants = {t.name: t for t in self.config.admission.tenants}
         self.outstanding: dict[str, str] = {}         # request_id -> tenant
         self.per_tenant: Counter[str] = Counter()
-        self.releases: deque[float] = deque(maxlen=256)
+        self.releases = DrainRate()
         self.decisions: Counter[str] = Counter()
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
@@ -39,10 +40,7 @@ class AdmissionService(Component):
 
     def retry_after(self, backlog: int) -> float:
         """Seconds until ``backlog`` requests would drain at the recently observed rate."""
-        now = time.monotonic()
-        recent = [t for t in self.releases if now - t < 30]
-        rate = len(recent) / max(now - recent[0], 1.0) if len(recent) >= 2 else 0.5
-        return round(min(max(backlog / rate, 1.0), 60.0), 1)
+        return self.releases.retry_after(backlog, time.monotonic())
 
     def decide(self, req: Tokenized) -> Rejected | None:
         rid = req.request_id
@@ -174,7 +172,7 @@ class AdmissionService(Component):
                         tenant = self.outstanding.pop(rid, None)
                         if tenant is not None:
                             self.per_tenant[tenant] -= 1
-                            self.releases.append(now)
+                            self.releases.ended(now)
 
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held

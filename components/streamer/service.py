@@ -13,7 +13,7 @@ its deadline (``drain_timeout``).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from typing import Any
@@ -29,6 +29,7 @@ from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
+from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, rename
 from components.streamer.identity import Identity, Keyring, Refusal, visible_stats
@@ -83,6 +84,9 @@ class StreamerService(Component):
     async def setup(self) -> None:
         self.instance = time.time_ns()
         self.active: dict[str, Active] = {}
+        self.per_tenant: Counter[str] = Counter()          # open requests per tenant
+        self.tenant_caps = {t.name: t.max_outstanding for t in self.config.admission.tenants}
+        self.ends = DrainRate()                             # for Retry-After estimates
         self.last_seen: dict[bytes, float] = {}
         self.cluster = ClusterStatus((), False)
         self.draining = False
@@ -157,10 +161,11 @@ class StreamerService(Component):
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
             req.completion = []
-        if (rejected := self._check_submit(sub)) is not None:
+        if (rejected := self._check_submit(sub, tenant)) is not None:
             req.end("rejected", rejected.reason)
             return await self._terminal_to(who, rejected)
         self.active[rid] = req
+        self.per_tenant[tenant] += 1
         self.counts["submitted"] += 1
         self.counts["retries"] += sub.attempt > 0
         if sub.idempotency_key:
@@ -184,9 +189,12 @@ class StreamerService(Component):
             await self.clients.send(event, to=who)
         return True
 
-    def _check_submit(self, sub: Submit) -> Rejected | None:
+    def _check_submit(self, sub: Submit, tenant: str) -> Rejected | None:
         """Refusals at the edge, before anything is spent: every limit that can be checked
-        without tokenizing, so a bad value never reaches a batch."""
+        without tokenizing, so a bad value never reaches a batch, and the caps admission
+        would certainly refuse (this streamer's open requests are a superset of what
+        admission holds), so a burst past them is refused in microseconds instead of
+        queueing behind the tokenizer."""
         rid = sub.request_id
         if self.draining:
             return Rejected(rid, "draining", "the server is draining",
@@ -201,6 +209,14 @@ class StreamerService(Component):
             return Rejected(rid, bad[0], bad[1])
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
+        now, engine_cap = time.monotonic(), self.config.admission.max_outstanding
+        if len(self.active) >= engine_cap:
+            return Rejected(rid, "overloaded", f"the engine holds {engine_cap} requests, its cap",
+                            self.ends.retry_after(len(self.active) - engine_cap + 1, now))
+        cap = self.tenant_caps.get(tenant)
+        if cap is not None and self.per_tenant[tenant] >= cap:
+            return Rejected(rid, "tenant_over_budget", f"tenant holds {cap} requests, its cap",
+                            self.ends.retry_after(self.per_tenant[tenant] - cap + 1, now))
         down = [c.name for c in self.cluster.components if not c.alive or c.state == "starting"]
         if down:                      # it would never be answered: say so now, not never
             return Rejected(rid, "overloaded",
@@ -214,12 +230,18 @@ class StreamerService(Component):
     async def _end(self, rid: str, event: Any) -> None:
         """Deliver a terminal event the streamer itself decided, and stop the engine's work
         on the request (the cancel follows the request's own path)."""
-        req = self.active.pop(rid)
+        req = self._pop(rid)
         terminal = type(event).__name__.lower()
         req.end(terminal, event.reason)
         self.counts[terminal] += 1
         await self._deliver(rid, req, event, terminal=True)
         await self.to_tokenizer.send(CancelRequest(rid, event.reason))
+
+    def _pop(self, rid: str) -> Active:
+        req = self.active.pop(rid)
+        self.per_tenant[req.tenant] -= 1
+        self.ends.ended(time.monotonic())
+        return req
 
     async def _cancel(self, rid: str, reason: str) -> None:
         await self._end(rid, Cancelled(rid, reason))
@@ -290,7 +312,7 @@ class StreamerService(Component):
             req.delivery = _TRACER.start_span(
                 "stream", context=trace.set_span_in_context(req.span))
         if terminal:
-            del self.active[rid]
+            self._pop(rid)
             kind = type(event).__name__.lower()
             self.counts[kind] += 1
             req.end(kind, getattr(event, "finish_reason", None)

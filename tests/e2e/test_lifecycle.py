@@ -39,7 +39,7 @@ async def _many(endpoint, prompts, **params):
         except Exception as exc:        # collected and asserted by the caller
             out[i] = exc
 
-    async with AsyncClient(endpoint) as client:
+    async with AsyncClient(endpoint, max_retries=0) as client:
         async with anyio.create_task_group() as tg:
             for i, p in enumerate(prompts):
                 tg.start_soon(one, i, p, client)
@@ -61,13 +61,19 @@ def test_preemption_keeps_greedy_outputs_exact(small_engine):
 
 
 def test_overload_rejected_with_retry_after(small_engine):
-    prompts = ["Tell me about rivers."] * 40
+    """Past the engine's cap a burst is refused at the edge: the refused requests are never
+    tokenized (they used to queue behind the tokenizer before admission said no)."""
+    tokenized = small_engine.stats("tokenizer")["tokenized"]
+    prompts = ["Tell me about rivers."] * 120
     results = anyio.run(lambda: _many(small_engine.endpoint, prompts, max_tokens=24,
                                       temperature=0.0, ignore_eos=True))
     rejected = [r for r in results if isinstance(r, RequestRejected)]
     done = [r for r in results if not isinstance(r, Exception)]
-    assert rejected and done and len(rejected) + len(done) == 40
+    assert rejected and done and len(rejected) + len(done) == 120
     assert all(r.reason == "overloaded" and r.retry_after_s >= 1.0 for r in rejected)
+    small_engine.wait_stat("tokenizer", "tokenized", tokenized + len(done), timeout=5,
+                           at_least=True)
+    assert small_engine.stats("tokenizer")["tokenized"] - tokenized < len(done) + 24
     small_engine.wait_kv_free(timeout=1.0)
 
 
@@ -135,7 +141,7 @@ def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path)
         while time.monotonic() < deadline and eng.status()["detokenizer"].alive:
             time.sleep(0.1)
         time.sleep(0.3)
-        with eng.client(timeout=10) as c:
+        with eng.client(timeout=10, max_retries=0) as c:
             with pytest.raises(RequestRejected) as err:
                 c.generate("Hello?", max_tokens=4)
         assert err.value.reason == "overloaded" and "detokenizer" in err.value.message
