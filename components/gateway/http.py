@@ -17,6 +17,7 @@ Two layers, because uvicorn offers no header timeout and no way to bound a block
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, Callable
 
 import anyio
@@ -81,10 +82,6 @@ class _Stalled(Exception):
     pass
 
 
-class _HeadersTooLarge(Exception):
-    pass
-
-
 class GuardedStreamingResponse(StreamingResponse):
     """A StreamingResponse whose ``send`` may block at most ``stall_timeout_s`` (a client
     that stops reading fills the socket buffer and blocks every send after). On a stall
@@ -143,9 +140,12 @@ def _raw(template: bytes, message: str, code: str) -> bytes:
 
 def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
                      max_header_bytes: int = MAX_HEADER_BYTES,
-                     base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol]:
+                     base: type[asyncio.Protocol] | None = None,
+                     send_buffer_bytes: int = 0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with a header deadline, a header size cap and a
-    write-stall abort (see the module docstring). Pass it as ``uvicorn.Config(http=...)``."""
+    write-stall abort (see the module docstring). Pass it as ``uvicorn.Config(http=...)``.
+    ``send_buffer_bytes`` (0: the kernel's autotuned default, up to megabytes) bounds what
+    the kernel holds for a client that is not reading, so its stall shows sooner."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol as base   # noqa: N813
 
@@ -154,8 +154,6 @@ def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
         _stall_timer: asyncio.TimerHandle | None = None
         _armed_cycle: Any = None
         _header_bytes = 0              # bytes received while waiting for a head
-        _head_size = 0                 # the parsed head's URL and headers (httptools)
-        _head_too_large = False
 
         # -- headers: a deadline from connection (or previous response) to a complete head
         def _arm_headers(self) -> None:
@@ -180,12 +178,20 @@ def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if send_buffer_bytes and sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
             self._arm_headers()
 
         def data_received(self, data: bytes) -> None:
             waiting = self._header_timer is not None
             if waiting:
+                before = self._header_bytes
                 self._header_bytes += len(data)
+                end = data.find(b"\r\n\r\n")             # a head ends in this chunk
+                if end >= 0 and before + end > max_header_bytes:
+                    self._disarm_headers()
+                    return self._send_431()
             super().data_received(data)
             if not waiting or self.transport.is_closing():
                 return
@@ -201,33 +207,6 @@ def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
             self.transport.write(_raw(_TOO_LARGE_431, "request headers are over "
                                       f"{max_header_bytes} bytes", "headers_too_large"))
             self.transport.close()
-
-        # httptools hands over whole heads in one callback run: count them as parsed, and
-        # fail the parse (uvicorn then answers 400, which becomes 431) when too large
-        if hasattr(base, "on_header"):
-            def on_message_begin(self) -> None:
-                self._head_size = 0
-                super().on_message_begin()
-
-            def _count(self, n: int) -> None:
-                self._head_size += n
-                if self._head_size > max_header_bytes:
-                    self._head_too_large = True
-                    raise _HeadersTooLarge
-
-            def on_url(self, url: bytes) -> None:
-                self._count(len(url))
-                super().on_url(url)
-
-            def on_header(self, name: bytes, value: bytes) -> None:
-                self._count(len(name) + len(value) + 4)
-                super().on_header(name, value)
-
-            def send_400_response(self, msg: str) -> None:
-                if self._head_too_large:
-                    self._disarm_headers()
-                    return self._send_431()
-                super().send_400_response(msg)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

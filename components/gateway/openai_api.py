@@ -127,7 +127,8 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
     if req.stop_token_ids:
         params["stop_token_ids"] = tuple(req.stop_token_ids)
     if isinstance(req, ChatCompletionRequest):
-        params["max_tokens"] = req.max_completion_tokens or req.max_tokens
+        params["max_tokens"] = (req.max_completion_tokens if req.max_completion_tokens is not None
+                                else req.max_tokens)      # 0 is invalid, not "unlimited"
         msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
         return {"messages": msgs, **params}
     params["max_tokens"] = req.max_tokens

@@ -47,6 +47,9 @@ class FakeStream:
     async def cancel(self) -> None:
         self.cancelled.set()
 
+    async def abandon(self) -> None:          # the caller left; no idempotency key: cancel
+        await self.cancel()
+
 
 class FakeClient:
     def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,

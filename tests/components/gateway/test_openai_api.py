@@ -37,6 +37,11 @@ def test_chat_translation_and_defaults():
                  "max_tokens": 7, "stop": ("END",), "seed": 3, "top_p": 0.5, "ignore_eos": False}
     k = kwargs(b'{"messages": [{"role": "user", "content": "x"}]}', ChatCompletionRequest)
     assert k["max_tokens"] is None            # up to the context window, as vLLM does
+    k = kwargs(b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0,'
+               b'"max_tokens": 5}', ChatCompletionRequest)
+    assert k["max_tokens"] == 0               # refused by validation, not "unlimited"
+    with pytest.raises(ApiError, match="max_tokens"):
+        validate_kwargs(k, 2048)
 
 
 @pytest.mark.parametrize("body, status, words", [
