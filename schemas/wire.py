@@ -99,6 +99,13 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
     request_ids: list[str]
 
 
+class Holding(msgspec.Struct, tag="holding", frozen=True, gc=False):
+    """The scheduler's requests and their tenants, sent to a restarted admission so its
+    outstanding counts start from what is really held, not from zero."""
+
+    requests: list[tuple[str, str]]
+
+
 class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
     """The kv_manager's answer to a CacheQuery: prompt tokens already in the cache (verified)."""
 
@@ -106,7 +113,7 @@ class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
     cached_tokens: int
 
 
-AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad, CacheAnswer]
+AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad, CacheAnswer, Holding]
 
 
 # ---------------------------------------------------------------- scheduler inbox

@@ -16,7 +16,8 @@ from bus.component import Component
 from components.admission.retry import DrainRate
 from components.admission.validate import check_length, check_params
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
-                          CancelRequest, EventBatch, Rejected, Released, SchedulerLoad, Tokenized)
+                          CancelRequest, EventBatch, Holding, Rejected, Released, SchedulerLoad,
+                          Tokenized)
 
 log = structlog.get_logger("admission")
 _TRACER = trace.get_tracer("weir.admission")
@@ -166,6 +167,11 @@ class AdmissionService(Component):
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
                     self.load = load
+                case Holding(requests=held):          # after our restart: resume the counts
+                    for rid, tenant in held:
+                        if rid not in self.outstanding:
+                            self.outstanding[rid] = tenant
+                            self.per_tenant[tenant] += 1
                 case Released(request_ids=ids):
                     now = time.monotonic()
                     for rid in ids:

@@ -19,8 +19,8 @@ from components.scheduler.sequence import Phase
 from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
-                          ForgetRequest, KvGrants, KvHello, KvManagerUp, Released, SchedulerLoad,
-                          SchedulerMsg, StepResult, StopRequest, TokenBatch)
+                          ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
+                          SchedulerLoad, SchedulerMsg, StepResult, StopRequest, TokenBatch)
 
 log = structlog.get_logger("scheduler")
 
@@ -118,6 +118,9 @@ class SchedulerService(Component):
         # waits for their tokens
         if name in ("executor", "streamer"):
             await self._emit(await self._fail_all(kv_lost=False))
+        elif name == "admission":                 # it lost its counts: here is what we hold
+            await self.to_admission.send(Holding(
+                [(rid, seq.tenant) for rid, seq in self.core.by_request.items()]))
 
     async def _emit(self, out: Outcome) -> None:
         core = self.core
