@@ -16,6 +16,7 @@ import anyio
 import structlog
 import zmq
 
+from bus import curve
 from bus.socket import BusSocket, context
 from schemas.config import WeirConfig
 from schemas.wire import ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop
@@ -125,10 +126,12 @@ def run(component_cls: type[Component], config: WeirConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if (nice := config.supervisor.nice.get(component_cls.name, 0)) > 0:
         os.nice(nice)       # yield the cores to the executor's OpenMP threads (see config)
+    curve.configure(config)          # CURVE on tcp sockets if [security] says so
     comp = component_cls(config)
     try:
         anyio.run(comp.serve, backend_options=_loop_options())
     finally:
         comp.close()
+        curve.shutdown()
         context().destroy(linger=0)
         tracing.shutdown()

@@ -7,6 +7,7 @@ and dropped, so bad input never crashes a process.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -14,6 +15,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from bus import curve
 from bus.codec import Codec, encode
 from schemas.wire import Envelope
 
@@ -65,16 +67,26 @@ class BusSocket(Generic[T]):
         if kind == zmq.SUB:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.codec: Codec[T] | None = Codec(accepts) if accepts is not None else None
+        self.curve = False
 
     @property
     def malformed(self) -> int:
         return self.codec.malformed if self.codec else 0
 
     def bind(self, address: str) -> "BusSocket[T]":
+        """Bind; a CURVE server on tcp when this process's security says so (bus/curve.py).
+        An internal ipc socket file is made private to this user."""
+        self.curve = curve.prepare_bind(self._sock, self.kind, address, context())
         self._sock.bind(address)
+        if address.startswith("ipc://") and self.kind not in curve.CLIENT_KINDS:
+            path = address[len("ipc://"):]
+            if os.path.exists(path):
+                os.chmod(path, 0o600)
         return self
 
     def connect(self, address: str) -> "BusSocket[T]":
+        """Connect; a CURVE client of the cluster's server key on tcp when enabled."""
+        self.curve = curve.prepare_connect(self._sock, self.kind, address)
         self._sock.connect(address)
         return self
 

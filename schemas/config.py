@@ -261,6 +261,22 @@ class SupervisorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "supervisor.nice values must be in 0..19")
 
 
+class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """CURVE on the bus (``bus/curve.py``): with ``curve``, every tcp socket is
+    authenticated and encrypted with the keys in ``curve_keys_dir`` (``weir keys generate
+    DIR``); ipc stays plain. ``client_curve`` covers the client endpoint too: "auto" unless
+    it is bound on loopback, "on" or "off"."""
+
+    curve: bool = False
+    curve_keys_dir: str = ""
+    client_curve: Literal["auto", "on", "off"] = "auto"
+
+    def __post_init__(self) -> None:
+        _require(not self.curve or os.path.isabs(self.curve_keys_dir),
+                 "security.curve_keys_dir (an absolute path) is required when security.curve "
+                 "is on")
+
+
 class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     topology: Topology
     engine: EngineConfig = EngineConfig()
@@ -271,6 +287,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     supervisor: SupervisorConfig = SupervisorConfig()
     gateway: GatewayConfig = GatewayConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    security: SecurityConfig = SecurityConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

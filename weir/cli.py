@@ -13,6 +13,7 @@ from schemas.config import ConfigError, load_config
 def _serve(args: argparse.Namespace) -> int:
     import anyio
 
+    from bus import curve
     from bus.log import configure
     from bus.supervisor import StartupError, Supervisor
     from weir.client import default_endpoint
@@ -31,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 2
     configure("supervisor", config.log_level)
+    curve.configure(config)
     print(f"weir: model {resolve_model(config.engine.model)}", file=sys.stderr)
 
     def ready(sup: Supervisor) -> None:
@@ -91,12 +93,21 @@ def _supervise(args: argparse.Namespace) -> int:
     """Watch components started elsewhere: heartbeats, status relay, drain on SIGTERM."""
     import anyio
 
+    from bus import curve
     from bus.log import configure
     from bus.supervisor import Supervisor
 
     config = _config_or_exit(args)
     configure("supervisor", config.log_level)
+    curve.configure(config)
     anyio.run(Supervisor(config, spawn=False).serve, None)
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from bus.curve import generate
+
+    print(generate(args.dir))
     return 0
 
 
@@ -244,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     sup = sub.add_parser("supervise", help="watch components started elsewhere")
     sup.add_argument("--config", required=True)
     sup.set_defaults(func=_supervise)
+
+    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve)")
+    ks.add_argument("action", choices=["generate"])
+    ks.add_argument("dir", help="the directory for [security] curve_keys_dir")
+    ks.set_defaults(func=_keys)
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")
