@@ -83,6 +83,8 @@ def test_serve_over_tcp_with_curve(tmp_path, model_path, monkeypatch):
         assert all(st.alive and st.restarts == 0 for st in eng.status().values())
         for sock in (*intruders, member):
             sock.close(0)
+        eng.stop()                      # drain and Stop reach every process over CURVE
+        assert eng.proc.returncode == 0, eng.log_path.read_text()[-3000:]
     finally:
         eng.stop()
         curve.reset()
