@@ -212,6 +212,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     read_timeout_s: float = 10.0              # headers, then body: else 408 / closed
     stream_stall_timeout_s: float = 30.0      # a client not reading an SSE stream: cancelled
     max_connections: int = 2048               # more concurrent connections get 503
+    send_buffer_bytes: int = 262144           # kernel send buffer per connection (0: autotune)
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "gateway.port must be a TCP port")

@@ -144,8 +144,9 @@ def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
                      send_buffer_bytes: int = 0) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with a header deadline, a header size cap and a
     write-stall abort (see the module docstring). Pass it as ``uvicorn.Config(http=...)``.
-    ``send_buffer_bytes`` (0: the kernel's autotuned default, up to megabytes) bounds what
-    the kernel holds for a client that is not reading, so its stall shows sooner."""
+    ``send_buffer_bytes`` (0: the defaults, the kernel's autotuned up to megabytes) bounds
+    what the kernel and the event loop each hold for a client that is not reading, so its
+    stall shows sooner."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol as base   # noqa: N813
 
@@ -179,8 +180,10 @@ def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             sock = transport.get_extra_info("socket")
-            if send_buffer_bytes and sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+            if send_buffer_bytes:        # the kernel's buffer, and the event loop's above it
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+                transport.set_write_buffer_limits(high=send_buffer_bytes)
             self._arm_headers()
 
         def data_received(self, data: bytes) -> None:

@@ -58,7 +58,8 @@ class GatewayService(Component):
                 # headers within read_timeout_s and 64 KiB, a send buffer that does not
                 # drain for stream_stall_timeout_s aborts the connection; past
                 # max_connections new requests get 503
-                http=guarded_protocol(gw.read_timeout_s, gw.stream_stall_timeout_s),
+                http=guarded_protocol(gw.read_timeout_s, gw.stream_stall_timeout_s,
+                                      send_buffer_bytes=gw.send_buffer_bytes),
                 limit_concurrency=gw.max_connections))
             log.info("http_listening", host=gw.host, port=gw.port, model=self.model)
             await server.serve()
