@@ -106,8 +106,11 @@ def _supervise(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     from bus.curve import generate
+    from components.streamer.identity import generate_service_key
 
-    print(generate(args.dir))
+    d = generate(args.dir)
+    generate_service_key(d / "service.key")      # the gateway's credential to the streamer
+    print(d)
     return 0
 
 
@@ -256,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--config", required=True)
     sup.set_defaults(func=_supervise)
 
-    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve)")
+    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve) and "
+                                     "the gateway's service key (service.key)")
     ks.add_argument("action", choices=["generate"])
     ks.add_argument("dir", help="the directory for [security] curve_keys_dir")
     ks.set_defaults(func=_keys)

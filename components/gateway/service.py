@@ -3,7 +3,6 @@ the streamer through the ZeroMQ SDK like any other client."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 
 import structlog
@@ -13,7 +12,7 @@ from bus.component import Component
 from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
 from components.gateway.http import guarded_protocol
-from components.streamer.identity import SERVICE_KEY_ENV
+from components.streamer.identity import load_service_key
 from weir.client import AsyncClient
 from weir.model_fetch import resolve_model
 
@@ -49,7 +48,7 @@ class GatewayService(Component):
         # The gateway authenticated its callers itself: it speaks for them with the service
         # credential, and passes rejections (Retry-After included) on instead of retrying.
         async with AsyncClient(self.topology.client_connect, max_retries=0,
-                               api_key=os.environ.get(SERVICE_KEY_ENV)) as client:
+                               api_key=load_service_key()) as client:
             self.gw = GatewayState(client, self.auth, self.model, gw,
                                    self.config.engine.max_model_len)
             server = _Server(uvicorn.Config(

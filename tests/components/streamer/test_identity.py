@@ -40,3 +40,20 @@ def test_operators_see_all_tenants_see_their_own():
     assert visible_stats(stats, "acme") == {"running": 3.0, "tenant.kv_blocks.acme": 4.0,
                                             "tenant.generated_tokens.acme": 7.0}
     assert visible_stats(stats, "") == {"running": 3.0}
+
+
+def test_the_service_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    from components.streamer.identity import generate_service_key, load_service_key
+
+    monkeypatch.delenv("WEIR_SERVICE_KEY", raising=False)
+    monkeypatch.delenv("WEIR_SERVICE_KEY_FILE", raising=False)
+    assert load_service_key() is None
+    path = tmp_path / "service.key"
+    generate_service_key(path)
+    first = path.read_text()
+    generate_service_key(path)                       # kept, not replaced
+    assert path.read_text() == first and oct(path.stat().st_mode & 0o777) == "0o600"
+    monkeypatch.setenv("WEIR_SERVICE_KEY_FILE", str(path))
+    assert load_service_key() == first.strip()
+    monkeypatch.setenv("WEIR_SERVICE_KEY", "from-env")
+    assert load_service_key() == "from-env"
