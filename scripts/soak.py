@@ -34,6 +34,20 @@ RSS_SLACK_KB = 8 * 1024
 FD_MARGIN = 4              # ... and hold 4 more file descriptors
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector extensions that matter to the executor."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} [{' '.join(wanted)}]"
+
+
 def sample(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
     """(RSS in KiB, open fds) of each process."""
     out = {}
@@ -108,9 +122,10 @@ def main() -> int:
     ap.add_argument("--wave", type=int, default=100)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="print the outcomes after each wave")
     args = ap.parse_args()
-    print(f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"{args.requests} requests in waves of {args.wave}")
+    print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; "
+          f"{args.requests} requests in waves of {args.wave}, {args.dtype}")
     run_dir = Path(tempfile.mkdtemp(prefix="weir-soak-"))
     eng = Engine(run_dir, "[engine]\nmax_model_len = 1024\n", http_port=free_port(),
                  extra_args=("--dtype", args.dtype))
@@ -135,6 +150,8 @@ def main() -> int:
             curve.append(s)
             print(f"{len(curve):4}  {sent:8}  {time.monotonic() - t0:4.0f}  " + "  ".join(
                 f"{s[n][0] / 1024:8.1f} / {s[n][1]:3}" for n in names), flush=True)
+            if args.verbose:
+                print("      ", dict(sorted(tally.items())), flush=True)
         base, last = curve[min(1, len(curve) - 1)], curve[-1]
         grew = [n for n in names if last[n][0] > base[n][0] * (1 + RSS_MARGIN) + RSS_SLACK_KB
                 or last[n][1] > base[n][1] + FD_MARGIN]

@@ -190,6 +190,7 @@ class Stream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TextDelta]:
+        over = True
         try:
             while True:
                 timeout = None if self._deadline is None else self._deadline - time.monotonic()
@@ -229,20 +230,30 @@ class Stream:
                         raise RequestFailed(self.request_id, reason)
                     case ProtocolError(message=message):
                         raise ProtocolViolation(message)
+        except GeneratorExit:
+            # The caller stopped iterating (``break``): the request runs on, and iterating
+            # again resumes where this left off, so the stream stays open.
+            over = False
+            raise
         except BaseException as exc:
             if self.span is not None:
                 self.span.set_attribute("weir.terminal", type(exc).__name__)
             raise
         finally:
-            self._client._close_stream(self.request_id)
-            if self.span is not None:
-                if self.result is not None:
-                    self.span.set_attributes({
-                        "weir.terminal": self.result.finish_reason,
-                        "gen_ai.usage.input_tokens": self.result.usage.prompt_tokens,
-                        "gen_ai.usage.output_tokens": self.result.usage.completion_tokens})
-                self.span.end()
-                self.span = None
+            if over:
+                self._end()
+
+    def _end(self) -> None:
+        """The stream is over (its terminal was read, or it failed here): unregister it."""
+        self._client._close_stream(self.request_id)
+        if self.span is not None:
+            if self.result is not None:
+                self.span.set_attributes({
+                    "weir.terminal": self.result.finish_reason,
+                    "gen_ai.usage.input_tokens": self.result.usage.prompt_tokens,
+                    "gen_ai.usage.output_tokens": self.result.usage.completion_tokens})
+            self.span.end()
+            self.span = None
 
     async def _retry(self, event: Rejected) -> bool:
         """Resubmit after a rejection that came with ``retry_after_s``: at most the client's
@@ -280,13 +291,12 @@ class Stream:
         await self._client.cancel(self.request_id)
 
     async def abandon(self) -> None:
-        """The caller went away. A request with an idempotency key is left running, so a
-        retry with the same key attaches to it (its events are dropped here); any other
-        is cancelled, freeing its KV."""
-        if self._submit is not None and self._submit.idempotency_key:
-            self._client._close_stream(self.request_id)
-        else:
+        """The caller went away: nothing more is read from this stream. A request with an
+        idempotency key is left running, so a retry with the same key attaches to it; any
+        other is cancelled, freeing its KV. Either way its events are dropped here."""
+        if not (self._submit is not None and self._submit.idempotency_key):
             await self.cancel()
+        self._end()
 
     async def collect(self) -> Completion:
         async for _ in self:

@@ -58,3 +58,40 @@ def test_a_terminal_is_delivered_and_ends_the_stream():
     box.put(_delta(1))
     box.end(Cancelled("r", "x"))
     assert len(box.items) == 1 and isinstance(box.items[0], Finished)
+
+
+def test_breaking_out_of_a_stream_and_iterating_again_resumes_it():
+    """``break`` leaves the request running; a second ``async for`` reads on to its end
+    (the first iterator's close must not unregister the stream)."""
+    from weir.client import AsyncClient, Stream
+
+    async def main():
+        client = AsyncClient("ipc:///nonexistent")
+        inbox = client._open("r")
+        stream = Stream("r", client, inbox, None)
+        for i in range(3):
+            inbox.put(_delta(i))
+        async for _ in stream:
+            break
+        await anyio.sleep(0)                   # let the first iterator's aclose run
+        assert "r" in client._streams
+        inbox.put(Finished("r", "length", Usage(1, 3)))
+        rest = [d.text async for d in stream]
+        return rest, stream.result, "r" in client._streams
+
+    rest, result, still_open = anyio.run(main)
+    assert rest == ["1", "2"] and result.finish_reason == "length" and not still_open
+
+
+def test_an_abandoned_stream_is_unregistered():
+    from schemas.client import Submit
+    from weir.client import AsyncClient, Stream
+
+    async def main():
+        client = AsyncClient("ipc:///nonexistent")
+        sub = Submit("r", prompt="x", idempotency_key="k")     # left running, no cancel sent
+        stream = Stream("r", client, client._open("r"), None, sub)
+        await stream.abandon()
+        return "r" in client._streams
+
+    assert anyio.run(main) is False
