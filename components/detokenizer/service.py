@@ -76,7 +76,10 @@ class DetokenizerService(Component):
             rid, index = item.request_id, item.index
             stream.completion_tokens += len(item.token_ids)
             stream.choice_tokens[index] += len(item.token_ids)
-            out = detok.push(item.token_ids)
+            # only the executor's sampler makes these; an id outside the vocabulary (a
+            # forged or corrupt message) must not reach the tokenizer's decoder, which raises
+            vocab = self.bundle.vocab_size
+            out = detok.push([t for t in item.token_ids if 0 <= t < vocab])
             text = out.text
             if out.stopped:
                 reason = "stop"

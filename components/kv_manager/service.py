@@ -14,6 +14,7 @@ from schemas.wire import (CacheAnswer, CacheQuery, KvEvents, KvGrant, KvGrants, 
                           KvManagerUp, KvMsg, KvOps)
 
 log = structlog.get_logger("kv_manager")
+_MAX_EPOCH_AHEAD_NS = 60 * 10**9
 
 
 class KvManagerService(Component):
@@ -35,6 +36,11 @@ class KvManagerService(Component):
         await self.to_scheduler.send(KvManagerUp(self.instance, kv.num_blocks))
 
     def _advance_epoch(self, epoch: int) -> None:
+        # An epoch is a scheduler's start time (ns): one far in the future is not a real
+        # scheduler, and accepting it would make every real lease stale for good.
+        if epoch > time.time_ns() + _MAX_EPOCH_AHEAD_NS:
+            log.warning("epoch_refused", epoch=epoch)
+            return
         if epoch > self.epoch:
             reclaimed = self.pool.reclaim(epoch)
             if reclaimed:
@@ -43,7 +49,7 @@ class KvManagerService(Component):
 
     def handle(self, ops: KvOps) -> list[KvGrant]:
         self._advance_epoch(ops.epoch)
-        if ops.epoch < self.epoch:
+        if ops.epoch != self.epoch:          # older, or refused as from the future
             self.stale_ops += 1
             return []
         grants = apply_ops(self.pool, ops)
