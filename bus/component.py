@@ -19,7 +19,8 @@ import zmq
 from bus import curve
 from bus.socket import BusSocket, context
 from schemas.config import WeirConfig
-from schemas.wire import ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop
+from schemas.wire import (ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop,
+                          TenantUsage)
 
 log = structlog.get_logger("component")
 
@@ -55,6 +56,10 @@ class Component(abc.ABC):
     def stats(self) -> dict[str, float]:
         return {}
 
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        """Per-tenant usage, typed (only the scheduler has any)."""
+        return {}
+
     async def drain(self) -> None:
         """Stop taking new work (default: nothing to do)."""
 
@@ -70,7 +75,8 @@ class Component(abc.ABC):
         interval = self.config.supervisor.heartbeat_interval_s
         while True:
             stats = {"malformed": self._malformed(), **self.stats()}
-            await sock.send(ComponentHeartbeat(self.name, os.getpid(), self.state, stats))
+            await sock.send(ComponentHeartbeat(self.name, os.getpid(), self.state, stats,
+                                               self.tenant_usage()))
             await anyio.sleep(interval)
 
     async def _control(self, scope: anyio.CancelScope) -> None:

@@ -138,6 +138,14 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     reason: str
 
 
+class TenantUsage(msgspec.Struct, frozen=True):
+    """One tenant's use of the engine, as the scheduler counts it."""
+
+    processed_tokens: int = 0        # prompt and fed-back tokens computed
+    generated_tokens: int = 0        # tokens sampled
+    kv_blocks: int = 0               # KV blocks its running sequences hold now
+
+
 class ComponentStatus(msgspec.Struct, frozen=True):
     name: str
     pid: int
@@ -145,7 +153,8 @@ class ComponentStatus(msgspec.Struct, frozen=True):
     state: str
     restarts: int
     heartbeat_age_s: float
-    stats: dict[str, float] = {}
+    stats: dict[str, float] = {}     # engine-wide numbers, by name
+    tenants: dict[str, TenantUsage] = {}   # per tenant (only the scheduler reports any)
 
 
 class StatusReport(msgspec.Struct, tag="status_report", frozen=True):

@@ -16,8 +16,8 @@ import msgspec
 from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, ProtocolError, RejectReason, Rejected, RequestTiming,
-    SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit, Terminal,
-    TextDelta, Usage)
+    SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit, TenantUsage,
+    Terminal, TextDelta, Usage)
 
 T = TypeVar("T")
 
@@ -370,6 +370,7 @@ class ComponentHeartbeat(msgspec.Struct, tag="component_heartbeat", frozen=True)
     pid: int
     state: str
     stats: dict[str, float] = {}
+    tenants: dict[str, TenantUsage] = {}
 
 
 SupervisorMsg = Union[ComponentHeartbeat]

@@ -145,6 +145,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import msgspec
+
     from weir.client import Client
     from weir.errors import WeirError
 
@@ -172,6 +174,8 @@ def _status(args: argparse.Namespace) -> int:
                       "preemptions": {"recompute": int(sched.get("preemptions.recompute", 0)),
                                       "swap": int(sched.get("preemptions.swap", 0))},
                       "wasted_tokens": int(sched.get("wasted_tokens", 0))},
+        "tenants": {t: msgspec.structs.asdict(u) for c in report.components
+                    for t, u in sorted(c.tenants.items())},
         "kv": {"total_blocks": int(kv.get("total_blocks", 0)),
                "free_blocks": int(kv.get("free_blocks", 0)),
                "cached_blocks": int(kv.get("cached_blocks", 0)),
@@ -202,6 +206,9 @@ def _status(args: argparse.Namespace) -> int:
     print(f"kv cpu tier  total {k['cpu_total_blocks']} free {k['cpu_free_blocks']} cached "
           f"{k['cpu_cached_blocks']} swapped_seqs {k['swapped_seqs']}")
     print(f"prefix cache hit {k['prefix_hit_tokens']} of {k['prefix_query_tokens']} tokens")
+    for tenant, u in out["tenants"].items():
+        print(f"tenant {tenant:12} processed {u['processed_tokens']} generated "
+              f"{u['generated_tokens']} tokens, kv_blocks {u['kv_blocks']}")
     return 0
 
 

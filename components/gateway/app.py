@@ -140,6 +140,8 @@ def build_app(state: GatewayState) -> Starlette:
         try:
             report = await state.client.status(timeout=2.0)
             state.metrics.engine.stats = {c.name: c.stats for c in report.components}
+            state.metrics.engine.tenants = {t: u for c in report.components
+                                            for t, u in c.tenants.items()}
         except RequestTimeout:
             pass
         return Response(state.metrics.render(tenant), media_type=CONTENT_TYPE_LATEST)

@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 
+from schemas.client import TenantUsage
+
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0)
 _ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -17,6 +19,7 @@ class _EngineCollector:
     def __init__(self, model: str) -> None:
         self.model = model
         self.stats: dict[str, dict[str, float]] = {}
+        self.tenants: dict[str, TenantUsage] = {}         # the scheduler's, per tenant
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -92,12 +95,10 @@ class _EngineCollector:
                                   labels=["model_name", "tenant", "kind"])
         kvb = GaugeMetricFamily("weir:tenant_kv_blocks", "KV blocks held per tenant.",
                                 labels=["model_name", "tenant"])
-        for key, value in sched.items():
-            if key.startswith("tenant.kv_blocks."):
-                kvb.add_metric([self.model, key.removeprefix("tenant.kv_blocks.")], value)
-            elif key.startswith("tenant.") and "_tokens." in key:
-                kind, tenant = key.removeprefix("tenant.").split("_tokens.", 1)
-                tok.add_metric([self.model, tenant, kind], value)
+        for tenant, usage in sorted(self.tenants.items()):
+            kvb.add_metric([self.model, tenant], usage.kv_blocks)
+            tok.add_metric([self.model, tenant, "processed"], usage.processed_tokens)
+            tok.add_metric([self.model, tenant, "generated"], usage.generated_tokens)
         yield tok
         yield kvb
 

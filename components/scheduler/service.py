@@ -20,7 +20,8 @@ from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
-                          SchedulerLoad, SchedulerMsg, StepResult, StopRequest, TokenBatch)
+                          SchedulerLoad, SchedulerMsg, StepResult, StopRequest, TenantUsage,
+                          TokenBatch)
 
 log = structlog.get_logger("scheduler")
 
@@ -164,3 +165,6 @@ class SchedulerService(Component):
                 "swapped_seqs": sum(s.phase is Phase.SWAPPED for s in c.waiting),
                 "last_step_ms": round(self.last_step_ms, 3),
                 **self.usage.stats(c)}
+
+    def tenant_usage(self) -> dict[str, TenantUsage]:
+        return self.usage.tenants(self.core)

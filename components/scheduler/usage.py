@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from components.scheduler.core import SchedulerCore
-from schemas.wire import StepPlan
+from schemas.wire import StepPlan, TenantUsage
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -38,11 +38,11 @@ class UsageStats:
             "active_kv_tokens": sum(s.num_computed for s in core.running),
             "batch_size.sum": self.batch_sum, "batch_size.count": self.batch_count}
         out.update({f"batch_size.le.{le}": self.batch_buckets[le] for le in BATCH_BUCKETS})
+        return out
+
+    def tenants(self, core: SchedulerCore) -> dict[str, TenantUsage]:
         kv_blocks: Counter[str] = Counter()
         for seq in core.by_seq.values():
             kv_blocks[seq.tenant] += len(seq.block_ids)
-        for tenant in set(self.tenant_processed) | set(kv_blocks):
-            out[f"tenant.processed_tokens.{tenant}"] = self.tenant_processed[tenant]
-            out[f"tenant.generated_tokens.{tenant}"] = self.tenant_generated[tenant]
-            out[f"tenant.kv_blocks.{tenant}"] = kv_blocks[tenant]
-        return out
+        return {t: TenantUsage(self.tenant_processed[t], self.tenant_generated[t], kv_blocks[t])
+                for t in set(self.tenant_processed) | set(kv_blocks)}

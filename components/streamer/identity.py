@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from schemas.client import ComponentStatus
 from schemas.config import ApiKey
 
 SERVICE_KEY_ENV = "WEIR_SERVICE_KEY"
@@ -99,8 +100,8 @@ class Keyring:
         return Identity(key.tenant, key.role)
 
 
-def visible_stats(stats: dict[str, float], tenant: str) -> dict[str, float]:
-    """A component's stats as one tenant may see them: engine-wide numbers, and of the
-    per-tenant ones (``tenant.<what>.<name>``) only its own."""
-    return {k: v for k, v in stats.items()
-            if not k.startswith("tenant.") or k.rsplit(".", 1)[-1] == tenant}
+def visible_status(status: ComponentStatus, tenant: str) -> ComponentStatus:
+    """A component's status as one tenant may see it: engine-wide numbers, and of the
+    per-tenant usage only its own."""
+    return msgspec.structs.replace(status, tenants={
+        t: usage for t, usage in status.tenants.items() if t == tenant})

@@ -32,7 +32,7 @@ from bus.socket import MalformedFrame
 from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, rename
-from components.streamer.identity import Identity, Keyring, Refusal, visible_stats
+from components.streamer.identity import Identity, Keyring, Refusal, visible_status
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           ComponentStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           ProtocolError, Rejected, ServerHeartbeat, StatusQuery, StatusReport,
@@ -356,8 +356,7 @@ class StreamerService(Component):
         if isinstance(who, Identity) and who.sees_all:
             return StatusReport(query_id, self.cluster.components, self.draining)
         tenant = who.tenant if isinstance(who, Identity) else ""
-        comps = tuple(msgspec.structs.replace(c, stats=visible_stats(c.stats, tenant))
-                      for c in self.cluster.components)
+        comps = tuple(visible_status(c, tenant) for c in self.cluster.components)
         return StatusReport(query_id, comps, self.draining)
 
     def stats(self) -> dict[str, float]:

@@ -53,9 +53,11 @@ class FakeStream:
 
 class FakeClient:
     def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,
-                 delay: float = 0.0, first_delay: float = 0.0) -> None:
+                 delay: float = 0.0, first_delay: float = 0.0,
+                 tenants: dict | None = None) -> None:
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.stats = stats or {}
+        self.tenants = tenants or {}              # component -> {tenant: TenantUsage}
         self.submitted: list[dict[str, Any]] = []
         self.streams: list[FakeStream] = []
 
@@ -67,7 +69,8 @@ class FakeClient:
         return s
 
     async def status(self, timeout: float = 5.0) -> StatusReport:
-        return StatusReport("q", tuple(ComponentStatus(name, 1, True, "ready", 0, 0.0, stats)
+        return StatusReport("q", tuple(ComponentStatus(name, 1, True, "ready", 0, 0.0, stats,
+                                                       self.tenants.get(name, {}))
                                        for name, stats in self.stats.items()))
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas.client import TenantUsage
 from tests.components.gateway.fakes import FakeClient, serve
 
 pytestmark = pytest.mark.anyio
@@ -183,14 +184,14 @@ def _series(text: str) -> dict[str, float]:
 
 
 async def test_metrics_need_a_credential_when_keys_are_configured():
-    stats = {"scheduler": {"tenant.kv_blocks.acme": 3, "tenant.kv_blocks.globex": 5,
-                           "tenant.generated_tokens.acme": 7, "tenant.generated_tokens.globex": 9,
-                           "running": 1}}
+    stats = {"scheduler": {"running": 1}}
+    usage = {"scheduler": {"acme": TenantUsage(0, 7, 3), "globex": TenantUsage(0, 9, 5)}}
     digest = lambda k: hashlib.sha256(k.encode()).hexdigest()   # noqa: E731
     keys = (types.SimpleNamespace(sha256=digest("sk-acme"), tenant="acme", role="tenant"),
             types.SimpleNamespace(sha256=digest("sk-globex"), tenant="globex", role="tenant"),
             types.SimpleNamespace(sha256=digest("sk-ops"), tenant="ops", role="operator"))
-    async with serve(FakeClient(stats=stats), keys=keys) as gw, httpx.AsyncClient() as http:
+    async with serve(FakeClient(stats=stats, tenants=usage), keys=keys) as gw, \
+            httpx.AsyncClient() as http:
         assert (await http.get(gw.url + "/metrics")).status_code == 401
         r = await http.get(gw.url + "/metrics", headers={"authorization": "Bearer sk-wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -203,7 +204,7 @@ async def test_metrics_need_a_credential_when_keys_are_configured():
         assert tenants(acme) and all('"tenant": "acme"' in k for k in tenants(acme))
         assert 'weir:num_requests_running{"model_name": "m"}' in acme     # engine-wide stays
         assert (await http.get(gw.url + "/health")).status_code == 200    # still open
-    async with serve(FakeClient(stats=stats)) as gw, httpx.AsyncClient() as http:
+    async with serve(FakeClient(stats=stats, tenants=usage)) as gw, httpx.AsyncClient() as http:
         open_ = _series((await http.get(gw.url + "/metrics")).text)       # no keys: open
         assert any('"globex"' in k for k in open_)
 

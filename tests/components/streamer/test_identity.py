@@ -1,6 +1,7 @@
 """Identity on the ZeroMQ endpoint: keys name the tenant, the service key may speak for
 any tenant, status shows a tenant only its own usage."""
-from components.streamer.identity import Identity, Keyring, Refusal, digest, visible_stats
+from components.streamer.identity import Identity, Keyring, Refusal, digest, visible_status
+from schemas.client import ComponentStatus, TenantUsage
 from schemas.config import ApiKey
 
 KEYS = (ApiKey(digest("acme-secret"), "acme"), ApiKey(digest("ops-secret"), "ops", "operator"))
@@ -35,11 +36,11 @@ def test_operators_see_all_tenants_see_their_own():
     ring = Keyring(KEYS, service_key="")
     assert ring.identify("ops-secret", "default").sees_all
     assert not ring.identify("acme-secret", "default").sees_all
-    stats = {"running": 3.0, "tenant.kv_blocks.acme": 4.0, "tenant.kv_blocks.globex": 9.0,
-             "tenant.generated_tokens.acme": 7.0}
-    assert visible_stats(stats, "acme") == {"running": 3.0, "tenant.kv_blocks.acme": 4.0,
-                                            "tenant.generated_tokens.acme": 7.0}
-    assert visible_stats(stats, "") == {"running": 3.0}
+    status = ComponentStatus("scheduler", 1, True, "ready", 0, 0.0, {"running": 3.0},
+                             {"acme": TenantUsage(5, 7, 4), "globex": TenantUsage(1, 9, 9)})
+    acme = visible_status(status, "acme")
+    assert acme.stats == {"running": 3.0} and acme.tenants == {"acme": TenantUsage(5, 7, 4)}
+    assert visible_status(status, "").tenants == {}
 
 
 def test_the_service_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
