@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
 import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +42,7 @@ from schemas.wire import (AdmissionMsg, ClientMsg, DetokenizerMsg, ExecutorMsg, 
                           KvMsg, SchedulerMsg, StreamerMsg, SupervisorMsg, TokenizerMsg)
 from bus.codec import Codec  # noqa: E402
 from tests.bus.fuzz_frames import FrameGen  # noqa: E402
+from tests.e2e.engine import Engine  # noqa: E402
 
 UNIONS = {"client": ClientMsg, "tokenizer": TokenizerMsg, "admission": AdmissionMsg,
           "scheduler": SchedulerMsg, "kv_manager": KvMsg, "executor": ExecutorMsg,
@@ -134,50 +132,18 @@ def serves(engine, baseline: str, tenant: str, where: str, report: Report,
     return False
 
 
-class LiveEngine:
+def live_engine(run_dir: Path, config_toml: str, mem_gb: float = 8.0,
+                log_level: str = "warning") -> Engine:
     """`weir serve` over ipc in ``run_dir``, every process limited to ``mem_gb`` of address
     space: a forged message that makes a component allocate without bound must fail in
     that process (a crash the fuzz reports), not take the machine's memory."""
+    limit = int(mem_gb * 2**30)
 
-    def __init__(self, run_dir: Path, config_toml: str, mem_gb: float = 8.0,
-                 log_level: str = "warning") -> None:
-        self.run_dir = run_dir
-        self.endpoint = f"ipc://{run_dir}/client.sock"
-        self.log_path = run_dir / "serve.log"
-        cfg = run_dir / "weir.toml"
-        cfg.write_text(config_toml)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL=log_level)
-        limit = int(mem_gb * 2**30)
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-        def limit_memory() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
-             "--run-dir", str(run_dir), "--endpoint", self.endpoint],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"),
-            preexec_fn=limit_memory if mem_gb > 0 else None)
-        deadline = time.monotonic() + 300
-        while b"weir: ready" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"weir serve did not start: "
-                                   f"{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def client(self, **kwargs):
-        from weir import Client
-
-        return Client(self.endpoint, **kwargs)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    return Engine(run_dir, config_toml, log_level=log_level, full_config=True,
+                  preexec_fn=limit_memory if mem_gb > 0 else None)
 
 
 def status(engine, timeout: float) -> dict:
@@ -339,7 +305,7 @@ def run(messages: int, seed: int, sockets: list[str], run_dir: Path, big: int,
         probe_each: bool = True) -> Report:
     report = Report()
     t0 = time.monotonic()
-    engine = LiveEngine(run_dir, CONFIG, mem_gb, log_level)
+    engine = live_engine(run_dir, CONFIG, mem_gb, log_level)
     print(f"engine ready in {time.monotonic() - t0:.1f}s", flush=True)
     try:
         config = msgspec.json.decode((run_dir / "config.json").read_bytes(), type=WeirConfig)

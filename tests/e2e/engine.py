@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class Engine:
     def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
                  http_port: int | None = None, gateway_extra: str = "",
-                 log_level: str = "warning"):
+                 log_level: str = "warning", full_config: bool = False, preexec_fn=None):
+        """``full_config``: ``config_toml`` is the whole config (no ``[gateway]`` section
+        added). ``preexec_fn`` runs in the child before ``weir serve`` (e.g. rlimits)."""
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
         self.log_path = run_dir / "serve.log"
@@ -24,7 +26,8 @@ class Engine:
         cfg = run_dir / "weir.toml"
         gateway = (f"\n[gateway]\nport = {http_port}\n{gateway_extra}" if http_port
                    else "\n[gateway]\nenabled = false\n")
-        cfg.write_text(config_toml if "[gateway]" in config_toml else config_toml + gateway)
+        cfg.write_text(config_toml if full_config or "[gateway]" in config_toml
+                       else config_toml + gateway)
         # the engine's service credential (the gateway's): test clients act with it, so they
         # may name any tenant even where API keys are configured
         self.service_key = secrets.token_urlsafe(16)
@@ -33,7 +36,8 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
              "--run-dir", str(run_dir), "--endpoint", self.endpoint, *extra_args],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"),
+            preexec_fn=preexec_fn)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 240.0) -> None:
