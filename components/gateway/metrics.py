@@ -84,6 +84,12 @@ class _EngineCollector:
         streamer = self.stats.get("streamer", {})
         yield self._counter("weir:request_cancellations", "Requests cancelled (client or timeout).",
                             streamer.get("requests.cancelled", 0))
+        yield self._counter("weir:request_retries", "Submissions that were a client's retry "
+                            "after a Retry-After rejection (the SDK's Submit.attempt > 0).",
+                            streamer.get("requests.retries", 0))
+        yield self._counter("weir:idempotent_attaches", "Submissions that attached to a running "
+                            "or finished request with the same Idempotency-Key.",
+                            streamer.get("requests.idempotent_attached", 0))
         rej = CounterMetricFamily("weir:request_rejections", "Requests rejected, by reason.",
                                   labels=["model_name", "reason"])
         for key, value in self.stats.get("admission", {}).items():

@@ -77,6 +77,30 @@ def test_overload_rejected_with_retry_after(small_engine):
     small_engine.wait_kv_free(timeout=1.0)
 
 
+def test_the_sdk_retries_overload_rejections_after_retry_after(small_engine):
+    """Past the cap, the SDK waits out each Retry-After and resubmits (bounded, counted):
+    every request completes, and the engine counted the retries."""
+    before = small_engine.stats("streamer").get("requests.retries", 0)
+
+    async def main():
+        async with AsyncClient(small_engine.endpoint, max_retries=5) as client:
+            out = []
+
+            async def one(i):
+                out.append(await client.generate(f"Retry {i}: a river", max_tokens=16,
+                                                  temperature=0.0, ignore_eos=True))
+            async with anyio.create_task_group() as tg:
+                for i in range(36):
+                    tg.start_soon(one, i)
+            return out, client.retries
+
+    done, retries = anyio.run(main)
+    assert len(done) == 36 and all(len(r.token_ids) == 16 for r in done)
+    assert retries >= 1
+    small_engine.wait_stat("streamer", "requests.retries", before + retries, timeout=5)
+    small_engine.wait_kv_free(timeout=1.0)
+
+
 def test_component_crash_fails_in_flight_and_restarts(small_engine):
     pid = small_engine.status()["detokenizer"].pid
     errors = []
