@@ -403,13 +403,17 @@ class AsyncClient:
             await anyio.sleep(self.heartbeat_interval)
             if not self._streams:
                 continue
-            await self._sock.send(Heartbeat())
             silent = time.monotonic() - self._last_answer
             if silent > self.engine_timeout and self._instance_of:
                 for rid in list(self._instance_of):
                     self._fail(rid, f"engine_unreachable: no answer from {self.endpoint} "
                                     f"for {silent:.1f}s")
-                    await self._sock.send(Cancel(rid))     # in case it is only slow
+                    with anyio.move_on_after(self.heartbeat_interval):
+                        await self._sock.send(Cancel(rid))     # in case it is only slow
+            # with no peer connected (the engine is gone) ZeroMQ blocks a send: never wait
+            # here, or the silence above would never be noticed
+            with anyio.move_on_after(self.heartbeat_interval):
+                await self._sock.send(Heartbeat())
 
     def _open(self, key: str) -> _Inbox:
         if not self._streams:                 # idle time is not silence
@@ -448,7 +452,11 @@ class AsyncClient:
         stream.span = _TRACER.start_span("weir.submit", kind=trace.SpanKind.CLIENT, attributes={
             "weir.request_id": rid, "weir.tenant": sub.tenant,
             "gen_ai.operation.name": "chat" if messages is not None else "text_completion"})
-        await self._send_submit(sub, stream.span)
+        with anyio.move_on_after(self.engine_timeout) as scope:   # no peer: a send blocks
+            await self._send_submit(sub, stream.span)
+        if scope.cancelled_caught:
+            self._fail(rid, f"engine_unreachable: could not send to {self.endpoint} "
+                            f"for {self.engine_timeout:g}s")
         return stream
 
     async def _send_submit(self, sub: Submit, span: Any) -> None:
@@ -465,8 +473,8 @@ class AsyncClient:
         qid = uuid.uuid4().hex
         recv = self._open("status:" + qid)
         try:
-            await self._sock.send(StatusQuery(qid, self.api_key))
-            with anyio.fail_after(timeout):
+            with anyio.fail_after(timeout):          # the send too: it blocks with no peer
+                await self._sock.send(StatusQuery(qid, self.api_key))
                 return await recv.get()
         except TimeoutError:
             raise RequestTimeout(f"no status from {self.endpoint} within {timeout}s") from None

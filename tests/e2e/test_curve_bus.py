@@ -74,7 +74,8 @@ def test_serve_over_tcp_with_curve(tmp_path, model_path, monkeypatch):
         env["PYTHONPATH"] = str(ROOT)
         cli = [sys.executable, "-m", "weir.cli", "status", "--endpoint", endpoint,
                "--timeout", "2"]
-        assert subprocess.run(cli, env=env, cwd=ROOT, capture_output=True).returncode != 0
+        assert subprocess.run(cli, env=env, cwd=ROOT, capture_output=True,
+                              timeout=60).returncode != 0
         ok = subprocess.run(cli, env={**env, **env_keys}, cwd=ROOT, capture_output=True)
         assert ok.returncode == 0, ok.stderr
         with eng.client() as c:
