@@ -147,6 +147,7 @@ class StreamerService(Component):
             log.warning("unauthenticated", request_id=rid[:64])
             return await self._terminal_to(who, Rejected(rid, "unauthenticated", identity.message))
         tenant = identity.tenant
+        self.counts["retries"] += sub.attempt > 0          # every retry, refused again or not
         if sub.idempotency_key and rid not in self.active and await self._attach(who, sub, tenant):
             return
         span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
@@ -167,7 +168,6 @@ class StreamerService(Component):
         self.active[rid] = req
         self.per_tenant[tenant] += 1
         self.counts["submitted"] += 1
-        self.counts["retries"] += sub.attempt > 0
         if sub.idempotency_key:
             self.idempotency.start(tenant, sub.idempotency_key, rid)
             req.idempotent = True
