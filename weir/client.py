@@ -11,7 +11,7 @@ each with a ``ServerHeartbeat``, so a client whose engine stops answering for
 (``RequestFailed``) instead of waiting forever.
 
 One receive task serves every stream and never waits on any of them: each stream
-has a bounded buffer (see ``_Inbox``), and a stream that stops being read is
+has a bounded buffer (``weir/inbox.py``), and a stream that stops being read is
 cancelled in the engine rather than holding up the others.
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ import os
 import random
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
@@ -39,6 +38,7 @@ from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Fini
                           ServerMsg, StatusQuery, StatusReport, Submit, TextDelta, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
+from weir.inbox import TERMINAL, Inbox
 
 
 _TRACER = trace.get_tracer("weir.client")
@@ -63,66 +63,7 @@ def _ensure_tracing() -> None:
     tracing.setup("client", TelemetryConfig(exporter="otlp"))   # OTEL_* variables override
 
 
-_TERMINAL = (Finished, Rejected, Cancelled, Failed)
 _RETRYABLE = ("overloaded", "tenant_over_budget")    # load: worth another try later
-
-
-class _Inbox:
-    """One stream's buffer between the shared receiver and its reader.
-
-    ``put`` never waits, so one reader cannot hold up the receiver. Policy: up to
-    ``capacity`` unread events is normal; past it the stream is *stalled*, and a stream
-    stalled for longer than ``stall_timeout`` seconds, or holding 4 x ``capacity`` events,
-    is over: ``put`` returns False, its buffer is dropped, and its reader gets
-    ``Cancelled(reason="slow_consumer")`` (the caller cancels it in the engine, freeing
-    its KV). Nothing is put after a terminal event."""
-
-    def __init__(self, capacity: int, stall_timeout: float) -> None:
-        self.capacity, self.stall_timeout = capacity, stall_timeout
-        self.items: deque = deque()
-        self.stalled_since: float | None = None
-        self.ended = False
-        self._wakeup: anyio.Event | None = None
-
-    def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    def put(self, event: Any) -> bool:
-        """Buffer ``event``; False if the stream is over its buffer policy (now dropped)."""
-        if self.ended:
-            return True
-        self.items.append(event)
-        self.ended = isinstance(event, _TERMINAL)
-        self._wake()
-        if len(self.items) <= self.capacity:
-            return True
-        now = time.monotonic()
-        if self.stalled_since is None:
-            self.stalled_since = now
-        if now - self.stalled_since <= self.stall_timeout and len(self.items) < 4 * self.capacity:
-            return True
-        request_id = event.request_id
-        self.items.clear()
-        self.end(Cancelled(request_id, f"slow_consumer: {self.capacity} events unread for "
-                                       f"over {self.stall_timeout:g}s"))
-        return False
-
-    def end(self, terminal: Any) -> None:
-        """Deliver a terminal event now (ahead of nothing, after what is buffered)."""
-        if not self.ended:
-            self.items.append(terminal)
-            self.ended = True
-            self._wake()
-
-    async def get(self) -> Any:
-        while not self.items:
-            self._wakeup = anyio.Event()
-            await self._wakeup.wait()
-        item = self.items.popleft()
-        if len(self.items) <= self.capacity:
-            self.stalled_since = None
-        return item
 
 
 @dataclass
@@ -171,7 +112,7 @@ class Stream:
 
     request_id: str
     _client: "AsyncClient"
-    _recv: _Inbox
+    _recv: Inbox
     _deadline: float | None
     _submit: Submit | None = None                           # kept for retries
     started: float = field(default_factory=time.perf_counter)
@@ -316,7 +257,7 @@ class AsyncClient:
     requests are open, after which they fail. ``max_retries``: resubmissions of a request
     rejected with a ``retry_after_s`` (overload), each after a jittered wait; ``retries``
     counts them. ``stream_buffer`` / ``stall_timeout``: the per-stream buffer policy of
-    ``_Inbox``."""
+    ``Inbox``."""
 
     def __init__(self, endpoint: str | None = None, *, tenant: str = "default",
                  timeout: float | None = None, heartbeat_interval: float = 0.15,
@@ -333,7 +274,7 @@ class AsyncClient:
         self.stream_buffer, self.stall_timeout = stream_buffer, stall_timeout
         self.retries = 0                     # resubmissions after retry-after rejections
         self.slow_consumer_cancels = 0
-        self._streams: dict[str, _Inbox] = {}
+        self._streams: dict[str, Inbox] = {}
         self._instance_of: dict[str, int | None] = {}   # request -> streamer it went to
         self._instance: int | None = None
         self._last_answer = time.monotonic()
@@ -375,7 +316,7 @@ class AsyncClient:
                 key = next(iter(self._streams), None)
             else:
                 key = event.request_id
-            if isinstance(event, _TERMINAL):
+            if isinstance(event, TERMINAL):
                 self._instance_of.pop(key, None)
             inbox = self._streams.get(key) if key is not None else None
             if inbox is not None and not inbox.put(event):
@@ -415,10 +356,10 @@ class AsyncClient:
             with anyio.move_on_after(self.heartbeat_interval):
                 await self._sock.send(Heartbeat())
 
-    def _open(self, key: str) -> _Inbox:
+    def _open(self, key: str) -> Inbox:
         if not self._streams:                 # idle time is not silence
             self._last_answer = time.monotonic()
-        inbox = self._streams[key] = _Inbox(self.stream_buffer, self.stall_timeout)
+        inbox = self._streams[key] = Inbox(self.stream_buffer, self.stall_timeout)
         return inbox
 
     def _close_stream(self, key: str) -> None:

@@ -1,14 +1,8 @@
 """API keys → tenants. Keys are compared by SHA-256 digest; plain keys are never stored."""
 from __future__ import annotations
 
-import hashlib
-import hmac
-
+from components.streamer.identity import digest as hash_key, find_key  # noqa: F401 (weir hash-key)
 from schemas.config import ApiKey
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 class Authenticator:
@@ -18,7 +12,7 @@ class Authenticator:
     every tenant's series on /metrics)."""
 
     def __init__(self, keys: tuple[ApiKey, ...]) -> None:
-        self._keys = {k.sha256: (k.tenant, getattr(k, "role", "tenant")) for k in keys}
+        self._keys = {k.sha256: k for k in keys}
 
     def identify(self, authorization: str | None) -> tuple[str, str] | None:
         """``(tenant, role)`` for an ``Authorization`` header, or None if not accepted."""
@@ -26,12 +20,8 @@ class Authenticator:
             return "default", "open"
         if not authorization or not authorization.lower().startswith("bearer "):
             return None
-        digest = hash_key(authorization[7:].strip())
-        found = None
-        for known, who in self._keys.items():
-            if hmac.compare_digest(known, digest):
-                found = who
-        return found
+        key = find_key(self._keys, authorization[7:].strip())
+        return None if key is None else (key.tenant, getattr(key, "role", "tenant"))
 
     def tenant_for(self, authorization: str | None) -> str | None:
         """The tenant for an ``Authorization`` header, or None if it is not accepted.

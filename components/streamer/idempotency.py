@@ -32,7 +32,6 @@ class IdempotencyTable:
         self.ttl_s, self.max_entries = ttl_s, max_entries
         self._by_key: OrderedDict[tuple[str, str], Entry] = OrderedDict()
         self._by_request: dict[str, tuple[str, str]] = {}
-        self.attached = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -56,7 +55,6 @@ class IdempotencyTable:
         entry = self._by_key.get((tenant, key))
         if entry is None:
             return None
-        self.attached += 1
         if entry.finished_at is None:
             entry.subscribers.append((who, request_id))
         return [rename(e, request_id) for e in entry.events]

@@ -52,6 +52,17 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def find_key(keys: dict[str, ApiKey], api_key: str) -> ApiKey | None:
+    """The configured key (``keys`` by digest) that ``api_key`` is, compared in constant
+    time; the one lookup both ingresses (the streamer, the HTTP gateway) use."""
+    d = digest(api_key)
+    found = None
+    for known, key in keys.items():
+        if hmac.compare_digest(known, d):
+            found = key
+    return found
+
+
 class Identity(msgspec.Struct, frozen=True):
     tenant: str
     role: str            # "open" (no keys configured), "tenant", "operator" or "service"
@@ -76,13 +87,9 @@ class Keyring:
         return not self._keys
 
     def _lookup(self, api_key: str) -> ApiKey | str | None:
-        d = digest(api_key)
-        if self._service is not None and hmac.compare_digest(d, self._service):
+        if self._service is not None and hmac.compare_digest(digest(api_key), self._service):
             return "service"
-        for known, key in self._keys.items():
-            if hmac.compare_digest(known, d):
-                return key
-        return None
+        return find_key(self._keys, api_key)
 
     def identify(self, api_key: str | None, claimed_tenant: str) -> Identity | Refusal:
         """The identity a message acts as, or why it may not act at all."""

@@ -34,7 +34,7 @@ from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, rename
 from components.streamer.identity import Identity, Keyring, Refusal, visible_status
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
-                          ComponentStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
+                          EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           ProtocolError, Rejected, ServerHeartbeat, StatusQuery, StatusReport,
                           StreamerMsg, Submit, TextDelta, Usage)
 

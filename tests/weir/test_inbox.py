@@ -3,7 +3,7 @@ reading is cut off by a stated policy, not by blocking everyone else."""
 import anyio
 
 from schemas.client import Cancelled, Finished, TextDelta, Usage
-from weir.client import _Inbox
+from weir.inbox import Inbox
 
 
 def _delta(i):
@@ -11,7 +11,7 @@ def _delta(i):
 
 
 def test_put_never_blocks_and_get_returns_in_order():
-    box = _Inbox(capacity=4, stall_timeout=60)
+    box = Inbox(capacity=4, stall_timeout=60)
     assert all(box.put(_delta(i)) for i in range(10))     # over capacity, within timeout
 
     async def read():
@@ -21,7 +21,7 @@ def test_put_never_blocks_and_get_returns_in_order():
 
 
 def test_four_times_capacity_unread_ends_the_stream_as_slow_consumer():
-    box = _Inbox(capacity=4, stall_timeout=60)
+    box = Inbox(capacity=4, stall_timeout=60)
     results = [box.put(_delta(i)) for i in range(16)]
     assert results == [True] * 15 + [False]
     assert len(box.items) == 1 and isinstance(box.items[0], Cancelled)
@@ -31,8 +31,8 @@ def test_four_times_capacity_unread_ends_the_stream_as_slow_consumer():
 
 def test_stalled_past_the_timeout_ends_the_stream(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("weir.client.time.monotonic", lambda: now[0])
-    box = _Inbox(capacity=2, stall_timeout=5)
+    monkeypatch.setattr("weir.inbox.time.monotonic", lambda: now[0])
+    box = Inbox(capacity=2, stall_timeout=5)
     assert box.put(_delta(0)) and box.put(_delta(1)) and box.put(_delta(2))   # stalled at 100
     now[0] = 104.9
     assert box.put(_delta(3))
@@ -42,8 +42,8 @@ def test_stalled_past_the_timeout_ends_the_stream(monkeypatch):
 
 def test_a_reader_that_catches_up_clears_the_stall(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("weir.client.time.monotonic", lambda: now[0])
-    box = _Inbox(capacity=2, stall_timeout=5)
+    monkeypatch.setattr("weir.inbox.time.monotonic", lambda: now[0])
+    box = Inbox(capacity=2, stall_timeout=5)
     for i in range(3):
         box.put(_delta(i))
     anyio.run(box.get)
@@ -53,7 +53,7 @@ def test_a_reader_that_catches_up_clears_the_stall(monkeypatch):
 
 
 def test_a_terminal_is_delivered_and_ends_the_stream():
-    box = _Inbox(capacity=2, stall_timeout=5)
+    box = Inbox(capacity=2, stall_timeout=5)
     box.put(Finished("r", "stop", Usage(1, 1)))
     box.put(_delta(1))
     box.end(Cancelled("r", "x"))
