@@ -82,6 +82,7 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
     queue_s: float = 0.0        # arrival → first scheduled
     prefill_s: float = 0.0      # first scheduled → first token
     decode_s: float = 0.0       # first token → finished
+    preemptions: int = 0        # times the request (any choice) was preempted
 
 
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):

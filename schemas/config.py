@@ -109,6 +109,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     lookahead_tokens: int = 16
+    step_log: str = ""        # append one JSON line per step (its shape, measured time): the
+                              # input of `weir calibrate`
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")
@@ -165,6 +167,7 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    policy: Literal["fcfs"] = "fcfs"      # see components/admission/policy.py
     max_outstanding: int = 512
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
 

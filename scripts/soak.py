@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.conftest import free_port  # noqa: E402
 from tests.e2e.engine import Engine  # noqa: E402
 from weir import WeirError  # noqa: E402
+from weir.machine import summary_line  # noqa: E402
 
 RSS_MARGIN = 0.10          # a process may grow 10% (plus 8 MiB of allocator slack) ...
 RSS_SLACK_KB = 8 * 1024
@@ -36,16 +36,7 @@ FD_MARGIN = 4              # ... and hold 4 more file descriptors
 
 def cpu_model() -> str:
     """The CPU's model name and the vector extensions that matter to the executor."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} [{' '.join(wanted)}]"
+    return summary_line()
 
 
 def sample(pids: dict[str, int]) -> dict[str, tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""The ``weir`` command: serve, generate, status."""
+"""The ``weir`` command: serve, generate, status, replay, simulate, calibrate, ..."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
             engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "device": args.device},
             kv={"num_blocks": args.num_blocks},
+            scheduler={"step_log": args.step_log},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
     except ConfigError as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
@@ -227,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     s.add_argument("--run-dir", default=None, help="directory for ipc sockets")
+    s.add_argument("--step-log", default=None,
+                   help="append each step's shape and time to this JSONL (weir calibrate)")
     s.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible gateway port (default $WEIR_HTTP_PORT or 8000)")
     s.set_defaults(func=_serve)
@@ -279,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--endpoint", default=None, help=endpoint_help)
     st.set_defaults(func=_status)
+
+    from weir.replay.commands import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -31,7 +31,7 @@ from anyio.from_thread import start_blocking_portal
 from opentelemetry import trace
 
 from bus.socket import BusSocket
-from bus.tracing import traceparent_of
+from bus.tracing import context_from, traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           ProtocolError, Rejected, RequestTiming, SamplingParams, ServerHeartbeat,
@@ -370,13 +370,15 @@ class AsyncClient:
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      tenant: str | None = None, timeout: float | None = None,
                      deadline_ms: int | None = None, priority: int = 0,
-                     idempotency_key: str | None = None, **params: Any) -> Stream:
+                     idempotency_key: str | None = None, traceparent: str | None = None,
+                     **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
         lower is more important when the engine must preempt. ``idempotency_key``: a retry
         with the same key (same tenant) attaches to the first request's stream, or gets its
-        finished result, instead of running again."""
+        finished result, instead of running again. ``traceparent``: a W3C trace context
+        the request's spans join (else a new trace, when tracing is configured)."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -390,7 +392,8 @@ class AsyncClient:
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         stream = Stream(rid, self, recv, deadline, sub)
-        stream.span = _TRACER.start_span("weir.submit", kind=trace.SpanKind.CLIENT, attributes={
+        stream.span = _TRACER.start_span("weir.submit", kind=trace.SpanKind.CLIENT,
+                                         context=context_from(traceparent), attributes={
             "weir.request_id": rid, "weir.tenant": sub.tenant,
             "gen_ai.operation.name": "chat" if messages is not None else "text_completion"})
         with anyio.move_on_after(self.engine_timeout) as scope:   # no peer: a send blocks

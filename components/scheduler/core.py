@@ -496,7 +496,8 @@ class SchedulerCore:
         usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
         timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
                                max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
-                               max(now_ns - seq.first_token_ns, 0) / 1e9)
+                               max(now_ns - seq.first_token_ns, 0) / 1e9,
+                               sum(s.preemptions for s in seq.group))
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
                                    seq.index))
         self._finish(seq, out)

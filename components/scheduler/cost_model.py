@@ -7,8 +7,32 @@ the average time per token. Pure and synchronous.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, NamedTuple
 
 import numpy as np
+
+from schemas.wire import StepPlan
+
+
+class StepShape(NamedTuple):
+    """What a step's time depends on: tokens computed, KV positions read (the sum over rows
+    of each row's context), sequences, and attention pairs (query rows × keys they see)."""
+
+    tokens: int
+    context: int
+    seqs: int
+    pairs: int
+
+
+def plan_shape(plan: StepPlan, num_computed: Callable[[int], int]) -> StepShape:
+    """The shape of ``plan``; ``num_computed(seq_id)`` is each sequence's progress before it."""
+    tokens = context = pairs = 0
+    for st in plan.steps:
+        done = num_computed(st.seq_id)
+        tokens += st.num_tokens
+        context += done + st.num_tokens
+        pairs += st.num_tokens * done + st.num_tokens * (st.num_tokens + 1) // 2
+    return StepShape(tokens, context, len(plan.steps), pairs)
 
 
 class StepCostModel:

@@ -15,12 +15,13 @@ from bus.component import Component
 import msgspec
 
 from components.scheduler.core import Outcome, SchedulerCore
+from components.scheduler.load import LOAD_INTERVAL_S, load_report
 from components.scheduler.sequence import Phase
 from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
-                          SchedulerLoad, SchedulerMsg, StepResult, StopRequest, TenantUsage,
+                          SchedulerMsg, StepResult, StopRequest, TenantUsage,
                           TokenBatch)
 
 log = structlog.get_logger("scheduler")
@@ -46,6 +47,8 @@ class SchedulerService(Component):
         # recompute cost for preemption choices: the prefill time of those tokens
         self.core.recompute_s = lambda tokens: self.trace.cost.predict(tokens, tokens, 1)
         self.usage = UsageStats()
+        self.step_log = open(cfg.scheduler.step_log, "a", buffering=1) \
+            if cfg.scheduler.step_log else None           # line-buffered: a kill loses no step
         await self.to_kv.send(KvHello(self.core.epoch))
 
     async def run(self) -> None:
@@ -55,18 +58,10 @@ class SchedulerService(Component):
 
     async def _report_load(self) -> None:
         """Tell admission about the backlog, so it can predict time to first token."""
-        core, budget = self.core, self.config.scheduler.max_num_batched_tokens
+        budget = self.config.scheduler.max_num_batched_tokens
         while True:
-            await anyio.sleep(0.1)
-            queued = sum(s.remaining for s in core.waiting) + sum(
-                s.remaining for s in core.running if s.remaining > 1)
-            chunk_s = self.trace.cost.predict(budget, 0, 1)
-            decode_s = self.trace.cost.predict(len(core.running) or 1,
-                                               sum(s.num_tokens for s in core.running),
-                                               len(core.running) or 1)
-            await self.to_admission.send(SchedulerLoad(
-                len(core.running), len(core.waiting), queued,
-                budget / chunk_s if chunk_s > 0 else 0.0, decode_s))
+            await anyio.sleep(LOAD_INTERVAL_S)
+            await self.to_admission.send(load_report(self.core, self.trace.cost, budget))
 
     async def _serve(self) -> None:
         while True:
@@ -86,6 +81,8 @@ class SchedulerService(Component):
                     self.last_step_ms = measured * 1e3
                     if self.core.in_flight is not None and res.step_id == self.core.in_flight_step:
                         self.trace.finished_step(measured, res.elapsed_ns / 1e9)
+                        if self.step_log is not None:
+                            self._log_step(measured, res.elapsed_ns / 1e9)
                         self.usage.sampled(self.core, res.seq_ids)
                     out = self.core.on_result(res, time.time_ns())
                 case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):
@@ -106,6 +103,13 @@ class SchedulerService(Component):
                         await self.to_kv.send(KvHello(self.core.epoch))
                     self.kv_instance = instance
             await self._emit(out)
+
+    def _log_step(self, measured_s: float, executor_s: float) -> None:
+        shape = self.trace.shape
+        self.step_log.write(msgspec.json.encode({
+            "tokens": shape.tokens, "context": shape.context, "seqs": shape.seqs,
+            "pairs": shape.pairs, "measured_s": round(measured_s, 7),
+            "executor_s": round(executor_s, 7)}).decode() + "\n")
 
     async def _fail_all(self, kv_lost: bool,
                         reason: str = "engine component restarted") -> Outcome:

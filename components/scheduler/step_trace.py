@@ -11,7 +11,7 @@ from opentelemetry.trace import Link, Span
 
 from bus import tracing
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import StepCostModel, StepShape, plan_shape
 from schemas.wire import StepPlan, TokenOut
 
 _TRACER = trace.get_tracer("weir.scheduler")
@@ -29,7 +29,7 @@ class StepTracer:
         self._decode: dict[str, Span] = {}
         self._prefill: list[Span] = []
         self._step: Span | None = None
-        self._shape = (0, 0, 0)
+        self.shape = StepShape(0, 0, 0, 0)      # the step in flight
         self._predicted = 0.0
 
     def _ctx(self, rid: str) -> Context | None:
@@ -43,13 +43,12 @@ class StepTracer:
     def planned(self, plan: StepPlan) -> str | None:
         """Open the step's spans; returns the step span's traceparent for the executor."""
         rids, tokens, chunks, links = [], [], [], []
-        num_decode = context = 0
+        num_decode = 0
         for st in plan.steps:
             seq = self.core.by_seq[st.seq_id]
             rid = seq.request_id
             rids.append(rid)
             tokens.append(st.num_tokens)
-            context += seq.num_computed + st.num_tokens
             if (q := self._queue.pop(rid, None)) is not None:
                 q.end()
             decode = st.num_tokens == 1 and seq.num_output > 0 and seq.remaining == 1
@@ -63,14 +62,14 @@ class StepTracer:
             if (ctx := self._ctx(rid)) is not None:
                 links.append(Link(trace.get_current_span(ctx).get_span_context()))
         used = sum(tokens)
-        self._shape = (used, context, len(tokens))
-        self._predicted = self.cost.predict(*self._shape)
+        self.shape = plan_shape(plan, lambda seq_id: self.core.by_seq[seq_id].num_computed)
+        self._predicted = self.cost.predict(*self.shape[:3])
         self._step = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
             "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
             "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
             "weir.step.token_budget": self.budget, "weir.step.tokens_used": used,
-            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": context,
+            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": self.shape.context,
             "weir.step.predicted_ms": round(self._predicted * 1e3, 3),
             "weir.step.free_kv_blocks": self.free_blocks,
             "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
@@ -93,7 +92,7 @@ class StepTracer:
                                        "weir.step.executor_ms": round(executor_s * 1e3, 3)})
             self._step.end()
             self._step = None
-        self.cost.observe(*self._shape, measured_s)
+        self.cost.observe(*self.shape[:3], measured_s)
 
     def outputs(self, items: list[TokenOut]) -> None:
         for item in items:

@@ -1,0 +1,20 @@
+"""What the scheduler reports to admission a few times a second: its backlog, and the rates
+the step-cost model measured, so admission can predict time to first token. Shared by the
+scheduler service and the replay simulator."""
+from __future__ import annotations
+
+from components.scheduler.core import SchedulerCore
+from components.scheduler.cost_model import StepCostModel
+from schemas.wire import SchedulerLoad
+
+LOAD_INTERVAL_S = 0.1
+
+
+def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> SchedulerLoad:
+    queued = sum(s.remaining for s in core.waiting) + sum(
+        s.remaining for s in core.running if s.remaining > 1)
+    chunk_s = cost.predict(budget, 0, 1)
+    running = len(core.running)
+    decode_s = cost.predict(running or 1, sum(s.num_tokens for s in core.running), running or 1)
+    return SchedulerLoad(running, len(core.waiting), queued,
+                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s)

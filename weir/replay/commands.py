@@ -1,0 +1,249 @@
+"""The ``weir replay``, ``weir simulate`` and ``weir calibrate`` commands: load and scale a
+trace, synthesize its prompts, run it (live against targets, or simulated under configs),
+and write one comparison: a table, per-request records, summary JSON and plots."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from weir.replay.types import RunResult, Scaling, Slo, TraceRequest
+
+DEFAULT_SLO = Slo(2000.0, 200.0)
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="a trace file: Mooncake/Weir/OTel JSONL, Azure or BurstGPT CSV")
+    p.add_argument("--format", default="auto",
+                   help="auto (default), mooncake, azure, burstgpt, weir or otel")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply every length by this (e.g. 0.0625 = ÷16)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every arrival time by this (> 1 stretches, lowering the rate)")
+    p.add_argument("--block-size", type=int, default=512,
+                   help="the trace's prefix block in tokens, before scaling (Mooncake: 512)")
+    p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
+    p.add_argument("--start", type=int, default=0, help="skip this many requests first")
+    p.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
+    p.add_argument("--slo", default=None,
+                   help="default SLO, e.g. ttft=2000,tpot=200 (ms); default "
+                        f"ttft={DEFAULT_SLO.ttft_ms:g},tpot={DEFAULT_SLO.tpot_ms:g}")
+    p.add_argument("--slo-class", action="append", default=[], metavar="CLASS:ttft=..,tpot=..",
+                   help="the SLO of one service class (repeatable)")
+    p.add_argument("--model", default=None,
+                   help="the served model whose tokenizer builds the prompts (default: "
+                        "the embedded default)")
+    p.add_argument("--out", default=None,
+                   help="directory for records, summary.json, comparison.txt and plots "
+                        "(default: ./weir-replay-<time>)")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def parse_slo(text: str) -> Slo:
+    values = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("ttft", "tpot") or not value:
+            raise ValueError(f"bad SLO {text!r}: expected ttft=MS,tpot=MS")
+        values[key.strip()] = float(value)
+    if len(values) != 2:
+        raise ValueError(f"bad SLO {text!r}: give both ttft and tpot")
+    return Slo(values["ttft"], values["tpot"])
+
+
+def _slos(args) -> tuple[dict[str, Slo], Slo]:
+    default = parse_slo(args.slo) if args.slo else DEFAULT_SLO
+    per_class = {}
+    for item in args.slo_class:
+        name, _, spec = item.partition(":")
+        per_class[name] = parse_slo(spec)
+    return per_class, default
+
+
+def load_scaled(args) -> tuple[list[TraceRequest], Scaling]:
+    from weir.replay.synth import scale
+    from weir.replay.traces import load_trace
+
+    requests = load_trace(args.trace, args.format)
+    end = None if args.limit is None else args.start + args.limit
+    requests = requests[args.start:end]
+    if not requests:
+        raise ValueError(f"{args.trace}: no requests in --start/--limit's window")
+    first = requests[0].arrival_s
+    import msgspec
+
+    requests = [msgspec.structs.replace(r, index=i, arrival_s=r.arrival_s - first)
+                for i, r in enumerate(requests)]
+    scaling = Scaling(length=args.length_scale, time=args.time_scale,
+                      block_size=args.block_size, seed=args.seed)
+    return scale(requests, scaling), scaling
+
+
+def _out_dir(args) -> Path:
+    out = Path(args.out or f"weir-replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _slug(label: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+    return keep.strip("_")[:60] or "run"
+
+
+def write_outputs(runs: list[RunResult], args, out: Path) -> str:
+    """Summaries, the comparison table (returned), records and plots."""
+    from weir.replay.records import write_records
+    from weir.replay.report import render_table, summarize, write_summary_json
+
+    slos, default = _slos(args)
+    summaries = [summarize(run, slos, default) for run in runs]
+    table = render_table(summaries)
+    (out / "comparison.txt").write_text(table + "\n")
+    write_summary_json(summaries, out / "summary.json")
+    for i, run in enumerate(runs):
+        write_records(run.records, out / f"records-{i}-{_slug(run.label)}.jsonl")
+    if not args.no_plots:
+        from weir.replay.plots import write_plots
+
+        write_plots(runs, summaries, out, slos, default)
+    return table
+
+
+# ---------------------------------------------------------------------------- simulate
+def simulate_cmd(args) -> int:
+    from components.tokenizer.hashing import block_hashes
+    from schemas.config import load_config
+    from weir.model_fetch import resolve_model
+    from weir.replay import profile as profiles
+    from weir.replay.sim import Simulator
+    from weir.replay.synth import PromptSynth, load_tokenizer
+
+    requests, scaling = load_scaled(args)
+    prof_path = Path(args.profile) if args.profile else profiles.default_path()
+    if not prof_path.exists():
+        print(f"weir simulate: no cost profile at {prof_path}; run `weir calibrate` first "
+              f"(or pass --profile)", file=sys.stderr)
+        return 2
+    prof = profiles.load(prof_path)
+    synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
+    model_id = Path(resolve_model(args.model or "")).name
+    runs = []
+    for path in args.config or [None]:
+        cfg = load_config(path, topology={"run_dir": "/nonexistent"})
+        bs = cfg.kv.block_size
+        sim = Simulator(cfg, prof, label=path or "defaults", tokens=synth.token_ids,
+                        hashes=lambda ids, tenant, bs=bs: block_hashes(ids, bs, tenant, model_id))
+        run = sim.run(requests, scaling)
+        run.meta["config"] = path or "defaults"
+        print(f"weir simulate: {run.label}: {len(requests)} requests in "
+              f"{run.meta['sim_wall_s']:.2f} s", file=sys.stderr)
+        runs.append(run)
+    out = _out_dir(args)
+    print(f"profile: {prof.describe()}")
+    print(f"profile machine: {prof.machine.get('cpu', '?')} {prof.machine.get('flags', '')}")
+    print(write_outputs(runs, args, out))
+    print(f"wrote {out}/")
+    return 0
+
+
+# ---------------------------------------------------------------------------- replay
+def replay_cmd(args) -> int:
+    import os
+
+    import anyio
+
+    from weir.client import default_endpoint
+    from weir.replay.live import HttpTarget, SdkTarget, replay
+    from weir.replay.synth import PromptSynth, load_tokenizer
+
+    requests, scaling = load_scaled(args)
+    synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
+    key = args.api_key or os.environ.get("WEIR_API_KEY")
+    targets = args.target or [default_endpoint()]
+
+    def prompt(req: TraceRequest) -> tuple[list[int], str]:
+        ids = synth.token_ids(req)
+        return ids, synth.text(req) if any(t.startswith("http") for t in targets) else ""
+
+    runs = []
+    for target in targets:
+        t = (HttpTarget(target, args.served_model or "", key) if target.startswith("http")
+             else SdkTarget(target, key))
+        print(f"weir replay: {len(requests)} requests → {target}", file=sys.stderr)
+        run = anyio.run(lambda t=t: replay(requests, t, prompt, scaling=scaling,
+                                            closed_loop=args.closed_loop,
+                                            max_lag_ms=args.max_lag_ms))
+        runs.append(run)
+    out = _out_dir(args)
+    print(write_outputs(runs, args, out))
+    print(f"wrote {out}/ (each record's trace_id finds its trace in Jaeger)")
+    return 0 if all(r.valid for r in runs) else 3
+
+
+# ---------------------------------------------------------------------------- calibrate
+def calibrate_cmd(args) -> int:
+    from weir.replay import profile as profiles
+    from weir.replay.calibrate import calibrate, from_steps
+
+    out = Path(args.out) if args.out else profiles.default_path()
+    if args.from_steps:
+        prof = from_steps(args.from_steps, out)
+    else:
+        prof = calibrate(args.config, out, model=args.model, dtype=args.dtype,
+                         max_model_len=args.max_model_len, device=args.device,
+                         quick=args.quick)
+    print(prof.describe())
+    print(f"wrote {out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    r = sub.add_parser("replay", help="replay a trace against live servers, open loop")
+    add_trace_args(r)
+    r.add_argument("--target", action="append", default=[],
+                   help="a Weir SDK endpoint (tcp://, ipc://) or an OpenAI-compatible URL "
+                        "(http://host:port); repeat to compare (default: $WEIR_ENDPOINT)")
+    r.add_argument("--api-key", default=None, help="default $WEIR_API_KEY")
+    r.add_argument("--served-model", default=None, help="the model name for HTTP targets")
+    r.add_argument("--closed-loop", action="store_true",
+                   help="a session's next turn waits for the previous answer")
+    r.add_argument("--max-lag-ms", type=float, default=100.0,
+                   help="a run whose p99 schedule lag exceeds this is invalid")
+    r.set_defaults(func=_guard(replay_cmd, "replay"))
+
+    s = sub.add_parser("simulate", help="run a trace through the real policies on a "
+                                        "virtual clock, one run per --config")
+    add_trace_args(s)
+    s.add_argument("--config", action="append", default=[],
+                   help="a Weir TOML config; repeat to compare side by side")
+    s.add_argument("--profile", default=None, help="a cost profile from `weir calibrate`")
+    s.set_defaults(func=_guard(simulate_cmd, "simulate"))
+
+    c = sub.add_parser("calibrate", help="measure step costs on a local engine and write "
+                                         "the cost profile `weir simulate` uses")
+    c.add_argument("--config", default=None)
+    c.add_argument("--model", default=None)
+    c.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    c.add_argument("--max-model-len", type=int, default=None)
+    c.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    c.add_argument("--quick", action="store_true", help="fewer shapes (about half the time)")
+    c.add_argument("--from-steps", default=None,
+                   help="fit a step log (scheduler.step_log or gpu_check's) instead")
+    c.add_argument("--out", default=None, help="default ~/.cache/weir/profiles/local.json")
+    c.set_defaults(func=_guard(calibrate_cmd, "calibrate"))
+
+
+def _guard(fn, name: str):
+    """Input errors (a bad trace row, config or profile) end with one clear line."""
+    def run(args) -> int:
+        from schemas.config import ConfigError
+        from weir.replay.profile import ProfileError
+        from weir.replay.traces import TraceError
+
+        try:
+            return fn(args)
+        except (TraceError, ConfigError, ProfileError, ValueError, OSError) as exc:
+            print(f"weir {name}: {exc}", file=sys.stderr)
+            return 2
+    return run

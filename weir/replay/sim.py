@@ -1,0 +1,222 @@
+"""``weir simulate``: the engine's real policies against a virtual clock.
+
+Admission is the production ``AdmissionPolicy``, scheduling the production
+``SchedulerCore``, KV the production ``BlockPool`` (through the kv_manager's own
+``apply_ops``). Only the executor is simulated: a step takes the time the cost profile
+predicts for its shape, and samples a fixed token. The processes' messages are delivered at
+once, in the order the services send them: admission asks the pool what is cached, decides,
+hands the request to the core; the core's KV ops are applied and their grants returned
+before it plans again; the scheduler's load report reaches admission every 100 ms, as live.
+
+Deterministic: the same trace, config, profile and seed give the same records.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from typing import Callable
+
+from components.admission.policy import AdmissionPolicy
+from components.kv_manager.ops import apply_ops
+from components.kv_manager.pool import BlockPool
+from components.scheduler.core import Outcome, SchedulerCore
+from components.scheduler.cost_model import StepCostModel, plan_shape
+from components.scheduler.load import LOAD_INTERVAL_S, load_report
+from schemas.config import WeirConfig
+from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
+from weir.replay.profile import CostProfile
+from weir.replay.types import (CANCELLED, COMPLETED, REJECTED, RequestRecord, RunResult,
+                               Scaling, TimelinePoint, TraceRequest)
+
+SAMPLED_TOKEN = 1          # what the simulated executor "samples"; never an eos (ignore_eos)
+_NS = 1_000_000_000
+_ARRIVAL, _CANCEL, _STEP_DONE, _LOAD = 0, 1, 2, 3
+
+
+class Simulator:
+    """One config over one trace. ``tokens(req)`` gives a request's prompt ids and
+    ``hashes(ids, tenant)`` their block hashes, as the tokenizer would."""
+
+    def __init__(self, config: WeirConfig, profile: CostProfile, *, label: str = "",
+                 tokens: Callable[[TraceRequest], list[int]],
+                 hashes: Callable[[list[int], str], list[int]],
+                 timeline_points: int = 400) -> None:
+        self.config, self.profile, self.label = config, profile, label
+        self.tokens, self.hashes = tokens, hashes
+        kv = config.kv
+        self.policy = AdmissionPolicy(config)
+        self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1)
+        self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
+                              kv.num_cpu_blocks, kv.watermark_blocks)
+        self.cost = StepCostModel()                  # the scheduler's own, learning as live
+        self.core.recompute_s = lambda n: self.cost.predict(n, n, 1)
+        self.timeline_points = timeline_points
+        self.records: dict[str, RequestRecord] = {}
+        self.last_token_ns: dict[str, int] = {}
+        self.now = 0
+        self._events: list[tuple[int, int, int, object]] = []
+        self._order = 0
+        self._step: tuple[StepResult, object] | None = None
+        self.timeline: list[TimelinePoint] = []
+
+    # ------------------------------------------------------------------ driver
+    def run(self, requests: list[TraceRequest], scaling: Scaling = Scaling()) -> RunResult:
+        started = time.perf_counter()
+        for req in requests:
+            self._push(round(req.arrival_s * _NS), _ARRIVAL, req)
+        last_arrival = max((r.arrival_s for r in requests), default=0.0)
+        self._sample_every = max(round(last_arrival * _NS / self.timeline_points), _NS // 10)
+        self._next_sample = 0
+        self._push(0, _LOAD, None)
+        pending_arrivals = len(requests)
+        while self._events:
+            t, _, kind, data = heapq.heappop(self._events)
+            self.now = t
+            if kind == _ARRIVAL:
+                pending_arrivals -= 1
+                self._arrive(data)
+            elif kind == _STEP_DONE:
+                self._finish_step()
+            elif kind == _CANCEL:
+                self._emit(self.core.cancel(data), cancelled=True)
+            elif kind == _LOAD:
+                self.policy.load = load_report(self.core, self.cost,
+                                               self.config.scheduler.max_num_batched_tokens)
+                self._sample()
+                if pending_arrivals or self.core.has_work:
+                    self._push(t + round(LOAD_INTERVAL_S * _NS), _LOAD, None)
+                continue
+            self._pump()
+        records = sorted(self.records.values(), key=lambda r: r.index)
+        ends = [r.sent_s + (r.e2e_s or 0.0) for r in records]
+        first = min((r.arrival_s for r in records), default=0.0)
+        return RunResult(
+            label=self.label, mode="simulated", records=records, timeline=self.timeline,
+            scaling=scaling, duration_s=max(ends, default=0.0) - first,
+            meta={"wasted_tokens": self.core.wasted_tokens,
+                  "preemptions": self.core.preemptions, "steps": self.core.steps,
+                  "profile": self.profile.describe(), "machine": self.profile.machine,
+                  "policy": self.config.admission.policy,
+                  "sim_wall_s": round(time.perf_counter() - started, 3)})
+
+    def _push(self, t: int, kind: int, data: object) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (t, self._order, kind, data))
+
+    # ------------------------------------------------------------------ admission
+    def _arrive(self, req: TraceRequest) -> None:
+        rid = f"r{req.index}"
+        tenant = req.tenant or "default"
+        ids = self.tokens(req)
+        out = req.max_tokens if req.max_tokens is not None else (req.output_tokens or 1)
+        params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True, n=req.n)
+        hashes = self.hashes(ids, tenant) if self.config.kv.enable_prefix_cache else []
+        tok = Tokenized(rid, tenant, ids, hashes, params, self.now, (), req.deadline_ms)
+        arrival = self.now / _NS
+        rec = RequestRecord(index=req.index, request_id=rid, tenant=tenant,
+                            service_class=req.service_class or "default",
+                            session_id=req.session_id, arrival_s=arrival, sent_s=arrival,
+                            prompt_tokens=len(ids), deadline_ms=req.deadline_ms, n=req.n)
+        self.records[rid] = rec
+        rejected = self.policy.decide(tok, arrival)
+        if rejected is not None:
+            rec.decision, rec.reason, rec.terminal, rec.e2e_s = "reject", rejected.reason, \
+                REJECTED, 0.0
+            return
+        bs = self.config.kv.block_size
+        if hashes:                                       # admission's CacheQuery, answered
+            rec.cached_tokens = self.pool.cached_tokens(
+                tenant, hashes, ids[:len(hashes) * bs], (len(ids) - 1) // bs)
+        rec.reason = "within_caps"
+        self.policy.admitted(rid, tenant)
+        self.core.add(Admitted(rid, tenant, ids, hashes, params, self.now, (),
+                               req.deadline_ms))
+        if req.cancel_after_s is not None:
+            self._push(self.now + round(req.cancel_after_s * _NS), _CANCEL, rid)
+
+    # ------------------------------------------------------------------ scheduler + kv
+    def _settle_kv(self) -> bool:
+        """Deliver the core's KV ops to the pool and the grants back; True if any."""
+        moved = False
+        while (ops := self.core.take_kv_ops()) is not None:
+            moved = True
+            grants = apply_ops(self.pool, ops)
+            if grants:
+                self.core.on_grants(grants, self.pool.num_cpu_free)
+        self.pool.take_events()             # the KV event stream has no reader here
+        return moved
+
+    def _pump(self) -> None:
+        """Plan a step if none is in flight, as the service does after every message."""
+        core = self.core
+        for _ in range(4):                  # a plan, or grants that let the next try plan
+            if core.in_flight is not None or not core.has_work:
+                break
+            plan = core.schedule(self.now)
+            if plan is not None:
+                self._start_step(plan)
+                self._settle_kv()
+                break
+            if not self._settle_kv():
+                break
+        self._settle_kv()
+
+    def _start_step(self, plan: StepPlan) -> None:
+        by_seq = self.core.by_seq
+        shape = plan_shape(plan, lambda seq_id: by_seq[seq_id].num_computed)
+        seconds = max(self.profile.predict(shape), 1e-6)
+        seq_ids: list[int] = []
+        for st in plan.steps:
+            if st.sample:
+                seq_ids.extend([st.seq_id] * st.num_samples)
+        ns = round(seconds * _NS)
+        self._step = (StepResult(plan.step_id, seq_ids, [SAMPLED_TOKEN] * len(seq_ids), ns),
+                      shape)
+        self._push(self.now + ns, _STEP_DONE, None)
+
+    def _finish_step(self) -> None:
+        result, shape = self._step
+        self._step = None
+        self.cost.observe(shape.tokens, shape.context, shape.seqs, result.elapsed_ns / _NS)
+        self._emit(self.core.on_result(result, self.now))
+
+    # ------------------------------------------------------------------ outputs
+    def _emit(self, out: Outcome, cancelled: bool = False) -> None:
+        now_s = self.now / _NS
+        for item in out.tokens:
+            rec = self.records[item.request_id]
+            if item.index == 0:
+                last = self.last_token_ns.get(item.request_id)
+                if last is None:
+                    rec.ttft_s = now_s - rec.sent_s
+                    if item.params is not None:
+                        rec.queue_s = item.params.queue_time_s
+                else:
+                    rec.itl_s.append((self.now - last) / _NS)
+                self.last_token_ns[item.request_id] = self.now
+            rec.output_tokens += len(item.token_ids)
+            if item.finish_reason is not None and item.index == 0:
+                rec.finish_reason = item.finish_reason
+                rec.preemptions = item.timing.preemptions if item.timing else 0
+                rec.cached_tokens = item.usage.cached_tokens if item.usage else 0
+        for rid in out.released:
+            rec = self.records[rid]
+            rec.terminal = CANCELLED if cancelled else COMPLETED
+            rec.e2e_s = now_s - rec.sent_s
+            self.last_token_ns.pop(rid, None)
+        if out.released:
+            self.policy.released(out.released, now_s)
+
+    def _sample(self) -> None:
+        if self.now < self._next_sample:
+            return
+        self._next_sample = self.now + self._sample_every
+        kv = self.config.kv
+        self.timeline.append(TimelinePoint(
+            self.now / _NS, len(self.core.running), len(self.core.waiting),
+            kv.num_blocks - self.pool.num_free, kv.num_blocks))
+
+
+def reject_reasons(run: RunResult) -> Counter[str]:
+    return Counter(r.reason for r in run.records if r.terminal == REJECTED)
