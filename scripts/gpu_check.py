@@ -14,21 +14,40 @@ On a CUDA device, within a hard time budget (default 270 s):
 5. decode-step timing at batch 1, 8, 64, 256 with ~512 tokens of context each, eager and
    graph, bf16: SmolLM2-135M-shaped, then Llama-1B-shaped while time remains; a table of
    ms/step, tokens/s, bytes moved (weights + KV read), GB/s and fractions of the HBM peak
-   and of the measured copy bandwidth.
+   and of the measured copy bandwidth;
+6. a step grid for a cost profile (44 shapes, cut off after ``--grid-s``, default 60 s):
+   SmolLM2-135M-shaped bf16 steps run as the executor's ModelRunner.step runs them
+   (decode-only batches replay their CUDA graph, anything else is one eager forward, every
+   sequence samples greedily), median of 5 runs after 2 warm-ups: one-sequence prefill
+   chunks of 16..2048 tokens from empty and after a computed prefix, decode batches of
+   1..256 at contexts 64, 512 and 1536, and decode batches with one prefill chunk. Each is
+   written as a step-log line to ``--steps-out`` (default ``$OUT/gpu_steps.jsonl``).
+
+After a GPU run, ``weir calibrate --from-steps <files_at>/gpu_steps.jsonl --out
+gpu-h200.json`` fits the GPU profile for ``weir simulate --profile gpu-h200.json``.
+``measured_s`` there is the executor's step alone: unlike the live scheduler's step log it
+includes no bus round trip (plan sent to result read between the scheduler's and the
+executor's processes), so its const term is lower than a live engine's; add that round trip
+to the profile's ``const`` coefficient (``coef[0]``, seconds) to simulate the whole engine.
 
 Exit status: 0 all checks passed, 1 a correctness check failed, 3 no CUDA device.
 ``--cpu-dry-run`` exercises the same code on the CPU at tiny sizes (Triton under
-TRITON_INTERPRET=1, timing with the torch backend). Needs only torch, triton and numpy.
+TRITON_INTERPRET=1, timing and a 14-shape step grid with the torch backend; the grid is
+written only to an explicit ``--steps-out``). Needs only torch, triton and numpy: nothing
+here imports msgspec, zmq or weir.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,28 +395,171 @@ def _load_gguf(path: Path):
     return load_model(path)
 
 
-def run_timing(report, label, shape, weights, dtype, device, batches, context, steps, budget,
-               reserve_s, max_len, capture: bool) -> list[Row]:
-    import torch
+def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
+                max_batch: int):
+    """(model, KV cache of ``blocks`` 16-token blocks filled with noise, decode graphs up to
+    ``max_batch`` when the backend is graph-safe, else None) for the timing sections."""
     from components.executor.model import LlamaModel
     model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16)
-    del weights
     print(f"  {label}: backend {model.backend.name}", flush=True)
-    blocks = max(batches) * (-(-(context + 1) // 16) + 1) + 1
     kv = model.new_kv_cache(blocks, 16)
     kv.data.normal_()
     graphs = None
-    if capture and getattr(model.backend, "graph_safe", False):
+    if getattr(model.backend, "graph_safe", False):
         from components.executor.cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max(batches))
+        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max_batch)
         info = graphs.capture()
         print(f"  {label}: captured {len(info['buckets'])} buckets in {info['seconds']} s, "
               f"pool reserved {info['pool_reserved_bytes'] / 2**20:.1f} MiB", flush=True)
-    elem = torch.tensor([], dtype=dtype).element_size()
-    rows = time_decode(report, label, model, shape, kv, graphs, batches, context, elem, steps,
-                       budget, reserve_s)
-    del model, kv, graphs
-    return rows
+    return model, kv, graphs
+
+
+def decode_blocks(batches: list[int], context: int) -> int:
+    """KV blocks :func:`time_decode` needs: its batches draw disjoint tables with lookahead."""
+    return max(batches) * (-(-(context + 1) // 16) + 1) + 1
+
+
+# ---------------------------------------------------------------- step grid (cost profile)
+
+@dataclass(frozen=True)
+class StepCase:
+    """One step to time: ``(new tokens, tokens computed before)`` for each sequence."""
+    kind: str                                       # prefill, decode or mixed
+    seqs: tuple[tuple[int, int], ...]
+
+    def shape(self) -> dict[str, int]:
+        """The step's shape as ``plan_shape`` (components/scheduler/cost_model.py) counts it."""
+        return {"tokens": sum(n for n, _ in self.seqs),
+                "context": sum(done + n for n, done in self.seqs),
+                "seqs": len(self.seqs),
+                "pairs": sum(n * done + n * (n + 1) // 2 for n, done in self.seqs)}
+
+    def blocks(self, block_size: int) -> int:
+        return sum(-(-(done + n) // block_size) for n, done in self.seqs)
+
+
+@dataclass(frozen=True)
+class StepGrid:
+    """The steps to time: one-sequence prefill chunks from empty and after a computed
+    prefix, decode batches at each context, and decode batches at ``mixed_context`` with one
+    prefill chunk from empty riding along."""
+    chunks: tuple[int, ...]
+    after_prefix: tuple[tuple[int, int], ...]       # (chunk, tokens computed before it)
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]                       # tokens computed before each decode token
+    mixed: tuple[tuple[int, int], ...]              # (decode batch, prefill chunk)
+    mixed_context: int
+    repeats: int = 5
+    warmup: int = 2
+
+    def cases(self) -> list[StepCase]:
+        out = [StepCase("prefill", ((n, 0),)) for n in self.chunks]
+        out += [StepCase("prefill", ((n, done),)) for n, done in self.after_prefix]
+        out += [StepCase("decode", ((1, ctx),) * b) for ctx in self.contexts
+                for b in self.batches]
+        out += [StepCase("mixed", ((1, self.mixed_context),) * b + ((n, 0),))
+                for b, n in self.mixed]
+        return out
+
+    def blocks(self, block_size: int) -> int:
+        """KV blocks the largest case needs (each case gets disjoint tables)."""
+        return max(c.blocks(block_size) for c in self.cases())
+
+
+# the engine's defaults: max_model_len 2048 (every decode here replays a graph), a step
+# budget of 2048 tokens, KV blocks of 16
+GPU_GRID = StepGrid(chunks=(16, 32, 64, 128, 256, 512, 1024, 2048),
+                    after_prefix=((256, 768), (512, 1024), (1024, 1024)),
+                    batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), contexts=(64, 512, 1536),
+                    mixed=((8, 128), (8, 1024), (32, 128), (32, 1024), (128, 128), (128, 1024)),
+                    mixed_context=512)
+TINY_GRID = StepGrid(chunks=(4, 8, 16, 32), after_prefix=((8, 16), (16, 32)), batches=(1, 2, 4),
+                     contexts=(8, 24), mixed=((2, 8), (3, 16)), mixed_context=8, repeats=3,
+                     warmup=1)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    case: StepCase
+    seconds: float                                  # median of the timed runs
+    graph: bool                                     # replayed a CUDA graph
+
+
+def run_step(model, kv, graphs, case: StepCase, input_ids: list[int],
+             tables: list[list[int]]) -> bool:
+    """``case`` as ModelRunner.step (components/executor/runner.py) runs a plan's steps: a
+    decode-only batch replays its CUDA graph when one fits, anything else is one eager
+    forward over every token; each sequence samples greedily from its last row, and the
+    tokens come back to the host. True when the graph ran. (The runner itself needs
+    msgspec's StepPlan, which the GPU machine may lack.)"""
+    import torch
+
+    from components.executor.sampling import sample
+    from kernels.metadata import AttentionMetadata
+    query_lens = [n for n, _ in case.seqs]
+    context_lens = [done for _, done in case.seqs]
+    n = len(query_lens)
+    graph = (graphs is not None and len(input_ids) == n
+             and graphs.can_replay(n, max(context_lens) + 1))
+    if graph:
+        logits = graphs.replay(input_ids, context_lens, tables)
+    else:
+        dev = kv.device
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, kv.block_size, dev)
+        rows = [end - 1 for end in accumulate(query_lens)]
+        logits = model.forward(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                               meta.positions, kv, meta,
+                               torch.tensor(rows, dtype=torch.long, device=dev))
+    sample(logits, [0.0] * n, [1.0] * n, [0] * n, [None] * n, [0] * n).tolist()
+    return graph
+
+
+def time_step_grid(model, kv, graphs, grid: StepGrid, budget: Budget) -> list[StepTiming]:
+    """Each of ``grid``'s steps on disjoint shuffled blocks of ``kv``: the median seconds of
+    ``grid.repeats`` runs after ``grid.warmup``, each run between device syncs. This is the
+    executor's step alone (what the runner reports as its elapsed time), with no bus round
+    trip. Cases still left when ``budget`` runs out are skipped."""
+    rng = random.Random(11)
+    pool = range(kv.num_blocks)
+    cases = grid.cases()
+    out: list[StepTiming] = []
+    for i, case in enumerate(cases):
+        if budget.left() <= 0:
+            print(f"  step grid: {len(cases) - i} shapes skipped (time budget)", flush=True)
+            break
+        blocks = iter(rng.sample(pool, case.blocks(kv.block_size)))
+        tables = [[next(blocks) for _ in range(-(-(done + n) // kv.block_size))]
+                  for n, done in case.seqs]
+        shape = case.shape()
+        ids = [rng.randrange(model.spec.vocab_size) for _ in range(shape["tokens"])]
+        for _ in range(grid.warmup):
+            run_step(model, kv, graphs, case, ids, tables)
+        times = []
+        for _ in range(grid.repeats):
+            _sync(kv.device)
+            t0 = time.perf_counter()
+            graph = run_step(model, kv, graphs, case, ids, tables)
+            _sync(kv.device)
+            times.append(time.perf_counter() - t0)
+        out.append(StepTiming(case, statistics.median(times), graph))
+        print(f"  {case.kind:<7} seqs {shape['seqs']:>3} tokens {shape['tokens']:>4} context "
+              f"{shape['context']:>6}: {out[-1].seconds * 1e3:8.3f} ms"
+              f"{' (graph)' if graph else ''}", flush=True)
+    return out
+
+
+def write_step_log(path: Path, timings: list[StepTiming], model: str) -> None:
+    """Step-log lines as the scheduler writes them (components/scheduler/service.py
+    ``_log_step``), which ``weir calibrate --from-steps`` fits. ``measured_s`` and
+    ``executor_s`` are both the executor's step: no bus round trip is included (see the
+    module docstring)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for t in timings:
+            seconds = round(t.seconds, 7)
+            f.write(json.dumps({**t.case.shape(), "measured_s": seconds, "executor_s": seconds,
+                                "kind": t.case.kind, "graph": t.graph, "model": model}) + "\n")
+    print(f"  step grid: {len(timings)} steps written to {path}", flush=True)
 
 
 # ---------------------------------------------------------------- entry points
@@ -444,16 +606,37 @@ def gpu_main(args) -> int:
 
     print("[4] decode timing (bf16)", flush=True)
     rows: list[Row] = []
-    steps = args.steps
     weights = real[1] if real else random_weights(shape, torch.bfloat16, device)
-    rows += run_timing(report, label, shape, weights, torch.bfloat16, device, args.batches,
-                       args.context, steps, budget, 25, 2048, capture=True)
+    blocks = decode_blocks(args.batches, args.context)
+    if args.grid_s > 0:
+        blocks = max(blocks, GPU_GRID.blocks(16))
+    model, kv, graphs = build_timed(label, shape, weights, torch.bfloat16, device, blocks, 2048,
+                                    max(args.batches + list(GPU_GRID.batches)))
+    del weights
+    rows += time_decode(report, label, model, shape, kv, graphs, args.batches, args.context, 2,
+                        args.steps, budget, 25)
+    if args.grid_s > 0:
+        print(f"[5] step grid for a cost profile ({label} bf16, at most {args.grid_s:.0f} s)",
+              flush=True)
+        timings = time_step_grid(model, kv, graphs, GPU_GRID,
+                                 Budget(min(args.grid_s, budget.left() - 20)))
+        path = steps_path(args)
+        if path is None:
+            print("  step grid: not written (pass --steps-out or set $OUT)", flush=True)
+        elif timings:
+            write_step_log(path, timings, f"{label} bfloat16")
+    del model, kv, graphs
     _free(device)
     if not args.skip_1b and budget.left() > 60:
-        rows += run_timing(report, "llama-1b-rand", LLAMA_1B,
-                           random_weights(LLAMA_1B, torch.bfloat16, device), torch.bfloat16,
-                           device, args.batches, args.context, steps, budget, 20, 2048,
-                           capture=True)
+        print("[6] decode timing (bf16), 1B-shaped", flush=True)
+        model, kv, graphs = build_timed("llama-1b-rand", LLAMA_1B,
+                                        random_weights(LLAMA_1B, torch.bfloat16, device),
+                                        torch.bfloat16, device,
+                                        decode_blocks(args.batches, args.context), 2048,
+                                        max(args.batches))
+        rows += time_decode(report, "llama-1b-rand", model, LLAMA_1B, kv, graphs, args.batches,
+                            args.context, 2, args.steps, budget, 20)
+        del model, kv, graphs
     elif not args.skip_1b:
         print("  llama-1b-rand: skipped (time budget)", flush=True)
     print()
@@ -471,18 +654,39 @@ def summary(report: Report, budget: Budget) -> int:
     return EXIT_FAILED if report.failures else 0
 
 
+def tiny_shape():
+    """The dry run's model shape."""
+    from components.executor.synthetic import ModelShape
+    return ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=6,
+                      num_kv_heads=2, head_dim=16, vocab_size=101, max_position=256)
+
+
+def dry_run_step_grid(path: Path | None) -> list[StepTiming]:
+    """TINY_GRID through the tiny model (torch backend) on the CPU, written to ``path``."""
+    from components.executor.model import LlamaModel
+    from components.executor.synthetic import random_weights
+    tiny = tiny_shape()
+    model = LlamaModel(tiny, random_weights(tiny), backend="torch")
+    kv = model.new_kv_cache(TINY_GRID.blocks(16), 16)
+    kv.data.normal_()
+    timings = time_step_grid(model, kv, None, TINY_GRID, Budget(60))
+    if path is not None:
+        write_step_log(path, timings, f"{tiny.name} float32 cpu")
+    return timings
+
+
 def cpu_dry_run(args) -> int:
     """The same code at tiny sizes on the CPU: Triton checks under the interpreter, the
-    static-buffer graph path without graphs, timing with the torch backend."""
+    static-buffer graph path without graphs, timing and the step grid with the torch
+    backend (the grid written only to an explicit ``--steps-out``)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import importlib.util
     import torch
     from components.executor.model import LlamaModel
-    from components.executor.synthetic import ModelShape, random_weights
+    from components.executor.synthetic import random_weights
     budget = Budget(args.budget_s)
     report = Report()
-    tiny = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=6,
-                      num_kv_heads=2, head_dim=16, vocab_size=101, max_position=256)
+    tiny = tiny_shape()
     if importlib.util.find_spec("triton") is not None:
         print("[1] Triton kernels vs torch reference (interpreter)", flush=True)
         check_triton(report, "cpu", [torch.float32], tiny=True)
@@ -496,16 +700,29 @@ def cpu_dry_run(args) -> int:
     model = LlamaModel(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(2 * 3 + 1, 16)
     rows = time_decode(None, "tiny", model, tiny, kv, None, [1, 2], 24, 4, 2, budget, 0)
+    if args.grid_s > 0:
+        print("[5] step grid (torch backend, eager)", flush=True)
+        dry_run_step_grid(Path(args.steps_out) if args.steps_out else None)
     copy_bps = copy_bandwidth("cpu", 16 << 20, iters=3)
     print()
     print(format_table(rows, args.peak_tbs * 1e12, copy_bps))
     return summary(report, budget)
 
 
+def steps_path(args) -> Path | None:
+    """Where the GPU step grid goes: ``--steps-out``, else ``$OUT/gpu_steps.jsonl``."""
+    if args.steps_out:
+        return Path(args.steps_out)
+    return Path(os.environ["OUT"]) / "gpu_steps.jsonl" if os.environ.get("OUT") else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit status: 0 passed, 1 a check failed, 3 no CUDA.")
+                                epilog="After a GPU run, `weir calibrate --from-steps "
+                                "<files_at>/gpu_steps.jsonl --out gpu-h200.json` writes the GPU "
+                                "profile for `weir simulate --profile gpu-h200.json`.\n"
+                                "Exit status: 0 passed, 1 a check failed, 3 no CUDA.")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="run the script's logic on the CPU at tiny sizes")
     p.add_argument("--model-path", default=str(DEFAULT_GGUF) if DEFAULT_GGUF.is_file() else None,
@@ -520,6 +737,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256, help="largest captured bucket")
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
     p.add_argument("--skip-1b", action="store_true", help="do not time the 1B-shaped model")
+    p.add_argument("--grid-s", type=float, default=60.0,
+                   help="time budget of the step grid for a cost profile (0 skips it)")
+    p.add_argument("--steps-out", default=None,
+                   help="the step grid's step log (default $OUT/gpu_steps.jsonl; the CPU dry "
+                        "run writes one only when given)")
     return p.parse_args(argv)
 
 

@@ -98,7 +98,8 @@ class _Tier:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
-                 num_cpu_blocks: int = 0, watermark_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, watermark_blocks: int = 0,
+                 emit_events: bool = True) -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -116,6 +117,7 @@ class BlockPool:
         self.query_tokens = 0
         self.promoted_blocks = 0
         self.demoted_blocks = 0
+        self.emit_events = emit_events          # off where nothing reads the event stream
         self.events: list[CacheEvent] = []
 
     # -- compatibility views of the main tier (tests and stats read these)
@@ -170,6 +172,10 @@ class BlockPool:
             return Grant(False, [])
         hits: list[int] = []
         first = lease is None
+        reserve = self.watermark_blocks if first else 0
+        best = min(max_cached_blocks, len(block_hashes), num_blocks) if first else 0
+        if num_blocks - best > self.num_free - reserve:
+            return Grant(False, [])         # refused even if every possible hit were pinned
         if first:
             lease = _Lease(epoch, [], scope, list(block_hashes), list(token_ids), public_scope,
                            public_blocks)
@@ -179,7 +185,6 @@ class BlockPool:
                 self.query_tokens += len(token_ids)
         resident = [b for b in hits if b < self.num_blocks]
         need = num_blocks - len(resident)
-        reserve = self.watermark_blocks if first else 0
         if need > self.num_free - sum(1 for b in resident if self._ref[b] == 0) - reserve:
             return Grant(False, [])
         self._copies = []
@@ -354,14 +359,17 @@ class BlockPool:
         self._hash_to_block[h] = block
         self._block_hash[block] = h
         self._block_key[block] = _CachedKey(scope, parent, tuple(tokens))
-        self.events.append(CacheEvent("stored", h, scope, self.tier(block), parent))
+        if self.emit_events:
+            self.events.append(CacheEvent("stored", h, scope, self.tier(block), parent))
 
     def _unregister(self, block: int) -> None:
         h = self._block_hash.pop(block, None)
         if h is not None:
             del self._hash_to_block[h]
             key = self._block_key.pop(block)
-            self.events.append(CacheEvent("removed", h, key.scope, self.tier(block), key.parent))
+            if self.emit_events:
+                self.events.append(CacheEvent("removed", h, key.scope, self.tier(block),
+                                              key.parent))
 
     def _take_free(self, tier: str) -> int:
         """A free block of ``tier`` with refcount 1: plain if any, else the least recently
@@ -379,11 +387,17 @@ class BlockPool:
         return b
 
     def _demote(self, block: int) -> None:
-        h, key = self._block_hash[block], self._block_key[block]
+        """Move a main-tier cache entry to a cpu block (the entry itself moves: same hash,
+        same verified key)."""
         c = self._take_free(CPU)
         self._copies.append(BlockCopy(block, c))
-        self._unregister(block)
-        self._register(c, h, key.scope, key.parent, key.tokens)
+        h, key = self._block_hash.pop(block), self._block_key.pop(block)
+        self._hash_to_block[h] = c
+        self._block_hash[c] = h
+        self._block_key[c] = key
+        if self.emit_events:
+            self.events.append(CacheEvent("removed", h, key.scope, GPU, key.parent))
+            self.events.append(CacheEvent("stored", h, key.scope, CPU, key.parent))
         self._decref(c)
         self.demoted_blocks += 1
 

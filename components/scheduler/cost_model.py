@@ -39,7 +39,7 @@ class StepCostModel:
     def __init__(self, window: int = 256, min_samples: int = 8) -> None:
         self._x: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
-        self._coef: np.ndarray | None = None
+        self._coef: list[float] = []
         self._dirty = False
         self.min_samples = min_samples
 
@@ -57,7 +57,7 @@ class StepCostModel:
             return per_token * batch_tokens
         if self._dirty:
             x, y = np.array(self._x), np.array(self._y)
-            self._coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            self._coef = [float(c) for c in np.linalg.lstsq(x, y, rcond=None)[0]]
             self._dirty = False
-        est = float(self._coef @ np.array([1.0, batch_tokens, context_tokens, num_seqs]))
-        return max(est, 0.0)
+        a, b, c, d = self._coef             # plain floats: predict runs per lease request
+        return max(a + b * batch_tokens + c * context_tokens + d * num_seqs, 0.0)

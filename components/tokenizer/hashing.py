@@ -12,7 +12,7 @@ _encode = msgspec.msgpack.Encoder().encode
 
 def chain_hash(parent: int | None, tokens: Sequence[int], scope: str, model_id: str) -> int:
     """Hash of one block given its parent block's hash (None for the first block)."""
-    key = (_DOMAIN, parent, tuple(int(t) for t in tokens), ("scope", scope), ("model", model_id))
+    key = (_DOMAIN, parent, tuple(map(int, tokens)), ("scope", scope), ("model", model_id))
     return int.from_bytes(hashlib.blake2b(_encode(key), digest_size=8).digest(), "little")
 
 

@@ -1,6 +1,7 @@
 """scripts/gpu_check on the CPU: --help, the no-CUDA exit, the --cpu-dry-run pass (Triton
-checks under the interpreter, static-buffer decode, timing table), and the byte accounting
-behind its roofline numbers."""
+checks under the interpreter, static-buffer decode, timing table, step grid), the byte
+accounting behind its roofline numbers, and the step grid's step log (shapes as the scheduler
+counts them, fitted by weir calibrate, written without msgspec)."""
 import importlib.util
 import subprocess
 import sys
@@ -38,8 +39,8 @@ def test_no_cuda_is_a_distinct_exit():
     assert "no CUDA device" in r.stdout
 
 
-def test_cpu_dry_run():
-    r = _run("--cpu-dry-run")
+def test_cpu_dry_run(tmp_path):
+    r = _run("--cpu-dry-run", "--steps-out", str(tmp_path / "steps.jsonl"))
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "FAIL" not in out and " 0 failed" in out
@@ -49,6 +50,9 @@ def test_cpu_dry_run():
     assert [(row[1], row[2]) for row in table] == [("1", "eager"), ("2", "eager")]
     for row in table:  # tokens/s == batch / (ms / 1000)
         assert float(row[4]) == pytest.approx(int(row[1]) / float(row[3]) * 1e3, rel=1e-2)
+    assert "[5] step grid" in out
+    assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == len(
+        gpu_check.TINY_GRID.cases())
 
 
 def test_weight_bytes_are_the_parameter_counts():
@@ -79,3 +83,71 @@ def test_table_arithmetic():
     assert (model, batch, mode) == ("m", "4", "graph")
     assert float(ms) == 2.0 and float(tps) == 2000.0 and float(mb) == 6000.0
     assert float(gbps) == 3000.0 and float(peak) == 62.5 and float(copy) == 75.0
+
+
+def _plan_shape(case):
+    from components.scheduler.cost_model import plan_shape
+    from schemas.wire import SeqStep, StepPlan
+    plan = StepPlan(0, [], [SeqStep(i, n, [], True) for i, (n, _) in enumerate(case.seqs)], [])
+    return plan_shape(plan, lambda seq_id: case.seqs[seq_id][1])._asdict()
+
+
+def test_step_case_shape_is_plan_shape():
+    case = gpu_check.StepCase("mixed", ((1, 512),) * 3 + ((128, 256),))
+    assert case.shape() == {"tokens": 131, "context": 3 * 513 + 384, "seqs": 4,
+                            "pairs": 3 * 513 + 128 * 256 + 128 * 129 // 2}
+    assert case.shape() == _plan_shape(case)
+    assert case.blocks(16) == 3 * 33 + 24
+
+
+def test_gpu_grid_fits_the_engine_defaults():
+    cases = gpu_check.GPU_GRID.cases()
+    kinds = [c.kind for c in cases]
+    assert kinds.count("prefill") == 11 and kinds.count("decode") == 27
+    assert kinds.count("mixed") == 6
+    prefill = sorted(c.shape()["tokens"] for c in cases if c.kind == "prefill" and
+                     c.seqs[0][1] == 0)
+    assert prefill == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert {c.seqs[0][1] for c in cases if c.kind == "prefill"} == {0, 768, 1024}
+    decode = [c for c in cases if c.kind == "decode"]
+    assert {c.shape()["seqs"] for c in decode} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert {c.seqs[0][1] for c in decode} == {64, 512, 1536}
+    for c in cases:  # within the step budget and max_model_len (2048): graphs cover decode
+        assert c.shape()["tokens"] <= 2048 and max(n + done for n, done in c.seqs) <= 2048
+    assert gpu_check.GPU_GRID.blocks(16) == 256 * 97
+
+
+def test_dry_run_step_grid_is_a_step_log_calibrate_fits(tmp_path):
+    from weir.replay.profile import fit, read_step_log
+    path = tmp_path / "gpu_steps.jsonl"
+    timings = gpu_check.dry_run_step_grid(path)
+    cases = gpu_check.TINY_GRID.cases()
+    assert len(cases) >= 12 and [t.case for t in timings] == cases
+    steps = read_step_log(path)
+    assert len(steps) == len(cases)
+    for step, t in zip(steps, timings):
+        assert {k: step[k] for k in ("tokens", "context", "seqs", "pairs")} == _plan_shape(t.case)
+        assert step["measured_s"] == step["executor_s"] == round(t.seconds, 7) > 0
+        assert step["kind"] == t.case.kind and step["graph"] is False
+    assert {s["kind"] for s in steps} == {"prefill", "decode", "mixed"}
+    profile = fit(steps, source="test")
+    assert profile.samples == len(cases) and all(c >= 0 for c in profile.coef)
+
+
+def test_step_grid_needs_no_msgspec_zmq_or_weir(tmp_path):
+    """The GPU machine's python3 may lack msgspec and zmq: the grid and its writer must not
+    import them (nor weir, which does)."""
+    code = (
+        "import importlib.util, sys\n"
+        "from pathlib import Path\n"
+        "for name in ('msgspec', 'zmq', 'weir'):\n"
+        "    sys.modules[name] = None\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_check', {str(SCRIPT)!r})\n"
+        "m = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(m)\n"
+        f"m.dry_run_step_grid(Path({str(tmp_path / 's.jsonl')!r}))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len((tmp_path / "s.jsonl").read_text().splitlines()) == len(
+        gpu_check.TINY_GRID.cases())

@@ -112,11 +112,9 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
 
 # ---------------------------------------------------------------------------- simulate
 def simulate_cmd(args) -> int:
-    from components.tokenizer.hashing import block_hashes
     from schemas.config import load_config
-    from weir.model_fetch import resolve_model
     from weir.replay import profile as profiles
-    from weir.replay.sim import Simulator
+    from weir.replay.sim import Simulator, fast_block_hashes
     from weir.replay.synth import PromptSynth, load_tokenizer
 
     requests, scaling = load_scaled(args)
@@ -127,13 +125,11 @@ def simulate_cmd(args) -> int:
         return 2
     prof = profiles.load(prof_path)
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
-    model_id = Path(resolve_model(args.model or "")).name
     runs = []
     for path in args.config or [None]:
         cfg = load_config(path, topology={"run_dir": "/nonexistent"})
-        bs = cfg.kv.block_size
         sim = Simulator(cfg, prof, label=path or "defaults", tokens=synth.token_ids,
-                        hashes=lambda ids, tenant, bs=bs: block_hashes(ids, bs, tenant, model_id))
+                        hashes=fast_block_hashes(cfg.kv.block_size))
         run = sim.run(requests, scaling)
         run.meta["config"] = path or "defaults"
         print(f"weir simulate: {run.label}: {len(requests)} requests in "

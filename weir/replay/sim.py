@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import zlib
 from collections import Counter
 from typing import Callable
 
@@ -31,7 +32,8 @@ from weir.replay.types import (CANCELLED, COMPLETED, REJECTED, RequestRecord, Ru
 
 SAMPLED_TOKEN = 1          # what the simulated executor "samples"; never an eos (ignore_eos)
 _NS = 1_000_000_000
-_ARRIVAL, _CANCEL, _STEP_DONE, _LOAD = 0, 1, 2, 3
+_ARRIVAL, _CANCEL, _STEP_DONE, _SAMPLE = 0, 1, 2, 3
+_LOAD_NS = round(LOAD_INTERVAL_S * _NS)
 
 
 class Simulator:
@@ -48,7 +50,7 @@ class Simulator:
         self.policy = AdmissionPolicy(config)
         self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1)
         self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
-                              kv.num_cpu_blocks, kv.watermark_blocks)
+                              kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False)
         self.cost = StepCostModel()                  # the scheduler's own, learning as live
         self.core.recompute_s = lambda n: self.cost.predict(n, n, 1)
         self.timeline_points = timeline_points
@@ -58,6 +60,7 @@ class Simulator:
         self._events: list[tuple[int, int, int, object]] = []
         self._order = 0
         self._step: tuple[StepResult, object] | None = None
+        self._load_tick = -1
         self.timeline: list[TimelinePoint] = []
 
     # ------------------------------------------------------------------ driver
@@ -67,8 +70,7 @@ class Simulator:
             self._push(round(req.arrival_s * _NS), _ARRIVAL, req)
         last_arrival = max((r.arrival_s for r in requests), default=0.0)
         self._sample_every = max(round(last_arrival * _NS / self.timeline_points), _NS // 10)
-        self._next_sample = 0
-        self._push(0, _LOAD, None)
+        self._push(0, _SAMPLE, None)
         pending_arrivals = len(requests)
         while self._events:
             t, _, kind, data = heapq.heappop(self._events)
@@ -80,12 +82,10 @@ class Simulator:
                 self._finish_step()
             elif kind == _CANCEL:
                 self._emit(self.core.cancel(data), cancelled=True)
-            elif kind == _LOAD:
-                self.policy.load = load_report(self.core, self.cost,
-                                               self.config.scheduler.max_num_batched_tokens)
+            elif kind == _SAMPLE:
                 self._sample()
                 if pending_arrivals or self.core.has_work:
-                    self._push(t + round(LOAD_INTERVAL_S * _NS), _LOAD, None)
+                    self._push(t + self._sample_every, _SAMPLE, None)
                 continue
             self._pump()
         records = sorted(self.records.values(), key=lambda r: r.index)
@@ -119,6 +119,7 @@ class Simulator:
                             session_id=req.session_id, arrival_s=arrival, sent_s=arrival,
                             prompt_tokens=len(ids), deadline_ms=req.deadline_ms, n=req.n)
         self.records[rid] = rec
+        self._refresh_load()
         rejected = self.policy.decide(tok, arrival)
         if rejected is not None:
             rec.decision, rec.reason, rec.terminal, rec.e2e_s = "reject", rejected.reason, \
@@ -135,6 +136,15 @@ class Simulator:
         if req.cancel_after_s is not None:
             self._push(self.now + round(req.cancel_after_s * _NS), _CANCEL, rid)
 
+    def _refresh_load(self) -> None:
+        """Admission sees the scheduler's load report of the last 100 ms tick, as live; it
+        is computed when admission next needs it rather than at every tick."""
+        tick = self.now - self.now % _LOAD_NS
+        if tick != self._load_tick:
+            self._load_tick = tick
+            self.policy.load = load_report(self.core, self.cost,
+                                           self.config.scheduler.max_num_batched_tokens)
+
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:
         """Deliver the core's KV ops to the pool and the grants back; True if any."""
@@ -144,7 +154,6 @@ class Simulator:
             grants = apply_ops(self.pool, ops)
             if grants:
                 self.core.on_grants(grants, self.pool.num_cpu_free)
-        self.pool.take_events()             # the KV event stream has no reader here
         return moved
 
     def _pump(self) -> None:
@@ -209,13 +218,24 @@ class Simulator:
             self.policy.released(out.released, now_s)
 
     def _sample(self) -> None:
-        if self.now < self._next_sample:
-            return
-        self._next_sample = self.now + self._sample_every
         kv = self.config.kv
         self.timeline.append(TimelinePoint(
             self.now / _NS, len(self.core.running), len(self.core.waiting),
             kv.num_blocks - self.pool.num_free, kv.num_blocks))
+
+
+def fast_block_hashes(block_size: int) -> Callable[[list[int], str], list[int]]:
+    """The simulator's stand-in for the tokenizer's block hashes: chained over the prefix and
+    scoped per tenant like ``components.tokenizer.hashing.block_hashes``, but Python's tuple
+    hash instead of blake2b (10x faster; the pool verifies every hit's tokens, so a
+    collision could never be read as a hit)."""
+    def hashes(ids: list[int], scope: str) -> list[int]:
+        out, parent = [], zlib.crc32(scope.encode())
+        for start in range(0, len(ids) - block_size + 1, block_size):
+            parent = hash((parent, tuple(ids[start:start + block_size])))
+            out.append(parent)
+        return out
+    return hashes
 
 
 def reject_reasons(run: RunResult) -> Counter[str]:

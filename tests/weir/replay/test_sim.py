@@ -1,0 +1,124 @@
+"""The simulator: production cores on a virtual clock, exact on hand-built traces, and
+deterministic."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from components.admission.policy import AdmissionPolicy
+from components.kv_manager.pool import BlockPool
+from components.scheduler.core import SchedulerCore
+from schemas.config import load_config
+from weir.replay.profile import CostProfile
+from weir.replay.sim import Simulator, fast_block_hashes
+from weir.replay.synth import TokenSynth
+from weir.replay.types import CANCELLED, COMPLETED, REJECTED, Scaling, TraceRequest
+
+STEP_S = 0.010
+FLAT = CostProfile(coef=[STEP_S, 0.0, 0.0, 0.0, 0.0])          # every step 10 ms
+
+
+def config(**sections):
+    return load_config(None, topology={"run_dir": "/nonexistent"}, **sections)
+
+
+def simulate(requests, cfg=None, profile=FLAT, block=32):
+    cfg = cfg or config()
+    synth = TokenSynth(range(1000, 5000), block, seed=7)
+    sim = Simulator(cfg, profile, label="t", tokens=synth.tokens,
+                    hashes=fast_block_hashes(cfg.kv.block_size))
+    return sim, sim.run(requests, Scaling(block_size=block))
+
+
+def req(i, t, n_in=20, n_out=5, **kw):
+    return TraceRequest(index=i, arrival_s=t, input_tokens=n_in, output_tokens=n_out, **kw)
+
+
+def test_the_cores_are_the_production_classes():
+    sim, _ = simulate([req(0, 0.0)])
+    assert type(sim.core) is SchedulerCore
+    assert type(sim.pool) is BlockPool
+    assert type(sim.policy) is AdmissionPolicy
+
+
+def test_one_request_exact_times():
+    _, run = simulate([req(0, 1.0)])
+    (rec,) = run.records
+    assert rec.terminal == COMPLETED and rec.finish_reason == "length"
+    assert rec.arrival_s == 1.0 and rec.prompt_tokens == 20 and rec.output_tokens == 5
+    # step 1 prefills all 20 tokens and samples the first token; then one step per token
+    assert rec.ttft_s == pytest.approx(STEP_S)
+    assert rec.itl_s == pytest.approx([STEP_S] * 4)
+    assert rec.e2e_s == pytest.approx(5 * STEP_S)
+    assert rec.queue_s == pytest.approx(0.0)
+    assert run.duration_s == pytest.approx(5 * STEP_S)
+
+
+def test_step_time_follows_the_profile_shape():
+    # 1 ms per token: a 200-token prefill step takes 200 ms, a 1-token decode step 1 ms
+    prof = CostProfile(coef=[0.0, 0.001, 0.0, 0.0, 0.0])
+    _, run = simulate([req(0, 0.0, n_in=200, n_out=3)], profile=prof)
+    (rec,) = run.records
+    assert rec.ttft_s == pytest.approx(0.200)
+    assert rec.itl_s == pytest.approx([0.001, 0.001])
+
+
+def test_a_chunked_prompt_takes_budget_sized_steps():
+    cfg = config(scheduler={"max_num_batched_tokens": 64})
+    _, run = simulate([req(0, 0.0, n_in=200, n_out=2)], cfg=cfg)
+    assert run.records[0].ttft_s == pytest.approx(4 * STEP_S)    # 64 + 64 + 64 + 8
+
+
+def test_over_the_cap_is_rejected_with_the_reason():
+    cfg = config(admission={"max_outstanding": 2})
+    _, run = simulate([req(i, 0.0) for i in range(5)], cfg=cfg)
+    terminals = [r.terminal for r in run.records]
+    assert terminals == [COMPLETED, COMPLETED, REJECTED, REJECTED, REJECTED]
+    assert {r.reason for r in run.records[2:]} == {"overloaded"}
+    assert all(r.decision == "reject" and r.ttft_s is None for r in run.records[2:])
+
+
+def test_an_unknown_tenant_is_rejected():
+    _, run = simulate([req(0, 0.0, tenant="nobody")])
+    assert run.records[0].terminal == REJECTED and run.records[0].reason == "unknown_tenant"
+
+
+def test_shared_hash_ids_hit_the_prefix_cache():
+    # two 96-token prompts sharing two 32-token trace blocks; the second arrives after the
+    # first finished, so its first 64 tokens (4 KV blocks of 16) are cached
+    a = req(0, 0.0, n_in=96, n_out=2, hash_ids=(1, 2, 3))
+    b = req(1, 1.0, n_in=96, n_out=2, hash_ids=(1, 2, 4))
+    _, run = simulate([a, b])
+    assert [r.cached_tokens for r in run.records] == [0, 64]
+
+
+def test_cancel_after_ends_the_request_as_cancelled():
+    _, run = simulate([req(0, 0.0, n_out=100, cancel_after_s=0.055)])
+    rec = run.records[0]
+    assert rec.terminal == CANCELLED
+    assert rec.e2e_s == pytest.approx(0.055)
+    assert 1 <= rec.output_tokens <= 6
+
+
+def test_same_inputs_same_results():
+    reqs = [req(i, i * 0.013, n_in=50 + 37 * (i % 7), n_out=5 + 60 * (i % 4),
+                hash_ids=(i % 3, 100 + i)) for i in range(60)]
+    cfg = config(kv={"num_blocks": 64}, scheduler={"max_num_batched_tokens": 128},
+                 engine={"max_model_len": 1024})
+    prof = CostProfile(coef=[0.004, 2e-5, 1e-8, 1e-4, 1e-6])
+    first = msgspec.json.encode(simulate(reqs, cfg, prof)[1].records)
+    again = msgspec.json.encode(simulate(reqs, cfg, prof)[1].records)
+    assert first == again
+    run = simulate(reqs, cfg, prof)[1]
+    assert all(r.terminal == COMPLETED for r in run.records)
+    assert sum(r.preemptions for r in run.records) == run.meta["preemptions"] > 0
+
+
+def test_fast_hashes_chain_over_the_prefix_and_the_scope():
+    h = fast_block_hashes(4)
+    a = h(list(range(10)), "t1")
+    assert len(a) == 2
+    assert h(list(range(8)) + [99, 98], "t1") == a                # only full blocks count
+    assert h([0, 1, 2, 3, 9, 9, 9, 9], "t1")[0] == a[0]
+    assert h([0, 1, 2, 3, 9, 9, 9, 9], "t1")[1] != a[1]
+    assert h(list(range(10)), "t2")[0] != a[0]                     # scoped per tenant
