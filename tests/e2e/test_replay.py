@@ -20,7 +20,7 @@ from weir.replay.report import summarize
 from weir.replay.sim import Simulator, fast_block_hashes
 from weir.replay.synth import PromptSynth, load_tokenizer, scale
 from weir.replay.traces import load_trace
-from weir.replay.types import COMPLETED, REJECTED, Scaling, Slo
+from weir.replay.types import COMPLETED, REJECTED, Scaling, Slo, TraceRequest
 
 pytestmark = pytest.mark.slow
 
@@ -66,13 +66,13 @@ def runs(tmp_path_factory, model_path):
             time.sleep(0.1)
         sim = Simulator(cfg, profile, tokens=synth.token_ids,
                         hashes=fast_block_hashes(cfg.kv.block_size)).run(requests, SCALING)
-        yield live, sim, finished, profile
+        yield live, sim, finished, profile, engine, synth
     finally:
         engine.stop()
 
 
 def test_live_replay_is_valid_and_agrees_with_the_engines_count(runs):
-    live, _, finished, _ = runs
+    live, _, finished, *_ = runs
     assert live.valid, live.invalid_reasons
     assert live.lag_p99_ms is not None and live.lag_p99_ms <= 250
     completed = sum(r.terminal == COMPLETED for r in live.records)
@@ -96,7 +96,7 @@ def test_simulated_and_live_agree(runs):
     the same two cores, which the calibration run only partly saw. The SLO is set at the
     live run's TTFT p75, so goodput is neither trivially 0 nor 1 and a 0.25 band is 5 of
     the 19 completed requests."""
-    live, sim, _, profile = runs
+    live, sim, _, profile, *_ = runs
     assert [r.terminal for r in sim.records] == [r.terminal for r in live.records]
     ttft_live = sorted(r.ttft_s for r in live.records if r.ttft_s is not None)
     ttft_sim = sorted(r.ttft_s for r in sim.records if r.ttft_s is not None)
@@ -107,3 +107,17 @@ def test_simulated_and_live_agree(runs):
     g_live = summarize(live, {}, slo).goodput
     g_sim = summarize(sim, {}, slo).goodput
     assert abs(g_live - g_sim) <= 0.25, (g_live, g_sim, p50_live, p50_sim)
+
+
+def test_closed_loop_sessions_wait_for_the_previous_answer(runs):
+    *_, engine, synth = runs
+    turns = [TraceRequest(index=i, arrival_s=0.0, input_tokens=40 + i, output_tokens=4,
+                          session_id=f"s{i % 2}") for i in range(6)]
+    run = anyio.run(lambda: replay(turns, SdkTarget(engine.endpoint, engine.service_key),
+                                   lambda r: (synth.token_ids(r), ""), closed_loop=True,
+                                   progress=False, max_lag_ms=250))
+    assert all(r.terminal == COMPLETED for r in run.records)
+    for session in ("s0", "s1"):
+        mine = [r for r in run.records if r.session_id == session]
+        for before, after in zip(mine, mine[1:]):
+            assert after.sent_s >= before.sent_s + before.e2e_s

@@ -1,0 +1,74 @@
+"""The weir simulate / calibrate commands end to end on a small trace (no engine needed)."""
+from __future__ import annotations
+
+import json
+
+from weir.cli import main
+from weir.replay import profile as profiles
+
+ROWS = [{"timestamp": t, "input_length": n, "output_length": o, "hash_ids": h}
+        for t, n, o, h in [(0, 900, 40, [0, 1]), (100, 1200, 30, [0, 1, 2]),
+                           (250, 700, 80, [0, 3]), (400, 1500, 20, [0, 1, 2, 4]),
+                           (900, 300, 10, [5])]]
+
+
+def _setup(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    prof = tmp_path / "p.json"
+    profiles.save(profiles.CostProfile(coef=[0.005, 1e-4, 1e-8, 1e-4, 1e-6]), prof)
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("[scheduler]\nmax_num_batched_tokens = 512\n")
+    b.write_text("[admission]\nmax_outstanding = 2\n")
+    return trace, prof, a, b
+
+
+def test_simulate_compares_configs_side_by_side(tmp_path, model_path, capsys):
+    trace, prof, a, b = _setup(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["simulate", str(trace), "--config", str(a), "--config", str(b),
+               "--profile", str(prof), "--length-scale", "0.125", "--time-scale", "0.01",
+               "--slo", "ttft=500,tpot=100", "--model", str(model_path), "--out", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert str(a) in table and str(b) in table
+    assert "goodput" in table and "scaling: length ×" in table and "0.125" in table
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["comparison.txt", "summary.json", "records-0-" + _slug(a) + ".jsonl",
+                            "records-1-" + _slug(b) + ".jsonl", "timeline.png",
+                            "ttft_cdf.png", "tpot_cdf.png", "service.png"])
+    summaries = json.loads((out / "summary.json").read_text())
+    assert [s["arrived"] for s in summaries] == [5, 5]
+    assert summaries[0]["rejected"] == 0 and summaries[1]["rejected"] == 3   # cap of 2
+
+
+def _slug(path):
+    from weir.replay.commands import _slug
+    return _slug(str(path))
+
+
+def test_a_bad_row_stops_the_run_naming_file_and_line(tmp_path, capsys):
+    trace, prof, a, _ = _setup(tmp_path)
+    trace.write_text(trace.read_text() + '{"timestamp": 5, "input_length": -3}\n')
+    rc = main(["simulate", str(trace), "--config", str(a), "--profile", str(prof)])
+    assert rc == 2
+    assert "t.jsonl:6:" in capsys.readouterr().err
+
+
+def test_simulate_without_a_profile_says_what_to_run(tmp_path, capsys, monkeypatch):
+    trace, _, a, _ = _setup(tmp_path)
+    rc = main(["simulate", str(trace), "--profile", str(tmp_path / "missing.json")])
+    assert rc == 2
+    assert "weir calibrate" in capsys.readouterr().err
+
+
+def test_calibrate_from_a_step_log(tmp_path, capsys):
+    steps = tmp_path / "steps.jsonl"
+    rows = [{"tokens": n, "context": n + 10 * s, "seqs": s, "pairs": n * n, "measured_s":
+             0.01 + 1e-4 * n + 1e-3 * s} for n in (1, 8, 64, 256, 512) for s in (1, 2, 4)]
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "prof.json"
+    assert main(["calibrate", "--from-steps", str(steps), "--out", str(out)]) == 0
+    prof = profiles.load(out)
+    assert prof.samples == 15 and prof.median_rel_error < 0.01
+    assert prof.machine["cores"] >= 1
