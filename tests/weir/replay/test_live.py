@@ -1,0 +1,59 @@
+"""The live replay driver's own bookkeeping: schedule lag, and a run that fell behind its
+schedule is marked invalid (its numbers are not printed). The engine-backed replay is in
+tests/e2e/test_replay.py; here a target that blocks the event loop makes the client late
+on purpose."""
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from weir.replay.live import replay
+from weir.replay.report import render_table, summarize
+from weir.replay.types import Slo, TraceRequest
+
+
+class BlockingTarget:
+    """Answers each request at once with one token, but holds the event loop ``stall_s``."""
+
+    label = "blocking"
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def send(self, item, rec, t0) -> None:
+        time.sleep(self.stall_s)                       # the client's own loop falls behind
+        rec.ttft_s = rec.e2e_s = time.perf_counter() - t0 - rec.sent_s
+        rec.output_tokens = 1
+
+    async def sample(self, t):
+        return None
+
+
+def run(stall_s: float):
+    reqs = [TraceRequest(index=i, arrival_s=i * 0.01, input_tokens=4, output_tokens=1)
+            for i in range(12)]
+    return anyio.run(lambda: replay(reqs, BlockingTarget(stall_s), lambda r: ([1] * 4, ""),
+                                    progress=False, max_lag_ms=100, sample_every_s=10))
+
+
+def test_on_schedule_is_valid():
+    result = run(0.0)
+    assert result.valid and result.lag_p99_ms < 100
+    assert all(r.sent_s >= r.arrival_s for r in result.records)
+
+
+def test_a_client_behind_its_schedule_is_invalid():
+    result = run(0.05)          # 12 requests 10 ms apart, each holding the loop 50 ms
+    assert not result.valid
+    assert result.lag_p99_ms > 100
+    assert "fell behind" in result.invalid_reasons[0]
+    table = render_table([summarize(result, {}, Slo(1000, 100))])
+    goodput_row = next(line for line in table.splitlines() if line.startswith("goodput"))
+    assert goodput_row.split()[-1] == "invalid"
