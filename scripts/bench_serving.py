@@ -169,7 +169,9 @@ def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: b
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
     return subprocess.Popen([str(py), str(LAUNCHER), "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", SERVED, "--dtype", dtype,
-                             "--max-model-len", str(max_model_len)], cwd=BENCH, env=env)
+                             "--max-model-len", str(max_model_len),
+                             # report cached prompt tokens in usage, as Weir does
+                             "--enable-prompt-tokens-details"], cwd=BENCH, env=env)
 
 
 def summary(res: dict) -> dict:

@@ -174,6 +174,7 @@ class HttpTarget:
             self.base_url += "/v1"
         self.model, self.api_key = model, api_key
         self.label = base_url
+        self.reports_cached = False          # does the server say how much prompt was cached?
 
     async def __aenter__(self) -> "HttpTarget":
         import httpx
@@ -240,8 +241,10 @@ class HttpTarget:
                         if usage := chunk.get("usage"):
                             rec.prompt_tokens = usage.get("prompt_tokens", 0)
                             rec.output_tokens = usage.get("completion_tokens", 0)
-                            details = usage.get("prompt_tokens_details") or {}
-                            rec.cached_tokens = details.get("cached_tokens") or 0
+                            details = usage.get("prompt_tokens_details")
+                            if details and details.get("cached_tokens") is not None:
+                                rec.cached_tokens = details["cached_tokens"]
+                                self.reports_cached = True
         except TimeoutError:
             rec.terminal, rec.reason = CANCELLED, "cancel_after"
         except Exception as exc:                # noqa: BLE001 - any transport failure
@@ -380,7 +383,9 @@ async def replay(requests: list[TraceRequest], target, prompt: Callable[[TraceRe
                      duration_s=max(ends, default=0.0) - min((r.arrival_s for r in records),
                                                              default=0.0),
                      meta={"target": target.label, "closed_loop": closed_loop,
-                           "max_lag_ms": max_lag_ms},
+                           "max_lag_ms": max_lag_ms,
+                           "cached_tokens_reported": getattr(target, "reports_cached", True),
+                           "preemptions_reported": isinstance(target, SdkTarget)},
                      valid=not reasons, invalid_reasons=reasons, lag_p50_ms=p50, lag_p99_ms=p99)
 
 

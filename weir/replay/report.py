@@ -92,7 +92,7 @@ class Summary(msgspec.Struct, kw_only=True):
     token_goodput_tok_s: float | None   # output tokens of SLO-meeting requests / duration
     token_goodput_frac: float | None    # … / output tokens of every request
     prefix_hit_rate: float | None       # cached / prompt tokens, accepted requests
-    preemptions: int
+    preemptions: int | None             # None where the target does not report them (HTTP)
     wasted_tokens: int | None           # from the run's meta, where it reports them
     own_deadlines: int                  # requests judged by their own deadline_ms
     slos: dict[str, Slo]                # each service class in the run → the SLO it was held to
@@ -153,8 +153,10 @@ def summarize(run: RunResult, slos: dict[str, Slo], default: Slo,
         goodput=len(good) / len(records) if records else None,
         token_goodput_tok_s=per_s(good_tokens),
         token_goodput_frac=good_tokens / all_tokens if all_tokens else None,
-        prefix_hit_rate=sum(r.cached_tokens for r in accepted) / prompt if prompt else None,
-        preemptions=sum(r.preemptions for r in records),
+        prefix_hit_rate=(sum(r.cached_tokens for r in accepted) / prompt
+                         if prompt and run.meta.get("cached_tokens_reported", True) else None),
+        preemptions=(sum(r.preemptions for r in records)
+                     if run.meta.get("preemptions_reported", True) else None),
         wasted_tokens=int(wasted) if wasted is not None else None,
         own_deadlines=sum(r.deadline_ms is not None for r in records),
         slos=used, weights=weights,
@@ -221,7 +223,7 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         ("token goodput (% of output)", _pct(s.token_goodput_frac), True),
         ("own TTFT deadlines", str(s.own_deadlines), False),
         ("prefix hit rate", _pct(s.prefix_hit_rate), False),
-        ("preemptions", str(s.preemptions), False),
+        ("preemptions", "-" if s.preemptions is None else str(s.preemptions), False),
         ("wasted tokens", "-" if s.wasted_tokens is None else str(s.wasted_tokens), False),
         ("max backlogged service gap", _num(s.max_backlogged_gap), False),
         ("schedule lag p50 (ms)", _num(s.lag_p50_ms), False),
