@@ -37,14 +37,19 @@ async def _workload(endpoint: str, key: str, budget: int, max_len: int, max_seqs
     rng = random.Random(0)
     async with AsyncClient(endpoint, api_key=key, max_retries=0, timeout=600) as c:
 
-        async def one(prompt: int, out: int) -> None:
-            await c.generate(prompt_token_ids=_ids(rng, prompt), max_tokens=out,
-                             ignore_eos=True, temperature=0.0)
+        async def one(prompt: int, out: int, prefix: list[int] = ()) -> None:
+            ids = list(prefix) + _ids(rng, prompt - len(prefix))
+            await c.generate(prompt_token_ids=ids, max_tokens=out, ignore_eos=True,
+                             temperature=0.0)
 
         async def batch(jobs: list[tuple[int, int]]) -> None:
+            """Decode batches: the prompts share all but their last 8 tokens, so the prefix
+            cache prefills the context once while every decode step still reads all of it."""
+            prefix = _ids(rng, max(jobs[0][0] - 8, 0))
+            await one(jobs[0][0], 1, prefix)                        # fill the cache
             async with anyio.create_task_group() as tg:
                 for prompt, out in jobs:
-                    tg.start_soon(one, prompt, out)
+                    tg.start_soon(one, prompt, out, prefix)
 
         await batch([(32, 4)] * 2)                                   # warm up
         lengths = [n for n in (16, 64, 128, 256, 512, 1024, 2048, 4096)
