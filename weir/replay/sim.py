@@ -27,7 +27,7 @@ from components.scheduler.load import LOAD_INTERVAL_S, load_report
 from schemas.config import WeirConfig
 from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
 from weir.replay.profile import CostProfile
-from weir.replay.types import (CANCELLED, COMPLETED, REJECTED, RequestRecord, RunResult,
+from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord, RunResult,
                                Scaling, TimelinePoint, TraceRequest)
 
 SAMPLED_TOKEN = 1          # what the simulated executor "samples"; never an eos (ignore_eos)
@@ -88,6 +88,9 @@ class Simulator:
                     self._push(t + self._sample_every, _SAMPLE, None)
                 continue
             self._pump()
+        for rec in self.records.values():      # nothing left to happen, yet not finished
+            if rec.e2e_s is None:
+                rec.terminal, rec.reason = FAILED, "stalled: the engine could never run it"
         records = sorted(self.records.values(), key=lambda r: r.index)
         ends = [r.sent_s + (r.e2e_s or 0.0) for r in records]
         first = min((r.arrival_s for r in records), default=0.0)
