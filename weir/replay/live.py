@@ -254,7 +254,39 @@ class HttpTarget:
             rec.output_tokens = 1 + len(rec.itl_s) if rec.ttft_s is not None else 0
 
     async def sample(self, t: float) -> TimelinePoint | None:
-        return None
+        """The server's own gauges from its Prometheus ``/metrics`` (vLLM's ``vllm:`` and
+        Weir's ``weir:`` names agree): running, waiting, KV cache usage (as per mille)."""
+        try:
+            r = await self.http.get(self.base_url[:-3] + "/metrics", headers=self._headers(None),
+                                    timeout=2.0)
+        except Exception:                       # noqa: BLE001 - a missed sample is no error
+            return None
+        if r.status_code != 200:
+            return None
+        m = prometheus_gauges(r.text)
+        if "num_requests_running" not in m:
+            return None
+        usage = m.get("kv_cache_usage_perc", m.get("gpu_cache_usage_perc", 0.0))
+        return TimelinePoint(t, int(m["num_requests_running"]),
+                             int(m.get("num_requests_waiting", 0)), round(usage * 1000), 1000)
+
+
+def prometheus_gauges(text: str) -> dict[str, float]:
+    """Metric name (after its ``prefix:``) → value summed over label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else \
+            line.partition(" ")
+        value = rest.rsplit(" ", 1)[-1] if rest else ""
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        name = name.split(":", 1)[-1].strip()
+        out[name] = out.get(name, 0.0) + number
+    return out
 
 
 class _null:

@@ -57,3 +57,18 @@ def test_a_client_behind_its_schedule_is_invalid():
     table = render_table([summarize(result, {}, Slo(1000, 100))])
     goodput_row = next(line for line in table.splitlines() if line.startswith("goodput"))
     assert goodput_row.split()[-1] == "invalid"
+
+
+def test_prometheus_gauges_read_vllm_and_weir_names():
+    from weir.replay.live import prometheus_gauges
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests running",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0"} 0.25',
+        "weir:num_requests_waiting 7",
+        "not a metric line",
+    ])
+    assert prometheus_gauges(text) == {"num_requests_running": 5.0, "kv_cache_usage_perc": 0.25,
+                                       "num_requests_waiting": 7.0}
