@@ -148,26 +148,31 @@ def replay_cmd(args) -> int:
     import os
 
     import anyio
+    import msgspec
 
     from weir.client import default_endpoint
     from weir.replay.live import HttpTarget, SdkTarget, replay
     from weir.replay.synth import PromptSynth, load_tokenizer
 
     requests, scaling = load_scaled(args)
-    synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
+    tokenizer = load_tokenizer(args.model)
     key = args.api_key or os.environ.get("WEIR_API_KEY")
     targets = args.target or [default_endpoint()]
-
-    def prompt(req: TraceRequest) -> tuple[list[int], str]:
-        ids = synth.token_ids(req)
-        return ids, synth.text(req) if any(t.startswith("http") for t in targets) else ""
-
     runs = []
-    for target in targets:
+    for i, target in enumerate(targets):
+        # one server given the same prompts twice would answer the second run from its
+        # prefix cache: --seed-per-target gives each target its own (same-shaped) prompts
+        mine = msgspec.structs.replace(
+            scaling, seed=scaling.seed + (i if args.seed_per_target else 0))
+        synth = PromptSynth.for_scaling(tokenizer, mine)
+
+        def prompt(req: TraceRequest, synth=synth, http=target.startswith("http")):
+            return synth.token_ids(req), synth.text(req) if http else ""
+
         t = (HttpTarget(target, args.served_model or "", key) if target.startswith("http")
              else SdkTarget(target, key))
         print(f"weir replay: {len(requests)} requests → {target}", file=sys.stderr)
-        run = anyio.run(lambda t=t: replay(requests, t, prompt, scaling=scaling,
+        run = anyio.run(lambda t=t: replay(requests, t, prompt, scaling=mine,
                                             closed_loop=args.closed_loop,
                                             max_lag_ms=args.max_lag_ms))
         runs.append(run)
@@ -202,6 +207,9 @@ def add_commands(sub) -> None:
                         "(http://host:port); repeat to compare (default: $WEIR_ENDPOINT)")
     r.add_argument("--api-key", default=None, help="default $WEIR_API_KEY")
     r.add_argument("--served-model", default=None, help="the model name for HTTP targets")
+    r.add_argument("--seed-per-target", action="store_true",
+                   help="each target gets its own prompts (same lengths and sharing), for "
+                        "targets that share one server's prefix cache")
     r.add_argument("--closed-loop", action="store_true",
                    help="a session's next turn waits for the previous answer")
     r.add_argument("--max-lag-ms", type=float, default=100.0,

@@ -358,7 +358,10 @@ async def replay(requests: list[TraceRequest], target, prompt: Callable[[TraceRe
     bar = Progress(len(items), progress)
     lags: list[float] = []
     timeline: list[TimelinePoint] = []
+    engine: dict[str, float] = {}
     async with target:
+        counts = getattr(target, "engine_counts", None)
+        before = await counts() if counts else {}
         t0 = time.perf_counter()
 
         async def one(item: Sent, rec: RequestRecord, not_before: float) -> None:
@@ -401,6 +404,8 @@ async def replay(requests: list[TraceRequest], target, prompt: Callable[[TraceRe
                         tg.start_soon(one, item, rec, rec.arrival_s)
             finished.set()
         bar.update(force=True)
+        if counts:
+            engine = await _engine_delta(counts, before, items)
     records = [rec for _, rec in items]
     ends = [r.sent_s + (r.e2e_s or 0.0) for r in records]
     lags.sort()
@@ -417,8 +422,27 @@ async def replay(requests: list[TraceRequest], target, prompt: Callable[[TraceRe
                      meta={"target": target.label, "closed_loop": closed_loop,
                            "max_lag_ms": max_lag_ms,
                            "cached_tokens_reported": getattr(target, "reports_cached", True),
-                           "preemptions_reported": isinstance(target, SdkTarget)},
+                           "preemptions_reported": isinstance(target, SdkTarget),
+                           **engine},
                      valid=not reasons, invalid_reasons=reasons, lag_p50_ms=p50, lag_p99_ms=p99)
+
+
+async def _engine_delta(counts, before: dict[str, float], items) -> dict[str, float]:
+    """What the engine itself counted over the run: requests it finished and the tokens its
+    preemptions wasted. Its stats ride on heartbeats, so wait (2 s at most) until its
+    finished count has caught up with the completions this client saw."""
+    completed = sum(rec.terminal == COMPLETED for _, rec in items)
+    deadline = time.monotonic() + 2.0
+    while True:
+        after = await counts()
+        finished = after.get("streamer.requests.finished", 0) - before.get(
+            "streamer.requests.finished", 0)
+        if finished >= completed or time.monotonic() > deadline:
+            break
+        await anyio.sleep(0.1)
+    return {"engine_finished": int(finished),
+            "wasted_tokens": int(after.get("scheduler.wasted_tokens", 0)
+                                 - before.get("scheduler.wasted_tokens", 0))}
 
 
 async def _sleep_until(t: float) -> None:
