@@ -12,6 +12,9 @@ FinishReason = Literal["stop", "length"]
 RejectReason = Literal[
     "invalid_request", "unknown_tenant", "prompt_too_long", "overloaded", "tenant_over_budget",
     "draining", "unauthenticated",
+    # deadline-aware admission (components/admission/policy.py)
+    "deadline_unmeetable", "deadline_expired", "queue_full", "tenant_token_budget",
+    "tenant_kv_budget", "class_not_allowed",
 ]
 
 
@@ -51,6 +54,8 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     api_key: str | None = None          # with keys configured, names the tenant (see PROTOCOL.md)
     idempotency_key: str | None = None  # a retry with the same key attaches, never runs twice
     attempt: int = 0                    # 0 first; n for the client's n-th retry (counted)
+    service_class: str | None = None    # ask for a class (the tenant's default if None); a
+                                        # client may only lower its class, never raise it
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -89,6 +94,10 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     request_id: str
     prompt_tokens: int
     cached_tokens: int = 0
+    service_class: str = ""             # the class admission ran it under
+    max_tokens: int | None = None       # the cap it runs with (lowered when degraded)
+    degraded: bool = False              # admission lowered max_tokens to meet the deadline
+    queued_s: float = 0.0               # time held in admission's queue before it started
 
 
 class TextDelta(msgspec.Struct, tag="delta", frozen=True):

@@ -161,20 +161,84 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return int(self.num_blocks * self.watermark)
 
 
+class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A service class: its objectives and how admission treats its requests."""
+
+    name: str
+    priority: int = 0                  # lower is more important (preemption takes the highest)
+    ttft_slo_ms: float | None = None   # the deadline of a request that names none
+    tpot_slo_ms: float | None = None
+    max_queue_ms: float = 0.0          # how long admission may hold one (0: never queued)
+    aging_per_s: float = 0.0           # priority units a queued request gains per second
+    may_degrade: bool = False          # admission may lower max_tokens to fit a budget
+    min_max_tokens: int = 1            # ... never below this
+    max_tokens: int | None = None      # the cap for a request asking more (or none)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "admission.classes: a class needs a name")
+        _require(self.max_queue_ms >= 0 and self.aging_per_s >= 0,
+                 f"class {self.name}: max_queue_ms and aging_per_s must be >= 0")
+        _require(self.min_max_tokens >= 1, f"class {self.name}: min_max_tokens must be >= 1")
+        _require(self.max_tokens is None or self.max_tokens >= self.min_max_tokens,
+                 f"class {self.name}: max_tokens must be >= min_max_tokens")
+
+
+DEFAULT_CLASS = ServiceClass("default")      # what a config that names no classes runs
+
+
 class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
-    max_outstanding: int = 256
+    max_outstanding: int = 256         # requests admitted and not yet released
+    weight: float = 1.0                # share of service against other tenants
+    classes: tuple[str, ...] = ()      # classes it may use (empty: every class)
+    default_class: str = ""            # empty: its first allowed class
+    token_rate: float = 0.0            # token bucket, tokens/s (prompt + expected output); 0: off
+    token_burst: float = 0.0           # the bucket's size (0: one second of token_rate)
+    kv_blocks: int = 0                 # KV blocks its admitted requests may reserve (0: any)
+    max_running: int = 0               # sequences admitted at once, n > 1 counting n (0: any)
+    max_queued: int = 64               # requests held in admission's queue
+
+    def __post_init__(self) -> None:
+        _require(self.weight > 0, f"tenant {self.name}: weight must be > 0")
+        _require(self.token_rate >= 0 and self.token_burst >= 0,
+                 f"tenant {self.name}: token_rate and token_burst must be >= 0")
+        _require(self.kv_blocks >= 0 and self.max_running >= 0 and self.max_queued >= 0,
+                 f"tenant {self.name}: kv_blocks, max_running and max_queued must be >= 0")
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    policy: Literal["fcfs"] = "fcfs"      # see components/admission/policy.py
+    policy: Literal["fcfs", "deadline"] = "fcfs"   # see components/admission/policy.py
     max_outstanding: int = 512
+    max_queued: int = 256              # requests held in admission's queue, all tenants
+    output_percentile: float = 90.0    # expected output: this percentile of recent outputs
+    kv_safety: float = 0.1             # margin on the expected output's KV reservation
+    classes: tuple[ServiceClass, ...] = ()
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
 
     def __post_init__(self) -> None:
         _require(self.max_outstanding >= 1, "admission.max_outstanding must be >= 1")
+        _require(self.max_queued >= 0, "admission.max_queued must be >= 0")
+        _require(0 < self.output_percentile <= 100, "admission.output_percentile in (0, 100]")
+        _require(self.kv_safety >= 0, "admission.kv_safety must be >= 0")
         names = [t.name for t in self.tenants]
         _require(len(set(names)) == len(names), "admission.tenants has duplicate names")
+        classes = [c.name for c in self.classes]
+        _require(len(set(classes)) == len(classes), "admission.classes has duplicate names")
+        known = set(classes) or {DEFAULT_CLASS.name}
+        for t in self.tenants:
+            bad = [c for c in (*t.classes, t.default_class) if c and c not in known]
+            _require(not bad, f"tenant {t.name}: unknown class {bad[0] if bad else ''!r}")
+            _require(not (t.classes and t.default_class) or t.default_class in t.classes,
+                     f"tenant {t.name}: default_class is not one of its classes")
+
+    def service_classes(self) -> dict[str, ServiceClass]:
+        return {c.name: c for c in self.classes} or {DEFAULT_CLASS.name: DEFAULT_CLASS}
+
+    def allowed_classes(self, tenant: TenantConfig) -> list[str]:
+        """The tenant's classes, its default first."""
+        allowed = list(tenant.classes or self.service_classes())
+        default = tenant.default_class or allowed[0]
+        return [default] + [c for c in allowed if c != default]
 
 
 class StreamerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -43,6 +43,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     prompt_token_ids: list[int] | None = None
     deadline_ms: int | None = None
     priority: int = 0
+    service_class: str | None = None      # as the client asked (admission decides)
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
@@ -80,6 +81,7 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     priority: int = 0                 # lower is more important (vLLM's convention)
     public_scope: str = ""            # the first public_blocks blocks are a shared public prefix
     public_blocks: int = 0
+    service_class: str | None = None  # asked for by the client; in Admitted, the class granted
 
 
 class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
@@ -97,6 +99,7 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
     """The scheduler no longer holds these requests (finished, cancelled or failed)."""
 
     request_ids: list[str]
+    output_tokens: dict[str, int] = {}   # tokens generated, for those that finished (all choices)
 
 
 class Holding(msgspec.Struct, tag="holding", frozen=True, gc=False):

@@ -1,101 +1,479 @@
-"""Admission's pure core: what it holds (requests per tenant and overall), what it knows of
-the scheduler's backlog, and the decision for one tokenized request.
+"""Admission's pure core: the decision for each tokenized request, the queue of requests it
+holds, and the ledger of what admitted requests reserve.
 
 The admission service and the replay simulator (``weir simulate``) both drive this class,
 so a policy tried in the simulator is the one that runs. Synchronous and clock-free: the
 caller passes ``now`` (seconds, monotonic).
 
+Every request first gets its class (the tenant's default, or a lower one it asked for; a
+higher one is refused) and its priority (the class's; a client value may only lower it).
+
 Policies (``admission.policy``):
 
-- ``fcfs``: first come, first served. A valid request is accepted while the engine and its
-  tenant are under their caps on outstanding requests, else rejected at once with a
-  retry-after estimate. The scheduler serves accepted work in arrival order.
+- ``fcfs`` (the baseline, Weir's behaviour before classes): accept while the engine and
+  the tenant are under their caps on outstanding requests, else reject at once with a
+  retry-after. Nothing is queued; the scheduler serves in arrival order.
+- ``deadline``: decide before any prefill or KV is spent, from a cost estimate (uncached
+  prompt tokens, expected output, KV blocks for both) and a predicted TTFT:
+
+  ===========  ===================================================================
+  accept       it fits now (KV reservation, tenant budgets, running caps) and its
+               predicted TTFT meets its deadline
+  degrade      it fits only with a lower ``max_tokens`` (>= the class's
+               ``min_max_tokens``) and its class allows that
+  queue        it does not fit now, its class may wait (``max_queue_ms``), and the
+               queues have room; released in order (class priority with aging, then
+               deadline, then arrival) as capacity frees
+  reject       with one reason: ``deadline_unmeetable``, ``tenant_token_budget``,
+               ``tenant_kv_budget``, ``queue_full``, ``overloaded``,
+               ``tenant_over_budget``, ``class_not_allowed``, or a validity reason
+  ===========  ===================================================================
+
+  A queued request past its deadline or ``max_queue_ms`` ends ``deadline_expired``.
+
+KV reservation: an admitted request holds ``ceil((uncached prompt + n × expected output ×
+(1 + kv_safety)) / block_size)`` blocks of the pool (less the watermark) until it is
+released; a request starts only when its reservation fits, so growth past it is the
+exception preemption handles.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections import Counter
+from dataclasses import dataclass, field
 
+from components.admission.estimate import OutputStats, TokenBucket
 from components.admission.retry import DrainRate
 from components.admission.validate import check_length, check_params
-from schemas.config import WeirConfig
+from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Rejected, SchedulerLoad, Tokenized
 
-POLICIES = ("fcfs",)
+POLICIES = ("fcfs", "deadline")
+ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a request will cost, as admission sees it before prefill."""
+
+    uncached_tokens: int
+    expected_output: int
+    kv_blocks: int
+    predicted_ttft_s: float | None       # None until the scheduler has measured its rates
+    deadline_ms: float | None            # the request's own, else its class's TTFT SLO
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str                            # ACCEPT | DEGRADE | QUEUE | REJECT
+    reason: str                          # a reason code (see the module docstring)
+    service_class: str
+    priority: int
+    max_tokens: int | None               # the cap the request runs with
+    estimate: Estimate
+    rejected: Rejected | None = None
+    queue_position: int = -1             # 0-based, for QUEUE
+
+
+@dataclass(order=True)
+class _Queued:
+    order: tuple                         # (priority now, deadline, arrival, seq)
+    request_id: str = field(compare=False)
+    req: Tokenized = field(compare=False)
+    decision: Decision = field(compare=False)
+    queued_at: float = field(compare=False)
+
+
+@dataclass
+class _Held:
+    """An admitted request, as the ledger counts it."""
+
+    tenant: str
+    service_class: str
+    kv_blocks: int
+    seqs: int
 
 
 class AdmissionPolicy:
     def __init__(self, config: WeirConfig) -> None:
         self.config = config
-        self.tenants = {t.name: t for t in config.admission.tenants}
-        self.outstanding: dict[str, str] = {}         # request_id -> tenant
+        adm = config.admission
+        self.kind = adm.policy
+        self.tenants: dict[str, TenantConfig] = {t.name: t for t in adm.tenants}
+        self.classes: dict[str, ServiceClass] = adm.service_classes()
+        self.outstanding: dict[str, str] = {}          # request_id -> tenant (admitted)
         self.per_tenant: Counter[str] = Counter()
+        self.held: dict[str, _Held] = {}
+        self.reserved_blocks = 0
+        self.tenant_blocks: Counter[str] = Counter()
+        self.tenant_seqs: Counter[str] = Counter()
         self.releases = DrainRate()
-        self.decisions: Counter[str] = Counter()
+        self.decisions: Counter[tuple[str, str]] = Counter()     # (kind, class) -> count
+        self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
+        self.outputs = OutputStats(adm.output_percentile)
+        self._buckets: dict[str, TokenBucket] = {}
+        self._queue: list[_Queued] = []                # a heap, re-ordered as priorities age
+        self._queued: dict[str, _Queued] = {}
+        self._seq = itertools.count()
+        kv = config.kv
+        self.block_size = kv.block_size
+        self.kv_capacity = kv.num_blocks - kv.watermark_blocks
 
     # ------------------------------------------------------------------ decision
-    def decide(self, req: Tokenized, now: float) -> Rejected | None:
-        """None to accept ``req``; else the rejection, with its reason code."""
-        rejected = self._check(req, now)
-        self.decisions[rejected.reason if rejected else "accepted"] += 1
-        return rejected
+    def decide(self, req: Tokenized, cached: int, now: float) -> Decision:
+        """Decide for ``req`` (``cached``: prompt tokens the pool already holds). An
+        accepted or degraded request is in the ledger when this returns; a queued one is
+        held until ``release`` or ``expire`` hands it back."""
+        decision = self._decide(req, cached, now)
+        self.decisions[decision.kind, decision.service_class] += 1
+        if decision.kind == REJECT:
+            self.rejections[decision.reason, decision.service_class] += 1
+        if decision.kind in (ACCEPT, DEGRADE):
+            self._admit(req, decision, now)
+        elif decision.kind == QUEUE:
+            self._enqueue(req, decision, now)
+        return decision
 
-    def _check(self, req: Tokenized, now: float) -> Rejected | None:
-        rid, cfg = req.request_id, self.config
+    def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
+        cfg = self.config
         tenant = self.tenants.get(req.tenant)
         if tenant is None:
-            return Rejected(rid, "unknown_tenant", f"unknown tenant {req.tenant!r}")
+            return self._reject(req, "unknown_tenant", f"unknown tenant {req.tenant!r}")
+        granted = self._grant_class(tenant, req.service_class)
+        if isinstance(granted, str):
+            return self._reject(req, "class_not_allowed", granted)
+        cls = granted
+        priority = max(cls.priority, req.priority)     # a client may only lower its own
+        max_tokens = req.params.max_tokens
+        if cls.max_tokens is not None and (max_tokens is None or max_tokens > cls.max_tokens):
+            max_tokens = cls.max_tokens
+        est = self.estimate(req, cached, cls, max_tokens)
+        base = dict(service_class=cls.name, priority=priority, max_tokens=max_tokens,
+                    estimate=est)
         if (why := check_params(req.params)) is not None:
-            return Rejected(rid, "invalid_request", why)
+            return self._reject(req, "invalid_request", why, **base)
         if req.params.n > cfg.scheduler.max_num_seqs:
-            return Rejected(rid, "invalid_request", f"n ({req.params.n}) exceeds the engine's "
-                            f"max_num_seqs ({cfg.scheduler.max_num_seqs})")
-        if (bad := check_length(len(req.prompt_token_ids), req.params.max_tokens,
+            return self._reject(req, "invalid_request", f"n ({req.params.n}) exceeds the "
+                                f"engine's max_num_seqs ({cfg.scheduler.max_num_seqs})", **base)
+        if (bad := check_length(len(req.prompt_token_ids), max_tokens,
                                 cfg.engine.max_model_len)) is not None:
-            return Rejected(rid, bad[0], bad[1])
-        cap = cfg.admission.max_outstanding
+            return self._reject(req, bad[0], bad[1], **base)
+        if self.kind == "fcfs":
+            return self._fcfs(req, tenant, now, base)
+        return self._deadline(req, tenant, cls, now, base)
+
+    def _fcfs(self, req: Tokenized, tenant: TenantConfig, now: float, base: dict) -> Decision:
+        cap = self.config.admission.max_outstanding
         if len(self.outstanding) >= cap:
-            return Rejected(rid, "overloaded", f"the engine holds {cap} requests, its cap",
-                            self.retry_after(len(self.outstanding) - cap + 1, now))
+            return self._reject(req, "overloaded", f"the engine holds {cap} requests, its cap",
+                                retry=len(self.outstanding) - cap + 1, now=now, **base)
         held = self.per_tenant[req.tenant]
         if held >= tenant.max_outstanding:
-            return Rejected(rid, "tenant_over_budget",
-                            f"tenant holds {tenant.max_outstanding} requests, its cap",
-                            self.retry_after(held - tenant.max_outstanding + 1, now))
-        return None
+            return self._reject(req, "tenant_over_budget",
+                                f"tenant holds {tenant.max_outstanding} requests, its cap",
+                                retry=held - tenant.max_outstanding + 1, now=now, **base)
+        return Decision(ACCEPT, "within_caps", **base)
 
-    def retry_after(self, backlog: int, now: float) -> float:
-        """Seconds until ``backlog`` requests would drain at the recently observed rate."""
-        return self.releases.retry_after(backlog, now)
+    def _deadline(self, req: Tokenized, tenant: TenantConfig, cls: ServiceClass, now: float,
+                  base: dict) -> Decision:
+        est: Estimate = base["estimate"]
+        seqs = req.params.n
+        if tenant.kv_blocks and est.kv_blocks > tenant.kv_blocks:
+            if not (cls.may_degrade and self._degraded_tokens(req, est, tenant.kv_blocks, cls)):
+                return self._reject(req, "tenant_kv_budget",
+                                    f"needs {est.kv_blocks} KV blocks; the tenant's budget is "
+                                    f"{tenant.kv_blocks}", **base)
+        bucket = self._bucket(tenant, now)
+        cost = est.uncached_tokens + seqs * est.expected_output
+        if bucket is not None and bucket.refill(now) < cost:
+            fit = self._degrade_for_tokens(req, est, bucket.level, cls)
+            if fit is None:
+                return self._reject(req, "tenant_token_budget",
+                                    f"needs {cost} tokens; the tenant's bucket holds "
+                                    f"{int(bucket.level)} (rate {tenant.token_rate:g}/s)",
+                                    retry_s=bucket.wait_s(cost, now), **base)
+            return self._degrade(req, cls, fit, base, "tenant_token_budget", now)
+        if est.deadline_ms is not None and est.predicted_ttft_s is not None \
+                and est.predicted_ttft_s * 1e3 > est.deadline_ms:
+            return self._reject(req, "deadline_unmeetable",
+                                f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms > "
+                                f"deadline {est.deadline_ms:.0f} ms",
+                                retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
+        blocker = self._blocker(req.tenant, tenant, est.kv_blocks, seqs)
+        if blocker is None:
+            return Decision(ACCEPT, "fits", **base)
+        if cls.may_degrade and blocker in ("kv", "tenant_kv"):
+            room = self._room(req.tenant, tenant)
+            fit = self._degraded_tokens(req, est, room, cls)
+            if fit is not None:
+                return self._degrade(req, cls, fit, base, "kv_capacity", now)
+        if cls.max_queue_ms <= 0:
+            reason = "tenant_over_budget" if blocker.startswith("tenant") else "overloaded"
+            return self._reject(req, reason, f"no capacity now ({blocker}) and class "
+                                f"{cls.name!r} does not queue", retry=1, now=now, **base)
+        if len(self._queued) >= self.config.admission.max_queued or \
+                sum(q.req.tenant == req.tenant for q in self._queued.values()) \
+                >= tenant.max_queued:
+            return self._reject(req, "queue_full", "admission's queue is full",
+                                retry=len(self._queued) + 1, now=now, **base)
+        return Decision(QUEUE, f"waiting_for_{blocker}", **base)
 
-    def predicted_ttft_s(self, prompt_tokens: int) -> float | None:
-        """Backlog plus this prompt at the measured prefill rate, plus one step; None
-        while the scheduler has not measured enough steps."""
+    def _grant_class(self, tenant: TenantConfig, asked: str | None) -> ServiceClass | str:
+        allowed = self.config.admission.allowed_classes(tenant)
+        default = self.classes[allowed[0]]
+        if asked is None or asked == default.name:
+            return default
+        if asked not in allowed:
+            return f"tenant {tenant.name!r} may not use class {asked!r} (allowed: " \
+                   f"{', '.join(allowed)})"
+        cls = self.classes[asked]
+        if cls.priority < default.priority:
+            return f"class {asked!r} is above the tenant's class {default.name!r}; a " \
+                   f"client may ask only for a lower class"
+        return cls
+
+    # ------------------------------------------------------------------ estimates
+    def estimate(self, req: Tokenized, cached: int, cls: ServiceClass,
+                 max_tokens: int | None) -> Estimate:
+        prompt = len(req.prompt_token_ids)
+        uncached = max(prompt - cached, 0)
+        room = max(self.config.engine.max_model_len - prompt, 1)
+        cap = min(max_tokens, room) if max_tokens is not None else room
+        expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
+        deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
+        return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
+                        self.predicted_ttft_s(uncached), deadline)
+
+    def _blocks(self, uncached: int, output: int, n: int) -> int:
+        grow = output * (1 + self.config.admission.kv_safety)
+        return math.ceil((uncached + n * grow) / self.block_size)
+
+    def predicted_ttft_s(self, uncached_tokens: int) -> float | None:
+        """Prefill work ahead (the scheduler's backlog) plus this prompt's uncached tokens,
+        at the measured prefill rate, plus one decode step for the current batch; None while
+        the scheduler has not measured enough steps."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        return (load.queued_prefill_tokens + prompt_tokens) / load.prefill_tokens_per_s \
+        return (load.queued_prefill_tokens + uncached_tokens) / load.prefill_tokens_per_s \
             + load.decode_step_s
 
-    # ------------------------------------------------------------------ bookkeeping
-    def admitted(self, request_id: str, tenant: str) -> None:
-        self.outstanding[request_id] = tenant
-        self.per_tenant[tenant] += 1
+    # ------------------------------------------------------------------ capacity
+    def _room(self, name: str, tenant: TenantConfig) -> int:
+        room = self.kv_capacity - self.reserved_blocks
+        if tenant.kv_blocks:
+            room = min(room, tenant.kv_blocks - self.tenant_blocks[name])
+        return room
 
-    def released(self, request_ids: list[str], now: float) -> None:
+    def _blocker(self, name: str, tenant: TenantConfig, blocks: int, seqs: int) -> str | None:
+        """What keeps a request of ``blocks`` and ``seqs`` from starting now, or None."""
+        if len(self.outstanding) >= self.config.admission.max_outstanding:
+            return "engine_cap"
+        if self.per_tenant[name] >= tenant.max_outstanding:
+            return "tenant_cap"
+        if tenant.max_running and self.tenant_seqs[name] + seqs > tenant.max_running:
+            return "tenant_running"
+        if tenant.kv_blocks and self.tenant_blocks[name] + blocks > tenant.kv_blocks:
+            return "tenant_kv"
+        if self.reserved_blocks + blocks > self.kv_capacity:
+            return "kv"
+        return None
+
+    def _degraded_tokens(self, req: Tokenized, est: Estimate, blocks: int,
+                         cls: ServiceClass) -> int | None:
+        """The largest max_tokens whose reservation fits ``blocks`` (>= min_max_tokens)."""
+        n = req.params.n
+        per = n * (1 + self.config.admission.kv_safety)
+        fit = int((blocks * self.block_size - est.uncached_tokens) / per) if per else 0
+        fit = min(fit, est.expected_output - 1)
+        return fit if fit >= cls.min_max_tokens else None
+
+    def _degrade_for_tokens(self, req: Tokenized, est: Estimate, level: float,
+                            cls: ServiceClass) -> int | None:
+        if not cls.may_degrade:
+            return None
+        fit = int((level - est.uncached_tokens) / req.params.n)
+        fit = min(fit, est.expected_output - 1)
+        return fit if fit >= cls.min_max_tokens else None
+
+    def _degrade(self, req: Tokenized, cls: ServiceClass, max_tokens: int, base: dict,
+                 why: str, now: float) -> Decision:
+        est: Estimate = base["estimate"]
+        blocks = self._blocks(est.uncached_tokens, max_tokens, req.params.n)
+        tenant = self.tenants[req.tenant]
+        if self._blocker(req.tenant, tenant, blocks, req.params.n) is not None:
+            return self._reject(req, "overloaded", "no capacity even degraded", retry=1,
+                                now=now, **base)
+        est = Estimate(est.uncached_tokens, max_tokens, blocks, est.predicted_ttft_s,
+                       est.deadline_ms)
+        return Decision(DEGRADE, why, cls.name, base["priority"], max_tokens, est)
+
+    def _bucket(self, tenant: TenantConfig, now: float) -> TokenBucket | None:
+        if tenant.token_rate <= 0:
+            return None
+        if tenant.name not in self._buckets:
+            self._buckets[tenant.name] = TokenBucket(tenant.token_rate, tenant.token_burst, now)
+        return self._buckets[tenant.name]
+
+    def _reject(self, req: Tokenized, reason: str, message: str, *, retry: int = 0,
+                retry_s: float | None = None, now: float = 0.0, service_class: str = "",
+                priority: int = 0, max_tokens: int | None = None,
+                estimate: Estimate | None = None) -> Decision:
+        after = retry_s if retry_s is not None else (
+            self.releases.retry_after(retry, now) if retry else None)
+        if after is not None:
+            after = round(min(max(after, 0.1), 60.0), 1)
+        est = estimate or Estimate(len(req.prompt_token_ids), 0, 0, None, req.deadline_ms)
+        return Decision(REJECT, reason, service_class, priority, max_tokens, est,
+                        Rejected(req.request_id, reason, message, after))
+
+    # ------------------------------------------------------------------ ledger
+    def _admit(self, req: Tokenized, decision: Decision, now: float) -> None:
+        rid, tenant = req.request_id, req.tenant
+        self.outstanding[rid] = tenant
+        self.per_tenant[tenant] += 1
+        seqs = req.params.n
+        blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
+        self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs)
+        self.reserved_blocks += blocks
+        self.tenant_blocks[tenant] += blocks
+        self.tenant_seqs[tenant] += seqs
+        if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):
+            bucket.take(decision.estimate.uncached_tokens
+                        + seqs * decision.estimate.expected_output, now)
+
+    def admitted(self, request_id: str, tenant: str) -> None:
+        """Count a request admitted elsewhere (a restarted admission learning what the
+        scheduler holds)."""
+        if request_id not in self.outstanding:
+            self.outstanding[request_id] = tenant
+            self.per_tenant[tenant] += 1
+            self.held[request_id] = _Held(tenant, "", 0, 1)
+            self.tenant_seqs[tenant] += 1
+
+    def released(self, request_ids: list[str], now: float,
+                 output_tokens: dict[str, int] | None = None) -> None:
         for rid in request_ids:
             tenant = self.outstanding.pop(rid, None)
-            if tenant is not None:
-                self.per_tenant[tenant] -= 1
-                self.releases.ended(now)
+            if tenant is None:
+                continue
+            self.per_tenant[tenant] -= 1
+            self.releases.ended(now)
+            held = self.held.pop(rid)
+            self.reserved_blocks -= held.kv_blocks
+            self.tenant_blocks[tenant] -= held.kv_blocks
+            self.tenant_seqs[tenant] -= held.seqs
+            if output_tokens and rid in output_tokens and held.service_class:
+                self.outputs.observe(tenant, held.service_class,
+                                     output_tokens[rid] // max(held.seqs, 1))
 
     def holding(self, held: list[tuple[str, str]]) -> None:
         """After a restart of admission: resume the counts of what the scheduler holds."""
         for rid, tenant in held:
-            if rid not in self.outstanding:
-                self.admitted(rid, tenant)
+            self.admitted(rid, tenant)
 
     def forget_all(self) -> None:
         """The scheduler restarted and dropped everything it held."""
         self.outstanding.clear()
         self.per_tenant.clear()
+        self.held.clear()
+        self.reserved_blocks = 0
+        self.tenant_blocks.clear()
+        self.tenant_seqs.clear()
+
+    # ------------------------------------------------------------------ queue
+    def _order(self, q_priority: int, cls: ServiceClass, queued_at: float, now: float,
+               deadline_at: float) -> tuple:
+        aged = q_priority - cls.aging_per_s * (now - queued_at)
+        return (aged, deadline_at, queued_at)
+
+    def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
+        cls = self.classes[decision.service_class]
+        deadline_at = self._deadline_at(req, decision, now)
+        item = _Queued((*self._order(decision.priority, cls, now, now, deadline_at),
+                        next(self._seq)), req.request_id, req, decision, now)
+        self._queued[req.request_id] = item
+        heapq.heappush(self._queue, item)
+
+    def _deadline_at(self, req: Tokenized, decision: Decision, queued_at: float) -> float:
+        """When a queued request expires: its TTFT deadline (from arrival) or its class's
+        max_queue_ms (from queueing), whichever comes first."""
+        cls = self.classes[decision.service_class]
+        limits = [queued_at + cls.max_queue_ms / 1e3]
+        if decision.estimate.deadline_ms is not None:     # queued moments after arrival
+            limits.append(queued_at + decision.estimate.deadline_ms / 1e3)
+        return min(limits)
+
+    def queue_position(self, request_id: str) -> int:
+        item = self._queued.get(request_id)
+        return -1 if item is None else sorted(self._queue).index(item)
+
+    @property
+    def queue_depth(self) -> Counter[str]:
+        return Counter(q.decision.service_class for q in self._queued.values())
+
+    def cancel(self, request_id: str) -> bool:
+        """Remove a queued request (cancelled by its client); True if it was queued."""
+        item = self._queued.pop(request_id, None)
+        if item is None:
+            return False
+        self._queue.remove(item)
+        heapq.heapify(self._queue)
+        return True
+
+    def _reorder(self, now: float) -> None:
+        """Priorities age: recompute every queued request's place (the queue is short)."""
+        for item in self._queue:
+            cls = self.classes[item.decision.service_class]
+            item.order = (*self._order(item.decision.priority, cls, item.queued_at, now,
+                                       item.order[1]), item.order[3])
+        heapq.heapify(self._queue)
+
+    def expire(self, now: float) -> list[Rejected]:
+        """Queued requests past their deadline or max_queue_ms: ``deadline_expired``."""
+        gone = [q for q in self._queued.values() if now >= q.order[1]]
+        for item in gone:
+            self.cancel(item.request_id)
+            self.rejections["deadline_expired", item.decision.service_class] += 1
+        return [Rejected(q.request_id, "deadline_expired",
+                         f"held {now - q.queued_at:.2f} s in admission's queue; its deadline "
+                         f"passed before capacity freed") for q in gone]
+
+    def release(self, now: float) -> list[tuple[Tokenized, Decision, float]]:
+        """Queued requests that may start now, in queue order: each with its decision and
+        the seconds it waited. The head that does not fit stops the release (no request
+        jumps a bigger one ahead of it)."""
+        out = []
+        if not self._queue:
+            return out
+        self._reorder(now)
+        while self._queue:
+            item = self._queue[0]
+            tenant = self.tenants[item.req.tenant]
+            est = item.decision.estimate
+            if self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n):
+                break
+            heapq.heappop(self._queue)
+            del self._queued[item.request_id]
+            decision = Decision(ACCEPT, "released", item.decision.service_class,
+                                item.decision.priority, item.decision.max_tokens, est)
+            self._admit(item.req, decision, now)
+            out.append((item.req, decision, now - item.queued_at))
+        return out
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for ``weir status`` and the gateway's metrics."""
+        out: dict[str, float] = {"outstanding": len(self.outstanding), "queued": self.queued,
+                                 "reserved_kv_blocks": self.reserved_blocks}
+        out.update({f"decisions.{kind}.{cls}": v for (kind, cls), v in self.decisions.items()})
+        out.update({f"rejections.{reason}.{cls}": v
+                    for (reason, cls), v in self.rejections.items()})
+        out.update({f"queue_depth.{cls}": v for cls, v in self.queue_depth.items()})
+        return out

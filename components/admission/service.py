@@ -4,16 +4,17 @@ decision, and passes the request on or rejects it early with a reason and a retr
 from __future__ import annotations
 
 import time
+
 import anyio
+import msgspec
 import structlog
 from opentelemetry import trace
 
 from bus import tracing
-
 from bus.component import Component
-from components.admission.policy import AdmissionPolicy
+from components.admission.policy import DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
-                          CancelRequest, EventBatch, Holding, Rejected, Released, SchedulerLoad,
+                          CancelRequest, EventBatch, Holding, Released, SchedulerLoad,
                           Tokenized)
 
 log = structlog.get_logger("admission")
@@ -26,58 +27,100 @@ class AdmissionService(Component):
     async def setup(self) -> None:
         self.policy = AdmissionPolicy(self.config)
         self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
+        self.traceparents: dict[str, tuple[str | None, int | None]] = {}    # queued requests
         self.inbox_sock = self.inbox(AdmissionMsg)
         self.to_scheduler = self.push_to("scheduler")
         self.to_streamer = self.push_to("streamer")
         self.to_kv = self.push_to("kv_manager")
 
-    def _decision_attributes(self, req: Tokenized, rejected: Rejected | None,
-                             cached: int | None) -> dict:
-        policy = self.policy
-        prompt = len(req.prompt_token_ids)
-        ttft = policy.predicted_ttft_s(prompt - (cached or 0))
+    def _decision_attributes(self, req: Tokenized, d: Decision, cached: int | None) -> dict:
+        policy, est = self.policy, d.estimate
         tenant = policy.tenants.get(req.tenant)
-        bs = self.config.kv.block_size
+        bucket = policy._buckets.get(req.tenant)
         return {
             "weir.request_id": req.request_id,
-            "weir.tenant": req.tenant, "weir.service_class": "standard",
-            "weir.admission.decision": "reject" if rejected else "accept",
-            "weir.admission.reason": rejected.reason if rejected else "within_caps",
-            "weir.admission.retry_after_s": (rejected.retry_after_s or 0.0) if rejected else 0.0,
-            "gen_ai.usage.input_tokens": prompt,
+            "weir.tenant": req.tenant, "weir.service_class": d.service_class,
+            "weir.admission.policy": policy.kind,
+            "weir.admission.decision": d.kind, "weir.admission.reason": d.reason,
+            "weir.admission.retry_after_s": (d.rejected.retry_after_s or 0.0)
+            if d.rejected else 0.0,
+            "weir.admission.priority": d.priority,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
             "weir.admission.cached_prompt_tokens": cached if cached is not None else -1,
-            "weir.admission.uncached_prompt_tokens": prompt - (cached or 0),
+            "weir.admission.uncached_prompt_tokens": est.uncached_tokens,
+            "weir.admission.expected_output_tokens": est.expected_output,
             "gen_ai.request.max_tokens": req.params.max_tokens or -1,
-            "weir.admission.kv_blocks_requested": -(-(len(req.prompt_token_ids) + 1) // bs),
-            "weir.admission.policy": self.config.admission.policy,
+            "weir.admission.max_tokens": d.max_tokens or -1,
+            "weir.admission.kv_blocks_requested": est.kv_blocks,
+            "weir.admission.predicted_ttft_ms": round(est.predicted_ttft_s * 1e3, 2)
+            if est.predicted_ttft_s is not None else -1.0,
+            "weir.admission.deadline_ms": est.deadline_ms if est.deadline_ms is not None else -1,
+            "weir.admission.queue_position": policy.queue_position(req.request_id),
+            "weir.admission.queued": policy.queued,
             "weir.tenant.outstanding": policy.per_tenant[req.tenant],
             "weir.tenant.max_outstanding": tenant.max_outstanding if tenant else 0,
+            "weir.tenant.kv_blocks_reserved": policy.tenant_blocks[req.tenant],
+            "weir.tenant.kv_blocks_budget": tenant.kv_blocks if tenant else 0,
+            "weir.tenant.running_seqs": policy.tenant_seqs[req.tenant],
+            "weir.tenant.token_bucket": round(bucket.level, 1) if bucket else -1.0,
             "weir.engine.outstanding": len(policy.outstanding),
             "weir.engine.max_outstanding": self.config.admission.max_outstanding,
-            "weir.admission.predicted_ttft_ms": round(ttft * 1e3, 2) if ttft is not None else -1.0,
-            "weir.admission.deadline_ms": req.deadline_ms if req.deadline_ms is not None else -1,
+            "weir.engine.kv_blocks_reserved": policy.reserved_blocks,
             "weir.scheduler.queued_prefill_tokens": policy.load.queued_prefill_tokens,
         }
 
     async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None) -> None:
-        """Decide, trace the decision, and pass the request on (or reject it).
+        """Decide, trace the decision, and pass the request on, hold it, or reject it.
         ``cached`` is the kv_manager's count of already-cached prompt tokens (None: unknown)."""
-        rejected = self.policy.decide(req, time.monotonic())
+        d = self.policy.decide(req, cached or 0, time.monotonic())
         with _TRACER.start_as_current_span(
                 "admission.decide", context=tracing.context_from(traceparent),
-                attributes=self._decision_attributes(req, rejected, cached)):
-            log.info("admission", request_id=req.request_id,
-                     decision=rejected.reason if rejected else "accepted")
-        if rejected is not None:
-            await self.to_streamer.send(EventBatch([rejected]))
-            return
-        self.policy.admitted(req.request_id, req.tenant)
+                attributes=self._decision_attributes(req, d, cached)):
+            log.info("admission", request_id=req.request_id, decision=d.kind, reason=d.reason,
+                     service_class=d.service_class)
+        if d.kind == REJECT:
+            await self.to_streamer.send(EventBatch([d.rejected]))
+        elif d.kind == QUEUE:
+            self.traceparents[req.request_id] = (traceparent, cached)
+        else:
+            await self._start(req, d, traceparent, cached, 0.0)
+
+    async def _start(self, req: Tokenized, d: Decision, traceparent: str | None,
+                     cached: int | None, queued_s: float) -> None:
+        params = req.params
+        if d.max_tokens != params.max_tokens:
+            params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         await self.to_scheduler.send(Admitted(
-            req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, req.params,
-            req.arrival_ns, req.eos_token_ids, req.deadline_ms, req.priority, req.public_scope,
-            req.public_blocks), traceparent=traceparent)
-        await self.to_streamer.send(EventBatch(
-            [Accepted(req.request_id, len(req.prompt_token_ids), cached or 0)]))
+            req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
+            req.arrival_ns, req.eos_token_ids, req.deadline_ms, d.priority, req.public_scope,
+            req.public_blocks, d.service_class), traceparent=traceparent)
+        await self.to_streamer.send(EventBatch([Accepted(
+            req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
+            d.max_tokens, d.kind == DEGRADE, round(queued_s, 4))]))
+
+    async def _drain_queue(self) -> None:
+        """Release what now fits, expire what waited too long."""
+        now = time.monotonic()
+        expired = self.policy.expire(now)
+        for rej in expired:
+            self.traceparents.pop(rej.request_id, None)
+        if expired:
+            await self.to_streamer.send(EventBatch(expired))
+        for req, d, waited in self.policy.release(now):
+            traceparent, cached = self.traceparents.pop(req.request_id, (None, 0))
+            with _TRACER.start_as_current_span(
+                    "admission.release", context=tracing.context_from(traceparent),
+                    attributes={"weir.request_id": req.request_id,
+                                "weir.service_class": d.service_class,
+                                "weir.admission.queued_ms": round(waited * 1e3, 2)}):
+                pass
+            await self._start(req, d, traceparent, cached, waited)
+
+    async def _tick(self) -> None:
+        while True:
+            await anyio.sleep(0.02)
+            if self.policy.queued:
+                await self._drain_queue()
 
     async def _expire_cache_queries(self) -> None:
         """Never let a request wait on a lost answer (e.g. the kv_manager restarted)."""
@@ -92,6 +135,7 @@ class AdmissionService(Component):
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._expire_cache_queries)
+            tg.start_soon(self._tick)
             await self._serve()
 
     async def _serve(self) -> None:
@@ -99,7 +143,8 @@ class AdmissionService(Component):
             msg = await self.inbox_sock.recv()
             match msg.body:
                 case Tokenized() as req if (req.request_id in self.pending
-                                            or req.request_id in self.policy.outstanding):
+                                            or req.request_id in self.policy.outstanding
+                                            or req.request_id in self.traceparents):
                     pass             # the streamer replayed it after a restart: already here
                 case Tokenized() as req:
                     if self.config.kv.enable_prefix_cache and req.block_hashes:
@@ -119,19 +164,25 @@ class AdmissionService(Component):
                 case CancelRequest() as cancel:
                     if self.pending.pop(cancel.request_id, None) is not None:
                         continue                      # never admitted; the streamer answered
+                    if self.policy.cancel(cancel.request_id):
+                        self.traceparents.pop(cancel.request_id, None)
+                        continue                      # queued here: gone, the engine never saw it
                     if cancel.request_id in self.policy.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
                     self.policy.load = load
+                    if self.policy.queued:
+                        await self._drain_queue()
                 case Holding(requests=held):          # after our restart: resume the counts
                     self.policy.holding(held)
-                case Released(request_ids=ids):
-                    self.policy.released(ids, time.monotonic())
+                case Released(request_ids=ids, output_tokens=outputs):
+                    self.policy.released(ids, time.monotonic(), outputs)
+                    if self.policy.queued:
+                        await self._drain_queue()
 
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held
             self.policy.forget_all()
 
     def stats(self) -> dict[str, float]:
-        return {"outstanding": len(self.policy.outstanding),
-                **{f"decisions.{k}": v for k, v in self.policy.decisions.items()}}
+        return self.policy.stats()

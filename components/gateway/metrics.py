@@ -90,12 +90,27 @@ class _EngineCollector:
         yield self._counter("weir:idempotent_attaches", "Submissions that attached to a running "
                             "or finished request with the same Idempotency-Key.",
                             streamer.get("requests.idempotent_attached", 0))
-        rej = CounterMetricFamily("weir:request_rejections", "Requests rejected, by reason.",
-                                  labels=["model_name", "reason"])
+        rej = CounterMetricFamily("weir:request_rejections", "Requests rejected by admission, "
+                                  "by reason and service class.",
+                                  labels=["model_name", "reason", "class"])
+        dec = CounterMetricFamily("weir:admission_decisions", "Admission decisions (accept, "
+                                  "degrade, queue, reject) by service class.",
+                                  labels=["model_name", "decision", "class"])
+        depth = GaugeMetricFamily("weir:admission_queue_depth", "Requests held in admission's "
+                                  "queue, by service class.", labels=["model_name", "class"])
         for key, value in self.stats.get("admission", {}).items():
-            if key.startswith("decisions.") and key != "decisions.accepted":
-                rej.add_metric([self.model, key.removeprefix("decisions.")], value)
+            kind, _, rest = key.partition(".")
+            if kind == "rejections":
+                reason, _, cls = rest.partition(".")
+                rej.add_metric([self.model, reason, cls], value)
+            elif kind == "decisions":
+                decision, _, cls = rest.partition(".")
+                dec.add_metric([self.model, decision, cls], value)
+            elif kind == "queue_depth":
+                depth.add_metric([self.model, rest], value)
         yield rej
+        yield dec
+        yield depth
         tok = CounterMetricFamily("weir:tenant_tokens", "Tokens per tenant (processed = prompt "
                                   "and fed-back tokens computed; generated = sampled).",
                                   labels=["model_name", "tenant", "kind"])

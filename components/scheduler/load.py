@@ -3,11 +3,21 @@ the step-cost model measured, so admission can predict time to first token. Shar
 scheduler service and the replay simulator."""
 from __future__ import annotations
 
-from components.scheduler.core import SchedulerCore
+from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel
 from schemas.wire import SchedulerLoad
 
 LOAD_INTERVAL_S = 0.1
+
+
+def released_outputs(out: Outcome) -> dict[str, int]:
+    """Output tokens of each request that finished in ``out`` (every choice summed), for
+    admission's expected-output estimate."""
+    done: dict[str, int] = {}
+    for t in out.tokens:
+        if t.finish_reason is not None and t.usage is not None:
+            done[t.request_id] = done.get(t.request_id, 0) + t.usage.completion_tokens
+    return {rid: done[rid] for rid in out.released if rid in done}
 
 
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> SchedulerLoad:

@@ -3,8 +3,6 @@ in each request's trace, and one ``scheduler.step`` span per step on the engine'
 linked to every request in the step, carrying the step's decisions as attributes."""
 from __future__ import annotations
 
-import time
-
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span

@@ -18,12 +18,14 @@ import zlib
 from collections import Counter
 from typing import Callable
 
-from components.admission.policy import AdmissionPolicy
+import msgspec
+
+from components.admission.policy import QUEUE, REJECT, AdmissionPolicy, Decision
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel, plan_shape
-from components.scheduler.load import LOAD_INTERVAL_S, load_report
+from components.scheduler.load import LOAD_INTERVAL_S, load_report, released_outputs
 from schemas.config import WeirConfig
 from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
 from weir.replay.profile import CostProfile
@@ -81,12 +83,18 @@ class Simulator:
             elif kind == _STEP_DONE:
                 self._finish_step()
             elif kind == _CANCEL:
-                self._emit(self.core.cancel(data), cancelled=True)
+                if self.policy.cancel(data):             # still queued in admission
+                    rec = self.records[data]
+                    rec.terminal, rec.e2e_s = CANCELLED, self.now / _NS - rec.sent_s
+                else:
+                    self._emit(self.core.cancel(data), cancelled=True)
             elif kind == _SAMPLE:
+                self._drain_queue()                      # admission's 20 ms tick, coarser
                 self._sample()
                 if pending_arrivals or self.core.has_work:
                     self._push(t + self._sample_every, _SAMPLE, None)
                 continue
+            self._drain_queue()
             self._pump()
         for rec in self.records.values():      # nothing left to happen, yet not finished
             if rec.e2e_s is None:
@@ -115,7 +123,8 @@ class Simulator:
         out = req.max_tokens if req.max_tokens is not None else (req.output_tokens or 1)
         params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True, n=req.n)
         hashes = self.hashes(ids, tenant) if self.config.kv.enable_prefix_cache else []
-        tok = Tokenized(rid, tenant, ids, hashes, params, self.now, (), req.deadline_ms)
+        tok = Tokenized(rid, tenant, ids, hashes, params, self.now, (), req.deadline_ms,
+                        service_class=req.service_class)
         arrival = self.now / _NS
         rec = RequestRecord(index=req.index, request_id=rid, tenant=tenant,
                             service_class=req.service_class or "default",
@@ -123,21 +132,40 @@ class Simulator:
                             prompt_tokens=len(ids), deadline_ms=req.deadline_ms, n=req.n)
         self.records[rid] = rec
         self._refresh_load()
-        rejected = self.policy.decide(tok, arrival)
-        if rejected is not None:
-            rec.decision, rec.reason, rec.terminal, rec.e2e_s = "reject", rejected.reason, \
-                REJECTED, 0.0
-            return
         bs = self.config.kv.block_size
-        if hashes:                                       # admission's CacheQuery, answered
-            rec.cached_tokens = self.pool.cached_tokens(
-                tenant, hashes, ids[:len(hashes) * bs], (len(ids) - 1) // bs)
-        rec.reason = "within_caps"
-        self.policy.admitted(rid, tenant)
-        self.core.add(Admitted(rid, tenant, ids, hashes, params, self.now, (),
-                               req.deadline_ms))
+        cached = self.pool.cached_tokens(tenant, hashes, ids[:len(hashes) * bs],
+                                         (len(ids) - 1) // bs) if hashes else 0
+        d = self.policy.decide(tok, cached, arrival)     # cached: admission's CacheQuery
+        rec.decision, rec.reason = d.kind, d.reason
+        rec.service_class = d.service_class or rec.service_class
         if req.cancel_after_s is not None:
             self._push(self.now + round(req.cancel_after_s * _NS), _CANCEL, rid)
+        if d.kind == REJECT:
+            rec.terminal, rec.e2e_s = REJECTED, 0.0
+        elif d.kind != QUEUE:
+            self._start(tok, d)
+
+    def _start(self, tok: Tokenized, d: Decision, queued_s: float = 0.0) -> None:
+        """Hand an admitted request to the scheduler, as the admission service does."""
+        params = tok.params
+        if d.max_tokens != params.max_tokens:
+            params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
+        self.records[tok.request_id].queue_s = queued_s
+        self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
+                               tok.block_hashes, params, tok.arrival_ns, (), tok.deadline_ms,
+                               d.priority, "", 0, d.service_class))
+
+    def _drain_queue(self) -> None:
+        """Admission's queue: expire what waited too long, release what now fits."""
+        if not self.policy.queued:
+            return
+        now_s = self.now / _NS
+        for rej in self.policy.expire(now_s):
+            rec = self.records[rej.request_id]
+            rec.terminal, rec.reason, rec.decision = REJECTED, rej.reason, "reject"
+            rec.e2e_s = now_s - rec.sent_s
+        for tok, d, waited in self.policy.release(now_s):
+            self._start(tok, d, waited)
 
     def _refresh_load(self) -> None:
         """Admission sees the scheduler's load report of the last 100 ms tick, as live; it
@@ -218,12 +246,12 @@ class Simulator:
             rec.e2e_s = now_s - rec.sent_s
             self.last_token_ns.pop(rid, None)
         if out.released:
-            self.policy.released(out.released, now_s)
+            self.policy.released(out.released, now_s, released_outputs(out))
 
     def _sample(self) -> None:
         kv = self.config.kv
         self.timeline.append(TimelinePoint(
-            self.now / _NS, len(self.core.running), len(self.core.waiting),
+            self.now / _NS, len(self.core.running), len(self.core.waiting) + self.policy.queued,
             kv.num_blocks - self.pool.num_free, kv.num_blocks))
 
 
