@@ -203,6 +203,8 @@ class AdmissionPolicy:
                                 f"deadline {est.deadline_ms:.0f} ms",
                                 retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
         blocker = self._blocker(req.tenant, tenant, est.kv_blocks, seqs)
+        if blocker is None and self._behind_queue(base["priority"], est, now):
+            blocker = "queue"                  # fits, but must not jump those waiting
         if blocker is None:
             return Decision(ACCEPT, "fits", **base)
         if cls.may_degrade and blocker in ("kv", "tenant_kv"):
@@ -281,6 +283,19 @@ class AdmissionPolicy:
         if self.reserved_blocks + blocks > self.kv_capacity:
             return "kv"
         return None
+
+    def _behind_queue(self, priority: int, est: Estimate, now: float) -> bool:
+        """Is a queued request that waits for engine capacity ahead of this one?"""
+        if not self._queue:
+            return False
+        self._reorder(now)
+        head = self._queue[0]
+        if self._blocker(head.req.tenant, self.tenants[head.req.tenant],
+                         head.decision.estimate.kv_blocks, head.req.params.n) \
+                not in ("kv", "engine_cap"):
+            return False
+        deadline_at = now + est.deadline_ms / 1e3 if est.deadline_ms is not None else math.inf
+        return head.order[:3] <= (priority, deadline_at, now)
 
     def _degraded_tokens(self, req: Tokenized, est: Estimate, blocks: int,
                          cls: ServiceClass) -> int | None:
