@@ -4,6 +4,7 @@ and write one comparison: a table, per-request records, summary JSON and plots."
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,11 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                         f"ttft={DEFAULT_SLO.ttft_ms:g},tpot={DEFAULT_SLO.tpot_ms:g}")
     p.add_argument("--slo-class", action="append", default=[], metavar="CLASS:ttft=..,tpot=..",
                    help="the SLO of one service class (repeatable)")
+    p.add_argument("--class-mix", default=None, metavar="NAME=SHARE,...",
+                   help="give requests without a class one of these, drawn by the seed "
+                        "(e.g. interactive=0.7,batch=0.3)")
+    p.add_argument("--tenant-mix", default=None, metavar="NAME=SHARE,...",
+                   help="give requests without a tenant one of these, drawn by the seed")
     p.add_argument("--model", default=None,
                    help="the served model whose tokenizer builds the prompts (default: "
                         "the embedded default)")
@@ -77,7 +83,31 @@ def load_scaled(args) -> tuple[list[TraceRequest], Scaling]:
                 for i, r in enumerate(requests)]
     scaling = Scaling(length=args.length_scale, time=args.time_scale,
                       block_size=args.block_size, seed=args.seed)
+    requests = _assign(requests, "service_class", args.class_mix, args.seed)
+    requests = _assign(requests, "tenant", args.tenant_mix, args.seed + 1)
     return scale(requests, scaling), scaling
+
+
+def _assign(requests: list[TraceRequest], field: str, mix: str | None,
+            seed: int) -> list[TraceRequest]:
+    """Give each request without ``field`` a value drawn from ``mix`` ("a=0.7,b=0.3")."""
+    if not mix:
+        return requests
+    import random
+
+    import msgspec
+
+    names, weights = [], []
+    for part in mix.split(","):
+        name, _, share = part.partition("=")
+        if not name.strip() or not share:
+            raise ValueError(f"bad mix {mix!r}: expected NAME=SHARE,...")
+        names.append(name.strip())
+        weights.append(float(share))
+    rng = random.Random(seed)
+    return [r if getattr(r, field) else
+            msgspec.structs.replace(r, **{field: rng.choices(names, weights)[0]})
+            for r in requests]
 
 
 def _out_dir(args) -> Path:
@@ -97,6 +127,8 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
     from weir.replay.report import render_table, summarize, write_summary_json
 
     slos, default = _slos(args)
+    for cls, slo in args.config_slos.items() if hasattr(args, "config_slos") else ():
+        slos.setdefault(cls, slo)              # the config's classes, unless a flag says
     summaries = [summarize(run, slos, default) for run in runs]
     table = render_table(summaries)
     (out / "comparison.txt").write_text(table + "\n")
@@ -126,8 +158,14 @@ def simulate_cmd(args) -> int:
     prof = profiles.load(prof_path)
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
     runs = []
+    args.config_slos = {}
     for path in args.config or [None]:
         cfg = load_config(path, topology={"run_dir": "/nonexistent"})
+        for cls in cfg.admission.classes:      # SLOs from the configs' service classes
+            if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None:
+                args.config_slos.setdefault(cls.name, Slo(
+                    cls.ttft_slo_ms if cls.ttft_slo_ms is not None else math.inf,
+                    cls.tpot_slo_ms if cls.tpot_slo_ms is not None else math.inf))
         sim = Simulator(cfg, prof, label=path or "defaults", tokens=synth.token_ids,
                         hashes=fast_block_hashes(cfg.kv.block_size))
         run = sim.run(requests, scaling)
