@@ -100,6 +100,7 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
 
     request_ids: list[str]
     output_tokens: dict[str, int] = {}   # tokens generated, for those that finished (all choices)
+    ttft_s: dict[str, float] = {}        # arrival → first token, as the engine saw it
 
 
 class Holding(msgspec.Struct, tag="holding", frozen=True, gc=False):

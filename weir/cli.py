@@ -129,7 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
         kwargs = {"prompt": args.prompt}
     try:
         with Client(args.endpoint, tenant=args.tenant, timeout=args.timeout) as client:
-            stream = client.stream(**kwargs, **params)
+            stream = client.stream(**kwargs, **params, service_class=args.service_class)
             for delta in stream:
                 if not args.json:
                     sys.stdout.write(delta.text)
@@ -142,6 +142,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
     else:
         sys.stdout.write("\n")
+        if result.degraded:
+            print(f"weir generate: degraded by admission to max_tokens={result.max_tokens} "
+                  f"(class {result.service_class})", file=sys.stderr)
     return 0
 
 
@@ -244,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tenant", default="default")
+    g.add_argument("--class", dest="service_class", default=None,
+                   help="service class to run under (default: the tenant's); only one at "
+                        "or below the tenant's default is granted")
     g.add_argument("--timeout", type=float, default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     g.add_argument("--endpoint", default=None, help=endpoint_help)

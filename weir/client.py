@@ -79,7 +79,14 @@ class Choice:
 @dataclass
 class Completion:
     """A finished request. ``text``/``token_ids``/``finish_reason`` are choice 0's;
-    ``choices`` holds all n (n = 1 unless the request asked for more)."""
+    ``choices`` holds all n (n = 1 unless the request asked for more).
+
+    What admission granted (from the ``Accepted`` event): ``service_class``, the class the
+    request ran under (the tenant's default, or the lower one it asked for);
+    ``max_tokens``, the cap it ran with (None: up to the context window); ``degraded``,
+    True when admission lowered that cap below what was asked, to fit a budget;
+    ``queued_s``, the seconds admission held it in its queue before it started (the
+    scheduler's own wait is ``queue_time_s``)."""
 
     request_id: str
     text: str
@@ -91,6 +98,10 @@ class Completion:
     queue_time_s: float = 0.0
     timing: RequestTiming | None = None
     choices: list[Choice] = field(default_factory=list)
+    service_class: str = ""
+    degraded: bool = False
+    max_tokens: int | None = None
+    queued_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -98,7 +109,9 @@ class Completion:
                "usage": {"prompt_tokens": self.usage.prompt_tokens,
                          "completion_tokens": self.usage.completion_tokens,
                          "cached_tokens": self.usage.cached_tokens},
-               "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms}
+               "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms,
+               "service_class": self.service_class, "degraded": self.degraded,
+               "max_tokens": self.max_tokens, "queued_s": self.queued_s}
         if len(self.choices) > 1:
             out["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                                "finish_reason": c.finish_reason} for c in self.choices]
@@ -108,7 +121,11 @@ class Completion:
 @dataclass(eq=False)
 class Stream:
     """One request's event stream. Iterate for ``TextDelta``s; ``result`` holds the
-    Completion once the stream ends. Errors surface as typed exceptions."""
+    Completion once the stream ends. Errors surface as typed exceptions.
+
+    ``accepted`` is the engine's ``Accepted`` event once it has arrived (it comes before
+    the first delta, so it is set by the time iteration yields one): the class, the
+    ``max_tokens`` cap and whether admission degraded the request."""
 
     request_id: str
     _client: "AsyncClient"
@@ -123,6 +140,7 @@ class Stream:
     choice_token_ids: dict[int, list[int]] = field(default_factory=dict)
     result: Completion | None = None
     prompt_tokens: int | None = None
+    accepted: Accepted | None = None
     _cancelled_by_user: bool = False
     span: Any = None
     retries: int = 0
@@ -143,6 +161,7 @@ class Stream:
                 match event:
                     case Accepted(prompt_tokens=n):
                         self.prompt_tokens = n
+                        self.accepted = event
                     case TextDelta():
                         if self.first_token_at is None:
                             self.first_token_at = time.perf_counter()
@@ -192,7 +211,9 @@ class Stream:
                 self.span.set_attributes({
                     "weir.terminal": self.result.finish_reason,
                     "gen_ai.usage.input_tokens": self.result.usage.prompt_tokens,
-                    "gen_ai.usage.output_tokens": self.result.usage.completion_tokens})
+                    "gen_ai.usage.output_tokens": self.result.usage.completion_tokens,
+                    "weir.service_class": self.result.service_class,
+                    "weir.degraded": self.result.degraded})
             self.span.end()
             self.span = None
 
@@ -223,9 +244,11 @@ class Stream:
         reasons = {e.index: e.finish_reason for e in ends} or {0: reason}
         choices = [Choice(i, "".join(self.texts.get(i, [])), self.choice_token_ids.get(i, []),
                           reasons[i]) for i in sorted(reasons)]
+        acc = self.accepted or Accepted(self.request_id, 0)   # none (cancelled first): defaults
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
                                  usage, ttft, (now - self.started) * 1e3, queue_time_s, timing,
-                                 choices)
+                                 choices, acc.service_class, acc.degraded, acc.max_tokens,
+                                 acc.queued_s)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True
@@ -247,8 +270,6 @@ class Stream:
 
 
 class AsyncClient:
-    """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task)."""
-
     """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task).
 
     ``api_key``: the key that names this client's tenant when the server has keys
@@ -370,15 +391,19 @@ class AsyncClient:
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      tenant: str | None = None, timeout: float | None = None,
                      deadline_ms: int | None = None, priority: int = 0,
-                     idempotency_key: str | None = None, traceparent: str | None = None,
-                     **params: Any) -> Stream:
+                     service_class: str | None = None, idempotency_key: str | None = None,
+                     traceparent: str | None = None, **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
-        lower is more important when the engine must preempt. ``idempotency_key``: a retry
-        with the same key (same tenant) attaches to the first request's stream, or gets its
-        finished result, instead of running again. ``traceparent``: a W3C trace context
-        the request's spans join (else a new trace, when tracing is configured)."""
+        lower is more important when the engine must preempt. ``service_class``: the
+        admission class to run under (None: the tenant's default); a tenant may ask for
+        its default or a lower class, and a higher one is rejected (``class_not_allowed``).
+        What was granted is on the Completion (``service_class``, ``max_tokens``,
+        ``degraded``, ``queued_s``). ``idempotency_key``: a retry with the same key (same
+        tenant) attaches to the first request's stream, or gets its finished result,
+        instead of running again. ``traceparent``: a W3C trace context the request's spans
+        join (else a new trace, when tracing is configured)."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -387,7 +412,8 @@ class AsyncClient:
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
-                     tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key)
+                     tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
+                     service_class=service_class)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

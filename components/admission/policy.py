@@ -94,6 +94,7 @@ class _Held:
     service_class: str
     kv_blocks: int
     seqs: int
+    predicted_s: float | None = None     # its TTFT as predicted when it was admitted
 
 
 class AdmissionPolicy:
@@ -113,6 +114,8 @@ class AdmissionPolicy:
         self.decisions: Counter[tuple[str, str]] = Counter()     # (kind, class) -> count
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
+        self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
+        self.ttft_factor = 1.0            # observed / predicted TTFT, smoothed (see released)
         self.outputs = OutputStats(adm.output_percentile)
         self._buckets: dict[str, TokenBucket] = {}
         self._queue: list[_Queued] = []                # a heap, re-ordered as priorities age
@@ -256,12 +259,30 @@ class AdmissionPolicy:
     def predicted_ttft_s(self, uncached_tokens: int) -> float | None:
         """Prefill work ahead (the scheduler's backlog) plus this prompt's uncached tokens,
         at the measured prefill rate, plus one decode step for the current batch; None while
-        the scheduler has not measured enough steps."""
+        the scheduler has not measured enough steps. The backlog includes what admission
+        let in since the scheduler's last report, which that report could not count."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        return (load.queued_prefill_tokens + uncached_tokens) / load.prefill_tokens_per_s \
-            + load.decode_step_s
+        ahead = load.queued_prefill_tokens + self.unreported_tokens + uncached_tokens
+        # each step decodes every running sequence and prefills what is left of the budget:
+        # a prefill token costs its own time plus its share of the step's decode work
+        budget = self.config.scheduler.max_num_batched_tokens
+        per_step = max(budget - load.running, 1)
+        step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
+        steps = ahead / per_step
+        raw = steps * step_s if steps >= 1 else \
+            ahead / load.prefill_tokens_per_s + load.decode_step_s
+        return raw * self.ttft_factor
+
+    def on_load(self, load: SchedulerLoad) -> None:
+        """The scheduler's backlog report (every 100 ms): it now counts what was admitted
+        before it."""
+        self.load = load
+        self.unreported_tokens = 0
+        # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
+        # keep it up: a factor learned in a burst must not refuse everything after it
+        self.ttft_factor = 1.0 + (self.ttft_factor - 1.0) * 0.95
 
     # ------------------------------------------------------------------ capacity
     def _room(self, name: str, tenant: TenantConfig) -> int:
@@ -352,10 +373,12 @@ class AdmissionPolicy:
         self.per_tenant[tenant] += 1
         seqs = req.params.n
         blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
-        self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs)
+        self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
+                               decision.estimate.predicted_ttft_s)
         self.reserved_blocks += blocks
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
+        self.unreported_tokens += decision.estimate.uncached_tokens
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):
             bucket.take(decision.estimate.uncached_tokens
                         + seqs * decision.estimate.expected_output, now)
@@ -370,7 +393,12 @@ class AdmissionPolicy:
             self.tenant_seqs[tenant] += 1
 
     def released(self, request_ids: list[str], now: float,
-                 output_tokens: dict[str, int] | None = None) -> None:
+                 output_tokens: dict[str, int] | None = None,
+                 ttft_s: dict[str, float] | None = None) -> None:
+        """Requests the scheduler let go. ``output_tokens`` teach the expected output;
+        ``ttft_s`` (arrival → first token, as the engine saw it) corrects the TTFT
+        prediction: the model sees only the scheduler's backlog, not the time a request
+        spends in the other processes, nor CPU contention between them."""
         for rid in request_ids:
             tenant = self.outstanding.pop(rid, None)
             if tenant is None:
@@ -384,6 +412,9 @@ class AdmissionPolicy:
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(tenant, held.service_class,
                                      output_tokens[rid] // max(held.seqs, 1))
+            if ttft_s and rid in ttft_s and held.predicted_s and held.predicted_s > 0.02:
+                ratio = ttft_s[rid] / (held.predicted_s / self.ttft_factor)
+                self.ttft_factor = min(max(0.8 * self.ttft_factor + 0.2 * ratio, 0.5), 8.0)
 
     def holding(self, held: list[tuple[str, str]]) -> None:
         """After a restart of admission: resume the counts of what the scheduler holds."""

@@ -170,13 +170,13 @@ class AdmissionService(Component):
                     if cancel.request_id in self.policy.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
-                    self.policy.load = load
+                    self.policy.on_load(load)
                     if self.policy.queued:
                         await self._drain_queue()
                 case Holding(requests=held):          # after our restart: resume the counts
                     self.policy.holding(held)
-                case Released(request_ids=ids, output_tokens=outputs):
-                    self.policy.released(ids, time.monotonic(), outputs)
+                case Released(request_ids=ids, output_tokens=outputs, ttft_s=ttft):
+                    self.policy.released(ids, time.monotonic(), outputs, ttft)
                     if self.policy.queued:
                         await self._drain_queue()
 

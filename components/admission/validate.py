@@ -167,7 +167,7 @@ def check_submit(sub: Any, max_model_len: int,
     with the size bounds checked before anything is iterated.
 
     The streamer calls it for every Submit; the gateway for every HTTP request."""
-    for name in ("request_id", "idempotency_key", "tenant"):
+    for name in ("request_id", "idempotency_key", "tenant", "service_class"):
         value = getattr(sub, name, None)
         if value is not None and len(value) > MAX_ID_CHARS:
             return "invalid_request", f"{name} must be at most {MAX_ID_CHARS} characters"

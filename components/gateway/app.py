@@ -24,12 +24,20 @@ from components.gateway.auth import Authenticator
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, parse, submit_kwargs, validate_kwargs)
-from weir.client import AsyncClient, Stream
+                                           Shaper, degraded_headers, parse, submit_kwargs,
+                                           validate_kwargs, weir_usage)
+from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
 
-_REJECT_STATUS = {"tenant_over_budget": 429, "overloaded": 503, "draining": 503,
-                  "unknown_tenant": 403}
+# A tenant past one of its own budgets is 429 (it may retry when its budget refills); an
+# engine that cannot serve the request in time is 503, Retry-After where admission gave
+# one. deadline_expired is 503, not 504: the request waited in admission's queue and never
+# started, so nothing upstream timed out mid-work; it is the same load signal as
+# queue_full, and proxies read a 504 as a hung backend.
+_REJECT_STATUS = {"tenant_over_budget": 429, "tenant_token_budget": 429,
+                  "tenant_kv_budget": 429, "overloaded": 503, "draining": 503,
+                  "queue_full": 503, "deadline_unmeetable": 503, "deadline_expired": 503,
+                  "unknown_tenant": 403, "class_not_allowed": 403}
 _json = msgspec.json.Encoder()
 _SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # echoed only if printable ASCII
 _TRACER = trace.get_tracer("weir.gateway")
@@ -87,6 +95,11 @@ def _from_rejection(exc: RequestRejected) -> ApiError:
     kind = {429: "rate_limit_exceeded", 503: "service_unavailable", 403: "permission_error"}
     return ApiError(status, exc.message, kind.get(status, "invalid_request_error"),
                     code=exc.reason, retry_after=exc.retry_after_s if status in (429, 503) else None)
+
+
+def _granted(res: Completion) -> dict[str, Any]:
+    """The usage's ``weir`` object: what admission granted the finished request."""
+    return weir_usage(res.service_class, res.degraded, res.max_tokens, res.queued_s)
 
 
 async def _unless_disconnected(request: Request, work) -> tuple[bool, Any]:
@@ -183,7 +196,7 @@ def build_app(state: GatewayState) -> Starlette:
             check_content_type(request.headers.get("content-type"))
             body = await read_body(request, cfg.max_body_bytes, cfg.read_timeout_s)
             req = parse(body, kind)
-            kwargs = submit_kwargs(req, state.model)
+            kwargs = submit_kwargs(req, state.model, request.headers.get("x-weir-class"))
             validate_kwargs(kwargs, state.max_model_len)
             rid = uuid.uuid4().hex
             idempotency_key = request.headers.get("idempotency-key") or None
@@ -215,6 +228,11 @@ def build_app(state: GatewayState) -> Starlette:
         shaper = Shaper(chat, rid, state.model)
         headers = {"x-request-id": echo_id}
         if req.stream:
+            # The SDK stream consumed Accepted before yielding ``first`` (admission sends it
+            # as it passes the request on, ahead of any token): a degrade is known before
+            # the response starts, so its headers go out with it.
+            if (acc := stream.accepted) is not None:
+                headers.update(degraded_headers(acc.degraded, acc.max_tokens))
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = _sse(stream, events, first, shaper, include_usage, started, span, req.n)
             return GuardedStreamingResponse(
@@ -251,7 +269,9 @@ def build_app(state: GatewayState) -> Starlette:
                                    headers["x-request-id"])
         res = stream.result
         _record(res, started)
-        body = shaper.full([(c.text, c.finish_reason) for c in res.choices], res.usage)
+        body = shaper.full([(c.text, c.finish_reason) for c in res.choices], res.usage,
+                           _granted(res))
+        headers.update(degraded_headers(res.degraded, res.max_tokens))
         return Response(_json.encode(body), media_type="application/json", headers=headers)
 
     def _record(res, started: float) -> None:
@@ -291,7 +311,7 @@ def build_app(state: GatewayState) -> Starlette:
                 yield frame(shaper.chunk(None if shaper.chat else "", c.finish_reason,
                                          index=c.index))
             if include_usage:
-                yield frame(shaper.usage_chunk(res.usage))
+                yield frame(shaper.usage_chunk(res.usage, _granted(res)))
             yield b"data: [DONE]\n\n"
         finally:
             if not done:                       # the client went away mid-stream

@@ -59,6 +59,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     priority: int = 0               # vLLM's extension: lower is more important
+    service_class: str | None = None    # Weir's: the admission class (see class_of)
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -107,8 +108,18 @@ def _unsupported(req: _Common) -> str | None:
     return None
 
 
-def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: str) -> dict[str, Any]:
-    """Keyword arguments for ``AsyncClient.stream`` from an OpenAI request."""
+def class_of(req: _Common, header: str | None) -> str | None:
+    """The service class a request asks for: its body's ``service_class``, else the
+    ``x-weir-class`` header, else None (the tenant's default). The body wins because it
+    is this request's own choice, while a header is often set once for every request a
+    client sends (the OpenAI SDK's ``default_headers``). Empty means not given."""
+    return req.service_class or (header or "").strip() or None
+
+
+def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: str,
+                  class_header: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncClient.stream`` from an OpenAI request (and its
+    ``x-weir-class`` header, if any)."""
     if req.model not in (None, "", served_model):
         raise ApiError(404, f"the model `{req.model[:100]}` does not exist; this server serves "
                             f"`{served_model}`", "invalid_request_error", "model", "model_not_found")
@@ -119,6 +130,8 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         params["n"] = req.n
     if req.priority:
         params["priority"] = req.priority
+    if (service_class := class_of(req, class_header)) is not None:
+        params["service_class"] = service_class
     for name in ("temperature", "top_p", "top_k", "seed"):
         if (value := getattr(req, name)) is not None:
             params[name] = value
@@ -144,7 +157,8 @@ def validate_kwargs(kwargs: dict[str, Any], max_model_len: int,
     request ``submit_kwargs`` built, so a bad request is a 400 before it is sent."""
     params = SamplingParams(**{k: v for k, v in kwargs.items() if k in _PARAMS})
     sub = Submit("gateway", kwargs.get("prompt"), kwargs.get("messages"),
-                 kwargs.get("prompt_token_ids"), params, priority=kwargs.get("priority", 0))
+                 kwargs.get("prompt_token_ids"), params, priority=kwargs.get("priority", 0),
+                 service_class=kwargs.get("service_class"))
     if (bad := check_submit(sub, max_model_len, max_prompt_chars)) is not None:
         raise ApiError(400, bad[1], code=bad[0])
 
@@ -172,10 +186,30 @@ def _text(content: str | list[TextPart] | None) -> str:
     return "".join(p.text for p in content)
 
 
-def usage_dict(u: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def usage_dict(u: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
+    out = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+           "total_tokens": u.prompt_tokens + u.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if weir is not None:
+        out["weir"] = weir
+    return out
+
+
+def weir_usage(service_class: str, degraded: bool, max_tokens: int | None,
+               queued_s: float) -> dict[str, Any]:
+    """The ``weir`` object in a response's usage: what admission granted the request."""
+    return {"service_class": service_class, "degraded": degraded, "max_tokens": max_tokens,
+            "queued_ms": round(queued_s * 1e3, 1)}
+
+
+def degraded_headers(degraded: bool, max_tokens: int | None) -> dict[str, str]:
+    """Response headers for a request whose ``max_tokens`` admission lowered."""
+    if not degraded:
+        return {}
+    out = {"x-weir-degraded": "true"}
+    if max_tokens is not None:
+        out["x-weir-max-tokens"] = str(max_tokens)
+    return out
 
 
 class Shaper:
@@ -191,8 +225,10 @@ class Shaper:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-        """The whole response; ``choices`` are (text, finish_reason) by index."""
+    def full(self, choices: list[tuple[str, str]], usage: Usage,
+             weir: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The whole response; ``choices`` are (text, finish_reason) by index; ``weir``
+        (``weir_usage``) goes into ``usage``."""
         out = []
         for index, (text, finish_reason) in enumerate(choices):
             if self.chat:
@@ -201,7 +237,7 @@ class Shaper:
             else:
                 out.append({"index": index, "text": text, "logprobs": None,
                             "finish_reason": finish_reason})
-        return {**self._base(self.object), "choices": out, "usage": usage_dict(usage)}
+        return {**self._base(self.object), "choices": out, "usage": usage_dict(usage, weir)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None,
               first: bool = False, index: int = 0) -> dict[str, Any]:
@@ -218,6 +254,6 @@ class Shaper:
                   "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage_dict(usage)}
+        return {**self._base(obj), "choices": [], "usage": usage_dict(usage, weir)}

@@ -20,6 +20,14 @@ def released_outputs(out: Outcome) -> dict[str, int]:
     return {rid: done[rid] for rid in out.released if rid in done}
 
 
+def released_ttft(out: Outcome) -> dict[str, float]:
+    """Arrival → first token of each request that finished in ``out``, for admission to
+    check its TTFT predictions against."""
+    return {t.request_id: t.timing.queue_s + t.timing.prefill_s for t in out.tokens
+            if t.finish_reason is not None and t.timing is not None and t.index == 0
+            and t.request_id in out.released}
+
+
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> SchedulerLoad:
     queued = sum(s.remaining for s in core.waiting) + sum(
         s.remaining for s in core.running if s.remaining > 1)

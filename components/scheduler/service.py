@@ -15,7 +15,8 @@ from bus.component import Component
 import msgspec
 
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.load import LOAD_INTERVAL_S, load_report, released_outputs
+from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
+                                       released_ttft)
 from components.scheduler.sequence import Phase
 from components.scheduler.step_trace import StepTracer
 from components.scheduler.usage import UsageStats
@@ -140,7 +141,8 @@ class SchedulerService(Component):
             await self.to_detok.send(ForgetRequest(rid))
         if out.released:
             self.trace.released(out.released)
-            await self.to_admission.send(Released(out.released, released_outputs(out)))
+            await self.to_admission.send(Released(out.released, released_outputs(out),
+                                                  released_ttft(out)))
         if core.in_flight is None and core.has_work:
             plan = core.schedule(time.time_ns())
             for p in core.last_preempted:

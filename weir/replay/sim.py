@@ -25,7 +25,8 @@ from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel, plan_shape
-from components.scheduler.load import LOAD_INTERVAL_S, load_report, released_outputs
+from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
+                                       released_ttft)
 from schemas.config import WeirConfig
 from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
 from weir.replay.profile import CostProfile
@@ -173,8 +174,8 @@ class Simulator:
         tick = self.now - self.now % _LOAD_NS
         if tick != self._load_tick:
             self._load_tick = tick
-            self.policy.load = load_report(self.core, self.cost,
-                                           self.config.scheduler.max_num_batched_tokens)
+            self.policy.on_load(load_report(self.core, self.cost,
+                                            self.config.scheduler.max_num_batched_tokens))
 
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:
@@ -246,7 +247,7 @@ class Simulator:
             rec.e2e_s = now_s - rec.sent_s
             self.last_token_ns.pop(rid, None)
         if out.released:
-            self.policy.released(out.released, now_s, released_outputs(out))
+            self.policy.released(out.released, now_s, released_outputs(out), released_ttft(out))
 
     def _sample(self) -> None:
         kv = self.config.kv

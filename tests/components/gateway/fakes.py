@@ -14,17 +14,25 @@ from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
 from components.gateway.http import guarded_protocol
 from components.gateway.service import _Server
-from schemas.client import ComponentStatus, StatusReport, TextDelta, Usage
+from schemas.client import Accepted, ComponentStatus, StatusReport, TextDelta, Usage
 from schemas.config import GatewayConfig
+from weir.errors import RequestRejected
 
 
 class FakeStream:
-    """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes."""
+    """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes; or,
+    with ``reject``, raises it where the engine's rejection would surface. ``accepted``
+    is what admission granted, known (as with the SDK) before the first delta."""
 
-    def __init__(self, rid: str, deltas: int, text: str, delay: float = 0.0) -> None:
+    def __init__(self, rid: str, deltas: int, text: str, delay: float = 0.0,
+                 accepted: Accepted | None = None,
+                 reject: RequestRejected | None = None) -> None:
         self.request_id, self.deltas, self.text, self.delay = rid, deltas, text, delay
+        self.granted = accepted or Accepted(rid, 3, 0, "default", 16)
+        self.reject = reject
         self.cancelled = anyio.Event()
         self.closed = anyio.Event()
+        self.accepted: Accepted | None = None
         self.result = None
 
     def __aiter__(self):
@@ -33,6 +41,9 @@ class FakeStream:
     async def _events(self):
         try:
             await anyio.sleep(getattr(self, "first_delay", 0.0))       # queue + prefill
+            if self.reject is not None:
+                raise self.reject
+            self.accepted = acc = self.granted
             for _ in range(self.deltas):
                 await anyio.sleep(self.delay)
                 yield TextDelta(self.request_id, self.text, (1,), 0)
@@ -40,7 +51,8 @@ class FakeStream:
                                            finish_reason="length")
             self.result = types.SimpleNamespace(
                 choices=[choice], usage=Usage(3, self.deltas), finish_reason="length",
-                queue_time_s=0.0, timing=None)
+                queue_time_s=0.0, timing=None, service_class=acc.service_class,
+                degraded=acc.degraded, max_tokens=acc.max_tokens, queued_s=acc.queued_s)
         finally:
             self.closed.set()
 
@@ -54,8 +66,10 @@ class FakeStream:
 class FakeClient:
     def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,
                  delay: float = 0.0, first_delay: float = 0.0,
-                 tenants: dict | None = None) -> None:
+                 tenants: dict | None = None, accepted: Accepted | None = None,
+                 reject: RequestRejected | None = None) -> None:
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
+        self.accepted, self.reject = accepted, reject     # for every stream it opens
         self.stats = stats or {}
         self.tenants = tenants or {}              # component -> {tenant: TenantUsage}
         self.submitted: list[dict[str, Any]] = []
@@ -63,7 +77,8 @@ class FakeClient:
 
     async def stream(self, request_id: str, tenant: str, **kwargs: Any) -> FakeStream:
         self.submitted.append({"tenant": tenant, **kwargs})
-        s = FakeStream(request_id, self.deltas, self.text, self.delay)
+        s = FakeStream(request_id, self.deltas, self.text, self.delay, self.accepted,
+                       self.reject)
         s.first_delay = self.first_delay
         self.streams.append(s)
         return s

@@ -5,15 +5,16 @@ import pytest
 
 from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, parse, submit_kwargs, validate_kwargs)
+                                           Shaper, class_of, degraded_headers, parse,
+                                           submit_kwargs, validate_kwargs, weir_usage)
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
 
 M = "SmolLM2-135M-Instruct"
 
 
-def kwargs(body: bytes, kind=CompletionRequest):
-    return submit_kwargs(parse(body, kind), M)
+def kwargs(body: bytes, kind=CompletionRequest, class_header: str | None = None):
+    return submit_kwargs(parse(body, kind), M, class_header)
 
 
 def test_completion_forms_of_prompt():
@@ -136,3 +137,42 @@ def test_ready_needs_every_component_ready():
     assert not all_ready(report("ready", "dead"))
     assert not all_ready(report("ready", alive=False))
     assert not all_ready(report())
+
+
+@pytest.mark.parametrize("body, header, want", [
+    (b'{"prompt": "x"}', None, None),                              # the tenant's default
+    (b'{"prompt": "x"}', "batch", "batch"),
+    (b'{"prompt": "x"}', "  batch ", "batch"),
+    (b'{"prompt": "x"}', "", None),
+    (b'{"prompt": "x", "service_class": "batch"}', None, "batch"),
+    (b'{"prompt": "x", "service_class": "batch"}', "interactive", "batch"),   # body wins
+    (b'{"prompt": "x", "service_class": ""}', "interactive", "interactive"),  # empty: unset
+])
+def test_the_class_comes_from_the_body_else_the_header(body, header, want):
+    req = parse(body, CompletionRequest)
+    assert class_of(req, header) == want
+    k = kwargs(body, class_header=header)
+    assert k.get("service_class") == want and ("service_class" in k) == (want is not None)
+
+
+def test_chat_takes_a_class_too_and_an_overlong_one_is_400():
+    body = b'{"messages": [{"role": "user", "content": "x"}], "service_class": "batch"}'
+    assert kwargs(body, ChatCompletionRequest, "interactive")["service_class"] == "batch"
+    k = kwargs(b'{"prompt": "x"}', class_header="c" * 257)
+    with pytest.raises(ApiError) as err:
+        validate_kwargs(k, 2048)
+    assert err.value.status == 400 and "service_class" in err.value.message
+    validate_kwargs(kwargs(b'{"prompt": "x"}', class_header="c" * 256), 2048)
+
+
+def test_admission_grant_shapes():
+    assert degraded_headers(False, 4) == {}
+    assert degraded_headers(True, 4) == {"x-weir-degraded": "true", "x-weir-max-tokens": "4"}
+    assert degraded_headers(True, None) == {"x-weir-degraded": "true"}
+    weir = weir_usage("batch", True, 4, 0.01234)
+    assert weir == {"service_class": "batch", "degraded": True, "max_tokens": 4,
+                    "queued_ms": 12.3}
+    u = Usage(5, 3, 4)
+    assert Shaper(False, "r", M).full([("a", "stop")], u, weir)["usage"]["weir"] == weir
+    assert Shaper(True, "r", M).usage_chunk(u, weir)["usage"]["weir"] == weir
+    assert "weir" not in Shaper(True, "r", M).usage_chunk(u)["usage"]
