@@ -500,12 +500,23 @@ class AdmissionPolicy:
             item = self._queue[0]
             tenant = self.tenants[item.req.tenant]
             est = item.decision.estimate
-            if self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n):
-                break
-            heapq.heappop(self._queue)
-            del self._queued[item.request_id]
             decision = Decision(ACCEPT, "released", item.decision.service_class,
                                 item.decision.priority, item.decision.max_tokens, est)
+            blocker = self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n)
+            if blocker is not None:
+                # a class that may degrade starts with a lower max_tokens once that fits
+                cls = self.classes[item.decision.service_class]
+                fit = self._degraded_tokens(item.req, est, self._room(item.req.tenant, tenant),
+                                            cls) if cls.may_degrade and blocker in (
+                                                "kv", "tenant_kv") else None
+                if fit is None:
+                    break
+                decision = self._degrade(item.req, cls, fit, {"priority": decision.priority,
+                                                              "estimate": est}, "released", now)
+                if decision.kind != DEGRADE:
+                    break
+            heapq.heappop(self._queue)
+            del self._queued[item.request_id]
             self._admit(item.req, decision, now)
             out.append((item.req, decision, now - item.queued_at))
         return out

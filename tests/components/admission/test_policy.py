@@ -264,3 +264,17 @@ def test_token_bucket_arithmetic():
     assert b.wait_s(10, 0.0) == pytest.approx(1.5)
     assert b.refill(1.0) == pytest.approx(5)
     assert b.refill(100.0) == 10
+
+
+def test_a_queued_request_that_fits_only_degraded_starts_degraded():
+    # the tenant's budget (3 blocks) holds one degraded request; the second waits, and
+    # starts degraded when the first is released (it would never fit at full size)
+    p = policy(tenants=[{"name": "a", "kv_blocks": 3}])
+    first = p.decide(req("1", cls="batch", prompt=10, max_tokens=64), 0, 0.0)
+    assert (first.kind, first.max_tokens) == (DEGRADE, 38)       # 3 blocks = 48 tokens
+    second = p.decide(req("2", cls="batch", prompt=10, max_tokens=64), 0, 0.0)
+    assert second.kind == QUEUE
+    p.released(["1"], 1.0)
+    ((tok, d, waited),) = p.release(1.0)
+    assert (tok.request_id, d.kind, d.max_tokens) == ("2", DEGRADE, 38)
+    assert p.tenant_blocks["a"] == 3
