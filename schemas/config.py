@@ -212,6 +212,8 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued: int = 256              # requests held in admission's queue, all tenants
     output_percentile: float = 90.0    # expected output: this percentile of recent outputs
     kv_safety: float = 0.1             # margin on the expected output's KV reservation
+    ttft_headroom: float = 0.2         # accept only if the predicted TTFT is within the
+                                       # deadline less this fraction (prediction error)
     classes: tuple[ServiceClass, ...] = ()
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
 
@@ -220,6 +222,7 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.max_queued >= 0, "admission.max_queued must be >= 0")
         _require(0 < self.output_percentile <= 100, "admission.output_percentile in (0, 100]")
         _require(self.kv_safety >= 0, "admission.kv_safety must be >= 0")
+        _require(0 <= self.ttft_headroom < 1, "admission.ttft_headroom must be in [0, 1)")
         names = [t.name for t in self.tenants]
         _require(len(set(names)) == len(names), "admission.tenants has duplicate names")
         classes = [c.name for c in self.classes]

@@ -51,6 +51,10 @@ from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Rejected, SchedulerLoad, Tokenized
 
 POLICIES = ("fcfs", "deadline")
+
+
+def headroom_pct(kept: float) -> str:
+    return f"{(1 - kept) * 100:.0f}%"
 ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
 
 
@@ -63,6 +67,7 @@ class Estimate:
     kv_blocks: int
     predicted_ttft_s: float | None       # None until the scheduler has measured its rates
     deadline_ms: float | None            # the request's own, else its class's TTFT SLO
+    scheduler_ttft_s: float | None = None   # the backlog part alone, before the learned bias
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,8 @@ class AdmissionPolicy:
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
-        self.ttft_factor = 1.0            # observed / predicted TTFT, smoothed (see released)
+        self.ttft_bias_s = 0.0            # observed − predicted TTFT, smoothed (see released)
+        self._observed = False            # a TTFT was observed since the last load report
         self.outputs = OutputStats(adm.output_percentile)
         self._buckets: dict[str, TokenBucket] = {}
         self._queue: list[_Queued] = []                # a heap, re-ordered as priorities age
@@ -199,11 +205,12 @@ class AdmissionPolicy:
                                     f"{int(bucket.level)} (rate {tenant.token_rate:g}/s)",
                                     retry_s=bucket.wait_s(cost, now), **base)
             return self._degrade(req, cls, fit, base, "tenant_token_budget", now)
+        headroom = 1.0 - self.config.admission.ttft_headroom
         if est.deadline_ms is not None and est.predicted_ttft_s is not None \
-                and est.predicted_ttft_s * 1e3 > est.deadline_ms:
+                and est.predicted_ttft_s * 1e3 > est.deadline_ms * headroom:
             return self._reject(req, "deadline_unmeetable",
-                                f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms > "
-                                f"deadline {est.deadline_ms:.0f} ms",
+                                f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms; deadline "
+                                f"{est.deadline_ms:.0f} ms less {headroom_pct(headroom)} headroom",
                                 retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
         blocker = self._blocker(req.tenant, tenant, est.kv_blocks, seqs)
         if blocker is None and self._behind_queue(base["priority"], est, now):
@@ -249,8 +256,9 @@ class AdmissionPolicy:
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
+        raw = self.predicted_ttft_s(uncached)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
-                        self.predicted_ttft_s(uncached), deadline)
+                        None if raw is None else raw + self.ttft_bias_s, deadline, raw)
 
     def _blocks(self, uncached: int, output: int, n: int) -> int:
         grow = output * (1 + self.config.admission.kv_safety)
@@ -271,9 +279,8 @@ class AdmissionPolicy:
         per_step = max(budget - load.running, 1)
         step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
         steps = ahead / per_step
-        raw = steps * step_s if steps >= 1 else \
+        return steps * step_s if steps >= 1 else \
             ahead / load.prefill_tokens_per_s + load.decode_step_s
-        return raw * self.ttft_factor
 
     def on_load(self, load: SchedulerLoad) -> None:
         """The scheduler's backlog report (every 100 ms): it now counts what was admitted
@@ -282,7 +289,9 @@ class AdmissionPolicy:
         self.unreported_tokens = 0
         # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
         # keep it up: a factor learned in a burst must not refuse everything after it
-        self.ttft_factor = 1.0 + (self.ttft_factor - 1.0) * 0.95
+        if not self._observed:
+            self.ttft_bias_s *= 0.95
+        self._observed = False
 
     # ------------------------------------------------------------------ capacity
     def _room(self, name: str, tenant: TenantConfig) -> int:
@@ -344,7 +353,7 @@ class AdmissionPolicy:
             return self._reject(req, "overloaded", "no capacity even degraded", retry=1,
                                 now=now, **base)
         est = Estimate(est.uncached_tokens, max_tokens, blocks, est.predicted_ttft_s,
-                       est.deadline_ms)
+                       est.deadline_ms, est.scheduler_ttft_s)
         return Decision(DEGRADE, why, cls.name, base["priority"], max_tokens, est)
 
     def _bucket(self, tenant: TenantConfig, now: float) -> TokenBucket | None:
@@ -374,7 +383,7 @@ class AdmissionPolicy:
         seqs = req.params.n
         blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
         self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
-                               decision.estimate.predicted_ttft_s)
+                               decision.estimate.scheduler_ttft_s)
         self.reserved_blocks += blocks
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
@@ -397,7 +406,8 @@ class AdmissionPolicy:
                  ttft_s: dict[str, float] | None = None) -> None:
         """Requests the scheduler let go. ``output_tokens`` teach the expected output;
         ``ttft_s`` (arrival → first token, as the engine saw it) corrects the TTFT
-        prediction: the model sees only the scheduler's backlog, not the time a request
+        prediction by a learned bias (observed − predicted, smoothed; it fades when nothing
+        is observed): the model sees only the scheduler's backlog, not the time a request
         spends in the other processes, nor CPU contention between them."""
         for rid in request_ids:
             tenant = self.outstanding.pop(rid, None)
@@ -412,9 +422,10 @@ class AdmissionPolicy:
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(tenant, held.service_class,
                                      output_tokens[rid] // max(held.seqs, 1))
-            if ttft_s and rid in ttft_s and held.predicted_s and held.predicted_s > 0.02:
-                ratio = ttft_s[rid] / (held.predicted_s / self.ttft_factor)
-                self.ttft_factor = min(max(0.8 * self.ttft_factor + 0.2 * ratio, 0.5), 8.0)
+            if ttft_s and rid in ttft_s and held.predicted_s is not None:
+                miss = ttft_s[rid] - held.predicted_s
+                self.ttft_bias_s = max(0.8 * self.ttft_bias_s + 0.2 * miss, 0.0)
+                self._observed = True
 
     def holding(self, held: list[tuple[str, str]]) -> None:
         """After a restart of admission: resume the counts of what the scheduler holds."""

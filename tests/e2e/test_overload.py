@@ -2,14 +2,14 @@
 
 1. Capacity: the rate of completions within the SLO when far more is offered.
 2. At capacity for 10 s: the SLO-meeting completions per second (goodput).
-3. At 3x capacity for 30 s: rejections return fast (p99 < 50 ms).
+3. At 3x capacity for 30 s: rejections return fast (p99 < 50 ms), at least 95% of the
+   accepted requests meet their TTFT SLO, and goodput is at least 80% of goodput at capacity.
 4. After the burst, TTFT is back to normal within 5 s.
 
-Not yet met, so measured and printed but not asserted (issue 13 stays open on it): at least
-95% of the accepted requests meeting their TTFT SLO at 3x, and goodput at 3x at least 80%
-of goodput at capacity. Measured here: 54-60% and 65-74%: the TTFT prediction (scheduler
-backlog at the measured prefill rate, corrected by observed/predicted) is still optimistic
-when seven processes and the client share two cores."""
+What made 3 hold: the TTFT prediction counts what admission let in since the scheduler's
+last report, and adds a bias learned from observed TTFTs. Before the bias only 54-60% of the
+accepted met the SLO: on two cores most of a request's wait at 3x is in the processes before
+the scheduler, which the backlog model cannot see."""
 from __future__ import annotations
 
 import random
@@ -48,6 +48,7 @@ class Phase:
         self.rejected: list[float] = []      # seconds to the rejection
         self.reasons: list[str] = []
         self.met = 0
+        self.engine: list[float] = []        # the engine's own arrival → first token
 
 
 async def offer(c, rate: float, seconds: float, seed: int) -> Phase:
@@ -66,6 +67,8 @@ async def offer(c, rate: float, seconds: float, seed: int) -> Phase:
             return
         phase.ttft.append(r.ttft_ms / 1e3)
         phase.met += r.ttft_ms <= SLO_MS
+        if r.timing is not None:
+            phase.engine.append(r.timing.queue_s + r.timing.prefill_s)
 
     async with anyio.create_task_group() as tg:
         start = time.perf_counter()
@@ -112,8 +115,12 @@ def test_overload_at_3x_capacity(engine):
               f"{sorted(set(burst.reasons))}); baseline TTFT {baseline * 1e3:.0f} ms; "
               f"recovered after {recovered}")
     print(report)
+    print(f"3x TTFT p50 {statistics.median(burst.ttft):.3f} s (engine's own "
+          f"{statistics.median(burst.engine):.3f} s)")
     assert capacity > 0.5, report
     assert burst.rejected, report
     assert p99(burst.rejected) < 0.050, report
     assert at_cap.met >= 0.95 * len(at_cap.ttft), report     # at capacity the SLO holds
+    assert burst.met >= 0.95 * len(burst.ttft), report
+    assert burst.met / 30.0 >= 0.8 * at_cap.met / 10.0, report
     assert recovered is not None and recovered <= 5.0, report

@@ -278,3 +278,18 @@ def test_a_queued_request_that_fits_only_degraded_starts_degraded():
     ((tok, d, waited),) = p.release(1.0)
     assert (tok.request_id, d.kind, d.max_tokens) == ("2", DEGRADE, 38)
     assert p.tenant_blocks["a"] == 3
+
+
+def test_observed_ttft_teaches_a_bias_that_fades():
+    p = policy()
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    d = p.decide(req("1", prompt=100), 0, 0.0)
+    assert d.estimate.predicted_ttft_s == pytest.approx(0.15)          # 100 / 1000 + 0.05
+    p.released(["1"], 1.0, {}, {"1": 1.15})                           # it took 1 s longer
+    assert p.ttft_bias_s == pytest.approx(0.2)                         # smoothed: 0.2 x 1 s
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))     # the report after the observation
+    assert p.decide(req("2", prompt=100), 0, 1.0).estimate.predicted_ttft_s == \
+        pytest.approx(0.35)
+    for _ in range(14):                                 # 1.4 s of reports, nothing observed
+        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    assert p.ttft_bias_s == pytest.approx(0.2 * 0.95 ** 14)
