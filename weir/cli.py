@@ -168,11 +168,19 @@ def _status(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     sched = comps.get("scheduler").stats if "scheduler" in comps else {}
     kv = comps.get("kv_manager").stats if "kv_manager" in comps else {}
+    adm = comps.get("admission").stats if "admission" in comps else {}
     out = {
         "draining": report.draining,
         "components": {c.name: {"alive": c.alive, "pid": c.pid, "state": c.state,
                                 "restarts": c.restarts, "heartbeat_age_s": c.heartbeat_age_s}
                        for c in report.components},
+        "admission": {
+            "outstanding": int(adm.get("outstanding", 0)), "queued": int(adm.get("queued", 0)),
+            "reserved_kv_blocks": int(adm.get("reserved_kv_blocks", 0)),
+            "queue_depth": {k.split(".", 1)[1]: int(v) for k, v in adm.items()
+                            if k.startswith("queue_depth.")},
+            "rejections": {k.split(".", 1)[1]: int(v) for k, v in adm.items()
+                           if k.startswith("rejections.")}},
         "scheduler": {"running": int(sched.get("running", 0)),
                       "waiting": int(sched.get("waiting", 0)),
                       "preemptions": {"recompute": int(sched.get("preemptions.recompute", 0)),
@@ -200,6 +208,10 @@ def _status(args: argparse.Namespace) -> int:
     for name, c in out["components"].items():
         print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
     s = out["scheduler"]
+    a = out["admission"]
+    print(f"admission    outstanding {a['outstanding']} queued {a['queued']} reserved_kv_blocks "
+          f"{a['reserved_kv_blocks']}" + "".join(f" rejected[{k}] {v}"
+                                                 for k, v in sorted(a["rejections"].items())))
     print(f"scheduler    running {s['running']} waiting {s['waiting']} preemptions "
           f"recompute {s['preemptions']['recompute']} swap {s['preemptions']['swap']} "
           f"wasted_tokens {s['wasted_tokens']}")

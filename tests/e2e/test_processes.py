@@ -28,3 +28,8 @@ def test_seven_distinct_live_processes(engine):
                                    "preemptions": {"recompute": 0, "swap": 0}}
     assert status["kv"]["cpu_free_blocks"] == status["kv"]["cpu_total_blocks"] > 0
     assert status["kv"]["below_watermark"] is False
+    assert status["admission"]["queued"] == 0 and status["admission"]["outstanding"] == 0
+    out = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--endpoint",
+                          engine.endpoint], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
+    assert "admission    outstanding 0 queued 0" in out.stdout
