@@ -1,11 +1,13 @@
-"""Prometheus metrics for the gateway: per-request latencies measured here, and engine
-state (queues, KV, prefix cache, preemptions) read from the latest status report.
+"""Prometheus metrics for the gateway: per-request latencies of HTTP requests measured
+here, and engine state (queues, KV, prefix cache, preemptions, and the streamer's latency
+and SLO counts of all traffic, SDK and HTTP) read from the latest status report.
 Names follow vLLM's where the meaning is the same, under the ``weir:`` prefix."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
+from prometheus_client.utils import floatToGoString
 
 from schemas.client import TenantUsage
 
@@ -122,6 +124,7 @@ class _EngineCollector:
             tok.add_metric([self.model, tenant, "generated"], usage.generated_tokens)
         yield tok
         yield kvb
+        yield from self._request_families(streamer)
 
     def _batch_histogram(self, sched: dict[str, float]) -> HistogramMetricFamily:
         h = HistogramMetricFamily("weir:batch_size", "Sequences per scheduler step.",
@@ -132,6 +135,54 @@ class _EngineCollector:
         h.add_metric([self.model], [(str(int(le)), v) for le, v in buckets] + [("+Inf", count)],
                      sum_value=sched.get("batch_size.sum", 0))
         return h
+
+    def _request_families(self, streamer: dict[str, float]):
+        """SLO outcomes, degraded requests and latency histograms by service class, from
+        the streamer's counts of every finished request (components/streamer/slo.py)."""
+        slo = CounterMetricFamily("weir:slo_requests", "Finished requests that met or missed "
+                                  "their objective, by service class and kind (ttft: the "
+                                  "request's deadline_ms, else its class's ttft_slo_ms; tpot: "
+                                  "the class's tpot_slo_ms). All traffic, SDK and HTTP.",
+                                  labels=["model_name", "class", "kind", "outcome"])
+        degraded = CounterMetricFamily("weir:degraded_requests", "Finished requests whose "
+                                       "max_tokens admission lowered, by service class.",
+                                       labels=["model_name", "class"])
+        hists: dict[tuple[str, str], dict] = {}       # (kind, class) -> le, sum, count
+        for key, value in sorted(streamer.items()):
+            head, _, rest = key.partition(".")
+            if head == "slo":
+                kind, outcome, cls = rest.split(".", 2)
+                slo.add_metric([self.model, cls, kind, outcome], value)
+            elif head == "degraded":
+                degraded.add_metric([self.model, rest], value)
+            elif head in ("ttft_ms", "tpot_ms", "e2e_ms"):      # the streamer counts in ms
+                field, _, rest = rest.partition(".")
+                edge, cls = rest.split(".", 1) if field == "le" else ("", rest)
+                parts = hists.setdefault((head[:-3], cls), {"le": []})
+                if field == "le":
+                    parts["le"].append((int(edge), value))
+                else:
+                    parts[field] = value
+        yield slo
+        yield degraded
+        for kind, doc in _REQUEST_HISTOGRAMS.items():
+            h = HistogramMetricFamily(f"weir:request_{kind}_seconds", doc,
+                                      labels=["model_name", "class"])
+            for (of, cls), parts in sorted(hists.items()):
+                if of == kind:
+                    buckets = [(floatToGoString(ms / 1e3), v) for ms, v in sorted(parts["le"])]
+                    h.add_metric([self.model, cls], buckets + [("+Inf", parts.get("count", 0))],
+                                 sum_value=parts.get("sum", 0.0) / 1e3)
+            yield h
+
+
+_REQUEST_HISTOGRAMS = {
+    "ttft": "Time to first token, by service class, as the streamer sees it (arrival to the "
+            "first delta it forwards). All traffic, SDK and HTTP.",
+    "tpot": "Time per output token after the first, by service class (the longest choice's). "
+            "All traffic, SDK and HTTP.",
+    "e2e": "Arrival to finish of finished requests, by service class. All traffic, SDK and HTTP.",
+}
 
 
 class _TenantView:
@@ -154,19 +205,23 @@ class GatewayMetrics:
         self.model = model
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
-        self.ttft = Histogram("weir:time_to_first_token_seconds", "Time to first token.", m,
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("weir:inter_token_latency_seconds", "Time between output tokens.",
+        self.ttft = Histogram("weir:time_to_first_token_seconds", "Time to first token of "
+                              "HTTP requests only, as the gateway sees it (all traffic: "
+                              "weir:request_ttft_seconds).", m, buckets=_LATENCY, registry=r)
+        self.itl = Histogram("weir:inter_token_latency_seconds", "Time between output tokens "
+                             "of HTTP requests only (all traffic: weir:request_tpot_seconds).",
                              m, buckets=_ITL, registry=r)
-        self.queue = Histogram("weir:request_queue_time_seconds",
-                               "Time from arrival to first scheduling.", m, buckets=_LATENCY,
+        self.queue = Histogram("weir:request_queue_time_seconds", "Time from arrival to first "
+                               "scheduling, HTTP requests only.", m, buckets=_LATENCY,
                                registry=r)
-        self.e2e = Histogram("weir:e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e = Histogram("weir:e2e_request_latency_seconds", "End-to-end latency of HTTP "
+                             "requests only (all traffic: weir:request_e2e_seconds).",
                              m, buckets=_LATENCY, registry=r)
-        self.prefill = Histogram("weir:request_prefill_time_seconds",
-                                 "First scheduled to first token.", m, buckets=_LATENCY, registry=r)
-        self.decode = Histogram("weir:request_decode_time_seconds",
-                                "First token to finish.", m, buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("weir:request_prefill_time_seconds", "First scheduled to "
+                                 "first token, HTTP requests only.", m, buckets=_LATENCY,
+                                 registry=r)
+        self.decode = Histogram("weir:request_decode_time_seconds", "First token to finish, "
+                                "HTTP requests only.", m, buckets=_LATENCY, registry=r)
         self.success = Counter("weir:request_success", "Finished requests by reason.",
                                m + ["finished_reason"], registry=r)
         self.errors = Counter("weir:request_errors", "Requests that ended without finishing, "

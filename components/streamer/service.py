@@ -33,6 +33,7 @@ from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, rename
 from components.streamer.identity import Identity, Keyring, Refusal, visible_status
+from components.streamer.slo import RequestClock, SloStats, generated_tokens
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           ProtocolError, Rejected, ServerHeartbeat, StatusQuery, StatusReport,
@@ -53,6 +54,7 @@ class Active:
     identity: bytes
     tenant: str
     arrival_ns: int
+    clock: RequestClock
     span: Any = None                 # the request's root span in the engine
     delivery: Any = None             # "stream" span: first delta to terminal
     completion: list[str] | None = None   # only with telemetry.record_content
@@ -94,6 +96,7 @@ class StreamerService(Component):
         self.keys = Keyring(self.config.gateway.api_keys)
         self.idempotency = IdempotencyTable(self.config.streamer.idempotency_ttl_s)
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
+        self.slo = SloStats(self.config.admission.service_classes())
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "retries": 0}
@@ -157,7 +160,8 @@ class StreamerService(Component):
             "gen_ai.request.max_tokens": p.max_tokens if p.max_tokens is not None else -1,
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.top_k": p.top_k})
-        req = Active(who, tenant, time.time_ns(), span)
+        req = Active(who, tenant, time.time_ns(), RequestClock(time.monotonic(), sub.deadline_ms),
+                     span)
         if self.config.telemetry.record_content:          # off by default: text stays out
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
@@ -306,6 +310,9 @@ class StreamerService(Component):
             return
         if isinstance(event, Accepted):
             req.pending = None
+            req.clock.service_class, req.clock.degraded = event.service_class, event.degraded
+        if isinstance(event, TextDelta):
+            req.clock.token(time.monotonic())
         if isinstance(event, TextDelta) and req.completion is not None:
             req.completion.append(event.text)
         if isinstance(event, TextDelta) and req.delivery is None:
@@ -315,6 +322,8 @@ class StreamerService(Component):
             self._pop(rid)
             kind = type(event).__name__.lower()
             self.counts[kind] += 1
+            if isinstance(event, Finished):
+                self.slo.finished(req.clock, time.monotonic(), generated_tokens(event))
             req.end(kind, getattr(event, "finish_reason", None)
                     or getattr(event, "reason", ""), getattr(event, "usage", None))
         await self._deliver(rid, req, event, terminal)
@@ -362,4 +371,4 @@ class StreamerService(Component):
     def stats(self) -> dict[str, float]:
         return {"active_requests": len(self.active), "clients": len(self.last_seen),
                 "idempotency_entries": len(self.idempotency),
-                **{f"requests.{k}": v for k, v in self.counts.items()}}
+                **{f"requests.{k}": v for k, v in self.counts.items()}, **self.slo.stats()}

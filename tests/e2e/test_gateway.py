@@ -200,3 +200,23 @@ def test_metrics_parse_and_move(gw, oai):
     assert after["weir:request_success_total[length]"] == before.get("weir:request_success_total[length]", 0) + 1
     assert after["weir:inter_token_latency_seconds_count"] >= before["weir:inter_token_latency_seconds_count"] + 4
     assert after["weir:prefix_cache_queries_total"] > before["weir:prefix_cache_queries_total"]
+    # the streamer times HTTP traffic too (the gateway is its client)
+    assert after["weir:request_e2e_seconds_count"] == before.get("weir:request_e2e_seconds_count", 0) + 1
+
+
+def test_engine_wide_latency_and_slo_metrics_count_sdk_traffic(gw):
+    """A request over the SDK never touches HTTP: the gateway's own histograms stay still,
+    the streamer's (class ``default``, TTFT against the request's own deadline) move."""
+    before = _metrics(gw)
+    met = gw.stats("streamer").get("slo.ttft.met.default", 0)
+    with gw.client() as c:
+        done = c.generate("Count with me: one, two, three,", max_tokens=4, temperature=0,
+                          ignore_eos=True, deadline_ms=60_000)
+    assert done.usage.completion_tokens == 4
+    gw.wait_stat("streamer", "slo.ttft.met.default", met + 1, timeout=2.0)
+    after = _metrics(gw)
+    for name in ("weir:request_ttft_seconds_count", "weir:request_tpot_seconds_count",
+                 "weir:request_e2e_seconds_count", "weir:slo_requests_total"):
+        assert after[name] == before.get(name, 0) + 1, name
+    assert after["weir:e2e_request_latency_seconds_count"] == before["weir:e2e_request_latency_seconds_count"]
+    assert after["weir:time_to_first_token_seconds_count"] == before["weir:time_to_first_token_seconds_count"]
