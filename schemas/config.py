@@ -111,6 +111,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookahead_tokens: int = 16
     step_log: str = ""        # append one JSON line per step (its shape, measured time): the
                               # input of `weir calibrate`
+    chunking: Literal["slack", "fixed"] = "slack"   # slack: while streams decode, cap the
+                              # step's prefill so it keeps their TPOT SLO (chunking.py)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")

@@ -82,6 +82,7 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     public_scope: str = ""            # the first public_blocks blocks are a shared public prefix
     public_blocks: int = 0
     service_class: str | None = None  # asked for by the client; in Admitted, the class granted
+    tpot_slo_ms: float | None = None  # in Admitted: the class's TPOT SLO (stall-free chunking)
 
 
 class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):

@@ -93,7 +93,8 @@ class AdmissionService(Component):
         await self.to_scheduler.send(Admitted(
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
             req.arrival_ns, req.eos_token_ids, req.deadline_ms, d.priority, req.public_scope,
-            req.public_blocks, d.service_class), traceparent=traceparent)
+            req.public_blocks, d.service_class, self.policy.classes[d.service_class].tpot_slo_ms),
+            traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
             d.max_tokens, d.kind == DEGRADE, round(queued_s, 4))]))

@@ -100,6 +100,7 @@ class SchedulerCore:
         seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
                   len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
                   req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
+                  tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
                   public_scope=req.public_scope, public_blocks=req.public_blocks)
         seq.group.append(seq)
         self.by_request[seq.request_id] = seq
@@ -220,13 +221,15 @@ class SchedulerCore:
         return out
 
     # ------------------------------------------------------------------ planning
-    def schedule(self, now_ns: int = 0) -> StepPlan | None:
+    def schedule(self, now_ns: int = 0, budget: int | None = None) -> StepPlan | None:
         """Plan the next step, or None if nothing can run now. Call only when no step
-        is in flight. ``now_ns`` (wall clock) stamps first scheduling, for queue time."""
+        is in flight. ``now_ns`` (wall clock) stamps first scheduling, for queue time;
+        ``budget`` overrides the step's token budget (stall-free chunking, chunking.py)."""
         assert self.in_flight is None
         self.last_preempted = []
         self._preempt_if_stuck()
-        budget = self.cfg.max_num_batched_tokens
+        if budget is None:
+            budget = self.cfg.max_num_batched_tokens
         chosen: list[tuple[Seq, int]] = []
         for seq in self.running:                      # decode tokens first
             if budget and seq.remaining == 1 and seq.capacity(self.block_size) >= seq.num_tokens:
@@ -471,7 +474,8 @@ class SchedulerCore:
                     parent.arrival_ns, parent.eos_token_ids, phase=Phase.RUNNING,
                     num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
                     first_scheduled_ns=parent.first_scheduled_ns, index=index,
-                    priority=parent.priority, public_scope=parent.public_scope,
+                    priority=parent.priority, tpot_slo_s=parent.tpot_slo_s,
+                    public_scope=parent.public_scope,
                     public_blocks=parent.public_blocks, forked=True, group=parent.group)
         parent.group.append(child)
         self.by_seq[child.seq_id] = child

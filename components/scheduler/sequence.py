@@ -42,6 +42,7 @@ class Seq:
     first_token_ns: int = 0
     index: int = 0                 # which of the request's n choices
     priority: int = 0              # lower is more important
+    tpot_slo_s: float | None = None  # its class's time-per-output-token objective
     public_scope: str = ""
     public_blocks: int = 0
     forked: bool = False           # n > 1: the first sample (and the fork) happened

@@ -14,6 +14,7 @@ import structlog
 from bus.component import Component
 import msgspec
 
+from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
                                        released_ttft)
@@ -144,7 +145,12 @@ class SchedulerService(Component):
             await self.to_admission.send(Released(out.released, released_outputs(out),
                                                   released_ttft(out)))
         if core.in_flight is None and core.has_work:
-            plan = core.schedule(time.time_ns())
+            budget = None
+            if self.config.scheduler.chunking == "slack":
+                budget = step_budget(core, self.trace.cost,
+                                     self.config.scheduler.max_num_batched_tokens)
+                self.trace.budget_choice = budget
+            plan = core.schedule(time.time_ns(), budget.tokens if budget else None)
             for p in core.last_preempted:
                 log.info("preemption", request_id=p.request_id, choice_index=p.index,
                          reason=p.reason, choice=p.choice, wasted_tokens=p.wasted_tokens,

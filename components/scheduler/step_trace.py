@@ -19,6 +19,7 @@ class StepTracer:
     def __init__(self, core: SchedulerCore, token_budget: int) -> None:
         self.core = core
         self.budget = token_budget
+        self.budget_choice = None               # the step budget chosen for the next plan
         self.cost = StepCostModel()
         self.free_blocks = -1
         self.traceparents: dict[str, str | None] = {}   # request → root span, for other processes
@@ -60,13 +61,18 @@ class StepTracer:
             if (ctx := self._ctx(rid)) is not None:
                 links.append(Link(trace.get_current_span(ctx).get_span_context()))
         used = sum(tokens)
+        choice, self.budget_choice = self.budget_choice, None
         self.shape = plan_shape(plan, lambda seq_id: self.core.by_seq[seq_id].num_computed)
         self._predicted = self.cost.predict(*self.shape[:3])
         self._step = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
             "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
             "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
-            "weir.step.token_budget": self.budget, "weir.step.tokens_used": used,
+            "weir.step.token_budget": choice.tokens if choice else self.budget,
+            "weir.step.budget_reason": choice.reason if choice else "fixed",
+            "weir.step.tightest_tpot_ms": round(choice.tightest_tpot_s * 1e3, 2)
+            if choice and choice.tightest_tpot_s else -1.0,
+            "weir.step.tokens_used": used,
             "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": self.shape.context,
             "weir.step.predicted_ms": round(self._predicted * 1e3, 3),
             "weir.step.free_kv_blocks": self.free_blocks,

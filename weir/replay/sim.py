@@ -23,6 +23,7 @@ import msgspec
 from components.admission.policy import QUEUE, REJECT, AdmissionPolicy, Decision
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
+from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel, plan_shape
 from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
@@ -154,7 +155,8 @@ class Simulator:
         self.records[tok.request_id].queue_s = queued_s
         self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
                                tok.block_hashes, params, tok.arrival_ns, (), tok.deadline_ms,
-                               d.priority, "", 0, d.service_class))
+                               d.priority, "", 0, d.service_class,
+                               self.policy.classes[d.service_class].tpot_slo_ms))
 
     def _drain_queue(self) -> None:
         """Admission's queue: expire what waited too long, release what now fits."""
@@ -194,7 +196,11 @@ class Simulator:
         for _ in range(4):                  # a plan, or grants that let the next try plan
             if core.in_flight is not None or not core.has_work:
                 break
-            plan = core.schedule(self.now)
+            budget = None
+            if self.config.scheduler.chunking == "slack":
+                budget = step_budget(core, self.cost,
+                                     self.config.scheduler.max_num_batched_tokens).tokens
+            plan = core.schedule(self.now, budget)
             if plan is not None:
                 self._start_step(plan)
                 self._settle_kv()

@@ -1,0 +1,45 @@
+"""Stall-free chunked prefill: the step's token budget, chosen so that the running streams
+keep their time per output token.
+
+While sequences are decoding, a step that also prefills a long chunk makes every stream
+wait for it. The budget is capped so the step-cost model's predicted step time stays within
+the tightest TPOT SLO among the decoding sequences (less ``headroom``); with no decodes, or
+no TPOT SLO among them, the full budget is used. Pure: the caller passes the cost model."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from components.scheduler.core import SchedulerCore
+from components.scheduler.cost_model import StepCostModel
+
+MIN_CHUNK = 16            # prefill tokens a step may always take, so prompts still progress
+_PROBE = 256              # tokens over which the marginal cost of prefill is measured
+
+
+class StepBudget(NamedTuple):
+    tokens: int
+    reason: str           # "full" | "no_decodes" | "no_tpot_slo" | "cost_unknown" | "tpot_slo"
+    tightest_tpot_s: float | None = None
+    predicted_s: float | None = None       # the step at this budget, as the model predicts
+
+
+def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
+                headroom: float = 0.2) -> StepBudget:
+    decoding = [s for s in core.running if s.remaining == 1 and s.num_output > 0]
+    if not decoding:
+        return StepBudget(full, "no_decodes")
+    slos = [s.tpot_slo_s for s in decoding if s.tpot_slo_s]
+    if not slos:
+        return StepBudget(full, "no_tpot_slo")
+    tightest = min(slos)
+    n, ctx = len(decoding), sum(s.num_tokens for s in decoding)
+    base = cost.predict(n, ctx, n + 1)
+    marginal = (cost.predict(n + _PROBE, ctx + _PROBE, n + 1) - base) / _PROBE
+    if base <= 0 or marginal <= 0:
+        return StepBudget(full, "cost_unknown", tightest)
+    room = int((tightest * (1 - headroom) - base) / marginal)
+    tokens = min(full, n + max(room, MIN_CHUNK))
+    if tokens >= full:
+        return StepBudget(full, "full", tightest, cost.predict(full, ctx + full - n, n + 1))
+    return StepBudget(tokens, "tpot_slo", tightest,
+                      cost.predict(tokens, ctx + tokens - n, n + 1))
