@@ -200,8 +200,9 @@ def test_metrics_parse_and_move(gw, oai):
     assert after["weir:request_success_total[length]"] == before.get("weir:request_success_total[length]", 0) + 1
     assert after["weir:inter_token_latency_seconds_count"] >= before["weir:inter_token_latency_seconds_count"] + 4
     assert after["weir:prefix_cache_queries_total"] > before["weir:prefix_cache_queries_total"]
-    # the streamer times HTTP traffic too (the gateway is its client)
-    assert after["weir:request_e2e_seconds_count"] == before.get("weir:request_e2e_seconds_count", 0) + 1
+    # the streamer times HTTP traffic too (the gateway is its client); its counts ride on
+    # heartbeats, so requests of earlier tests may still be landing in ``before``: at least one
+    assert after["weir:request_e2e_seconds_count"] >= before.get("weir:request_e2e_seconds_count", 0) + 1
 
 
 def test_engine_wide_latency_and_slo_metrics_count_sdk_traffic(gw):
