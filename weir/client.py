@@ -63,7 +63,8 @@ def _ensure_tracing() -> None:
     tracing.setup("client", TelemetryConfig(exporter="otlp"))   # OTEL_* variables override
 
 
-_RETRYABLE = ("overloaded", "tenant_over_budget")    # load: worth another try later
+_RETRYABLE = ("overloaded", "tenant_over_budget", "queue_full",   # load: worth another
+              "tenant_token_budget")                              # try after Retry-After
 
 
 @dataclass
