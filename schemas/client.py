@@ -154,6 +154,7 @@ class TenantUsage(msgspec.Struct, frozen=True):
     processed_tokens: int = 0        # prompt and fed-back tokens computed
     generated_tokens: int = 0        # tokens sampled
     kv_blocks: int = 0               # KV blocks its running sequences hold now
+    virtual_counter: float = 0.0     # VTC: weighted service received (input + 2 x output)
 
 
 class ComponentStatus(msgspec.Struct, frozen=True):

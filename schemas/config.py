@@ -111,6 +111,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookahead_tokens: int = 16
     step_log: str = ""        # append one JSON line per step (its shape, measured time): the
                               # input of `weir calibrate`
+    fairness: Literal["vtc", "fcfs"] = "vtc"   # order of new work: by tenant's weighted
+                              # service (virtual token counters), or arrival
     chunking: Literal["slack", "fixed"] = "slack"   # slack: while streams decode, cap the
                               # step's prefill so it keeps their TPOT SLO (chunking.py)
 

@@ -224,7 +224,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"prefix cache hit {k['prefix_hit_tokens']} of {k['prefix_query_tokens']} tokens")
     for tenant, u in out["tenants"].items():
         print(f"tenant {tenant:12} processed {u['processed_tokens']} generated "
-              f"{u['generated_tokens']} tokens, kv_blocks {u['kv_blocks']}")
+              f"{u['generated_tokens']} tokens, kv_blocks {u['kv_blocks']}, virtual_counter "
+              f"{u.get('virtual_counter', 0)}")
     return 0
 
 

@@ -118,12 +118,18 @@ class _EngineCollector:
                                   labels=["model_name", "tenant", "kind"])
         kvb = GaugeMetricFamily("weir:tenant_kv_blocks", "KV blocks held per tenant.",
                                 labels=["model_name", "tenant"])
+        vtc = GaugeMetricFamily("weir:tenant_virtual_counter", "Weighted service each tenant "
+                                "received (input + 2 x output tokens, / weight): the scheduler "
+                                "starts new work in this order (VTC).",
+                                labels=["model_name", "tenant"])
         for tenant, usage in sorted(self.tenants.items()):
             kvb.add_metric([self.model, tenant], usage.kv_blocks)
+            vtc.add_metric([self.model, tenant], usage.virtual_counter)
             tok.add_metric([self.model, tenant, "processed"], usage.processed_tokens)
             tok.add_metric([self.model, tenant, "generated"], usage.generated_tokens)
         yield tok
         yield kvb
+        yield vtc
         yield from self._request_families(streamer)
 
     def _batch_histogram(self, sched: dict[str, float]) -> HistogramMetricFamily:

@@ -30,6 +30,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from components.scheduler.fairness import VirtualCounters
 from components.scheduler.sequence import Phase, Seq
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import (Admitted, AllocRequest, BlockCopy, DetokParams, ForkRequest,
@@ -61,7 +62,7 @@ class Preemption:
 
 class SchedulerCore:
     def __init__(self, cfg: SchedulerConfig, kv: KvConfig, max_model_len: int,
-                 epoch: int = 1) -> None:
+                 epoch: int = 1, weights: dict[str, float] | None = None) -> None:
         self.cfg = cfg
         self.block_size = kv.block_size
         self.grow_blocks = kv.grow_blocks
@@ -94,8 +95,13 @@ class SchedulerCore:
         self.swapped_blocks = 0          # blocks sent to the host tier by preemption
         self.last_preempted: list[Preemption] = []
         self.steps = 0
+        self.vtc = VirtualCounters(weights)
+        self.fair = cfg.fairness == "vtc"
 
     # ------------------------------------------------------------------ inputs
+    def _backlogged_tenants(self) -> set[str]:
+        return {s.tenant for s in self.waiting} | {s.tenant for s in self.running}
+
     def add(self, req: Admitted) -> Seq:
         seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
                   len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
@@ -105,6 +111,9 @@ class SchedulerCore:
         seq.group.append(seq)
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq
+        backlogged = self._backlogged_tenants()
+        if seq.tenant not in backlogged:
+            self.vtc.backlogged(seq.tenant, backlogged)
         self.waiting.append(seq)
         return seq
 
@@ -227,6 +236,8 @@ class SchedulerCore:
         ``budget`` overrides the step's token budget (stall-free chunking, chunking.py)."""
         assert self.in_flight is None
         self.last_preempted = []
+        if self.fair:
+            self._fair_order()
         self._preempt_if_stuck()
         if budget is None:
             budget = self.cfg.max_num_batched_tokens
@@ -265,9 +276,22 @@ class SchedulerCore:
         self.steps += 1
         return plan
 
+    def _fair_order(self) -> None:
+        """New work in virtual-counter order: sequences that were preempted (or swapped)
+        keep the head, in their order; the rest go by their tenant's counter, then arrival.
+        Stable, so one tenant's requests keep their arrival order."""
+        if len(self.waiting) < 2:
+            return
+        back = [s for s in self.waiting if s.preemptions or s.phase is Phase.SWAPPED]
+        fresh = [s for s in self.waiting if not (s.preemptions or s.phase is Phase.SWAPPED)]
+        fresh.sort(key=lambda s: (self.vtc.of(s.tenant), s.arrival_ns, s.seq_id))
+        self.waiting = deque(back + fresh)
+
     def _plan(self, chosen: list[tuple[Seq, int]]) -> StepPlan:
         new_seqs, steps = [], []
         for seq, n in chosen:
+            self.vtc.charge(seq.tenant, input_tokens=max(min(n, seq.prompt_len
+                                                             - seq.num_computed), 0))
             sample = seq.num_computed + n == seq.num_tokens
             samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
             if not seq.known_to_executor:
@@ -458,6 +482,7 @@ class SchedulerCore:
             seq = self.by_seq.get(seq_id)
             if seq is None or seq.phase is not Phase.RUNNING:
                 continue
+            self.vtc.charge(seq.tenant, output_tokens=len(tokens))
             if seq.n > 1 and not seq.forked:
                 seq.forked = True
                 for index, token in enumerate(tokens[1:seq.n], start=1):

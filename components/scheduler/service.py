@@ -35,7 +35,8 @@ class SchedulerService(Component):
     async def setup(self) -> None:
         cfg = self.config
         self.core = SchedulerCore(cfg.scheduler, cfg.kv, cfg.engine.max_model_len,
-                                  epoch=time.time_ns())
+                                  epoch=time.time_ns(),
+                                  weights={t.name: t.weight for t in cfg.admission.tenants})
         self.kv_instance: int | None = None
         self.inbox_sock = self.inbox(SchedulerMsg)
         self.to_executor = self.push_to("executor")

@@ -44,5 +44,6 @@ class UsageStats:
         kv_blocks: Counter[str] = Counter()
         for seq in core.by_seq.values():
             kv_blocks[seq.tenant] += len(seq.block_ids)
-        return {t: TenantUsage(self.tenant_processed[t], self.tenant_generated[t], kv_blocks[t])
-                for t in set(self.tenant_processed) | set(kv_blocks)}
+        return {t: TenantUsage(self.tenant_processed[t], self.tenant_generated[t], kv_blocks[t],
+                               round(core.vtc.of(t), 1))
+                for t in set(self.tenant_processed) | set(kv_blocks) | set(core.vtc.counters)}

@@ -52,7 +52,8 @@ class Simulator:
         self.tokens, self.hashes = tokens, hashes
         kv = config.kv
         self.policy = AdmissionPolicy(config)
-        self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1)
+        self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1,
+                                  weights={t.name: t.weight for t in config.admission.tenants})
         self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
                               kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False)
         self.cost = StepCostModel()                  # the scheduler's own, learning as live
