@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from components.admission.estimate import OutputStats, TokenBucket
 from components.admission.retry import DrainRate
 from components.admission.validate import check_length, check_params
+from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Rejected, SchedulerLoad, Tokenized
 
@@ -84,11 +85,13 @@ class Decision:
 
 @dataclass(order=True)
 class _Queued:
-    order: tuple                         # (priority now, deadline, arrival, seq)
+    order: tuple                         # (tenant's counter, priority now, deadline, arrival, seq)
     request_id: str = field(compare=False)
     req: Tokenized = field(compare=False)
     decision: Decision = field(compare=False)
     queued_at: float = field(compare=False)
+    deadline_at: float = field(compare=False)
+    seq: int = field(compare=False)
 
 
 @dataclass
@@ -127,6 +130,7 @@ class AdmissionPolicy:
         self._queue: list[_Queued] = []                # a heap, re-ordered as priorities age
         self._queued: dict[str, _Queued] = {}
         self._seq = itertools.count()
+        self.vtc = VirtualCounters({t.name: t.weight for t in adm.tenants})   # queue order
         kv = config.kv
         self.block_size = kv.block_size
         self.kv_capacity = kv.num_blocks - kv.watermark_blocks
@@ -213,7 +217,7 @@ class AdmissionPolicy:
                                 f"{est.deadline_ms:.0f} ms less {headroom_pct(headroom)} headroom",
                                 retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
         blocker = self._blocker(req.tenant, tenant, est.kv_blocks, seqs)
-        if blocker is None and self._behind_queue(base["priority"], est, now):
+        if blocker is None and self._behind_queue(req.tenant, base["priority"], est, now):
             blocker = "queue"                  # fits, but must not jump those waiting
         if blocker is None:
             return Decision(ACCEPT, "fits", **base)
@@ -314,7 +318,7 @@ class AdmissionPolicy:
             return "kv"
         return None
 
-    def _behind_queue(self, priority: int, est: Estimate, now: float) -> bool:
+    def _behind_queue(self, tenant: str, priority: int, est: Estimate, now: float) -> bool:
         """Is a queued request that waits for engine capacity ahead of this one?"""
         if not self._queue:
             return False
@@ -325,7 +329,7 @@ class AdmissionPolicy:
                 not in ("kv", "engine_cap"):
             return False
         deadline_at = now + est.deadline_ms / 1e3 if est.deadline_ms is not None else math.inf
-        return head.order[:3] <= (priority, deadline_at, now)
+        return head.order[:4] <= (self.vtc.of(tenant), priority, deadline_at, now)
 
     def _degraded_tokens(self, req: Tokenized, est: Estimate, blocks: int,
                          cls: ServiceClass) -> int | None:
@@ -388,6 +392,8 @@ class AdmissionPolicy:
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
         self.unreported_tokens += decision.estimate.uncached_tokens
+        self.vtc.charge(tenant, decision.estimate.uncached_tokens,
+                        seqs * decision.estimate.expected_output)
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):
             bucket.take(decision.estimate.uncached_tokens
                         + seqs * decision.estimate.expected_output, now)
@@ -442,16 +448,22 @@ class AdmissionPolicy:
         self.tenant_seqs.clear()
 
     # ------------------------------------------------------------------ queue
-    def _order(self, q_priority: int, cls: ServiceClass, queued_at: float, now: float,
-               deadline_at: float) -> tuple:
+    def _order(self, tenant: str, q_priority: int, cls: ServiceClass, queued_at: float,
+               now: float, deadline_at: float, seq: int) -> tuple:
+        """Across tenants, the tenant's virtual counter (VTC: least served first); within a
+        tenant, class priority with aging, then deadline, then arrival."""
         aged = q_priority - cls.aging_per_s * (now - queued_at)
-        return (aged, deadline_at, queued_at)
+        return (self.vtc.of(tenant), aged, deadline_at, queued_at, seq)
 
     def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
         cls = self.classes[decision.service_class]
         deadline_at = self._deadline_at(req, decision, now)
-        item = _Queued((*self._order(decision.priority, cls, now, now, deadline_at),
-                        next(self._seq)), req.request_id, req, decision, now)
+        waiting = {q.req.tenant for q in self._queued.values()} | set(self.per_tenant.elements())
+        if req.tenant not in waiting:
+            self.vtc.backlogged(req.tenant, waiting)
+        seq = next(self._seq)
+        item = _Queued(self._order(req.tenant, decision.priority, cls, now, now, deadline_at,
+                                   seq), req.request_id, req, decision, now, deadline_at, seq)
         self._queued[req.request_id] = item
         heapq.heappush(self._queue, item)
 
@@ -485,13 +497,13 @@ class AdmissionPolicy:
         """Priorities age: recompute every queued request's place (the queue is short)."""
         for item in self._queue:
             cls = self.classes[item.decision.service_class]
-            item.order = (*self._order(item.decision.priority, cls, item.queued_at, now,
-                                       item.order[1]), item.order[3])
+            item.order = self._order(item.req.tenant, item.decision.priority, cls,
+                                     item.queued_at, now, item.deadline_at, item.seq)
         heapq.heapify(self._queue)
 
     def expire(self, now: float) -> list[Rejected]:
         """Queued requests past their deadline or max_queue_ms: ``deadline_expired``."""
-        gone = [q for q in self._queued.values() if now >= q.order[1]]
+        gone = [q for q in self._queued.values() if now >= q.deadline_at]
         for item in gone:
             self.cancel(item.request_id)
             self.rejections["deadline_expired", item.decision.service_class] += 1

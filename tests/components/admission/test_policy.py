@@ -293,3 +293,22 @@ def test_observed_ttft_teaches_a_bias_that_fades():
     for _ in range(14):                                 # 1.4 s of reports, nothing observed
         p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
     assert p.ttft_bias_s == pytest.approx(0.2 * 0.95 ** 14)
+
+
+def test_queue_releases_the_least_served_tenant_first():
+    # a holds the pool and has three more queued; b queues one later, lifted to a's counter
+    # (idle time earns no credit). Each release charges the tenant, so b's request goes
+    # second, not after all of a's (FIFO would give a0, a1, a2, b0)
+    p = policy(num_blocks=4)
+    assert p.decide(req("fill", "a", prompt=32, max_tokens=32), 0, 0.0).kind == ACCEPT
+    for i in range(3):
+        assert p.decide(req(f"a{i}", "a", cls="batch", prompt=32, max_tokens=32), 0,
+                        0.1).kind == QUEUE
+    assert p.decide(req("b0", "b", cls="batch", prompt=32, max_tokens=32), 0, 0.2).kind == QUEUE
+    assert p.vtc.of("b") == p.vtc.of("a") == 32 + 2 * 32
+    order, running = [], "fill"
+    for t in range(4):
+        p.released([running], 1.0 + t)
+        ((tok, _, _),) = p.release(1.0 + t)
+        order.append(running := tok.request_id)
+    assert order == ["a0", "b0", "a1", "a2"]
