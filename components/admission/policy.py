@@ -51,7 +51,6 @@ from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Rejected, SchedulerLoad, Tokenized
 
-POLICIES = ("fcfs", "deadline")
 
 
 def headroom_pct(kept: float) -> str:
@@ -80,7 +79,6 @@ class Decision:
     max_tokens: int | None               # the cap the request runs with
     estimate: Estimate
     rejected: Rejected | None = None
-    queue_position: int = -1             # 0-based, for QUEUE
 
 
 @dataclass(order=True)
@@ -458,7 +456,8 @@ class AdmissionPolicy:
     def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
         cls = self.classes[decision.service_class]
         deadline_at = self._deadline_at(req, decision, now)
-        waiting = {q.req.tenant for q in self._queued.values()} | set(self.per_tenant.elements())
+        waiting = {q.req.tenant for q in self._queued.values()} | {
+            t for t, held in self.per_tenant.items() if held > 0}
         if req.tenant not in waiting:
             self.vtc.backlogged(req.tenant, waiting)
         seq = next(self._seq)

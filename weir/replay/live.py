@@ -20,6 +20,7 @@ import random
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from typing import Callable, Protocol
 
 import anyio
@@ -207,7 +208,7 @@ class HttpTarget:
                 "stream_options": {"include_usage": True}}
         last = None
         try:
-            with anyio.fail_after(req.cancel_after_s) if req.cancel_after_s else _null():
+            with anyio.fail_after(req.cancel_after_s) if req.cancel_after_s else nullcontext():
                 async with self.http.stream("POST", f"{self.base_url}/completions", json=body,
                                             headers=self._headers(item)) as r:
                     if r.status_code != 200:
@@ -287,14 +288,6 @@ def prometheus_gauges(text: str) -> dict[str, float]:
         name = name.split(":", 1)[-1].strip()
         out[name] = out.get(name, 0.0) + number
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _error_code(text: str) -> str:

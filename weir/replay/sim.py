@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import time
 import zlib
-from collections import Counter
 from typing import Callable
 
 import msgspec
@@ -275,7 +274,3 @@ def fast_block_hashes(block_size: int) -> Callable[[list[int], str], list[int]]:
             out.append(parent)
         return out
     return hashes
-
-
-def reject_reasons(run: RunResult) -> Counter[str]:
-    return Counter(r.reason for r in run.records if r.terminal == REJECTED)
