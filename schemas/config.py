@@ -115,6 +115,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               # service (virtual token counters), or arrival
     chunking: Literal["slack", "fixed"] = "slack"   # slack: while streams decode, cap the
                               # step's prefill so it keeps their TPOT SLO (chunking.py)
+    urgency_preemption: bool = True   # a blocked request about to miss its TTFT deadline may
+                              # preempt a lower class when that costs less (preemption.py)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")

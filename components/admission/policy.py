@@ -81,6 +81,13 @@ class Decision:
     rejected: Rejected | None = None
 
 
+def effective_deadline_ms(d: Decision) -> int | None:
+    """The TTFT deadline the scheduler gets with an admitted request: the request's own,
+    else its class's ``ttft_slo_ms`` (urgency preemption reads it)."""
+    ms = d.estimate.deadline_ms
+    return None if ms is None else round(ms)
+
+
 @dataclass(order=True)
 class _Queued:
     order: tuple                         # (tenant's counter, priority now, deadline, arrival, seq)

@@ -12,7 +12,8 @@ from opentelemetry import trace
 
 from bus import tracing
 from bus.component import Component
-from components.admission.policy import DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision
+from components.admission.policy import (DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision,
+                                         effective_deadline_ms)
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
                           CancelRequest, EventBatch, Holding, Released, SchedulerLoad,
                           Tokenized)
@@ -92,7 +93,7 @@ class AdmissionService(Component):
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         await self.to_scheduler.send(Admitted(
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
-            req.arrival_ns, req.eos_token_ids, req.deadline_ms, d.priority, req.public_scope,
+            req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority, req.public_scope,
             req.public_blocks, d.service_class, self.policy.classes[d.service_class].tpot_slo_ms),
             traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(

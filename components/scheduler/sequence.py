@@ -1,4 +1,22 @@
-"""A sequence as the scheduler sees it: tokens, progress and leased blocks."""
+"""A sequence as the scheduler sees it, and its lifecycle as one explicit state machine.
+
+A sequence's state says at once where it sits (the waiting queue, the running set, neither)
+and where its KV lease stands at the kv_manager (none, asked, held, refused, on the host
+tier, being moved). Every change of state goes through ``Seq.to(event)``, which looks the
+move up in ``TRANSITIONS``, the one place the lifecycle is written down; a move that is not
+there raises ``IllegalTransition``.
+
+Events:
+- ``ASK``: the core asks the kv_manager for blocks: a first lease, growth, or a swap-in.
+- ``GRANT`` / ``REFUSE``: the kv_manager's answer to what was asked (``REFUSE`` of a fork
+  sends the choice back to compute from scratch; a refused swap-out is a ``RECOMPUTE``).
+- ``SCHEDULE``: a ready sequence joins the running set.
+- ``RETRY``: a sequence whose growth was refused can still progress on what it holds.
+- ``SWAP_OUT``: preempted to the host tier. ``RECOMPUTE``: preempted (or sent back) by
+  freeing its blocks; it starts again from the queue under a fresh seq id.
+- ``FINISH``: it ended (finished, stopped, cancelled, failed). A sequence with an answer
+  still in flight is ``CLOSING`` until that answer arrives, so its lease can be freed.
+"""
 from __future__ import annotations
 
 import enum
@@ -7,12 +25,80 @@ from dataclasses import dataclass, field
 from schemas.wire import SamplingParams
 
 
-class Phase(enum.Enum):
-    WAITING = "waiting"        # no blocks yet (allocation may be in flight)
-    READY = "ready"            # initial blocks granted, not yet scheduled
-    SWAPPED = "swapped"        # preempted to the host tier; waits to be swapped back in
-    RUNNING = "running"
+class State(enum.Enum):
+    # in the waiting queue
+    WAITING = "waiting"            # no lease, nothing asked
+    LEASING = "leasing"            # first lease asked
+    REFUSED = "refused"            # the pool refused the first lease; asked again later
+    READY = "ready"                # lease held, not yet running
+    SWAPPING_OUT = "swapping_out"  # preempted: its blocks are being copied to the host tier
+    SWAPPED = "swapped"            # its computed blocks live on the host tier
+    SWAPPING_IN = "swapping_in"    # swap-in asked
+    SWAP_REFUSED = "swap_refused"  # swap-in refused (no room yet); asked again later
+    # in the running set
+    RUNNING = "running"            # lease held, nothing asked
+    GROWING = "growing"            # more blocks asked
+    STALLED = "stalled"            # growth refused: progress on what it holds, or preempt
+    FORKING = "forking"            # an n > 1 choice waiting for its copy-on-write fork
+    # ended
+    CLOSING = "closing"            # ended with an answer in flight
     DONE = "done"
+
+
+class Event(enum.Enum):
+    ASK = "ask"
+    GRANT = "grant"
+    REFUSE = "refuse"
+    SCHEDULE = "schedule"
+    RETRY = "retry"
+    SWAP_OUT = "swap_out"
+    RECOMPUTE = "recompute"
+    FINISH = "finish"
+
+
+S, E = State, Event
+TRANSITIONS: dict[State, dict[Event, State]] = {
+    S.WAITING: {E.ASK: S.LEASING, E.FINISH: S.DONE},
+    S.LEASING: {E.GRANT: S.READY, E.REFUSE: S.REFUSED, E.FINISH: S.CLOSING},
+    S.REFUSED: {E.ASK: S.LEASING, E.FINISH: S.DONE},
+    S.READY: {E.SCHEDULE: S.RUNNING, E.SWAP_OUT: S.SWAPPING_OUT, E.RECOMPUTE: S.WAITING,
+              E.FINISH: S.DONE},
+    S.SWAPPING_OUT: {E.GRANT: S.SWAPPED, E.RECOMPUTE: S.WAITING, E.FINISH: S.CLOSING},
+    S.SWAPPED: {E.ASK: S.SWAPPING_IN, E.FINISH: S.DONE},
+    S.SWAPPING_IN: {E.GRANT: S.READY, E.REFUSE: S.SWAP_REFUSED, E.FINISH: S.CLOSING},
+    S.SWAP_REFUSED: {E.ASK: S.SWAPPING_IN, E.FINISH: S.DONE},
+    S.RUNNING: {E.ASK: S.GROWING, E.SWAP_OUT: S.SWAPPING_OUT, E.RECOMPUTE: S.WAITING,
+                E.FINISH: S.DONE},
+    S.GROWING: {E.GRANT: S.RUNNING, E.REFUSE: S.STALLED, E.RECOMPUTE: S.WAITING,
+                E.FINISH: S.CLOSING},
+    S.STALLED: {E.RETRY: S.RUNNING, E.SWAP_OUT: S.SWAPPING_OUT, E.RECOMPUTE: S.WAITING,
+                E.FINISH: S.DONE},
+    S.FORKING: {E.GRANT: S.RUNNING, E.REFUSE: S.WAITING, E.RECOMPUTE: S.WAITING,
+                E.FINISH: S.CLOSING},
+    S.CLOSING: {E.GRANT: S.DONE, E.REFUSE: S.DONE},
+    S.DONE: {},
+}
+del S, E
+
+QUEUED = frozenset({State.WAITING, State.LEASING, State.REFUSED, State.READY,
+                    State.SWAPPING_OUT, State.SWAPPED, State.SWAPPING_IN, State.SWAP_REFUSED})
+IN_RUNNING_SET = frozenset({State.RUNNING, State.GROWING, State.STALLED, State.FORKING})
+ENDED = frozenset({State.CLOSING, State.DONE})
+HOLDS_LEASE = frozenset({State.READY, State.SWAPPING_OUT, State.SWAPPED, State.SWAPPING_IN,
+                         State.SWAP_REFUSED, State.RUNNING, State.GROWING, State.STALLED})
+AWAITING = frozenset({State.LEASING, State.SWAPPING_OUT, State.SWAPPING_IN, State.GROWING,
+                      State.FORKING, State.CLOSING})
+ON_HOST = frozenset({State.SWAPPING_OUT, State.SWAPPED, State.SWAPPING_IN, State.SWAP_REFUSED})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+# every (state, event) the core has taken, when ``record_transitions`` is on: tests check
+# that a randomized run covers the whole table
+record_transitions = False
+taken: set[tuple[State, Event]] = set()
 
 
 @dataclass(eq=False)
@@ -26,14 +112,12 @@ class Seq:
     block_hashes: list[int]
     arrival_ns: int
     eos_token_ids: frozenset[int]
-    phase: Phase = Phase.WAITING
+    state: State = State.WAITING
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     blocks_sent: int = 0           # how many of block_ids the executor already knows
-    pending_blocks: int = 0        # requested from the kv_manager, not yet granted
-    alloc_denied: bool = False
-    frees_at_request: int = 0      # the core's free count when the first lease was asked
-    grow_denied: bool = False
+    refusal: str = ""              # why the last lease or growth was refused ("pool_full", ...)
+    frees_at_request: tuple[int, int] = (0, 0)   # frees (all, its tenant) when last asked
     known_to_executor: bool = False
     cached_tokens: int = 0
     outputs_sent: int = 0          # output tokens already handed to the detokenizer
@@ -42,16 +126,45 @@ class Seq:
     first_token_ns: int = 0
     index: int = 0                 # which of the request's n choices
     priority: int = 0              # lower is more important
+    deadline_ns: int = 0           # first token due by then (wall clock); 0: none
     tpot_slo_s: float | None = None  # its class's time-per-output-token objective
     public_scope: str = ""
     public_blocks: int = 0
+    rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
-    has_lease: bool = False        # the kv_manager holds a lease under seq_id
     group: list["Seq"] = field(default_factory=list)   # every choice of the request
+
+    def to(self, event: Event) -> State:
+        nxt = TRANSITIONS[self.state].get(event)
+        if nxt is None:
+            raise IllegalTransition(f"seq {self.seq_id} ({self.request_id}): "
+                                    f"{event.value} in state {self.state.value}")
+        if record_transitions:
+            taken.add((self.state, event))
+        self.state = nxt
+        return nxt
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    @property
+    def holds_lease(self) -> bool:
+        return self.state in HOLDS_LEASE
+
+    @property
+    def awaiting(self) -> bool:
+        """An answer from the kv_manager is in flight."""
+        return self.state in AWAITING
 
     @property
     def n(self) -> int:
         return self.params.n
+
+    @property
+    def slots(self) -> int:
+        """Running sequences it stands for: an n > 1 request counts n until it forks."""
+        return 1 if self.forked else self.params.n
 
     @property
     def num_tokens(self) -> int:

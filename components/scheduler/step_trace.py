@@ -8,28 +8,23 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span
 
 from bus import tracing
-from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepCostModel, StepShape, plan_shape
+from components.scheduler.loop import SchedulerLoop, StepDone
 from schemas.wire import StepPlan, TokenOut
 
 _TRACER = trace.get_tracer("weir.scheduler")
 
 
 class StepTracer:
-    def __init__(self, core: SchedulerCore, token_budget: int) -> None:
-        self.core = core
+    def __init__(self, loop: SchedulerLoop, token_budget: int) -> None:
+        self.loop = loop
+        self.core = getattr(loop, "core", None)
         self.budget = token_budget
-        self.budget_choice = None               # the step budget chosen for the next plan
-        self.cost = StepCostModel()
-        self.free_blocks = -1
         self.traceparents: dict[str, str | None] = {}   # request → root span, for other processes
         self._contexts: dict[str, Context | None] = {}  # the same, parsed once
         self._queue: dict[str, Span] = {}
         self._decode: dict[str, Span] = {}
         self._prefill: list[Span] = []
         self._step: Span | None = None
-        self.shape = StepShape(0, 0, 0, 0)      # the step in flight
-        self._predicted = 0.0
 
     def _ctx(self, rid: str) -> Context | None:
         return self._contexts.get(rid)
@@ -61,9 +56,7 @@ class StepTracer:
             if (ctx := self._ctx(rid)) is not None:
                 links.append(Link(trace.get_current_span(ctx).get_span_context()))
         used = sum(tokens)
-        choice, self.budget_choice = self.budget_choice, None
-        self.shape = plan_shape(plan, lambda seq_id: self.core.by_seq[seq_id].num_computed)
-        self._predicted = self.cost.predict(*self.shape[:3])
+        choice = self.loop.budget
         self._step = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
             "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
@@ -73,9 +66,9 @@ class StepTracer:
             "weir.step.tightest_tpot_ms": round(choice.tightest_tpot_s * 1e3, 2)
             if choice and choice.tightest_tpot_s else -1.0,
             "weir.step.tokens_used": used,
-            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": self.shape.context,
-            "weir.step.predicted_ms": round(self._predicted * 1e3, 3),
-            "weir.step.free_kv_blocks": self.free_blocks,
+            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": self.loop.shape.context,
+            "weir.step.predicted_ms": round(self.loop.predicted_s * 1e3, 3),
+            "weir.step.free_kv_blocks": self.loop.free_blocks,
             "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
             "weir.step.preemptions": len(self.core.last_preempted)})
         for p in self.core.last_preempted:
@@ -85,18 +78,23 @@ class StepTracer:
                 "weir.wasted_tokens": p.wasted_tokens,
                 "weir.estimate.recompute_ms": round(p.recompute_s * 1e3, 3),
                 "weir.estimate.swap_ms": round(min(p.swap_s, 1e9) * 1e3, 3)})
+        for u in self.core.last_urgency:
+            self._step.add_event("urgency", {
+                "weir.request": u.request_id, "weir.victim": u.victim,
+                "weir.preempted": u.preempted, "weir.reason": u.reason,
+                "weir.estimate.intervention_ms": round(u.intervention_s * 1e3, 3),
+                "weir.estimate.lateness_avoided_ms": round(u.lateness_avoided_s * 1e3, 3)})
         return tracing.traceparent_of(self._step)
 
-    def finished_step(self, measured_s: float, executor_s: float) -> None:
+    def finished_step(self, done: StepDone) -> None:
         for span in self._prefill:
             span.end()
         self._prefill = []
         if self._step is not None:
-            self._step.set_attributes({"weir.step.measured_ms": round(measured_s * 1e3, 3),
-                                       "weir.step.executor_ms": round(executor_s * 1e3, 3)})
+            self._step.set_attributes({"weir.step.measured_ms": round(done.measured_s * 1e3, 3),
+                                       "weir.step.executor_ms": round(done.executor_s * 1e3, 3)})
             self._step.end()
             self._step = None
-        self.cost.observe(*self.shape[:3], measured_s)
 
     def outputs(self, items: list[TokenOut]) -> None:
         for item in items:

@@ -8,7 +8,7 @@ import pytest
 from components.scheduler.chunking import MIN_CHUNK, step_budget
 from components.scheduler.core import SchedulerCore
 from components.scheduler.cost_model import StepCostModel
-from components.scheduler.sequence import Phase, Seq
+from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, load_config
 from schemas.wire import SamplingParams
 from weir.replay.profile import CostProfile
@@ -31,7 +31,7 @@ def core_with(decoding: int, tpot: float | None, waiting_prompt: int = 0) -> Sch
     core = SchedulerCore(SchedulerConfig(), KvConfig(), 4096)
     for i in range(decoding):
         s = Seq(i + 1, f"r{i}", "t", SamplingParams(max_tokens=100), 10, list(range(11)), [],
-                0, frozenset(), phase=Phase.RUNNING, num_computed=10, tpot_slo_s=tpot)
+                0, frozenset(), state=State.RUNNING, num_computed=10, tpot_slo_s=tpot)
         core.running.append(s)
     return core
 

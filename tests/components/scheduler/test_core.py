@@ -11,13 +11,17 @@ import pytest
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from schemas.wire import RequestTiming
+from components.scheduler import sequence
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.sequence import Phase
+from components.scheduler.loop import SchedulerLoop
+from components.scheduler.sequence import State
 from components.tokenizer.hashing import block_hashes
-from schemas.config import KvConfig, SchedulerConfig
+from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
+                            TenantConfig, Topology, WeirConfig)
 from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, FreeRequest,
                           KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq,
-                          SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+                          Released, SamplingParams, SeqStep, StepPlan, StepResult, TokenBatch,
+                          TokenOut, Usage)
 
 T0 = RequestTiming()    # timings are zero when the test passes no clock
 
@@ -68,8 +72,8 @@ def new_seq(seq_id, tokens, prompt_len, num_computed, block_ids, params=Sampling
                   params.temperature, params.top_p, params.top_k, params.seed)
 
 
-def grant(seq_id, block_ids, cached=0, ok=True, epoch=EPOCH) -> KvGrant:
-    return KvGrant(epoch, seq_id, ok, list(block_ids), cached)
+def grant(seq_id, block_ids, cached=0, ok=True, epoch=EPOCH, reason="pool_full") -> KvGrant:
+    return KvGrant(epoch, seq_id, ok, list(block_ids), cached, reason="" if ok else reason)
 
 
 def result(plan: StepPlan, tokens: dict[int, int]) -> StepResult:
@@ -95,7 +99,7 @@ def start(core: SchedulerCore, kv: Kv, *reqs: Admitted) -> StepPlan:
 def test_first_schedule_requests_blocks_and_waits():
     core, toks = make(), prompt(20)
     seq = core.add(admitted("r1", toks))
-    assert seq.seq_id == 1 and seq.phase is Phase.WAITING
+    assert seq.seq_id == 1 and seq.state is State.WAITING
     assert core.schedule() is None
     ops = core.take_kv_ops()
     hs = block_hashes(toks, BS, "t1", "m")
@@ -357,7 +361,7 @@ def test_cancel_ready_sequence():
     core.add(admitted("a", prompt(10)))
     core.schedule()
     core.on_grants(kv.apply(core.take_kv_ops()))
-    assert core.by_request["a"].phase is Phase.READY
+    assert core.by_request["a"].state is State.READY
     out = core.cancel("a")
     assert out.released == ["a"] and out.forget == []
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0)], [])
@@ -480,7 +484,7 @@ def test_preemption_by_recompute(prefix_cache):
         == [("b", "kv_growth_denied", "recompute", 16)]
     assert b.seq_id == 3 and 2 not in core.by_seq and core.by_seq[3] is b
     assert list(core.waiting) == [b] and core.running == [core.by_request["a"]]
-    assert b.phase is Phase.WAITING and b.num_computed == 0 and b.block_ids == []
+    assert b.state is State.LEASING and b.num_computed == 0 and b.block_ids == []
     assert b.token_ids == b_toks + [2, 22]
     ops = core.take_kv_ops()
     assert ops == KvOps(EPOCH, [FreeRequest(2, 16)],
@@ -554,7 +558,7 @@ def test_ready_sequence_gives_blocks_back_before_running_one_is_preempted():
                             [SeqStep(2, 16, [], False)], [])
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(3, 0)],
                                        [AllocRequest(1, 1), alloc_for(4, c_toks)])
-    assert c.seq_id == 4 and c.phase is Phase.WAITING and c.block_ids == []
+    assert c.seq_id == 4 and c.state is State.LEASING and c.block_ids == []
     assert core.preemptions == 0 and c.preemptions == 0
     assert list(core.waiting) == [c]
     assert [s.request_id for s in core.running] == ["a", "b"]
@@ -569,12 +573,12 @@ def test_denied_head_takes_back_leases_of_ready_sequences_behind_it():
     assert core.take_kv_ops() == KvOps(EPOCH, [], [alloc_for(1, a_toks), alloc_for(2, b_toks)])
     core.on_grants([grant(1, [], ok=False), grant(2, [0])])
     b = core.by_request["b"]
-    assert b.phase is Phase.READY
+    assert b.state is State.READY
     # b may not overtake a; it hands its lease back so that a can be served, and both ask again
     assert core.schedule() is None
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(2, 0)],
                                        [alloc_for(1, a_toks), alloc_for(3, b_toks)])
-    assert b.seq_id == 3 and b.phase is Phase.WAITING and b.block_ids == []
+    assert b.seq_id == 3 and b.state is State.LEASING and b.block_ids == []
     assert core.preemptions == 0 and b.preemptions == 0
     assert [s.request_id for s in core.waiting] == ["a", "b"]
     core.on_grants([grant(1, [0, 1]), grant(3, [2])])
@@ -687,7 +691,7 @@ def test_grants_from_another_epoch_are_ignored():
     core.schedule()
     core.take_kv_ops()
     core.on_grants([grant(1, [0, 1], epoch=EPOCH + 1)])
-    assert core.by_request["a"].phase is Phase.WAITING
+    assert core.by_request["a"].state is State.LEASING
     assert core.schedule() is None and core.take_kv_ops() is None
 
 
@@ -749,16 +753,18 @@ def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
 # ---------------------------------------------------------------- randomized whole-loop check
 
 class Cluster:
-    """The scheduler service's loop around a SchedulerCore, a kv_manager over a real
-    BlockPool and an executor model, joined by FIFO channels delivered in random order.
+    """The scheduler service's own loop (``SchedulerLoop``, exactly what the service runs), a
+    kv_manager over a real BlockPool and an executor model, joined by FIFO channels delivered
+    in random order.
 
     The executor model keeps what each KV slot holds (tenant, hash of the token prefix up
     to it), replays every block copy a plan carries (copy-on-write, swap, demotion,
     promotion), and checks, for every token it computes, that its whole context reads back
     exactly its own prefix: a wrong block table, a bad prefix-cache hit, a block reused
     while still needed, a lost or misordered copy, or KV leaking between tenants all fail
-    here. Requests may ask for n > 1 choices and carry priorities; a host tier of random
-    size makes preemption swap as well as recompute."""
+    here. Requests may ask for n > 1 choices and carry priorities and deadlines; a host tier
+    of random size makes preemption swap as well as recompute; tenants may have KV budgets
+    (enforced by the pool) and running caps (enforced by the core)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
@@ -767,18 +773,30 @@ class Cluster:
         self.num_cpu_blocks = rng.choice([0, 2, 8, 20])
         self.max_model_len = min(self.num_blocks * BS, 64)
         mode = rng.choice(["auto", "recompute"] + ["swap"] * (self.num_cpu_blocks > 0))
-        self.core = SchedulerCore(
-            SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4]),
-                            max_num_batched_tokens=rng.choice([16, 24, 32]),
-                            lookahead_tokens=rng.choice([1, 4, 8])),
-            KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2]),
-                     num_cpu_blocks=self.num_cpu_blocks, preemption_mode=mode),
-            self.max_model_len, epoch=1)
+        tenants = (TenantConfig("a", weight=rng.choice([1.0, 2.0]),
+                                kv_blocks=rng.choice([0, 0, self.num_blocks // 2 + 2]),
+                                max_running=rng.choice([0, 0, 1, 2])),
+                   TenantConfig("b"))
+        self.kv_budgets = {t.name: t.kv_blocks for t in tenants if t.kv_blocks}
+        self.caps = {t.name: t.max_running for t in tenants if t.max_running}
+        config = WeirConfig(
+            Topology(run_dir="/nonexistent"),
+            engine=EngineConfig(max_model_len=self.max_model_len),
+            scheduler=SchedulerConfig(max_num_seqs=rng.choice([1, 2, 4]),
+                                      max_num_batched_tokens=rng.choice([16, 24, 32]),
+                                      lookahead_tokens=rng.choice([1, 4, 8]),
+                                      fairness=rng.choice(["vtc", "fcfs"]),
+                                      chunking=rng.choice(["slack", "fixed"])),
+            kv=KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2]),
+                        num_cpu_blocks=self.num_cpu_blocks, preemption_mode=mode),
+            admission=AdmissionConfig(tenants=tenants))
+        self.loop = SchedulerLoop(config, epoch=1)
+        self.core = self.loop.core
         if rng.random() < 0.8:                # swap costs 2 blocks * 1 B / bw; recompute 1 ms/token
             self.core.on_executor(1, rng.choice([100.0, 1e5]))
             self.core.recompute_s = lambda tokens: tokens * 1e-3
         self.prefix_cache = rng.random() < 0.8
-        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache, self.num_cpu_blocks)
+        self.pool = self.new_pool()
         self.kv_epoch = 0
         self.to_kv: deque = deque()
         self.to_executor: deque = deque()
@@ -789,51 +807,49 @@ class Cluster:
         self.requests: dict[str, dict] = {}
         self.ended: dict[str, str] = {}
         self.restarts = 0
+        self.clock = 0                         # ns; both of the loop's clocks
+        self.max_running_seen: Counter[str] = Counter()
+        self.inbox["from_kv"].append(KvManagerUp(0, self.num_blocks))
+
+    def new_pool(self) -> BlockPool:
+        return BlockPool(self.num_blocks, BS, self.prefix_cache, self.num_cpu_blocks,
+                         tenant_blocks=self.kv_budgets)
 
     @staticmethod
     def next_token(tenant: str, tokens: list[int], sample: int = 0) -> int:
         return hash((tenant == "a", tuple(tokens), sample)) % 50 + 1000
 
-    # -- the scheduler service
-    def emit(self, out) -> None:
-        core = self.core
-        for t in out.tokens:
-            r = self.requests[t.request_id]
-            r["out"].setdefault(t.index, []).extend(t.token_ids)
-            if t.finish_reason:
-                r["ends"][t.index] = t.finish_reason
-        for rid in out.released:
-            ends = self.requests[rid]["ends"]
-            self.ended[rid] = ("failed" if len(ends) < self.requests[rid]["n"]
-                               or "failed" in ends.values() else "done")
-        if core.in_flight is None and core.has_work:
-            plan = core.schedule()
-            if plan is not None:
-                self.send_kv(core.take_kv_ops())
-                self.to_executor.append(plan)
-        self.send_kv(core.take_kv_ops())
-        self.tenant_of.update((s.seq_id, s.tenant) for s in core.by_seq.values())
-
-    def send_kv(self, ops) -> None:
-        if ops is not None:
-            self.to_kv.append(ops)
+    # -- the scheduler service: the loop's sends, routed
+    def deliver(self, sends) -> None:
+        for to, msg in sends:
+            if to == "executor":
+                self.to_executor.append(msg)
+            elif to == "kv_manager":
+                self.to_kv.append(msg)
+            elif to == "detokenizer" and isinstance(msg, TokenBatch):
+                for t in msg.items:
+                    r = self.requests[t.request_id]
+                    r["out"].setdefault(t.index, []).extend(t.token_ids)
+                    if t.finish_reason:
+                        r["ends"][t.index] = t.finish_reason
+            elif to == "admission" and isinstance(msg, Released):
+                for rid in msg.request_ids:
+                    ends = self.requests[rid]["ends"]
+                    self.ended[rid] = ("failed" if len(ends) < self.requests[rid]["n"]
+                                       or "failed" in ends.values() else "done")
+        self.tenant_of.update((s.seq_id, s.tenant) for s in self.core.by_seq.values())
+        for tenant, n in self.core.running_slots().items():
+            self.max_running_seen[tenant] = max(self.max_running_seen[tenant], n)
+            cap = self.caps.get(tenant)
+            # a request alone may exceed the cap (it would never run otherwise)
+            assert not cap or n <= cap or len({s.request_id for s in self.core.running
+                                               if s.tenant == tenant}) == 1, \
+                f"seed {self.seed}: tenant {tenant} runs {n} > cap {cap}"
 
     def scheduler_step(self, source: str) -> None:
+        self.clock += self.rng.randint(1, 5_000_000)
         msg = self.inbox[source].popleft()
-        core = self.core
-        if isinstance(msg, Admitted):
-            core.add(msg)
-            self.emit(Outcome())
-        elif isinstance(msg, CancelRequest):
-            self.emit(core.cancel(msg.request_id))
-        elif isinstance(msg, KvGrants):
-            core.on_grants(msg.grants, msg.free_cpu_blocks)
-            self.emit(Outcome())
-        elif isinstance(msg, StepResult):
-            self.emit(core.on_result(msg))
-        elif isinstance(msg, KvManagerUp):
-            self.emit(core.reset(kv_lost=True))
-            self.to_kv.append(KvHello(core.epoch))
+        self.deliver(self.loop.handle(msg, self.clock, self.clock))
 
     # -- the kv_manager service
     def kv_step(self) -> None:
@@ -844,14 +860,16 @@ class Cluster:
         if isinstance(msg, KvHello) or msg.epoch < self.kv_epoch:
             return
         grants = apply_ops(self.pool, msg)
+        for tenant, budget in self.kv_budgets.items():
+            assert self.pool.tenant_blocks(tenant) <= budget, f"seed {self.seed}: budget"
         if grants:
             self.inbox["from_kv"].append(KvGrants(grants, self.pool.num_free,
                                                   self.pool.num_cpu_free))
 
     def kv_restart(self) -> None:
-        self.pool = BlockPool(self.num_blocks, BS, self.prefix_cache, self.num_cpu_blocks)
+        self.pool = self.new_pool()
         self.kv_epoch = 0
-        self.inbox["from_kv"].append(KvManagerUp(self.restarts, self.num_blocks))
+        self.inbox["from_kv"].append(KvManagerUp(self.restarts + 1, self.num_blocks))
 
     # -- the executor
     def executor_step(self) -> None:
@@ -886,7 +904,8 @@ class Cluster:
                 ids += [st.seq_id] * st.num_samples
                 tokens += drawn
                 toks.append(drawn[0])
-        self.inbox["from_executor"].append(StepResult(plan.step_id, ids, tokens, 1))
+        self.inbox["from_executor"].append(StepResult(plan.step_id, ids, tokens,
+                                                      self.rng.randint(1, 3_000_000)))
 
     def executor_restart(self) -> None:
         """Its state and KV are gone; plans not yet run are lost, results already sent are
@@ -895,7 +914,7 @@ class Cluster:
         self.ex_seqs.clear()
         self.kv_slots.clear()
         self.to_executor.clear()
-        self.emit(self.core.reset(kv_lost=False))
+        self.deliver(self.loop.peer_restarted("executor", self.clock, self.clock))
         self.pool.drop_cache()            # the kv_manager forgets what lived in that memory
 
     # -- the world
@@ -933,8 +952,9 @@ class Cluster:
                 self.requests[rid] = dict(tenant=tenant, tokens=toks, out={}, ends={}, n=n)
                 self.inbox["from_client"].append(
                     Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
-                             SamplingParams(max_tokens=rng.randint(1, 12), n=n), arrived,
-                             priority=rng.choice([0, 0, 1])))
+                             SamplingParams(max_tokens=rng.randint(1, 12), n=n), self.clock,
+                             deadline_ms=rng.choice([None, 2, 10, 50]),
+                             priority=rng.choice([0, 1])))
             elif move == "cancel":
                 self.inbox["from_client"].append(CancelRequest(rng.choice(live), "client"))
             elif move == "kv":
@@ -967,16 +987,29 @@ class Cluster:
 
 
 @pytest.mark.parametrize("restarts", [False, True])
-def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts):
-    kinds, forked = Counter(), 0
+def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts, monkeypatch):
+    """Also: every transition of the sequence state machine is taken, and none that is not
+    in its table (``Seq.to`` raises)."""
+    monkeypatch.setattr(sequence, "record_transitions", True)
+    monkeypatch.setattr(sequence, "taken", set())
+    kinds, reasons, forked, capped = Counter(), Counter(), 0, 0
     for seed in range(800):
         cluster = Cluster(seed)
         cluster.run(num_requests=cluster.rng.randint(1, 8), restarts=restarts)
         cluster.check_quiescent()
         kinds.update(k for k, v in cluster.core.preemptions_by_kind.items() if v)
+        reasons.update(cluster.core.preemption_reasons)
         forked += any(r["n"] > 1 and r["ends"] for r in cluster.requests.values())
+        capped += any(cluster.max_running_seen[t] == cap for t, cap in cluster.caps.items())
     assert kinds["recompute"] > 50 and kinds["swap"] > 50, kinds   # both kinds exercised
-    assert forked > 100
+    assert forked > 100 and capped > 20, (forked, capped)
+    assert reasons["tenant_kv_budget"] > 10 and reasons["urgency"] > 5, reasons
+    every = {(state, event) for state, moves in sequence.TRANSITIONS.items() for event in moves}
+    # the pool refusing a swap-out the core thought would fit, and a refused swap-in being
+    # cancelled, are too rare here: test_states.py drives each of them
+    rare = {(State.SWAPPING_OUT, sequence.Event.RECOMPUTE),
+            (State.SWAP_REFUSED, sequence.Event.FINISH)}
+    assert every - sequence.taken <= rare
 
 
 def test_request_timing_from_the_clock():

@@ -1,0 +1,121 @@
+"""The core's output side: sampled tokens become detokenizer output, n > 1 requests fork
+after their first sample, stop conditions end a choice, and a request is released when its
+last choice ends."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from components.scheduler.sequence import IN_RUNNING_SET, Event, Seq, State
+from schemas.wire import DetokParams, ForkRequest, RequestTiming, StepResult, TokenOut, Usage
+
+if TYPE_CHECKING:
+    from components.scheduler.core import SchedulerCore
+
+
+@dataclass
+class Outcome:
+    """What one input produced: detokenizer output, released requests, forgotten requests."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+
+
+class Output:
+    def on_result(self: SchedulerCore, result: StepResult, now_ns: int = 0) -> Outcome:
+        out = Outcome()
+        if self.in_flight is None or result.step_id != self.in_flight_step:
+            return out                                # a step planned before a reset
+        in_flight, self.in_flight = self.in_flight, None
+        for seq_id, n in in_flight.items():
+            seq = self.by_seq.get(seq_id)
+            if seq is not None and in_running(seq):
+                seq.num_computed += n
+        sampled: dict[int, list[int]] = {}
+        for seq_id, token in zip(result.seq_ids, result.token_ids):
+            sampled.setdefault(seq_id, []).append(token)
+        for seq_id, tokens in sampled.items():
+            seq = self.by_seq.get(seq_id)
+            if seq is None or not in_running(seq):
+                continue
+            self.vtc.charge(seq.tenant, output_tokens=len(tokens))
+            if seq.n > 1 and not seq.forked:
+                seq.forked = True
+                for index, token in enumerate(tokens[1:seq.n], start=1):
+                    self._fork(seq, index, token, now_ns, out)
+            seq.token_ids.append(tokens[0])
+            self._emit_token(seq, tokens[0], now_ns, out)
+        return out
+
+    def _fork(self: SchedulerCore, parent: Seq, index: int, token: int, now_ns: int,
+              out: Outcome) -> None:
+        """Choice ``index`` of an n > 1 request: the parent's computed prompt plus its own
+        first token, sharing the parent's blocks once the kv_manager grants the fork."""
+        child = Seq(next(self._ids), parent.request_id, parent.tenant, parent.params,
+                    parent.prompt_len, parent.token_ids + [token], parent.block_hashes,
+                    parent.arrival_ns, parent.eos_token_ids, state=State.FORKING,
+                    num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
+                    first_scheduled_ns=parent.first_scheduled_ns, index=index,
+                    priority=parent.priority, deadline_ns=parent.deadline_ns,
+                    tpot_slo_s=parent.tpot_slo_s, public_scope=parent.public_scope,
+                    public_blocks=parent.public_blocks, forked=True, group=parent.group)
+        parent.group.append(child)
+        self.by_seq[child.seq_id] = child
+        self.running.append(child)
+        self._forks.append(ForkRequest(parent.seq_id, child.seq_id, parent.num_computed))
+        self._emit_token(child, token, now_ns, out)
+
+    def _emit_token(self: SchedulerCore, seq: Seq, token: int, now_ns: int,
+                    out: Outcome) -> None:
+        reason = self._stop_reason(seq, token)
+        first = seq.outputs_sent == 0
+        if first:
+            seq.first_token_ns = now_ns
+        seq.outputs_sent += 1
+        p = seq.params
+        params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
+                              max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n)
+                  if first else None)
+        if reason is None:
+            out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index))
+            return
+        usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
+        timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
+                               max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
+                               max(now_ns - seq.first_token_ns, 0) / 1e9,
+                               sum(s.preemptions for s in seq.group))
+        out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
+                                   seq.index))
+        self._finish(seq, out)
+
+    def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:
+        p = seq.params
+        if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
+                or seq.num_tokens >= self.max_model_len):
+            return "length"
+        return None
+
+    def _finish(self: SchedulerCore, seq: Seq, out: Outcome, free: bool = True) -> None:
+        """End one choice; the request is released when its last choice ends. Its lease is
+        freed at once (``free`` false: the pool is gone); a grant still in flight is freed
+        when it arrives (``CLOSING``)."""
+        if in_running(seq):
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if free and (seq.holds_lease or seq.block_ids):
+            self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
+        if seq.known_to_executor:
+            self._drop.append(seq.seq_id)
+        if seq.to(Event.FINISH) is State.DONE:
+            self.by_seq.pop(seq.seq_id, None)
+        if all(s.ended for s in seq.group):
+            del self.by_request[seq.request_id]
+            out.released.append(seq.request_id)
+
+
+def in_running(seq: Seq) -> bool:
+    return seq.state in IN_RUNNING_SET

@@ -1,0 +1,236 @@
+"""Preemption: who gives KV back when a sequence cannot grow, how (recompute or swap), and
+urgency preemption for a request about to miss its time-to-first-token deadline.
+
+Growth refused because the pool is full: ready-but-unscheduled sequences give their blocks
+back first; then a running victim is chosen by ``victim_key``: a tenant over its configured
+KV budget first, then the least important priority, then a tenant holding more than its
+weighted share of the pool, then the latest arrival. Growth refused because the sequence's
+own tenant is at its KV budget: the victim comes from that tenant, so other tenants never
+pay for it. A stuck sequence may be its own victim.
+
+Recompute frees the victim's blocks (its computed full blocks stay in the prefix cache) and
+sends it back to wait under a fresh seq id; swap copies its blocks to the executor's host
+tier. The cheaper by estimate is chosen, unless ``kv.preemption_mode`` forces one.
+
+Urgency: a waiting request that is blocked (no KV, or no free running slot) and would miss
+its TTFT deadline waiting for a slot may preempt one running sequence of a lower class. It
+does so only when the step-cost model says the intervention (redoing the victim's work) costs
+less than the lateness it avoids, and when starting now would meet the deadline. Every such
+decision, taken or not, is kept in ``last_urgency`` with both estimates (the step span)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from components.scheduler.kv_requests import TENANT_BUDGET
+from components.scheduler.output import in_running
+from components.scheduler.sequence import Event, Seq, State
+from schemas.wire import SwapOutRequest
+
+if TYPE_CHECKING:
+    from components.scheduler.core import SchedulerCore
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """One preemption, as recorded for traces and stats."""
+
+    request_id: str
+    index: int
+    reason: str            # "kv_growth_denied" | "tenant_kv_budget" | "urgency" | ...
+    choice: str            # "recompute" | "swap"
+    wasted_tokens: int     # computed tokens that will be computed again
+    recompute_s: float     # the estimates the choice was made on
+    swap_s: float
+
+
+@dataclass(frozen=True)
+class UrgencyDecision:
+    """A blocked request about to miss its TTFT deadline, and whether a lower-class running
+    sequence was preempted for it."""
+
+    request_id: str
+    victim: str
+    intervention_s: float     # the victim's work to redo (recompute or swap, the cheaper)
+    lateness_avoided_s: float  # predicted TTFT past the deadline, waiting for a free slot
+    preempted: bool
+    reason: str               # "cost_below_loss" | "cost_above_loss" | "too_late_anyway"
+
+
+class Preempting:
+    def _preempt_if_stuck(self: SchedulerCore) -> None:
+        """Free memory for sequences that cannot proceed."""
+        head = self.waiting[0] if self.waiting else None
+        if (head is not None and head.state in (State.REFUSED, State.SWAP_REFUSED)
+                and head.refusal != TENANT_BUDGET):
+            for seq in [s for s in self.waiting if s.state is State.READY]:
+                self._give_back(seq)
+        for seq in [s for s in self.running if s.state is State.STALLED]:
+            if seq.state is not State.STALLED:       # preempted as a victim meanwhile
+                continue
+            if seq.capacity(self.block_size) > seq.num_computed:
+                seq.to(Event.RETRY)                  # can still make progress; ask again later
+                continue
+            own = seq.refusal == TENANT_BUDGET       # its tenant is at its KV budget
+            ready = [s for s in self.waiting if s.state is State.READY
+                     and (not own or s.tenant == seq.tenant)]
+            if ready:
+                self._give_back(max(ready, key=lambda s: (s.arrival_ns, s.seq_id)))
+            elif own:
+                self._preempt(max((s for s in self.running if s.tenant == seq.tenant),
+                                  key=lambda s: (s.priority, s.arrival_ns, s.seq_id)),
+                              TENANT_BUDGET)
+            else:
+                self._preempt(max(self.running, key=self.victim_key()))
+            if seq.state is State.STALLED:
+                seq.to(Event.RETRY)
+
+    def victim_key(self: SchedulerCore):
+        """Sort key of running sequences; the largest is preempted first."""
+        held = self.held_blocks()
+        active = {s.tenant for s in self.running}
+        total_weight = sum(self.vtc.weight(t) for t in active) or 1.0
+
+        def over_share(tenant: str) -> bool:
+            return held[tenant] > self.num_blocks * self.vtc.weight(tenant) / total_weight
+
+        def over_budget(tenant: str) -> bool:
+            budget = self.kv_budget.get(tenant)
+            return bool(budget) and held[tenant] > budget
+
+        return lambda s: (over_budget(s.tenant), s.priority, over_share(s.tenant),
+                          s.arrival_ns, s.seq_id)
+
+    def _give_back(self: SchedulerCore, seq: Seq) -> None:
+        """A ready sequence returns its blocks. One resumed from the host tier holds real
+        work, so it is preempted like a running victim; a fresh one loses nothing."""
+        if seq.num_computed > seq.cached_tokens:
+            self._preempt(seq, "returned_unscheduled_blocks")
+        else:
+            self._recompute(seq, "returned_unscheduled_blocks", count=False)
+
+    # ------------------------------------------------------------------ urgency
+    def _rescue_urgent(self: SchedulerCore, now_ns: int) -> None:
+        """At most one urgency preemption per step (see the module docstring)."""
+        self.last_urgency = []
+        if not self.urgency or not now_ns or not self.running:
+            return
+        running = len(self.running)
+        decode_s = self.cost.predict(running, sum(s.num_tokens for s in self.running), running)
+        if decode_s <= 0:
+            return                                   # nothing measured yet
+        slots_full = running >= self.cfg.max_num_seqs
+        for u in self.waiting:
+            if not u.deadline_ns or u.preemptions or u.first_scheduled_ns or u.rescued:
+                continue
+            blocked = ((u.state is State.REFUSED and u.refusal != TENANT_BUDGET)
+                       or (u.state is State.WAITING and slots_full))
+            victims = [s for s in self.running if s.priority > u.priority
+                       and s.state in (State.RUNNING, State.STALLED)]
+            if not blocked or not victims:
+                continue
+            prefill_s = self.cost.predict(u.remaining, u.remaining, 1)
+            # waiting, it starts when a running sequence ends: at the latest, when the one
+            # closest to its max_tokens gets there (EOS may come sooner)
+            wait_s = decode_s * max(min(self._tokens_left(s) for s in self.running), 0)
+            late_s = (now_ns - u.deadline_ns) / 1e9 + wait_s + prefill_s
+            if late_s <= 0:
+                continue                             # it makes its deadline without help
+            victim = max(victims, key=lambda s: (s.priority, s.arrival_ns, s.seq_id))
+            cost_s = min(self._costs(victim))
+            if (now_ns - u.deadline_ns) / 1e9 + prefill_s + decode_s > 0:
+                reason = "too_late_anyway"
+            elif cost_s < late_s:
+                reason = "cost_below_loss"
+            else:
+                reason = "cost_above_loss"
+            act = reason == "cost_below_loss"
+            self.last_urgency.append(UrgencyDecision(u.request_id, victim.request_id, cost_s,
+                                                     late_s, act, reason))
+            if act:
+                self._preempt(victim, "urgency")
+                u.rescued = True
+                self.waiting.remove(u)
+                self.waiting.appendleft(u)
+            return
+
+    def _tokens_left(self: SchedulerCore, seq: Seq) -> int:
+        cap = seq.params.max_tokens if seq.params.max_tokens is not None else self.max_model_len
+        return min(cap - seq.num_output, self.max_model_len - seq.num_tokens) + seq.remaining - 1
+
+    # ------------------------------------------------------------------ mechanics
+    def _costs(self: SchedulerCore, seq: Seq) -> tuple[float, float]:
+        """Estimated seconds to recompute ``seq``'s computed tokens, and to swap its blocks
+        out and back in (bytes / measured host-copy bandwidth, both ways)."""
+        blocks = -(-seq.num_computed // self.block_size)
+        swap_s = (2 * blocks * self.block_bytes / self.copy_bytes_per_s
+                  if self.copy_bytes_per_s > 0 else math.inf)
+        return self.recompute_s(seq.num_computed), swap_s
+
+    def _preempt(self: SchedulerCore, seq: Seq, reason: str = "kv_growth_denied") -> None:
+        recompute_s, swap_s = self._costs(seq)
+        blocks = -(-seq.num_computed // self.block_size)
+        can_swap = (self.preemption_mode != "recompute" and seq.num_computed > 0
+                    and seq.state in (State.RUNNING, State.STALLED, State.READY)
+                    and blocks <= self.cpu_free and swap_s < math.inf)
+        if can_swap and (self.preemption_mode == "swap" or swap_s < recompute_s):
+            self._swap_out(seq, reason, blocks, recompute_s, swap_s)
+        else:
+            self._recompute(seq, reason, count=True, costs=(recompute_s, swap_s))
+
+    def _record(self: SchedulerCore, seq: Seq, reason: str, choice: str, wasted: int,
+                recompute_s: float, swap_s: float) -> None:
+        self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, choice, wasted,
+                                              recompute_s, swap_s))
+        self.preemptions += 1
+        self.preemptions_by_kind[choice] += 1
+        self.preemption_reasons[reason] += 1
+        self.wasted_tokens += wasted
+
+    def _to_queue_head(self: SchedulerCore, seq: Seq, was_running: bool) -> None:
+        if was_running:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
+
+    def _swap_out(self: SchedulerCore, seq: Seq, reason: str, blocks: int, recompute_s: float,
+                  swap_s: float) -> None:
+        """Send a victim's computed blocks to the host tier; it keeps its seq id, progress
+        and lease, and waits at the head of the queue to be swapped back in."""
+        self._record(seq, reason, "swap", 0, recompute_s, swap_s)
+        seq.preemptions += 1
+        self.swapped_blocks += blocks
+        self.cpu_free -= blocks
+        self._to_queue_head(seq, in_running(seq))
+        seq.to(Event.SWAP_OUT)
+        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
+        if seq.known_to_executor:
+            self._drop.append(seq.seq_id)
+        seq.block_ids = []
+        seq.blocks_sent = 0
+        seq.known_to_executor = False
+
+    def _recompute(self: SchedulerCore, seq: Seq, reason: str, count: bool,
+                   costs: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Return a sequence's blocks (its computed full blocks stay cached) and send it
+        back to wait under a fresh seq id; a running victim goes to the head of the queue."""
+        if count:
+            self._record(seq, reason, "recompute", seq.num_computed, *costs)
+            seq.preemptions += 1
+        else:
+            self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, "recompute",
+                                                  0, *costs))
+        self._to_queue_head(seq, in_running(seq))
+        seq.to(Event.RECOMPUTE)
+        self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
+        if seq.known_to_executor:
+            self._drop.append(seq.seq_id)
+        del self.by_seq[seq.seq_id]                 # late grants for the old lease get freed
+        seq.seq_id = next(self._ids)
+        self.by_seq[seq.seq_id] = seq
+        seq.num_computed = 0
+        seq.block_ids = []
+        seq.blocks_sent = 0
+        seq.known_to_executor = False
+
+
