@@ -148,7 +148,10 @@ class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=F
     """The answer to one KV op. ``ok`` false means the pool could not satisfy it (and
     changed nothing). ``kind`` names the op: "alloc" (``block_ids`` are the new blocks),
     "fork" (the child's whole table), "swap_out" (the host-tier blocks), "swap_in" (the new
-    table). ``copies`` must reach the executor, in order, before its next step."""
+    table). ``copies`` must reach the executor, in order, before its next step. ``reason``
+    says why a grant was refused: "tenant_kv_budget" (the sequence's tenant is at its KV
+    block budget: only its own frees help), "pool_full" (the pool lacks the blocks), or ""
+    (granted, or the op did not fit the lease's state). Last, so older encodings decode."""
 
     epoch: int
     seq_id: int
@@ -157,6 +160,7 @@ class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=F
     num_cached_tokens: int
     kind: str = "alloc"
     copies: list[BlockCopy] = []
+    reason: str = ""
 
 
 class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):

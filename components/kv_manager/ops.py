@@ -11,7 +11,7 @@ def apply_ops(pool: BlockPool, ops: KvOps) -> list[KvGrant]:
 
     def grant(seq_id: int, kind: str, g: Grant) -> None:
         grants.append(KvGrant(ops.epoch, seq_id, g.ok, g.block_ids, g.num_cached_tokens, kind,
-                              g.copies))
+                              g.copies, g.reason))
 
     for f in ops.forks:
         grant(f.child, "fork", pool.fork(f.parent, f.child, f.num_tokens, epoch=ops.epoch))

@@ -20,10 +20,21 @@ system prompt the server chose to share).
 
 Copies are returned in order and must be done in that order, before the next forward step
 writes any block: a later copy may overwrite the source of an earlier one.
+
+A lease's scope is its tenant. A tenant may have a budget of main-tier blocks: what it holds
+is the number of *distinct* main-tier blocks its leases reference (a block two of its
+sequences share counts once; an unreferenced cached block counts for nobody; a public-scope
+block counts for every tenant that references it, so a tenant's count never depends on what
+other tenants do). ``allocate``, ``fork`` and ``swap_in`` are refused when what the tenant
+holds plus the blocks the op would newly take exceeds its budget. ``write_block`` is not: its
+copy makes a block private for a sequence already running, and refusing it would strand
+that sequence. Each such copy of a block the tenant still holds elsewhere takes it one block
+over (the count stays exact); while over, its every ``allocate``, ``fork`` and ``swap_in``
+is refused until frees bring it back.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,13 +43,20 @@ import msgspec
 from schemas.wire import BlockCopy
 
 GPU, CPU = "gpu", "cpu"
+POOL_FULL, TENANT_KV_BUDGET = "pool_full", "tenant_kv_budget"
 
 
 class Grant(msgspec.Struct, frozen=True):
+    """An op's result. Refused (``ok`` false), it changed nothing, and ``reason`` says why:
+    "tenant_kv_budget" (the lease's tenant would go over its budget; checked first),
+    "pool_full" (the main tier, or for a swap-out the cpu tier, lacks the blocks), or ""
+    (the op does not fit the lease's state: unknown or swapped lease, existing child)."""
+
     ok: bool
     block_ids: list[int]
     num_cached_tokens: int = 0
     copies: list[BlockCopy] = []
+    reason: str = ""
 
 
 class CacheEvent(msgspec.Struct, frozen=True, array_like=True):
@@ -60,6 +78,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     cpu_free: int = 0
     cpu_cached: int = 0
     swapped_seqs: int = 0
+    tenant_blocks: dict[str, int] = {}     # distinct main-tier blocks each tenant holds
 
 
 @dataclass
@@ -99,7 +118,7 @@ class _Tier:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True,
                  num_cpu_blocks: int = 0, watermark_blocks: int = 0,
-                 emit_events: bool = True) -> None:
+                 emit_events: bool = True, tenant_blocks: dict[str, int] | None = None) -> None:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -119,6 +138,9 @@ class BlockPool:
         self.demoted_blocks = 0
         self.emit_events = emit_events          # off where nothing reads the event stream
         self.events: list[CacheEvent] = []
+        self.budgets = dict(tenant_blocks or {})    # tenant -> main-tier blocks; absent: any
+        self._held: dict[str, Counter[int]] = {}    # tenant -> its leases' refs per gpu block
+        self.refusals: Counter[str] = Counter()     # refused ops by reason
 
     # -- compatibility views of the main tier (tests and stats read these)
     @property
@@ -145,7 +167,13 @@ class BlockPool:
         cached = sum(1 for b in self._block_hash if b < self.num_blocks)
         return PoolStats(self.num_blocks, self.num_free, cached, len(self._leases),
                          self.num_cpu_blocks, self.num_cpu_free, len(self._block_hash) - cached,
-                         sum(1 for lease in self._leases.values() if lease.swapped))
+                         sum(1 for lease in self._leases.values() if lease.swapped),
+                         {t: len(held) for t, held in self._held.items()})
+
+    def tenant_blocks(self, tenant: str) -> int:
+        """Distinct main-tier blocks the tenant's leases reference now."""
+        held = self._held.get(tenant)
+        return len(held) if held else 0
 
     @property
     def below_watermark(self) -> bool:
@@ -166,27 +194,38 @@ class BlockPool:
         """Lease ``num_blocks`` more main-tier blocks to ``seq_id``. The first allocation of
         a sequence may satisfy up to ``max_cached_blocks`` leading blocks from the cache
         (cpu-tier hits only if ``promote``: each costs a copy back). A first allocation
-        must also leave ``watermark_blocks`` free; growth may dip below."""
+        must also leave ``watermark_blocks`` free; growth may dip below. Refused if the
+        blocks the lease's tenant would newly hold (fresh blocks, and hits it does not hold
+        yet) take it over its budget."""
         lease = self._leases.get(seq_id)
         if lease is not None and lease.swapped:
             return Grant(False, [])
         hits: list[int] = []
         first = lease is None
+        tenant = scope if first else lease.scope
+        room = self._room(tenant)
         reserve = self.watermark_blocks if first else 0
         best = min(max_cached_blocks, len(block_hashes), num_blocks) if first else 0
-        if num_blocks - best > self.num_free - reserve:
-            return Grant(False, [])         # refused even if every possible hit were pinned
+        # Refuse early only where the answer is sure without the hits. The budget is checked
+        # first: a refusal says tenant_kv_budget whenever the budget refuses, pool full or not.
+        if num_blocks - best > room:                    # even if every hit were held
+            return self._refuse(TENANT_KV_BUDGET)
+        if num_blocks <= room and num_blocks - best > self.num_free - reserve:
+            return self._refuse(POOL_FULL)              # even if every hit were pinned
         if first:
             lease = _Lease(epoch, [], scope, list(block_hashes), list(token_ids), public_scope,
                            public_blocks)
             if self.prefix_cache:
-                hits = self._match(lease, min(max_cached_blocks, len(block_hashes), num_blocks),
-                                   promote)
-                self.query_tokens += len(token_ids)
+                hits = self._match(lease, best, promote)
         resident = [b for b in hits if b < self.num_blocks]
         need = num_blocks - len(resident)
+        held = self._held.get(tenant, {})
+        if need + sum(1 for b in resident if b not in held) > room:
+            return self._refuse(TENANT_KV_BUDGET)
         if need > self.num_free - sum(1 for b in resident if self._ref[b] == 0) - reserve:
-            return Grant(False, [])
+            return self._refuse(POOL_FULL)
+        if first and self.prefix_cache:
+            self.query_tokens += len(token_ids)
         self._copies = []
         for b in hits:                          # pin every hit before anything is evicted
             self._incref(b)
@@ -194,6 +233,8 @@ class BlockPool:
                   for i, b in enumerate(hits)]
         blocks += [self._take_free(GPU) for _ in range(num_blocks - len(hits))]
         lease.blocks.extend(blocks)
+        for b in blocks:
+            self._hold(tenant, b)
         self._leases[seq_id] = lease
         cached_tokens = len(hits) * self.block_size
         self.hit_tokens += cached_tokens
@@ -209,12 +250,15 @@ class BlockPool:
         if src is None or src.swapped or child in self._leases or n > len(src.blocks):
             return Grant(False, [])
         partial = num_tokens % self.block_size != 0
+        if partial > self._room(src.scope):     # only the copy is new: its tenant holds the rest
+            return self._refuse(TENANT_KV_BUDGET)
         if partial and self.num_free < 1:
-            return Grant(False, [])
+            return self._refuse(POOL_FULL)
         lease = _Lease(epoch, list(src.blocks[:n]), src.scope, list(src.hashes),
                        list(src.token_ids), src.public_scope, src.public_blocks)
         for b in lease.blocks:
             self._incref(b)
+            self._hold(lease.scope, b)
         self._leases[child] = lease
         self._copies = []
         if partial:
@@ -223,7 +267,8 @@ class BlockPool:
 
     def write_block(self, seq_id: int, index: int) -> list[BlockCopy] | None:
         """Make block ``index`` of ``seq_id`` private before it is written (copy-on-write).
-        Returns the copies to do (none if it was not shared), or None if no block is free."""
+        Returns the copies to do (none if it was not shared), or None if no block is free.
+        Never refused for the tenant's budget (see the module docstring)."""
         lease = self._leases[seq_id]
         if self._shared(lease.blocks[index]) and self.num_free < 1:
             return None
@@ -237,16 +282,23 @@ class BlockPool:
         tier cannot take them. Returns the cpu block ids."""
         lease = self._leases.get(seq_id)
         n = -(-num_tokens // self.block_size)
-        if lease is None or lease.swapped or n > len(lease.blocks) or n > self.num_cpu_free:
+        if lease is None or lease.swapped or n > len(lease.blocks):
             return Grant(False, [])
+        if n > self.num_cpu_free:
+            return self._refuse(POOL_FULL)
         return self._move(lease, lease.blocks[:n], CPU)
 
     def swap_in(self, seq_id: int) -> Grant:
         """Bring a swapped sequence's blocks back to the main tier (copies); refused if the
-        main tier cannot hold them. Returns the new block table."""
+        main tier cannot hold them or its tenant's budget cannot. Returns the new block
+        table."""
         lease = self._leases.get(seq_id)
-        if lease is None or not lease.swapped or len(lease.blocks) > self.num_free:
+        if lease is None or not lease.swapped:
             return Grant(False, [])
+        if len(lease.blocks) > self._room(lease.scope):
+            return self._refuse(TENANT_KV_BUDGET)
+        if len(lease.blocks) > self.num_free:
+            return self._refuse(POOL_FULL)
         return self._move(lease, lease.blocks, GPU)
 
     def _move(self, lease: _Lease, blocks: list[int], tier: str) -> Grant:
@@ -258,7 +310,9 @@ class BlockPool:
             d = self._take_free(tier)
             self._copies.append(BlockCopy(b, d))
             moved.append(d)
+            self._hold(lease.scope, d)
         for b in lease.blocks:
+            self._release(lease.scope, b)
             self._decref(b)
         lease.blocks, lease.swapped = moved, tier == CPU
         return Grant(True, list(moved), 0, self._take_copies())
@@ -286,6 +340,7 @@ class BlockPool:
                                lease.hashes[i - 1] if i else None,
                                lease.token_ids[i * self.block_size:(i + 1) * self.block_size])
         for b in lease.blocks:
+            self._release(lease.scope, b)
             self._decref(b)
         return len(lease.blocks)
 
@@ -313,6 +368,10 @@ class BlockPool:
         return events
 
     # -- internals
+    def _refuse(self, reason: str) -> Grant:
+        self.refusals[reason] += 1
+        return Grant(False, [], reason=reason)
+
     def _take_copies(self) -> list[BlockCopy]:
         copies, self._copies = self._copies, []
         return copies
@@ -337,6 +396,8 @@ class BlockPool:
         if self._shared(b):
             new = self._take_free(GPU)
             self._copies.append(BlockCopy(b, new))
+            self._hold(lease.scope, new)
+            self._release(lease.scope, b)
             self._decref(b)
             lease.blocks[index] = new
 
@@ -400,6 +461,25 @@ class BlockPool:
             self.events.append(CacheEvent("stored", h, key.scope, CPU, key.parent))
         self._decref(c)
         self.demoted_blocks += 1
+
+    def _room(self, tenant: str) -> float:
+        """Main-tier blocks the tenant may still newly hold (inf without a budget)."""
+        budget = self.budgets.get(tenant)
+        return float("inf") if budget is None else budget - self.tenant_blocks(tenant)
+
+    def _hold(self, tenant: str, block: int) -> None:
+        """One more reference by the tenant's leases to ``block`` (main tier only)."""
+        if block < self.num_blocks:
+            self._held.setdefault(tenant, Counter())[block] += 1
+
+    def _release(self, tenant: str, block: int) -> None:
+        if block < self.num_blocks:
+            held = self._held[tenant]
+            held[block] -= 1
+            if not held[block]:
+                del held[block]
+                if not held:
+                    del self._held[tenant]
 
     def _incref(self, block: int) -> None:
         if self._ref[block] == 0:

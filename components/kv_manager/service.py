@@ -9,12 +9,19 @@ import zmq
 
 from bus.component import Component
 from components.kv_manager.ops import apply_ops
-from components.kv_manager.pool import BlockPool
+from components.kv_manager.pool import TENANT_KV_BUDGET, BlockPool
+from schemas.config import AdmissionConfig
 from schemas.wire import (CacheAnswer, CacheQuery, KvEvents, KvGrant, KvGrants, KvHello,
                           KvManagerUp, KvMsg, KvOps)
 
 log = structlog.get_logger("kv_manager")
 _MAX_EPOCH_AHEAD_NS = 60 * 10**9
+
+
+def tenant_budgets(admission: AdmissionConfig) -> dict[str, int]:
+    """Each configured tenant's KV block budget; a tenant with none (0), or not configured,
+    is unlimited."""
+    return {t.name: t.kv_blocks for t in admission.tenants if t.kv_blocks > 0}
 
 
 class KvManagerService(Component):
@@ -23,7 +30,8 @@ class KvManagerService(Component):
     async def setup(self) -> None:
         kv = self.config.kv
         self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
-                              kv.num_cpu_blocks, kv.watermark_blocks)
+                              kv.num_cpu_blocks, kv.watermark_blocks,
+                              tenant_blocks=tenant_budgets(self.config.admission))
         self.epoch = 0
         self.stale_ops = 0
         self.alloc_failures = 0
@@ -95,5 +103,7 @@ class KvManagerService(Component):
                 "promoted_blocks": self.pool.promoted_blocks,
                 "demoted_blocks": self.pool.demoted_blocks,
                 "leased_seqs": s.leased_seqs, "alloc_failures": self.alloc_failures,
+                "tenant_kv_budget_refusals": self.pool.refusals[TENANT_KV_BUDGET],
                 "prefix_query_tokens": self.pool.query_tokens,
-                "prefix_hit_tokens": self.pool.hit_tokens, "stale_ops": self.stale_ops}
+                "prefix_hit_tokens": self.pool.hit_tokens, "stale_ops": self.stale_ops,
+                **{f"tenant_kv_blocks.{t}": n for t, n in s.tenant_blocks.items()}}

@@ -67,8 +67,8 @@ def test_exact_fit_then_failure():
     pool = BlockPool(4, BS)
     assert pool.allocate(1, 4).block_ids == [0, 1, 2, 3]
     assert pool.num_free == 0
-    assert pool.allocate(2, 1) == Grant(False, [], 0)
-    assert pool.allocate(1, 1) == Grant(False, [], 0)           # growth fails too
+    assert pool.allocate(2, 1) == Grant(False, [], 0, reason="pool_full")
+    assert pool.allocate(1, 1) == Grant(False, [], 0, reason="pool_full")   # growth too
     assert pool.blocks_of(1) == [0, 1, 2, 3]
     assert pool.blocks_of(2) == []
 
@@ -238,11 +238,12 @@ def test_failed_allocation_changes_nothing():
     assert pool.allocate(2, 2) == Grant(True, [2, 3], 0)        # holds the plain ones
     before = snapshot(pool)
     # would hit 0 and 1 but still need one more block: refused, hits not taken
-    assert alloc_prompt(pool, 3, PROMPT[:8] + [0], 3, max_cached=2) == Grant(False, [], 0)
+    assert alloc_prompt(pool, 3, PROMPT[:8] + [0], 3, max_cached=2) == Grant(
+        False, [], 0, reason="pool_full")
     assert snapshot(pool) == before
     assert pool.blocks_of(3) == []
     # growth failure keeps the existing lease as it was
-    assert pool.allocate(2, 3) == Grant(False, [], 0)
+    assert pool.allocate(2, 3) == Grant(False, [], 0, reason="pool_full")
     assert snapshot(pool) == before
     # once memory is back the same request succeeds, with the hits
     pool.free(2)
@@ -256,7 +257,7 @@ def test_hit_on_referenced_block_needs_no_free_block_for_it():
     assert alloc_prompt(pool, 2, PROMPT, 3).block_ids == [0, 1, 2]
     assert pool.num_free == 0
     # blocks 0,1 are shared (refcount>0): only one free block would be needed
-    assert alloc_prompt(pool, 3, PROMPT, 3) == Grant(False, [], 0)
+    assert alloc_prompt(pool, 3, PROMPT, 3) == Grant(False, [], 0, reason="pool_full")
     assert alloc_prompt(pool, 3, PROMPT, 2) == Grant(True, [0, 1], 8)
     assert pool.refcount(0) == 2
 
@@ -404,6 +405,11 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.content.get(b) == (key.scope, key.tokens)
         assert {s: pool.blocks_of(s) for s in self.leases} == {
             s: lease["blocks"] for s, lease in self.leases.items()}
+        held = {}                                                 # tenant -> distinct blocks
+        for lease in self.leases.values():
+            held.setdefault(lease["scope"], set()).update(lease["blocks"])
+        assert pool.stats().tenant_blocks == {t: len(bs) for t, bs in held.items()}
+        assert [pool.tenant_blocks(t) for t in SCOPES] == [len(held.get(t, ())) for t in SCOPES]
 
     def teardown(self):
         for seq in list(self.leases):

@@ -3,6 +3,7 @@ cached prefixes, public scopes, the watermark, and a stateful property test that
 every block copy the pool asks for against a model of what each physical block holds."""
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 
 from hypothesis import settings
@@ -54,7 +55,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_tail():
 def test_fork_refused_without_a_block_for_the_copy():
     pool = BlockPool(3, BS)
     alloc_prompt(pool, 1, P, 3)
-    assert pool.fork(1, 2, num_tokens=10) == Grant(False, [])
+    assert pool.fork(1, 2, num_tokens=10) == Grant(False, [], reason="pool_full")
     assert pool.fork(1, 2, num_tokens=8).ok                       # aligned needs none
     assert pool.fork(1, 2, num_tokens=8) == Grant(False, [])      # child exists already
     assert pool.fork(9, 4, num_tokens=4) == Grant(False, [])      # unknown parent
@@ -71,7 +72,7 @@ def test_swap_out_and_in_move_exactly_the_computed_blocks():
     assert pool.stats().swapped_seqs == 1
     assert pool.allocate(1, 1) == Grant(False, [])                 # no growth while swapped
     assert pool.allocate(2, 2).block_ids == [0, 1]
-    assert pool.swap_in(1) == Grant(False, [])                     # needs 3, 2 free
+    assert pool.swap_in(1) == Grant(False, [], reason="pool_full")  # needs 3, 2 free
     pool.free(2)
     g = pool.swap_in(1)
     assert g == Grant(True, [2, 3, 0], 0, [BlockCopy(4, 2), BlockCopy(5, 3), BlockCopy(6, 0)])
@@ -84,7 +85,7 @@ def test_swap_out_refused_when_the_cpu_tier_is_full():
     pool = BlockPool(4, BS, num_cpu_blocks=1)
     pool.allocate(1, 2)
     before = (list(pool._ref), pool.blocks_of(1))
-    assert pool.swap_out(1, num_tokens=5) == Grant(False, [])
+    assert pool.swap_out(1, num_tokens=5) == Grant(False, [], reason="pool_full")
     assert (list(pool._ref), pool.blocks_of(1)) == before
     assert pool.swap_out(1, num_tokens=4).ok
 
@@ -150,7 +151,7 @@ def test_watermark_holds_back_first_leases_not_growth():
     pool = BlockPool(8, BS, watermark_blocks=2)
     assert pool.allocate(1, 6).ok
     assert pool.below_watermark is False
-    assert pool.allocate(2, 1) == Grant(False, [])   # would leave 1 < 2 free
+    assert pool.allocate(2, 1) == Grant(False, [], reason="pool_full")  # leaves 1 < 2 free
     assert pool.allocate(1, 2).ok                     # growth may use the reserve
     assert pool.below_watermark
 
@@ -316,6 +317,10 @@ class TieredPoolMachine(RuleBasedStateMachine):
         for b, key in pool._block_key.items():                   # registry tells the truth
             assert self.content.get(b) == (key.scope, key.tokens)
             assert scopes.get(b, {key.scope}) == {key.scope}
+        held = defaultdict(set)                  # tenant -> distinct main-tier blocks
+        for sid, s in self.seqs_.items():
+            held[s["scope"]].update(b for b in pool.blocks_of(sid) if b < NUM_GPU)
+        assert pool.stats().tenant_blocks == {t: len(bs) for t, bs in held.items() if bs}
 
     def teardown(self):
         for sid in list(self.seqs_):
@@ -327,3 +332,70 @@ class TieredPoolMachine(RuleBasedStateMachine):
 TieredPoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50,
                                                deadline=None)
 TestTieredPoolMachine = TieredPoolMachine.TestCase
+
+
+class BudgetOracle:
+    """A pool with tenant budgets that runs every allocate, fork and swap_in also on a copy
+    of itself without budgets. Granted, the two must agree exactly and leave the tenant
+    within its budget; refused for the budget, nothing may change, and the copy must go
+    over the budget (or find the pool full); refused otherwise, the copy is refused alike."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def allocate(self, seq_id, num_blocks, **kw):
+        lease = self.pool._leases.get(seq_id)
+        tenant = lease.scope if lease else kw.get("scope", "")
+        return self._checked(tenant, lambda p: p.allocate(seq_id, num_blocks, **kw))
+
+    def fork(self, parent, child, num_tokens):
+        lease = self.pool._leases.get(parent)
+        return self._checked(lease.scope if lease else "",
+                             lambda p: p.fork(parent, child, num_tokens))
+
+    def swap_in(self, seq_id):
+        lease = self.pool._leases.get(seq_id)
+        return self._checked(lease.scope if lease else "", lambda p: p.swap_in(seq_id))
+
+    def _checked(self, tenant, op):
+        unbudgeted = copy.deepcopy(self.pool)
+        unbudgeted.budgets = {}
+        before = state(self.pool)
+        g, u = op(self.pool), op(unbudgeted)
+        budget = self.pool.budgets.get(tenant)
+        if g.ok:
+            assert g == u and state(self.pool) == state(unbudgeted)
+            assert budget is None or self.pool.tenant_blocks(tenant) <= budget
+        elif g.reason == "tenant_kv_budget":
+            assert g == Grant(False, [], reason="tenant_kv_budget") and budget is not None
+            assert state(self.pool) == before
+            assert u.reason == "pool_full" or unbudgeted.tenant_blocks(tenant) > budget
+        else:
+            assert g == u and state(self.pool) == before
+        return g
+
+
+def state(pool):
+    return (list(pool._ref), {t: (list(x.plain), list(x.cached)) for t, x in pool._tiers.items()},
+            dict(pool._hash_to_block), dict(pool._block_key),
+            {s: (list(lease.blocks), lease.swapped) for s, lease in pool._leases.items()},
+            {t: dict(held) for t, held in pool._held.items()}, pool.query_tokens,
+            pool.hit_tokens, list(pool.events))
+
+
+class BudgetedTieredPoolMachine(TieredPoolMachine):
+    """The same random workload with tenant "a" limited to 4 of the 10 main-tier blocks
+    ("b" and the pressure tenant "c" unlimited), every budgeted op checked by the oracle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BudgetOracle(BlockPool(NUM_GPU, BS, num_cpu_blocks=NUM_CPU,
+                                           tenant_blocks={"a": 4}))
+
+
+BudgetedTieredPoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=50,
+                                                       deadline=None)
+TestBudgetedTieredPoolMachine = BudgetedTieredPoolMachine.TestCase

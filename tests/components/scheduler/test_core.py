@@ -471,7 +471,7 @@ def test_preemption_by_recompute(prefix_cache):
     ops = core.take_kv_ops()
     assert ops == KvOps(EPOCH, [], [AllocRequest(1, 1), AllocRequest(2, 1)])
     grants = kv.apply(ops)
-    assert grants == [grant(1, [], ok=False), grant(2, [], ok=False)]
+    assert grants == [grant(s, [], ok=False, reason="pool_full") for s in (1, 2)]
     core.on_grants(grants)
     core.on_result(result(plan, {1: 11, 2: 22}))
 
@@ -494,7 +494,7 @@ def test_preemption_by_recompute(prefix_cache):
     grants = kv.apply(ops)
     # with the prefix cache b's first block stays cached, so a gets b's partial block
     assert grants[0] == grant(1, [3] if prefix_cache else [2])
-    assert grants[1] == grant(3, [], ok=False)           # b cannot come back yet
+    assert grants[1] == grant(3, [], ok=False, reason="pool_full")   # b cannot come back yet
     core.on_grants(grants)
 
     # a new request arrives; it is not admitted while b waits
