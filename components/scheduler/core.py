@@ -29,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Callable
 
+from components.admission.estimate import TokenBucket
 from components.scheduler.cost_model import StepCostModel
 from components.scheduler.fairness import VirtualCounters
 from components.scheduler.kv_requests import KvRequests
@@ -88,6 +89,10 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         limits = {t.name: t for t in tenants}
         self.kv_budget = {name: t.kv_blocks for name, t in limits.items() if t.kv_blocks}
         self.max_running = {name: t.max_running for name, t in limits.items() if t.max_running}
+        # the tenant's token rate, as admission's bucket, charged with the tokens the engine
+        # really computes and samples: a tenant past it starts new work after the others
+        self.buckets = {name: TokenBucket(t.token_rate, t.token_burst, 0.0)
+                        for name, t in limits.items() if t.token_rate}
         if weights is None:
             weights = {name: t.weight for name, t in limits.items()}
         self.vtc = VirtualCounters(weights)
@@ -193,6 +198,17 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                                                      State.SWAP_REFUSED):
                 held[seq.tenant] += len(seq.block_ids)
         return held
+
+    def over_rate(self, tenant: str, now_s: float) -> bool:
+        """Has ``tenant`` used more than its token bucket holds?"""
+        bucket = self.buckets.get(tenant)
+        return bucket is not None and bucket.refill(now_s) < 0
+
+    def charge(self, tenant: str, now_ns: int, input_tokens: int = 0,
+               output_tokens: int = 0) -> None:
+        self.vtc.charge(tenant, input_tokens=input_tokens, output_tokens=output_tokens)
+        if (bucket := self.buckets.get(tenant)) is not None:
+            bucket.take(input_tokens + output_tokens, now_ns / 1e9)
 
     def running_slots(self) -> Counter[str]:
         """Running sequences per tenant, an unforked n > 1 request counting n."""

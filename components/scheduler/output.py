@@ -39,7 +39,7 @@ class Output:
             seq = self.by_seq.get(seq_id)
             if seq is None or not in_running(seq):
                 continue
-            self.vtc.charge(seq.tenant, output_tokens=len(tokens))
+            self.charge(seq.tenant, now_ns, output_tokens=len(tokens))
             if seq.n > 1 and not seq.forked:
                 seq.forked = True
                 for index, token in enumerate(tokens[1:seq.n], start=1):

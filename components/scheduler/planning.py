@@ -27,8 +27,8 @@ class Planning:
         chunking.py)."""
         assert self.in_flight is None
         self.last_preempted = []
-        if self.fair:
-            self._fair_order()
+        if self.fair or self.buckets:
+            self._fair_order(now_ns)
         self._preempt_if_stuck()
         self._rescue_urgent(now_ns)
         if budget is None:
@@ -73,29 +73,33 @@ class Planning:
         if not chosen:
             return None
         self.in_flight = {seq.seq_id: n for seq, n in chosen}
-        plan = self._plan(chosen)
+        plan = self._plan(chosen, now_ns)
         self.in_flight_step = plan.step_id
         self.steps += 1
         return plan
 
-    def _fair_order(self: SchedulerCore) -> None:
-        """Waiting work in VTC order: sequences rescued by urgency, then those back from
-        preemption (they hold work, and ran before), then fresh ones by their tenant's
-        virtual counter (the least served first), arrival order within a tenant."""
+    def _fair_order(self: SchedulerCore, now_ns: int) -> None:
+        """Waiting work in fair order: sequences rescued by urgency, then those back from
+        preemption (they hold work, and ran before), then fresh ones: tenants within their
+        token rate before those past it, then by their tenant's virtual counter (the least
+        served first; ``fairness = "fcfs"``: arrival), arrival order within a tenant."""
         if len(self.waiting) < 2:
             return
         rescued = [s for s in self.waiting if s.rescued]
         back = [s for s in self.waiting if not s.rescued and (s.preemptions or s.state in ON_HOST)]
         fresh = [s for s in self.waiting
                  if not (s.rescued or s.preemptions or s.state in ON_HOST)]
-        fresh.sort(key=lambda s: (self.vtc.of(s.tenant), s.arrival_ns, s.seq_id))
+        now_s = now_ns / 1e9
+        over = {t: self.over_rate(t, now_s) for t in {s.tenant for s in fresh}}
+        fresh.sort(key=lambda s: (over[s.tenant], self.vtc.of(s.tenant) if self.fair else 0.0,
+                                  s.arrival_ns, s.seq_id))
         self.waiting = deque(rescued + back + fresh)
 
-    def _plan(self: SchedulerCore, chosen: list[tuple[Seq, int]]) -> StepPlan:
+    def _plan(self: SchedulerCore, chosen: list[tuple[Seq, int]], now_ns: int) -> StepPlan:
         new_seqs, steps = [], []
         for seq, n in chosen:
-            self.vtc.charge(seq.tenant, input_tokens=max(min(n, seq.prompt_len
-                                                             - seq.num_computed), 0))
+            self.charge(seq.tenant, now_ns,
+                        input_tokens=max(min(n, seq.prompt_len - seq.num_computed), 0))
             sample = seq.num_computed + n == seq.num_tokens
             samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
             if not seq.known_to_executor:

@@ -287,3 +287,31 @@ def test_no_urgency_for_the_same_class_or_without_a_deadline():
     core, kv, now = urgent_setup(deadline_ms=None, victim_tokens=40)
     step(core, kv, now_ns=now + 1_000_000)
     assert core.last_urgency == [] and core.preemptions == 0
+
+
+# ---------------------------------------------------------------- token rate
+
+@pytest.mark.parametrize("fairness", ["fcfs", "vtc"])
+def test_a_tenant_past_its_token_rate_starts_new_work_after_the_others(fairness):
+    core = SchedulerCore(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                         lookahead_tokens=1, fairness=fairness),
+                         KvConfig(block_size=BS, num_blocks=64, grow_blocks=1), 512, epoch=1,
+                         tenants=(TenantConfig("a", token_rate=10.0, token_burst=20.0),
+                                  TenantConfig("b", weight=0.01)))   # VTC alone would pick a
+    kv = Kv(64)
+    second = 1_000_000_000
+    core.add(req("a1", "a", 40, max_tokens=1, arrival_ns=0))   # 41 tokens: 21 past the burst
+    step(core, kv, now_ns=second)
+    step(core, kv, now_ns=second)
+    assert "a1" not in core.by_request and core.over_rate("a", 1.0)
+    core.add(req("a2", "a", 8, max_tokens=1, arrival_ns=2))
+    core.add(req("b1", "b", 8, max_tokens=1, arrival_ns=3))
+    step(core, kv, now_ns=second)
+    step(core, kv, now_ns=second)              # one slot: b1 goes first, and finishes
+    assert "b1" not in core.by_request and "a2" in core.by_request
+    # work-conserving: with only a's work left, it runs though still past its rate
+    step(core, kv, now_ns=second)
+    step(core, kv, now_ns=second)
+    assert core.over_rate("a", 1.0) and "a2" not in core.by_request
+    # and the bucket refills: 3 s later a is within its rate again
+    assert not core.over_rate("a", 4.0)
