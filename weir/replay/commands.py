@@ -129,7 +129,8 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
     slos, default = _slos(args)
     for cls, slo in args.config_slos.items() if hasattr(args, "config_slos") else ():
         slos.setdefault(cls, slo)              # the config's classes, unless a flag says
-    summaries = [summarize(run, slos, default) for run in runs]
+    summaries = [summarize(run, slos, default, weights=run.meta.get("weights"))
+                 for run in runs]     # a simulated run carries its config's tenant weights
     table = render_table(summaries)
     (out / "comparison.txt").write_text(table + "\n")
     write_summary_json(summaries, out / "summary.json")

@@ -1,9 +1,18 @@
 """Per-tenant delivered service, charged the way the Virtual Token Counter (VTC) charges it,
 and the fairness gap between tenants that are backlogged at the same time.
 
-A request's service is its prompt tokens × 1, delivered at its first token, plus its output
-tokens × 2, each at the moment it arrived; the sum is divided by the tenant's weight. A tenant is
-*backlogged* from a request's arrival until that request's terminal event.
+A request's service is its prompt tokens × 1 plus its output tokens × 2, divided by the
+tenant's weight. The prompt is charged when the request is first scheduled, as VTC charges it
+on admission to the batch (at its first token where the record has no queue time), each
+output token at the moment it arrived.
+
+A tenant is *backlogged* while it has work waiting to be served, as in VTC: a request counts
+from when it was sent until it was first scheduled (``sent_s + queue_s``, the engine's queue
+time). Where a record has no queue time (HTTP targets report none) its first token stands in;
+a request that never started (rejected after waiting in admission's queue, cancelled, failed)
+waited until its terminal event. A request that is running is service, not backlog: a tenant
+whose work is all running is not backlogged, so it is never compared at an instant where the
+scheduler had nothing of it to choose.
 
 The gap follows VTC. Each tenant has a counter that accrues its weighted service. A tenant that
 becomes backlogged is lifted to the smallest counter among the tenants already backlogged, or,
@@ -26,7 +35,8 @@ from weir.replay.types import REJECTED, RequestRecord
 INPUT_COST, OUTPUT_COST = 1.0, 2.0
 
 # event kinds, numbered in the order they are applied at one instant
-ARRIVE, SERVE, LEAVE = 0, 1, 2
+ARRIVE, SERVE, LEAVE, ADMIT = 0, 1, 2, 3    # LEAVE: a request stops waiting (first scheduled);
+                                            # ADMIT: its prompt, charged as it starts
 
 
 class Event(NamedTuple):
@@ -35,24 +45,68 @@ class Event(NamedTuple):
     (``Events``): building two million named tuples costs seconds; this is their named form."""
 
     t: float
-    kind: int               # ARRIVE | SERVE | LEAVE
+    kind: int               # ARRIVE | SERVE | LEAVE | ADMIT
     tenant: str
-    amount: float = 0.0     # weighted service, for SERVE
+    amount: float = 0.0     # weighted service, for SERVE and ADMIT
 
 
 Events = list[tuple[float, int, str, float]]
 
 
 def terminal_time(rec: RequestRecord) -> float:
-    """When the request stopped being outstanding: at arrival for a rejected one, else at its
-    terminal event (or its last token, or when it was sent, where the record lacks one)."""
-    if rec.terminal == REJECTED:
-        return rec.arrival_s
+    """When the request stopped being outstanding: its terminal event (or its last token, or
+    when it was sent, where the record lacks one). A request rejected at once ends when sent."""
     if rec.e2e_s is not None:
         end = rec.sent_s + rec.e2e_s
+    elif rec.terminal == REJECTED:
+        end = rec.sent_s
     else:
         end = max(rec.token_times, default=rec.sent_s)
-    return max(end, rec.arrival_s)
+    return max(end, rec.sent_s)
+
+
+def backlog_end(rec: RequestRecord) -> float:
+    """When the request stopped waiting: first scheduled (``sent_s + queue_s``) where the
+    record has a queue time, else its first token, else its terminal event."""
+    if rec.queue_s is not None:
+        end = rec.sent_s + rec.queue_s
+    elif rec.ttft_s is not None:
+        end = rec.sent_s + rec.ttft_s
+    else:
+        end = terminal_time(rec)
+    return max(end, rec.sent_s)
+
+
+def backlog_intervals(records: Iterable[RequestRecord], tenant: str | None = None
+                      ) -> list[tuple[float, float]]:
+    """The times at which ``tenant`` (any tenant, with None) had a request waiting: the union
+    of its requests' ``[sent_s, backlog_end)``, merged and sorted."""
+    spans = sorted((rec.sent_s, backlog_end(rec)) for rec in records
+                   if tenant is None or rec.tenant == tenant)
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_s(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total time covered by both ``a`` and ``b`` (each a sorted list of disjoint intervals)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def service_events(records: Iterable[RequestRecord],
@@ -66,19 +120,25 @@ def service_events(records: Iterable[RequestRecord],
         tenant, weight = rec.tenant, weights.get(rec.tenant, 1.0)
         if not weight > 0:
             raise ValueError(f"tenant {tenant!r}: weight must be > 0, got {weight}")
-        end = terminal_time(rec)
-        if end > rec.arrival_s:
-            events.append(Event(rec.arrival_s, ARRIVE, tenant))
-            events.append(Event(end, LEAVE, tenant))
+        waited = backlog_end(rec)
+        if waited > rec.sent_s:
+            events.append(Event(rec.sent_s, ARRIVE, tenant))
+            events.append(Event(waited, LEAVE, tenant))
         if rec.ttft_s is not None and rec.prompt_tokens > 0:
-            first = rec.sent_s + rec.ttft_s
-            events.append(Event(first, SERVE, tenant, INPUT_COST * rec.prompt_tokens / weight))
+            prompt = INPUT_COST * rec.prompt_tokens / weight
+            if rec.queue_s is not None:             # charged as it starts, like VTC
+                events.append(Event(waited, ADMIT, tenant, prompt))
+            else:                                   # delivered with its first token
+                events.append(Event(rec.sent_s + rec.ttft_s, SERVE, tenant, prompt))
         times = rec.token_times[:rec.output_tokens]
         token = OUTPUT_COST / weight
         events.extend([(t, SERVE, tenant, token) for t in times])
         rest = rec.output_tokens - len(times)
         if rest > 0:
-            events.append(Event(end, SERVE, tenant, token * rest))
+            events.append(Event(terminal_time(rec), SERVE, tenant, token * rest))
+    # one instant is one time: a time reached by different sums (sent + queue, sent + ttft
+    # + gaps) must compare equal, so times are kept to the nanosecond (the engines' clock)
+    events = [(round(t, 9), kind, u, amount) for t, kind, u, amount in events]
     events.sort()
     return events
 
@@ -88,51 +148,61 @@ def max_backlogged_gap(events: Iterable[tuple[float, int, str, float]]) -> float
 
     At each instant: arrivals first (a tenant that was not backlogged is lifted to the floor
     taken *before* this instant's arrivals, so simultaneous arrivals do not lift each other),
-    then service, then the measurement, then departures; a tenant whose request ends at ``t``
-    has been served at ``t`` and is still compared at ``t``."""
+    then service delivered (``SERVE``: the work of the step that ends now), then the
+    measurement, then departures, then the prompts charged as requests are first scheduled
+    (``ADMIT``: the work of the step that starts now, measured at the next instant). So a
+    tenant whose last waiting request is scheduled at ``t`` is compared at ``t`` with what the
+    step that just ended gave everyone, and not against what the others start as it leaves.
+    A tenant that becomes backlogged when none is is lifted to the current counter of the
+    last tenant to leave."""
     counter: dict[str, float] = defaultdict(float)
-    open_: dict[str, int] = defaultdict(int)       # requests outstanding, per tenant
-    active: set[str] = set()                        # tenants with open_ > 0
-    last_left: float | None = None
+    open_: dict[str, int] = defaultdict(int)       # requests waiting, per tenant
+    active: set[str] = set()                        # tenants with open_ > 0: backlogged
+    last_left: list[str] = []                       # who stopped being backlogged last
+    left_at: float | None = None
     gap = 0.0
-    leaving: list[str] = []
 
-    def close_instant() -> None:                    # measure, then let this instant's leavers go
-        nonlocal gap, last_left
+    def measure() -> None:
+        nonlocal gap
         if len(active) >= 2:
             now = [counter[u] for u in active]
             gap = max(gap, max(now) - min(now))
-        left = []
-        for u in leaving:
-            open_[u] -= 1
-            if open_[u] == 0:
-                active.discard(u)
-                left.append(counter[u])
-        if left:
-            last_left = max(left)
-        leaving.clear()
 
-    instant = floor_at = None
+    instant: float | None = None
+    measured = floor_taken = False
     floor: float | None = None
-    for t, kind, tenant, amount in sorted(events):  # within an instant: ARRIVE, SERVE, LEAVE
+    for t, kind, tenant, amount in sorted(events):  # within an instant: by kind
         if t != instant:
-            if instant is not None:
-                close_instant()
-            instant = t
-        if kind == SERVE:
-            counter[tenant] += amount
-        elif kind == ARRIVE:
-            if floor_at != t:                       # taken once, before the first arrival
-                floor = min(counter[u] for u in active) if active else last_left
-                floor_at = t
+            if instant is not None and not measured:
+                measure()
+            instant, measured, floor_taken = t, False, False
+        if kind == ARRIVE:
+            if not floor_taken:                     # taken once, before the first arrival
+                floor = (min(counter[u] for u in active) if active else
+                         max((counter[u] for u in last_left), default=None))
+                floor_taken = True
             if open_[tenant] == 0:
                 if floor is not None:
                     counter[tenant] = max(counter[tenant], floor)
                 active.add(tenant)
             open_[tenant] += 1
+        elif kind == SERVE:
+            counter[tenant] += amount
         else:
-            leaving.append(tenant)
-    close_instant()
+            if not measured:
+                measure()
+                measured = True
+            if kind == LEAVE:
+                open_[tenant] -= 1
+                if open_[tenant] == 0:
+                    active.discard(tenant)
+                    if left_at != t:
+                        last_left, left_at = [], t
+                    last_left.append(tenant)
+            else:                                   # ADMIT
+                counter[tenant] += amount
+    if instant is not None and not measured:
+        measure()
     return gap
 
 
@@ -150,7 +220,7 @@ def service_curves(events: Iterable[tuple[float, int, str, float]], tenants: Seq
     at grid times ≥ ``t``). Tenants that received nothing get a flat zero curve."""
     served: dict[str, Events] = {u: [] for u in tenants}
     for e in sorted(events):
-        if e[1] == SERVE:
+        if e[1] in (SERVE, ADMIT):
             served.setdefault(e[2], []).append(e)
     curves = {}
     for u in sorted(served):

@@ -99,6 +99,7 @@ class Summary(msgspec.Struct, kw_only=True):
     weights: dict[str, float]           # tenant weights used for service (default 1)
     service_curves: dict[str, list[tuple[float, float]]]  # tenant → (t_s, weighted service)
     max_backlogged_gap: float           # VTC: largest counter spread among backlogged tenants
+                                        # (with a request waiting: sent → first scheduled)
     valid: bool
     invalid_reasons: list[str]
     lag_p50_ms: float | None
@@ -109,8 +110,10 @@ def summarize(run: RunResult, slos: dict[str, Slo], default: Slo,
               weights: dict[str, float] | None = None,
               bucket_s: float | None = None) -> Summary:
     """Reduce ``run``. ``slos`` maps service class → SLO (``default`` for the rest);
-    ``weights`` maps tenant → weight for the service curves and the gap; ``bucket_s`` is the
-    curves' sampling step (default: duration / 200, at least 1 ms)."""
+    ``weights`` maps tenant → weight for the service curves and the gap (a simulated run carries
+    its config's in ``meta["weights"]``); ``bucket_s`` is the curves' sampling step (default:
+    duration / 200, at least 1 ms). The gap is ``fairness.max_backlogged_gap``: a tenant is
+    backlogged while it has a request waiting, from its send until it is first scheduled."""
     records = run.records
     weights = dict(weights or {})
     if bucket_s is not None and not bucket_s > 0:

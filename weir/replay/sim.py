@@ -9,6 +9,10 @@ hands the request to the core; the core's KV ops are applied and their grants re
 before it plans again; the scheduler's load report reaches admission every 100 ms, as live.
 
 Deterministic: the same trace, config, profile and seed give the same records.
+
+Besides the records, a run's ``meta`` says how the engine spent the virtual time: ``busy_s``
+(a step in flight), ``idle_intervals`` (``(start_s, end_s)`` with none: nothing could run) and
+``max_step_s`` (the longest step), and carries the config's tenant ``weights``.
 """
 from __future__ import annotations
 
@@ -66,6 +70,10 @@ class Simulator:
         self._step: tuple[StepResult, object] | None = None
         self._load_tick = -1
         self.timeline: list[TimelinePoint] = []
+        self.busy_ns = 0                             # virtual time with a step in flight
+        self.max_step_ns = 0
+        self.idle: list[tuple[float, float]] = []    # (start_s, end_s) with no step in flight
+        self._idle_since: int | None = 0
 
     # ------------------------------------------------------------------ driver
     def run(self, requests: list[TraceRequest], scaling: Scaling = Scaling()) -> RunResult:
@@ -89,6 +97,10 @@ class Simulator:
                     rec = self.records[data]
                     rec.terminal, rec.e2e_s = CANCELLED, self.now / _NS - rec.sent_s
                 else:
+                    seq = self.core.by_request.get(data)
+                    if seq is not None and seq.first_scheduled_ns:   # started, no token yet
+                        self.records[data].queue_s = max(
+                            seq.first_scheduled_ns - seq.arrival_ns, 0) / _NS
                     self._emit(self.core.cancel(data), cancelled=True)
             elif kind == _SAMPLE:
                 self._drain_queue()                      # admission's 20 ms tick, coarser
@@ -98,6 +110,7 @@ class Simulator:
                 continue
             self._drain_queue()
             self._pump()
+        self._close_idle(self.now)
         for rec in self.records.values():      # nothing left to happen, yet not finished
             if rec.e2e_s is None:
                 rec.terminal, rec.reason = FAILED, "stalled: the engine could never run it"
@@ -111,6 +124,9 @@ class Simulator:
                   "preemptions": self.core.preemptions, "steps": self.core.steps,
                   "profile": self.profile.describe(), "machine": self.profile.machine,
                   "policy": self.config.admission.policy,
+                  "weights": {t.name: t.weight for t in self.config.admission.tenants},
+                  "busy_s": self.busy_ns / _NS, "max_step_s": self.max_step_ns / _NS,
+                  "idle_intervals": self.idle,
                   "sim_wall_s": round(time.perf_counter() - started, 3)})
 
     def _push(self, t: int, kind: int, data: object) -> None:
@@ -147,12 +163,12 @@ class Simulator:
         elif d.kind != QUEUE:
             self._start(tok, d)
 
-    def _start(self, tok: Tokenized, d: Decision, queued_s: float = 0.0) -> None:
-        """Hand an admitted request to the scheduler, as the admission service does."""
+    def _start(self, tok: Tokenized, d: Decision) -> None:
+        """Hand an admitted request to the scheduler, as the admission service does. Its
+        queue time (arrival → first scheduled) comes with its first token."""
         params = tok.params
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
-        self.records[tok.request_id].queue_s = queued_s
         self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
                                tok.block_hashes, params, tok.arrival_ns, (), tok.deadline_ms,
                                d.priority, "", 0, d.service_class,
@@ -167,8 +183,8 @@ class Simulator:
             rec = self.records[rej.request_id]
             rec.terminal, rec.reason, rec.decision = REJECTED, rej.reason, "reject"
             rec.e2e_s = now_s - rec.sent_s
-        for tok, d, waited in self.policy.release(now_s):
-            self._start(tok, d, waited)
+        for tok, d, _waited in self.policy.release(now_s):
+            self._start(tok, d)
 
     def _refresh_load(self) -> None:
         """Admission sees the scheduler's load report of the last 100 ms tick, as live; it
@@ -220,11 +236,20 @@ class Simulator:
         ns = round(seconds * _NS)
         self._step = (StepResult(plan.step_id, seq_ids, [SAMPLED_TOKEN] * len(seq_ids), ns),
                       shape)
+        self._close_idle(self.now)
+        self.busy_ns += ns
+        self.max_step_ns = max(self.max_step_ns, ns)
         self._push(self.now + ns, _STEP_DONE, None)
+
+    def _close_idle(self, now: int) -> None:
+        if self._idle_since is not None and now > self._idle_since:
+            self.idle.append((self._idle_since / _NS, now / _NS))
+        self._idle_since = None
 
     def _finish_step(self) -> None:
         result, shape = self._step
         self._step = None
+        self._idle_since = self.now             # until the next step starts (_pump, at once)
         self.cost.observe(shape.tokens, shape.context, shape.seqs, result.elapsed_ns / _NS)
         self._emit(self.core.on_result(result, self.now))
 

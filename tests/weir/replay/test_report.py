@@ -7,7 +7,8 @@ import re
 import msgspec
 import pytest
 
-from weir.replay.fairness import (ARRIVE, LEAVE, SERVE, Event, max_backlogged_gap,
+from weir.replay.fairness import (ADMIT, ARRIVE, LEAVE, SERVE, Event, backlog_end,
+                                  backlog_intervals, max_backlogged_gap, overlap_s,
                                   service_events, time_grid)
 from weir.replay.report import (Summary, met_slo, pcts, percentile, read_records, render_table,
                                 summarize, write_records, write_summary_json)
@@ -158,6 +159,28 @@ def test_gap_is_zero_with_fewer_than_two_backlogged_and_counts_service_at_depart
                                Event(3, LEAVE, "B")]) == 8.0
 
 
+def test_prompts_charged_as_requests_start_count_from_the_next_instant():
+    events = [Event(0, ARRIVE, "A"), Event(0, ARRIVE, "A"), Event(0, ARRIVE, "B"),
+              Event(1, LEAVE, "A"), Event(1, ADMIT, "A", 10),    # A's first starts: 0 vs 0
+              _serve(2, "A", 2),                                 # its token: A 12, B 0
+              Event(2, LEAVE, "B"), Event(2, ADMIT, "B", 5),     # then both start: nobody
+              Event(2, LEAVE, "A"), Event(2, ADMIT, "A", 100),   # waits to see A's 112
+              Event(3, ARRIVE, "C"),                             # lifted to A's 112 (last out)
+              Event(4, ARRIVE, "D"),                             # lifted to C's 112
+              _serve(5, "D", 3), Event(6, LEAVE, "C"), Event(6, LEAVE, "D")]   # D 115, C 112
+    assert max_backlogged_gap(events) == 12.0                 # at 2; D − C is 3 at 5
+
+
+def test_one_instant_is_one_time_whatever_the_sum():
+    # sent 0.1 + queue 0.2 is 0.30000000000000004 in floats; the other's token is at 0.3
+    recs = [_rec(0, tenant="A", arrival_s=0.1, sent_s=0.1, queue_s=0.2, ttft_s=0.3,
+                 e2e_s=0.3, prompt_tokens=4, output_tokens=1),
+            _rec(1, tenant="B", arrival_s=0.0, sent_s=0.0, queue_s=0.2, ttft_s=0.3,
+                 e2e_s=0.3, prompt_tokens=0, output_tokens=1)]
+    times = {e[0] for e in service_events(recs)}
+    assert 0.3 in times and 0.30000000000000004 not in times
+
+
 def test_weighted_service_from_records_with_missing_gaps_at_the_terminal():
     recs = [  # A (weight 2): prompt 4 and token 1 at t=1, token 2 at t=2
         _rec(0, tenant="A", arrival_s=0.0, sent_s=0.0, ttft_s=1.0, itl_s=[1.0], e2e_s=2.0,
@@ -172,12 +195,53 @@ def test_weighted_service_from_records_with_missing_gaps_at_the_terminal():
     assert s.service_curves == {"A": [(0.0, 0.0), (1.0, 3.0), (2.0, 4.0), (3.0, 4.0)],
                                 "B": [(0.0, 0.0), (1.0, 4.0), (2.0, 4.0), (3.0, 8.0)],
                                 "C": [(0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (3.0, 0.0)]}
+    # no queue times: each waits until its first token, t=1, and is compared then, served
     assert s.max_backlogged_gap == 1.0            # t=1: B 4 − A 3; C (rejected) never counts
     unweighted = summarize(run, {}, SLO, bucket_s=1.0)
-    assert unweighted.max_backlogged_gap == 4.0   # t=2: A 8 − B 4
+    assert unweighted.max_backlogged_gap == 2.0   # t=1: A 6 − B 4; at t=2 neither waits
     assert not [e for e in service_events(recs) if Event(*e).tenant == "C"]
     with pytest.raises(ValueError):
         service_events(recs, {"A": 0.0})
+
+
+def test_backlogged_is_waiting_from_send_to_first_scheduled():
+    queued = _rec(0, sent_s=1.5, queue_s=0.25, ttft_s=0.5, e2e_s=2.0)
+    assert backlog_end(queued) == 1.75                           # the engine's queue time
+    assert backlog_end(_rec(0, ttft_s=0.5, e2e_s=2.0)) == 0.5    # none reported: first token
+    expired = _rec(3, terminal=REJECTED, decision="reject", e2e_s=4.0)
+    assert backlog_end(expired) == 7.0              # waited in admission's queue, then refused
+    assert backlog_end(_rec(3, terminal=REJECTED, e2e_s=0.0)) == 3.0        # refused at once
+    assert backlog_end(_rec(3, terminal=REJECTED)) == 3.0
+    assert backlog_end(_rec(2, terminal=CANCELLED, e2e_s=1.0)) == 3.0       # never started
+    recs = [_rec(0, tenant="A", queue_s=1.0, ttft_s=2.0, e2e_s=3.0),        # waits [0, 1)
+            _rec(1, tenant="A", arrival_s=0.5, sent_s=0.5, queue_s=1.5),    # [0.5, 2)
+            _rec(2, tenant="A", queue_s=0.5),                               # [2, 2.5)
+            _rec(5, tenant="B", queue_s=0.0, ttft_s=1.0)]                   # never waits
+    assert backlog_intervals(recs, "A") == [(0.0, 2.5)]
+    assert backlog_intervals(recs, "B") == []
+    assert overlap_s([(0.0, 2.5), (3.0, 4.0)], [(1.0, 3.5)]) == 2.0
+
+
+def test_a_tenant_whose_work_is_all_running_is_not_backlogged():
+    # A's one request starts at once and streams 10 tokens over 1..10 s; B's requests each
+    # wait 1 s and are served. A was never waiting, so however far ahead it gets, no gap
+    # (the old rule, outstanding until the end, counted A at every instant and read 20).
+    recs = [_rec(0, tenant="A", arrival_s=0.0, sent_s=0.0, queue_s=0.0, ttft_s=1.0,
+                 itl_s=[1.0] * 9, e2e_s=10.0, prompt_tokens=0, output_tokens=10)]
+    recs += [_rec(i, tenant="B", arrival_s=float(i), sent_s=float(i), queue_s=1.0, ttft_s=1.5,
+                  e2e_s=1.5, prompt_tokens=0, output_tokens=1) for i in range(1, 9)]
+    s = summarize(RunResult(label="r", mode="simulated", records=recs, duration_s=10.0),
+                  {}, SLO)
+    assert s.max_backlogged_gap == 0.0
+    # A waiting too, 3 s behind its first request: compared while it waits, from its lift
+    recs.append(_rec(9, tenant="A", arrival_s=3.0, sent_s=3.0, queue_s=4.0, ttft_s=4.5,
+                     e2e_s=4.5, prompt_tokens=0, output_tokens=1))
+    s = summarize(RunResult(label="r", mode="simulated", records=recs, duration_s=10.0),
+                  {}, SLO)
+    # at 3 s A (tokens at 1 and 2: 4) is not lowered to B's 2 (token at 2.5); then both
+    # gain 2 a second, A on the whole seconds, B on the halves: A 6 − B 2 at 3 s, … A 14 −
+    # B 10 at 7 s, when A's second request starts
+    assert s.max_backlogged_gap == 4.0
 
 
 def test_time_grid_ends_exactly_at_the_end():

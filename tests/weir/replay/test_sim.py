@@ -122,3 +122,25 @@ def test_fast_hashes_chain_over_the_prefix_and_the_scope():
     assert h([0, 1, 2, 3, 9, 9, 9, 9], "t1")[0] == a[0]
     assert h([0, 1, 2, 3, 9, 9, 9, 9], "t1")[1] != a[1]
     assert h(list(range(10)), "t2")[0] != a[0]                     # scoped per tenant
+
+
+def test_queue_time_is_arrival_to_first_scheduled_and_only_for_started_requests():
+    # one at a time (max_num_seqs 1): r1 waits for r0's 5 steps; r2 is cancelled while
+    # still waiting, r3 after it started but before its first token (a 2-step prefill)
+    cfg = config(scheduler={"max_num_seqs": 1, "max_num_batched_tokens": 64})
+    _, run = simulate([req(0, 0.0), req(1, 0.0), req(2, 0.0, cancel_after_s=0.065),
+                       req(3, 0.2, n_in=100, cancel_after_s=0.015)], cfg=cfg)
+    r0, r1, r2, r3 = run.records
+    assert r0.queue_s == pytest.approx(0.0) and r1.queue_s == pytest.approx(5 * STEP_S)
+    assert r2.terminal == CANCELLED and r2.queue_s is None          # never started
+    assert r3.terminal == CANCELLED and r3.ttft_s is None
+    assert r3.queue_s == pytest.approx(0.0)                          # started at once
+
+
+def test_busy_and_idle_time_cover_the_run():
+    _, run = simulate([req(0, 1.0), req(1, 2.0, n_out=3)])
+    assert run.meta["busy_s"] == pytest.approx(8 * STEP_S)
+    assert run.meta["max_step_s"] == pytest.approx(STEP_S)
+    idle = run.meta["idle_intervals"]
+    assert idle[:2] == [pytest.approx((0.0, 1.0)), pytest.approx((1.0 + 5 * STEP_S, 2.0))]
+    assert all(end > start for start, end in idle)
