@@ -14,7 +14,7 @@ import io
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta
 from operator import itemgetter
 from pathlib import Path
@@ -375,3 +375,29 @@ def _decision(attrs: dict) -> dict:
         if key in attrs:
             fields[field] = _text(attrs[key], f"admission.decide span's {key}")
     return fields
+
+
+def write_weir(requests: Iterable[TraceRequest], path: str | os.PathLike) -> None:
+    """Write ``requests`` as a Weir JSONL trace (one object a line, only the fields that are
+    set). ``load_trace`` reads back the same requests, but for ``source`` and the arrival
+    times, which it counts from the first request."""
+    strings = {field: key for key, field in _WEIR_STRINGS.items()}
+    lines = []
+    for r in requests:
+        row: dict[str, Any] = {"arrival_s": r.arrival_s}
+        if r.prompt is not None:
+            row["prompt"] = r.prompt
+        else:
+            row["input_tokens"] = r.input_tokens if r.input_tokens is not None else 0
+            if r.hash_ids:
+                row["hash_ids"] = list(r.hash_ids)
+        for key in ("output_tokens", "deadline_ms", "max_tokens", "cancel_after_s"):
+            if getattr(r, key) is not None:
+                row[key] = getattr(r, key)
+        if r.n != 1:
+            row["n"] = r.n
+        for field, key in strings.items():
+            if getattr(r, field) is not None:
+                row[key] = getattr(r, field)
+        lines.append(msgspec.json.encode(row).decode())
+    Path(path).write_text("\n".join(lines) + "\n")
