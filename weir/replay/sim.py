@@ -12,7 +12,8 @@ Deterministic: the same trace, config, profile and seed give the same records.
 
 Besides the records, a run's ``meta`` says how the engine spent the virtual time: ``busy_s``
 (a step in flight), ``idle_intervals`` (``(start_s, end_s)`` with none: nothing could run) and
-``max_step_s`` (the longest step), and carries the config's tenant ``weights``.
+``max_step_s`` (the longest step), ``max_step_seqs`` (the most sequences in one step), and
+carries the config's tenant ``weights``.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class Simulator:
         self.timeline: list[TimelinePoint] = []
         self.busy_ns = 0                             # virtual time with a step in flight
         self.max_step_ns = 0
+        self.max_step_seqs = 0
         self.idle: list[tuple[float, float]] = []    # (start_s, end_s) with no step in flight
         self._idle_since: int | None = 0
 
@@ -126,6 +128,7 @@ class Simulator:
                   "policy": self.config.admission.policy,
                   "weights": {t.name: t.weight for t in self.config.admission.tenants},
                   "busy_s": self.busy_ns / _NS, "max_step_s": self.max_step_ns / _NS,
+                  "max_step_seqs": self.max_step_seqs,
                   "idle_intervals": self.idle,
                   "sim_wall_s": round(time.perf_counter() - started, 3)})
 
@@ -239,6 +242,7 @@ class Simulator:
         self._close_idle(self.now)
         self.busy_ns += ns
         self.max_step_ns = max(self.max_step_ns, ns)
+        self.max_step_seqs = max(self.max_step_seqs, shape.seqs)
         self._push(self.now + ns, _STEP_DONE, None)
 
     def _close_idle(self, now: int) -> None:

@@ -141,6 +141,7 @@ def test_busy_and_idle_time_cover_the_run():
     _, run = simulate([req(0, 1.0), req(1, 2.0, n_out=3)])
     assert run.meta["busy_s"] == pytest.approx(8 * STEP_S)
     assert run.meta["max_step_s"] == pytest.approx(STEP_S)
+    assert run.meta["max_step_seqs"] == 1
     idle = run.meta["idle_intervals"]
     assert idle[:2] == [pytest.approx((0.0, 1.0)), pytest.approx((1.0 + 5 * STEP_S, 2.0))]
     assert all(end > start for start, end in idle)
