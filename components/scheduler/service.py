@@ -97,7 +97,7 @@ class SchedulerService(Component):
         self.step_log.write(msgspec.json.encode({
             "tokens": shape.tokens, "context": shape.context, "seqs": shape.seqs,
             "pairs": shape.pairs, "measured_s": round(done.measured_s, 7),
-            "executor_s": round(done.executor_s, 7)}).decode() + "\n")
+            "executor_s": round(done.executor_s, 7), "t": round(time.time(), 3)}).decode() + "\n")
 
     def stats(self) -> dict[str, float]:
         c = self.core
