@@ -101,7 +101,9 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
 
     # ------------------------------------------------------------------ inputs
     def _backlogged_tenants(self) -> set[str]:
-        return {s.tenant for s in self.waiting} | {s.tenant for s in self.running}
+        """Tenants with work waiting to start, as VTC counts them: a tenant whose work is
+        all running is not backlogged, so its next request is lifted (no banked credit)."""
+        return {s.tenant for s in self.waiting}
 
     def add(self, req: Admitted) -> Seq:
         deadline_ns = req.arrival_ns + int(req.deadline_ms * 1e6) \
@@ -116,9 +118,12 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq
         backlogged = self._backlogged_tenants()
+        self.waiting.append(seq)
         if seq.tenant not in backlogged:
             self.vtc.backlogged(seq.tenant, backlogged)
-        self.waiting.append(seq)
+            if self.fair:
+                self._fair_order(req.arrival_ns)   # lifted, it may start before others
+        self._lease_waiting()                 # ask its lease now, not when the next step is planned
         return seq
 
     def cancel(self, request_id: str) -> Outcome:
@@ -209,6 +214,15 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self.vtc.charge(tenant, input_tokens=input_tokens, output_tokens=output_tokens)
         if (bucket := self.buckets.get(tenant)) is not None:
             bucket.take(input_tokens + output_tokens, now_ns / 1e9)
+
+    def over_share(self) -> set[str]:
+        """Tenants holding more device blocks than their weighted share of the pool, among
+        the tenants with work running or waiting. A full pool holds up the queue for them
+        only: they wait, the others go on (KV fairness)."""
+        held = self.held_blocks()
+        active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        total = sum(self.vtc.weight(t) for t in active) or 1.0
+        return {t for t in active if held[t] > self.num_blocks * self.vtc.weight(t) / total}
 
     def running_slots(self) -> Counter[str]:
         """Running sequences per tenant, an unforked n > 1 request counting n."""

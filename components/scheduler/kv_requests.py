@@ -88,8 +88,16 @@ class KvRequests:
             if short > 0:
                 seq.to(Event.ASK)
                 self._allocs.append(AllocRequest(seq.seq_id, max(short, self.grow_blocks)))
+        self._lease_waiting()
+
+    def _lease_waiting(self: SchedulerCore) -> None:
+        """First leases and swap-ins for waiting sequences, in queue order, as many as there
+        are running slots free. Called when planning and when a request arrives, so a
+        request's lease is granted by the time the next step is planned."""
+        bs = self.block_size
         slots = self.cfg.max_num_seqs - len(self.running)
         claimed = self.running_slots()
+        over: set[str] | None = None
         for seq in self.waiting:                      # first leases and swap-ins, in order
             if slots <= 0:
                 break
@@ -103,6 +111,9 @@ class KvRequests:
                     if tenant_frees == self._tenant_freed(seq.tenant):
                         continue                      # its tenant freed nothing since
                 elif pool_frees == self._frees_emitted:
+                    over = self.over_share() if over is None else over
+                    if seq.tenant in over:
+                        continue                      # it holds more than its share: it waits
                     break                             # nothing freed since the pool said no
             elif seq.state not in (State.WAITING, State.SWAPPED):
                 continue                              # ready, or asked already

@@ -8,7 +8,8 @@ the pool is full) holds back those behind it, so a large request is not starved 
 ones. A tenant at its own KV budget or running cap holds back only itself."""
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from components.scheduler.kv_requests import TENANT_BUDGET
@@ -39,21 +40,41 @@ class Planning:
             if budget and seq.remaining == 1 and seq.capacity(bs) >= seq.num_tokens:
                 chosen.append((seq, 1))
                 budget -= 1
-        for seq in self.running:                      # chunked prefill of running sequences
-            if budget and seq.remaining > 1:
-                n = min(seq.remaining, budget, seq.capacity(bs) - seq.num_computed)
-                if n > 0:
-                    chosen.append((seq, n))
-                    budget -= n
+        # chunked prefill of running sequences; under VTC, those of tenants served more than
+        # the tenant at the head of the queue go after its new work (a flood's long prompts
+        # in progress do not hold back a lighter tenant's next request)
+        prefilling = [s for s in self.running if s.remaining > 1]
+        later: list[Seq] = []
+        if self.fair and self.waiting and prefilling:
+            head = self.vtc.of(self.waiting[0].tenant)
+            later = [s for s in prefilling if self.vtc.of(s.tenant) > head]
+            prefilling = [s for s in prefilling if self.vtc.of(s.tenant) <= head]
+        budget = self._prefill_chunks(prefilling, budget, chosen)
         claimed = self.running_slots()
-        for seq in list(self.waiting):                # new work, in queue order
+        leased = claimed.copy()                       # with the leases waiting to start
+        for seq in self.waiting:
+            if seq.state in (State.LEASING, State.READY, State.SWAPPING_IN):
+                leased[seq.tenant] += seq.slots
+        over: set[str] | None = None
+        share = self._step_shares(budget, claimed)
+        taken: Counter[str] = Counter()               # new-work tokens per tenant this step
+        started: list[int] = []                       # new work's places in chosen
+        for seq in list(self.waiting):                # new work, in fair order
             if not budget or len(self.running) >= self.cfg.max_num_seqs:
                 break
             if self._at_running_cap(seq, claimed):
                 continue                              # only its tenant waits
+            limit = budget if share is None else share.get(seq.tenant, 0) - taken[seq.tenant]
+            if limit <= 0:
+                continue                              # its tenant had its share this step
             if seq.state is not State.READY:
-                if seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET:
+                if ((seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET)
+                        or self._at_running_cap(seq, leased)):
                     continue                          # only its tenant waits
+                if seq.state in (State.REFUSED, State.SWAP_REFUSED):
+                    over = self.over_share() if over is None else over
+                    if seq.tenant in over:
+                        continue                      # a full pool it holds too much of
                 break                                 # head of line
             if seq is self.waiting[0]:
                 self.waiting.popleft()
@@ -61,14 +82,25 @@ class Planning:
                 self.waiting.remove(seq)
             seq.to(Event.SCHEDULE)
             claimed[seq.tenant] += seq.slots
+            # VTC charges a request's input when it starts (what is cached is not computed)
+            self.charge(seq.tenant, now_ns, input_tokens=max(seq.prompt_len - seq.num_computed, 0))
             seq.first_scheduled_ns = seq.first_scheduled_ns or now_ns
             self.running.append(seq)
             # a sequence back from the host tier holds only its computed blocks: it runs
             # once growth (asked below, as for any running sequence) is granted
-            n = min(seq.remaining, budget, seq.capacity(bs) - seq.num_computed)
+            n = min(seq.remaining, budget, limit, seq.capacity(bs) - seq.num_computed)
             if n > 0:
+                started.append(len(chosen))
                 chosen.append((seq, n))
                 budget -= n
+                taken[seq.tenant] += n
+        for i in started:                             # what the shares left, in order
+            seq, n = chosen[i]
+            more = min(seq.remaining - n, budget, seq.capacity(bs) - seq.num_computed - n)
+            if more > 0:
+                chosen[i] = (seq, n + more)
+                budget -= more
+        budget = self._prefill_chunks(later, budget, chosen)
         self._request_blocks(chosen)
         if not chosen:
             return None
@@ -78,28 +110,83 @@ class Planning:
         self.steps += 1
         return plan
 
+    def _step_shares(self: SchedulerCore, budget: int,
+                     claimed: Counter[str]) -> dict[str, int] | None:
+        """Under VTC, tenants with new work ready whose counters are within one request of
+        the least served (the cost of that tenant's next prompt) are tied: each first gets
+        its weighted share of what the step has left for new prompts, and what the shares
+        leave then goes to the prompts started, in order. Without this, whichever tied
+        tenant sorts first takes the whole step with one long prompt, and a tied tenant's
+        short prompt waits a step more for its first token. Tenants served more than that
+        wait, as VTC has them. None: nobody is tied (or fcfs)."""
+        if not self.fair:
+            return None
+        heads: dict[str, Seq] = {}
+        for s in self.waiting:
+            if (s.state is State.READY and s.tenant not in heads
+                    and not self._at_running_cap(s, claimed)):
+                heads[s.tenant] = s
+        if len(heads) < 2:
+            return None
+        least = min(heads, key=self.vtc.of)
+        window = (max(heads[least].prompt_len - heads[least].num_computed, 0) * self.vtc.w_in / 2
+                  / self.vtc.weight(least))
+        tied = [t for t in heads if self.vtc.of(t) <= self.vtc.of(least) + window]
+        if len(tied) < 2:
+            return None
+        total = sum(self.vtc.weight(t) for t in tied)
+        return {t: max(int(budget * self.vtc.weight(t) / total), 1) for t in tied}
+
+    def _prefill_chunks(self: SchedulerCore, seqs: list[Seq], budget: int,
+                        chosen: list[tuple[Seq, int]]) -> int:
+        for seq in seqs:
+            if budget and seq.remaining > 1:
+                n = min(seq.remaining, budget, seq.capacity(self.block_size) - seq.num_computed)
+                if n > 0:
+                    chosen.append((seq, n))
+                    budget -= n
+        return budget
+
     def _fair_order(self: SchedulerCore, now_ns: int) -> None:
-        """Waiting work in fair order: sequences rescued by urgency, then those back from
-        preemption (they hold work, and ran before), then fresh ones: tenants within their
-        token rate before those past it, then by their tenant's virtual counter (the least
-        served first; ``fairness = "fcfs"``: arrival), arrival order within a tenant."""
+        """Put the waiting queue in the order its work will start, so that leases are asked
+        in that order too: sequences rescued by urgency, then those back from preemption
+        (they hold work, and ran before), then fresh ones, each pick from the tenant that
+        is least served at that point (within its token rate first; ``fairness = "fcfs"``:
+        arrival order). Each pick charges its tenant its prompt, as starting it will, so one
+        tenant does not take a whole step of new prompts because it was least served when
+        the step began, and a tenant arriving with the lowest counter is asked for first."""
         if len(self.waiting) < 2:
             return
-        rescued = [s for s in self.waiting if s.rescued]
-        back = [s for s in self.waiting if not s.rescued and (s.preemptions or s.state in ON_HOST)]
-        fresh = [s for s in self.waiting
-                 if not (s.rescued or s.preemptions or s.state in ON_HOST)]
+        head, fresh = [], {}
+        for seq in self.waiting:
+            if seq.rescued or seq.preemptions or seq.state in ON_HOST:
+                head.append(seq)
+            else:
+                fresh.setdefault(seq.tenant, deque()).append(seq)
+        head.sort(key=lambda s: not s.rescued)          # stable: rescued first
         now_s = now_ns / 1e9
-        over = {t: self.over_rate(t, now_s) for t in {s.tenant for s in fresh}}
-        fresh.sort(key=lambda s: (over[s.tenant], self.vtc.of(s.tenant) if self.fair else 0.0,
-                                  s.arrival_ns, s.seq_id))
-        self.waiting = deque(rescued + back + fresh)
+        picks = []
+        for tenant, queue in fresh.items():
+            counter = self.vtc.of(tenant) if self.fair else 0.0
+            heapq.heappush(picks, (self.over_rate(tenant, now_s), counter,
+                                   queue[0].arrival_ns, queue[0].seq_id, tenant))
+        order = head
+        while picks:
+            over, counter, _, _, tenant = heapq.heappop(picks)
+            queue = fresh[tenant]
+            seq = queue.popleft()
+            order.append(seq)
+            if queue:
+                if self.fair:
+                    counter += (max(seq.prompt_len - seq.num_computed, 0) * self.vtc.w_in
+                                / self.vtc.weight(tenant))
+                heapq.heappush(picks, (over, counter, queue[0].arrival_ns, queue[0].seq_id,
+                                       tenant))
+        self.waiting = deque(order)
 
     def _plan(self: SchedulerCore, chosen: list[tuple[Seq, int]], now_ns: int) -> StepPlan:
         new_seqs, steps = [], []
         for seq, n in chosen:
-            self.charge(seq.tenant, now_ns,
-                        input_tokens=max(min(n, seq.prompt_len - seq.num_computed), 0))
             sample = seq.num_computed + n == seq.num_tokens
             samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
             if not seq.known_to_executor:

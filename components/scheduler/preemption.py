@@ -63,7 +63,7 @@ class Preempting:
         """Free memory for sequences that cannot proceed."""
         head = self.waiting[0] if self.waiting else None
         if (head is not None and head.state in (State.REFUSED, State.SWAP_REFUSED)
-                and head.refusal != TENANT_BUDGET):
+                and head.refusal != TENANT_BUDGET and head.tenant not in self.over_share()):
             for seq in [s for s in self.waiting if s.state is State.READY]:
                 self._give_back(seq)
         for seq in [s for s in self.running if s.state is State.STALLED]:
@@ -89,11 +89,10 @@ class Preempting:
     def victim_key(self: SchedulerCore):
         """Sort key of running sequences; the largest is preempted first."""
         held = self.held_blocks()
-        active = {s.tenant for s in self.running}
-        total_weight = sum(self.vtc.weight(t) for t in active) or 1.0
+        over = self.over_share()
 
         def over_share(tenant: str) -> bool:
-            return held[tenant] > self.num_blocks * self.vtc.weight(tenant) / total_weight
+            return tenant in over
 
         def over_budget(tenant: str) -> bool:
             budget = self.kv_budget.get(tenant)

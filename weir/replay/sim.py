@@ -24,12 +24,14 @@ from typing import Callable
 
 import msgspec
 
-from components.admission.policy import QUEUE, REJECT, AdmissionPolicy, Decision
+from components.admission.policy import (QUEUE, REJECT, AdmissionPolicy, Decision,
+                                         effective_deadline_ms)
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
+from components.kv_manager.service import tenant_budgets
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.cost_model import StepCostModel, plan_shape
+from components.scheduler.cost_model import plan_shape
 from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
                                        released_ttft)
 from schemas.config import WeirConfig
@@ -57,11 +59,11 @@ class Simulator:
         kv = config.kv
         self.policy = AdmissionPolicy(config)
         self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1,
-                                  weights={t.name: t.weight for t in config.admission.tenants})
+                                  tenants=config.admission.tenants)
         self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
-                              kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False)
-        self.cost = StepCostModel()                  # the scheduler's own, learning as live
-        self.core.recompute_s = lambda n: self.cost.predict(n, n, 1)
+                              kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False,
+                              tenant_blocks=tenant_budgets(config.admission))
+        self.cost = self.core.cost                   # the scheduler's own, learning as live
         self.timeline_points = timeline_points
         self.records: dict[str, RequestRecord] = {}
         self.last_token_ns: dict[str, int] = {}
@@ -173,7 +175,8 @@ class Simulator:
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
-                               tok.block_hashes, params, tok.arrival_ns, (), tok.deadline_ms,
+                               tok.block_hashes, params, tok.arrival_ns, (),
+                               effective_deadline_ms(d),
                                d.priority, "", 0, d.service_class,
                                self.policy.classes[d.service_class].tpot_slo_ms))
 

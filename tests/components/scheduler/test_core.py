@@ -99,7 +99,7 @@ def start(core: SchedulerCore, kv: Kv, *reqs: Admitted) -> StepPlan:
 def test_first_schedule_requests_blocks_and_waits():
     core, toks = make(), prompt(20)
     seq = core.add(admitted("r1", toks))
-    assert seq.seq_id == 1 and seq.state is State.WAITING
+    assert seq.seq_id == 1 and seq.state is State.LEASING     # asked on arrival
     assert core.schedule() is None
     ops = core.take_kv_ops()
     hs = block_hashes(toks, BS, "t1", "m")
@@ -213,13 +213,13 @@ def test_decode_first_then_prefill_gets_the_rest():
     core.on_result(result(plan, {1: 1}))
     plan = core.schedule()                               # b's blocks are not granted yet
     assert plan == StepPlan(2, [], [SeqStep(1, 1, [], True)], [])
-    ops = core.take_kv_ops()                             # a grows (5 + 4 > 8), b's first lease
-    assert ops == KvOps(EPOCH, [], [AllocRequest(1, 2), alloc_for(2, b_toks)])
+    ops = core.take_kv_ops()            # b's first lease (asked on arrival), a grows (5 + 4 > 8)
+    assert ops == KvOps(EPOCH, [], [alloc_for(2, b_toks), AllocRequest(1, 2)])
     core.on_grants(kv.apply(ops))
     core.on_result(result(plan, {1: 2}))
     plan = core.schedule()
-    assert plan == StepPlan(3, [new_seq(2, b_toks, 40, 0, [3, 4, 5, 6, 7, 8])],
-                            [SeqStep(1, 1, [1, 2], True), SeqStep(2, 15, [], False)], [])
+    assert plan == StepPlan(3, [new_seq(2, b_toks, 40, 0, [1, 2, 3, 4, 5, 6])],
+                            [SeqStep(1, 1, [7, 8], True), SeqStep(2, 15, [], False)], [])
     core.on_result(result(plan, {1: 3}))
     plan = core.schedule()
     assert plan.steps == [SeqStep(1, 1, [], True), SeqStep(2, 15, [], False)]
@@ -325,10 +325,14 @@ def test_max_model_len_length():
 
 def test_cancel_while_waiting_before_any_request():
     core = make()
-    core.add(admitted("a", prompt(10)))
+    core.add(admitted("a", prompt(10)))                  # its lease is asked on arrival
     out = core.cancel("a")
     assert out.released == ["a"] and out.forget == [] and out.tokens == []
-    assert not core.has_work and core.by_seq == {} and core.by_request == {}
+    assert not core.has_work and core.by_request == {}
+    assert core.by_seq[1].state is State.CLOSING         # until the lease's answer comes
+    assert [a.seq_id for a in core.take_kv_ops().allocs] == [1]
+    core.on_grants([grant(1, [0, 1])])
+    assert core.by_seq == {} and core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0)], [])
     assert core.schedule() is None and core.take_kv_ops() is None
     assert core.cancel("a").released == []               # unknown: no-op
 
@@ -546,8 +550,8 @@ def test_ready_sequence_gives_blocks_back_before_running_one_is_preempted():
     core.add(admitted("c", c_toks))
     plan = core.schedule()
     assert plan.steps == [SeqStep(1, 1, [], True)]
-    assert core.take_kv_ops() == KvOps(EPOCH, [], [AllocRequest(1, 1), alloc_for(2, b_toks),
-                                                   alloc_for(3, c_toks)])
+    assert core.take_kv_ops() == KvOps(EPOCH, [], [alloc_for(2, b_toks), alloc_for(3, c_toks),
+                                                   AllocRequest(1, 1)])
     core.on_grants([grant(1, [], ok=False), grant(2, [2, 3, 4, 5, 6, 7]), grant(3, [8])])
     core.on_result(result(plan, {1: 2}))
     c = core.by_request["c"]
@@ -604,7 +608,7 @@ def test_new_prefill_blocked_while_preempted_sequence_waits():
     assert core.schedule() is None                       # b preempted
     ops = core.take_kv_ops()
     assert core.by_request["b"].seq_id == 4 and core.by_request["c"].seq_id == 3
-    assert [a.seq_id for a in ops.allocs] == [1, 4, 3]   # a grows; b (head) and c ask
+    assert [a.seq_id for a in ops.allocs] == [3, 1, 4]   # c asks on arrival; a grows; b asks
     # c's lease comes first; b's is still outstanding
     core.on_grants([grant(1, [4]), grant(3, [5])])
     plan = core.schedule()
