@@ -463,9 +463,8 @@ class AdmissionPolicy:
     def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
         cls = self.classes[decision.service_class]
         deadline_at = self._deadline_at(req, decision, now)
-        waiting = {q.req.tenant for q in self._queued.values()} | {
-            t for t, held in self.per_tenant.items() if held > 0}
-        if req.tenant not in waiting:
+        waiting = {q.req.tenant for q in self._queued.values()}   # backlogged: queued here
+        if req.tenant not in waiting:        # admitted work alone does not make it backlogged
             self.vtc.backlogged(req.tenant, waiting)
         seq = next(self._seq)
         item = _Queued(self._order(req.tenant, decision.priority, cls, now, now, deadline_at,

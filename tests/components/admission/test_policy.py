@@ -312,3 +312,29 @@ def test_queue_releases_the_least_served_tenant_first():
         ((tok, _, _),) = p.release(1.0 + t)
         order.append(running := tok.request_id)
     assert order == ["a0", "b0", "a1", "a2"]
+
+
+# ------------------------------------------------------------------ the queue's lift
+def test_a_tenant_with_admitted_work_but_nothing_queued_is_lifted():
+    # a runs a 1-block request (counter 16) and has nothing queued; b runs 4 blocks (96),
+    # filling the pool, and queues b1. When a queues a1 it becomes backlogged: lifted to
+    # b's 96 (running work earns no credit), so b1, queued first, goes first
+    p = policy(num_blocks=5)
+    assert p.decide(req("a_run", "a", prompt=8, max_tokens=4), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("b_run", "b"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
+    assert (p.vtc.of("a"), p.vtc.of("b")) == (16, 96)
+    assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
+    assert p.vtc.of("a") == 96
+    assert [p.queue_position(r) for r in ("b1", "a1")] == [0, 1]
+
+
+def test_the_lift_floor_is_the_least_counter_among_tenants_with_queued_requests():
+    # c runs a request (counter 16) with nothing queued: it is not backlogged, so its
+    # counter is not the floor; a, idle, is lifted to b's 96 (b has b1 queued), not to 16
+    p = policy(num_blocks=5, tenants=[{"name": "a"}, {"name": "b"}, {"name": "c"}])
+    assert p.decide(req("c_run", "c", prompt=8, max_tokens=4), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("b_run", "b"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
+    assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
+    assert (p.vtc.of("a"), p.vtc.of("b"), p.vtc.of("c")) == (96, 96, 16)
