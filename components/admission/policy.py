@@ -22,8 +22,10 @@ Policies (``admission.policy``):
   degrade      it fits only with a lower ``max_tokens`` (>= the class's
                ``min_max_tokens``) and its class allows that
   queue        it does not fit now, its class may wait (``max_queue_ms``), and the
-               queues have room; released in order (class priority with aging, then
-               deadline, then arrival) as capacity frees
+               queues have room; released in order (across tenants the least served
+               first; within one, class priority with aging, then deadline, then
+               arrival) as capacity frees; one held by its own tenant's caps does not
+               hold back other tenants' requests
   reject       with one reason: ``deadline_unmeetable``, ``tenant_token_budget``,
                ``tenant_kv_budget``, ``queue_full``, ``overloaded``,
                ``tenant_over_budget``, ``class_not_allowed``, or a validity reason
@@ -56,6 +58,8 @@ from schemas.wire import Rejected, SchedulerLoad, Tokenized
 def headroom_pct(kept: float) -> str:
     return f"{(1 - kept) * 100:.0f}%"
 ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
+# what holds a request for its own tenant's caps, not the engine's capacity
+_TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
 
 
 @dataclass(frozen=True)
@@ -324,17 +328,27 @@ class AdmissionPolicy:
         return None
 
     def _behind_queue(self, tenant: str, priority: int, est: Estimate, now: float) -> bool:
-        """Is a queued request that waits for engine capacity ahead of this one?"""
+        """Is a queued request that waits for the engine's capacity ahead of this one (which
+        fits now)? Requests held by their own tenant's caps, and their tenant's later ones,
+        are passed over, as ``release`` passes them."""
         if not self._queue:
             return False
         self._reorder(now)
-        head = self._queue[0]
-        if self._blocker(head.req.tenant, self.tenants[head.req.tenant],
-                         head.decision.estimate.kv_blocks, head.req.params.n) \
-                not in ("kv", "engine_cap"):
-            return False
         deadline_at = now + est.deadline_ms / 1e3 if est.deadline_ms is not None else math.inf
-        return head.order[:4] <= (self.vtc.of(tenant), priority, deadline_at, now)
+        order = (self.vtc.of(tenant), priority, deadline_at, now)
+        capped: set[str] = set()
+        for item in sorted(self._queue):
+            if item.order[:4] > order:
+                return False                 # it and the rest come after this request
+            if item.req.tenant in capped:
+                continue
+            blocker = self._blocker(item.req.tenant, self.tenants[item.req.tenant],
+                                    item.decision.estimate.kv_blocks, item.req.params.n)
+            if blocker in _TENANT_BLOCKERS:
+                capped.add(item.req.tenant)
+            elif blocker is not None:
+                return True
+        return False
 
     def _degraded_tokens(self, req: Tokenized, est: Estimate, blocks: int,
                          cls: ServiceClass) -> int | None:
@@ -518,36 +532,56 @@ class AdmissionPolicy:
 
     def release(self, now: float) -> list[tuple[Tokenized, Decision, float]]:
         """Queued requests that may start now, in queue order: each with its decision and
-        the seconds it waited. The head that does not fit stops the release (no request
-        jumps a bigger one ahead of it)."""
-        out = []
+        the seconds it waited. A request held by its own tenant's caps (``tenant_cap``,
+        ``tenant_running``, ``tenant_kv``) is passed over, and so are its tenant's later
+        ones (a tenant's requests start in its own order); the first one held by the
+        engine's (``kv``, ``engine_cap``) stops the release: no request jumps a bigger one
+        ahead of it that waits for the same capacity."""
+        out: list[tuple[Tokenized, Decision, float]] = []
         if not self._queue:
             return out
         self._reorder(now)
+        passed: list[_Queued] = []           # held by their tenant's caps, back in the heap
+        capped: set[str] = set()
         while self._queue:
-            item = self._queue[0]
-            tenant = self.tenants[item.req.tenant]
-            est = item.decision.estimate
-            decision = Decision(ACCEPT, "released", item.decision.service_class,
-                                item.decision.priority, item.decision.max_tokens, est)
-            blocker = self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n)
-            if blocker is not None:
-                # a class that may degrade starts with a lower max_tokens once that fits
-                cls = self.classes[item.decision.service_class]
-                fit = self._degraded_tokens(item.req, est, self._room(item.req.tenant, tenant),
-                                            cls) if cls.may_degrade and blocker in (
-                                                "kv", "tenant_kv") else None
-                if fit is None:
-                    break
-                decision = self._degrade(item.req, cls, fit, {"priority": decision.priority,
-                                                              "estimate": est}, "released", now)
-                if decision.kind != DEGRADE:
-                    break
-            heapq.heappop(self._queue)
+            item = heapq.heappop(self._queue)
+            if item.req.tenant in capped:
+                passed.append(item)
+                continue
+            decision, blocker = self._fits_now(item, now)
+            if decision is None:
+                passed.append(item)
+                if blocker in _TENANT_BLOCKERS:
+                    capped.add(item.req.tenant)
+                    continue
+                break
             del self._queued[item.request_id]
             self._admit(item.req, decision, now)
             out.append((item.req, decision, now - item.queued_at))
+        for item in passed:
+            heapq.heappush(self._queue, item)
         return out
+
+    def _fits_now(self, item: _Queued, now: float) -> tuple[Decision | None, str | None]:
+        """The decision a queued request starts with now (degraded if its class may and
+        only that fits), or None and what holds it."""
+        tenant = self.tenants[item.req.tenant]
+        est = item.decision.estimate
+        decision = Decision(ACCEPT, "released", item.decision.service_class,
+                            item.decision.priority, item.decision.max_tokens, est)
+        blocker = self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n)
+        if blocker is None:
+            return decision, None
+        # a class that may degrade starts with a lower max_tokens once that fits
+        cls = self.classes[item.decision.service_class]
+        if not (cls.may_degrade and blocker in ("kv", "tenant_kv")):
+            return None, blocker
+        fit = self._degraded_tokens(item.req, est, self._room(item.req.tenant, tenant), cls)
+        if fit is None:
+            return None, blocker
+        decision = self._degrade(item.req, cls, fit, {"priority": decision.priority,
+                                                      "estimate": est}, "released", now)
+        return (decision, None) if decision.kind == DEGRADE else (None, blocker)
 
     @property
     def queued(self) -> int:

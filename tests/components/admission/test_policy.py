@@ -314,6 +314,59 @@ def test_queue_releases_the_least_served_tenant_first():
     assert order == ["a0", "b0", "a1", "a2"]
 
 
+# ------------------------------------------------------------------ release past a tenant's cap
+@pytest.mark.parametrize("cap, blocker, then", [
+    ({"kv_blocks": 6}, "tenant_kv", ["a1", "a2"]),          # a2 fits a's budget beside a1
+    ({"max_running": 1}, "tenant_running", ["a1"]),
+    ({"max_outstanding": 1}, "tenant_cap", ["a1"]),
+])
+def test_a_tenant_at_its_own_cap_does_not_hold_back_another_tenant(cap, blocker, then):
+    # a, b and c each run a 4-block request (counters 96), filling the pool. a queues a1
+    # (held by a's cap) and a2 (1 block, held by the full pool); b queues b1 (its running
+    # cap), after them in order (tied counters; a1 and a2 came first). When c's and b's
+    # runs end, b1 starts: a1, held by a's own cap, is passed over, and so is a's later a2,
+    # though it would fit. When a's run ends, a's requests start in a's order
+    p = policy(num_blocks=12, tenants=[{"name": "a", **cap}, {"name": "b", "max_running": 1},
+                                       {"name": "c"}])
+    for t in "abc":
+        assert p.decide(req(f"{t}_run", t), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("a1", "a"), 0, 0.1).reason == f"waiting_for_{blocker}"
+    a2 = p.decide(req("a2", "a", prompt=8, max_tokens=8), 0, 0.2).reason
+    assert a2 == ("waiting_for_kv" if blocker == "tenant_kv" else f"waiting_for_{blocker}")
+    assert p.decide(req("b1", "b", prompt=8, max_tokens=8), 0, 0.3).reason == \
+        "waiting_for_tenant_running"
+    assert p.vtc.of("a") == p.vtc.of("b") == 96
+    assert [p.queue_position(r) for r in ("a1", "a2", "b1")] == [0, 1, 2]
+    p.released(["c_run", "b_run"], 0.35)
+    assert [tok.request_id for tok, *_ in p.release(0.35)] == ["b1"]
+    assert [p.queue_position(r) for r in ("a1", "a2")] == [0, 1]
+    p.released(["a_run"], 0.4)
+    assert [tok.request_id for tok, *_ in p.release(0.4)] == then
+
+
+def test_a_request_waiting_for_the_engine_still_holds_the_line_past_a_capped_tenant():
+    # a (max_outstanding 1) runs a 1-block request and queues a1; b and c run 8 blocks each
+    # (3 of 20 left). b1 (4 blocks) waits for the pool; c1 (1 block) fits, but b1 is ahead
+    # of it (a1, held by a's own cap, is passed over), so c1 queues rather than take the
+    # blocks b1 waits for; a release stops at b1 until the pool has room for it
+    p = policy(num_blocks=20, tenants=[{"name": "a", "max_outstanding": 1}, {"name": "b"},
+                                       {"name": "c"}])
+    assert p.decide(req("a_run", "a", prompt=8, max_tokens=8), 0, 0.0).kind == ACCEPT
+    for t in "bc":
+        assert p.decide(req(f"{t}_run", t, prompt=64, max_tokens=64), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("a1", "a", prompt=8, max_tokens=8), 0, 0.1).reason == \
+        "waiting_for_tenant_cap"
+    assert p.decide(req("b1", "b"), 0, 0.2).reason == "waiting_for_kv"
+    assert p.decide(req("c1", "c", prompt=8, max_tokens=8), 0, 0.3).reason == \
+        "waiting_for_queue"
+    assert [p.queue_position(r) for r in ("a1", "b1", "c1")] == [0, 1, 2]
+    assert p.release(0.35) == []
+    p.released(["c_run"], 0.4)
+    assert [tok.request_id for tok, *_ in p.release(0.4)] == ["b1", "c1"]
+    p.released(["a_run"], 0.45)
+    assert [tok.request_id for tok, *_ in p.release(0.45)] == ["a1"]
+
+
 # ------------------------------------------------------------------ the queue's lift
 def test_a_tenant_with_admitted_work_but_nothing_queued_is_lifted():
     # a runs a 1-block request (counter 16) and has nothing queued; b runs 4 blocks (96),
