@@ -85,15 +85,27 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     tpot_slo_ms: float | None = None  # in Admitted: the class's TPOT SLO (stall-free chunking)
 
 
+class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):
+    """One tenant in the scheduler's load report: where VTC would put its next request."""
+
+    counter: float                   # its virtual counter (weighted service received)
+    backlogged: bool = False         # counted as backlogged: a new request is not lifted
+    queued_prefill_tokens: int = 0   # what its waiting sequences still need computed
+    running_prefill_tokens: int = 0  # what its running sequences have left to prefill
+
+
 class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     """The scheduler's view of its backlog, sent to admission a few times a second so
-    admission can predict time to first token."""
+    admission can predict time to first token. ``queued_prefill_tokens`` counts every
+    tenant's waiting prefill and the running sequences' remaining prefill; ``tenants`` splits
+    it by tenant (empty from a scheduler that predates it)."""
 
     running: int
     waiting: int
     queued_prefill_tokens: int
     prefill_tokens_per_s: float      # 0 until the step cost model has data
     decode_step_s: float
+    tenants: dict[str, TenantBacklog] = {}
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):

@@ -132,6 +132,7 @@ class AdmissionPolicy:
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
+        self._unreported: Counter[str] = Counter()      # the same, by tenant
         self.ttft_bias_s = 0.0            # observed − predicted TTFT, smoothed (see released)
         self._observed = False            # a TTFT was observed since the last load report
         self.outputs = OutputStats(adm.output_percentile)
@@ -269,7 +270,7 @@ class AdmissionPolicy:
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
-        raw = self.predicted_ttft_s(uncached)
+        raw = self.predicted_ttft_s(uncached, req.tenant)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
                         None if raw is None else raw + self.ttft_bias_s, deadline, raw)
 
@@ -277,15 +278,15 @@ class AdmissionPolicy:
         grow = output * (1 + self.config.admission.kv_safety)
         return math.ceil((uncached + n * grow) / self.block_size)
 
-    def predicted_ttft_s(self, uncached_tokens: int) -> float | None:
-        """Prefill work ahead (the scheduler's backlog) plus this prompt's uncached tokens,
-        at the measured prefill rate, plus one decode step for the current batch; None while
-        the scheduler has not measured enough steps. The backlog includes what admission
-        let in since the scheduler's last report, which that report could not count."""
+    def predicted_ttft_s(self, uncached_tokens: int, tenant: str | None = None) -> float | None:
+        """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
+        request of ``tenant`` starts) plus this prompt's uncached tokens, at the measured
+        prefill rate, plus one decode step for the current batch; None while the scheduler
+        has not measured enough steps."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        ahead = load.queued_prefill_tokens + self.unreported_tokens + uncached_tokens
+        ahead = self.prefill_ahead(tenant) + uncached_tokens
         # each step decodes every running sequence and prefills what is left of the budget:
         # a prefill token costs its own time plus its share of the step's decode work
         budget = self.config.scheduler.max_num_batched_tokens
@@ -295,11 +296,68 @@ class AdmissionPolicy:
         return steps * step_s if steps >= 1 else \
             ahead / load.prefill_tokens_per_s + load.decode_step_s
 
+    def prefill_ahead(self, tenant: str | None) -> int:
+        """The prefill the scheduler computes before a new request of ``tenant`` starts. It
+        includes what admission let in since the scheduler's last report, which that report
+        could not count (as waiting, at its tenant).
+
+        ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
+        split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
+        in order. ``"vtc"``: new work starts from the tenant with the lowest virtual
+        counter, each start charges its prompt to its tenant (÷ its weight), a tenant the
+        scheduler does not count as backlogged (VTC: nothing waiting) is lifted to the
+        lowest counter among those it does, and the prompts in progress of tenants served
+        more than the head of the queue go after its new work. Let ``T`` be where the
+        tenant's counter stands when this request is picked: its counter (lifted) plus its
+        own waiting prefill ÷ its weight. Ahead of the request are the tenant's own waiting
+        prefill (its work starts in arrival order), the prompts in progress of every
+        tenant with a counter ``c_u <= T``, and of each other waiting tenant what VTC starts
+        before its counter reaches ``T``: ``(T − c_u) × w_u`` tokens, at most all it waits
+        with. A tenant tied with ``T`` (as a light tenant lifted to a flood's counter is)
+        puts nothing ahead: the scheduler splits the step's new prompts between tied
+        tenants. Counting every waiting tenant with ``c_u <= T`` in full would price that
+        light tenant behind the whole flood.
+
+        An estimate: it leaves out the output charges that move the counters while requests
+        wait, the token rates (a tenant past its rate starts after the others), sequences
+        back from preemption (they start first), the rounding to whole requests and the
+        changes since the report (up to 100 ms old)."""
+        load = self.load
+        fifo = load.queued_prefill_tokens + self.unreported_tokens
+        if tenant is None or self.config.scheduler.fairness != "vtc" \
+                or (load.waiting and not load.tenants):
+            return fifo
+        backlog = load.tenants
+        waiting = {u: b.queued_prefill_tokens for u, b in backlog.items()}
+        for u, n in self._unreported.items():
+            waiting[u] = waiting.get(u, 0) + n
+        backlogged = {u for u, b in backlog.items() if b.backlogged} | set(self._unreported)
+
+        def counter(u: str) -> float:
+            b = backlog.get(u)
+            return b.counter if b is not None else 0.0
+
+        at = counter(tenant)
+        if tenant not in backlogged:           # lifted when it becomes backlogged
+            at = max(at, min((counter(u) for u in backlogged), default=at))
+        own = waiting.get(tenant, 0)
+        at += own * self.vtc.w_in / self.vtc.weight(tenant)
+        # a report's split covers its whole backlog; anything it did not attribute counts
+        ahead = max(load.queued_prefill_tokens - sum(b.queued_prefill_tokens
+                                                     + b.running_prefill_tokens
+                                                     for b in backlog.values()), 0)
+        ahead += own + sum(b.running_prefill_tokens for u, b in backlog.items()
+                           if b.counter <= at)
+        others = sum(min(n, (at - counter(u)) * self.vtc.weight(u) / self.vtc.w_in)
+                     for u, n in waiting.items() if u != tenant and counter(u) < at)
+        return ahead + math.ceil(others)
+
     def on_load(self, load: SchedulerLoad) -> None:
         """The scheduler's backlog report (every 100 ms): it now counts what was admitted
         before it."""
         self.load = load
         self.unreported_tokens = 0
+        self._unreported.clear()
         # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
         # keep it up: a factor learned in a burst must not refuse everything after it
         if not self._observed:
@@ -411,6 +469,7 @@ class AdmissionPolicy:
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
         self.unreported_tokens += decision.estimate.uncached_tokens
+        self._unreported[tenant] += decision.estimate.uncached_tokens
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):

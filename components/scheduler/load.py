@@ -3,9 +3,11 @@ the step-cost model measured, so admission can predict time to first token. Shar
 scheduler service and the replay simulator."""
 from __future__ import annotations
 
+from collections import Counter
+
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel
-from schemas.wire import SchedulerLoad
+from schemas.wire import SchedulerLoad, TenantBacklog
 
 LOAD_INTERVAL_S = 0.1
 
@@ -29,10 +31,22 @@ def released_ttft(out: Outcome) -> dict[str, float]:
 
 
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> SchedulerLoad:
-    queued = sum(s.remaining for s in core.waiting) + sum(
-        s.remaining for s in core.running if s.remaining > 1)
+    """The backlog (waiting prefill, and what running sequences have left to prefill), the
+    measured rates, and per tenant its virtual counter and both parts of the backlog, so
+    admission can tell which of it the fair order computes before a tenant's next request."""
+    waiting: Counter[str] = Counter()
+    for s in core.waiting:
+        waiting[s.tenant] += s.remaining
+    running: Counter[str] = Counter()
+    for s in core.running:
+        if s.remaining > 1:
+            running[s.tenant] += s.remaining
+    backlogged = core._backlogged_tenants()    # those the core does not lift on a new request
+    tenants = {t: TenantBacklog(core.vtc.of(t), t in backlogged, waiting[t], running[t])
+               for t in set(core.vtc.counters) | backlogged | set(waiting) | set(running)}
     chunk_s = cost.predict(budget, 0, 1)
-    running = len(core.running)
-    decode_s = cost.predict(running or 1, sum(s.num_tokens for s in core.running), running or 1)
-    return SchedulerLoad(running, len(core.waiting), queued,
-                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s)
+    n_running = len(core.running)
+    decode_s = cost.predict(n_running or 1, sum(s.num_tokens for s in core.running),
+                            n_running or 1)
+    return SchedulerLoad(n_running, len(core.waiting), waiting.total() + running.total(),
+                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants)

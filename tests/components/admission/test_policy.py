@@ -3,12 +3,13 @@ priority rules, the cost estimate, the queue's order with aging, expiry, release
 degrade arithmetic and the KV reservation."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from components.admission.estimate import COLD_START, OutputStats, TokenBucket
 from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
 from schemas.config import load_config
-from schemas.wire import SamplingParams, SchedulerLoad, Tokenized
+from schemas.wire import SamplingParams, SchedulerLoad, TenantBacklog, Tokenized
 
 BS = 16
 CLASSES = [
@@ -19,8 +20,9 @@ CLASSES = [
 ]
 
 
-def policy(kind="deadline", num_blocks=100, tenants=None, classes=CLASSES, **admission):
-    cfg = load_config(None, topology={"run_dir": "/x"},
+def policy(kind="deadline", num_blocks=100, tenants=None, classes=CLASSES, fairness="vtc",
+           **admission):
+    cfg = load_config(None, topology={"run_dir": "/x"}, scheduler={"fairness": fairness},
                       kv={"num_blocks": num_blocks, "block_size": BS, "watermark": 0.0},
                       engine={"max_model_len": min(1024, num_blocks * BS)},
                       admission={"policy": kind, "classes": classes,
@@ -312,6 +314,79 @@ def test_queue_releases_the_least_served_tenant_first():
         ((tok, _, _),) = p.release(1.0 + t)
         order.append(running := tok.request_id)
     assert order == ["a0", "b0", "a1", "a2"]
+
+
+# ------------------------------------------------------------------ TTFT under VTC
+# The scheduler's report: a, b (weight 2) and c waiting, a and c with prompts in progress;
+# d has nothing waiting (counter 4600); e is not in the report (counter 0).
+VTC_TENANTS = [{"name": "a"}, {"name": "b", "weight": 2.0}, {"name": "c"}, {"name": "d"},
+               {"name": "e"}]
+VTC_LOAD = SchedulerLoad(3, 7, 3000 + 500 + 2000 + 600 + 400, 1000.0, 0.05, {
+    "a": TenantBacklog(5000.0, True, 3000, 600),
+    "b": TenantBacklog(4500.0, True, 500, 0),
+    "c": TenantBacklog(4000.0, True, 2000, 400),
+    "d": TenantBacklog(4600.0)})
+
+
+@pytest.mark.parametrize("tenant, ahead", [
+    # T = its counter (lifted if not backlogged) + its own waiting ÷ its weight. Ahead: its
+    # own waiting, the prompts in progress of tenants with c_u <= T, and of each other
+    # waiting tenant with c_u < T, (T − c_u) × w_u tokens, at most all it waits with
+    ("c", 2000 + (600 + 400) + min(3000, 1000) + min(500, 1500 * 2)),     # T = 6000
+    ("b", 500 + 400 + min(2000, 750)),                        # T = 4750: a (5000) after it
+    ("a", 3000 + (600 + 400) + 500 + 2000),                   # T = 8000: everything
+    ("d", 0 + 400 + min(2000, 600) + min(500, 100 * 2)),      # T = 4600 (not lifted)
+    ("e", 0 + 400),                            # lifted to c's 4000: tied with c, nothing
+])
+def test_vtc_prefill_ahead_is_what_the_fair_order_computes_first(tenant, ahead):
+    p = policy(tenants=VTC_TENANTS)
+    p.on_load(VTC_LOAD)
+    assert p.prefill_ahead(tenant) == ahead
+
+
+def test_prefill_ahead_is_the_whole_backlog_under_fcfs_or_an_old_report():
+    fcfs = policy(tenants=VTC_TENANTS, fairness="fcfs")
+    fcfs.on_load(VTC_LOAD)
+    assert fcfs.prefill_ahead("e") == 6500
+    vtc = policy(tenants=VTC_TENANTS)
+    vtc.on_load(SchedulerLoad(3, 7, 6500, 1000.0, 0.05))    # a scheduler without the split
+    assert vtc.prefill_ahead("e") == 6500
+
+
+def test_prefill_admitted_since_the_report_waits_at_its_tenant():
+    p = policy(tenants=VTC_TENANTS)
+    p.on_load(VTC_LOAD)
+    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind == ACCEPT
+    # d now waits, so it is not lifted: T = 4600 + 100; c: 700 of 2000; b: 200 × 2 of 500
+    assert p.prefill_ahead("d") == 100 + 400 + 700 + 400
+    assert p.prefill_ahead("c") == 4500 + 100                # d's 100, below c's T (6000)
+    assert p.prefill_ahead("e") == 400                       # d (4600) is past e's T (4000)
+    p.on_load(VTC_LOAD)                                      # the next report counts it
+    assert p.prefill_ahead("d") == 1200
+
+
+def test_a_light_tenant_is_not_refused_behind_anothers_flood():
+    # a floods: 20,000 tokens waiting and 1,000 in progress, at counter 5000. b, not
+    # backlogged, is lifted to 5000: tied with a, it starts in the next step after a's
+    # prompts in progress. FIFO prices it behind all 21,000
+    load = SchedulerLoad(2, 10, 21_000, 10_000.0, 0.01, {
+        "a": TenantBacklog(5000.0, True, 20_000, 1000), "b": TenantBacklog(100.0)})
+    per_step = 2048 - 2                               # the token budget less the running rows
+    step_s = 0.01 + per_step / 10_000.0
+
+    def decide(fairness: str, report: SchedulerLoad = load) -> tuple[str, float]:
+        p = policy(fairness=fairness)
+        p.on_load(report)
+        d = p.decide(req("b1", "b", prompt=100), 0, 0.0)
+        return d.reason, d.estimate.predicted_ttft_s
+
+    assert decide("vtc") == ("fits", pytest.approx(1100 / 10_000.0 + 0.01))
+    assert decide("fcfs") == ("deadline_unmeetable", pytest.approx(21_100 / per_step * step_s))
+    # b counted backlogged (as a scheduler that counts running work would): not lifted, so
+    # a, served more, puts nothing ahead of it
+    backlogged = msgspec.structs.replace(load, tenants={**load.tenants,
+                                                        "b": TenantBacklog(100.0, True)})
+    assert decide("vtc", backlogged) == ("fits", pytest.approx(100 / 10_000.0 + 0.01))
 
 
 # ------------------------------------------------------------------ release past a tenant's cap

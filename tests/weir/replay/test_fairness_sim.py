@@ -261,16 +261,11 @@ def test_the_flood_still_gets_the_rest_of_the_engine(nn_runs):
     assert sum(r.tenant == "A" and r.terminal == COMPLETED for r in run.records) > 100
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "admission + scheduler load report: AdmissionPolicy.predicted_ttft_s prices a request "
-    "behind the scheduler's whole queued prefill (SchedulerLoad.queued_prefill_tokens, all "
-    "tenants) as if FIFO, so with a 10 s TTFT SLO 49 of B's 60 requests are refused "
-    "deadline_unmeetable behind A's flood, though VTC starts them first (those admitted: "
-    "p99 9.0 s). Needs the load report to carry the prefill ahead per tenant counter, and "
-    "the prediction to count only the work VTC would put ahead of this tenant"))
 def test_admission_does_not_refuse_the_light_tenant_behind_the_flood():
     """B's class with a TTFT SLO (10 s, above the two-step bound this engine keeps for it):
-    admission should accept B's requests, not predict them behind A's backlog."""
+    admission should accept B's requests, not predict them behind A's backlog. It prices
+    each where VTC starts it, from the per-tenant counters and backlog in the
+    scheduler's load report (``AdmissionPolicy.prefill_ahead``)."""
     cfg = nn_config("vtc", "deadline")
     cfg["admission"]["classes"] = [{**NN_CLASSES[0], "ttft_slo_ms": 10_000}, NN_CLASSES[1]]
     run = simulate(noisy_neighbour(), **cfg)

@@ -1,0 +1,50 @@
+"""The scheduler's load report to admission: the backlog, and per tenant its virtual counter
+and its waiting and in-progress prefill, so admission can price a request where VTC would
+start it; and its wire form, which still decodes from a scheduler that predates the split."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+
+from bus.codec import Codec, encode
+from components.scheduler.fairness import VirtualCounters
+from components.scheduler.load import load_report
+from schemas.wire import AdmissionMsg, SchedulerLoad, TenantBacklog
+
+
+def seq(tenant: str, remaining: int, num_tokens: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens)
+
+
+def test_load_report_splits_the_backlog_by_tenant():
+    vtc = VirtualCounters({"a": 1.0, "b": 2.0})
+    vtc.charge("a", 900)
+    vtc.charge("b", 100)                             # ÷ its weight: 50
+    vtc.charge("c", 10)                              # nothing waiting or running
+    core = SimpleNamespace(
+        waiting=[seq("a", 300), seq("b", 40), seq("a", 500)],
+        running=[seq("a", 200, 400), seq("b", 1, 90)],   # a mid-prefill, b decoding
+        vtc=vtc, _backlogged_tenants=lambda: {"a", "b"})
+    cost = SimpleNamespace(predict=lambda tokens, context, seqs: 0.5)
+    assert load_report(core, cost, 1000) == SchedulerLoad(
+        2, 3, 300 + 40 + 500 + 200, 2000.0, 0.5, {
+            "a": TenantBacklog(900.0, True, 800, 200),
+            "b": TenantBacklog(50.0, True, 40, 0),
+            "c": TenantBacklog(10.0, False, 0, 0)})
+
+
+def test_a_load_report_without_tenants_still_decodes():
+    class OldLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
+        running: int
+        waiting: int
+        queued_prefill_tokens: int
+        prefill_tokens_per_s: float
+        decode_step_s: float
+
+    codec = Codec(AdmissionMsg)
+    assert codec.decode(encode(OldLoad(1, 2, 300, 1000.0, 0.05))).body == \
+        SchedulerLoad(1, 2, 300, 1000.0, 0.05)
+    new = SchedulerLoad(1, 2, 300, 1000.0, 0.05, {"a": TenantBacklog(5.5, True, 300, 200)})
+    assert codec.decode(encode(new)).body == new
+    assert codec.malformed == 0
