@@ -155,6 +155,7 @@ class TenantUsage(msgspec.Struct, frozen=True):
     generated_tokens: int = 0        # tokens sampled
     kv_blocks: int = 0               # KV blocks its running sequences hold now
     virtual_counter: float = 0.0     # VTC: weighted service received (input + 2 x output)
+    running: int = 0                 # sequences running now (an unforked n > 1 request: n)
 
 
 class ComponentStatus(msgspec.Struct, frozen=True):

@@ -8,11 +8,9 @@ the other, and the burst's TTFT.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import anyio
@@ -22,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from weir.machine import summary_line  # noqa: E402
 from weir.replay.local import LocalEngine  # noqa: E402
+from weir.replay.probes import decode_through_burst  # noqa: E402
 
 CONFIG = """
 [engine]
@@ -33,45 +32,6 @@ chunking = "{chunking}"
 [admission]
 classes = [{{ name = "chat", tpot_slo_ms = {tpot} }}]
 """
-
-
-async def measure(endpoint: str, key: str, stream_tokens: int) -> tuple[list[float], list[float]]:
-    from weir.client import AsyncClient
-
-    rng = random.Random(0)
-    gaps: list[float] = []
-    burst_ttft: list[float] = []
-    async with AsyncClient(endpoint, api_key=key, max_retries=0, timeout=600) as c:
-        started = anyio.Event()
-        decoding = [0]
-
-        async def stream(i: int) -> None:
-            s = await c.stream(prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(32)],
-                               max_tokens=stream_tokens, ignore_eos=True, temperature=0.0)
-            last = None
-            async for _ in s:
-                now = time.perf_counter()
-                if last is None:
-                    decoding[0] += 1
-                    if decoding[0] == 16:
-                        started.set()
-                elif started.is_set():
-                    gaps.append(now - last)
-                last = now
-
-        async def burst_one() -> None:
-            r = await c.generate(prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(512)],
-                                 max_tokens=2, ignore_eos=True, temperature=0.0)
-            burst_ttft.append(r.ttft_ms / 1e3)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(16):
-                tg.start_soon(stream, i)
-            await started.wait()
-            await anyio.sleep(1.0)
-            for _ in range(32):
-                tg.start_soon(burst_one)
-    return gaps, burst_ttft
 
 
 def main() -> None:
@@ -86,8 +46,8 @@ def main() -> None:
         cfg = Path(tempfile.mkdtemp(prefix="weir-chunking-")) / "weir.toml"
         cfg.write_text(CONFIG.format(chunking=chunking, tpot=args.tpot_ms))
         with LocalEngine(str(cfg)) as engine:
-            gaps, ttft = anyio.run(measure, engine.endpoint, engine.service_key,
-                                   args.stream_tokens)
+            gaps, ttft = anyio.run(lambda: decode_through_burst(
+                engine.endpoint, engine.service_key, stream_tokens=args.stream_tokens))
         gaps.sort()
         p99 = gaps[int(len(gaps) * 0.99)]
         print(f"{chunking:5}: streams' ITL p50 {statistics.median(gaps) * 1e3:.0f} ms, p99 "

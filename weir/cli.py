@@ -225,7 +225,7 @@ def _status(args: argparse.Namespace) -> int:
     for tenant, u in out["tenants"].items():
         print(f"tenant {tenant:12} processed {u['processed_tokens']} generated "
               f"{u['generated_tokens']} tokens, kv_blocks {u['kv_blocks']}, virtual_counter "
-              f"{u.get('virtual_counter', 0)}")
+              f"{u.get('virtual_counter', 0)}, running {u.get('running', 0)}")
     return 0
 
 

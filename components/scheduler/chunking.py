@@ -35,6 +35,8 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
     n, ctx = len(decoding), sum(s.num_tokens for s in decoding)
     base = cost.predict(n, ctx, n + 1)
     marginal = (cost.predict(n + _PROBE, ctx + _PROBE, n + 1) - base) / _PROBE
+    if marginal <= 0:                      # the fit cannot tell yet: bound it from above
+        marginal = cost.mean_per_token()
     if base <= 0 or marginal <= 0:
         return StepBudget(full, "cost_unknown", tightest)
     room = int((tightest * (1 - headroom) - base) / marginal)

@@ -48,6 +48,13 @@ class StepCostModel:
         self._y.append(seconds)
         self._dirty = True
 
+    def mean_per_token(self) -> float:
+        """Seconds per token over the window, fixed costs included: an upper bound on the
+        marginal cost of a token, for when the fit cannot tell it (only decode steps seen,
+        so tokens and sequences move together)."""
+        tokens = sum(x[1] for x in self._x)
+        return sum(self._y) / tokens if tokens else 0.0
+
     def predict(self, batch_tokens: int, context_tokens: int, num_seqs: int) -> float:
         """Predicted seconds for a step; 0.0 before any observation."""
         if not self._y:

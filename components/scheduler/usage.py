@@ -44,6 +44,7 @@ class UsageStats:
         kv_blocks: Counter[str] = Counter()
         for seq in core.by_seq.values():
             kv_blocks[seq.tenant] += len(seq.block_ids)
+        running = core.running_slots()
         return {t: TenantUsage(self.tenant_processed[t], self.tenant_generated[t], kv_blocks[t],
-                               round(core.vtc.of(t), 1))
+                               round(core.vtc.of(t), 1), running[t])
                 for t in set(self.tenant_processed) | set(kv_blocks) | set(core.vtc.counters)}

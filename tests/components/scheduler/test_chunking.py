@@ -85,3 +85,14 @@ def test_streams_keep_their_tpot_through_a_burst_where_a_fixed_budget_does_not()
     assert slack_p99 <= 0.300 < fixed_p99, (slack_p99, fixed_p99)
     # the burst still gets served; it just takes smaller chunks
     assert all(r.terminal == "completed" for r in slack.records)
+
+
+def test_a_fit_that_cannot_tell_the_token_cost_still_caps_the_budget():
+    """Only decode steps seen (tokens == sequences): the fit cannot separate a token's cost
+    from a sequence's, so the marginal cost comes from the mean time per token instead of
+    falling back to the full budget (a multi-second step right when a burst arrives)."""
+    cost = StepCostModel()
+    for ctx in range(200, 1000, 50):
+        cost.observe(16, ctx, 16, 0.080 + 1e-5 * ctx)     # 16 decodes, ~5 ms a token
+    b = step_budget(core_with(16, 0.3), cost, 2048)
+    assert b.reason == "tpot_slo" and 16 < b.tokens < 2048, b
