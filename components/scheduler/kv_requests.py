@@ -103,8 +103,6 @@ class KvRequests:
                 break
             if self._at_running_cap(seq, claimed):
                 continue                              # its tenant waits; others are asked for
-            slots -= 1
-            claimed[seq.tenant] += seq.slots
             if seq.state in (State.REFUSED, State.SWAP_REFUSED):
                 pool_frees, tenant_frees = seq.frees_at_request
                 if seq.refusal == TENANT_BUDGET:
@@ -115,7 +113,10 @@ class KvRequests:
                     if seq.tenant in over:
                         continue                      # it holds more than its share: it waits
                     break                             # nothing freed since the pool said no
-            elif seq.state not in (State.WAITING, State.SWAPPED):
+            slots -= 1                                # it holds, or is asked, a lease
+            claimed[seq.tenant] += seq.slots
+            if seq.state not in (State.WAITING, State.SWAPPED, State.REFUSED,
+                                 State.SWAP_REFUSED):
                 continue                              # ready, or asked already
             seq.frees_at_request = (self._frees_emitted, self._tenant_freed(seq.tenant))
             seq.to(Event.ASK)

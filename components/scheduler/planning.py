@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
 
 
+_NEVER = 1 << 62                 # the deadline of a request that has none
+
+
 class Planning:
     def schedule(self: SchedulerCore, now_ns: int = 0, budget: int | None = None) -> StepPlan | None:
         """Plan the next step, or None if nothing can run now. Call only when no step
@@ -152,7 +155,8 @@ class Planning:
         in that order too: sequences rescued by urgency, then those back from preemption
         (they hold work, and ran before), then fresh ones, each pick from the tenant that
         is least served at that point (within its token rate first; ``fairness = "fcfs"``:
-        arrival order). Each pick charges its tenant its prompt, as starting it will, so one
+        arrival order); within a tenant, the more important class first (admission has
+        aged its priority), then the earlier deadline, then arrival. Each pick charges its tenant its prompt, as starting it will, so one
         tenant does not take a whole step of new prompts because it was least served when
         the step began, and a tenant arriving with the lowest counter is asked for first."""
         if len(self.waiting) < 2:
@@ -164,6 +168,11 @@ class Planning:
             else:
                 fresh.setdefault(seq.tenant, deque()).append(seq)
         head.sort(key=lambda s: not s.rescued)          # stable: rescued first
+        for queue in fresh.values():    # within a tenant: class, deadline, arrival
+            if len(queue) > 1:
+                queue = sorted(queue, key=lambda s: (s.priority, s.deadline_ns or _NEVER,
+                                                     s.arrival_ns, s.seq_id))
+                fresh[queue[0].tenant] = deque(queue)
         now_s = now_ns / 1e9
         picks = []
         for tenant, queue in fresh.items():

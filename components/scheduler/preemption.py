@@ -61,9 +61,8 @@ class UrgencyDecision:
 class Preempting:
     def _preempt_if_stuck(self: SchedulerCore) -> None:
         """Free memory for sequences that cannot proceed."""
-        head = self.waiting[0] if self.waiting else None
-        if (head is not None and head.state in (State.REFUSED, State.SWAP_REFUSED)
-                and head.refusal != TENANT_BUDGET and head.tenant not in self.over_share()):
+        blocker = self._blocker()
+        if blocker is not None and blocker.state in (State.REFUSED, State.SWAP_REFUSED):
             for seq in [s for s in self.waiting if s.state is State.READY]:
                 self._give_back(seq)
         for seq in [s for s in self.running if s.state is State.STALLED]:
@@ -85,6 +84,31 @@ class Preempting:
                 self._preempt(max(self.running, key=self.victim_key()))
             if seq.state is State.STALLED:
                 seq.to(Event.RETRY)
+
+    def _blocker(self: SchedulerCore) -> Seq | None:
+        """The waiting sequence that holds up the queue (head of line), skipping those that
+        hold up only their own tenant (its KV budget, its running cap, a full pool it holds
+        more than its share of), as planning does; None if the first it reaches can start."""
+        claimed = self.running_slots()
+        leased = claimed.copy()
+        for seq in self.waiting:
+            if seq.state in (State.LEASING, State.READY, State.SWAPPING_IN):
+                leased[seq.tenant] += seq.slots
+        over: set[str] | None = None
+        for seq in self.waiting:
+            if self._at_running_cap(seq, claimed):
+                continue
+            if seq.state is State.READY:
+                return None
+            if ((seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET)
+                    or self._at_running_cap(seq, leased)):
+                continue
+            if seq.state in (State.REFUSED, State.SWAP_REFUSED):
+                over = self.over_share() if over is None else over
+                if seq.tenant in over:
+                    continue
+            return seq
+        return None
 
     def victim_key(self: SchedulerCore):
         """Sort key of running sequences; the largest is preempted first."""

@@ -315,3 +315,17 @@ def test_a_tenant_past_its_token_rate_starts_new_work_after_the_others(fairness)
     assert core.over_rate("a", 1.0) and "a2" not in core.by_request
     # and the bucket refills: 3 s later a is within its rate again
     assert not core.over_rate("a", 4.0)
+
+
+def test_within_a_tenant_class_then_deadline_then_arrival():
+    core = SchedulerCore(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                         lookahead_tokens=1), KvConfig(block_size=BS,
+                                                                      num_blocks=64), 512,
+                         epoch=1, tenants=(TenantConfig("a"),))
+    core.add(req("late-batch", "a", 8, priority=1, arrival_ns=1))
+    core.add(req("no-deadline", "a", 8, priority=0, arrival_ns=2))
+    core.add(req("due-later", "a", 8, priority=0, deadline_ms=900, arrival_ns=3))
+    core.add(req("due-soon", "a", 8, priority=0, deadline_ms=100, arrival_ns=4))
+    core._fair_order(0)
+    assert [s.request_id for s in core.waiting] == ["due-soon", "due-later", "no-deadline",
+                                                   "late-batch"]
