@@ -82,6 +82,18 @@ class Engine:
                 raise AssertionError(f"{component}.{key} is {got}, not {value}, after {timeout}s")
             time.sleep(0.02)
 
+    def settled_stats(self, component: str, timeout: float = 5.0) -> dict[str, float]:
+        """``component``'s stats once two heartbeats agree: what earlier tests sent has
+        landed (a read right after a request can still show the count before it)."""
+        deadline = time.monotonic() + timeout
+        prev = self.stats(component)
+        while True:
+            time.sleep(0.15)                       # more than one heartbeat apart
+            cur = self.stats(component)
+            if cur == prev or time.monotonic() > deadline:
+                return cur
+            prev = cur
+
     def kv(self) -> dict[str, float]:
         return self.stats("kv_manager")
 

@@ -82,7 +82,8 @@ def test_status_shows_a_tenant_only_its_own_usage(eng):
 
 
 def test_idempotency_key_attaches_a_retry_instead_of_running_twice(eng):
-    before = eng.stats("streamer")
+    eng.wait_kv_free(timeout=5)
+    before = eng.settled_stats("streamer")
 
     async def main():
         async with eng.async_client() as c:
