@@ -119,11 +119,10 @@ def test_vtc_keeps_the_batch_bound_that_fcfs_breaks(vtc_runs):
     (at most max_num_seqs of them, × its longest output, × 2):
         U_f = (1 × B + 2 × max_num_seqs × max_output_f) / w_f,   bound = 2 × max_f U_f.
     Both terms are taken in full (a sum, not VTC's max), so the bound does not depend on
-    which one dominates. Weir's scheduler lifts a tenant only when it has nothing waiting
-    or running (VTC: nothing waiting), so a tenant with work running banks credit, which no
-    static bound covers (``test_a_tenant_with_work_running_does_not_bank_credit``); here the
-    tenants keep work waiting most of the time (checked above). FCFS serves in arrival
-    order, whatever the counters and weights say, and its gap grows with the run."""
+    which one dominates. The scheduler lifts a tenant when it has nothing waiting, as VTC
+    does (``test_a_tenant_with_work_running_does_not_bank_credit``); here the tenants keep
+    work waiting most of the time (checked above). FCFS serves in arrival order, whatever
+    the counters and weights say, and its gap grows with the run."""
     requests, runs, gaps = vtc_runs
     cfg = load_config(None, topology={"run_dir": "/nonexistent"})
     budget, seqs = cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs
@@ -138,12 +137,10 @@ def test_vtc_keeps_the_batch_bound_that_fcfs_breaks(vtc_runs):
 def test_vtc_keeps_twice_the_largest_request_cost(vtc_runs):
     """The bound the issue asks for: the gap stays within 2U, U the largest weighted cost of
     one request (input × 1 + output × 2, ÷ its tenant's weight): VTC's bound with the batch
-    term taken per request. The scheduler charges input as prefill chunks are computed and
-    output as tokens are sampled; the measure charges a prompt when its request is first
-    scheduled and each token when it arrives, so the two agree within a step. FCFS breaks
-    it in the same test. Note that with continuous batching this is not a theorem: a
-    tenant's many running requests keep sampling after others are picked (VTC's M term);
-    the faithful prototype stayed within it on this trace but not on every seed."""
+    term taken per request. The scheduler charges a prompt whole when it starts and output
+    as tokens are sampled, as the measure does. FCFS breaks it in the same test. Note that
+    with continuous batching this is not a theorem: a tenant's many running requests keep
+    sampling after others are picked (VTC's M term), so a different trace may exceed it."""
     requests, _, gaps = vtc_runs
     bound = 2 * largest_request_cost(requests)
     assert gaps["fcfs"] > bound, (gaps, bound)
@@ -154,8 +151,8 @@ def test_a_tenant_with_work_running_does_not_bank_credit():
     """B keeps one long request running while A takes the rest of the engine for two
     minutes; then B sends 1,000 short requests at once. B was not backlogged (nothing
     waiting) while A was served, so VTC lifts B to A's counter when the flood arrives and
-    the two share from there: the gap stays within 2U plus one step's prompts (B tokens:
-    the fair order is taken once per step, see above), and A, backlogged throughout, keeps
+    the two share from there: the gap stays within 2U plus one step's prompts (B tokens),
+    and A, backlogged throughout, keeps
     getting new work started, at worst every three full steps (one in flight, one whose
     prompts went to B, one to start A's)."""
     rng = random.Random(7)
