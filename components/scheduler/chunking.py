@@ -3,7 +3,8 @@ keep their time per output token.
 
 While sequences are decoding, a step that also prefills a long chunk makes every stream
 wait for it. The budget is capped so the step-cost model's predicted step time stays within
-the tightest TPOT SLO among the decoding sequences (less ``headroom``); with no decodes, or
+the tightest TPOT SLO among the decoding sequences (less ``headroom``, and divided by how much
+slower than predicted recent steps ran at p90); with no decodes, or
 no TPOT SLO among them, the full budget is used. Pure: the caller passes the cost model."""
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
         marginal = cost.mean_per_token()
     if base <= 0 or marginal <= 0:
         return StepBudget(full, "cost_unknown", tightest)
-    room = int((tightest * (1 - headroom) - base) / marginal)
+    # plan against the model's recent p90 error too: steps that run slower than predicted
+    # would otherwise put the streams' p99 over their SLO
+    room = int((tightest * (1 - headroom) / cost.slowdown() - base) / marginal)
     tokens = min(full, n + max(room, MIN_CHUNK))
     if tokens >= full:
         return StepBudget(full, "full", tightest, cost.predict(full, ctx + full - n, n + 1))

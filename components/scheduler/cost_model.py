@@ -40,13 +40,26 @@ class StepCostModel:
         self._x: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._coef: list[float] = []
+        self._ratios: deque[float] = deque(maxlen=64)     # measured / predicted, recent steps
         self._dirty = False
         self.min_samples = min_samples
 
     def observe(self, batch_tokens: int, context_tokens: int, num_seqs: int, seconds: float) -> None:
+        if len(self._y) >= self.min_samples:   # how the step compares with what was predicted
+            predicted = self.predict(batch_tokens, context_tokens, num_seqs)
+            if predicted > 0:
+                self._ratios.append(seconds / predicted)
         self._x.append((1.0, float(batch_tokens), float(context_tokens), float(num_seqs)))
         self._y.append(seconds)
         self._dirty = True
+
+    def slowdown(self, q: float = 0.9) -> float:
+        """How much slower than predicted recent steps ran, at quantile ``q`` (at least 1):
+        what a step must be planned against to finish in time that often."""
+        if len(self._ratios) < 8:
+            return 1.0
+        ordered = sorted(self._ratios)
+        return max(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 1.0)
 
     def mean_per_token(self) -> float:
         """Seconds per token over the window, fixed costs included: an upper bound on the

@@ -96,3 +96,18 @@ def test_a_fit_that_cannot_tell_the_token_cost_still_caps_the_budget():
         cost.observe(16, ctx, 16, 0.080 + 1e-5 * ctx)     # 16 decodes, ~5 ms a token
     b = step_budget(core_with(16, 0.3), cost, 2048)
     assert b.reason == "tpot_slo" and 16 < b.tokens < 2048, b
+
+
+def test_steps_slower_than_predicted_shrink_the_budget():
+    """The model fits 10 ms + 1 ms a token, but the last steps ran 1.25x what it predicted:
+    the budget is planned against that, so the streams' p99 stays within the SLO."""
+    exact = cost_model()
+    slow = cost_model()
+    for tokens in range(20, 60):                 # measured 25% over the fit's prediction
+        slow.observe(tokens, tokens * 10, 4, 1.25 * (0.01 + 0.001 * tokens))
+    assert exact.slowdown() == 1.0 and slow.slowdown() > 1.1   # (the fit partly follows)
+    core = core_with(8, 0.2)
+    fast_budget, slow_budget = step_budget(core, exact, 2048), step_budget(core, slow, 2048)
+    assert slow_budget.reason == fast_budget.reason == "tpot_slo"
+    assert slow_budget.tokens < fast_budget.tokens
+    assert slow_budget.predicted_s * slow.slowdown() <= 0.2 * 0.8 + 1e-9
