@@ -54,11 +54,8 @@ class Planning:
             prefilling = [s for s in prefilling if self.vtc.of(s.tenant) <= head]
         budget = self._prefill_chunks(prefilling, budget, chosen)
         claimed = self.running_slots()
-        leased = claimed.copy()                       # with the leases waiting to start
-        for seq in self.waiting:
-            if seq.state in (State.LEASING, State.READY, State.SWAPPING_IN):
-                leased[seq.tenant] += seq.slots
-        over: set[str] | None = None
+        leased = self._leased_slots(claimed)
+        over: list[set[str]] = []
         share = self._step_shares(budget, claimed)
         taken: Counter[str] = Counter()               # new-work tokens per tenant this step
         started: list[int] = []                       # new work's places in chosen
@@ -71,13 +68,8 @@ class Planning:
             if limit <= 0:
                 continue                              # its tenant had its share this step
             if seq.state is not State.READY:
-                if ((seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET)
-                        or self._at_running_cap(seq, leased)):
-                    continue                          # only its tenant waits
-                if seq.state in (State.REFUSED, State.SWAP_REFUSED):
-                    over = self.over_share() if over is None else over
-                    if seq.tenant in over:
-                        continue                      # a full pool it holds too much of
+                if self._holds_up_only_its_tenant(seq, leased, over):
+                    continue
                 break                                 # head of line
             if seq is self.waiting[0]:
                 self.waiting.popleft()
@@ -112,6 +104,30 @@ class Planning:
         self.in_flight_step = plan.step_id
         self.steps += 1
         return plan
+
+    def _leased_slots(self: SchedulerCore, claimed: Counter[str]) -> Counter[str]:
+        """``claimed`` (running slots) plus the waiting sequences that hold or are asking a
+        lease, per tenant."""
+        leased = claimed.copy()
+        for seq in self.waiting:
+            if seq.state in (State.LEASING, State.READY, State.SWAPPING_IN):
+                leased[seq.tenant] += seq.slots
+        return leased
+
+    def _holds_up_only_its_tenant(self: SchedulerCore, seq: Seq, leased: Counter[str],
+                                  over: list[set[str]]) -> bool:
+        """A waiting sequence that is not ready holds up only its own tenant when what keeps
+        it is the tenant's: its KV budget, its running cap (counting leases), or a full pool
+        it holds more than its weighted share of. ``over`` caches ``over_share()`` (empty
+        until first needed)."""
+        if ((seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET)
+                or self._at_running_cap(seq, leased)):
+            return True
+        if seq.state in (State.REFUSED, State.SWAP_REFUSED):
+            if not over:
+                over.append(self.over_share())
+            return seq.tenant in over[0]
+        return False
 
     def _step_shares(self: SchedulerCore, budget: int,
                      claimed: Counter[str]) -> dict[str, int] | None:

@@ -90,24 +90,15 @@ class Preempting:
         hold up only their own tenant (its KV budget, its running cap, a full pool it holds
         more than its share of), as planning does; None if the first it reaches can start."""
         claimed = self.running_slots()
-        leased = claimed.copy()
-        for seq in self.waiting:
-            if seq.state in (State.LEASING, State.READY, State.SWAPPING_IN):
-                leased[seq.tenant] += seq.slots
-        over: set[str] | None = None
+        leased = self._leased_slots(claimed)
+        over: list[set[str]] = []
         for seq in self.waiting:
             if self._at_running_cap(seq, claimed):
                 continue
             if seq.state is State.READY:
                 return None
-            if ((seq.state is State.REFUSED and seq.refusal == TENANT_BUDGET)
-                    or self._at_running_cap(seq, leased)):
-                continue
-            if seq.state in (State.REFUSED, State.SWAP_REFUSED):
-                over = self.over_share() if over is None else over
-                if seq.tenant in over:
-                    continue
-            return seq
+            if not self._holds_up_only_its_tenant(seq, leased, over):
+                return seq
         return None
 
     def victim_key(self: SchedulerCore):
@@ -115,14 +106,11 @@ class Preempting:
         held = self.held_blocks()
         over = self.over_share()
 
-        def over_share(tenant: str) -> bool:
-            return tenant in over
-
         def over_budget(tenant: str) -> bool:
             budget = self.kv_budget.get(tenant)
             return bool(budget) and held[tenant] > budget
 
-        return lambda s: (over_budget(s.tenant), s.priority, over_share(s.tenant),
+        return lambda s: (over_budget(s.tenant), s.priority, s.tenant in over,
                           s.arrival_ns, s.seq_id)
 
     def _give_back(self: SchedulerCore, seq: Seq) -> None:

@@ -188,14 +188,19 @@ def test_victim_over_its_weighted_share_before_arrival():
 
 # ---------------------------------------------------------------- rare transitions
 
-def test_swap_out_refused_by_the_pool_recomputes():
+def prefilled_with_a_host_tier():
+    """One request leased and prefilled, on a core that swaps to a 4-block host tier."""
     core = make(num_cpu_blocks=4, preemption_mode="swap")
     core.on_executor(1, 1e9)
     kv = Kv(64, num_cpu_blocks=4)
     core.add(req("a", "t", 20))
     step(core, kv)                          # leased
     step(core, kv)                          # prefilled
-    a = core.by_request["a"]
+    return core, kv, core.by_request["a"]
+
+
+def test_swap_out_refused_by_the_pool_recomputes():
+    core, kv, a = prefilled_with_a_host_tier()
     old_id, computed = a.seq_id, a.num_computed
     core._preempt(a)                        # the core believes the host tier has room ...
     assert a.state is State.SWAPPING_OUT
@@ -207,13 +212,7 @@ def test_swap_out_refused_by_the_pool_recomputes():
 
 
 def test_cancel_after_refused_swap_in_frees_the_host_lease():
-    core = make(num_cpu_blocks=4, preemption_mode="swap")
-    core.on_executor(1, 1e9)
-    kv = Kv(64, num_cpu_blocks=4)
-    core.add(req("a", "t", 20))
-    step(core, kv)                          # leased
-    step(core, kv)                          # prefilled
-    a = core.by_request["a"]
+    core, kv, a = prefilled_with_a_host_tier()
     core._preempt(a)
     kv.settle(core)
     assert a.state is State.SWAPPED
