@@ -466,3 +466,16 @@ def test_the_lift_floor_is_the_least_counter_among_tenants_with_queued_requests(
     assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
     assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
     assert (p.vtc.of("a"), p.vtc.of("b"), p.vtc.of("c")) == (96, 96, 16)
+
+
+def test_the_bias_follows_the_high_misses_not_their_mean():
+    # misses of 0 and 0.5 s in turn: their mean is 0.25 s, but admitting on the mean would
+    # let half the requests miss; the bias settles near the upper tail instead
+    p = policy()
+    for i in range(400):
+        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+        rid = str(i)
+        d = p.decide(req(rid, prompt=100), 0, float(i))
+        assert d.kind == ACCEPT
+        p.released([rid], float(i), {}, {rid: d.estimate.scheduler_ttft_s + 0.5 * (i % 2)})
+    assert 0.45 < p.ttft_bias_s < 0.47      # cycles between 0.4537 and 0.4630 (mean: 0.25)
