@@ -60,6 +60,10 @@ class Component(abc.ABC):
         """Per-tenant usage, typed (only the scheduler has any)."""
         return {}
 
+    def info(self) -> dict[str, str]:
+        """Fixed facts for ``weir status`` (the executor's kernel plan), not counters."""
+        return {}
+
     async def drain(self) -> None:
         """Stop taking new work (default: nothing to do)."""
 
@@ -76,7 +80,7 @@ class Component(abc.ABC):
         while True:
             stats = {"malformed": self._malformed(), **self.stats()}
             await sock.send(ComponentHeartbeat(self.name, os.getpid(), self.state, stats,
-                                               self.tenant_usage()))
+                                               self.tenant_usage(), self.info()))
             await anyio.sleep(interval)
 
     async def _control(self, scope: anyio.CancelScope) -> None:

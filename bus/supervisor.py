@@ -46,6 +46,7 @@ class Child:
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     tenants: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -90,7 +91,7 @@ class Supervisor:
         now = time.monotonic()
         return ClusterStatus(tuple(
             ComponentStatus(c.name, c.pid, c.alive, c.state, c.restarts,
-                            round(now - c.last_beat, 3), c.stats, c.tenants)
+                            round(now - c.last_beat, 3), c.stats, c.tenants, c.info)
             for c in self.children.values()), self.draining)
 
     # -- loops
@@ -98,13 +99,14 @@ class Supervisor:
         while True:
             match (await sock.recv()).body:
                 case ComponentHeartbeat(name=name, pid=pid, state=state, stats=stats,
-                                        tenants=tenants):
+                                        tenants=tenants, info=info):
                     child = self.children.get(name)
                     if child and (child.external or child.pid == pid):
                         if child.external and child.pid not in (0, pid):
                             child.restarts += 1
                         child.pid, child.state, child.stats = pid, state, stats
                         child.tenants = tenants
+                        child.info = info
                         child.last_beat = time.monotonic()
 
     async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:

@@ -167,6 +167,7 @@ class ComponentStatus(msgspec.Struct, frozen=True):
     heartbeat_age_s: float
     stats: dict[str, float] = {}     # engine-wide numbers, by name
     tenants: dict[str, TenantUsage] = {}   # per tenant (only the scheduler reports any)
+    info: dict[str, str] = {}        # fixed facts: the executor's kernel plan
 
 
 class StatusReport(msgspec.Struct, tag="status_report", frozen=True):

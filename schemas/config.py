@@ -82,6 +82,16 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self._address("control", len(COMPONENTS) + 1, bind, host_key="supervisor")
 
 
+class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Forced kernel choices ("auto": the fastest measured here; kernels/tuning.py)."""
+    # linear layers: native small-batch bf16 kernel (AVX512-BF16, steps <= 256 tokens; larger
+    # steps take oneDNN), oneDNN-packed weights (AMX where the CPU has it), or plain torch
+    linear: Literal["auto", "native", "onednn", "torch"] = "auto"
+    elementwise: Literal["auto", "native", "torch"] = "auto"   # add+RMSNorm, RoPE, SiLU x up
+    argmax: Literal["auto", "native", "torch"] = "auto"
+    cache: bool = True          # keep the measured plan per machine; false: measure each start
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -90,17 +100,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA
-    cpu_packed_weights: bool = True                     # oneDNN-blocked linear weights on CPU
-    # bf16 on AVX512-BF16 CPUs: steps of at most this many tokens use the native small-batch
-    # linear kernel (a second copy of the weights in its layout); 0 = off
-    cpu_small_batch_max: int = 64
+    # which kernels run on the CPU: "auto" = measured on this machine at startup (cached per
+    # machine under ~/.cache/weir/tuning), or a forced choice for reproducible runs
+    kernels: KernelsConfig = KernelsConfig()
     cuda_graph_max_batch: int = 256                     # largest captured bucket
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
         _require(self.num_threads >= 0, "engine.num_threads must be >= 0")
-        _require(0 <= self.cpu_small_batch_max <= 256,
-                 "engine.cpu_small_batch_max must be in [0, 256]")
         _require(1 <= self.cuda_graph_max_batch <= 1024,
                  "engine.cuda_graph_max_batch must be in [1, 1024]")
 

@@ -392,6 +392,7 @@ class ComponentHeartbeat(msgspec.Struct, tag="component_heartbeat", frozen=True)
     state: str
     stats: dict[str, float] = {}
     tenants: dict[str, TenantUsage] = {}
+    info: dict[str, str] = {}           # fixed facts (the executor's kernel plan)
 
 
 SupervisorMsg = Union[ComponentHeartbeat]

@@ -5,6 +5,9 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
   must stream every weight once.
 - Compute floor (larger batches): 2 x parameters x tokens / measured GEMM rate of the same
   dtype on a large matmul.
+- GEMM floor: the step's own linear layers (30 x qkv, o, gate_up, down, and the lm_head) at
+  M = batch, each at the fastest candidate this machine has (native, oneDNN, torch); "x gemm"
+  is the step's time over it.
 
     python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
         [--breakdown 1]
@@ -24,11 +27,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from components.executor import autotune  # noqa: E402
 from components.executor.loader import load_model  # noqa: E402
 from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
 from schemas.wire import NewSeq, SeqStep, StepPlan  # noqa: E402
-from weir.model_fetch import default_model_path  # noqa: E402
+from kernels import tuning  # noqa: E402
+from weir import machine  # noqa: E402
+from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -40,6 +46,22 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return 2 * nbytes / min(times)          # read + write
+
+
+def gemm_floor_ms(model: LlamaModel, batch: int) -> float:
+    """The step's linear layers at the fastest candidate measured for each shape at M =
+    ``batch`` (every candidate this machine has, not only the plan's): what the GEMMs of a
+    decode step of ``batch`` sequences cost here at best."""
+    shapes = autotune.shapes(model.spec)
+    total = 0.0
+    for role, (n, k) in shapes.items():
+        w = (torch.randn(n, k) * 0.05).to(model.dtype)
+        runs = {c: (autotune.RUN[c], autotune.PREPARE[c](w), limit) for c, limit in
+                autotune.linear_candidates(model.dtype, model.device, (n, k)).items()}
+        best = min(t[batch] for t in tuning.time_linear(runs, k, model.dtype, [batch]).values()
+                   if batch in t)
+        total += best * (1 if role == "lm_head" else model.spec.num_layers)
+    return total * 1e3
 
 
 def gemm_rate(dtype: torch.dtype, n: int = 2048) -> float:
@@ -109,12 +131,15 @@ def time_parts(model: LlamaModel) -> dict[str, float]:
     if native is not None:
         for name, label in (("paged_attention", "attention"), ("add_rms_norm", "add+rmsnorm"),
                             ("rope_", "rope"), ("silu_mul", "silu*up"),
-                            ("small_batch_linear", "linear (small-batch kernel)"),
                             ("argmax", "argmax"), ("write_kv", "kv write")):
             setattr(native, name, timed(getattr(native, name), label))
         if getattr(model.backend, "name", "") == "cpu":
             model.backend.write_kv = native.write_kv
-    model._linear = timed(model._linear, "linear (oneDNN)")
+    else:
+        model.backend.paged_attention = timed(model.backend.paged_attention, "attention")
+        model.backend.write_kv = timed(model.backend.write_kv, "kv write")
+    for cand, fn in list(model.runs.items()):       # every weight calls through these
+        model.runs[cand] = timed(fn, f"linear ({cand})")
     meta_mod.AttentionMetadata.build = timed(meta_mod.AttentionMetadata.build, "metadata")
     runner_mod.sample = timed(runner_mod.sample, "sampling")
     return spent
@@ -131,27 +156,37 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="attention backend (auto, cpu, torch)")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="after the table, time each part of the step at this batch")
+    ap.add_argument("--kernels", default="",
+                    help="forced choices, e.g. linear=onednn,elementwise=native (default: the "
+                         "plan measured on this machine, as the executor uses it)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     spec, weights = load_model(default_model_path())
-    model = LlamaModel(spec, weights, dtype=dtype, backend=args.backend)
+    forced = dict(kv.split("=", 1) for kv in args.kernels.split(",") if kv)
+    model = LlamaModel(spec, weights, dtype=dtype, backend=args.backend, kernels=forced,
+                       tuning_cache=cache_dir(), max_seqs=max(256, *[
+                           int(x) for x in args.batches.split(",")]))
     del weights
     elem = torch.finfo(dtype).bits // 8
-    params = sum(t.numel() for t in [model.embed, model.norm] + [
+    size = lambda t: t.numel() if isinstance(t, torch.Tensor) else t.shape[0] * t.shape[1]  # noqa: E731
+    params = sum(size(t) for t in [model.embed, model.norm] + [
         getattr(layer, n) for layer in model.layers
         for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")])
     nonembed = params - model.embed.numel()
     weight_bytes = params * elem            # tied lm_head: the embedding is read once per step
     bw, rate = copy_bandwidth(), gemm_rate(dtype)
+    print(f"machine: {machine.summary_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
           f"context {args.context}, attention backend {model.backend.name}")
+    print(f"kernels ({model.plan.source}): " + ", ".join(
+        f"{k} {v}" for k, v in model.plan.summary().items() if k != "source"))
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s, "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")
     print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
-          f"{'flop floor ms':>13} {'of flops':>8}")
+          f"{'flop floor ms':>13} {'of flops':>8} {'gemm floor ms':>13} {'x gemm':>6}")
     for b in [int(x) for x in args.batches.split(",")]:
         bench = DecodeBench(model, b, args.context)
         for _ in range(2):
@@ -160,8 +195,9 @@ def main() -> None:
         kv_bytes = b * args.context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
         bw_floor = (weight_bytes + kv_bytes) / bw * 1e3
         flop_floor = 2 * params * b / rate * 1e3
+        gemm = gemm_floor_ms(model, b)
         print(f"{b:>5} {ms:>9.2f} {b / ms * 1e3:>8.0f} {bw_floor:>11.2f} {bw_floor / ms:>6.0%} "
-              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%}")
+              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%} {gemm:>13.2f} {ms / gemm:>6.2f}")
         if b == args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -201,6 +201,10 @@ def _status(args: argparse.Namespace) -> int:
                "prefix_query_tokens": int(kv.get("prefix_query_tokens", 0)),
                "prefix_hit_tokens": int(kv.get("prefix_hit_tokens", 0)),
                "below_watermark": bool(kv.get("below_watermark", 0))},
+        # the executor's kernel plan: what runs each operation, and how it was chosen
+        "kernels": {k.split(".", 1)[1]: v for k, v in (
+            comps["executor"].info if "executor" in comps else {}).items()
+            if k.startswith("kernel.")},
     }
     if args.json:
         print(json.dumps(out))
@@ -222,6 +226,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"kv cpu tier  total {k['cpu_total_blocks']} free {k['cpu_free_blocks']} cached "
           f"{k['cpu_cached_blocks']} swapped_seqs {k['swapped_seqs']}")
     print(f"prefix cache hit {k['prefix_hit_tokens']} of {k['prefix_query_tokens']} tokens")
+    if out["kernels"]:
+        print("kernels      " + ", ".join(f"{k} {v}" for k, v in out["kernels"].items()))
     for tenant, u in out["tenants"].items():
         print(f"tenant {tenant:12} processed {u['processed_tokens']} generated "
               f"{u['generated_tokens']} tokens, kv_blocks {u['kv_blocks']}, virtual_counter "

@@ -41,6 +41,8 @@ class ModelRunner:
         self.host = torch.empty(shape, dtype=kv.dtype, device="cpu",
                                 pin_memory=kv.device.type == "cuda")
         self.copied_blocks = 0
+        plan = getattr(model, "plan", None)
+        self.native_argmax = plan is None or plan.argmax == "native"
 
     @property
     def block_bytes(self) -> int:
@@ -135,7 +137,8 @@ class ModelRunner:
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,
-                            [len(s.token_ids) - s.prompt_len for s in states]).tolist()
+                            [len(s.token_ids) - s.prompt_len for s in states],
+                            self.native_argmax).tolist()
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
         for (_, s, k), tok in zip(sampled, tokens):

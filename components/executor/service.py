@@ -18,7 +18,7 @@ from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
-from weir.model_fetch import resolve_model
+from weir.model_fetch import cache_dir, resolve_model
 
 log = structlog.get_logger("executor")
 _TRACER = trace.get_tracer("weir.executor")
@@ -41,6 +41,9 @@ class ExecutorService(Component):
                  kv_blocks=kv.num_blocks, host_kv_blocks=kv.num_cpu_blocks,
                  block_bytes=self.runner.block_bytes,
                  copy_gb_per_s=round(self.bandwidth / 1e9, 2), seconds=self.load_s)
+        plan = self.runner.model.plan
+        log.info("kernels_chosen", how=plan.source, measuring_s=plan.seconds, key=plan.key,
+                 **plan.summary())
         self.inbox_sock = self.inbox(ExecutorMsg)
         self.to_scheduler = self.push_to("scheduler")
         await self.to_scheduler.send(ExecutorReady(self.runner.block_bytes, self.bandwidth,
@@ -64,10 +67,14 @@ class ExecutorService(Component):
             raise ValueError("engine.device is 'cuda' but no CUDA device is available")
         device = torch.device("cuda" if eng.device == "cuda" or (
             eng.device == "auto" and torch.cuda.is_available()) else "cpu")
+        k = eng.kernels
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
-                           pack_weights=eng.cpu_packed_weights,
-                           small_batch_max=eng.cpu_small_batch_max)
+                           kernels={"linear": k.linear, "elementwise": k.elementwise,
+                                    "argmax": k.argmax},
+                           tuning_cache=cache_dir() if k.cache else None,
+                           max_tokens=self.config.scheduler.max_num_batched_tokens,
+                           max_seqs=self.config.scheduler.max_num_seqs)
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
         graphs = None
@@ -120,6 +127,9 @@ class ExecutorService(Component):
             await self.on_torch_thread(self.runner.seqs.clear)     # and has none of these
             await self.to_scheduler.send(ExecutorReady(
                 self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks))
+
+    def info(self) -> dict[str, str]:
+        return {f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()}
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),

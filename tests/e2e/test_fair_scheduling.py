@@ -26,13 +26,12 @@ from weir.replay.types import COMPLETED, Slo, TraceRequest
 
 TPOT_SLO_MS = 500.0
 
-# cpu_packed_weights = false: the packed oneDNN linears compile a kernel for each new step
-# size on first use (~2 s each on a 2-core Xeon), which would measure kernel warm-up, not
-# scheduling; plain torch linears have no such cost (issue 15 is about choosing kernels)
+# linear = "torch": one kernel for every step size, so the measured ITL is scheduling,
+# not which kernel the plan picked for each varying chunk size
 CHUNKING = """
 [engine]
 max_model_len = 1024
-cpu_packed_weights = false
+kernels = {{ linear = "torch" }}
 [scheduler]
 chunking = "{chunking}"
 [admission]

@@ -29,6 +29,15 @@ def test_seven_distinct_live_processes(engine):
     assert status["kv"]["cpu_free_blocks"] == status["kv"]["cpu_total_blocks"] > 0
     assert status["kv"]["below_watermark"] is False
     assert status["admission"]["queued"] == 0 and status["admission"]["outstanding"] == 0
+    kernels = status["kernels"]                  # the executor's plan, and how it was made
+    assert kernels["source"] in ("measured", "cached")
+    assert kernels["attention"] in ("cpu", "torch") and kernels["argmax"] in ("native", "torch")
+    for role in ("qkv", "o", "gate_up", "down", "lm_head"):
+        *bounded, last = kernels[f"linear.{role}"].split()   # e.g. "native<=4 onednn"
+        assert last in ("native", "onednn", "torch"), kernels
+        for entry in bounded:
+            name, up_to = entry.split("<=")
+            assert name in ("native", "onednn", "torch") and int(up_to) > 0, kernels
     out = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--endpoint",
                           engine.endpoint], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)

@@ -21,11 +21,12 @@ BLOCKS = [5, 2, 7, 1]                      # 40 prompt + 4 decode tokens, non-co
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def model(request):
+    native = request.param == torch.bfloat16 and cpu_native.available() \
+        and cpu_native.small_batch_supported()
     m = LlamaModel(SHAPE, random_weights(SHAPE, seed=7), dtype=request.param,
-                   small_batch_max=64)
-    if request.param == torch.bfloat16 and cpu_native.available() \
-            and cpu_native.small_batch_supported():
-        assert m.lm_head_s is not None and m.small_max == 64   # the path that failed
+                   kernels={"linear": "native"} if native else None)
+    if native:      # the lm_head through the small-batch kernel: the path that failed
+        assert m.plan.linear["lm_head"][0][1] == "native"
     return m
 
 

@@ -1,0 +1,249 @@
+"""The executor's kernel plan: measured on this machine at the model's shapes, or cached,
+or forced by the config (see :mod:`kernels.tuning` for the candidates and the rules).
+
+Measuring takes a few seconds on 2 cores (the SmolLM2 shapes, bf16) and happens once per
+machine: the plan is cached under ``<cache>/tuning/<key>.json``. Timings use weights of
+the model's shapes (random values: a GEMM's time does not depend on them), so no layout
+of the real weights is made for a candidate that is not chosen.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kernels import AttentionMetadata, KVCache, cpu_native, get_backend, tuning
+from kernels.tuning import KernelPlan
+
+if TYPE_CHECKING:
+    from schemas.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def can_pack() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+PACK_HINT = 64          # the batch size oneDNN lays packed weights out for (any M works)
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT)
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+
+
+def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    return cpu_native.small_batch_linear(x, w, b)
+
+
+# how each candidate lays its weights out, and runs them
+PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch}
+RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear}
+
+
+def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """Each linear weight's [out, in]."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * spec.intermediate_size, h),
+            "down": (h, spec.intermediate_size), "lm_head": (spec.vocab_size, h)}
+
+
+def linear_candidates(dtype: torch.dtype, device: torch.device,
+                      shape: tuple[int, int]) -> dict[str, int]:
+    """The candidates that can run a weight of ``shape`` here: name -> largest M."""
+    if device.type != "cpu":
+        return {"torch": 1 << 30}
+    out = {"torch": 1 << 30}
+    if can_pack():
+        out["onednn"] = 1 << 30
+    n, k = shape
+    if (dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0 and cpu_native.available()
+            and cpu_native.small_batch_supported()):
+        out["native"] = cpu_native.SMALL_BATCH_MAX
+    return out
+
+
+def native_ops_possible(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and spec.head_dim <= 256 and cpu_native.available())
+
+
+def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 forced: Mapping[str, str] | None = None, attention: str = "auto",
+                 cache_dir: Path | None = None, max_tokens: int = 2048,
+                 max_seqs: int = 256, kv_block_size: int | None = None) -> KernelPlan:
+    """Choose every kernel: forced ones as given, the rest measured (or read from the
+    cache under ``cache_dir``; None: measure, keep nothing)."""
+    forced = {k: v for k, v in (forced or {}).items() if v != "auto"}
+    shp = shapes(spec)
+    cands = {role: linear_candidates(dtype, device, s) for role, s in shp.items()}
+    if device.type != "cpu":
+        plan = KernelPlan({r: [(max_tokens, "torch")] for r in ROLES}, "torch", "torch",
+                          get_backend(attention, device, block_size=kv_block_size,
+                                      dtype=dtype).name, source="device")
+        return plan
+    native_ops = native_ops_possible(spec, dtype, device)
+    machine = {**tuning.machine_info(), "native_ops": native_ops,
+               "candidates": {r: sorted(c) for r, c in cands.items()}}
+    key = tuning.machine_key(machine, str(dtype).removeprefix("torch."), shp, max_tokens)
+    # a plan with forced parts measures only the rest, and is not cached
+    skip = set(forced) | ({"attention"} if attention != "auto" else set())
+    path = cache_dir / "tuning" / f"{key}.json" if cache_dir is not None and not skip \
+        else None
+    cached = tuning.load_cached(path) if path is not None else None
+    if cached is not None and cached.get("key") == key:
+        plan = KernelPlan.from_json(cached, key)
+    else:
+        t0 = time.perf_counter()
+        plan = _measure(spec, dtype, shp, cands, native_ops, max_tokens, max_seqs,
+                        kv_block_size or 16, skip)
+        plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
+        if path is not None:
+            tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
+    return _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
+                         max_tokens)
+
+
+def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
+                  cands: Mapping[str, Mapping[str, int]], native_ops: bool, attention: str,
+                  kv_block_size: int | None, dtype: torch.dtype,
+                  max_tokens: int) -> KernelPlan:
+    if "linear" in forced:
+        only = forced["linear"]
+        for role in cands:
+            if only not in cands[role]:
+                raise ValueError(f"engine.kernels.linear = {only!r} cannot run here "
+                                 f"(the {role} weight can use: {', '.join(sorted(cands[role]))})")
+            limit = cands[role][only]
+            fill = "onednn" if "onednn" in cands[role] else "torch"
+            plan.linear[role] = [(limit, only)] + ([(max_tokens, fill)]
+                                                   if limit < max_tokens else [])
+        plan.source = "forced"
+    for op in ("elementwise", "argmax"):
+        if op in forced:
+            if forced[op] == "native" and not native_ops:
+                raise ValueError(f"engine.kernels.{op} = 'native' cannot run here: the "
+                                 f"native CPU kernels did not build, or the dtype/shape is "
+                                 f"not compiled in")
+            setattr(plan, op, forced[op])
+            plan.source = "forced"
+    if attention != "auto":
+        get_backend(attention, "cpu", block_size=kv_block_size, dtype=dtype)   # or refuse
+        plan.attention = attention
+    return plan
+
+
+def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, int]],
+             cands: Mapping[str, Mapping[str, int]], native_ops: bool, max_tokens: int,
+             max_seqs: int, block_size: int, skip: set[str] = frozenset()) -> KernelPlan:
+    """Time what is not in ``skip`` (forced: "linear", "elementwise", "argmax",
+    "attention"); the skipped parts keep placeholders for the caller to set."""
+    g = torch.Generator().manual_seed(0)
+    plan = KernelPlan(source="measured")
+    buckets = [b for b in tuning.M_BUCKETS if b < max_tokens] + [max_tokens]
+    for role, (n, k) in shp.items():
+        if "linear" in skip:
+            break
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+        use = [b for b in buckets if b <= max(max_seqs, 1)] if role == "lm_head" else buckets
+        if role == "lm_head" and use[-1] < max_seqs:
+            use.append(max_seqs)
+        runs = {c: (RUN[c], PREPARE[c](w), limit) for c, limit in cands[role].items()}
+        timings = tuning.time_linear(runs, k, dtype, use)
+        plan.linear[role] = tuning.choose_linear(timings)
+        plan.timings[f"linear.{role}"] = {c: {str(m): round(s * 1e6, 1) for m, s in t.items()}
+                                          for c, t in timings.items()}
+        del runs, w
+    timers = {"elementwise": lambda: _time_elementwise(spec, dtype, g),
+              "argmax": lambda: _time_argmax(spec.vocab_size, max_seqs, g),
+              "attention": lambda: _time_attention(spec, dtype, block_size, g)}
+    for op, timer in timers.items():
+        if op in skip or (op != "attention" and not native_ops):
+            continue                      # without native ops, torch is all there is
+        t = timer()
+        setattr(plan, op, tuning.choose_fastest(t))
+        plan.timings[op] = {c: round(s * 1e6, 1) for c, s in t.items()}
+    return plan
+
+
+def _time_elementwise(spec: ModelSpec, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """One layer's add+RMSNorm (twice), RoPE and SiLU x up, at 1, 64 and 512 tokens."""
+    from components.executor import model as model_mod
+    h, d = spec.hidden_size, spec.head_dim
+    width = (spec.num_heads + 2 * spec.num_kv_heads) * d
+    out = {}
+    for impl in ("native", "torch"):
+        m = model_mod.ElementwiseOps(spec, dtype, torch.device("cpu"),
+                                     cpu_native if impl == "native" else None)
+        total = 0.0
+        for t in (1, 64, 512):
+            hid = torch.randn(t, h, generator=g).to(dtype)
+            delta = torch.randn(t, h, generator=g).to(dtype)
+            w = torch.ones(h, dtype=dtype)
+            qkv = torch.randn(t, width, generator=g).to(dtype)
+            gu = torch.randn(t, 2 * spec.intermediate_size, generator=g).to(dtype)
+            pos = torch.arange(t) % spec.max_position
+            rope = m.rope_tables(pos)
+
+            def layer():
+                m.add_norm(hid.clone(), delta, w)
+                m.split_qkv(qkv.clone(), pos, rope)
+                m.silu_mul(gu)
+                m.add_norm(hid.clone(), delta, w)
+            total += tuning.time_call(layer)
+        out[impl] = total
+    return out
+
+
+def _time_argmax(vocab: int, rows: int, g: torch.Generator) -> dict:
+    out = {}
+    for impl in ("native", "torch"):
+        total = 0.0
+        for r in sorted({1, min(64, rows), rows}):
+            x = torch.randn(r, vocab, generator=g)
+            fn = cpu_native.argmax if impl == "native" else (lambda t: t.argmax(dim=-1))
+            total += tuning.time_call(lambda: fn(x))
+        out[impl] = total
+    return out
+
+
+def _time_attention(spec: ModelSpec, dtype: torch.dtype, block_size: int,
+                    g: torch.Generator) -> dict:
+    """One layer's attention: 16 sequences decoding at 256 tokens of context, and one
+    256-token prompt."""
+    seqs, ctx = 16, 256
+    per = -(-(ctx + 1) // block_size)
+    kv = KVCache.allocate(1, seqs * per + per, block_size, spec.num_kv_heads, spec.head_dim,
+                          dtype, "cpu")
+    kv.data.copy_(torch.randn(kv.data.shape, generator=g).to(dtype))
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs + 1)]
+    steps = [AttentionMetadata.build([1] * seqs, [ctx] * seqs, tables[:seqs], block_size),
+             AttentionMetadata.build([ctx], [0], tables[seqs:], block_size)]
+    out = {}
+    for name in ("cpu", "torch"):
+        try:
+            backend = get_backend(name, "cpu", block_size=block_size, dtype=dtype)
+        except ValueError:
+            continue
+        total = 0.0
+        for meta in steps:
+            q = torch.randn(meta.num_tokens, spec.num_heads, spec.head_dim,
+                            generator=g).to(dtype)
+            total += tuning.time_call(lambda: backend.paged_attention(
+                q, kv.key(0), kv.value(0), meta, spec.head_dim ** -0.5))
+        out[name] = total
+    return out

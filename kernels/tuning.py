@@ -1,0 +1,286 @@
+"""Kernel choice by measurement: what runs each hot operation on this machine.
+
+A kernel that wins on one x86 server loses on another: the native small-batch bf16 linear
+(``csrc/cpu_gemv.cpp``) streams weights faster than oneDNN on AMD Zen 4 up to 64 tokens,
+but on an Intel Xeon with AMX oneDNN's blocked GEMM beats it from 8 tokens on, by 4x at
+64. So nothing is hard-coded: at startup the executor times every candidate that exists
+here, at the model's own shapes, and keeps the fastest.
+
+- **Linear layers**, per weight shape (qkv, o, gate_up, down, lm_head) and per bucket of
+  step tokens M (1, 2, 4, ... 2048): ``native`` (the small-batch kernel; bf16 on
+  AVX512-BF16, M <= 256), ``onednn`` (weights reordered once into oneDNN's blocked layout;
+  AMX where the CPU has it) and ``torch`` (plain ``F.linear``). Each candidate needs its
+  own copy of the weights, so a layout is kept only where it beats the layouts already
+  kept by ``KEEP_MARGIN``: no second copy of the weights for a marginal gain, and none for
+  a kernel that was not chosen (:func:`choose_linear`).
+- **Fused elementwise ops** (add+RMSNorm, RoPE, SiLU x up) and **sampling's argmax**:
+  ``native`` or ``torch``.
+- **Attention**: the ``cpu`` backend (native paged kernel) or the ``torch`` reference.
+
+The choice is cached per machine under ``<cache>/tuning/<key>.json``; the key hashes the
+CPU model, its flags, the cores and threads, the torch version, the dtype and the shapes
+(:func:`machine_key`), so a restart does not measure again and another machine does.
+``engine.kernels`` in the config forces a candidate (reproducible runs); the executor logs
+the plan at startup and reports it in ``weir status --json``.
+
+Torch-only (no msgspec, no weir imports): ``scripts/gpu_check`` imports the model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+VERSION = 2                      # bump when candidates or the timing method change
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
+LINEAR = ("native", "onednn", "torch")
+BINARY = ("native", "torch")
+
+
+def machine_info() -> dict[str, object]:
+    """What a timing depends on besides the shapes: the CPU model, its flags, the cores
+    this process may use, torch's threads and version."""
+    model, flags = platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        if line.startswith("model name") and model == platform.machine():
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags") and not flags:
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "flags": flags, "cores": cores, "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def machine_key(machine: Mapping[str, object], dtype: str,
+                shapes: Mapping[str, tuple[int, int]], max_m: int) -> str:
+    """The cache key: changes with anything in ``machine``, the dtype, the shapes, the
+    largest step measured and the tuning version."""
+    blob = json.dumps({"v": VERSION, "machine": dict(machine), "dtype": dtype,
+                       "shapes": {k: list(v) for k, v in sorted(shapes.items())},
+                       "max_m": max_m}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------- the choice (pure)
+def choose_linear(timings: Mapping[str, Mapping[int, float]],
+                  margin: float = KEEP_MARGIN) -> list[tuple[int, str]]:
+    """The dispatch table for one weight from measured seconds per candidate and bucket (a
+    candidate missing at a bucket cannot run it): ``[(up_to_m, candidate), ...]`` in
+    ascending ``up_to_m``; the last entry also takes every larger M.
+
+    Each bucket starts with its fastest candidate. Then the candidates that win the fewest
+    buckets are dropped, one at a time, if the others still run those buckets, in all at
+    most ``margin`` slower than the dropped one: every layout kept pays for its memory."""
+    buckets = sorted({b for t in timings.values() for b in t})
+    if not buckets:
+        raise ValueError("no timings to choose from")
+    best = _segments(timings, buckets)
+    kept = set(best.values())
+    for cand in sorted(kept, key=lambda c: (sum(v == c for v in best.values()), c)):
+        others = kept - {cand}
+        if not others:
+            break
+        won = [b for b in buckets if best[b] == cand]
+        swap = {}
+        for b in won:
+            options = [(timings[o][b], o) for o in others if b in timings[o]]
+            if not options:
+                break
+            swap[b] = min(options)
+        else:
+            if sum(t for t, _ in swap.values()) <= \
+                    (1 + margin) * sum(timings[cand][b] for b in won):
+                best.update({b: o for b, (_, o) in swap.items()})
+                kept = others
+    table: list[tuple[int, str]] = []
+    for b in buckets:
+        if table and table[-1][1] == best[b]:
+            table[-1] = (b, best[b])
+        else:
+            table.append((b, best[b]))
+    return table
+
+
+def _segments(timings: Mapping[str, Mapping[int, float]],
+              buckets: Sequence[int]) -> dict[int, str]:
+    """The fastest assignment of candidates to buckets in which each candidate runs one
+    contiguous range of step sizes. A kernel's time grows with M and candidates cross over
+    at most a few times, so a table that flips back and forth (onednn, torch, onednn) is
+    timing noise, not a real win; cost = the sum over buckets of time / the bucket's best,
+    so small and large steps weigh alike."""
+    fastest = {b: min(t[b] for t in timings.values() if b in t) for b in buckets}
+    cost = {c: [t[b] / fastest[b] if b in t else float("inf") for b in buckets]
+            for c, t in timings.items()}
+    n = len(buckets)
+    # best[i][used] = (cost, assignment) for buckets[:i], the last segment's candidate
+    # being assignment[-1]; candidates already used may not come back
+    states: dict[tuple[str, ...], tuple[float, list[str]]] = {(): (0.0, [])}
+    for i in range(n):
+        nxt: dict[tuple[str, ...], tuple[float, list[str]]] = {}
+        for used, (total, assign) in states.items():
+            options = ([used[-1]] if used else []) + [c for c in cost if c not in used]
+            for c in options:
+                step = cost[c][i]
+                if step == float("inf"):
+                    continue
+                key = used if used and c == used[-1] else used + (c,)
+                cand = (total + step, assign + [c])
+                if key not in nxt or cand[0] < nxt[key][0]:
+                    nxt[key] = cand
+        states = nxt
+    _, assign = min(states.values(), key=lambda v: (v[0], len(set(v[1]))))
+    return dict(zip(buckets, assign))
+
+
+def choose_fastest(timings: Mapping[str, float]) -> str:
+    """The candidate with the least time (ties: the first in name order)."""
+    return min(sorted(timings), key=lambda c: timings[c])
+
+
+def forced(table: list[tuple[int, str]], timings: Mapping[str, Mapping[int, float]],
+           only: str) -> list[tuple[int, str]]:
+    """The table when the config forces ``only``: it runs every bucket it can, the
+    measured best of the others runs the rest (the native kernel stops at 256 tokens)."""
+    if only not in timings:
+        raise ValueError(f"the forced linear kernel {only!r} is not available here "
+                         f"(have: {', '.join(sorted(timings))})")
+    rest = {c: t for c, t in timings.items() if c != only}
+    fill = dict(_expand(choose_linear(rest), sorted({b for t in timings.values()
+                                                       for b in t}))) if rest else {}
+    out: list[tuple[int, str]] = []
+    for b in sorted({b for t in timings.values() for b in t}):
+        c = only if b in timings[only] else fill[b]
+        if out and out[-1][1] == c:
+            out[-1] = (b, c)
+        else:
+            out.append((b, c))
+    return out
+
+
+def _expand(table: list[tuple[int, str]], buckets: Sequence[int]) -> list[tuple[int, str]]:
+    return [(b, pick(table, b)) for b in buckets]
+
+
+def pick(table: Sequence[tuple[int, str]], m: int) -> str:
+    """The candidate for a step of ``m`` tokens."""
+    for up_to, cand in table:
+        if m <= up_to:
+            return cand
+    return table[-1][1]
+
+
+# ---------------------------------------------------------------------- the plan
+@dataclass
+class KernelPlan:
+    """What runs each operation, and how it was decided ("measured", "cached", "forced")."""
+
+    linear: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    elementwise: str = "torch"
+    argmax: str = "torch"
+    attention: str = "torch"
+    source: str = "measured"
+    key: str = ""
+    seconds: float = 0.0                       # spent measuring (0 when cached)
+    timings: dict[str, object] = field(default_factory=dict)
+
+    def layouts(self, role: str) -> set[str]:
+        return {c for _, c in self.linear.get(role, [])}
+
+    def summary(self) -> dict[str, str]:
+        """Flat strings for logs and ``weir status``: ``linear.qkv`` ->
+        ``"native<=4 onednn"`` (native up to 4 tokens, oneDNN above)."""
+        out = {f"linear.{role}": " ".join(f"{c}<={m}" for m, c in table[:-1])
+               + (" " if len(table) > 1 else "") + table[-1][1]
+               for role, table in sorted(self.linear.items())}
+        out.update(elementwise=self.elementwise, argmax=self.argmax, attention=self.attention,
+                   source=self.source)
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {"linear": {r: [list(e) for e in t] for r, t in self.linear.items()},
+                "elementwise": self.elementwise, "argmax": self.argmax,
+                "attention": self.attention, "timings": self.timings}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
+        return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
+                   str(data["elementwise"]), str(data["argmax"]), str(data["attention"]),
+                   "cached", key, 0.0, dict(data.get("timings", {})))
+
+
+def load_cached(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def store(path: Path, data: Mapping[str, object]) -> None:
+    """Atomically (concurrent executors on one machine agree)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------- timing
+def time_call(fn: Callable[[], object], reps: int = 9, warmup: int = 2,
+              budget_s: float = 0.25) -> float:
+    """The least seconds of ``fn()`` over ``reps`` calls after ``warmup`` (fewer reps when
+    one call is slow, at least 3). The least, not the median: on a busy machine the other
+    processes only ever add time, and a choice between kernels must not follow them."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def time_linear(candidates: Mapping[str, tuple[Callable, object, int]], k: int,
+                dtype: torch.dtype, buckets: Sequence[int]) -> dict[str, dict[int, float]]:
+    """``candidates``: name -> (fn(x, weight), weight in that layout, largest M it runs).
+    Times each at every bucket it can run; returns seconds per candidate and bucket."""
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, dict[int, float]] = {c: {} for c in candidates}
+    for m in buckets:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        fns = {name: (lambda fn=fn, w=w: fn(x, w)) for name, (fn, w, max_m)
+               in candidates.items() if m <= max_m}
+        for name, t in time_interleaved(fns).items():
+            out[name][m] = t
+    return out
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], reps: int = 9,
+                     budget_s: float = 0.5) -> dict[str, float]:
+    """:func:`time_call` for several candidates at once, one call of each in turn, so a
+    burst of load from another process slows them all alike instead of one of them."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    for i in range(reps):
+        if i >= 3 and time.perf_counter() - start > budget_s:
+            break
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}

@@ -1,0 +1,96 @@
+"""Every kernel candidate gives the reference's logits: each linear kernel forced (native
+small-batch, oneDNN-packed, plain torch), the fused native elementwise ops against torch's,
+and the measured plan itself; prefill and decode shapes, with cached prefixes."""
+import pytest
+import torch
+
+from components.executor import autotune
+from components.executor.model import LlamaModel
+from components.executor.synthetic import ModelShape, random_weights
+from kernels import AttentionMetadata
+
+# head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
+SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=2,
+                   num_kv_heads=1, head_dim=64, vocab_size=112, max_position=128)
+REFERENCE = {"linear": "torch", "elementwise": "torch", "argmax": "torch"}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _logits(model: LlamaModel) -> torch.Tensor:
+    """Two steps: prompts of 5, 1 and 9 tokens, then 1, 3 and 1 more over their prefixes;
+    the second step's small M is where the native linear kernel runs."""
+    kv = model.new_kv_cache(8, 16)
+    got = []
+    for lens, ctx in (([5, 1, 9], [0, 0, 0]), ([1, 3, 1], [5, 1, 9])):
+        meta = AttentionMetadata.build(lens, ctx, [[0, 1], [2, 3], [4, 5]], 16)
+        ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),),
+                            generator=torch.Generator().manual_seed(sum(ctx)))
+        rows = torch.cumsum(torch.tensor(lens), 0) - 1
+        got.append(model.forward(ids, meta.positions, kv, meta, rows))
+    return torch.cat(got)
+
+
+def _available(dtype: torch.dtype) -> set[str]:
+    return set.intersection(*(set(autotune.linear_candidates(dtype, torch.device("cpu"), s))
+                              for s in autotune.shapes(SHAPE).values()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("forced", [{"linear": "native"}, {"linear": "onednn"},
+                                    {"linear": "torch"}, {"elementwise": "native"},
+                                    {}], ids=["native", "onednn", "torch", "fused", "measured"])
+def test_each_candidate_gives_the_reference_logits(dtype, forced):
+    if forced.get("linear", "torch") not in _available(dtype):
+        pytest.skip(f"no {forced['linear']} linear kernel here for {dtype}")
+    if forced.get("elementwise") == "native" and \
+            not autotune.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+        pytest.skip("native CPU kernels unavailable (no C++ compiler)")
+    weights = random_weights(SHAPE, seed=4)
+    ref = LlamaModel(SHAPE, weights, dtype=dtype, backend="torch", kernels=REFERENCE)
+    model = LlamaModel(SHAPE, weights, dtype=dtype, kernels=forced)
+    for op, choice in forced.items():               # the forced choice is what runs
+        if op == "linear":
+            assert {c for _, c in model.plan.linear["qkv"]} >= {choice}
+            assert model.plan.linear["qkv"][0] == (model.plan.linear["qkv"][0][0], choice)
+        else:
+            assert getattr(model.plan, op) == choice
+    want, got = _logits(ref), _logits(model)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= TOL[dtype], (model.plan.summary(), err)
+
+
+def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
+    with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
+        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                   kernels={"linear": "native"})          # fp32: the kernel is bf16 only
+
+
+def test_only_the_chosen_layouts_are_kept():
+    """A weight keeps one tensor per candidate in its table, no more: plain torch alone
+    holds the plain weight, nothing packed."""
+    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=2), kernels=REFERENCE)
+    for layer in model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert [c for _, c, _ in lin.table] == ["torch"]
+    if "onednn" in _available(torch.float32):
+        packed = LlamaModel(SHAPE, random_weights(SHAPE, seed=2),
+                            kernels={**REFERENCE, "linear": "onednn"})
+        assert [c for _, c, _ in packed.layers[0].qkv.table] == ["onednn"]
+
+
+def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
+    weights = random_weights(SHAPE, seed=3)
+    first = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+    again = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+    assert (first.plan.source, again.plan.source) == ("measured", "cached")
+    assert again.plan.linear == first.plan.linear and again.plan.key == first.plan.key
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
+    real = autotune.tuning.machine_info
+    monkeypatch.setattr(autotune.tuning, "machine_info",
+                        lambda: {**real(), "cpu": "another CPU model"})
+    other = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+    assert other.plan.source == "measured" and other.plan.key != first.plan.key
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
+    forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
+    assert forced.plan.source == "forced"              # forced plans are not cached
+    assert len(list((tmp_path / "tuning").glob("*.json"))) == 2

@@ -1,0 +1,104 @@
+"""Kernel choice by measurement, with injected timings: each candidate is picked where it
+is fastest, a layout that saves too little is not kept, forced choices, and the cache key."""
+import pytest
+
+from kernels import tuning
+from kernels.tuning import KernelPlan, choose_fastest, choose_linear, forced, pick
+
+ALL = (1, 8, 64, 512)
+
+
+def table(native=None, onednn=None, torch=None):
+    """Seconds per bucket for each candidate given (a list aligned with ALL; None: that
+    candidate cannot run the bucket)."""
+    out = {}
+    for name, times in (("native", native), ("onednn", onednn), ("torch", torch)):
+        if times is not None:
+            out[name] = {b: t for b, t in zip(ALL, times) if t is not None}
+    return out
+
+
+@pytest.mark.parametrize("winner", ["native", "onednn", "torch"])
+def test_the_fastest_candidate_is_picked_everywhere_it_wins(winner):
+    times = {c: [2.0, 2.0, 2.0, 2.0] for c in ("native", "onednn", "torch")}
+    times[winner] = [1.0, 1.0, 1.0, 1.0]
+    assert choose_linear(table(**times)) == [(512, winner)]
+
+
+def test_zen4_like_native_for_small_steps_onednn_above():
+    t = table(native=[1.0, 2.0, 10.0, None], onednn=[3.0, 3.0, 4.0, 20.0],
+              torch=[5.0, 5.0, 6.0, 22.0])
+    got = choose_linear(t)
+    assert got == [(8, "native"), (512, "onednn")]
+    assert [pick(got, m) for m in (1, 5, 8, 9, 64, 100, 4096)] == \
+        ["native", "native", "native", "onednn", "onednn", "onednn", "onednn"]
+
+
+def test_amx_like_native_only_for_one_token():
+    t = table(native=[1.0, 4.0, 30.0, None], onednn=[2.0, 1.5, 3.0, 20.0],
+              torch=[3.0, 2.5, 5.0, 25.0])
+    assert choose_linear(t) == [(1, "native"), (512, "onednn")]
+
+
+def test_a_layout_that_saves_less_than_the_margin_is_not_kept():
+    # torch wins one bucket by 5%: not worth a second copy of the weights
+    t = table(onednn=[1.0, 1.0, 1.05, 4.0], torch=[2.0, 2.0, 1.0, 5.0])
+    assert choose_linear(t, margin=0.10) == [(512, "onednn")]
+    # by half it is
+    t = table(onednn=[1.0, 1.0, 2.0, 8.0], torch=[2.0, 2.0, 1.0, 4.0])
+    assert choose_linear(t, margin=0.10) == [(8, "onednn"), (512, "torch")]
+
+
+def test_a_candidate_that_cannot_run_large_steps_needs_another_for_them():
+    t = table(native=[1.0, 1.0, 1.0, None], torch=[9.0, 9.0, 9.0, 9.0])
+    assert choose_linear(t) == [(64, "native"), (512, "torch")]
+
+
+def test_forced_runs_what_it_can_and_the_best_other_fills_in():
+    t = table(native=[1.0, 4.0, 30.0, None], onednn=[2.0, 1.5, 3.0, 20.0],
+              torch=[3.0, 2.5, 5.0, 10.0])
+    assert forced(choose_linear(t), t, "native") == [(64, "native"), (512, "torch")]
+    assert forced(choose_linear(t), t, "torch") == [(512, "torch")]
+    with pytest.raises(ValueError, match="not available"):
+        forced(choose_linear(t), table(torch=[1, 1, 1, 1]), "native")
+
+
+def test_choose_fastest():
+    assert choose_fastest({"native": 2.0, "torch": 1.0}) == "torch"
+    assert choose_fastest({"native": 1.0, "torch": 1.0}) == "native"     # ties: name order
+
+
+MACHINE = {"cpu": "Intel(R) Xeon(R) Platinum 8480+", "flags": "amx_bf16 avx2 avx512_bf16",
+           "cores": 2, "threads": 2, "torch": "2.13.0"}
+SHAPES = {"qkv": (960, 576), "lm_head": (49152, 576)}
+
+
+def test_the_cache_key_changes_with_the_machine_and_nothing_else_equal():
+    key = tuning.machine_key(MACHINE, "bfloat16", SHAPES, 2048)
+    assert key == tuning.machine_key(dict(MACHINE), "bfloat16", dict(SHAPES), 2048)
+    for change in ({"cpu": "AMD EPYC 9654 96-Core Processor"}, {"flags": "avx2"},
+                   {"cores": 4}, {"threads": 1}, {"torch": "2.11.0"}):
+        assert tuning.machine_key({**MACHINE, **change}, "bfloat16", SHAPES, 2048) != key
+    assert tuning.machine_key(MACHINE, "float32", SHAPES, 2048) != key
+    assert tuning.machine_key(MACHINE, "bfloat16", {**SHAPES, "o": (576, 576)}, 2048) != key
+    assert tuning.machine_key(MACHINE, "bfloat16", SHAPES, 512) != key
+
+
+def test_a_plan_round_trips_through_its_cache_file(tmp_path):
+    plan = KernelPlan({"qkv": [(1, "native"), (2048, "onednn")]}, "native", "torch", "cpu",
+                      timings={"argmax": {"native": 3.0}})
+    path = tmp_path / "tuning" / "k.json"
+    tuning.store(path, {"key": "k", **plan.to_json()})
+    back = KernelPlan.from_json(tuning.load_cached(path), "k")
+    assert (back.linear, back.elementwise, back.argmax, back.attention, back.source) == \
+        (plan.linear, "native", "torch", "cpu", "cached")
+    assert back.summary()["linear.qkv"] == "native<=1 onednn"
+    assert tuning.load_cached(tmp_path / "missing.json") is None
+
+
+def test_noise_does_not_fragment_the_table():
+    # torch "wins" one bucket in the middle of oneDNN's range by a hair: timing noise; each
+    # candidate gets one contiguous range of step sizes
+    t = table(native=[1.0, 3.0, 9.0, None], onednn=[2.0, 1.0, 1.0, 4.0],
+              torch=[3.0, 1.2, 0.98, 4.4])
+    assert choose_linear(t, margin=0.0) == [(1, "native"), (512, "onednn")]
