@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.engine import Engine  # noqa: E402
-from weir import AsyncClient  # noqa: E402
+from weir import AsyncClient, machine  # noqa: E402
 from weir.model_fetch import default_model_path  # noqa: E402
 
 
@@ -90,9 +90,18 @@ max_num_seqs = {max(len(prompts), 1)}
         eng = Engine(Path(tmp), toml)
         try:
             anyio.run(_weir_once, eng.endpoint, prompts[:4], 4)      # warm-up
+            print(f"weir kernels: {kernel_plan(eng.endpoint)}", flush=True)
             return [anyio.run(_weir_once, eng.endpoint, batch, out_len) for batch in batches]
         finally:
             eng.stop()
+
+
+def kernel_plan(endpoint: str) -> str:
+    """The executor's kernel plan, as ``weir status`` shows it."""
+    from weir import Client
+    with Client(endpoint) as c:
+        info = {x.name: x.info for x in c.status().components}.get("executor", {})
+    return ", ".join(f"{k.removeprefix('kernel.')} {v}" for k, v in info.items())
 
 
 def compute_floor_s(requests: int, prompt_len: int, output_len: int,
@@ -142,6 +151,7 @@ def main() -> None:
                     help="also run `vllm bench throughput` (vLLM's CPU build, own venv)")
     args = ap.parse_args()
     prompts = make_prompts(args.requests, args.prompt_len, 49152)
+    print(f"machine: {machine.summary_line()}, torch {torch.__version__}")
     print(f"workload: {args.requests} requests x {args.prompt_len} prompt / {args.output_len} "
           f"output tokens, greedy, ignore eos, {args.dtype}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}", flush=True)

@@ -25,6 +25,8 @@ BENCH = ROOT / ".bench"
 VENV = BENCH / "vllm-venv"
 LAUNCHER = ROOT / "scripts" / "vllm_launcher.py"
 SERVED = "SmolLM2-135M-Instruct"
+sys.path.insert(0, str(ROOT))
+from weir import machine  # noqa: E402  (stdlib only: the machine beside every number)
 
 
 def ensure_vllm_venv() -> Path:
@@ -133,9 +135,13 @@ def weir_engine_stats(run_dir: str) -> str:
     from weir import Client
 
     with Client(f"ipc://{run_dir}/client.sock") as c:
-        comps = {x.name: x.stats for x in c.status().components}
+        status = c.status().components
+    comps = {x.name: x.stats for x in status}
+    info = {x.name: x.info for x in status}.get("executor", {})
     ex, sc = comps.get("executor", {}), comps.get("scheduler", {})
-    return (f"executor busy {ex.get('busy_s', 0):.1f} s over {int(ex.get('steps', 0))} steps; "
+    plan = ", ".join(f"{k.removeprefix('kernel.')} {v}" for k, v in info.items())
+    return (f"kernels: {plan}; "
+            f"executor busy {ex.get('busy_s', 0):.1f} s over {int(ex.get('steps', 0))} steps; "
             f"mean batch {sc.get('batch_size.sum', 0) / max(sc.get('batch_size.count', 1), 1):.1f}"
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
@@ -226,7 +232,7 @@ def main() -> None:
                 finally:
                     stop(vllm)
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
-          f"{args.dtype}")
+          f"{args.dtype}; machine: {machine.summary_line()}")
     head = (f"{'run':>3} {'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
     print(head)
