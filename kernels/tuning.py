@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 2                      # bump when candidates or the timing method change
+VERSION = 3                      # bump when candidates or the timing method change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
 LINEAR = ("native", "onednn", "torch")
@@ -252,19 +252,36 @@ def time_call(fn: Callable[[], object], reps: int = 9, warmup: int = 2,
     return min(times)
 
 
-def time_linear(candidates: Mapping[str, tuple[Callable, object, int]], k: int,
+STREAM_BYTES = 64 << 20          # weights rotated through per candidate (see time_linear)
+
+
+def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int,
                 dtype: torch.dtype, buckets: Sequence[int]) -> dict[str, dict[int, float]]:
-    """``candidates``: name -> (fn(x, weight), weight in that layout, largest M it runs).
-    Times each at every bucket it can run; returns seconds per candidate and bucket."""
+    """``candidates``: name -> (fn(x, weight), copies of the weight in that layout, largest
+    M it runs). Times each at every bucket it can run; returns seconds per candidate and
+    bucket. Each call takes the next copy: in a real step every weight is used once and 30
+    layers of others pass through the caches before it comes round again, so a weight that
+    stays in L2 between calls would favour the kernels that compute most per byte."""
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
     for m in buckets:
         x = torch.randn(m, k, generator=g).to(dtype)
-        fns = {name: (lambda fn=fn, w=w: fn(x, w)) for name, (fn, w, max_m)
-               in candidates.items() if m <= max_m}
+        fns = {}
+        for name, (fn, copies, max_m) in candidates.items():
+            if m <= max_m:
+                turn = iter(range(1 << 62))
+                fns[name] = (lambda fn=fn, copies=copies, turn=turn:
+                             fn(x, copies[next(turn) % len(copies)]))
         for name, t in time_interleaved(fns).items():
             out[name][m] = t
     return out
+
+
+def copies_for(w: torch.Tensor, prepare: Callable[[torch.Tensor], object],
+               stream_bytes: int = STREAM_BYTES) -> list:
+    """Enough distinct prepared copies of ``w`` to stream ``stream_bytes`` (at most 64)."""
+    n = max(1, min(64, stream_bytes // max(w.numel() * w.element_size(), 1)))
+    return [prepare(w.clone()) for _ in range(n)]
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], reps: int = 9,

@@ -50,14 +50,16 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
 
 def gemm_floor_ms(model: LlamaModel, batch: int) -> float:
     """The step's linear layers at the fastest candidate measured for each shape at M =
-    ``batch`` (every candidate this machine has, not only the plan's): what the GEMMs of a
-    decode step of ``batch`` sequences cost here at best."""
+    ``batch`` (every candidate this machine has, not only the plan's), each call on another
+    copy of the weight, as in a step: what the GEMMs of a decode step of ``batch`` sequences
+    cost here at best."""
     shapes = autotune.shapes(model.spec)
     total = 0.0
     for role, (n, k) in shapes.items():
         w = (torch.randn(n, k) * 0.05).to(model.dtype)
-        runs = {c: (autotune.RUN[c], autotune.PREPARE[c](w), limit) for c, limit in
-                autotune.linear_candidates(model.dtype, model.device, (n, k)).items()}
+        runs = {c: (autotune.RUN[c], tuning.copies_for(w, autotune.PREPARE[c]), limit)
+                for c, limit in autotune.linear_candidates(model.dtype, model.device,
+                                                           (n, k)).items()}
         best = min(t[batch] for t in tuning.time_linear(runs, k, model.dtype, [batch]).values()
                    if batch in t)
         total += best * (1 if role == "lm_head" else model.spec.num_layers)

@@ -162,7 +162,8 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         use = [b for b in buckets if b <= max(max_seqs, 1)] if role == "lm_head" else buckets
         if role == "lm_head" and use[-1] < max_seqs:
             use.append(max_seqs)
-        runs = {c: (RUN[c], PREPARE[c](w), limit) for c, limit in cands[role].items()}
+        runs = {c: (RUN[c], tuning.copies_for(w, PREPARE[c]), limit)
+                for c, limit in cands[role].items()}
         timings = tuning.time_linear(runs, k, dtype, use)
         plan.linear[role] = tuning.choose_linear(timings)
         plan.timings[f"linear.{role}"] = {c: {str(m): round(s * 1e6, 1) for m, s in t.items()}
