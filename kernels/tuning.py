@@ -13,7 +13,8 @@ here, at the model's own shapes, and keeps the fastest.
   own copy of the weights, so a layout is kept only where it beats the layouts already
   kept by ``KEEP_MARGIN``: no second copy of the weights for a marginal gain, and none for
   a kernel that was not chosen (:func:`choose_linear`).
-- **Fused elementwise ops** (add+RMSNorm, RoPE, SiLU x up) and **sampling's argmax**:
+- **Fused elementwise ops** (add+RMSNorm, RoPE, SiLU x up) and **sampling** (argmax and the
+  temperature / top-k / top-p draw):
   ``native`` or ``torch``.
 - **Attention**: the ``cpu`` backend (native paged kernel) or the ``torch`` reference.
 
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 3                      # bump when candidates or the timing method change
+VERSION = 4                      # bump when candidates or the timing method change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
 LINEAR = ("native", "onednn", "torch")
@@ -188,7 +189,7 @@ class KernelPlan:
 
     linear: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     elementwise: str = "torch"
-    argmax: str = "torch"
+    sampling: str = "torch"
     attention: str = "torch"
     source: str = "measured"
     key: str = ""
@@ -204,19 +205,19 @@ class KernelPlan:
         out = {f"linear.{role}": " ".join(f"{c}<={m}" for m, c in table[:-1])
                + (" " if len(table) > 1 else "") + table[-1][1]
                for role, table in sorted(self.linear.items())}
-        out.update(elementwise=self.elementwise, argmax=self.argmax, attention=self.attention,
+        out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
                    source=self.source)
         return out
 
     def to_json(self) -> dict[str, object]:
         return {"linear": {r: [list(e) for e in t] for r, t in self.linear.items()},
-                "elementwise": self.elementwise, "argmax": self.argmax,
+                "elementwise": self.elementwise, "sampling": self.sampling,
                 "attention": self.attention, "timings": self.timings}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
         return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
-                   str(data["elementwise"]), str(data["argmax"]), str(data["attention"]),
+                   str(data["elementwise"]), str(data["sampling"]), str(data["attention"]),
                    "cached", key, 0.0, dict(data.get("timings", {})))
 
 

@@ -88,7 +88,7 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # steps take oneDNN), oneDNN-packed weights (AMX where the CPU has it), or plain torch
     linear: Literal["auto", "native", "onednn", "torch"] = "auto"
     elementwise: Literal["auto", "native", "torch"] = "auto"   # add+RMSNorm, RoPE, SiLU x up
-    argmax: Literal["auto", "native", "torch"] = "auto"
+    sampling: Literal["auto", "native", "torch"] = "auto"      # argmax and the seeded draw
     cache: bool = True          # keep the measured plan per machine; false: measure each start
 
 

@@ -133,7 +133,7 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
             plan.linear[role] = [(limit, only)] + ([(max_tokens, fill)]
                                                    if limit < max_tokens else [])
         plan.source = "forced"
-    for op in ("elementwise", "argmax"):
+    for op in ("elementwise", "sampling"):
         if op in forced:
             if forced[op] == "native" and not native_ops:
                 raise ValueError(f"engine.kernels.{op} = 'native' cannot run here: the "
@@ -150,7 +150,7 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
 def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, int]],
              cands: Mapping[str, Mapping[str, int]], native_ops: bool, max_tokens: int,
              max_seqs: int, block_size: int, skip: set[str] = frozenset()) -> KernelPlan:
-    """Time what is not in ``skip`` (forced: "linear", "elementwise", "argmax",
+    """Time what is not in ``skip`` (forced: "linear", "elementwise", "sampling",
     "attention"); the skipped parts keep placeholders for the caller to set."""
     g = torch.Generator().manual_seed(0)
     plan = KernelPlan(source="measured")
@@ -170,7 +170,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
                                           for c, t in timings.items()}
         del runs, w
     timers = {"elementwise": lambda: _time_elementwise(spec, dtype, g),
-              "argmax": lambda: _time_argmax(spec.vocab_size, max_seqs, g),
+              "sampling": lambda: _time_sampling(spec.vocab_size, max_seqs, g),
               "attention": lambda: _time_attention(spec, dtype, block_size, g)}
     for op, timer in timers.items():
         if op in skip or (op != "attention" and not native_ops):
@@ -210,14 +210,18 @@ def _time_elementwise(spec: ModelSpec, dtype: torch.dtype, g: torch.Generator) -
     return out
 
 
-def _time_argmax(vocab: int, rows: int, g: torch.Generator) -> dict:
+def _time_sampling(vocab: int, rows: int, g: torch.Generator) -> dict:
+    """The executor's sampler over float32 logits: greedy rows (argmax) and rows at
+    temperature 0.8 with top-p 0.9, 1 and up to 64 rows of each."""
+    from components.executor.sampling import sample
     out = {}
     for impl in ("native", "torch"):
         total = 0.0
-        for r in sorted({1, min(64, rows), rows}):
+        for r in sorted({1, min(64, rows)}):
             x = torch.randn(r, vocab, generator=g)
-            fn = cpu_native.argmax if impl == "native" else (lambda t: t.argmax(dim=-1))
-            total += tuning.time_call(lambda: fn(x))
+            for temp, top_p in ((0.0, 1.0), (0.8, 0.9)):
+                args = ([temp] * r, [top_p] * r, [0] * r, list(range(r)), [0] * r)
+                total += tuning.time_call(lambda: sample(x, *args, native=impl == "native"))
         out[impl] = total
     return out
 

@@ -42,7 +42,7 @@ class ModelRunner:
                                 pin_memory=kv.device.type == "cuda")
         self.copied_blocks = 0
         plan = getattr(model, "plan", None)
-        self.native_argmax = plan is None or plan.argmax == "native"
+        self.native_sampling = plan is None or plan.sampling == "native"
 
     @property
     def block_bytes(self) -> int:
@@ -138,7 +138,7 @@ class ModelRunner:
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,
                             [len(s.token_ids) - s.prompt_len for s in states],
-                            self.native_argmax).tolist()
+                            self.native_sampling).tolist()
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
         for (_, s, k), tok in zip(sampled, tokens):

@@ -130,18 +130,18 @@ def _top_k(k: int, vocab: int) -> int:
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
            top_k: list[int], seeds: list[int | None], output_index: list[int],
-           native_argmax: bool = True) -> torch.Tensor:
+           native: bool = True) -> torch.Tensor:
     """Pick one token per row of ``logits`` ``[S, vocab]``; returns a ``[S]`` long tensor.
 
     Row ``i`` uses ``temperature[i]`` (0 means greedy argmax), ``top_k[i]`` (0 = off),
     ``top_p[i]`` (1.0 = off) and, when ``seeds[i]`` is not None, noise that depends only
     on ``(seeds[i], output_index[i])`` -- the number of the output token being drawn.
-    Top-k is applied first, then top-p on the renormalised survivors. ``native_argmax``
-    False takes torch's argmax even where the native one exists (the kernel plan's choice).
+    Top-k is applied first, then top-p on the renormalised survivors. ``native`` False
+    runs the torch path even where the native sampler exists (the kernel plan's choice).
     """
     rows, vocab = logits.shape
-    native = _native is not None and logits.device.type == "cpu"
-    out = (_native.argmax(logits) if native and native_argmax and logits.dtype == torch.float32
+    native = native and _native is not None and logits.device.type == "cpu"
+    out = (_native.argmax(logits) if native and logits.dtype == torch.float32
            else logits.argmax(dim=-1))
     temp = torch.tensor(temperature, dtype=torch.float32)
     # one row's parameters must never fail the batch (admission validates them, but the

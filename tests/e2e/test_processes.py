@@ -31,7 +31,7 @@ def test_seven_distinct_live_processes(engine):
     assert status["admission"]["queued"] == 0 and status["admission"]["outstanding"] == 0
     kernels = status["kernels"]                  # the executor's plan, and how it was made
     assert kernels["source"] in ("measured", "cached")
-    assert kernels["attention"] in ("cpu", "torch") and kernels["argmax"] in ("native", "torch")
+    assert kernels["attention"] in ("cpu", "torch") and kernels["sampling"] in ("native", "torch")
     for role in ("qkv", "o", "gate_up", "down", "lm_head"):
         *bounded, last = kernels[f"linear.{role}"].split()   # e.g. "native<=4 onednn"
         assert last in ("native", "onednn", "torch"), kernels

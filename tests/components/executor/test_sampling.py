@@ -176,3 +176,14 @@ def test_seed_hash_reduces_any_int_modulo_2_64():
         assert 0 <= h < 2**63
         assert h == _mix(seed + 2**64, 3) == _mix(seed - 2**64, 3)
     assert _mix(-1, 0) == _mix(2**64 - 1, 0)
+
+
+def test_the_plans_torch_choice_runs_the_torch_path(monkeypatch):
+    """``native=False`` (the kernel plan chose torch) draws exactly what the torch path
+    draws with no native sampler at all, greedy rows included."""
+    from components.executor import sampling
+    x = _logits(64, seed=4)
+    args = ([0.0, 0.7] * 32, [1.0, 0.9] * 32, [0, 40] * 32, list(range(64)), [2] * 64)
+    chosen = sampling.sample(x, *args, native=False)
+    monkeypatch.setattr(sampling, "_native", None)
+    assert torch.equal(chosen, sampling.sample(x, *args))
