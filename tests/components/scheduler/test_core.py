@@ -108,7 +108,7 @@ def test_first_schedule_requests_blocks_and_waits():
     assert core.take_kv_ops() is None
     assert core.schedule() is None                       # request in flight: not repeated
     assert core.take_kv_ops() is None
-    assert core.in_flight is None
+    assert core.in_flight == {}
 
 
 @pytest.mark.parametrize("n, blocks, max_cached", [(7, 1, 0), (8, 2, 0), (9, 2, 1), (16, 3, 1),
@@ -133,7 +133,7 @@ def test_plan_after_grant():
     plan = core.schedule()
     assert plan == StepPlan(1, [NewSeq(1, toks, 10, 0, [0, 1], 0.5, 0.9, 7, 3)],
                             [SeqStep(1, 10, [], True)], [])
-    assert core.in_flight == {1: 10}
+    assert core.in_flight == {1: {1: 10}}
     assert core.take_kv_ops() is None                    # 10 + lookahead 4 fits 2 blocks
 
     out = core.on_result(result(plan, {1: 555}))
@@ -387,14 +387,16 @@ def test_cancel_while_step_in_flight():
     plan = start(core, kv, admitted("a", prompt(10)), admitted("b", prompt(3, 50)))
     core.on_result(result(plan, {1: 1, 2: 2}))
     plan = core.schedule()
-    assert core.in_flight == {1: 1, 2: 1}
+    assert core.in_flight == {2: {1: 1, 2: 1}}
     out = core.cancel("a")
     assert out.released == ["a"] and out.forget == ["a"]
-    # blocks go back at once, with only what was computed before the step in flight
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
+    # its blocks go back once the step in flight (which still writes them) has answered,
+    # with only what was computed before it
+    assert core.take_kv_ops() is None
     out = core.on_result(result(plan, {1: 3, 2: 4}))
-    assert out.tokens == [TokenOut("b", [4])]            # a's token is ignored
-    assert out.released == []
+    assert out.tokens == [TokenOut("b", [4])]            # a's token is discarded
+    assert out.released == [] and core.discarded_samples == 1
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
     assert core.schedule() == StepPlan(3, [], [SeqStep(2, 1, [], True)], [1])
     assert core.by_request["b"].num_computed == 4
 
@@ -405,9 +407,10 @@ def test_cancel_in_flight_with_pending_growth():
     growth = core.take_kv_ops()
     assert growth == KvOps(EPOCH, [], [AllocRequest(1, 1)])
     core.cancel("a")
+    assert core.take_kv_ops() is None                    # the step in flight writes its blocks
+    core.on_result(result(plan, {1: 5}))
     frees = core.take_kv_ops()
     assert frees == KvOps(EPOCH, [FreeRequest(1, 0)], [])
-    core.on_result(result(plan, {1: 5}))
     # the kv_manager saw the growth before the free; its grant comes back to a dead seq
     grants = kv.apply(growth)
     kv.apply(frees)
@@ -704,7 +707,7 @@ def test_reset_after_kv_loss_starts_new_epoch():
     plan = start(core, kv, admitted("a", prompt(10)))
     out = core.reset(kv_lost=True)
     assert out.released == ["a"] and out.forget == ["a"]
-    assert core.epoch == EPOCH + 1 and core.in_flight is None
+    assert core.epoch == EPOCH + 1 and core.in_flight == {}
     assert core.take_kv_ops() is None                    # the old pool is gone
     assert not core.has_work
     core.on_result(result(plan, {1: 5}))                 # stale: ignored
@@ -728,7 +731,7 @@ def test_stale_step_result_after_reset_is_ignored():
     plan = core.schedule()
     assert plan.steps == [SeqStep(2, 5, [], True)] and plan.step_id != old.step_id
     out = core.on_result(StepResult(old.step_id, [1], [9], 1))   # the old step's answer
-    assert out.tokens == [] and core.in_flight == {2: 5}
+    assert out.tokens == [] and core.in_flight == {plan.step_id: {2: 5}}
     assert core.by_request["b"].num_computed == 0
     out = core.on_result(result(plan, {2: 7}))
     assert out.tokens == [TokenOut("b", [7], DetokParams((), True, 5, 0))]
@@ -743,7 +746,7 @@ def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
     core.on_grants(kv.apply(core.take_kv_ops()))         # a's growth
     out = core.reset(kv_lost=False)                      # the executor restarted
     assert sorted(out.released) == ["a", "b"] and sorted(out.forget) == ["a", "b"]
-    assert core.epoch == EPOCH and core.in_flight is None and not core.has_work
+    assert core.epoch == EPOCH and core.in_flight == {} and not core.has_work
     # same epoch, so the leases are returned; the executor's KV is gone, so a's 20
     # computed tokens must not be offered to the prefix cache
     ops = core.take_kv_ops()
