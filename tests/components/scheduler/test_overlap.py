@@ -346,3 +346,34 @@ def test_a_result_out_of_order_fails_everything():
     sends = loop.handle(result(plans[1], {1: 5}), 1, 1)
     assert any(isinstance(m, Released) for _, m in sends)
     assert loop.core.in_flight == {} and not loop.core.has_work
+
+
+def test_the_tracer_keeps_one_span_per_step_in_flight(monkeypatch):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from components.scheduler import step_trace
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(step_trace, "_TRACER", provider.get_tracer("test"))
+    loop, pool = loop_of(2)
+    trace = step_trace.StepTracer(loop, 32)
+    plans, _ = deliver(loop, pool, admitted("a", 10), 0.0)
+    for plan in plans:                                   # sent together: both open
+        trace.planned(plan)
+    for plan, at_ms in zip(plans, (10.0, 25.0)):
+        new, done = deliver(loop, pool, result(plan, {1: 5}), at_ms)
+        for p in new:
+            trace.planned(p)
+        trace.finished_step(done[0])
+    spans = [s for s in exporter.get_finished_spans() if s.name == "scheduler.step"]
+    steps = {s.attributes["weir.step.id"]: s.attributes for s in spans}
+    assert sorted(steps) == [1, 2]                       # step 3 is still in flight
+    assert steps[1]["weir.step.num_prefill"] == 1 and steps[1]["weir.step.in_flight_before"] == 0
+    assert steps[2]["weir.step.num_decode"] == 1 and steps[2]["weir.step.in_flight_before"] == 1
+    assert steps[2]["weir.step.measured_ms"] == pytest.approx(15.0)
+    prefill = [s for s in exporter.get_finished_spans() if s.name == "prefill"]
+    assert [s.attributes["weir.step.id"] for s in prefill] == [1]
