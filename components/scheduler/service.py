@@ -104,6 +104,7 @@ class SchedulerService(Component):
         c = self.core
         return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
                 "preemptions": c.preemptions, "wasted_tokens": c.wasted_tokens,
+                "discarded_samples": c.discarded_samples,
                 "preemptions.recompute": c.preemptions_by_kind["recompute"],
                 "preemptions.swap": c.preemptions_by_kind["swap"],
                 "swapped_out_blocks": c.swapped_blocks,
