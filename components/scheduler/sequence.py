@@ -21,7 +21,7 @@ Steps in flight (``scheduler.async_depth`` 2: step N+1 is planned while step N r
 not states: each sequence keeps the steps it is in that have not answered yet
 (``Seq.in_flight``), and plans from its *planned* position (``planned``,
 ``planned_tokens``). ``may_plan_ahead`` says whether it may be planned again before those
-steps answer (``plans_ahead`` below).
+steps answer (``PLANS_AHEAD`` below).
 """
 from __future__ import annotations
 
