@@ -76,6 +76,9 @@ class _EngineCollector:
                           "watermark (new sequences wait).", kv.get("below_watermark", 0))
         yield self._counter("weir:preemption_wasted_tokens",
                             "Computed tokens discarded by preemption.", sched.get("wasted_tokens", 0))
+        yield self._counter("weir:discarded_samples", "Tokens sampled for a sequence that "
+                            "ended or was preempted while its step ran (overlapped steps).",
+                            sched.get("discarded_samples", 0))
         yield self._gauge("weir:kv_cached_blocks", "Blocks holding reusable prefix KV.",
                           kv.get("cached_blocks", 0))
         yield self._gauge("weir:num_active_kv_tokens", "Tokens held in KV by running sequences.",

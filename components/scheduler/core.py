@@ -19,6 +19,14 @@ sits out a step. Each sequence's lifecycle is one explicit state machine
   and urgency preemption for a request about to miss its TTFT deadline.
 - ``output.py``: sampled tokens, forks for n > 1, stop conditions, finishing.
 
+Steps in flight: up to ``scheduler.async_depth`` plans may be at the executor at once (it
+runs them in order). ``in_flight`` maps each one's step id, oldest first, to the tokens it
+computes per sequence; each sequence also keeps its own (``Seq.in_flight``) and plans from
+its planned position. A result is taken only for the oldest step in flight. Blocks that a
+step in flight may still read or write are not given back (``FreeRequest``, which also
+enters the computed blocks in the prefix cache, or ``SwapOutRequest``) until that step has
+answered: such releases wait in ``_deferred`` (``_release``).
+
 Synchronous and torch-free; ``loop.py`` feeds it messages and the service sends what it
 returns.
 """
@@ -63,8 +71,14 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self._allocs: list[AllocRequest] = []
         self._frees: list[FreeRequest] = []
         self._drop: list[int] = []
-        self.in_flight: dict[int, int] | None = None   # seq_id -> tokens, for the step in flight
-        self.in_flight_step = 0                         # step_id of the plan in flight
+        # the steps sent to the executor and not answered, oldest first:
+        # step_id -> {seq_id: tokens computed for it}
+        self.in_flight: dict[int, dict[int, int]] = {}
+        # releases waiting for the steps in flight that use their blocks:
+        # (the last such step, FreeRequest | SwapOutRequest, tenant), in the order decided
+        self._deferred: list[tuple[int, FreeRequest | SwapOutRequest, str]] = []
+        self.discarded_samples = 0   # sampled for a sequence that ended (or was preempted)
+                                     # while the step ran: the price of planning ahead
         self._frees_emitted = 0    # FreeRequests so far; a refused lease retries after more
         self._tenant_frees: Counter[str] = Counter()    # the same, per tenant (budget refusals)
         self._forks: list[ForkRequest] = []
@@ -157,9 +171,14 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self.block_bytes, self.copy_bytes_per_s = block_bytes, copy_bytes_per_s
 
     def reset(self, kv_lost: bool) -> Outcome:
-        """A peer lost its state (executor or kv_manager restarted): drop every sequence.
-        Their blocks are freed unless the pool itself was lost. Starts a new epoch."""
+        """A peer lost its state (executor or kv_manager restarted), or a step failed: drop
+        every sequence and every step in flight (their late results are ignored). Their
+        blocks are freed unless the pool itself was lost, at once: nothing is planned on
+        them any more, and the executor runs any later plan after the steps it still has.
+        Starts a new epoch if the pool was lost."""
         out = Outcome()
+        self.in_flight.clear()
+        deferred, self._deferred = self._deferred, []
         for parent in list(self.by_request.values()):
             out.forget.append(parent.request_id)
             for seq in list(parent.group):
@@ -169,6 +188,9 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                 seq.known_to_executor = False
                 self._finish(seq, out, free=not kv_lost)
         self._copies.clear()              # the executor's memory is new (or void)
+        for _, op, tenant in deferred:    # frees that waited for a step; cache nothing
+            if isinstance(op, FreeRequest) and not kv_lost:   # (a swap-out's seq was freed)
+                self._free_lease(op.seq_id, 0, tenant)
         if kv_lost:
             self._frees.clear()
             self._allocs.clear()
@@ -178,7 +200,6 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
             self.epoch += 1
         self._drop.clear()
         self.by_seq.clear()
-        self.in_flight = None
         return out
 
     # ------------------------------------------------------------------ kv traffic

@@ -4,14 +4,19 @@ growth ahead of need, swap-ins, forks) and what it does with the answers.
 Every ask and every answer is a transition of the sequence's state (``sequence.py``). A
 refused first lease is asked again only after something was freed since it was asked: the
 pool as a whole for ``pool_full``, the same tenant for ``tenant_kv_budget``. A tenant at its
-KV budget or its running cap does not hold up the queue: later tenants are asked for."""
+KV budget or its running cap does not hold up the queue: later tenants are asked for.
+
+A lease (or a swap-out) whose blocks a step in flight still uses is given back only once
+that step has answered (``_after_steps``, released by ``_release``): until then the
+executor may still write them, and the pool must neither hand them to someone else nor
+enter them in the prefix cache."""
 from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from components.scheduler.sequence import Event, Seq, State
-from schemas.wire import AllocRequest, FreeRequest, KvGrant
+from schemas.wire import AllocRequest, FreeRequest, KvGrant, SwapOutRequest
 
 if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
@@ -82,8 +87,10 @@ class KvRequests:
         for seq in self.running:                      # growth, asked ahead and in batches
             if seq.state is not State.RUNNING:        # asked already, refused, or forking
                 continue
-            after = seq.num_computed + planned.get(seq.seq_id, 0)
-            want = min(max(seq.num_tokens, after) + self.cfg.lookahead_tokens, self.max_model_len + 1)
+            # from where the steps in flight leave it (before ``chosen`` joins them)
+            after = seq.planned + planned.get(seq.seq_id, 0)
+            want = min(max(seq.planned_tokens, after) + self.cfg.lookahead_tokens,
+                       self.max_model_len + 1)
             short = -(-want // bs) - len(seq.block_ids)
             if short > 0:
                 seq.to(Event.ASK)
@@ -136,8 +143,35 @@ class KvRequests:
         return bool(cap) and claimed[seq.tenant] > 0 and claimed[seq.tenant] + seq.slots > cap
 
     def _free_lease(self: SchedulerCore, seq_id: int, num_computed: int, tenant: str = "") -> None:
-        self._frees.append(FreeRequest(seq_id, num_computed))
-        self._note_freed(tenant)
+        self._after_steps(seq_id, FreeRequest(seq_id, num_computed), tenant)
+
+    def _after_steps(self: SchedulerCore, seq_id: int, op: FreeRequest | SwapOutRequest,
+                     tenant: str) -> None:
+        """Send ``op`` (it gives ``seq_id``'s blocks back) now, or, if a step in flight
+        names ``seq_id`` (an old id too: the executor knows it until it is dropped), once
+        the last such step has answered. Releases keep the order they were decided in."""
+        last = max((step for step, seqs in self.in_flight.items() if seq_id in seqs), default=0)
+        if last:
+            self._deferred.append((last, op, tenant))
+        else:
+            self._send_release(op, tenant)
+
+    def _send_release(self: SchedulerCore, op: FreeRequest | SwapOutRequest, tenant: str) -> None:
+        if isinstance(op, FreeRequest):
+            self._frees.append(op)
+            self._note_freed(tenant)        # counted when sent: a refused lease asks again after
+        else:
+            self._swap_outs.append(op)      # its blocks count as freed when the grant comes
+
+    def _release(self: SchedulerCore, step_id: int) -> None:
+        """Step ``step_id`` (and every one before it) answered: send what waited for it."""
+        if not self._deferred:
+            return
+        ready = [d for d in self._deferred if d[0] <= step_id]
+        if ready:
+            self._deferred = [d for d in self._deferred if d[0] > step_id]
+            for _, op, tenant in ready:
+                self._send_release(op, tenant)
 
     def _note_freed(self: SchedulerCore, tenant: str) -> None:
         """Device blocks were (or will be, before any later ask) given back: a refused lease

@@ -2,11 +2,16 @@
 send out, in order.
 
 The service (service.py) only receives, calls ``handle``, and sends; the randomized
-whole-loop test drives this same object. One StepPlan is in flight at a time; after every
-message, whatever the core produced is sent (detokenizer output, releases, KV ops, the next
-plan), and a new step is planned as soon as none is in flight. The step-cost model lives in
-the core: each finished step's measured time teaches it, and the stall-free budget
-(chunking.py), urgency preemption and the load report read it.
+whole-loop test drives this same object. After every message, whatever the core produced
+is sent (detokenizer output, releases, KV ops), then new steps are planned and sent while
+fewer than ``scheduler.async_depth`` are in flight. With depth 2 step N+1 is planned and
+sent while step N runs, so the executor, which runs its inbox in order, starts N+1 as soon
+as N is done instead of idling through the round trip and the planning; with depth 1 each
+step waits for the previous one's result. The step-cost model lives in the core: each
+finished step's measured time teaches it, and the stall-free budget (chunking.py), urgency
+preemption and the load report read it. A step's own time is measured from when the
+executor could start it, the later of its plan being sent and the previous result arriving,
+to its result arriving.
 
 ``Send`` destinations are the peers' names; ``STEP_DONE`` is a local note (the finished
 step's measured times, for the service's span and step log) placed where it happened."""
@@ -17,7 +22,7 @@ from typing import NamedTuple
 import structlog
 
 from components.scheduler.chunking import StepBudget, step_budget
-from components.scheduler.core import Outcome, SchedulerCore
+from components.scheduler.core import Outcome, Preemption, SchedulerCore, UrgencyDecision
 from components.scheduler.cost_model import StepShape, plan_shape
 from components.scheduler.load import released_outputs, released_ttft
 from components.scheduler.usage import UsageStats
@@ -34,8 +39,23 @@ STEP_DONE = "step_done"
 class StepDone(NamedTuple):
     shape: StepShape
     predicted_s: float
-    measured_s: float          # plan sent -> result received, as the scheduler saw it
+    measured_s: float          # max(plan sent, previous result received) -> result received
     executor_s: float          # the executor's own time for the step
+    step_id: int = 0
+
+
+class PlannedStep(NamedTuple):
+    """What the loop keeps of a step in flight, for its cost sample, its trace and log
+    (taken when it is planned: a second plan in the same message changes the core)."""
+
+    sent_ns: int               # monotonic clock, when the plan was sent
+    shape: StepShape
+    predicted_s: float
+    budget: StepBudget | None  # the stall-free choice it was planned under
+    rows: list[tuple[str, int, int]]   # per plan.steps: request id, start position, prompt
+    in_flight_before: int      # steps already in flight when it was planned
+    preempted: list[Preemption]
+    urgency: list[UrgencyDecision]
 
 
 class Send(NamedTuple):
@@ -51,10 +71,8 @@ class SchedulerLoop:
         self.usage = UsageStats()
         self.kv_instance: int | None = None
         self.free_blocks = -1                   # as the kv_manager last said
-        self.step_started_ns = 0                # monotonic clock, when the plan was made
-        self.shape = StepShape(0, 0, 0, 0)      # the step in flight
-        self.predicted_s = 0.0
-        self.budget: StepBudget | None = None   # the stall-free choice for the step in flight
+        self.steps: dict[int, PlannedStep] = {}  # the steps in flight, oldest first
+        self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
 
     def hello(self) -> KvHello:
@@ -69,19 +87,8 @@ class SchedulerLoop:
             case Admitted() as req:
                 if req.request_id not in core.by_request:       # a replay may repeat it
                     core.add(req)
-            case StepResult(failed=True, step_id=step_id):
-                if core.in_flight is not None and step_id == core.in_flight_step:
-                    log.error("step_failed", step_id=step_id)
-                    out = self._fail_all(sends, kv_lost=False, reason="executor step failed")
             case StepResult() as res:
-                if core.in_flight is not None and res.step_id == core.in_flight_step:
-                    measured = (mono_ns - self.step_started_ns) / 1e9
-                    self.last_step_s = measured
-                    core.cost.observe(*self.shape[:3], measured)
-                    sends.append(Send(STEP_DONE, StepDone(self.shape, self.predicted_s,
-                                                          measured, res.elapsed_ns / 1e9)))
-                    self.usage.sampled(core, res.seq_ids)
-                out = core.on_result(res, now_ns)
+                out = self._on_result(res, sends, now_ns, mono_ns)
             case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):
                 self.free_blocks = free
                 core.on_grants(grants, free_cpu)
@@ -100,6 +107,30 @@ class SchedulerLoop:
         self._emit(out, sends, now_ns, mono_ns)
         return sends
 
+    def _on_result(self, res: StepResult, sends: list[Send], now_ns: int,
+                   mono_ns: int) -> Outcome:
+        core = self.core
+        started = max(self.steps[res.step_id].sent_ns, self.last_result_ns) \
+            if res.step_id in self.steps else 0
+        self.last_result_ns = mono_ns           # the executor is free from here on
+        if res.step_id not in core.in_flight:
+            return Outcome()                    # planned before a reset
+        if res.failed:
+            log.error("step_failed", step_id=res.step_id)
+            return self._fail_all(sends, kv_lost=False, reason="executor step failed")
+        if res.step_id != next(iter(core.in_flight)):
+            # the executor answers in order: an earlier step's result was lost
+            log.error("step_result_out_of_order", step_id=res.step_id)
+            return self._fail_all(sends, kv_lost=False, reason="executor step lost")
+        step = self.steps.pop(res.step_id)
+        measured = (mono_ns - started) / 1e9
+        self.last_step_s = measured
+        core.cost.observe(*step.shape[:3], measured)
+        sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
+                                              res.elapsed_ns / 1e9, res.step_id)))
+        self.usage.sampled(core, res.seq_ids)
+        return core.on_result(res, now_ns)
+
     def peer_restarted(self, name: str, now_ns: int, mono_ns: int) -> list[Send]:
         sends: list[Send] = []
         # the executor's KV is gone; a new streamer knows none of our requests, so nobody
@@ -114,6 +145,7 @@ class SchedulerLoop:
     def _fail_all(self, sends: list[Send], kv_lost: bool,
                   reason: str = "engine component restarted") -> Outcome:
         out = self.core.reset(kv_lost)
+        self.steps.clear()                      # their results, if any come, are ignored
         if out.released:
             sends.append(Send("streamer", EventBatch([Failed(rid, reason)
                                                       for rid in out.released])))
@@ -129,24 +161,30 @@ class SchedulerLoop:
         if out.released:
             sends.append(Send("admission", Released(out.released, released_outputs(out),
                                                     released_ttft(out))))
-        if core.in_flight is None and core.has_work:
-            plan = self._next_plan(now_ns)
-            if plan is not None:
-                self.step_started_ns = mono_ns
-                if (ops := core.take_kv_ops()) is not None:
-                    sends.append(Send("kv_manager", ops))
-                sends.append(Send("executor", plan))
+        while len(core.in_flight) < self.cfg.async_depth and core.has_work:
+            plan = self._next_plan(now_ns, mono_ns)
+            if plan is None:
+                break
+            if (ops := core.take_kv_ops()) is not None:
+                sends.append(Send("kv_manager", ops))
+            sends.append(Send("executor", plan))
         if (ops := core.take_kv_ops()) is not None:
             sends.append(Send("kv_manager", ops))
 
-    def _next_plan(self, now_ns: int) -> StepPlan | None:
+    def _next_plan(self, now_ns: int, mono_ns: int) -> StepPlan | None:
         core, budget = self.core, None
         if self.cfg.chunking == "slack":
             budget = step_budget(core, core.cost, self.cfg.max_num_batched_tokens)
+        before = len(core.in_flight)
         plan = core.schedule(now_ns, budget.tokens if budget else None)
         if plan is not None:
-            self.budget = budget
-            self.shape = plan_shape(plan, lambda seq_id: core.by_seq[seq_id].num_computed)
-            self.predicted_s = core.cost.predict(*self.shape[:3])
+            # each sequence's position before this step: after the steps in flight before it
+            seqs = [core.by_seq[st.seq_id] for st in plan.steps]
+            starts = {st.seq_id: seq.planned - st.num_tokens for st, seq in zip(plan.steps, seqs)}
+            shape = plan_shape(plan, starts.__getitem__)
+            self.steps[plan.step_id] = PlannedStep(
+                mono_ns, shape, core.cost.predict(*shape[:3]), budget,
+                [(seq.request_id, starts[seq.seq_id], seq.prompt_len) for seq in seqs], before,
+                core.last_preempted, core.last_urgency)
             self.usage.planned(core, plan)
         return plan

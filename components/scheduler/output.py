@@ -24,21 +24,33 @@ class Outcome:
 
 class Output:
     def on_result(self: SchedulerCore, result: StepResult, now_ns: int = 0) -> Outcome:
+        """The oldest step in flight answered (any other step id is from before a reset, and
+        ignored; results come in step order). Sequences still in it advance and take their
+        samples; a sequence that ended or was preempted since the step was planned has left
+        it (``Seq.in_flight`` cleared), and its sample is discarded: not emitted, not
+        charged. Releases that waited for this step go out."""
         out = Outcome()
-        if self.in_flight is None or result.step_id != self.in_flight_step:
+        if not self.in_flight or result.step_id != next(iter(self.in_flight)):
             return out                                # a step planned before a reset
-        in_flight, self.in_flight = self.in_flight, None
-        for seq_id, n in in_flight.items():
+        step_id = result.step_id
+        planned = self.in_flight.pop(step_id)
+        self._release(step_id)
+        live: set[int] = set()
+        for seq_id, n in planned.items():
             seq = self.by_seq.get(seq_id)
-            if seq is not None and in_running(seq):
+            if (seq is not None and seq.in_flight and seq.in_flight[0].step_id == step_id
+                    and in_running(seq)):
+                seq.in_flight.popleft()
                 seq.num_computed += n
+                live.add(seq_id)
         sampled: dict[int, list[int]] = {}
         for seq_id, token in zip(result.seq_ids, result.token_ids):
-            sampled.setdefault(seq_id, []).append(token)
+            if seq_id in live:
+                sampled.setdefault(seq_id, []).append(token)
+            else:
+                self.discarded_samples += 1
         for seq_id, tokens in sampled.items():
-            seq = self.by_seq.get(seq_id)
-            if seq is None or not in_running(seq):
-                continue
+            seq = self.by_seq[seq_id]
             self.charge(seq.tenant, now_ns, output_tokens=len(tokens))
             if seq.n > 1 and not seq.forked:
                 seq.forked = True
@@ -100,12 +112,14 @@ class Output:
 
     def _finish(self: SchedulerCore, seq: Seq, out: Outcome, free: bool = True) -> None:
         """End one choice; the request is released when its last choice ends. Its lease is
-        freed at once (``free`` false: the pool is gone); a grant still in flight is freed
-        when it arrives (``CLOSING``)."""
+        freed (``free`` false: the pool is gone) at once, or when the steps in flight it is
+        in have answered (their samples for it are discarded); a grant still in flight is
+        freed when it arrives (``CLOSING``)."""
         if in_running(seq):
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.in_flight.clear()
         if free and (seq.holds_lease or seq.block_ids):
             self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
         if seq.known_to_executor:

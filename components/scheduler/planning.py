@@ -5,7 +5,12 @@ New work starts in fair order (``fairness = "vtc"``): sequences coming back from
 preemption first, then by the tenant's virtual token counter, then arrival. The queue is
 head-of-line: a sequence that is not ready (its lease not granted yet, or refused because
 the pool is full) holds back those behind it, so a large request is not starved by small
-ones. A tenant at its own KV budget or running cap holds back only itself."""
+ones. A tenant at its own KV budget or running cap holds back only itself.
+
+With a step in flight (``scheduler.async_depth`` 2), running sequences are planned from
+their planned position (``Seq.planned``, ``Seq.todo``): a sequence whose step in flight
+samples may decode once more, its input being the token that step samples (the executor
+has it; the plan only counts it), unless ``Seq.may_plan_ahead`` has it sit out."""
 from __future__ import annotations
 
 import heapq
@@ -13,7 +18,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from components.scheduler.kv_requests import TENANT_BUDGET
-from components.scheduler.sequence import ON_HOST, Event, Seq, State
+from components.scheduler.sequence import ON_HOST, Event, InFlight, Seq, State
 from schemas.wire import NewSeq, SeqStep, StepPlan
 
 if TYPE_CHECKING:
@@ -25,11 +30,11 @@ _NEVER = 1 << 62                 # the deadline of a request that has none
 
 class Planning:
     def schedule(self: SchedulerCore, now_ns: int = 0, budget: int | None = None) -> StepPlan | None:
-        """Plan the next step, or None if nothing can run now. Call only when no step
-        is in flight. ``now_ns`` (wall clock) stamps first scheduling, for queue time, and
-        dates deadlines; ``budget`` overrides the step's token budget (stall-free chunking,
-        chunking.py)."""
-        assert self.in_flight is None
+        """Plan the next step, or None if nothing can run now. Call only with fewer than
+        ``scheduler.async_depth`` steps in flight. ``now_ns`` (wall clock) stamps first
+        scheduling, for queue time, and dates deadlines; ``budget`` overrides the step's
+        token budget (stall-free chunking, chunking.py)."""
+        assert len(self.in_flight) < self.cfg.async_depth
         self.last_preempted = []
         if self.fair or self.buckets:
             self._fair_order(now_ns)
@@ -37,16 +42,17 @@ class Planning:
         self._rescue_urgent(now_ns)
         if budget is None:
             budget = self.cfg.max_num_batched_tokens
-        bs = self.block_size
+        bs, max_len = self.block_size, self.max_model_len
         chosen: list[tuple[Seq, int]] = []
         for seq in self.running:                      # decode tokens first
-            if budget and seq.remaining == 1 and seq.capacity(bs) >= seq.num_tokens:
+            if (budget and seq.todo == 1 and seq.capacity(bs) >= seq.planned_tokens
+                    and seq.may_plan_ahead(max_len)):
                 chosen.append((seq, 1))
                 budget -= 1
         # chunked prefill of running sequences; under VTC, those of tenants served more than
         # the tenant at the head of the queue go after its new work (a flood's long prompts
         # in progress do not hold back a lighter tenant's next request)
-        prefilling = [s for s in self.running if s.remaining > 1]
+        prefilling = [s for s in self.running if s.todo > 1 and s.may_plan_ahead(max_len)]
         later: list[Seq] = []
         if self.fair and self.waiting and prefilling:
             head = self.vtc.of(self.waiting[0].tenant)
@@ -99,9 +105,8 @@ class Planning:
         self._request_blocks(chosen)
         if not chosen:
             return None
-        self.in_flight = {seq.seq_id: n for seq, n in chosen}
         plan = self._plan(chosen, now_ns)
-        self.in_flight_step = plan.step_id
+        self.in_flight[plan.step_id] = {seq.seq_id: n for seq, n in chosen}
         self.steps += 1
         return plan
 
@@ -159,8 +164,8 @@ class Planning:
     def _prefill_chunks(self: SchedulerCore, seqs: list[Seq], budget: int,
                         chosen: list[tuple[Seq, int]]) -> int:
         for seq in seqs:
-            if budget and seq.remaining > 1:
-                n = min(seq.remaining, budget, seq.capacity(self.block_size) - seq.num_computed)
+            if budget and seq.todo > 1:
+                n = min(seq.todo, budget, seq.capacity(self.block_size) - seq.planned)
                 if n > 0:
                     chosen.append((seq, n))
                     budget -= n
@@ -210,11 +215,14 @@ class Planning:
         self.waiting = deque(order)
 
     def _plan(self: SchedulerCore, chosen: list[tuple[Seq, int]], now_ns: int) -> StepPlan:
+        step_id = next(self._step_ids)
         new_seqs, steps = [], []
         for seq, n in chosen:
-            sample = seq.num_computed + n == seq.num_tokens
+            sample = seq.planned + n == seq.planned_tokens
             samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
+            seq.in_flight.append(InFlight(step_id, n, int(sample)))   # after ``sample``
             if not seq.known_to_executor:
+                assert len(seq.in_flight) == 1, "a sequence new to the executor is in no step"
                 p = seq.params
                 seed = None if p.seed is None else p.seed + seq.index
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
@@ -228,4 +236,4 @@ class Planning:
             seq.blocks_sent = len(seq.block_ids)
         drop, self._drop = self._drop, []
         copies, self._copies = self._copies, []
-        return StepPlan(next(self._step_ids), new_seqs, steps, drop, copies)
+        return StepPlan(step_id, new_seqs, steps, drop, copies)

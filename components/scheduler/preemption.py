@@ -12,6 +12,12 @@ Recompute frees the victim's blocks (its computed full blocks stay in the prefix
 sends it back to wait under a fresh seq id; swap copies its blocks to the executor's host
 tier. The cheaper by estimate is chosen, unless ``kv.preemption_mode`` forces one.
 
+A victim may be in a step still in flight (``scheduler.async_depth`` 2): it is preempted all
+the same, what that step computes for it is discarded, and its free or swap-out waits until
+the step has answered (``KvRequests._after_steps``), so the executor never writes a block
+the pool has handed on. Excluding such victims would leave nothing to preempt: with steps
+overlapped, every decoding sequence is nearly always in one.
+
 Urgency: a waiting request that is blocked (no KV, or no free running slot) and would miss
 its TTFT deadline waiting for a slot may preempt one running sequence of a lower class. It
 does so only when the step-cost model says the intervention (redoing the victim's work) costs
@@ -68,7 +74,7 @@ class Preempting:
         for seq in [s for s in self.running if s.state is State.STALLED]:
             if seq.state is not State.STALLED:       # preempted as a victim meanwhile
                 continue
-            if seq.capacity(self.block_size) > seq.num_computed:
+            if seq.capacity(self.block_size) > seq.planned:
                 seq.to(Event.RETRY)                  # can still make progress; ask again later
                 continue
             own = seq.refusal == TENANT_BUDGET       # its tenant is at its KV budget
@@ -214,7 +220,8 @@ class Preempting:
         self.cpu_free -= blocks
         self._to_queue_head(seq, in_running(seq))
         seq.to(Event.SWAP_OUT)
-        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
+        seq.in_flight.clear()                       # what steps in flight compute is dropped
+        self._after_steps(seq.seq_id, SwapOutRequest(seq.seq_id, seq.num_computed), seq.tenant)
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
         seq.block_ids = []
@@ -233,6 +240,7 @@ class Preempting:
                                                   0, *costs))
         self._to_queue_head(seq, in_running(seq))
         seq.to(Event.RECOMPUTE)
+        seq.in_flight.clear()                       # what steps in flight compute is dropped
         self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)

@@ -16,11 +16,19 @@ Events:
   freeing its blocks; it starts again from the queue under a fresh seq id.
 - ``FINISH``: it ended (finished, stopped, cancelled, failed). A sequence with an answer
   still in flight is ``CLOSING`` until that answer arrives, so its lease can be freed.
+
+Steps in flight (``scheduler.async_depth`` 2: step N+1 is planned while step N runs) are
+not states: each sequence keeps the steps it is in that have not answered yet
+(``Seq.in_flight``), and plans from its *planned* position (``planned``,
+``planned_tokens``). ``may_plan_ahead`` says whether it may be planned again before those
+steps answer (``PLANS_AHEAD`` below).
 """
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from schemas.wire import SamplingParams
 
@@ -91,8 +99,20 @@ AWAITING = frozenset({State.LEASING, State.SWAPPING_OUT, State.SWAPPING_IN, Stat
 ON_HOST = frozenset({State.SWAPPING_OUT, State.SWAPPED, State.SWAPPING_IN, State.SWAP_REFUSED})
 
 
+# the states a sequence may be in when it is planned again while a step it is in runs
+PLANS_AHEAD = frozenset({State.RUNNING, State.GROWING})
+
+
 class IllegalTransition(RuntimeError):
     pass
+
+
+class InFlight(NamedTuple):
+    """One step a sequence is in, sent to the executor and not answered yet."""
+
+    step_id: int
+    tokens: int            # tokens it computes for the sequence
+    samples: int           # tokens it samples for it that the core will append (0 or 1)
 
 
 # every (state, event) the core has taken, when ``record_transitions`` is on: tests check
@@ -133,6 +153,9 @@ class Seq:
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
     group: list["Seq"] = field(default_factory=list)   # every choice of the request
+    # the steps it is in that have not answered, oldest first; cleared when it leaves the
+    # running set (finished, preempted), so what those steps compute for it is discarded
+    in_flight: deque[InFlight] = field(default_factory=deque)
 
     def to(self, event: Event) -> State:
         nxt = TRANSITIONS[self.state].get(event)
@@ -180,3 +203,44 @@ class Seq:
 
     def capacity(self, block_size: int) -> int:
         return len(self.block_ids) * block_size
+
+    # -- planning ahead of the steps in flight
+    @property
+    def planned(self) -> int:
+        """Its position once the steps in flight are done: ``num_computed`` plus the tokens
+        they compute for it (what the next step it is in starts from)."""
+        return self.num_computed + sum(f.tokens for f in self.in_flight)
+
+    @property
+    def planned_tokens(self) -> int:
+        """Its length once the steps in flight are done: each sampling step appends a token
+        that only the executor knows until the step answers (the executor feeds it as the
+        next step's input, so the plan needs no token, only a count)."""
+        return len(self.token_ids) + sum(f.samples for f in self.in_flight)
+
+    @property
+    def todo(self) -> int:
+        """Tokens left to plan (``remaining``, counting the steps in flight as done)."""
+        return self.planned_tokens - self.planned
+
+    def may_plan_ahead(self, max_model_len: int) -> bool:
+        """May it be planned in a step while steps it is in are still in flight? Always, if
+        it is in none. Otherwise it sits out unless it is plainly running (``PLANS_AHEAD``:
+        not stalled, not forking), and, if a step in flight samples for it, unless that
+        sample may change what it is: the first sample of an n > 1 request forks it, and a
+        sample that reaches ``max_tokens`` or ``max_model_len`` ends it for certain (so no
+        step is spent on a token that would be thrown away). A sample that may be EOS or a
+        stop token is planned past; if it does end it, the next step's sample is discarded."""
+        if not self.in_flight:
+            return True
+        if self.state not in PLANS_AHEAD:
+            return False
+        samples = sum(f.samples for f in self.in_flight)
+        if not samples:
+            return True                       # a prefill chunk in flight: the next one may go
+        if self.n > 1 and not self.forked:
+            return False
+        cap = self.params.max_tokens
+        if cap is not None and self.num_output + samples >= cap:
+            return False
+        return self.num_tokens + samples < max_model_len

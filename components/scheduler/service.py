@@ -73,7 +73,8 @@ class SchedulerService(Component):
                     if self.step_log is not None:
                         self._log_step(done)
                 case StepPlan() as plan:
-                    for p in self.core.last_preempted:
+                    step = self.loop.steps.get(plan.step_id)
+                    for p in step.preempted if step is not None else ():
                         log.info("preemption", request_id=p.request_id, choice_index=p.index,
                                  reason=p.reason, choice=p.choice, wasted_tokens=p.wasted_tokens,
                                  recompute_ms=round(p.recompute_s * 1e3, 2),
@@ -103,6 +104,7 @@ class SchedulerService(Component):
         c = self.core
         return {"running": len(c.running), "waiting": len(c.waiting), "steps": c.steps,
                 "preemptions": c.preemptions, "wasted_tokens": c.wasted_tokens,
+                "discarded_samples": c.discarded_samples,
                 "preemptions.recompute": c.preemptions_by_kind["recompute"],
                 "preemptions.swap": c.preemptions_by_kind["swap"],
                 "swapped_out_blocks": c.swapped_blocks,

@@ -1,6 +1,7 @@
 """What the scheduler tells OpenTelemetry: per-request queue / prefill-chunk / decode spans
 in each request's trace, and one ``scheduler.step`` span per step on the engine's own trace,
-linked to every request in the step, carrying the step's decisions as attributes."""
+linked to every request in the step, carrying the step's decisions as attributes. With
+steps overlapped (``scheduler.async_depth`` 2) two steps' spans may be open at once."""
 from __future__ import annotations
 
 from opentelemetry import trace
@@ -23,8 +24,8 @@ class StepTracer:
         self._contexts: dict[str, Context | None] = {}  # the same, parsed once
         self._queue: dict[str, Span] = {}
         self._decode: dict[str, Span] = {}
-        self._prefill: list[Span] = []
-        self._step: Span | None = None
+        self._prefill: dict[int, list[Span]] = {}   # step id -> its prefill chunk spans
+        self._steps: dict[int, Span] = {}           # step id -> its scheduler.step span
 
     def _ctx(self, rid: str) -> Context | None:
         return self._contexts.get(rid)
@@ -38,26 +39,28 @@ class StepTracer:
         """Open the step's spans; returns the step span's traceparent for the executor."""
         rids, tokens, chunks, links = [], [], [], []
         num_decode = 0
-        for st in plan.steps:
-            seq = self.core.by_seq[st.seq_id]
-            rid = seq.request_id
+        step = self.loop.steps.get(plan.step_id)
+        if step is None:                 # discarded already (a reset while it was sent)
+            return None
+        prefill = self._prefill.setdefault(plan.step_id, [])
+        for st, (rid, start, prompt_len) in zip(plan.steps, step.rows):
             rids.append(rid)
             tokens.append(st.num_tokens)
             if (q := self._queue.pop(rid, None)) is not None:
                 q.end()
-            decode = st.num_tokens == 1 and seq.num_output > 0 and seq.remaining == 1
+            decode = st.num_tokens == 1 and start >= prompt_len
             num_decode += decode
             if not decode:
                 chunks.append(st.num_tokens)
-                self._prefill.append(_TRACER.start_span("prefill", context=self._ctx(rid), attributes={
+                prefill.append(_TRACER.start_span("prefill", context=self._ctx(rid), attributes={
                     "weir.step.id": plan.step_id, "weir.prefill.chunk_tokens": st.num_tokens,
-                    "weir.prefill.start_token": seq.num_computed,
-                    "weir.prefill.prompt_tokens": seq.prompt_len}))
+                    "weir.prefill.start_token": start,
+                    "weir.prefill.prompt_tokens": prompt_len}))
             if (ctx := self._ctx(rid)) is not None:
                 links.append(Link(trace.get_current_span(ctx).get_span_context()))
         used = sum(tokens)
-        choice = self.loop.budget
-        self._step = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
+        choice = step.budget
+        span = self._steps[plan.step_id] = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
             "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
             "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
@@ -66,35 +69,40 @@ class StepTracer:
             "weir.step.tightest_tpot_ms": round(choice.tightest_tpot_s * 1e3, 2)
             if choice and choice.tightest_tpot_s else -1.0,
             "weir.step.tokens_used": used,
-            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": self.loop.shape.context,
-            "weir.step.predicted_ms": round(self.loop.predicted_s * 1e3, 3),
+            "weir.step.chunk_sizes": chunks, "weir.step.context_tokens": step.shape.context,
+            "weir.step.predicted_ms": round(step.predicted_s * 1e3, 3),
+            "weir.step.in_flight_before": step.in_flight_before,
             "weir.step.free_kv_blocks": self.loop.free_blocks,
             "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
-            "weir.step.preemptions": len(self.core.last_preempted)})
-        for p in self.core.last_preempted:
-            self._step.add_event("preemption", {
+            "weir.step.preemptions": len(step.preempted)})
+        for p in step.preempted:
+            span.add_event("preemption", {
                 "weir.victim": p.request_id, "weir.victim.choice_index": p.index,
                 "weir.reason": p.reason, "weir.choice": p.choice,
                 "weir.wasted_tokens": p.wasted_tokens,
                 "weir.estimate.recompute_ms": round(p.recompute_s * 1e3, 3),
                 "weir.estimate.swap_ms": round(min(p.swap_s, 1e9) * 1e3, 3)})
-        for u in self.core.last_urgency:
-            self._step.add_event("urgency", {
+        for u in step.urgency:
+            span.add_event("urgency", {
                 "weir.request": u.request_id, "weir.victim": u.victim,
                 "weir.preempted": u.preempted, "weir.reason": u.reason,
                 "weir.estimate.intervention_ms": round(u.intervention_s * 1e3, 3),
                 "weir.estimate.lateness_avoided_ms": round(u.lateness_avoided_s * 1e3, 3)})
-        return tracing.traceparent_of(self._step)
+        return tracing.traceparent_of(span)
 
     def finished_step(self, done: StepDone) -> None:
-        for span in self._prefill:
+        # steps answer in order: an older step still open was discarded by a reset
+        for step_id in [s for s in self._steps if s < done.step_id]:
+            self._end(step_id, {"weir.step.discarded": True})
+        self._end(done.step_id, {"weir.step.measured_ms": round(done.measured_s * 1e3, 3),
+                                 "weir.step.executor_ms": round(done.executor_s * 1e3, 3)})
+
+    def _end(self, step_id: int, attributes: dict) -> None:
+        for span in self._prefill.pop(step_id, ()):
             span.end()
-        self._prefill = []
-        if self._step is not None:
-            self._step.set_attributes({"weir.step.measured_ms": round(done.measured_s * 1e3, 3),
-                                       "weir.step.executor_ms": round(done.executor_s * 1e3, 3)})
-            self._step.end()
-            self._step = None
+        if (span := self._steps.pop(step_id, None)) is not None:
+            span.set_attributes(attributes)
+            span.end()
 
     def outputs(self, items: list[TokenOut]) -> None:
         for item in items:

@@ -98,6 +98,8 @@ def test_override_creates_missing_section(tmp_path):
     ("kv", {"grow_blocks": 0}, "kv.grow_blocks must be >= 1"),
     ("scheduler", {"max_num_seqs": -4}, "scheduler.max_num_seqs must be >= 1"),
     ("scheduler", {"lookahead_tokens": 0}, "scheduler.lookahead_tokens must be >= 1"),
+    ("scheduler", {"async_depth": 0}, "scheduler.async_depth must be 1 or 2"),
+    ("scheduler", {"async_depth": 3}, "scheduler.async_depth must be 1 or 2"),
     ("scheduler", {"max_num_seqs": 64, "max_num_batched_tokens": 8},
      "scheduler.max_num_batched_tokens is too small"),
     ("engine", {"max_model_len": 8}, "engine.max_model_len must be >= 16"),

@@ -216,7 +216,7 @@ class Simulator:
         """Plan a step if none is in flight, as the service does after every message."""
         core = self.core
         for _ in range(4):                  # a plan, or grants that let the next try plan
-            if core.in_flight is not None or not core.has_work:
+            if core.in_flight or not core.has_work:
                 break
             budget = None
             if self.config.scheduler.chunking == "slack":

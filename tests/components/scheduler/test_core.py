@@ -108,7 +108,7 @@ def test_first_schedule_requests_blocks_and_waits():
     assert core.take_kv_ops() is None
     assert core.schedule() is None                       # request in flight: not repeated
     assert core.take_kv_ops() is None
-    assert core.in_flight is None
+    assert core.in_flight == {}
 
 
 @pytest.mark.parametrize("n, blocks, max_cached", [(7, 1, 0), (8, 2, 0), (9, 2, 1), (16, 3, 1),
@@ -133,7 +133,7 @@ def test_plan_after_grant():
     plan = core.schedule()
     assert plan == StepPlan(1, [NewSeq(1, toks, 10, 0, [0, 1], 0.5, 0.9, 7, 3)],
                             [SeqStep(1, 10, [], True)], [])
-    assert core.in_flight == {1: 10}
+    assert core.in_flight == {1: {1: 10}}
     assert core.take_kv_ops() is None                    # 10 + lookahead 4 fits 2 blocks
 
     out = core.on_result(result(plan, {1: 555}))
@@ -387,14 +387,16 @@ def test_cancel_while_step_in_flight():
     plan = start(core, kv, admitted("a", prompt(10)), admitted("b", prompt(3, 50)))
     core.on_result(result(plan, {1: 1, 2: 2}))
     plan = core.schedule()
-    assert core.in_flight == {1: 1, 2: 1}
+    assert core.in_flight == {2: {1: 1, 2: 1}}
     out = core.cancel("a")
     assert out.released == ["a"] and out.forget == ["a"]
-    # blocks go back at once, with only what was computed before the step in flight
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
+    # its blocks go back once the step in flight (which still writes them) has answered,
+    # with only what was computed before it
+    assert core.take_kv_ops() is None
     out = core.on_result(result(plan, {1: 3, 2: 4}))
-    assert out.tokens == [TokenOut("b", [4])]            # a's token is ignored
-    assert out.released == []
+    assert out.tokens == [TokenOut("b", [4])]            # a's token is discarded
+    assert out.released == [] and core.discarded_samples == 1
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
     assert core.schedule() == StepPlan(3, [], [SeqStep(2, 1, [], True)], [1])
     assert core.by_request["b"].num_computed == 4
 
@@ -405,9 +407,10 @@ def test_cancel_in_flight_with_pending_growth():
     growth = core.take_kv_ops()
     assert growth == KvOps(EPOCH, [], [AllocRequest(1, 1)])
     core.cancel("a")
+    assert core.take_kv_ops() is None                    # the step in flight writes its blocks
+    core.on_result(result(plan, {1: 5}))
     frees = core.take_kv_ops()
     assert frees == KvOps(EPOCH, [FreeRequest(1, 0)], [])
-    core.on_result(result(plan, {1: 5}))
     # the kv_manager saw the growth before the free; its grant comes back to a dead seq
     grants = kv.apply(growth)
     kv.apply(frees)
@@ -704,7 +707,7 @@ def test_reset_after_kv_loss_starts_new_epoch():
     plan = start(core, kv, admitted("a", prompt(10)))
     out = core.reset(kv_lost=True)
     assert out.released == ["a"] and out.forget == ["a"]
-    assert core.epoch == EPOCH + 1 and core.in_flight is None
+    assert core.epoch == EPOCH + 1 and core.in_flight == {}
     assert core.take_kv_ops() is None                    # the old pool is gone
     assert not core.has_work
     core.on_result(result(plan, {1: 5}))                 # stale: ignored
@@ -728,7 +731,7 @@ def test_stale_step_result_after_reset_is_ignored():
     plan = core.schedule()
     assert plan.steps == [SeqStep(2, 5, [], True)] and plan.step_id != old.step_id
     out = core.on_result(StepResult(old.step_id, [1], [9], 1))   # the old step's answer
-    assert out.tokens == [] and core.in_flight == {2: 5}
+    assert out.tokens == [] and core.in_flight == {plan.step_id: {2: 5}}
     assert core.by_request["b"].num_computed == 0
     out = core.on_result(result(plan, {2: 7}))
     assert out.tokens == [TokenOut("b", [7], DetokParams((), True, 5, 0))]
@@ -743,7 +746,7 @@ def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
     core.on_grants(kv.apply(core.take_kv_ops()))         # a's growth
     out = core.reset(kv_lost=False)                      # the executor restarted
     assert sorted(out.released) == ["a", "b"] and sorted(out.forget) == ["a", "b"]
-    assert core.epoch == EPOCH and core.in_flight is None and not core.has_work
+    assert core.epoch == EPOCH and core.in_flight == {} and not core.has_work
     # same epoch, so the leases are returned; the executor's KV is gone, so a's 20
     # computed tokens must not be offered to the prefix cache
     ops = core.take_kv_ops()
@@ -768,7 +771,14 @@ class Cluster:
     while still needed, a lost or misordered copy, or KV leaking between tenants all fail
     here. Requests may ask for n > 1 choices and carry priorities and deadlines; a host tier
     of random size makes preemption swap as well as recompute; tenants may have KV budgets
-    (enforced by the pool) and running caps (enforced by the core)."""
+    (enforced by the pool) and running caps (enforced by the core).
+
+    ``scheduler.async_depth`` is 1 or 2. At 2 the executor model tends to hold a plan until
+    the next one is queued behind it (it runs them in order), so step N's result reaches the
+    scheduler after N+1 was planned; it also checks that every block a step touches is still
+    leased to that sequence at the kv_manager when the step runs (a free sent while a step
+    in flight still uses the blocks would let the pool hand them on). Requests may have EOS
+    ids, so a step's sample can end a sequence already planned into the next step."""
 
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
@@ -783,6 +793,7 @@ class Cluster:
                    TenantConfig("b"))
         self.kv_budgets = {t.name: t.kv_blocks for t in tenants if t.kv_blocks}
         self.caps = {t.name: t.max_running for t in tenants if t.max_running}
+        self.depth = rng.choice([1, 2])
         config = WeirConfig(
             Topology(run_dir="/nonexistent"),
             engine=EngineConfig(max_model_len=self.max_model_len),
@@ -790,7 +801,8 @@ class Cluster:
                                       max_num_batched_tokens=rng.choice([16, 24, 32]),
                                       lookahead_tokens=rng.choice([1, 4, 8]),
                                       fairness=rng.choice(["vtc", "fcfs"]),
-                                      chunking=rng.choice(["slack", "fixed"])),
+                                      chunking=rng.choice(["slack", "fixed"]),
+                                      async_depth=self.depth),
             kv=KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2]),
                         num_cpu_blocks=self.num_cpu_blocks, preemption_mode=mode),
             admission=AdmissionConfig(tenants=tenants))
@@ -808,11 +820,13 @@ class Cluster:
         self.kv_slots: dict[tuple[int, int], tuple[str, int]] = {}
         self.ex_seqs: dict[int, dict] = {}
         self.tenant_of: dict[int, str] = {}
+        self.request_of: dict[int, str] = {}
         self.requests: dict[str, dict] = {}
         self.ended: dict[str, str] = {}
         self.restarts = 0
         self.clock = 0                         # ns; both of the loop's clocks
         self.max_running_seen: Counter[str] = Counter()
+        self.overlapped = 0                    # plans sent while another step was in flight
         self.inbox["from_kv"].append(KvManagerUp(0, self.num_blocks))
 
     def new_pool(self) -> BlockPool:
@@ -825,9 +839,12 @@ class Cluster:
 
     # -- the scheduler service: the loop's sends, routed
     def deliver(self, sends) -> None:
+        assert len(self.core.in_flight) <= self.depth, f"seed {self.seed}: too many in flight"
         for to, msg in sends:
             if to == "executor":
                 self.to_executor.append(msg)
+                step = self.loop.steps.get(msg.step_id)
+                self.overlapped += bool(step and step.in_flight_before)
             elif to == "kv_manager":
                 self.to_kv.append(msg)
             elif to == "detokenizer" and isinstance(msg, TokenBatch):
@@ -842,6 +859,7 @@ class Cluster:
                     self.ended[rid] = ("failed" if len(ends) < self.requests[rid]["n"]
                                        or "failed" in ends.values() else "done")
         self.tenant_of.update((s.seq_id, s.tenant) for s in self.core.by_seq.values())
+        self.request_of.update((s.seq_id, s.request_id) for s in self.core.by_seq.values())
         for tenant, n in self.core.running_slots().items():
             self.max_running_seen[tenant] = max(self.max_running_seen[tenant], n)
             cap = self.caps.get(tenant)
@@ -888,12 +906,18 @@ class Cluster:
                     self.kv_slots.pop((c.dst, slot), None)
         for n in plan.new_seqs:
             self.ex_seqs[n.seq_id] = dict(tokens=list(n.token_ids), done=n.num_computed,
-                                          blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id])
+                                          blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id],
+                                          prompt_len=n.prompt_len,
+                                          request=self.requests[self.request_of[n.seq_id]])
         ids, tokens = [], []
         for st in plan.steps:
             s = self.ex_seqs[st.seq_id]
             s["blocks"].extend(st.new_block_ids)
             toks, blocks, tenant = s["tokens"], s["blocks"], s["tenant"]
+            if not self.restarts:     # (a restarted pool lost the leases of steps in flight)
+                used = blocks[:-(-(s["done"] + st.num_tokens) // BS)]
+                assert set(used) <= set(self.pool.blocks_of(st.seq_id)), \
+                    f"seed {self.seed}: seq {st.seq_id} runs on blocks it no longer leases"
             for p in range(s["done"], s["done"] + st.num_tokens):
                 assert p < len(blocks) * BS, f"seed {self.seed}: no slot for token {p}"
                 for q in range(p):
@@ -904,6 +928,13 @@ class Cluster:
             s["done"] += st.num_tokens
             assert (s["done"] == len(toks)) == st.sample, f"seed {self.seed}: sample flag"
             if st.sample:
+                # planned ahead or not, no step samples past a sequence's certain end, and
+                # an n > 1 request draws its n first tokens once (then it forks)
+                cap = s["request"]["max_tokens"]
+                assert ((cap is None or len(toks) - s["prompt_len"] < cap)
+                        and len(toks) < self.max_model_len), f"seed {self.seed}: past the end"
+                assert st.num_samples == 1 or len(toks) == s["prompt_len"], \
+                    f"seed {self.seed}: seq {st.seq_id} draws {st.num_samples} again"
                 drawn = [self.next_token(tenant, toks, i) for i in range(st.num_samples)]
                 ids += [st.seq_id] * st.num_samples
                 tokens += drawn
@@ -930,9 +961,13 @@ class Cluster:
                 moves.append("arrive")
             if self.to_kv:
                 moves += ["kv"] * 3
-            if self.to_executor:
+            # at depth 2 the executor mostly waits for the next plan behind the one it runs
+            if self.to_executor and (self.depth == 1 or len(self.to_executor) > 1
+                                     or rng.random() < 0.2):
                 moves += ["executor"] * 2
             moves += [src for src, q in self.inbox.items() if q for _ in range(2)]
+            if not moves and self.to_executor:
+                moves.append("executor")
             if not moves:
                 return
             live = [r for r in self.requests if r not in self.ended]
@@ -953,10 +988,15 @@ class Cluster:
                 toks = (shared + [rng.randint(0, 3) for _ in range(n)])[:n]
                 rid = f"r{arrived}"
                 n = rng.choice([1, 1, 1, 2, 3])
-                self.requests[rid] = dict(tenant=tenant, tokens=toks, out={}, ends={}, n=n)
+                # None: to max_model_len (not for a tenant whose KV budget is smaller)
+                max_tokens = rng.choice([rng.randint(1, 12)] * 9
+                                        + [None] * (tenant not in self.kv_budgets))
+                eos = tuple(rng.sample(range(1000, 1050), rng.choice([0, 0, 4])))
+                self.requests[rid] = dict(tenant=tenant, tokens=toks, out={}, ends={}, n=n,
+                                          max_tokens=max_tokens, eos=eos)
                 self.inbox["from_client"].append(
                     Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
-                             SamplingParams(max_tokens=rng.randint(1, 12), n=n), self.clock,
+                             SamplingParams(max_tokens=max_tokens, n=n), self.clock, eos,
                              deadline_ms=rng.choice([None, 2, 10, 50]),
                              priority=rng.choice([0, 1])))
             elif move == "cancel":
@@ -983,11 +1023,26 @@ class Cluster:
             if self.ended[rid] == "done":
                 assert sorted(r["out"]) == list(range(r["n"])), f"seed {self.seed}: {rid}"
                 for index, out in r["out"].items():
-                    toks = list(r["tokens"])  # every output token continues its own prefix
-                    for j, t in enumerate(out):
-                        want = self.next_token(r["tenant"], toks, index if j == 0 else 0)
-                        assert t == want, f"seed {self.seed}: {rid}[{index}]"
-                        toks.append(t)
+                    # exactly the output the model gives alone, one step at a time: every
+                    # token continues its own prefix, up to the first EOS or the length cap
+                    # (so overlapped steps emit what depth 1 does, and nothing after an end)
+                    assert (out, r["ends"][index]) == self.expected(r, index), \
+                        f"seed {self.seed}: {rid}[{index}]"
+            else:                     # cancelled, or failed by a restart: a prefix of it
+                for index, out in r["out"].items():
+                    assert out == self.expected(r, index)[0][:len(out)], \
+                        f"seed {self.seed}: {rid}[{index}]"
+
+    def expected(self, r: dict, index: int) -> tuple[list[int], str]:
+        toks, out = list(r["tokens"]), []
+        while True:
+            t = self.next_token(r["tenant"], toks, index if not out else 0)
+            toks.append(t)
+            out.append(t)
+            if t in r["eos"]:
+                return out, "stop"
+            if len(out) == r["max_tokens"] or len(toks) >= self.max_model_len:
+                return out, "length"
 
 
 @pytest.mark.parametrize("restarts", [False, True])
@@ -997,6 +1052,7 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
     monkeypatch.setattr(sequence, "record_transitions", True)
     monkeypatch.setattr(sequence, "taken", set())
     kinds, reasons, forked, capped = Counter(), Counter(), 0, 0
+    overlap = Counter()
     for seed in range(800):
         cluster = Cluster(seed)
         cluster.run(num_requests=cluster.rng.randint(1, 8), restarts=restarts)
@@ -1005,9 +1061,19 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
         reasons.update(cluster.core.preemption_reasons)
         forked += any(r["n"] > 1 and r["ends"] for r in cluster.requests.values())
         capped += any(cluster.max_running_seen[t] == cap for t, cap in cluster.caps.items())
+        overlap[f"depth{cluster.depth}"] += 1
+        overlap["overlapped_plans"] += cluster.overlapped
+        overlap["discarded_samples"] += cluster.core.discarded_samples
+        overlap["stopped_by_eos"] += sum(e == "stop" for r in cluster.requests.values()
+                                         for e in r["ends"].values())
+        if cluster.depth == 1:
+            assert not cluster.overlapped
     assert kinds["recompute"] > 50 and kinds["swap"] > 50, kinds   # both kinds exercised
     assert forked > 100 and capped > 20, (forked, capped)
     assert reasons["tenant_kv_budget"] > 10 and reasons["urgency"] > 5, reasons
+    assert overlap["depth1"] > 300 and overlap["depth2"] > 300, overlap
+    assert overlap["overlapped_plans"] > 5000 and overlap["discarded_samples"] > 200, overlap
+    assert overlap["stopped_by_eos"] > 200, overlap
     every = {(state, event) for state, moves in sequence.TRANSITIONS.items() for event in moves}
     # the pool refusing a swap-out the core thought would fit, and a refused swap-in being
     # cancelled, are too rare here: test_states.py drives each of them
