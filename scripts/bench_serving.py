@@ -147,7 +147,7 @@ def weir_engine_stats(run_dir: str) -> str:
 
 
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
-               max_model_len: int = 0) -> subprocess.Popen:
+               max_model_len: int = 0, async_depth: int = 0) -> subprocess.Popen:
     """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 keep the
     engine's defaults."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
@@ -156,6 +156,7 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + (f"max_model_len = {max_model_len}\n" if max_model_len else "")
                    + "[scheduler]\n"
                    + (f"max_num_batched_tokens = {budget}\n" if budget else "")
+                   + (f"async_depth = {async_depth}\n" if async_depth else "")
                    + f"[gateway]\nport = {port}\n"
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
@@ -200,6 +201,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=0,
                     help="Weir's scheduler.max_num_batched_tokens (tokens per step; "
                          "default: the engine's own)")
+    ap.add_argument("--async-depth", type=int, default=0,
+                    help="Weir's scheduler.async_depth (1: plan each step after the previous "
+                         "one's result; 2: overlap; default: the engine's own)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole comparison this many times; prints every run and the "
                          "medians (this machine is noisy: quote medians)")
@@ -209,7 +213,8 @@ def main() -> None:
     rows, notes = [], []                 # rows: (repeat, engine, rate, summary)
     for rep in range(args.repeats):
         for rate in args.rates.split(","):
-            weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget)
+            weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
+                              async_depth=args.async_depth)
             try:
                 wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
                 cpu0 = component_cpu(weir.pid)
