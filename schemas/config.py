@@ -124,15 +124,16 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               # step's prefill so it keeps their TPOT SLO (chunking.py)
     urgency_preemption: bool = True   # a blocked request about to miss its TTFT deadline may
                               # preempt a lower class when that costs less (preemption.py)
-    async_depth: int = 2      # steps in flight at the executor: 2 plans step N+1 while step N
-                              # runs (overlap, loop.py); 1 waits for each result before planning
+    async_depth: int = 0      # steps in flight at the executor: 2 plans step N+1 while step N
+                              # runs (overlap, loop.py); 1 waits for each result before planning;
+                              # 0 = auto: 2 when the executor's threads leave a core free
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")
         _require(self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 16,
                  "scheduler.max_num_batched_tokens is too small")
         _require(self.lookahead_tokens >= 1, "scheduler.lookahead_tokens must be >= 1")
-        _require(1 <= self.async_depth <= 2, "scheduler.async_depth must be 1 or 2")
+        _require(0 <= self.async_depth <= 2, "scheduler.async_depth must be 0 (auto), 1 or 2")
 
 
 class PublicPrefix(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -17,8 +17,10 @@ to its result arriving.
 step's measured times, for the service's span and step log) placed where it happened."""
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
+import msgspec
 import structlog
 
 from components.scheduler.chunking import StepBudget, step_budget
@@ -63,10 +65,25 @@ class Send(NamedTuple):
     msg: object                # "streamer" | STEP_DONE
 
 
+def async_depth(config: WeirConfig, cores: int | None = None) -> int:
+    """``scheduler.async_depth``, with 0 (auto) resolved: overlap only when the executor's
+    torch threads leave a core of this machine free. Planning beside a forward that uses
+    every core preempts one of its OpenMP threads, and the whole parallel region waits for
+    it: on 2 cores, 64 x 128/64 bf16 at rate inf, depth 2 gave 391 output tok/s against 411
+    at depth 1 (medians of 3; executor busy 10.2 s against 9.4 s for the same 68 steps)."""
+    if config.scheduler.async_depth:
+        return config.scheduler.async_depth
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1
+    threads = config.engine.num_threads or cores
+    return 2 if threads < cores else 1
+
+
 class SchedulerLoop:
     def __init__(self, config: WeirConfig, epoch: int) -> None:
-        self.cfg = config.scheduler
-        self.core = SchedulerCore(config.scheduler, config.kv, config.engine.max_model_len,
+        self.cfg = msgspec.structs.replace(config.scheduler, async_depth=async_depth(config))
+        self.core = SchedulerCore(self.cfg, config.kv, config.engine.max_model_len,
                                   epoch=epoch, tenants=config.admission.tenants)
         self.usage = UsageStats()
         self.kv_instance: int | None = None

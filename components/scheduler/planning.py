@@ -34,7 +34,7 @@ class Planning:
         ``scheduler.async_depth`` steps in flight. ``now_ns`` (wall clock) stamps first
         scheduling, for queue time, and dates deadlines; ``budget`` overrides the step's
         token budget (stall-free chunking, chunking.py)."""
-        assert len(self.in_flight) < self.cfg.async_depth
+        assert len(self.in_flight) < max(self.cfg.async_depth, 1)    # 0: auto (loop.py)
         self.last_preempted = []
         if self.fair or self.buckets:
             self._fair_order(now_ns)

@@ -377,3 +377,18 @@ def test_the_tracer_keeps_one_span_per_step_in_flight(monkeypatch):
     assert steps[2]["weir.step.measured_ms"] == pytest.approx(15.0)
     prefill = [s for s in exporter.get_finished_spans() if s.name == "prefill"]
     assert [s.attributes["weir.step.id"] for s in prefill] == [1]
+
+
+def test_auto_depth_overlaps_only_when_the_executor_leaves_a_core_free():
+    from components.scheduler.loop import async_depth
+    from schemas.config import EngineConfig, Topology, WeirConfig
+
+    def cfg(threads: int, depth: int = 0) -> WeirConfig:
+        return WeirConfig(Topology(run_dir="/nonexistent"),
+                          engine=EngineConfig(num_threads=threads),
+                          scheduler=SchedulerConfig(async_depth=depth))
+    assert async_depth(cfg(0), cores=2) == 1          # the executor takes every core
+    assert async_depth(cfg(2), cores=2) == 1
+    assert async_depth(cfg(7), cores=8) == 2          # one core left for planning
+    assert async_depth(cfg(0, depth=2), cores=2) == 2  # as configured
+    assert async_depth(cfg(7, depth=1), cores=8) == 1
