@@ -14,13 +14,9 @@ public_prefixes = [{{ name = "library", system_prompt = "{PUBLIC_SYSTEM}", tenan
 max_model_len = 1024
 [scheduler]
 max_num_batched_tokens = 256
-async_depth = 2
 [admission]
 tenants = [{{ name = "default" }}, {{ name = "acme" }}, {{ name = "globex" }}]
 """
-# async_depth = 2: the shared engine's tests (greedy = HF, concurrency, cancel, KV freed
-# after drain, ...) run the overlapped step pipeline, which auto would not pick on a
-# 2-core machine; engines with their own config run auto (depth 1 there)
 
 
 @pytest.fixture(scope="session")
