@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 4                      # bump when candidates or the timing method change
+VERSION = 5                      # bump when candidates or the timing method change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
 LINEAR = ("native", "onednn", "torch")
@@ -150,30 +150,6 @@ def choose_fastest(timings: Mapping[str, float]) -> str:
     return min(sorted(timings), key=lambda c: timings[c])
 
 
-def forced(table: list[tuple[int, str]], timings: Mapping[str, Mapping[int, float]],
-           only: str) -> list[tuple[int, str]]:
-    """The table when the config forces ``only``: it runs every bucket it can, the
-    measured best of the others runs the rest (the native kernel stops at 256 tokens)."""
-    if only not in timings:
-        raise ValueError(f"the forced linear kernel {only!r} is not available here "
-                         f"(have: {', '.join(sorted(timings))})")
-    rest = {c: t for c, t in timings.items() if c != only}
-    fill = dict(_expand(choose_linear(rest), sorted({b for t in timings.values()
-                                                       for b in t}))) if rest else {}
-    out: list[tuple[int, str]] = []
-    for b in sorted({b for t in timings.values() for b in t}):
-        c = only if b in timings[only] else fill[b]
-        if out and out[-1][1] == c:
-            out[-1] = (b, c)
-        else:
-            out.append((b, c))
-    return out
-
-
-def _expand(table: list[tuple[int, str]], buckets: Sequence[int]) -> list[tuple[int, str]]:
-    return [(b, pick(table, b)) for b in buckets]
-
-
 def pick(table: Sequence[tuple[int, str]], m: int) -> str:
     """The candidate for a step of ``m`` tokens."""
     for up_to, cand in table:
@@ -237,20 +213,9 @@ def store(path: Path, data: Mapping[str, object]) -> None:
 
 
 # ---------------------------------------------------------------------- timing
-def time_call(fn: Callable[[], object], reps: int = 9, warmup: int = 2,
-              budget_s: float = 0.25) -> float:
-    """The least seconds of ``fn()`` over ``reps`` calls after ``warmup`` (fewer reps when
-    one call is slow, at least 3). The least, not the median: on a busy machine the other
-    processes only ever add time, and a choice between kernels must not follow them."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def time_call(fn: Callable[[], object]) -> float:
+    """Seconds of one candidate, as :func:`time_interleaved` times several."""
+    return time_interleaved({"fn": fn})["fn"]
 
 
 STREAM_BYTES = 64 << 20          # weights rotated through per candidate (see time_linear)
@@ -287,8 +252,11 @@ def copies_for(w: torch.Tensor, prepare: Callable[[torch.Tensor], object],
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], reps: int = 9,
                      budget_s: float = 0.5) -> dict[str, float]:
-    """:func:`time_call` for several candidates at once, one call of each in turn, so a
-    burst of load from another process slows them all alike instead of one of them."""
+    """The least seconds of each candidate over ``reps`` rounds after two warm-up calls
+    (fewer rounds once ``budget_s`` is spent, at least 3), one call of each in turn per
+    round: a burst of load from another process slows them all alike instead of one of
+    them. The least, not the median: other processes only ever add time, and a choice
+    between kernels must not follow them."""
     for fn in fns.values():
         fn()
         fn()

@@ -150,8 +150,9 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
 def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, int]],
              cands: Mapping[str, Mapping[str, int]], native_ops: bool, max_tokens: int,
              max_seqs: int, block_size: int, skip: set[str] = frozenset()) -> KernelPlan:
-    """Time what is not in ``skip`` (forced: "linear", "elementwise", "sampling",
-    "attention"); the skipped parts keep placeholders for the caller to set."""
+    """Time what is not in ``skip`` (the forced ops: "linear", "elementwise", "sampling",
+    "attention"); a skipped op keeps KernelPlan's default, which :func:`_apply_forced`
+    then replaces with the forced choice."""
     g = torch.Generator().manual_seed(0)
     plan = KernelPlan(source="measured")
     buckets = [b for b in tuning.M_BUCKETS if b < max_tokens] + [max_tokens]

@@ -1,9 +1,10 @@
 """Kernel choice by measurement, with injected timings: each candidate is picked where it
-is fastest, a layout that saves too little is not kept, forced choices, and the cache key."""
+is fastest, a layout that saves too little is not kept, and the cache key. (Forced choices
+are tested where they are applied: tests/components/executor/test_kernel_candidates.py.)"""
 import pytest
 
 from kernels import tuning
-from kernels.tuning import KernelPlan, choose_fastest, choose_linear, forced, pick
+from kernels.tuning import KernelPlan, choose_fastest, choose_linear, pick
 
 ALL = (1, 8, 64, 512)
 
@@ -52,15 +53,6 @@ def test_a_layout_that_saves_less_than_the_margin_is_not_kept():
 def test_a_candidate_that_cannot_run_large_steps_needs_another_for_them():
     t = table(native=[1.0, 1.0, 1.0, None], torch=[9.0, 9.0, 9.0, 9.0])
     assert choose_linear(t) == [(64, "native"), (512, "torch")]
-
-
-def test_forced_runs_what_it_can_and_the_best_other_fills_in():
-    t = table(native=[1.0, 4.0, 30.0, None], onednn=[2.0, 1.5, 3.0, 20.0],
-              torch=[3.0, 2.5, 5.0, 10.0])
-    assert forced(choose_linear(t), t, "native") == [(64, "native"), (512, "torch")]
-    assert forced(choose_linear(t), t, "torch") == [(512, "torch")]
-    with pytest.raises(ValueError, match="not available"):
-        forced(choose_linear(t), table(torch=[1, 1, 1, 1]), "native")
 
 
 def test_choose_fastest():
