@@ -55,7 +55,12 @@ def test_serve_over_tcp_with_curve(tmp_path, model_path, monkeypatch):
                           [SeqStep(1, 3, [], True)], [])
         for sock in intruders:
             for frame in (encode(forged), b"\x91" * 100_000 + b"\xc0", b"junk"):
-                sock.send(frame, zmq.NOBLOCK)
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    # the server already refused the handshake and zmq dropped the only pipe:
+                    # the frame was not even queued, which is the point of this check
+                    pass
         time.sleep(1.5)
         after = eng.status()
         assert after["executor"].stats["steps"] == before["executor"].stats["steps"]
