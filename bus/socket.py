@@ -124,6 +124,27 @@ class BusSocket(Generic[T]):
                 except Exception as exc:
                     log.error("on_malformed_failed", socket=self.name, error=type(exc).__name__)
 
+    async def recv_raw(self) -> bytes:
+        """The next frame as it came (an XPUB's subscription messages: 0x01 or 0x00, then
+        the topic), for sockets whose peers speak ZeroMQ's protocol rather than Weir's."""
+        return await self._sock.recv()
+
+    async def send_raw(self, data: bytes, *, to: bytes | None = None) -> None:
+        """Send an already encoded frame as it is (the router relays replicas' answers)."""
+        if to is not None:
+            await self._sock.send_multipart((to, data))
+        else:
+            await self._sock.send(data)
+
+    def resubscribe(self) -> None:
+        """A SUB socket subscribes again (to everything): the publisher sees a fresh
+        subscription (a kv_manager answers it with a snapshot)."""
+        self._sock.setsockopt(zmq.UNSUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def set_option(self, option: int, value: int) -> None:
+        self._sock.setsockopt(option, value)
+
     def _log_malformed(self, error: str, size: int) -> None:
         """The first few malformed frames each, then one line per 1000 (a flood must not
         become a flood of log lines)."""

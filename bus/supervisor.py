@@ -162,7 +162,8 @@ class Supervisor:
         log.info("draining")
         await control.send(Drain())
         deadline = time.monotonic() + self.config.streamer.drain_timeout_s
-        streamer = self.children.get("streamer")
+        # the client-facing process: a streamer, or a router in front of engines
+        streamer = self.children.get("streamer") or self.children.get("router")
         await anyio.sleep(0.3)
         while streamer and streamer.alive and time.monotonic() < deadline:
             if streamer.stats.get("active_requests", 0) == 0:

@@ -9,6 +9,7 @@ SERVICES = {
     "detokenizer": "components.detokenizer.service:DetokenizerService",
     "streamer": "components.streamer.service:StreamerService",
     "gateway": "components.gateway.service:GatewayService",
+    "router": "components.router.service:RouterService",
 }
 
 

@@ -56,6 +56,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     attempt: int = 0                    # 0 first; n for the client's n-th retry (counted)
     service_class: str | None = None    # ask for a class (the tenant's default if None); a
                                         # client may only lower its class, never raise it
+    session_id: str | None = None       # a conversation: a router keeps it on one replica
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):

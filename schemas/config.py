@@ -37,6 +37,10 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base_port: int = 7460
     hosts: dict[str, str] = {}
     supervisor_host: str = "127.0.0.1"
+    # where the kv_manager publishes prefix-cache events, when a router outside this
+    # engine reads them (e.g. "tcp://0.0.0.0:7470" in a replica whose bus is ipc); empty:
+    # derived like every other address
+    kv_events_endpoint: str = ""
 
     def __post_init__(self) -> None:
         _require(self.transport != "ipc" or bool(self.run_dir),
@@ -75,6 +79,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def kv_events(self, bind: bool = False) -> str:
         """The kv_manager's PUB address for prefix-cache events (stored / removed blocks)."""
+        if self.kv_events_endpoint:
+            return self.kv_events_endpoint
         return self._address("kv_events", len(COMPONENTS) + 2, bind, host_key="kv_manager")
 
     def control(self, bind: bool = False) -> str:
@@ -365,6 +371,75 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "is on")
 
 
+class ReplicaSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One Weir engine behind the router: its client endpoint, and the address its
+    kv_manager publishes prefix-cache events on (``topology.kv_events_endpoint`` there)."""
+
+    name: str
+    endpoint: str
+    kv_events: str = ""                 # empty: no prefix index for it (load only)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and "/" not in self.name,
+                 "router.replicas: a name is required, without '/'")
+        _require(self.endpoint.startswith(("tcp://", "ipc://")),
+                 f"router.replicas[{self.name}].endpoint must be tcp:// or ipc://")
+
+
+class RouterWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the router blends locality and load (components/router/scoring.py). A replica's
+    score is in seconds of time to first token: ``prefix`` × the prefill its cached prefix
+    saves − ``queue`` × its predicted queue delay − each pressure fraction (0..1) × its
+    weight, which is in seconds: what a full pool, a pool full of active sequences, or a
+    replica taken entirely by this tenant is worth against queue delay."""
+
+    prefix: float = 1.0
+    queue: float = 1.0
+    kv_used: float = 0.05
+    active_kv: float = 0.05
+    tenant: float = 0.1
+    cpu_tier: float = 0.5               # a prefix block on a host-memory tier counts this much
+
+    def __post_init__(self) -> None:
+        _require(all(w >= 0 for w in msgspec.structs.astuple(self)),
+                 "router.weights must be >= 0")
+        _require(self.cpu_tier <= 1, "router.weights.cpu_tier must be <= 1")
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``weir route``: one client endpoint (``topology.client_endpoint``) in front of
+    several engines."""
+
+    replicas: tuple[ReplicaSpec, ...] = ()
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
+    weights: RouterWeights = RouterWeights()
+    heartbeat_interval_s: float = 0.25  # heartbeats to each replica (its liveness answer)
+    heartbeat_timeout_s: float = 2.0    # silent this long: out, its requests failed
+    load_interval_s: float = 0.25       # how often each replica's load report is asked
+    # a replica whose predicted TTFT exceeds the deadline (or, without one, this) is
+    # overloaded: it gets new work only when every replica is
+    overload_ttft_s: float = 2.0
+    kv_high: float = 0.95               # ... or whose pool is this full
+    # a rejection for load (overloaded, deadline_unmeetable, queue_full, draining) is
+    # retried on the next replica, at most this many times: admission's `route`
+    reroute_attempts: int = 2
+    session_ttl_s: float = 900.0        # an idle session forgets its replica
+    max_sessions: int = 100_000
+    default_prefill_tokens_per_s: float = 2000.0   # until a replica has measured its own
+
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.replicas]
+        _require(len(set(names)) == len(names), "router.replicas: names must be unique")
+        _require(self.heartbeat_interval_s > 0 and self.load_interval_s > 0,
+                 "router intervals must be > 0")
+        _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+                 "router.heartbeat_timeout_s must exceed heartbeat_interval_s")
+        _require(0 < self.kv_high <= 1, "router.kv_high must be in (0, 1]")
+        _require(self.reroute_attempts >= 0, "router.reroute_attempts must be >= 0")
+        _require(self.default_prefill_tokens_per_s > 0,
+                 "router.default_prefill_tokens_per_s must be > 0")
+
+
 class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     topology: Topology
     engine: EngineConfig = EngineConfig()
@@ -376,6 +451,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gateway: GatewayConfig = GatewayConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     security: SecurityConfig = SecurityConfig()
+    router: RouterConfig = RouterConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

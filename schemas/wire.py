@@ -277,11 +277,15 @@ KvMsg = Union[KvOps, KvHello, CacheQuery]
 class KvEvents(msgspec.Struct, tag="kv_events", frozen=True, gc=False):
     """Published by the kv_manager (PUB) after each batch of operations that changed the
     prefix cache: ``(kind, block_hash, scope, tier, parent_hash)`` tuples, in order.
-    ``seq`` increases by one per message so subscribers can detect gaps."""
+    ``seq`` increases by one per message so subscribers can detect gaps. A ``snapshot``
+    lists every cached block as ``stored`` and replaces what a subscriber knew: one is
+    published whenever a subscription arrives (a new subscriber, or one that saw a gap and
+    subscribed again)."""
 
     seq: int
     instance: int
     events: list[tuple[str, int, str, str, int | None]]
+    snapshot: bool = False
 
 
 KvEventsMsg = Union[KvEvents]

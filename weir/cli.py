@@ -50,6 +50,57 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _route(args: argparse.Namespace) -> int:
+    """``weir route``: the router (and an HTTP gateway in front of it) under a supervisor."""
+    import anyio
+
+    from bus import curve
+    from bus.log import configure
+    from bus.supervisor import StartupError, Supervisor
+    from weir.client import default_endpoint
+
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-route-")
+    router: dict = {"policy": args.policy}
+    if args.replica:
+        replicas = []
+        for item in args.replica:
+            name, _, rest = item.partition("=")
+            endpoint, _, events = rest.partition(",")
+            replicas.append({"name": name, "endpoint": endpoint, "kv_events": events})
+        router["replicas"] = replicas
+    try:
+        config = load_config(
+            args.config,
+            topology={"run_dir": run_dir, "transport": "ipc",
+                      "client_endpoint": args.endpoint or (
+                          None if args.config else default_endpoint())},
+            engine={"model": args.model},
+            gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")},
+            router=router)
+        if not config.router.replicas:
+            raise ConfigError("no replicas: give --replica NAME=ENDPOINT[,KV_EVENTS] or "
+                              "[[router.replicas]] in the config")
+    except ConfigError as exc:
+        print(f"weir route: {exc}", file=sys.stderr)
+        return 2
+    configure("supervisor", config.log_level)
+    curve.configure(config)
+
+    def ready(sup: Supervisor) -> None:
+        http = (f", http://{config.gateway.host}:{config.gateway.port}/v1"
+                if config.gateway.enabled else "")
+        names = ", ".join(r.name for r in config.router.replicas)
+        print(f"weir: routing on {config.topology.client_endpoint}{http} to {names} "
+              f"({config.router.policy})", file=sys.stderr, flush=True)
+
+    try:
+        anyio.run(Supervisor(config, components=("router",)).serve, ready)
+    except StartupError as exc:
+        print(f"weir route: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
@@ -255,6 +306,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible gateway port (default $WEIR_HTTP_PORT or 8000)")
     s.set_defaults(func=_serve)
+
+    ro = sub.add_parser("route", help="one endpoint in front of several engines: cache-aware "
+                                      "routing with sticky sessions and failover")
+    ro.add_argument("--config", default=None, help="a TOML config ([router] and the "
+                    "replicas' model, kv.block_size, tenants and classes)")
+    ro.add_argument("--replica", action="append", default=[],
+                    metavar="NAME=ENDPOINT[,KV_EVENTS]",
+                    help="an engine's client endpoint and its KV events address (repeat)")
+    ro.add_argument("--policy", choices=["cache_aware", "least_loaded", "round_robin"],
+                    default=None)
+    ro.add_argument("--model", default=None,
+                    help="the replicas' model (the router tokenizes to find cached prefixes)")
+    ro.add_argument("--endpoint", default=None, help=endpoint_help)
+    ro.add_argument("--run-dir", default=None, help="directory for ipc sockets")
+    ro.add_argument("--http-port", type=int, default=None,
+                    help="OpenAI-compatible gateway port in front of the router")
+    ro.set_defaults(func=_route)
 
     g = sub.add_parser("generate", help="stream a completion to stdout")
     g.add_argument("prompt")

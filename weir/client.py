@@ -393,7 +393,8 @@ class AsyncClient:
                      tenant: str | None = None, timeout: float | None = None,
                      deadline_ms: int | None = None, priority: int = 0,
                      service_class: str | None = None, idempotency_key: str | None = None,
-                     traceparent: str | None = None, **params: Any) -> Stream:
+                     traceparent: str | None = None, session_id: str | None = None,
+                     **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
@@ -404,7 +405,10 @@ class AsyncClient:
         ``degraded``, ``queued_s``). ``idempotency_key``: a retry with the same key (same
         tenant) attaches to the first request's stream, or gets its finished result,
         instead of running again. ``traceparent``: a W3C trace context the request's spans
-        join (else a new trace, when tracing is configured)."""
+        join (else a new trace, when tracing is configured). ``session_id``: the
+        conversation this turn belongs to; behind a router (``weir route``) it keeps the
+        conversation on the replica that holds its cached prefix while that one can serve
+        it in time."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -414,7 +418,7 @@ class AsyncClient:
             params["stop"] = (params["stop"],)
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
-                     service_class=service_class)
+                     service_class=service_class, session_id=session_id)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -657,6 +657,12 @@ class AdmissionPolicy:
         """Counters for ``weir status`` and the gateway's metrics."""
         out: dict[str, float] = {"outstanding": len(self.outstanding), "queued": self.queued,
                                  "reserved_kv_blocks": self.reserved_blocks}
+        # a router's load signal: the wait a new prompt would see before its own prefill
+        # (the whole backlog, learned bias included), and the measured prefill rate
+        ahead = self.predicted_ttft_s(0)
+        if ahead is not None:
+            out["predicted_queue_s"] = max(ahead + self.ttft_bias_s, 0.0)
+            out["prefill_tokens_per_s"] = self.load.prefill_tokens_per_s
         out.update({f"decisions.{kind}.{cls}": v for (kind, cls), v in self.decisions.items()})
         out.update({f"rejections.{reason}.{cls}": v
                     for (reason, cls), v in self.rejections.items()})

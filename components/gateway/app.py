@@ -203,8 +203,13 @@ def build_app(state: GatewayState) -> Starlette:
             if idempotency_key is not None and len(idempotency_key) > 256:
                 raise ApiError(400, "Idempotency-Key must be at most 256 characters",
                                code="invalid_idempotency_key")
+            session_id = request.headers.get("x-session-id") or None
+            if session_id is not None and len(session_id) > 256:
+                raise ApiError(400, "X-Session-Id must be at most 256 characters",
+                               code="invalid_session_id")
             stream = await state.client.stream(request_id=rid, tenant=tenant,
-                                               idempotency_key=idempotency_key, **kwargs)
+                                               idempotency_key=idempotency_key,
+                                               session_id=session_id, **kwargs)
             events = stream.__aiter__()
 
             async def first_event():

@@ -362,6 +362,12 @@ class BlockPool:
                 t.plain.append(t.cached.popitem(last=False)[0])
         return dropped
 
+    def snapshot(self) -> list[CacheEvent]:
+        """Every block in the prefix cache now, as ``stored`` events (a subscriber's fresh
+        view, see KvEvents.snapshot); pending events are not taken."""
+        return [CacheEvent("stored", h, key.scope, self.tier(b), key.parent)
+                for b, h in self._block_hash.items() for key in (self._block_key[b],)]
+
     def take_events(self) -> list[CacheEvent]:
         """Cache changes since the last call, in order (for the KV event stream)."""
         events, self.events = self.events, []

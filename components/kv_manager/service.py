@@ -2,6 +2,7 @@
 under the scheduler's epoch. A newer epoch reclaims every older lease."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -39,8 +40,13 @@ class KvManagerService(Component):
         self.inbox_sock = self.inbox(KvMsg)
         self.to_scheduler = self.push_to("scheduler")
         self.to_admission = self.push_to("admission")
-        self.events_pub = self.socket(zmq.PUB, "events").bind(self.topology.kv_events(bind=True))
+        # XPUB: a subscription (a router starting, reconnecting, or resyncing after a gap)
+        # reaches this process, which answers it with a snapshot of the cache
+        self.events_pub = self.socket(zmq.XPUB, "events")
+        self.events_pub.set_option(zmq.XPUB_VERBOSE, 1)
+        self.events_pub.bind(self.topology.kv_events(bind=True))
         self.events_seq = 0
+        self.snapshots = 0
         await self.to_scheduler.send(KvManagerUp(self.instance, kv.num_blocks))
 
     def _advance_epoch(self, epoch: int) -> None:
@@ -65,21 +71,48 @@ class KvManagerService(Component):
         return grants
 
     async def run(self) -> None:
-        while True:
-            match (await self.inbox_sock.recv()).body:
-                case KvOps() as ops:
-                    grants = self.handle(ops)
-                    if grants:
-                        await self.to_scheduler.send(KvGrants(grants, self.pool.num_free,
-                                                              self.pool.num_cpu_free))
-                    await self._publish()
-                case CacheQuery() as q:
-                    cached = self.pool.cached_tokens(q.scope, q.block_hashes, q.token_ids,
-                                                     q.max_blocks, q.public_scope, q.public_blocks)
-                    await self.to_admission.send(CacheAnswer(q.request_id, cached))
-                case KvHello(epoch=epoch):
-                    self._advance_epoch(epoch)
-                    await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))
+        """One task owns both sockets: it waits for whichever of the inbox and the event
+        socket's subscriptions has something."""
+        inbox = asyncio.ensure_future(self.inbox_sock.recv())
+        subscription = asyncio.ensure_future(self.events_pub.recv_raw())
+        try:
+            while True:
+                done, _ = await asyncio.wait((inbox, subscription),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if subscription in done:
+                    if subscription.result()[:1] == b"\x01":     # subscribe, not unsubscribe
+                        await self._publish_snapshot()
+                    subscription = asyncio.ensure_future(self.events_pub.recv_raw())
+                if inbox in done:
+                    await self._handle(inbox.result().body)
+                    inbox = asyncio.ensure_future(self.inbox_sock.recv())
+        finally:
+            inbox.cancel()
+            subscription.cancel()
+
+    async def _handle(self, body) -> None:
+        match body:
+            case KvOps() as ops:
+                grants = self.handle(ops)
+                if grants:
+                    await self.to_scheduler.send(KvGrants(grants, self.pool.num_free,
+                                                          self.pool.num_cpu_free))
+                await self._publish()
+            case CacheQuery() as q:
+                cached = self.pool.cached_tokens(q.scope, q.block_hashes, q.token_ids,
+                                                 q.max_blocks, q.public_scope, q.public_blocks)
+                await self.to_admission.send(CacheAnswer(q.request_id, cached))
+            case KvHello(epoch=epoch):
+                self._advance_epoch(epoch)
+                await self.to_scheduler.send(KvManagerUp(self.instance, self.pool.num_blocks))
+
+    async def _publish_snapshot(self) -> None:
+        await self._publish()                     # what changed so far goes out first
+        self.events_seq += 1
+        self.snapshots += 1
+        await self.events_pub.send(KvEvents(self.events_seq, self.instance, [
+            (e.kind, e.block_hash, e.scope, e.tier, e.parent_hash)
+            for e in self.pool.snapshot()], snapshot=True))
 
     async def _publish(self) -> None:
         events = self.pool.take_events()
@@ -106,4 +139,5 @@ class KvManagerService(Component):
                 "tenant_kv_budget_refusals": self.pool.refusals[TENANT_KV_BUDGET],
                 "prefix_query_tokens": self.pool.query_tokens,
                 "prefix_hit_tokens": self.pool.hit_tokens, "stale_ops": self.stale_ops,
+                "kv_event_snapshots": self.snapshots,
                 **{f"tenant_kv_blocks.{t}": n for t, n in s.tenant_blocks.items()}}

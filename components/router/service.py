@@ -1,0 +1,499 @@
+"""The router process: one client endpoint in front of several Weir engines (replicas).
+
+Clients (the SDK, the HTTP gateway, ``weir status``) see one Weir: the router speaks the
+client protocol (docs/PROTOCOL.md) on ``topology.client_endpoint`` and is itself a client
+of each replica's endpoint. Per request it:
+
+1. tokenizes the prompt and hashes its full blocks exactly as a replica's tokenizer does
+   (``PromptHasher``), scoped to the tenant;
+2. looks the hashes up in its per-replica prefix index (``index.py``), fed by each
+   replica's KV event stream; off the hot path, approximate, resynced on a gap;
+3. ranks the replicas by saved prefill against queue delay, KV pressure and tenant
+   pressure (``scoring.py``), from each replica's load report (its status, asked every
+   ``load_interval_s``) plus what the router sent it since;
+4. keeps a session (``Submit.session_id``) on its replica while that replica is healthy
+   and meets the deadline, and moves it, recorded, when not;
+5. forwards the request, and relays every answer frame untouched to the client.
+
+A rejection for load (admission's ``overloaded``, ``deadline_unmeetable``, ``queue_full``,
+``draining``) before the request was accepted is admission's ``route`` decision: the router
+sends the request to the next replica, with what is left of its deadline. A replica silent
+for ``heartbeat_timeout_s`` (or one that restarted) is out: each request open on it ends
+``failed`` and new requests go elsewhere. Each decision is a ``router.route`` span with the
+per-replica scores.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import zmq
+from opentelemetry import trace
+
+from bus import tracing
+from bus.codec import Codec, salvage_request_id
+from bus.component import Component
+from bus.socket import BusSocket, MalformedFrame
+from components.router.index import PrefixMatch, ReplicaIndex
+from components.router.scoring import Decision, ReplicaState, Score, SessionTable, rank
+from components.streamer.identity import Identity, Keyring, load_service_key, visible_status
+from components.tokenizer.prompt import PromptHasher
+from schemas.client import (Accepted, Cancel, Cancelled, ClientMsg, ComponentStatus, Failed,
+                            Finished, Heartbeat, ProtocolError, Rejected, ServerHeartbeat,
+                            ServerMsg, StatusQuery, StatusReport, Submit)
+from schemas.config import ReplicaSpec
+from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
+
+log = structlog.get_logger("router")
+_TRACER = trace.get_tracer("weir.router")
+TERMINAL = (Finished, Rejected, Cancelled, Failed)
+# rejections that say "not here, not now", not "never": another replica may take it
+REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining"})
+_LOAD_QUERY = "router-load"
+
+
+@dataclass
+class Replica:
+    spec: ReplicaSpec
+    sock: BusSocket
+    events: BusSocket | None
+    index: ReplicaIndex = field(default_factory=ReplicaIndex)
+    instance: int | None = None
+    last_heard: float = 0.0
+    healthy: bool = False
+    draining: bool = False
+    report: StatusReport | None = None
+    pending_tokens: int = 0             # prompt tokens sent and not yet accepted there
+    open: set[str] = field(default_factory=set)
+    counts: Counter = field(default_factory=Counter)
+
+    def stat(self, component: str, key: str, default: float = 0.0) -> float:
+        if self.report is None:
+            return default
+        for c in self.report.components:
+            if c.name == component:
+                return c.stats.get(key, default)
+        return default
+
+    def tenant_blocks(self, tenant: str) -> int:
+        if self.report is None:
+            return 0
+        return sum(c.tenants[tenant].kv_blocks for c in self.report.components
+                   if tenant in c.tenants)
+
+
+@dataclass
+class Flight:
+    """A request the router holds between its submit and its terminal message."""
+
+    identity: bytes
+    submit: Submit
+    tenant: str
+    arrival: float
+    prompt_tokens: int
+    replica: str = ""
+    pending: int = 0                    # its tokens counted in replica.pending_tokens
+    tried: list[str] = field(default_factory=list)
+    accepted: bool = False
+    cancelled: bool = False             # the client has its terminal; awaiting the replica's
+    hashes: list[int] = field(default_factory=list)
+    public_scope: str = ""
+    public_blocks: int = 0
+    traceparent: str | None = None
+
+
+class RouterService(Component):
+    name = "router"
+
+    async def setup(self) -> None:
+        rc = self.config.router
+        if not rc.replicas:
+            raise ValueError("router.replicas is empty: name at least one engine to route to")
+        self.rc = rc
+        self.prompts = PromptHasher(self.config)
+        self.keys = Keyring(self.config.gateway.api_keys)
+        self.service_key = load_service_key()
+        self.instance = time.time_ns()
+        self.draining = False
+        self.cluster = ClusterStatus((), False)
+        self.sessions = SessionTable(rc.session_ttl_s, rc.max_sessions)
+        self.idempotent: dict[tuple[str, str], tuple[str, float]] = {}
+        self.flights: dict[str, Flight] = {}
+        self.last_seen: dict[bytes, float] = {}
+        self.counts: Counter[str] = Counter()
+        self.rr = 0
+        self.replies = Codec(ServerMsg)
+        self.clients = self.socket(zmq.ROUTER, "clients", ClientMsg).bind(
+            self.topology.client_endpoint)
+        # the supervisor relays this process's own cluster (router, gateway) here, as it
+        # does to a streamer: the router is the client-facing process of its cluster
+        self.inbox_sock = self.socket(zmq.PULL, "inbox", StreamerMsg).bind(
+            self.topology.inbox("streamer", bind=True))
+        self.replicas: dict[str, Replica] = {}
+        for spec in rc.replicas:
+            sock = self.socket(zmq.DEALER, f"to_{spec.name}").connect(spec.endpoint)
+            events = (self.socket(zmq.SUB, f"events_{spec.name}", KvEventsMsg)
+                      .connect(spec.kv_events) if spec.kv_events else None)
+            self.replicas[spec.name] = Replica(spec, sock, events)
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._client_loop)
+            tg.start_soon(self._cluster_loop)
+            tg.start_soon(self._ticker)
+            for r in self.replicas.values():
+                tg.start_soon(self._replica_loop, r)
+                if r.events is not None:
+                    tg.start_soon(self._events_loop, r)
+
+    async def drain(self) -> None:
+        self.draining = True
+
+    # ------------------------------------------------------------------ clients
+    async def _reply_malformed(self, frame: MalformedFrame) -> None:
+        if frame.identity is None:
+            return
+        rid = salvage_request_id(frame.data)
+        if rid is not None and rid not in self.flights:
+            await self.clients.send(Rejected(rid, "invalid_request",
+                                             f"malformed message: {frame.error}"),
+                                    to=frame.identity)
+        else:
+            await self.clients.send(ProtocolError(f"malformed message: {frame.error}"),
+                                    to=frame.identity)
+
+    async def _client_loop(self) -> None:
+        while True:
+            msg = await self.clients.recv(on_malformed=self._reply_malformed)
+            who = msg.identity
+            self.last_seen[who] = time.monotonic()
+            match msg.body:
+                case Submit() as sub:
+                    await self._submit(who, sub, msg.envelope.traceparent)
+                case Cancel(request_id=rid):
+                    f = self.flights.get(rid)
+                    if f is not None and f.identity == who and not f.cancelled:
+                        await self._cancel(f, "cancelled by client")
+                case Heartbeat():
+                    await self.clients.send(ServerHeartbeat(self.instance, self.draining),
+                                            to=who)
+                case StatusQuery(query_id=qid, api_key=key):
+                    await self.clients.send(self._status(qid, key), to=who)
+
+    async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
+        rid = sub.request_id
+        self.counts["submitted"] += 1
+        if rid in self.flights:
+            self.counts["rejected"] += 1
+            await self.clients.send(Rejected(rid, "invalid_request",
+                                             "request_id is already open"), to=who)
+            return
+        if self.draining:
+            self.counts["rejected"] += 1
+            await self.clients.send(Rejected(rid, "draining", "the router is draining"),
+                                    to=who)
+            return
+        who_is = self.keys.identify(sub.api_key, sub.tenant)
+        tenant = who_is.tenant if isinstance(who_is, Identity) else sub.tenant
+        ids = self.prompts.tokenize(sub.prompt, sub.messages, sub.prompt_token_ids)
+        f = Flight(who, sub, tenant, time.monotonic(), len(ids) if isinstance(ids, list) else 0,
+                   traceparent=traceparent)
+        if isinstance(ids, list):        # else: the replica rejects it with the reason
+            f.hashes, f.public_scope, f.public_blocks = self.prompts.hashes(tenant, ids)
+        self.flights[rid] = f
+        await self._route(f)
+
+    async def _route(self, f: Flight) -> None:
+        """Send ``f`` to the best replica it has not tried; or, if none is left, end it."""
+        rid = f.submit.request_id
+        now = time.monotonic()
+        candidates = [r for name, r in self.replicas.items() if name not in f.tried]
+        deadline_s = self._deadline_s(f)
+        states = [self._state(r, f) for r in candidates]
+        use_prefix = self.rc.policy == "cache_aware"
+        ranked = rank(states, f.prompt_tokens, deadline_s - (now - f.arrival),
+                      self.rc.weights, self.rc.kv_high, use_prefix)
+        decision = self._decide(f, ranked, now)
+        with _TRACER.start_as_current_span(
+                "router.route", context=tracing.context_from(f.traceparent)) as span:
+            span.set_attributes({
+                "weir.request_id": rid, "gen_ai.usage.input_tokens": f.prompt_tokens,
+                "weir.tenant": f.tenant, "weir.route.policy": self.rc.policy,
+                "weir.route.attempt": len(f.tried),
+                "weir.route.replicas": [s.name for s in ranked],
+                "weir.route.scores": [round(s.score, 6) for s in ranked],
+                "weir.route.ttft_s": [round(s.ttft_s, 6) for s in ranked],
+                "weir.route.saved_prefill_s": [round(s.saved_s, 6) for s in ranked],
+                "weir.route.overloaded": [s.overloaded for s in ranked]})
+            if f.submit.session_id is not None:
+                span.set_attribute("weir.session", f.submit.session_id)
+            if decision is None:
+                span.set_attribute("weir.route.reason", "no_replica")
+                await self._end_here(f, Rejected(
+                    rid, "overloaded", "no replica can take this request now",
+                    retry_after_s=self.rc.heartbeat_timeout_s))
+                return
+            span.set_attributes({"weir.route.replica": decision.replica,
+                                 "weir.route.reason": decision.reason})
+            if decision.moved_from is not None:
+                span.set_attribute("weir.route.moved_from", decision.moved_from)
+                log.info("session_moved", session_hash=hash(f.submit.session_id) & 0xFFFF,
+                         to=decision.replica, moved_from=decision.moved_from,
+                         reason=decision.reason)
+            upstream_tp = tracing.traceparent_of(span)
+        r = self.replicas[decision.replica]
+        f.replica = decision.replica
+        f.tried.append(decision.replica)
+        cached = next((s.saved_s for s in ranked if s.name == r.spec.name), 0.0)
+        f.pending = max(f.prompt_tokens - int(cached * self._rate(r)), 0)
+        r.pending_tokens += f.pending
+        r.open.add(rid)
+        r.counts["routed"] += 1
+        self.counts[f"reason.{decision.reason}"] += 1
+        sub = f.submit
+        if f.tried[1:]:                   # a second try: what is left of its deadline
+            left = None if sub.deadline_ms is None else \
+                max(int(sub.deadline_ms - (now - f.arrival) * 1e3), 1)
+            sub = msgspec.structs.replace(sub, deadline_ms=left)
+        await r.sock.send(sub, traceparent=upstream_tp)
+
+    def _decide(self, f: Flight, ranked: list[Score], now: float) -> Decision | None:
+        if not ranked:
+            return None
+        sub = f.submit
+        if self.rc.policy == "round_robin":
+            names = sorted(s.name for s in ranked)
+            self.rr += 1
+            return Decision(names[self.rr % len(names)], "round_robin")
+        if sub.idempotency_key is not None and not f.tried:   # a retry goes where it went
+            where = self.idempotent.get((f.tenant, sub.idempotency_key))
+            if where is not None and now - where[1] < self.config.streamer.idempotency_ttl_s \
+                    and any(s.name == where[0] for s in ranked):
+                return Decision(where[0], "idempotent")
+        if f.tried:                       # a reroute: the best left; a session follows it
+            decision = Decision(ranked[0].name, "rerouted")
+            if sub.session_id is not None:
+                self.sessions.assign(sub.session_id, decision.replica, now)
+        else:
+            decision = self.sessions.decide(sub.session_id, ranked, now)
+        if decision is not None and sub.idempotency_key is not None:
+            self.idempotent[(f.tenant, sub.idempotency_key)] = (decision.replica, now)
+        return decision
+
+    def _deadline_s(self, f: Flight) -> float:
+        """The request's TTFT deadline: its own, else its class's, else the router's
+        overload bound."""
+        if f.submit.deadline_ms is not None:
+            return f.submit.deadline_ms / 1e3
+        adm = self.config.admission
+        tenant = next((t for t in adm.tenants if t.name == f.tenant), None)
+        name = f.submit.service_class or (tenant.default_class if tenant else "") or \
+            (tenant.classes[0] if tenant and tenant.classes else "")
+        cls = next((c for c in adm.classes if c.name == name), None)
+        if cls is not None and cls.ttft_slo_ms is not None:
+            return cls.ttft_slo_ms / 1e3
+        return self.rc.overload_ttft_s
+
+    def _rate(self, r: Replica) -> float:
+        return r.stat("admission", "prefill_tokens_per_s", 0.0) or \
+            self.rc.default_prefill_tokens_per_s
+
+    def _state(self, r: Replica, f: Flight) -> ReplicaState:
+        """What the router knows of ``r`` for this request: the prefix it holds, its queue
+        (its last report, plus what was sent to it since and not yet accepted), its pools."""
+        m = r.index.match(f.hashes, f.public_scope, f.public_blocks, f.tenant) \
+            if f.hashes else PrefixMatch()
+        bs = self.config.kv.block_size
+        cached = (m.gpu_blocks + self.rc.weights.cpu_tier * m.cpu_blocks) * bs
+        rate = self._rate(r)
+        total = r.stat("kv_manager", "total_blocks", 0.0)
+        free = r.stat("kv_manager", "free_blocks", total)
+        reserved = r.stat("admission", "reserved_kv_blocks", 0.0)
+        return ReplicaState(
+            r.spec.name, r.healthy, r.draining, cached,
+            r.stat("admission", "predicted_queue_s", 0.0) + r.pending_tokens / rate, rate,
+            (total - free) / total if total else 0.0,
+            min(reserved / total, 1.0) if total else 0.0,
+            r.tenant_blocks(f.tenant) / total if total else 0.0)
+
+    async def _cancel(self, f: Flight, reason: str) -> None:
+        """The client hears ``cancelled`` now; the replica is told, and its own terminal
+        for the request is swallowed when it comes."""
+        rid = f.submit.request_id
+        f.cancelled = True
+        self.counts["cancelled"] += 1
+        await self.clients.send(Cancelled(rid, reason), to=f.identity)
+        r = self.replicas.get(f.replica)
+        if r is not None and rid in r.open:
+            await r.sock.send(Cancel(rid))
+        else:
+            self._forget(f)
+
+    async def _end_here(self, f: Flight, event: Any) -> None:
+        """End a request at the router (the replicas never had it, or lost it)."""
+        self.counts[type(event).__name__.lower()] += 1
+        self._forget(f)
+        if not f.cancelled:
+            await self.clients.send(event, to=f.identity)
+
+    def _forget(self, f: Flight) -> None:
+        rid = f.submit.request_id
+        if self.flights.get(rid) is f:
+            del self.flights[rid]
+        r = self.replicas.get(f.replica)
+        if r is not None:
+            r.open.discard(rid)
+            r.pending_tokens -= f.pending
+            f.pending = 0
+
+    # ------------------------------------------------------------------ replicas
+    async def _replica_loop(self, r: Replica) -> None:
+        """Every frame from a replica: answers for clients go on as they came."""
+        while True:
+            data = await r.sock.recv_raw()
+            try:
+                body = self.replies.decode(data).body
+            except msgspec.DecodeError:
+                r.counts["malformed"] += 1
+                continue
+            await self._heard(r, body)
+            rid = getattr(body, "request_id", None)
+            if rid is None:
+                continue
+            f = self.flights.get(rid)
+            if f is None or f.replica != r.spec.name:
+                r.counts["late_events"] += 1
+                continue
+            if isinstance(body, Accepted):
+                f.accepted = True
+                r.pending_tokens -= f.pending
+                f.pending = 0
+            if isinstance(body, Rejected) and not f.accepted and not f.cancelled \
+                    and body.reason in REROUTE and len(f.tried) <= self.rc.reroute_attempts \
+                    and len(f.tried) < len(self.replicas):
+                r.counts[f"rerouted.{body.reason}"] += 1
+                self.counts["rerouted"] += 1
+                r.open.discard(rid)
+                r.pending_tokens -= f.pending
+                f.pending = 0
+                await self._route(f)
+                continue
+            terminal = isinstance(body, TERMINAL)
+            if terminal:
+                r.counts[type(body).__name__.lower()] += 1
+                self._forget(f)
+            if not f.cancelled:
+                await self.clients.send_raw(data, to=f.identity)
+
+    async def _heard(self, r: Replica, body: Any) -> None:
+        r.last_heard = time.monotonic()
+        match body:
+            case ServerHeartbeat(instance=instance, draining=draining):
+                if r.instance is not None and instance != r.instance:
+                    await self._lose(r, "replica restarted")
+                r.instance, r.draining = instance, draining
+                if not r.healthy:
+                    log.info("replica_up", replica=r.spec.name)
+                r.healthy = True
+            case StatusReport(query_id=qid) as report if qid == _LOAD_QUERY:
+                r.report = report
+
+    async def _lose(self, r: Replica, why: str) -> None:
+        """``r`` is out (silent, or restarted): every request open on it fails, its cache
+        view is dropped; new requests go elsewhere."""
+        r.healthy = False
+        r.counts["lost"] += 1
+        r.index.clear()
+        r.report = None
+        log.warning("replica_lost", replica=r.spec.name, why=why, open=len(r.open))
+        for rid in list(r.open):
+            f = self.flights.get(rid)
+            if f is not None:
+                await self._end_here(f, Failed(rid, f"replica_lost: {r.spec.name} ({why})"))
+        r.open.clear()
+        r.pending_tokens = 0
+
+    async def _events_loop(self, r: Replica) -> None:
+        assert r.events is not None
+        while True:
+            msg = (await r.events.recv()).body
+            if not r.index.apply(msg):
+                log.warning("kv_events_gap", replica=r.spec.name, seq=msg.seq)
+                r.events.resubscribe()
+
+    async def _ticker(self) -> None:
+        """Heartbeats to every replica (their answers are their liveness), load reports at
+        ``load_interval_s``, the health verdicts, and silent clients' requests cancelled."""
+        rc = self.rc
+        next_load = 0.0
+        while True:
+            now = time.monotonic()
+            for r in self.replicas.values():
+                await r.sock.send(Heartbeat())
+                if now >= next_load:
+                    await r.sock.send(StatusQuery(_LOAD_QUERY, self.service_key))
+                if r.healthy and now - r.last_heard > rc.heartbeat_timeout_s:
+                    await self._lose(r, f"silent for {now - r.last_heard:.1f} s")
+            if now >= next_load:
+                next_load = now + rc.load_interval_s
+            await self._reap(now)
+            await anyio.sleep(rc.heartbeat_interval_s)
+
+    async def _reap(self, now: float) -> None:
+        timeout = self.config.streamer.client_timeout_s
+        gone = {who for who, t in self.last_seen.items() if now - t > timeout}
+        if not gone:
+            return
+        for f in list(self.flights.values()):
+            if f.identity in gone and not f.cancelled:
+                await self._cancel(f, "client gone")
+        for who in gone:
+            del self.last_seen[who]
+        cutoff = now - self.config.streamer.idempotency_ttl_s
+        self.idempotent = {k: v for k, v in self.idempotent.items() if v[1] > cutoff}
+
+    # ------------------------------------------------------------------ status
+    async def _cluster_loop(self) -> None:
+        while True:
+            match (await self.inbox_sock.recv()).body:
+                case ClusterStatus() as cluster:
+                    self.cluster = cluster
+
+    def _status(self, query_id: str, api_key: str | None) -> StatusReport:
+        """The router's own cluster (it is ready while a replica is), then each healthy
+        replica's components as ``replica/component``; each tenant's usage only to itself
+        or an operator."""
+        up = any(r.healthy for r in self.replicas.values())
+        comps: list[ComponentStatus] = []
+        for c in self.cluster.components:
+            if c.name == self.name and c.state == "ready" and not up:
+                c = msgspec.structs.replace(c, state="no_replica")
+            comps.append(c)
+        for r in self.replicas.values():
+            if r.healthy and r.report is not None:
+                comps += [msgspec.structs.replace(c, name=f"{r.spec.name}/{c.name}")
+                          for c in r.report.components]
+        who = self.keys.identify(api_key, "default")
+        if not (isinstance(who, Identity) and who.sees_all):
+            tenant = who.tenant if isinstance(who, Identity) else ""
+            comps = [visible_status(c, tenant) for c in comps]
+        return StatusReport(query_id, tuple(comps), self.draining or self.cluster.draining)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {"active_requests": len(self.flights),
+                                 "clients": len(self.last_seen), "sessions": len(self.sessions),
+                                 "session_moves": self.sessions.moves,
+                                 **{f"requests.{k}": v for k, v in self.counts.items()}}
+        for name, r in self.replicas.items():
+            out.update({f"replica.{name}.healthy": int(r.healthy),
+                        f"replica.{name}.open": len(r.open),
+                        f"replica.{name}.index_blocks": len(r.index.blocks),
+                        f"replica.{name}.index_gaps": r.index.gaps,
+                        f"replica.{name}.index_snapshots": r.index.snapshots,
+                        **{f"replica.{name}.{k}": v for k, v in r.counts.items()}})
+        return out
