@@ -31,3 +31,38 @@ def test_stored_events_for_a_finished_request(engine):
     assert all(tier == "gpu" for _, _, _, tier, _ in stored)
     hashes = [h for _, h, _, _, _ in stored]
     assert stored[0][4] is None and all(p == h for (_, _, _, _, p), h in zip(stored[1:], hashes))
+
+
+def test_a_subscription_gets_a_snapshot_of_the_cache(engine):
+    """A router that starts late (or resubscribes after a gap) learns the whole cache: the
+    kv_manager answers each subscription with a snapshot (KvEvents.snapshot)."""
+    prompt = "Snapshot check: " + "one two three four five six " * 10
+    with engine.client() as c:
+        r = c.generate(prompt, max_tokens=2, temperature=0.0, tenant="globex")
+    want = r.usage.prompt_tokens // 16
+    decoder = msgspec.msgpack.Decoder(Envelope[KvEventsMsg])
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{engine.run_dir}/kv_events.sock")
+    try:
+        snapshots = []
+        deadline = time.monotonic() + 10
+        while not snapshots:
+            assert time.monotonic() < deadline, "no snapshot after subscribing"
+            if sub.poll(200):
+                msg = decoder.decode(sub.recv()).body
+                if msg.snapshot:
+                    snapshots.append(msg)
+        globex = [e for e in snapshots[0].events if e[2] == "globex"]
+        assert len(globex) >= want > 0 and all(e[0] == "stored" for e in globex)
+        # subscribing again (what a router does on a gap) brings another one
+        sub.setsockopt(zmq.UNSUBSCRIBE, b"")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        deadline = time.monotonic() + 10
+        while True:
+            assert time.monotonic() < deadline, "no snapshot after resubscribing"
+            if sub.poll(200) and decoder.decode(sub.recv()).body.snapshot:
+                break
+    finally:
+        sub.close()

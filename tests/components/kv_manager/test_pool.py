@@ -441,6 +441,20 @@ def test_cache_events_record_stores_and_evictions_in_order():
     assert pool.take_events() == [CacheEvent("removed", 12, "t1", "gpu", 11)]
 
 
+def test_snapshot_lists_every_cached_block_and_leaves_pending_events():
+    from components.kv_manager.pool import CacheEvent
+
+    pool = BlockPool(4, 4, num_cpu_blocks=2)
+    toks = list(range(12))
+    pool.allocate(1, 3, scope="t1", block_hashes=[11, 12], token_ids=toks[:8], max_cached_blocks=2)
+    pool.free(1, num_computed_tokens=8)
+    assert sorted(pool.snapshot(), key=lambda e: e.block_hash) == [
+        CacheEvent("stored", 11, "t1", "gpu", None), CacheEvent("stored", 12, "t1", "gpu", 11)]
+    assert len(pool.take_events()) == 2               # the snapshot took none of them
+    pool.drop_cache()
+    assert pool.snapshot() == []
+
+
 def test_cached_tokens_query_is_read_only_and_scoped():
     pool = BlockPool(8, 4)
     toks = list(range(100, 112))
