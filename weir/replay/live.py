@@ -93,7 +93,8 @@ class SdkTarget:
             stream = await client.stream(
                 prompt_token_ids=item.token_ids, request_id=item.request_id,
                 tenant=req.tenant, deadline_ms=req.deadline_ms, traceparent=item.traceparent,
-                max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0, n=req.n)
+                session_id=req.session_id, max_tokens=item.max_tokens, ignore_eos=True,
+                temperature=0.0, n=req.n)
             async for delta in _with_cancel(stream, req.cancel_after_s):
                 if delta.index:
                     continue
@@ -199,6 +200,8 @@ class HttpTarget:
             h["Authorization"] = f"Bearer {key}"
         if item is not None:
             h["traceparent"] = item.traceparent
+            if item.request.session_id is not None:
+                h["X-Session-Id"] = item.request.session_id
         return h
 
     async def send(self, item: Sent, rec: RequestRecord, t0: float) -> None:

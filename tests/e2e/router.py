@@ -1,0 +1,83 @@
+"""Replicas and a `weir route` in front of them, for the router's end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.e2e.conftest import free_port
+from tests.e2e.engine import ROOT, Engine
+
+
+def start_replica(run_dir: Path, toml: str) -> Engine:
+    """A whole engine (ipc inside) that publishes its KV events on a tcp port."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    eng = Engine(run_dir, toml + f'\n[topology]\nkv_events_endpoint = "tcp://127.0.0.1:{port}"\n')
+    eng.kv_events = f"tcp://127.0.0.1:{port}"
+    return eng
+
+
+class Router:
+    def __init__(self, run_dir: Path, replicas: dict[str, Engine], toml: str = "",
+                 policy: str = "cache_aware") -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.endpoint = f"ipc://{run_dir}/client.sock"
+        self.log_path = run_dir / "route.log"
+        cfg = run_dir / "router.toml"
+        cfg.write_text(toml + "\n[gateway]\nenabled = false\n")
+        args = [sys.executable, "-m", "weir.cli", "route", "--config", str(cfg), "--run-dir",
+                str(run_dir), "--endpoint", self.endpoint, "--policy", policy]
+        for name, eng in replicas.items():
+            args += ["--replica", f"{name}={eng.endpoint},{eng.kv_events}"]
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                     stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
+        deadline = time.monotonic() + 120
+        while b"weir: routing" not in self.log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"weir route did not start: {self.log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        self.wait(lambda s: all(s.get(f"replica.{n}.healthy") == 1 for n in replicas)
+                  and all(s.get(f"replica.{n}.index_snapshots", 0) >= 1 for n in replicas),
+                  "every replica up and its cache view synced")
+
+    def client(self, **kwargs):
+        from weir import Client
+
+        return Client(self.endpoint, **kwargs)
+
+    def async_client(self, **kwargs):
+        from weir import AsyncClient
+
+        return AsyncClient(self.endpoint, **kwargs)
+
+    def stats(self) -> dict[str, float]:
+        with self.client() as c:
+            report = c.status()
+        # empty until the router's supervisor has relayed its first cluster status
+        return next((comp.stats for comp in report.components if comp.name == "router"), {})
+
+    def wait(self, cond, what: str, timeout: float = 30.0) -> dict[str, float]:
+        """Poll the router's stats (they ride on heartbeats) until ``cond(stats)``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if cond(stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not {what} after {timeout}s: {stats}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
