@@ -76,12 +76,12 @@ def test_compose_router_profile():
     cmd = router["command"]
     assert cmd[:3] == ["weir", "route", "--config"]
     assert cmd[3] == _mounted(router, "deploy/router/router.toml")
-    router_raw, router_cfg = weir_toml.load((ROOT / "deploy/router/router.toml").read_text())
+    router_cfg = weir_toml.load((ROOT / "deploy/router/router.toml").read_text(), "route")
     assert router_cfg.gateway.host == "0.0.0.0"
     # it publishes its client endpoint and gateway (on other host ports, above)
     assert {int(p.rsplit(":", 1)[1]) for p in router["ports"]} == {
         weir_toml.endpoint_port(router_cfg.topology.client_endpoint), router_cfg.gateway.port}
-    listed = {weir_toml.endpoint_host(r["endpoint"]): r for r in router_raw["router"]["replicas"]}
+    listed = {weir_toml.endpoint_host(r.endpoint): r for r in router_cfg.router.replicas}
     assert set(listed) == {"replica-0", "replica-1"}
 
     for name in ("replica-0", "replica-1"):
@@ -89,14 +89,14 @@ def test_compose_router_profile():
         cmd = svc["command"]
         assert cmd[:3] == ["weir", "serve", "--config"]
         assert cmd[3] == _mounted(svc, "deploy/router/replica.toml")
-        raw, cfg = weir_toml.load((ROOT / "deploy/router/replica.toml").read_text(), serve=True)
+        cfg = weir_toml.load((ROOT / "deploy/router/replica.toml").read_text(), "serve")
         # `weir serve` binds --endpoint: the config's endpoint, on the port the router dials
         assert cmd[cmd.index("--endpoint") + 1] == cfg.topology.client_endpoint
         zmq = weir_toml.endpoint_port(cfg.topology.client_endpoint)
-        events = weir_toml.endpoint_port(raw["topology"]["kv_events_endpoint"])
+        events = weir_toml.endpoint_port(cfg.topology.kv_events_endpoint)
         rep = listed[name]
-        assert (weir_toml.endpoint_port(rep["endpoint"]), weir_toml.endpoint_port(rep["kv_events"]),
-                weir_toml.endpoint_host(rep["kv_events"])) == (zmq, events, name)
+        assert (weir_toml.endpoint_port(rep.endpoint), weir_toml.endpoint_port(rep.kv_events),
+                weir_toml.endpoint_host(rep.kv_events)) == (zmq, events, name)
         assert f"tcp://127.0.0.1:{zmq}" in svc["healthcheck"]["test"]
         # the router hashes prefixes as the replicas' kv_managers do
         assert (cfg.engine.model, cfg.kv.block_size) == (router_cfg.engine.model,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,11 @@ def _config_text(objects: list[dict], pod: dict, container: dict, problems: list
             key = path[len(mount["mountPath"].rstrip("/")) + 1:]
         else:
             continue
+        items = {i["path"]: i["key"] for i in vol["configMap"].get("items", ())}
+        if items:                     # only the listed keys, at their paths
+            if key not in items:
+                continue
+            key = items[key]
         cms = [c for c in by_kind(objects, "ConfigMap")
                if c["metadata"]["name"] == vol["configMap"]["name"]]
         if cms and key in cms[0].get("data", {}):
@@ -133,7 +139,7 @@ def consistency_problems(objects: list[dict]) -> list[str]:
     problems: list[str] = []
     config_maps = {c["metadata"]["name"]: c.get("data", {}) for c in by_kind(objects, "ConfigMap")}
     workloads = [o for o in objects if o["kind"] in WORKLOADS]
-    replicas, routers = [], []       # (workload, container, raw toml, config)
+    replicas, routers = [], []       # (workload, its config), the routers' configs
 
     for wl in workloads:
         name = f"{wl['kind']}/{wl['metadata']['name']}"
@@ -181,7 +187,7 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 continue
             cmd = c.get("command", [])
             try:
-                raw, cfg = weir_toml.load(text, serve=cmd[:2] == ["weir", "serve"])
+                cfg = weir_toml.load(text, "serve" if cmd[:2] == ["weir", "serve"] else "route")
             except Exception as exc:        # noqa: BLE001 - reported as a problem
                 problems.append(f"{name}: its config does not load: {exc}")
                 continue
@@ -198,8 +204,14 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 problems.append(f"{name}: curve_keys_dir {keys_dir} is not mounted")
             if env.get("WEIR_CURVE_KEYS_DIR") != keys_dir:
                 problems.append(f"{name}: WEIR_CURVE_KEYS_DIR is not the config's keys dir")
+            secrets = {v["secret"]["secretName"] for v in volumes.values() if "secret" in v}
+            service_key = next((e.get("valueFrom", {}).get("secretKeyRef", {})
+                                for e in c.get("env", ()) if e["name"] == "WEIR_SERVICE_KEY"), {})
+            if service_key.get("name") not in secrets or service_key.get("key") != "service.key":
+                problems.append(f"{name}: WEIR_SERVICE_KEY is not the keys Secret's service.key")
             if cfg.telemetry.exporter != "otlp" or not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-                problems.append(f"{name}: traces go nowhere (exporter, OTEL_EXPORTER_OTLP_ENDPOINT)")
+                problems.append(f"{name}: traces go nowhere (exporter, "
+                                f"OTEL_EXPORTER_OTLP_ENDPOINT)")
             gpus = int(res.get("limits", {}).get("nvidia.com/gpu", 0))
             if (cfg.engine.device == "cuda") != (gpus > 0):
                 problems.append(f"{name}: engine.device {cfg.engine.device} with {gpus} GPUs")
@@ -208,15 +220,15 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 if cpu_limit and not 0 < cfg.engine.num_threads <= _cpu(cpu_limit):
                     problems.append(f"{name}: engine.num_threads {cfg.engine.num_threads} "
                                     f"does not fit the CPU limit {cpu_limit}")
-                events = raw["topology"].get("kv_events_endpoint")
-                if events is None or weir_toml.endpoint_port(events) != ports.get("kv-events"):
+                events = cfg.topology.kv_events_endpoint
+                if not events or weir_toml.endpoint_port(events) != ports.get("kv-events"):
                     problems.append(f"{name}: kv_events_endpoint is not on the kv-events port")
                 if "--endpoint" in cmd and cmd[cmd.index("--endpoint") + 1] != \
                         cfg.topology.client_endpoint:
                     problems.append(f"{name}: --endpoint differs from the config's")
-                replicas.append((wl, c, raw, cfg))
+                replicas.append((wl, cfg))
             elif cmd[:2] == ["weir", "route"]:
-                routers.append((wl, c, raw, cfg))
+                routers.append(cfg)
             else:
                 problems.append(f"{name}: runs neither weir serve nor weir route: {cmd}")
 
@@ -240,7 +252,7 @@ def consistency_problems(objects: list[dict]) -> list[str]:
     if not routers or not replicas:
         problems.append(f"{len(routers)} routers, {len(replicas)} replica workloads")
     expected = {}
-    for wl, c, raw, cfg in replicas:
+    for wl, cfg in replicas:
         if wl["kind"] != "StatefulSet":
             problems.append(f"{wl['kind']}/{wl['metadata']['name']}: replicas need stable "
                             f"names: a StatefulSet")
@@ -254,30 +266,30 @@ def consistency_problems(objects: list[dict]) -> list[str]:
             continue
         svc_ports = {p["port"] for p in headless[0]["spec"]["ports"]}
         zmq = weir_toml.endpoint_port(cfg.topology.client_endpoint)
-        events = weir_toml.endpoint_port(raw["topology"]["kv_events_endpoint"])
+        events = weir_toml.endpoint_port(cfg.topology.kv_events_endpoint)
         if not {zmq, events} <= svc_ports:
             problems.append(f"Service/{svc_name} does not expose ports {zmq} and {events}")
         for i in range(wl["spec"].get("replicas", 1)):
             host = f"{wl['metadata']['name']}-{i}.{svc_name}"
             expected[host] = (zmq, events, cfg)
-    for wl, c, raw, cfg in routers:
+    for cfg in routers:
         listed = {}
-        for rep in raw.get("router", {}).get("replicas", ()):
-            host = weir_toml.endpoint_host(rep["endpoint"])
+        for rep in cfg.router.replicas:
+            host = weir_toml.endpoint_host(rep.endpoint)
             listed[host] = rep
-            if weir_toml.endpoint_host(rep["kv_events"]) != host:
-                problems.append(f"router: {rep['name']}'s kv_events is another host")
+            if weir_toml.endpoint_host(rep.kv_events) != host:
+                problems.append(f"router: {rep.name}'s kv_events is another host")
             if host not in expected:
-                problems.append(f"router: replica {rep['name']} at {host} is no pod of a "
+                problems.append(f"router: replica {rep.name} at {host} is no pod of a "
                                 f"replica StatefulSet")
                 continue
             zmq, events, rcfg = expected[host]
-            if (weir_toml.endpoint_port(rep["endpoint"]),
-                    weir_toml.endpoint_port(rep["kv_events"])) != (zmq, events):
-                problems.append(f"router: replica {rep['name']} on other ports than it serves")
+            if (weir_toml.endpoint_port(rep.endpoint),
+                    weir_toml.endpoint_port(rep.kv_events)) != (zmq, events):
+                problems.append(f"router: replica {rep.name} on other ports than it serves")
             if (rcfg.engine.model, rcfg.kv.block_size) != (cfg.engine.model, cfg.kv.block_size):
                 problems.append(f"router: engine.model / kv.block_size differ from "
-                                f"{rep['name']}'s")
+                                f"{rep.name}'s")
         for host in sorted(set(expected) - set(listed)):
             problems.append(f"router: replica pod {host} is not in its list")
     return problems
@@ -315,7 +327,8 @@ def test_consistency_check_catches_breakage(breakage, reported):
     elif breakage == "scaled_up":        # a pod the router does not know
         sts["spec"]["replicas"] = 3
     elif breakage == "selector":
-        one(objects, "Service", "weir-router")["spec"]["selector"]["app.kubernetes.io/component"] = "gateway"
+        selector = one(objects, "Service", "weir-router")["spec"]["selector"]
+        selector["app.kubernetes.io/component"] = "gateway"
     elif breakage == "probe_port":
         container["readinessProbe"]["httpGet"]["port"] = "metrics"
     elif breakage == "config_key":
@@ -336,11 +349,11 @@ def test_configs_match_between_router_and_replicas(rendered):
     name, objects = rendered
     data = by_kind(objects, "ConfigMap")[0]["data"]
     assert set(data) == {"replica.toml", "router.toml"}
-    _, replica = weir_toml.load(data["replica.toml"], serve=True)
-    router_raw, router = weir_toml.load(data["router.toml"])
+    replica = weir_toml.load(data["replica.toml"], "serve")
+    router = weir_toml.load(data["router.toml"], "route")
     assert replica.engine.model == router.engine.model
     assert replica.kv.block_size == router.kv.block_size
-    assert router_raw["router"]["policy"] == "cache_aware"
+    assert router.router.policy == "cache_aware"
     assert replica.security.curve and router.security.curve
     if name == "overlays/gpu":
         assert (replica.engine.device, replica.engine.dtype) == ("cuda", "bfloat16")
@@ -386,6 +399,14 @@ def test_keys_secret_holds_what_weir_keys_generate_writes(tmp_path):
     keys = curve.generate(tmp_path / "keys")
     generate_service_key(keys / "service.key")
     files = {p.name for p in keys.iterdir() if p.is_file()}
+    if shutil.which("kubectl"):       # the Secret as docs/deploy.md makes it
+        out = subprocess.run(["kubectl", "create", "secret", "generic", "weir-curve-keys",
+                              f"--from-file={keys}", "--dry-run=client", "-o", "yaml"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        secret = yaml.safe_load(out.stdout)
+        validate(secret)
+        assert set(secret["data"]) == files
     objects = render(K8S / "base")
     for wl in (o for o in objects if o["kind"] in WORKLOADS):
         (vol,) = [v for v in wl["spec"]["template"]["spec"]["volumes"] if "secret" in v]
