@@ -9,13 +9,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate  # the test extra (pyproject.toml): bundles the schemas
 import pytest
 import yaml
 
 from tests.deploy import weir_toml
 from tests.deploy.kustomize import render, render_kubectl, render_py
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
