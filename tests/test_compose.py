@@ -1,4 +1,5 @@
-"""compose.yaml is valid and runs every component, the collector, Jaeger and Prometheus."""
+"""compose.yaml is valid and runs every component, the collector, Jaeger and Prometheus;
+its `router` profile runs two whole-engine replicas behind a router."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -6,15 +7,18 @@ from pathlib import Path
 import yaml
 
 from schemas.config import COMPONENTS, load_config
+from tests.deploy import weir_toml
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUTER_PROFILE = ("replica-0", "replica-1", "router")
 
 
 def test_compose_config_is_valid():
     if shutil.which("docker-compose"):
-        out = subprocess.run(["docker-compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"],
-                             capture_output=True, text=True, cwd=ROOT)
-        assert out.returncode == 0, out.stderr
+        for profile in ([], ["--profile", "router"]):
+            out = subprocess.run(["docker-compose", "-f", str(ROOT / "compose.yaml"), *profile,
+                                  "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+            assert out.returncode == 0, out.stderr
     spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = spec["services"]
     assert set(COMPONENTS) | {"gateway", "supervisor", "otel-collector", "jaeger",
@@ -38,3 +42,67 @@ def test_compose_topology_config_is_tcp_and_traced():
     assert t.client_connect == "tcp://streamer:7450"
     assert cfg.telemetry.exporter == "otlp" and "otel-collector" in cfg.telemetry.otlp_endpoint
     assert cfg.gateway.host == "0.0.0.0"
+
+
+def _mounted(svc: dict, host_path: str) -> str:
+    """Where the service mounts ``host_path`` (a path relative to the repository)."""
+    for vol in svc["volumes"]:
+        src, dst, *_ = vol.split(":")
+        if (ROOT / src).resolve() == (ROOT / host_path).resolve():
+            return dst
+    raise AssertionError(f"{host_path} is not mounted: {svc['volumes']}")
+
+
+def test_compose_router_profile():
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    # the default stack is unchanged: only the router profile's services have a profile
+    assert {n for n, s in services.items() if "profiles" in s} == set(ROUTER_PROFILE)
+    for name in ROUTER_PROFILE:
+        svc = services[name]
+        assert svc["profiles"] == ["router"], name
+        assert svc["image"] == "weir:latest" and "healthcheck" in svc, name
+        assert svc["stop_signal"] == "SIGTERM", name
+        assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+        assert "otel-collector" in svc["depends_on"], name
+    default_ports = {p.rsplit(":", 1)[0] for n, s in services.items() if n not in ROUTER_PROFILE
+                     for p in s.get("ports", ())}
+    router = services["router"]
+    assert not default_ports & {p.rsplit(":", 1)[0] for p in router["ports"]}, \
+        "the router's host ports clash with the default stack's"
+    assert {r: router["depends_on"][r]["condition"] for r in ("replica-0", "replica-1")} == \
+        {"replica-0": "service_healthy", "replica-1": "service_healthy"}
+
+    # the router's config, as `weir route` reads it from its mount
+    cmd = router["command"]
+    assert cmd[:3] == ["weir", "route", "--config"]
+    assert cmd[3] == _mounted(router, "deploy/router/router.toml")
+    router_cfg = weir_toml.load((ROOT / "deploy/router/router.toml").read_text(), "route")
+    assert router_cfg.gateway.host == "0.0.0.0"
+    # it publishes its client endpoint and gateway (on other host ports, above)
+    assert {int(p.rsplit(":", 1)[1]) for p in router["ports"]} == {
+        weir_toml.endpoint_port(router_cfg.topology.client_endpoint), router_cfg.gateway.port}
+    listed = {weir_toml.endpoint_host(r.endpoint): r for r in router_cfg.router.replicas}
+    assert set(listed) == {"replica-0", "replica-1"}
+
+    for name in ("replica-0", "replica-1"):
+        svc = services[name]
+        cmd = svc["command"]
+        assert cmd[:3] == ["weir", "serve", "--config"]
+        assert cmd[3] == _mounted(svc, "deploy/router/replica.toml")
+        cfg = weir_toml.load((ROOT / "deploy/router/replica.toml").read_text(), "serve")
+        # `weir serve` binds --endpoint: the config's endpoint, on the port the router dials
+        assert cmd[cmd.index("--endpoint") + 1] == cfg.topology.client_endpoint
+        zmq = weir_toml.endpoint_port(cfg.topology.client_endpoint)
+        events = weir_toml.endpoint_port(cfg.topology.kv_events_endpoint)
+        rep = listed[name]
+        assert (weir_toml.endpoint_port(rep.endpoint), weir_toml.endpoint_port(rep.kv_events),
+                weir_toml.endpoint_host(rep.kv_events)) == (zmq, events, name)
+        assert f"tcp://127.0.0.1:{zmq}" in svc["healthcheck"]["test"]
+        # the router hashes prefixes as the replicas' kv_managers do
+        assert (cfg.engine.model, cfg.kv.block_size) == (router_cfg.engine.model,
+                                                         router_cfg.kv.block_size)
+        assert cfg.gateway.host == "0.0.0.0"
+        for c in (cfg, router_cfg):
+            assert c.security.curve and c.security.curve_keys_dir == _mounted(svc, "deploy/keys")
+            assert c.telemetry.exporter == "otlp" and "otel-collector" in c.telemetry.otlp_endpoint
+    assert router_cfg.security.curve_keys_dir == _mounted(router, "deploy/keys")
