@@ -18,7 +18,7 @@ import structlog
 import zmq
 
 from bus.socket import BusSocket
-from components.streamer.identity import SERVICE_KEY_ENV
+from components.streamer.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from schemas.config import COMPONENTS, WeirConfig
 from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentStatus, Drain,
                           PeerRestarted, Stop, SupervisorMsg)
@@ -69,7 +69,9 @@ class Supervisor:
         self.stopping = False
         # the gateway's credential towards the streamer (components/streamer/identity.py):
         # inherited by the children this supervisor spawns; compose sets it for every service
-        os.environ.setdefault(SERVICE_KEY_ENV, secrets.token_urlsafe(32))
+        # (a deployment that shares one, in a file, keeps it: replicas and a router agree)
+        if not os.environ.get(SERVICE_KEY_ENV) and not os.environ.get(SERVICE_KEY_FILE_ENV):
+            os.environ[SERVICE_KEY_ENV] = secrets.token_urlsafe(32)
         run_dir = Path(config.topology.run_dir or f"/tmp/weir-{os.getpid()}")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = run_dir / "config.json"

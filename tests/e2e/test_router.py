@@ -86,3 +86,147 @@ def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
     rr, ca = results["round_robin"], results["cache_aware"]
     assert ca["hit_rate"] >= 2 * rr["hit_rate"], results
     assert ca["ttft_p50"] < rr["ttft_p50"], results
+
+
+@pytest.fixture
+def router(replicas, tmp_path):
+    r = Router(tmp_path / "router", replicas, REPLICA_TOML)
+    yield r
+    r.stop()
+
+
+def routed(stats: dict) -> dict[str, float]:
+    return {k.split(".")[1]: v for k, v in stats.items()
+            if k.startswith("replica.") and k.endswith(".routed")}
+
+
+def where_it_went(router: Router, before: dict[str, float]) -> str:
+    """The replica whose routed count grew since ``before`` (exactly one must have)."""
+    after = router.wait(lambda s: sum(routed(s).values()) > sum(before.values()),
+                        "the request counted")
+    grew = [n for n, v in routed(after).items() if v > before.get(n, 0)]
+    assert len(grew) == 1, (before, after)
+    return grew[0]
+
+
+HISTORY = ("The ledger lists every shipment that left the northern warehouse this quarter, "
+           "with its weight, its carrier, the promised date and the date it arrived. ") * 12
+
+
+def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
+    with router.client() as c:
+        before = routed(router.stats())
+        c.generate(HISTORY + "Question one?", max_tokens=2, temperature=0.0, tenant="acme")
+        warm = where_it_went(router, before)
+        # unloaded, the prefix decides: the next turn goes where the history is cached
+        router.wait(lambda s: s.get(f"replica.{warm}.index_blocks", 0) >= 10,
+                    "the history in the router's view of its replica")
+        before = routed(router.stats())
+        r = c.generate(HISTORY + "Question two?", max_tokens=2, temperature=0.0, tenant="acme")
+        assert where_it_went(router, before) == warm and r.usage.cached_tokens >= 160
+
+    # load the warm replica directly (not through the router) far past a 1.5 s deadline
+    hot = replicas[warm]
+    flood_done = threading.Event()
+
+    def flood():
+        async def main():
+            async with hot.async_client() as fc:
+                streams = [await fc.stream(f"Flood {i}: " + "numbers and letters " * 150,
+                                           max_tokens=32, ignore_eos=True, tenant="globex")
+                           for i in range(12)]
+                await anyio.to_thread.run_sync(flood_done.wait)
+                for s in streams:
+                    await fc.cancel(s.request_id)
+        anyio.run(main)
+
+    t = threading.Thread(target=flood)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:      # the router sees the load in the replica's report
+            with router.client() as c:
+                comps = {x.name: x for x in c.status().components}
+            queue = comps.get(f"{warm}/admission")
+            if queue is not None and queue.stats.get("predicted_queue_s", 0) > 3.0:
+                break
+            assert time.monotonic() < deadline, f"{warm} never looked loaded: {queue}"
+            time.sleep(0.1)
+        with router.client() as c:
+            before = routed(router.stats())
+            r = c.generate(HISTORY + "Question three?", max_tokens=2, temperature=0.0,
+                           tenant="acme", deadline_ms=1500)
+            went = where_it_went(router, before)
+        assert went != warm, "a request went to the overloaded replica for its prefix"
+        assert r.usage.cached_tokens == 0          # the price: its prefix was computed again
+    finally:
+        flood_done.set()
+        t.join(60)
+    hot.wait_kv_free(timeout=60)
+
+
+def test_failover_when_a_replica_is_killed_under_load(router, replicas):
+    victim_name = "r2"
+    victim = replicas[victim_name]
+    outcomes: list[str] = []
+    stop_load = threading.Event()
+
+    def load():
+        from weir.errors import RequestFailed, WeirError
+
+        async def one(c, i):
+            try:
+                r = await c.generate(f"Load {i}: tell me about rivers and deltas.",
+                                     max_tokens=48, ignore_eos=True, temperature=0.0,
+                                     tenant="initech", timeout=60)
+                outcomes.append(f"finished:{r.usage.completion_tokens}")
+            except RequestFailed as exc:
+                outcomes.append(f"failed:{exc}")
+            except WeirError as exc:
+                outcomes.append(f"other:{type(exc).__name__}:{exc}")
+
+        async def main():
+            async with router.async_client() as c:
+                i = 0
+                async with anyio.create_task_group() as tg:
+                    while not stop_load.is_set():
+                        for _ in range(6):
+                            tg.start_soon(one, c, i)
+                            i += 1
+                        await anyio.sleep(0.5)
+        anyio.run(main)
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        router.wait(lambda s: s.get(f"replica.{victim_name}.open", 0) >= 1,
+                    f"requests open on {victim_name}")
+        victim.proc.kill()                       # kill -9 the replica's supervisor ...
+        killed = time.monotonic()
+        # ... its components die with it (PDEATHSIG); new requests must succeed on the
+        # survivors within 5 s
+        first_ok = None
+        with router.client() as c:
+            while first_ok is None and time.monotonic() - killed < 30:
+                try:
+                    c.generate("After the failure: hello", max_tokens=2, tenant="acme",
+                               timeout=10)
+                    first_ok = time.monotonic() - killed
+                except Exception:
+                    time.sleep(0.05)
+        stats = router.wait(lambda s: s.get(f"replica.{victim_name}.healthy") == 0,
+                            f"{victim_name} out")
+        assert stats.get(f"replica.{victim_name}.lost", 0) >= 1
+    finally:
+        stop_load.set()
+        t.join(120)
+    assert not t.is_alive(), "a client request never ended"
+    print(f"failover: first success {first_ok:.2f} s after the kill; outcomes "
+          f"{sorted(set(o.split(':')[0] for o in outcomes))} of {len(outcomes)}")
+    assert first_ok is not None and first_ok <= 5.0
+    assert outcomes and all(o.startswith(("finished:48", "failed:")) for o in outcomes), outcomes
+    assert any("replica_lost" in o for o in outcomes), outcomes
+    # the survivors drained clean
+    for name, eng in replicas.items():
+        if name != victim_name:
+            eng.wait_kv_free(timeout=60)
