@@ -36,6 +36,7 @@ class ReplicaIndex:
     synced: bool = False            # a snapshot arrived and no gap since
     gaps: int = 0
     snapshots: int = 0
+    stored: int = 0                 # "stored" events applied (snapshots not counted)
 
     def apply(self, msg: KvEvents) -> bool:
         """Take one message; False when it shows a gap, so the caller must resync
@@ -50,6 +51,7 @@ class ReplicaIndex:
         for kind, h, scope, tier, _ in msg.events:
             if kind == "stored":
                 self.blocks[h] = (scope, tier)
+                self.stored += 1
             elif self.blocks.get(h, (None, None))[1] == tier:   # removed from that tier
                 del self.blocks[h]
         self.instance, self.seq = msg.instance, msg.seq

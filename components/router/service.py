@@ -494,6 +494,7 @@ class RouterService(Component):
                         f"replica.{name}.open": len(r.open),
                         f"replica.{name}.index_blocks": len(r.index.blocks),
                         f"replica.{name}.index_gaps": r.index.gaps,
+                        f"replica.{name}.index_stored": r.index.stored,
                         f"replica.{name}.index_snapshots": r.index.snapshots,
                         **{f"replica.{name}.{k}": v for k, v in r.counts.items()}})
         return out

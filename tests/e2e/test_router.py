@@ -30,6 +30,7 @@ num_threads = 1
 [scheduler]
 max_num_batched_tokens = 256
 [admission]
+max_outstanding = 40
 tenants = [{ name = "default" }, { name = "acme" }, { name = "globex" }, { name = "initech" }]
 """
 BLOCK = 16
@@ -115,15 +116,18 @@ HISTORY = ("The ledger lists every shipment that left the northern warehouse thi
 
 def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
     with router.client() as c:
-        before = routed(router.stats())
+        stats = router.stats()
+        before, stored = routed(stats), stats
         c.generate(HISTORY + "Question one?", max_tokens=2, temperature=0.0, tenant="acme")
         warm = where_it_went(router, before)
         # unloaded, the prefix decides: the next turn goes where the history is cached
-        router.wait(lambda s: s.get(f"replica.{warm}.index_blocks", 0) >= 10,
+        key = f"replica.{warm}.index_stored"
+        router.wait(lambda s: s.get(key, 0) >= stored.get(key, 0) + 10,
                     "the history in the router's view of its replica")
         before = routed(router.stats())
         r = c.generate(HISTORY + "Question two?", max_tokens=2, temperature=0.0, tenant="acme")
-        assert where_it_went(router, before) == warm and r.usage.cached_tokens >= 160
+        went = where_it_went(router, before)
+        assert (went, r.usage.cached_tokens >= 160) == (warm, True), (went, r.usage)
 
     # load the warm replica directly (not through the router) far past a 1.5 s deadline
     hot = replicas[warm]
@@ -157,10 +161,50 @@ def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
             r = c.generate(HISTORY + "Question three?", max_tokens=2, temperature=0.0,
                            tenant="acme", deadline_ms=1500)
             went = where_it_went(router, before)
-        assert went != warm, "a request went to the overloaded replica for its prefix"
-        assert r.usage.cached_tokens == 0          # the price: its prefix was computed again
+        assert went != warm, ("a request went to the overloaded replica for its prefix",
+                              router.stats())
+        assert r.usage.cached_tokens == 0, r.usage     # the price: its prefix computed again
     finally:
         flood_done.set()
+        t.join(60)
+    hot.wait_kv_free(timeout=60)
+
+
+def test_a_rejection_for_load_is_routed_to_another_replica(replicas, tmp_path):
+    """Admission's `route`: a replica that refuses a request for load ("overloaded": it holds
+    its max_outstanding) is not the end; the router sends the request to the next one.
+    Round robin ignores load, so it sends requests to the full replica for certain."""
+    hot = replicas["r0"]
+    held = threading.Event()
+    release = threading.Event()
+
+    def fill():            # 40 open requests: r0's request cap
+        async def main():
+            async with hot.async_client() as fc:
+                streams = [await fc.stream(f"Fill {i}", max_tokens=400, ignore_eos=True,
+                                           tenant="globex") for i in range(40)]
+                held.set()
+                await anyio.to_thread.run_sync(release.wait)
+                for s in streams:
+                    await fc.cancel(s.request_id)
+        anyio.run(main)
+
+    t = threading.Thread(target=fill)
+    t.start()
+    router = Router(tmp_path / "rr", replicas, REPLICA_TOML, policy="round_robin")
+    try:
+        assert held.wait(60)
+        hot.wait_stat("admission", "outstanding", 40, timeout=30)
+        with router.client() as c:
+            results = [c.generate(f"Route me {i}", max_tokens=2, temperature=0.0,
+                                  tenant="acme") for i in range(3)]
+        assert all(r.usage.completion_tokens == 2 for r in results)
+        stats = router.wait(lambda s: s.get("requests.rerouted", 0) >= 1, "a reroute")
+        assert stats.get("replica.r0.rerouted.overloaded", 0) >= 1
+        assert stats.get("replica.r0.finished", 0) == 0
+    finally:
+        router.stop()
+        release.set()
         t.join(60)
     hot.wait_kv_free(timeout=60)
 
