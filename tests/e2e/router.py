@@ -23,13 +23,15 @@ def start_replica(run_dir: Path, toml: str) -> Engine:
 
 class Router:
     def __init__(self, run_dir: Path, replicas: dict[str, Engine], toml: str = "",
-                 policy: str = "cache_aware") -> None:
+                 policy: str = "cache_aware", http_port: int | None = None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
         self.log_path = run_dir / "route.log"
         cfg = run_dir / "router.toml"
-        cfg.write_text(toml + "\n[gateway]\nenabled = false\n")
+        self.base_url = f"http://127.0.0.1:{http_port}" if http_port else None
+        cfg.write_text(toml + (f"\n[gateway]\nport = {http_port}\n" if http_port
+                               else "\n[gateway]\nenabled = false\n"))
         args = [sys.executable, "-m", "weir.cli", "route", "--config", str(cfg), "--run-dir",
                 str(run_dir), "--endpoint", self.endpoint, "--policy", policy]
         for name, eng in replicas.items():

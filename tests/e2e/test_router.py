@@ -209,6 +209,32 @@ def test_a_rejection_for_load_is_routed_to_another_replica(replicas, tmp_path):
     hot.wait_kv_free(timeout=60)
 
 
+def test_http_gateway_in_front_of_the_router(replicas, tmp_path):
+    """`weir route` runs the OpenAI-compatible gateway in front of the router: ready while a
+    replica is, and a session header keeps a conversation on one replica."""
+    import httpx
+
+    from tests.e2e.conftest import free_port
+
+    router = Router(tmp_path / "http", replicas, REPLICA_TOML, http_port=free_port())
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{router.base_url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the router's gateway never became ready"
+            time.sleep(0.1)
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": HISTORY + "Summarise."}]}
+        for _ in range(3):
+            r = httpx.post(f"{router.base_url}/v1/chat/completions", json=body, timeout=60,
+                           headers={"X-Session-Id": "conversation-1"})
+            assert r.status_code == 200, r.text
+        stats = router.wait(lambda s: s.get("requests.submitted", 0) >= 3, "three requests")
+        assert stats.get("requests.reason.sticky", 0) == 2 and stats["sessions"] == 1
+        assert list(routed(stats).values()) == [3]          # one replica had them all
+    finally:
+        router.stop()
+
+
 def test_failover_when_a_replica_is_killed_under_load(router, replicas):
     victim_name = "r2"
     victim = replicas[victim_name]
