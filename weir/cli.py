@@ -257,9 +257,30 @@ def _status(args: argparse.Namespace) -> int:
             comps["executor"].info if "executor" in comps else {}).items()
             if k.startswith("kernel.")},
     }
+    if "router" in comps:                   # a router in front of replicas (weir route)
+        rs = comps["router"].stats
+        names = sorted({k.split(".")[1] for k in rs if k.startswith("replica.")})
+        out["router"] = {
+            "active_requests": int(rs.get("active_requests", 0)),
+            "sessions": int(rs.get("sessions", 0)),
+            "session_moves": int(rs.get("session_moves", 0)),
+            "rerouted": int(rs.get("requests.rerouted", 0)),
+            "decisions": {k.split(".", 2)[2]: int(v) for k, v in rs.items()
+                          if k.startswith("requests.reason.")},
+            "replicas": {n: {k.split(".", 2)[2]: v for k, v in rs.items()
+                             if k.startswith(f"replica.{n}.")} for n in names}}
     if args.json:
         print(json.dumps(out))
         return 0
+    if "router" in out:
+        r = out["router"]
+        print(f"router       active {r['active_requests']} sessions {r['sessions']} moves "
+              f"{r['session_moves']} rerouted {r['rerouted']} " + " ".join(
+                  f"{k} {v}" for k, v in sorted(r["decisions"].items())))
+        for n, rep in r["replicas"].items():
+            print(f"replica {n:12} {'healthy' if rep.get('healthy') else 'OUT':7} open "
+                  f"{int(rep.get('open', 0))} routed {int(rep.get('routed', 0))} cached view "
+                  f"{int(rep.get('index_blocks', 0))} blocks (gaps {int(rep.get('index_gaps', 0))})")
     for name, c in out["components"].items():
         print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
     s = out["scheduler"]
