@@ -14,6 +14,7 @@ import time
 import anyio
 import pytest
 
+from tests.e2e.engine import ROOT
 from tests.e2e.router import Router, start_replica
 from weir.replay.live import SdkTarget, replay
 from weir.replay.synth import PromptSynth, load_tokenizer
@@ -231,6 +232,15 @@ def test_http_gateway_in_front_of_the_router(replicas, tmp_path):
         stats = router.wait(lambda s: s.get("requests.submitted", 0) >= 3, "three requests")
         assert stats.get("requests.reason.sticky", 0) == 2 and stats["sessions"] == 1
         assert list(routed(stats).values()) == [3]          # one replica had them all
+        import json
+        import subprocess
+        import sys
+        out = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--json",
+                              "--endpoint", router.endpoint], capture_output=True, text=True,
+                             timeout=60, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        view = json.loads(out.stdout)["router"]
+        assert set(view["replicas"]) == set(replicas) and view["sessions"] == 1
+        assert all(r["healthy"] == 1 for r in view["replicas"].values())
     finally:
         router.stop()
 
