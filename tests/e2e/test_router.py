@@ -245,6 +245,55 @@ def test_http_gateway_in_front_of_the_router(replicas, tmp_path):
         router.stop()
 
 
+def test_bad_input_cancel_and_disconnect_through_the_router(router, replicas):
+    """Through the router as at one engine: bad input gets its clear rejection (not rerouted),
+    a cancelled or abandoned request frees its KV on the replica, nothing leaks."""
+    import msgspec
+    import zmq
+
+    from weir import RequestRejected
+
+    with router.client() as c:
+        for kwargs, reason in (({"prompt": ""}, "invalid_request"),
+                               ({"prompt": "hi", "max_tokens": -5}, "invalid_request"),
+                               ({"prompt": "hi", "tenant": "nobody"}, "unknown_tenant"),
+                               ({"prompt": "word " * 1100}, "prompt_too_long")):
+            with pytest.raises(RequestRejected) as err:
+                c.generate(**kwargs)
+            assert err.value.reason == reason, (kwargs, err.value)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(router.endpoint)
+    try:
+        sock.send(os.urandom(64))
+        assert sock.poll(5000)
+        assert msgspec.msgpack.decode(sock.recv())[3]["type"] == "protocol_error"
+        # a client that submits and goes silent: the router cancels it upstream
+        sock.send(msgspec.msgpack.encode([1, time.time_ns(), None, {
+            "type": "submit", "request_id": "abandoned", "prompt": "Count slowly: one two",
+            "params": {"max_tokens": 400, "ignore_eos": True}}]))
+        assert sock.poll(10000)
+        assert msgspec.msgpack.decode(sock.recv())[3]["type"] == "accepted"
+    finally:
+        sock.close()
+
+    async def cancel_one():
+        async with router.async_client() as ac:
+            stream = await ac.stream("Count to a thousand:", max_tokens=400, ignore_eos=True)
+            async for _ in stream:
+                await ac.cancel(stream.request_id)
+                break
+            return stream
+
+    anyio.run(cancel_one)
+    stats = router.wait(lambda s: s.get("active_requests", 1) == 0
+                        and s.get("requests.cancelled", 0) >= 2, "both requests cancelled",
+                        timeout=30)
+    assert stats.get("requests.rerouted", 0) == 0
+    for eng in replicas.values():
+        eng.wait_kv_free(timeout=30)
+
+
 def test_failover_when_a_replica_is_killed_under_load(router, replicas):
     victim_name = "r2"
     victim = replicas[victim_name]
