@@ -375,7 +375,8 @@ class RouterService(Component):
                 f.pending = 0
             if isinstance(body, Rejected) and not f.accepted and not f.cancelled \
                     and body.reason in REROUTE and len(f.tried) <= self.rc.reroute_attempts \
-                    and len(f.tried) < len(self.replicas):
+                    and any(o.healthy and not o.draining and name not in f.tried
+                            for name, o in self.replicas.items()):
                 r.counts[f"rerouted.{body.reason}"] += 1
                 self.counts["rerouted"] += 1
                 r.open.discard(rid)
