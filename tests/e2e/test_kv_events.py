@@ -14,8 +14,12 @@ def test_stored_events_for_a_finished_request(engine):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(f"ipc://{engine.run_dir}/kv_events.sock")
-    time.sleep(0.3)                                   # let the subscription reach the PUB
     decoder = msgspec.msgpack.Decoder(Envelope[KvEventsMsg])
+    # the subscription has reached the kv_manager when its snapshot (the cache so far,
+    # earlier tests' blocks included) arrives; what follows is this request's events
+    deadline = time.monotonic() + 10
+    while not (sub.poll(200) and decoder.decode(sub.recv()).body.snapshot):
+        assert time.monotonic() < deadline, "no snapshot for the subscription"
     prompt = "Event stream check: " + "alpha beta gamma delta " * 12
     with engine.client() as c:
         r = c.generate(prompt, max_tokens=2, temperature=0.0, tenant="acme")
