@@ -22,10 +22,11 @@ sits out a step. Each sequence's lifecycle is one explicit state machine
 Steps in flight: up to ``scheduler.async_depth`` plans may be at the executor at once (it
 runs them in order). ``in_flight`` maps each one's step id, oldest first, to the tokens it
 computes per sequence; each sequence also keeps its own (``Seq.in_flight``) and plans from
-its planned position. A result is taken only for the oldest step in flight. Blocks that a
-step in flight may still read or write are not given back (``FreeRequest``, which also
-enters the computed blocks in the prefix cache, or ``SwapOutRequest``) until that step has
-answered: such releases wait in ``_deferred`` (``_release``).
+its planned position. A result is taken only for the oldest step in flight. A sequence that
+ends or is preempted gives its blocks back at once (``FreeRequest``, which also enters its
+computed blocks in the prefix cache, or ``SwapOutRequest``), steps in flight or not: the
+executor runs plans in order, so the blocks are used again only after those steps
+(``kv_requests.py``).
 
 Synchronous and torch-free; ``loop.py`` feeds it messages and the service sends what it
 returns.
@@ -74,9 +75,6 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         # the steps sent to the executor and not answered, oldest first:
         # step_id -> {seq_id: tokens computed for it}
         self.in_flight: dict[int, dict[int, int]] = {}
-        # releases waiting for the steps in flight that use their blocks:
-        # (the last such step, FreeRequest | SwapOutRequest, tenant), in the order decided
-        self._deferred: list[tuple[int, FreeRequest | SwapOutRequest, str]] = []
         self.discarded_samples = 0   # sampled for a sequence that ended (or was preempted)
                                      # while the step ran: the price of planning ahead
         self._frees_emitted = 0    # FreeRequests so far; a refused lease retries after more
@@ -178,7 +176,6 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         Starts a new epoch if the pool was lost."""
         out = Outcome()
         self.in_flight.clear()
-        deferred, self._deferred = self._deferred, []
         for parent in list(self.by_request.values()):
             out.forget.append(parent.request_id)
             for seq in list(parent.group):
@@ -188,9 +185,6 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                 seq.known_to_executor = False
                 self._finish(seq, out, free=not kv_lost)
         self._copies.clear()              # the executor's memory is new (or void)
-        for _, op, tenant in deferred:    # frees that waited for a step; cache nothing
-            if isinstance(op, FreeRequest) and not kv_lost:   # (a swap-out's seq was freed)
-                self._free_lease(op.seq_id, 0, tenant)
         if kv_lost:
             self._frees.clear()
             self._allocs.clear()

@@ -6,17 +6,30 @@ refused first lease is asked again only after something was freed since it was a
 pool as a whole for ``pool_full``, the same tenant for ``tenant_kv_budget``. A tenant at its
 KV budget or its running cap does not hold up the queue: later tenants are asked for.
 
-A lease (or a swap-out) whose blocks a step in flight still uses is given back only once
-that step has answered (``_after_steps``, released by ``_release``): until then the
-executor may still write them, and the pool must neither hand them to someone else nor
-enter them in the prefix cache."""
+A lease is given back (``FreeRequest``, or a ``SwapOutRequest`` for a swap victim) as soon
+as the core decides it, even while a step in flight (``scheduler.async_depth`` 2) still
+names the sequence. That is safe because the executor runs its plans strictly in order:
+
+- a block handed to another sequence (or copied into, by a later grant's copies) is first
+  used by a plan made after that grant came back, so the executor runs it after every
+  step in flight now, whose writes to the block are over by then;
+- the blocks a free enters in the prefix cache are the full ones below ``num_computed``,
+  which counts answered steps only; a step in flight writes at ``num_computed`` and past;
+- a swap-out's copies (and a prefix demotion's) ride in a later plan and are done before
+  its forward, after the steps in flight; the blocks they move hold the first
+  ``num_computed`` tokens, already written by answered steps;
+- the executor forgets the sequence through the next plan's ``drop``; until then only the
+  steps in flight use its (stale) block table.
+
+So a finished sequence's blocks reach the prefix cache in the step it ends, and a follow-up
+turn sent right after its last token finds them."""
 from __future__ import annotations
 
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from components.scheduler.sequence import Event, Seq, State
-from schemas.wire import AllocRequest, FreeRequest, KvGrant, SwapOutRequest
+from schemas.wire import AllocRequest, FreeRequest, KvGrant
 
 if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
@@ -143,35 +156,10 @@ class KvRequests:
         return bool(cap) and claimed[seq.tenant] > 0 and claimed[seq.tenant] + seq.slots > cap
 
     def _free_lease(self: SchedulerCore, seq_id: int, num_computed: int, tenant: str = "") -> None:
-        self._after_steps(seq_id, FreeRequest(seq_id, num_computed), tenant)
-
-    def _after_steps(self: SchedulerCore, seq_id: int, op: FreeRequest | SwapOutRequest,
-                     tenant: str) -> None:
-        """Send ``op`` (it gives ``seq_id``'s blocks back) now, or, if a step in flight
-        names ``seq_id`` (an old id too: the executor knows it until it is dropped), once
-        the last such step has answered. Releases keep the order they were decided in."""
-        last = max((step for step, seqs in self.in_flight.items() if seq_id in seqs), default=0)
-        if last:
-            self._deferred.append((last, op, tenant))
-        else:
-            self._send_release(op, tenant)
-
-    def _send_release(self: SchedulerCore, op: FreeRequest | SwapOutRequest, tenant: str) -> None:
-        if isinstance(op, FreeRequest):
-            self._frees.append(op)
-            self._note_freed(tenant)        # counted when sent: a refused lease asks again after
-        else:
-            self._swap_outs.append(op)      # its blocks count as freed when the grant comes
-
-    def _release(self: SchedulerCore, step_id: int) -> None:
-        """Step ``step_id`` (and every one before it) answered: send what waited for it."""
-        if not self._deferred:
-            return
-        ready = [d for d in self._deferred if d[0] <= step_id]
-        if ready:
-            self._deferred = [d for d in self._deferred if d[0] > step_id]
-            for _, op, tenant in ready:
-                self._send_release(op, tenant)
+        """Give ``seq_id``'s blocks back now, steps in flight or not (module docstring);
+        its first ``num_computed`` tokens' full blocks enter the prefix cache."""
+        self._frees.append(FreeRequest(seq_id, num_computed))
+        self._note_freed(tenant)        # counted when sent: a refused lease asks again after
 
     def _note_freed(self: SchedulerCore, tenant: str) -> None:
         """Device blocks were (or will be, before any later ask) given back: a refused lease

@@ -28,13 +28,12 @@ class Output:
         ignored; results come in step order). Sequences still in it advance and take their
         samples; a sequence that ended or was preempted since the step was planned has left
         it (``Seq.in_flight`` cleared), and its sample is discarded: not emitted, not
-        charged. Releases that waited for this step go out."""
+        charged."""
         out = Outcome()
         if not self.in_flight or result.step_id != next(iter(self.in_flight)):
             return out                                # a step planned before a reset
         step_id = result.step_id
         planned = self.in_flight.pop(step_id)
-        self._release(step_id)
         live: set[int] = set()
         for seq_id, n in planned.items():
             seq = self.by_seq.get(seq_id)
@@ -112,9 +111,9 @@ class Output:
 
     def _finish(self: SchedulerCore, seq: Seq, out: Outcome, free: bool = True) -> None:
         """End one choice; the request is released when its last choice ends. Its lease is
-        freed (``free`` false: the pool is gone) at once, or when the steps in flight it is
-        in have answered (their samples for it are discarded); a grant still in flight is
-        freed when it arrives (``CLOSING``)."""
+        freed at once (``free`` false: the pool is gone), steps in flight or not: what they
+        compute for it is discarded (``kv_requests.py`` says why the free is safe). A grant
+        still in flight is freed when it arrives (``CLOSING``)."""
         if in_running(seq):
             self.running.remove(seq)
         elif seq in self.waiting:

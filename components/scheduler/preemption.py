@@ -13,10 +13,12 @@ sends it back to wait under a fresh seq id; swap copies its blocks to the execut
 tier. The cheaper by estimate is chosen, unless ``kv.preemption_mode`` forces one.
 
 A victim may be in a step still in flight (``scheduler.async_depth`` 2): it is preempted all
-the same, what that step computes for it is discarded, and its free or swap-out waits until
-the step has answered (``KvRequests._after_steps``), so the executor never writes a block
-the pool has handed on. Excluding such victims would leave nothing to preempt: with steps
-overlapped, every decoding sequence is nearly always in one.
+the same, what that step computes for it is discarded, and its free or swap-out is sent at
+once. The executor runs that step before any plan that uses the blocks again, and the
+swap-out's copies ride in a later plan, so they read the victim's KV after the step; they
+move its first ``num_computed`` tokens, which answered steps wrote (``kv_requests.py``).
+Excluding such victims would leave nothing to preempt: with steps overlapped, every decoding
+sequence is nearly always in one.
 
 Urgency: a waiting request that is blocked (no KV, or no free running slot) and would miss
 its TTFT deadline waiting for a slot may preempt one running sequence of a lower class. It
@@ -221,7 +223,8 @@ class Preempting:
         self._to_queue_head(seq, in_running(seq))
         seq.to(Event.SWAP_OUT)
         seq.in_flight.clear()                       # what steps in flight compute is dropped
-        self._after_steps(seq.seq_id, SwapOutRequest(seq.seq_id, seq.num_computed), seq.tenant)
+        # sent now, steps in flight or not; its blocks count as freed when the grant comes
+        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
         if seq.known_to_executor:
             self._drop.append(seq.seq_id)
         seq.block_ids = []

@@ -390,13 +390,13 @@ def test_cancel_while_step_in_flight():
     assert core.in_flight == {2: {1: 1, 2: 1}}
     out = core.cancel("a")
     assert out.released == ["a"] and out.forget == ["a"]
-    # its blocks go back once the step in flight (which still writes them) has answered,
-    # with only what was computed before it
-    assert core.take_kv_ops() is None
+    # its blocks go back at once, with only what was computed before the step in flight:
+    # the executor runs that step before any plan that uses them again
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
     out = core.on_result(result(plan, {1: 3, 2: 4}))
     assert out.tokens == [TokenOut("b", [4])]            # a's token is discarded
     assert out.released == [] and core.discarded_samples == 1
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
+    assert core.take_kv_ops() is None
     assert core.schedule() == StepPlan(3, [], [SeqStep(2, 1, [], True)], [1])
     assert core.by_request["b"].num_computed == 4
 
@@ -407,10 +407,10 @@ def test_cancel_in_flight_with_pending_growth():
     growth = core.take_kv_ops()
     assert growth == KvOps(EPOCH, [], [AllocRequest(1, 1)])
     core.cancel("a")
-    assert core.take_kv_ops() is None                    # the step in flight writes its blocks
-    core.on_result(result(plan, {1: 5}))
-    frees = core.take_kv_ops()
+    frees = core.take_kv_ops()                           # at once, its step in flight or not
     assert frees == KvOps(EPOCH, [FreeRequest(1, 0)], [])
+    core.on_result(result(plan, {1: 5}))
+    assert core.take_kv_ops() is None
     # the kv_manager saw the growth before the free; its grant comes back to a dead seq
     grants = kv.apply(growth)
     kv.apply(frees)
@@ -775,10 +775,18 @@ class Cluster:
 
     ``scheduler.async_depth`` is 1 or 2. At 2 the executor model tends to hold a plan until
     the next one is queued behind it (it runs them in order), so step N's result reaches the
-    scheduler after N+1 was planned; it also checks that every block a step touches is still
-    leased to that sequence at the kv_manager when the step runs (a free sent while a step
-    in flight still uses the blocks would let the pool hand them on). Requests may have EOS
-    ids, so a step's sample can end a sequence already planned into the next step."""
+    scheduler after N+1 was planned. Requests may have EOS ids, so a step's sample can end a
+    sequence already planned into the next step. A sequence that ends or is preempted gives
+    its blocks back at once, so a step still in flight may run for it on blocks the pool
+    has already taken back (``stale_steps`` counts them). Such a step's result will be
+    discarded, so the model writes a poison value where it writes KV: the KV check above
+    then says that no later read ever sees what a discarded step wrote (in a block handed
+    on, in a prefix-cache entry, in a swap or a copy). Such a step may well write a block
+    the pool has meanwhile made a prefix-cache entry of (the target of a promotion): the
+    copy that fills it rides in a later plan, so it lands after the write. Besides, when a
+    step runs: a sequence whose result the scheduler will take runs on blocks leased to it,
+    and no block a step writes is used by another sequence of the same plan. ``check_quiescent``: every block free again, and every finished request's output
+    exactly what the model gives alone (so depth 2 emits what depth 1 does)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
@@ -827,6 +835,7 @@ class Cluster:
         self.clock = 0                         # ns; both of the loop's clocks
         self.max_running_seen: Counter[str] = Counter()
         self.overlapped = 0                    # plans sent while another step was in flight
+        self.stale_steps = 0                   # steps run for a sequence already released
         self.inbox["from_kv"].append(KvManagerUp(0, self.num_blocks))
 
     def new_pool(self) -> BlockPool:
@@ -910,16 +919,38 @@ class Cluster:
                                           prompt_len=n.prompt_len,
                                           request=self.requests[self.request_of[n.seq_id]])
         ids, tokens = [], []
+        writes: dict[int, int] = {}           # block -> the sequence writing it in this plan
+        used_by: dict[int, set[int]] = {}     # block -> the sequences using it in this plan
+        discarded: set[int] = set()           # sequences whose result here will be dropped
         for st in plan.steps:
             s = self.ex_seqs[st.seq_id]
             s["blocks"].extend(st.new_block_ids)
-            toks, blocks, tenant = s["tokens"], s["blocks"], s["tenant"]
-            if not self.restarts:     # (a restarted pool lost the leases of steps in flight)
-                used = blocks[:-(-(s["done"] + st.num_tokens) // BS)]
-                assert set(used) <= set(self.pool.blocks_of(st.seq_id)), \
+            blocks, start, stop = s["blocks"], s["done"], s["done"] + st.num_tokens
+            for b in blocks[:-(-stop // BS)]:
+                used_by.setdefault(b, set()).add(st.seq_id)
+            for b in {blocks[p // BS] for p in range(start, min(stop, len(blocks) * BS))}:
+                assert writes.setdefault(b, st.seq_id) == st.seq_id, \
+                    f"seed {self.seed}: block {b} written by two sequences in one step"
+            seq = self.core.by_seq.get(st.seq_id)
+            if seq is None or all(f.step_id != plan.step_id for f in seq.in_flight):
+                discarded.add(st.seq_id)      # ended or preempted since it was planned
+                if not self.pool.blocks_of(st.seq_id) or self.pool._leases[st.seq_id].swapped:
+                    self.stale_steps += 1     # and its blocks are back at the pool already
+            elif not self.restarts:   # (a restarted pool lost the leases of steps in flight)
+                assert set(blocks[:-(-stop // BS)]) <= set(self.pool.blocks_of(st.seq_id)), \
                     f"seed {self.seed}: seq {st.seq_id} runs on blocks it no longer leases"
+        for b, seq_id in writes.items():
+            assert used_by[b] == {seq_id}, \
+                f"seed {self.seed}: block {b} written by {seq_id}, used by {used_by[b]} at once"
+        for st in plan.steps:
+            s = self.ex_seqs[st.seq_id]
+            toks, blocks, tenant = s["tokens"], s["blocks"], s["tenant"]
             for p in range(s["done"], s["done"] + st.num_tokens):
                 assert p < len(blocks) * BS, f"seed {self.seed}: no slot for token {p}"
+                if st.seq_id in discarded:    # what it reads and writes is thrown away:
+                    # poison what it writes, so any later read of it fails
+                    self.kv_slots[(blocks[p // BS], p % BS)] = ("discarded", plan.step_id)
+                    continue
                 for q in range(p):
                     assert self.kv_slots.get((blocks[q // BS], q % BS)) == (
                         tenant, hash(tuple(toks[:q + 1]))), \
@@ -1064,6 +1095,7 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
         overlap[f"depth{cluster.depth}"] += 1
         overlap["overlapped_plans"] += cluster.overlapped
         overlap["discarded_samples"] += cluster.core.discarded_samples
+        overlap["stale_steps"] += cluster.stale_steps
         overlap["stopped_by_eos"] += sum(e == "stop" for r in cluster.requests.values()
                                          for e in r["ends"].values())
         if cluster.depth == 1:
@@ -1073,6 +1105,7 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
     assert reasons["tenant_kv_budget"] > 10 and reasons["urgency"] > 5, reasons
     assert overlap["depth1"] > 300 and overlap["depth2"] > 300, overlap
     assert overlap["overlapped_plans"] > 5000 and overlap["discarded_samples"] > 200, overlap
+    assert overlap["stale_steps"] > 100, overlap      # released with a step in flight
     assert overlap["stopped_by_eos"] > 200, overlap
     every = {(state, event) for state, moves in sequence.TRANSITIONS.items() for event in moves}
     # the pool refusing a swap-out the core thought would fit, and a refused swap-in being

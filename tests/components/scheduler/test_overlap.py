@@ -1,7 +1,7 @@
 """Steps overlapped with the forward pass (``scheduler.async_depth`` 2): planning from each
 sequence's planned position, the sit-out rules, the sample discarded after an end, releases
-deferred until the steps in flight that use the blocks have answered, failure paths, and
-the step-time accounting of ``SchedulerLoop``. Exact inputs; the randomized whole-loop
+sent at once though a step in flight still names the sequence, failure paths, and the
+step-time accounting of ``SchedulerLoop``. Exact inputs; the randomized whole-loop
 test (test_core.py, ``Cluster``) covers the interleavings."""
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def test_a_chunk_in_flight_that_samples_nothing_never_holds_the_next_back():
 
 # ---------------------------------------------------------------- ends while in flight
 
-def test_the_sample_after_an_eos_is_discarded_and_the_free_waits_for_its_step():
+def test_the_sample_after_an_eos_is_discarded_and_the_free_goes_out_at_once():
     core, kv = make(), Kv()
     p1 = started(core, kv, admitted("a", 10, eos=(2,)), admitted("b", 3, tenant="t2", base=50))
     p2 = core.schedule()
@@ -194,7 +194,9 @@ def test_the_sample_after_an_eos_is_discarded_and_the_free_waits_for_its_step():
     assert out.tokens[0] == TokenOut("a", [2], DetokParams((), True, 10, 0), "stop",
                                      Usage(10, 1, 0), out.tokens[0].timing)
     assert out.released == ["a"]
-    assert core.take_kv_ops() is None                    # p2 still writes a's blocks
+    # p2 still names a: its free goes out all the same, with what p1 computed (p2 writes
+    # at position 10 and past, in no block the prefix cache gets)
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
     p3 = core.schedule()
     assert p3 == StepPlan(3, [], [SeqStep(2, 1, [], True)], [1])   # dropped after p2 ran
     served = core.vtc.of("t1")
@@ -202,11 +204,40 @@ def test_the_sample_after_an_eos_is_discarded_and_the_free_waits_for_its_step():
     assert out.tokens == [TokenOut("b", [8])]            # a's sample: not emitted,
     assert core.vtc.of("t1") == served                   # not charged
     assert core.discarded_samples == 1
-    # p2's token for a never counts as computed: the prefix cache gets what p1 computed
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 10)], [])
+    assert core.take_kv_ops() is None                    # nothing waited for p2
 
 
-def test_a_cancelled_sequence_in_two_steps_is_freed_after_the_second():
+def test_a_follow_up_turn_right_after_the_last_token_hits_the_prefix_cache():
+    """The free of a sequence that ends while a step naming it is in flight is sent in the
+    step it ends, so the same tenant's next turn, arriving before that step answers, is
+    granted the finished turn's computed blocks."""
+    core, kv = make(), Kv()
+    p1 = started(core, kv, admitted("a", 17, max_tokens=2), admitted("b", 3, tenant="t2",
+                                                                     base=50))
+    p2 = core.schedule()
+    assert [s.seq_id for s in p2.steps] == [1, 2]        # a's second (last) token
+    core.on_result(result(p1, {1: 5, 2: 6}))
+    kv.settle(core)
+    p3 = core.schedule()
+    assert [s.seq_id for s in p3.steps] == [2]           # a sits out: p2 samples its last
+    out = core.on_result(result(p2, {1: 7, 2: 8}))       # a ends; p3 (names b) in flight
+    assert out.released == ["a"] and out.tokens[0].finish_reason == "length"
+    turn = list(range(100, 117)) + [5, 7, 300, 301, 302]  # a's prompt, its reply, more
+    core.add(Admitted("a2", "t1", turn, block_hashes(turn, BS, "t1", "m"),
+                      SamplingParams(max_tokens=1), next(_clock), ()))
+    ops = core.take_kv_ops()                             # p3 has not answered
+    assert ops.frees == [FreeRequest(1, 18)]             # a's 18 computed tokens
+    grants = apply_ops(kv.pool, ops)                     # frees are applied before leases
+    assert [g.num_cached_tokens for g in grants if g.seq_id == 3] == [16]
+    core.on_grants(grants)
+    core.on_result(result(p3, {2: 9}))
+    p4 = core.schedule()
+    assert p4.drop == [1]
+    assert [(n.seq_id, n.num_computed) for n in p4.new_seqs] == [(3, 16)]
+    assert core.by_request["a2"].cached_tokens == 16
+
+
+def test_a_cancelled_sequence_in_two_steps_is_freed_at_once():
     core, kv = make(lookahead=8), Kv()
     p1 = started(core, kv, admitted("a", 12), admitted("b", 3, tenant="t2", base=50))
     p2 = core.schedule()
@@ -215,22 +246,23 @@ def test_a_cancelled_sequence_in_two_steps_is_freed_after_the_second():
     assert 1 in [al.seq_id for al in growth.allocs]
     out = core.cancel("a")
     assert out.released == ["a"] and core.by_seq[1].state is State.CLOSING
-    assert core.take_kv_ops() is None
-    grants = apply_ops(kv.pool, growth)
-    core.on_grants(grants)                               # late growth grant: its free waits too
-    assert core.take_kv_ops() is None
+    # cancelled before any step of it answered: nothing computed, nothing cached
+    frees = core.take_kv_ops()
+    assert frees == KvOps(EPOCH, [FreeRequest(1, 0)], [])
+    core.on_grants(apply_ops(kv.pool, growth))           # the growth grant comes back late
+    apply_ops(kv.pool, frees)
+    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0)], [])   # harmless repeat
     core.on_result(result(p1, {1: 5, 2: 6}))
-    assert core.take_kv_ops() is None                    # p2 still uses a's blocks
+    assert core.take_kv_ops() is None                    # nothing waited for p1 or p2
     p3 = core.schedule()
     assert p3.drop == [1] and [s.seq_id for s in p3.steps] == [2]
     core.on_result(result(p2, {1: 7, 2: 8}))
-    # a was cancelled before any step of it answered: nothing computed, nothing cached
-    assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 0), FreeRequest(1, 0)], [])
-    assert core.discarded_samples == 2
+    assert core.take_kv_ops() is None and core.discarded_samples == 2
+    assert kv.pool.blocks_of(1) == [] and core.by_seq.keys() == {2}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_victim_in_steps_in_flight_gives_its_blocks_back_after_them(mode):
+def test_a_victim_in_steps_in_flight_gives_its_blocks_back_at_once(mode):
     core, kv = make(num_cpu_blocks=8, preemption_mode=mode), Kv(16, num_cpu_blocks=8)
     core.on_executor(1, 1e5)
     p1 = started(core, kv, admitted("a", 10), admitted("b", 3, base=50))
@@ -240,29 +272,35 @@ def test_a_victim_in_steps_in_flight_gives_its_blocks_back_after_them(mode):
     b = core.by_request["b"]
     assert [s.seq_id for s in p2.steps] == [s.seq_id for s in p3.steps] == [1, 2]
     core._preempt(b, "test")                             # b is in p2 and p3
-    assert core.take_kv_ops() is None
-    core.on_result(result(p2, {1: 7, 2: 8}))
-    assert core.take_kv_ops() is None                    # p3 still uses b's blocks
-    core.on_result(result(p3, {1: 9, 2: 10}))
-    if mode == "recompute":
-        assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(2, 3)], [])
+    ops = core.take_kv_ops()                             # sent now, p2 and p3 in flight
+    grants = apply_ops(kv.pool, ops)
+    core.on_grants(grants, kv.pool.num_cpu_free)
+    if mode == "recompute":                              # p1 computed its 3 tokens
+        assert ops == KvOps(EPOCH, [FreeRequest(2, 3)], [])
         assert b.seq_id == 3 and b.state is State.WAITING
     else:
-        assert core.take_kv_ops() == KvOps(EPOCH, [], [], [], [SwapOutRequest(2, 3)])
-        assert b.state is State.SWAPPING_OUT
+        assert ops.frees == [] and ops.swap_outs == [SwapOutRequest(2, 3)]
+        assert b.state is State.SWAPPED
+        (swap,) = [g for g in grants if g.kind == "swap_out"]
+        assert len(swap.copies) == 1                     # its one block, to the host tier
+    core.on_result(result(p2, {1: 7, 2: 8}))
     assert b.token_ids == list(range(50, 53)) + [6]      # p2's and p3's samples discarded
+    p4 = core.schedule()                                 # planned after p3: the executor
+    assert 2 in p4.drop                                  # runs it, and its copies, after p3
+    if mode == "swap":
+        assert p4.copies == swap.copies                  # done before p4's forward
+    core.on_result(result(p3, {1: 9, 2: 10}))
     assert core.discarded_samples == 2
-    assert 2 in core.schedule().drop                     # the executor drops it after p3
 
 
 # ---------------------------------------------------------------- failure
 
 @pytest.mark.parametrize("kv_lost", [False, True])
-def test_a_reset_discards_the_steps_in_flight_and_sends_the_deferred_frees(kv_lost):
+def test_a_reset_discards_the_steps_in_flight_and_frees_what_was_held(kv_lost):
     core, kv = make(), Kv()
     p1 = started(core, kv, admitted("a", 10), admitted("b", 3, base=50))
     p2 = core.schedule()
-    core.cancel("a")                                     # its free waits for p2
+    core.cancel("a")                                     # its free is queued at once
     out = core.reset(kv_lost)
     assert sorted(out.released) == ["b"] and core.in_flight == {}
     ops = core.take_kv_ops()
