@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tests.e2e.conftest import free_port
-from tests.e2e.engine import ROOT, Engine
+from tests.e2e.engine import ROOT, Engine, stop_process
 
 
 def start_replica(run_dir: Path, toml: str) -> Engine:
@@ -76,10 +75,4 @@ class Router:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

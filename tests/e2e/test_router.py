@@ -6,12 +6,12 @@ The replicas' pools are small and have no host tier, so a replica cannot keep ev
 session's context: placing each session where its context is (cache-aware) is what keeps
 the prefix cache useful; round robin makes every replica hold every session."""
 import os
-import signal
 import statistics
 import threading
 import time
 
 import anyio
+import contextlib
 import pytest
 
 from tests.e2e.engine import ROOT
@@ -114,6 +114,34 @@ def where_it_went(router: Router, before: dict[str, float]) -> str:
     return grew[0]
 
 
+@contextlib.contextmanager
+def held_open(engine, prompts: list[str], max_tokens: int):
+    """``prompts`` sent straight to ``engine`` (not through the router) and held open inside
+    the block; cancelled after it, and the engine's KV back to free."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        async def main():
+            async with engine.async_client() as c:
+                streams = [await c.stream(p, max_tokens=max_tokens, ignore_eos=True,
+                                          tenant="globex") for p in prompts]
+                held.set()
+                await anyio.to_thread.run_sync(release.wait)
+                for s in streams:
+                    await c.cancel(s.request_id)
+        anyio.run(main)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(60), "the held requests were not all sent"
+        yield
+    finally:
+        release.set()
+        t.join(60)
+    engine.wait_kv_free(timeout=60)
+
+
 HISTORY = ("The ledger lists every shipment that left the northern warehouse this quarter, "
            "with its weight, its carrier, the promised date and the date it arrived. ") * 12
 
@@ -134,23 +162,8 @@ def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
         assert (went, r.usage.cached_tokens >= 160) == (warm, True), (went, r.usage)
 
     # load the warm replica directly (not through the router) far past a 1.5 s deadline
-    hot = replicas[warm]
-    flood_done = threading.Event()
-
-    def flood():
-        async def main():
-            async with hot.async_client() as fc:
-                streams = [await fc.stream(f"Flood {i}: " + "numbers and letters " * 150,
-                                           max_tokens=32, ignore_eos=True, tenant="globex")
-                           for i in range(12)]
-                await anyio.to_thread.run_sync(flood_done.wait)
-                for s in streams:
-                    await fc.cancel(s.request_id)
-        anyio.run(main)
-
-    t = threading.Thread(target=flood)
-    t.start()
-    try:
+    flood = [f"Flood {i}: " + "numbers and letters " * 150 for i in range(12)]
+    with held_open(replicas[warm], flood, max_tokens=32):
         deadline = time.monotonic() + 60
         while True:      # the router sees the load in the replica's report
             with router.client() as c:
@@ -168,10 +181,6 @@ def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
         assert went != warm, ("a request went to the overloaded replica for its prefix",
                               router.stats())
         assert r.usage.cached_tokens == 0, r.usage     # the price: its prefix computed again
-    finally:
-        flood_done.set()
-        t.join(60)
-    hot.wait_kv_free(timeout=60)
 
 
 def test_a_rejection_for_load_is_routed_to_another_replica(replicas, tmp_path):
@@ -179,38 +188,19 @@ def test_a_rejection_for_load_is_routed_to_another_replica(replicas, tmp_path):
     its max_outstanding) is not the end; the router sends the request to the next one.
     Round robin ignores load, so it sends requests to the full replica for certain."""
     hot = replicas["r0"]
-    held = threading.Event()
-    release = threading.Event()
-
-    def fill():            # 40 open requests: r0's request cap
-        async def main():
-            async with hot.async_client() as fc:
-                streams = [await fc.stream(f"Fill {i}", max_tokens=400, ignore_eos=True,
-                                           tenant="globex") for i in range(40)]
-                held.set()
-                await anyio.to_thread.run_sync(release.wait)
-                for s in streams:
-                    await fc.cancel(s.request_id)
-        anyio.run(main)
-
-    t = threading.Thread(target=fill)
-    t.start()
     router = Router(tmp_path / "rr", replicas, REPLICA_TOML, policy="round_robin")
     try:
-        assert held.wait(60)
-        hot.wait_stat("admission", "outstanding", 40, timeout=30)
-        with router.client() as c:
-            results = [c.generate(f"Route me {i}", max_tokens=2, temperature=0.0,
-                                  tenant="acme") for i in range(3)]
-        assert all(r.usage.completion_tokens == 2 for r in results)
-        stats = router.wait(lambda s: s.get("requests.rerouted", 0) >= 1, "a reroute")
-        assert stats.get("replica.r0.rerouted.overloaded", 0) >= 1
-        assert stats.get("replica.r0.finished", 0) == 0
+        with held_open(hot, [f"Fill {i}" for i in range(40)], max_tokens=400):  # its cap
+            hot.wait_stat("admission", "outstanding", 40, timeout=30)
+            with router.client() as c:
+                results = [c.generate(f"Route me {i}", max_tokens=2, temperature=0.0,
+                                      tenant="acme") for i in range(3)]
+            assert all(r.usage.completion_tokens == 2 for r in results)
+            stats = router.wait(lambda s: s.get("requests.rerouted", 0) >= 1, "a reroute")
+            assert stats.get("replica.r0.rerouted.overloaded", 0) >= 1
+            assert stats.get("replica.r0.finished", 0) == 0
     finally:
         router.stop()
-        release.set()
-        t.join(60)
-    hot.wait_kv_free(timeout=60)
 
 
 def test_http_gateway_in_front_of_the_router(replicas, tmp_path):
