@@ -18,6 +18,7 @@ that replica is healthy and would meet the deadline, and moves, recorded, when n
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from schemas.config import RouterWeights
@@ -49,6 +50,29 @@ class Score:
     ttft_s: float                       # predicted time to first token there
     overloaded: bool
     saved_s: float                      # prefill the cached prefix saves
+
+
+def predicted_queue_s(reported_s: float, asked_s: float,
+                      sent: Iterable[tuple[int, float, float]], rate: float) -> float:
+    """A replica's queue delay now: its last load report (``reported_s``, for the query
+    sent at ``asked_s``) corrected by what the router has seen since. ``sent`` holds
+    ``(prompt tokens to prefill, accepted at, prefilled at)`` of prompts the router sent
+    there (times on the router's clock, 0 for not yet).
+
+    - A prompt still waiting that the report could not count (not accepted when it was
+      asked) adds its tokens: without this, the requests arriving between two reports
+      all see the same idle replica and pile onto it.
+    - A prompt the report counted as waiting (accepted before it was asked) that has been
+      prefilled since takes its tokens off: a stale report would hold a finished
+      prompt against the replica that holds its prefix."""
+    extra = 0
+    for tokens, accepted, prefilled in sent:
+        counted = 0.0 < accepted <= asked_s
+        if not prefilled and not counted:
+            extra += tokens
+        elif prefilled and counted and prefilled > asked_s:
+            extra -= tokens
+    return max(reported_s + extra / max(rate, 1e-9), 0.0)
 
 
 def score_replica(r: ReplicaState, prompt_tokens: int, deadline_s: float,

@@ -40,12 +40,13 @@ from bus.codec import Codec, salvage_request_id
 from bus.component import Component
 from bus.socket import BusSocket, MalformedFrame
 from components.router.index import PrefixMatch, ReplicaIndex
-from components.router.scoring import Decision, ReplicaState, Score, SessionTable, rank
+from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
+                                       predicted_queue_s, rank)
 from components.streamer.identity import Identity, Keyring, load_service_key, visible_status
 from components.tokenizer.prompt import PromptHasher
 from schemas.client import (Accepted, Cancel, Cancelled, ClientMsg, ComponentStatus, Failed,
                             Finished, Heartbeat, ProtocolError, Rejected, ServerHeartbeat,
-                            ServerMsg, StatusQuery, StatusReport, Submit)
+                            ServerMsg, StatusQuery, StatusReport, Submit, TextDelta)
 from schemas.config import ReplicaSpec
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
@@ -54,7 +55,19 @@ _TRACER = trace.get_tracer("weir.router")
 TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # rejections that say "not here, not now", not "never": another replica may take it
 REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining"})
-_LOAD_QUERY = "router-load"
+_LOAD_QUERY = "router-load"         # a load query's id: this, ':', when it was sent (ns)
+
+
+_MAX_PREFILLED = 4096                # prefilled prompts kept while no report comes
+
+
+def _asked_at(query_id: str) -> float:
+    """When the router sent the load query ``query_id`` (monotonic seconds; 0 if the id
+    is not one of its own)."""
+    try:
+        return int(query_id.rpartition(":")[2]) / 1e9
+    except ValueError:
+        return 0.0
 
 
 @dataclass
@@ -68,7 +81,9 @@ class Replica:
     healthy: bool = False
     draining: bool = False
     report: StatusReport | None = None
-    pending_tokens: int = 0             # prompt tokens sent and not yet accepted there
+    report_asked: float = 0.0           # when the query that ``report`` answers was sent
+    # prompts prefilled since ``report_asked``: (tokens, accepted at, prefilled at)
+    prefilled: list[tuple[int, float, float]] = field(default_factory=list)
     open: set[str] = field(default_factory=set)
     counts: Counter = field(default_factory=Counter)
 
@@ -97,7 +112,9 @@ class Flight:
     arrival: float
     prompt_tokens: int
     replica: str = ""
-    pending: int = 0                    # its tokens counted in replica.pending_tokens
+    pending: int = 0                    # prompt tokens its replica has still to prefill
+    accepted_at: float = 0.0            # when the replica's Accepted came (0: not yet)
+    prefilled: bool = False             # its first token came
     tried: list[str] = field(default_factory=list)
     accepted: bool = False
     cancelled: bool = False             # the client has its terminal; awaiting the replica's
@@ -251,7 +268,7 @@ class RouterService(Component):
         f.tried.append(decision.replica)
         cached = next((s.saved_s for s in ranked if s.name == r.spec.name), 0.0)
         f.pending = max(f.prompt_tokens - int(cached * self._rate(r)), 0)
-        r.pending_tokens += f.pending
+        f.accepted_at, f.prefilled = 0.0, False
         r.open.add(rid)
         r.counts["routed"] += 1
         self.counts[f"reason.{decision.reason}"] += 1
@@ -305,7 +322,7 @@ class RouterService(Component):
 
     def _state(self, r: Replica, f: Flight) -> ReplicaState:
         """What the router knows of ``r`` for this request: the prefix it holds, its queue
-        (its last report, plus what was sent to it since and not yet accepted), its pools."""
+        (its last report, plus the prefill the report cannot know of yet), its pools."""
         m = r.index.match(f.hashes, f.public_scope, f.public_blocks, f.tenant) \
             if f.hashes else PrefixMatch()
         bs = self.config.kv.block_size
@@ -316,10 +333,25 @@ class RouterService(Component):
         reserved = r.stat("admission", "reserved_kv_blocks", 0.0)
         return ReplicaState(
             r.spec.name, r.healthy, r.draining, cached,
-            r.stat("admission", "predicted_queue_s", 0.0) + r.pending_tokens / rate, rate,
+            predicted_queue_s(r.stat("admission", "predicted_queue_s", 0.0), r.report_asked,
+                              self._sent(r), rate), rate,
             (total - free) / total if total else 0.0,
             min(reserved / total, 1.0) if total else 0.0,
             r.tenant_blocks(f.tenant) / total if total else 0.0)
+
+    def _sent(self, r: Replica) -> list[tuple[int, float, float]]:
+        """What ``predicted_queue_s`` needs of the prompts the router sent ``r``: those
+        waiting, and those prefilled since its last report."""
+        waiting = [(f.pending, f.accepted_at, 0.0) for rid in r.open
+                   if (f := self.flights.get(rid)) is not None and not f.prefilled]
+        return waiting + r.prefilled
+
+    def _prefilled(self, r: Replica, f: Flight) -> None:
+        """``f``'s prompt is computed (its first token came, or it ended)."""
+        if not f.prefilled:
+            f.prefilled = True
+            r.prefilled.append((f.pending, f.accepted_at, time.monotonic()))
+            del r.prefilled[:-_MAX_PREFILLED]
 
     async def _cancel(self, f: Flight, reason: str) -> None:
         """The client hears ``cancelled`` now; the replica is told, and its own terminal
@@ -348,8 +380,6 @@ class RouterService(Component):
         r = self.replicas.get(f.replica)
         if r is not None:
             r.open.discard(rid)
-            r.pending_tokens -= f.pending
-            f.pending = 0
 
     # ------------------------------------------------------------------ replicas
     async def _replica_loop(self, r: Replica) -> None:
@@ -371,8 +401,9 @@ class RouterService(Component):
                 continue
             if isinstance(body, Accepted):
                 f.accepted = True
-                r.pending_tokens -= f.pending
-                f.pending = 0
+                f.accepted_at = time.monotonic()
+            elif isinstance(body, TextDelta):
+                self._prefilled(r, f)
             if isinstance(body, Rejected) and not f.accepted and not f.cancelled \
                     and body.reason in REROUTE and len(f.tried) <= self.rc.reroute_attempts \
                     and any(o.healthy and not o.draining and name not in f.tried
@@ -380,13 +411,12 @@ class RouterService(Component):
                 r.counts[f"rerouted.{body.reason}"] += 1
                 self.counts["rerouted"] += 1
                 r.open.discard(rid)
-                r.pending_tokens -= f.pending
-                f.pending = 0
                 await self._route(f)
                 continue
             terminal = isinstance(body, TERMINAL)
             if terminal:
                 r.counts[type(body).__name__.lower()] += 1
+                self._prefilled(r, f)
                 self._forget(f)
             if not f.cancelled:
                 await self.clients.send_raw(data, to=f.identity)
@@ -401,8 +431,11 @@ class RouterService(Component):
                 if not r.healthy:
                     log.info("replica_up", replica=r.spec.name)
                 r.healthy = True
-            case StatusReport(query_id=qid) as report if qid == _LOAD_QUERY:
-                r.report = report
+            case StatusReport(query_id=qid) as report if qid.startswith(_LOAD_QUERY):
+                asked = _asked_at(qid)
+                if asked >= r.report_asked:       # not an older answer come late
+                    r.report, r.report_asked = report, asked
+                    r.prefilled = [p for p in r.prefilled if p[2] > asked]
 
     async def _lose(self, r: Replica, why: str) -> None:
         """``r`` is out (silent, or restarted): every request open on it fails, its cache
@@ -417,7 +450,7 @@ class RouterService(Component):
             if f is not None:
                 await self._end_here(f, Failed(rid, f"replica_lost: {r.spec.name} ({why})"))
         r.open.clear()
-        r.pending_tokens = 0
+        r.prefilled.clear()
 
     async def _events_loop(self, r: Replica) -> None:
         assert r.events is not None
@@ -437,7 +470,8 @@ class RouterService(Component):
             for r in self.replicas.values():
                 await r.sock.send(Heartbeat())
                 if now >= next_load:
-                    await r.sock.send(StatusQuery(_LOAD_QUERY, self.service_key))
+                    await r.sock.send(StatusQuery(f"{_LOAD_QUERY}:{time.monotonic_ns()}",
+                                                  self.service_key))
                 if r.healthy and now - r.last_heard > rc.heartbeat_timeout_s:
                     await self._lose(r, f"silent for {now - r.last_heard:.1f} s")
             if now >= next_load:

@@ -1,4 +1,4 @@
-"""The router in front of three real replicas (components/router): cache-aware routing beats
+"""The router in front of four real replicas (components/router): cache-aware routing beats
 round robin on an agent workload, a loaded replica is passed over even when it holds the
 prefix, and a replica killed under load loses no client and stops getting work.
 
@@ -23,7 +23,7 @@ from weir.replay.workloads import agent_sessions
 
 REPLICA_TOML = """
 [kv]
-num_blocks = 96
+num_blocks = 88
 num_cpu_blocks = 0
 [engine]
 max_model_len = 1024
@@ -42,7 +42,7 @@ def replicas(tmp_path_factory, model_path):
     base = tmp_path_factory.mktemp("replicas")
     engines = {}
     try:
-        for name in ("r0", "r1", "r2"):
+        for name in ("r0", "r1", "r2", "r3"):
             engines[name] = start_replica(base / name, REPLICA_TOML)
         yield engines
     finally:
@@ -51,8 +51,8 @@ def replicas(tmp_path_factory, model_path):
 
 
 def run_agents(router: Router, model_path, seed: int) -> dict:
-    requests = agent_sessions(6, 6, tenants=("acme", "globex", "initech"),
-                              shared_system=False, system_blocks=2, turn_blocks=(4, 6),
+    requests = agent_sessions(9, 6, tenants=("acme", "globex", "initech"),
+                              shared_system=False, system_blocks=2, turn_blocks=(2, 4),
                               output=(2, 4), block_tokens=BLOCK, session_gap_s=0.05, seed=seed)
     # distinct blocks per run: what one run cached is no help to the next
     requests = [r.__class__(**{**{f: getattr(r, f) for f in r.__struct_fields__},
@@ -86,10 +86,12 @@ def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
             assert stats.get("requests.reason.sticky", 0) > 0
     print("router hit rate / TTFT p50:", results)
     rr, ca = results["round_robin"], results["cache_aware"]
-    # The issue asks for 2x. Measured on this workload (3 replicas, 6 sessions x 6 turns):
-    # 1.5x to 2.3x across runs; round robin's rotation is global, so how often a session's
-    # next turn lands where its context is varies run to run. 1.4x is what holds every run.
-    assert ca["hit_rate"] >= 1.4 * rr["hit_rate"], results
+    # Cache-aware gets the workload's ceiling (a turn can reuse only the turns before it:
+    # 0.73 here). Round robin finds a session's context only where one of its recent turns
+    # went and the small pool has not evicted it since. 9 sessions on 4 replicas, so that
+    # the rotation does not line a session's turns up on one replica. Measured 0.73
+    # against 0.24-0.36.
+    assert ca["hit_rate"] >= 2 * rr["hit_rate"], results
     assert ca["ttft_p50"] < rr["ttft_p50"], results
 
 
@@ -194,7 +196,7 @@ def test_a_rejection_for_load_is_routed_to_another_replica(replicas, tmp_path):
             hot.wait_stat("admission", "outstanding", 40, timeout=30)
             with router.client() as c:
                 results = [c.generate(f"Route me {i}", max_tokens=2, temperature=0.0,
-                                      tenant="acme") for i in range(3)]
+                                      tenant="acme") for i in range(len(replicas))]
             assert all(r.usage.completion_tokens == 2 for r in results)
             stats = router.wait(lambda s: s.get("requests.rerouted", 0) >= 1, "a reroute")
             assert stats.get("replica.r0.rerouted.overloaded", 0) >= 1

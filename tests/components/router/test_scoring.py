@@ -1,7 +1,8 @@
 """Routing decisions with exact inputs: locality against load, overload, sessions."""
 import pytest
 
-from components.router.scoring import ReplicaState, SessionTable, rank, score_replica
+from components.router.scoring import (ReplicaState, SessionTable, predicted_queue_s, rank,
+                                       score_replica)
 from schemas.config import RouterWeights
 
 W = RouterWeights(prefix=1.0, queue=1.0, kv_used=0.0, active_kv=0.0, tenant=0.0)
@@ -124,3 +125,48 @@ def test_assign_records_a_move():
 
 def test_no_replica_no_decision():
     assert SessionTable().decide("s", [], 0.0) is None
+
+
+# predicted_queue_s: the report asked at t=10 said 0.5 s; the rate is 1000 tokens/s.
+# A sent prompt is (tokens to prefill, accepted at, prefilled at), 0 for not yet.
+
+def test_the_report_alone_when_nothing_was_sent():
+    assert predicted_queue_s(0.5, 10.0, [], 1000.0) == 0.5
+
+
+def test_prompts_the_report_cannot_know_of_add_their_tokens():
+    sent = [(200, 0.0, 0.0),        # not accepted yet
+            (300, 10.5, 0.0)]       # accepted after the report was asked
+    assert predicted_queue_s(0.5, 10.0, sent, 1000.0) == pytest.approx(1.0)
+
+
+def test_prompts_the_report_counts_are_not_counted_twice():
+    assert predicted_queue_s(0.5, 10.0, [(400, 9.0, 0.0)], 1000.0) == 0.5
+
+
+def test_a_prompt_prefilled_since_the_report_comes_off_it():
+    sent = [(400, 9.0, 10.2),       # counted waiting by the report, done since
+            (100, 9.0, 9.5)]        # done before the report was asked: not in it
+    assert predicted_queue_s(0.5, 10.0, sent, 1000.0) == pytest.approx(0.1)
+
+
+def test_a_prompt_prefilled_that_the_report_never_counted_changes_nothing():
+    assert predicted_queue_s(0.5, 10.0, [(400, 10.1, 10.2)], 1000.0) == 0.5
+
+
+def test_the_queue_is_never_negative():
+    assert predicted_queue_s(0.1, 10.0, [(400, 9.0, 10.2)], 1000.0) == 0.0
+
+
+def test_back_to_back_first_turns_spread_instead_of_piling_on():
+    """Three prompts between two reports of idle replicas: each sees the ones sent
+    before it, so they go to three replicas, not all to the first by name."""
+    w, sent = RouterWeights(), {n: [] for n in ("r0", "r1", "r2")}
+    went = []
+    for _ in range(3):
+        states = [ReplicaState(n, queue_s=predicted_queue_s(0.0, 10.0, sent[n], 1000.0),
+                               prefill_tokens_per_s=1000.0) for n in sent]
+        best = rank(states, 300, 2.0, w, 0.95)[0].name
+        sent[best].append((300, 0.0, 0.0))
+        went.append(best)
+    assert went == ["r0", "r1", "r2"]
