@@ -50,33 +50,34 @@ def replicas(tmp_path_factory, model_path):
             eng.stop()
 
 
-def run_agents(router: Router, model_path, seed: int) -> dict:
+def run_agents(router: Router, model_path, seed: int, salt: int) -> dict:
+    """The agent workload ``seed`` through ``router``, its blocks made distinct by ``salt``
+    (what one run cached is no help to the next)."""
     requests = agent_sessions(9, 6, tenants=("acme", "globex", "initech"),
                               shared_system=False, system_blocks=2, turn_blocks=(2, 4),
                               output=(2, 4), block_tokens=BLOCK, session_gap_s=0.05, seed=seed)
-    # distinct blocks per run: what one run cached is no help to the next
     requests = [r.__class__(**{**{f: getattr(r, f) for f in r.__struct_fields__},
-                               "hash_ids": tuple(h + seed * 10**7 for h in r.hash_ids)})
+                               "hash_ids": tuple(h + salt * 10**7 for h in r.hash_ids)})
                 for r in requests]
     synth = PromptSynth.for_scaling(load_tokenizer(str(model_path)),
-                                    Scaling(block_size=BLOCK, seed=seed))
+                                    Scaling(block_size=BLOCK, seed=salt))
     run = anyio.run(lambda: replay(requests, SdkTarget(router.endpoint),
                                    lambda r: (synth.token_ids(r), ""), closed_loop=True,
                                    progress=False))
     recs = run.records
     assert all(r.terminal == "completed" for r in recs), [r.reason for r in recs]
-    prompt = sum(r.prompt_tokens for r in recs)
-    cached = sum(r.cached_tokens for r in recs)
-    return {"hit_rate": cached / prompt, "ttft_p50": statistics.median(r.ttft_s for r in recs),
-            "requests": len(recs)}
+    return {"prompt": sum(r.prompt_tokens for r in recs),
+            "cached": sum(r.cached_tokens for r in recs), "ttft": [r.ttft_s for r in recs]}
 
 
 def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
+    """Both policies on the same two workloads (each run's blocks distinct)."""
     results = {}
     for i, policy in enumerate(("round_robin", "cache_aware")):
         router = Router(tmp_path / policy, replicas, REPLICA_TOML, policy=policy)
         try:
-            results[policy] = run_agents(router, model_path, seed=11 + i)
+            runs = [run_agents(router, model_path, seed, salt=10 * seed + i)
+                    for seed in (11, 12)]
             stats = router.stats()
             print(policy, {k: v for k, v in stats.items() if "reason" in k or "moves" in k
                            or k.endswith(".routed")})
@@ -84,13 +85,18 @@ def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
             router.stop()
         if policy == "cache_aware":
             assert stats.get("requests.reason.sticky", 0) > 0
+        results[policy] = {
+            "hit_rate": sum(r["cached"] for r in runs) / sum(r["prompt"] for r in runs),
+            "per_run": [round(r["cached"] / r["prompt"], 3) for r in runs],
+            "ttft_p50": statistics.median(t for r in runs for t in r["ttft"])}
     print("router hit rate / TTFT p50:", results)
     rr, ca = results["round_robin"], results["cache_aware"]
     # Cache-aware gets the workload's ceiling (a turn can reuse only the turns before it:
     # 0.73 here). Round robin finds a session's context only where one of its recent turns
-    # went and the small pool has not evicted it since. 9 sessions on 4 replicas, so that
-    # the rotation does not line a session's turns up on one replica. Measured 0.73
-    # against 0.24-0.36.
+    # went and the small pool has not evicted it since; how often that happens depends on
+    # how its rotation meets the closed-loop arrivals, so it is measured over two runs.
+    # 9 sessions on 4 replicas, so that the rotation does not line a session's turns up on
+    # one replica. Measured 0.73 against 0.24-0.36 per run.
     assert ca["hit_rate"] >= 2 * rr["hit_rate"], results
     assert ca["ttft_p50"] < rr["ttft_p50"], results
 
