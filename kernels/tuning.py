@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 5                      # bump when candidates or the timing method change
+VERSION = 6                      # bump when candidates or the timing method change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
 LINEAR = ("native", "onednn", "torch")
@@ -168,6 +168,7 @@ class KernelPlan:
     sampling: str = "torch"
     attention: str = "torch"
     source: str = "measured"
+    fresh_prompts: str = "native"              # a prompt's first chunk: native or sdpa
     key: str = ""
     seconds: float = 0.0                       # spent measuring (0 when cached)
     timings: dict[str, object] = field(default_factory=dict)
@@ -182,19 +183,21 @@ class KernelPlan:
                + (" " if len(table) > 1 else "") + table[-1][1]
                for role, table in sorted(self.linear.items())}
         out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
-                   source=self.source)
+                   fresh_prompts=self.fresh_prompts, source=self.source)
         return out
 
     def to_json(self) -> dict[str, object]:
         return {"linear": {r: [list(e) for e in t] for r, t in self.linear.items()},
                 "elementwise": self.elementwise, "sampling": self.sampling,
-                "attention": self.attention, "timings": self.timings}
+                "attention": self.attention, "fresh_prompts": self.fresh_prompts,
+                "timings": self.timings}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
         return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
                    str(data["elementwise"]), str(data["sampling"]), str(data["attention"]),
-                   "cached", key, 0.0, dict(data.get("timings", {})))
+                   "cached", str(data.get("fresh_prompts", "native")), key, 0.0,
+                   dict(data.get("timings", {})))
 
 
 def load_cached(path: Path) -> dict | None:

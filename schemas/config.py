@@ -95,6 +95,9 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     linear: Literal["auto", "native", "onednn", "torch"] = "auto"
     elementwise: Literal["auto", "native", "torch"] = "auto"   # add+RMSNorm, RoPE, SiLU x up
     sampling: Literal["auto", "native", "torch"] = "auto"      # argmax and the seeded draw
+    # a prompt's first chunk (no cached context) on the cpu attention backend: its paged
+    # kernel, or torch's fused causal attention (SDPA) over the step's own keys and values
+    fresh_prompts: Literal["auto", "native", "sdpa"] = "auto"
     cache: bool = True          # keep the measured plan per machine; false: measure each start
 
 

@@ -133,6 +133,9 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
             plan.linear[role] = [(limit, only)] + ([(max_tokens, fill)]
                                                    if limit < max_tokens else [])
         plan.source = "forced"
+    if "fresh_prompts" in forced:
+        plan.fresh_prompts = forced["fresh_prompts"]
+        plan.source = "forced"
     for op in ("elementwise", "sampling"):
         if op in forced:
             if forced[op] == "native" and not native_ops:
@@ -179,7 +182,40 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         t = timer()
         setattr(plan, op, tuning.choose_fastest(t))
         plan.timings[op] = {c: round(s * 1e6, 1) for c, s in t.items()}
+    if "fresh_prompts" not in skip and plan.attention == "cpu":
+        t = _time_fresh_prompts(spec, dtype, block_size, g)
+        plan.fresh_prompts = tuning.choose_fastest(t)
+        plan.timings["fresh_prompts"] = {c: round(s * 1e6, 1) for c, s in t.items()}
     return plan
+
+
+def _time_fresh_prompts(spec: ModelSpec, dtype: torch.dtype, block_size: int,
+                        g: torch.Generator) -> dict:
+    """One layer's attention over fresh prompts (no cached context): 8 x 128 and 1 x 512
+    tokens, through the cpu backend's paged kernel and through SDPA on the new keys."""
+    out = {}
+    backend = get_backend("cpu", "cpu", block_size=block_size, dtype=dtype)
+    kvh, d = spec.num_kv_heads, spec.head_dim
+    steps = []
+    for n, length in ((8, 128), (1, 512)):
+        per = -(-length // block_size)
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+        meta = AttentionMetadata.build([length] * n, [0] * n, tables, block_size)
+        kv = KVCache.allocate(1, n * per, block_size, kvh, d, dtype, "cpu")
+        k = torch.randn(n * length, kvh, d, generator=g).to(dtype)
+        v = torch.randn(n * length, kvh, d, generator=g).to(dtype)
+        backend.write_kv(kv.key(0), kv.value(0), k, v, meta)
+        q = torch.randn(n * length, spec.num_heads, d, generator=g).to(dtype)
+        steps.append((meta, kv, q, k, v))
+    for impl in ("native", "sdpa"):
+        backend.fresh_prompts = impl
+        total = 0.0
+        for meta, kv, q, k, v in steps:
+            meta.derived.clear()
+            total += tuning.time_call(lambda: backend.paged_attention(
+                q, kv.key(0), kv.value(0), meta, d ** -0.5, new_kv=(k, v)))
+        out[impl] = total
+    return out
 
 
 def _time_elementwise(spec: ModelSpec, dtype: torch.dtype, g: torch.Generator) -> dict:

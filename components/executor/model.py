@@ -150,6 +150,9 @@ class LlamaModel:
             name = plan.attention if self.device.type == "cpu" else backend
             backend = get_backend(name, self.device, block_size=kv_block_size, dtype=dtype)
         self.backend = backend
+        self._new_kv = getattr(backend, "takes_new_kv", False)
+        if hasattr(backend, "fresh_prompts"):
+            backend.fresh_prompts = plan.fresh_prompts
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, self.native)
         self.runs = dict(autotune.RUN)
@@ -211,7 +214,9 @@ class LlamaModel:
             q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
             k_cache, v_cache = kv.key(i), kv.value(i)
             self.backend.write_kv(k_cache, v_cache, k, v, meta)
-            attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                new_kv=(k, v)) if self._new_kv else \
+                self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
             h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None

@@ -149,3 +149,30 @@ def test_small_batch_pack_refuses_unfit_shapes():
     assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
     assert cpu_native.pack_small_batch(torch.randn(48, 63).bfloat16()) is None     # k % 2
     assert cpu_native.pack_small_batch(torch.randn(48, 64)) is None                # float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_through_sdpa_match_reference(dtype):
+    """With ``fresh_prompts = "sdpa"`` a batch mixing decode rows, fresh prompts (long
+    enough: SDPA on the new keys; too short: the native kernel), and a prompt's later
+    chunk (cached context: the native kernel) gives the reference's output; a batch of
+    fresh prompts only never calls the native kernel's row subset."""
+    rng = random.Random(5)
+    backend = get_backend("cpu", "cpu", dtype=dtype)
+    backend.fresh_prompts = "sdpa"
+    for qlens, ctx in (([1, 40, 5, 20, 1, 17], [30, 0, 0, 30, 200, 0]),
+                       ([33, 64], [0, 0])):
+        q, k, v, kc, vc, meta = random_paged_case(rng, "cpu", dtype, 16, 3, 3, qlens, ctx, 64)
+        torch_ref.write_kv(kc, vc, k, v, meta)
+        want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
+        got = backend.paged_attention(q, kc, vc, meta, 0.125, new_kv=(k, v)).float()
+        spans, rest = meta.derived["cpu_fresh"]
+        assert spans == ([(1, 41), (67, 84)] if len(qlens) == 6 else [(0, 33), (33, 97)])
+        assert (rest is None) == (len(qlens) == 2)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        assert ((got - want).abs().max() / want.abs().max()) <= tol
+        backend.fresh_prompts = "native"            # the same step through the native kernel
+        meta.derived.clear()
+        native = backend.paged_attention(q, kc, vc, meta, 0.125, new_kv=(k, v)).float()
+        assert ((native - want).abs().max() / want.abs().max()) <= tol
+        backend.fresh_prompts = "sdpa"

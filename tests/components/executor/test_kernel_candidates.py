@@ -17,11 +17,12 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _logits(model: LlamaModel) -> torch.Tensor:
-    """Two steps: prompts of 5, 1 and 9 tokens, then 1, 3 and 1 more over their prefixes;
-    the second step's small M is where the native linear kernel runs."""
+    """Two steps: prompts of 5, 1 and 20 tokens (the last long enough for the fresh-prompt
+    path), then 1, 3 and 1 more over their prefixes; the second step's small M is where
+    the native linear kernel runs."""
     kv = model.new_kv_cache(8, 16)
     got = []
-    for lens, ctx in (([5, 1, 9], [0, 0, 0]), ([1, 3, 1], [5, 1, 9])):
+    for lens, ctx in (([5, 1, 20], [0, 0, 0]), ([1, 3, 1], [5, 1, 20])):
         meta = AttentionMetadata.build(lens, ctx, [[0, 1], [2, 3], [4, 5]], 16)
         ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),),
                             generator=torch.Generator().manual_seed(sum(ctx)))
@@ -38,7 +39,9 @@ def _available(dtype: torch.dtype) -> set[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("forced", [{"linear": "native"}, {"linear": "onednn"},
                                     {"linear": "torch"}, {"elementwise": "native"},
-                                    {}], ids=["native", "onednn", "torch", "fused", "measured"])
+                                    {"fresh_prompts": "sdpa"}, {"fresh_prompts": "native"},
+                                    {}], ids=["native", "onednn", "torch", "fused", "sdpa",
+                                              "paged", "measured"])
 def test_each_candidate_gives_the_reference_logits(dtype, forced):
     if forced.get("linear", "torch") not in _available(dtype):
         pytest.skip(f"no {forced['linear']} linear kernel here for {dtype}")
@@ -54,6 +57,8 @@ def test_each_candidate_gives_the_reference_logits(dtype, forced):
             assert model.plan.linear["qkv"][0] == (model.plan.linear["qkv"][0][0], choice)
         else:
             assert getattr(model.plan, op) == choice
+    if forced.get("fresh_prompts"):
+        assert model.backend.fresh_prompts == forced["fresh_prompts"]
     want, got = _logits(ref), _logits(model)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= TOL[dtype], (model.plan.summary(), err)
