@@ -14,6 +14,7 @@ If no compiler is available or the build fails, the backend refuses (ValueError)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import platform
@@ -126,9 +127,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     args = meta.derived.get("cpu")
     if args is None:            # once per step, not per layer
-        args = meta.derived["cpu"] = (meta.token_seq.contiguous(),
-                                      (meta.positions + 1).to(torch.int32),
-                                      meta.block_tables.contiguous())
+        args = meta.derived["cpu"] = _kernel_rows(meta.token_seq, meta.positions, meta)
     seqs, row_lens, tables = args
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
@@ -139,6 +138,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
     return out
+
+
+def _kernel_rows(token_seq: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    """The kernel's per-step arguments for these rows: each row's sequence, its key count
+    (position + 1), and the block tables."""
+    return (token_seq.contiguous(), (positions + 1).to(torch.int32),
+            meta.block_tables.contiguous())
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -307,12 +313,8 @@ class CpuBackend:
                 for a, b in spans:
                     keep[a:b] = False
                 rest = keep.nonzero().squeeze(1)
-                sub = AttentionMetadata.__new__(AttentionMetadata)
-                sub.__dict__.update(meta.__dict__)
-                sub.derived = {"cpu": (meta.token_seq[rest].contiguous(),
-                                       (meta.positions[rest] + 1).to(torch.int32),
-                                       meta.block_tables.contiguous())}
-                meta.derived["cpu_rest"] = sub
+                meta.derived["cpu_rest"] = dataclasses.replace(meta, derived={
+                    "cpu": _kernel_rows(meta.token_seq[rest], meta.positions[rest], meta)})
             meta.derived["cpu_fresh"] = (spans, rest) if spans else None
         return meta.derived["cpu_fresh"]
 

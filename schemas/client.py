@@ -191,6 +191,15 @@ class ProtocolError(msgspec.Struct, tag="protocol_error", frozen=True):
     message: str
 
 
+def malformed_reply(error: str, request_id: str | None) -> Rejected | ProtocolError:
+    """The answer to a client frame that did not decode: a rejection of the request it
+    names (``request_id``, salvaged from the frame, None when it names none or one that is
+    already open), else a protocol error."""
+    if request_id is not None:
+        return Rejected(request_id, "invalid_request", f"malformed message: {error}")
+    return ProtocolError(f"malformed message: {error}")
+
+
 Terminal = Union[Finished, Rejected, Cancelled, Failed]
 ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
                   ServerHeartbeat, ProtocolError]

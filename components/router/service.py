@@ -45,8 +45,9 @@ from components.router.scoring import (Decision, ReplicaState, Score, SessionTab
 from components.streamer.identity import Identity, Keyring, load_service_key, visible_status
 from components.tokenizer.prompt import PromptHasher
 from schemas.client import (Accepted, Cancel, Cancelled, ClientMsg, ComponentStatus, Failed,
-                            Finished, Heartbeat, ProtocolError, Rejected, ServerHeartbeat,
-                            ServerMsg, StatusQuery, StatusReport, Submit, TextDelta)
+                            Finished, Heartbeat, Rejected, ServerHeartbeat,
+                            ServerMsg, StatusQuery, StatusReport, Submit, TextDelta,
+                            malformed_reply)
 from schemas.config import ReplicaSpec
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
@@ -176,13 +177,9 @@ class RouterService(Component):
         if frame.identity is None:
             return
         rid = salvage_request_id(frame.data)
-        if rid is not None and rid not in self.flights:
-            await self.clients.send(Rejected(rid, "invalid_request",
-                                             f"malformed message: {frame.error}"),
-                                    to=frame.identity)
-        else:
-            await self.clients.send(ProtocolError(f"malformed message: {frame.error}"),
-                                    to=frame.identity)
+        await self.clients.send(
+            malformed_reply(frame.error, rid if rid not in self.flights else None),
+            to=frame.identity)
 
     async def _client_loop(self) -> None:
         while True:

@@ -36,8 +36,9 @@ from components.streamer.identity import Identity, Keyring, Refusal, visible_sta
 from components.streamer.slo import RequestClock, SloStats, generated_tokens
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           EventBatch, Failed, Finished, Heartbeat, NewRequest,
-                          ProtocolError, Rejected, ServerHeartbeat, StatusQuery, StatusReport,
+                          Rejected, ServerHeartbeat, StatusQuery, StatusReport,
                           StreamerMsg, Submit, TextDelta, Usage)
+from schemas.client import malformed_reply
 
 log = structlog.get_logger("streamer")
 _TRACER = trace.get_tracer("weir.streamer")
@@ -116,13 +117,10 @@ class StreamerService(Component):
         if frame.identity is None:
             return
         rid = salvage_request_id(frame.data)
-        if rid is not None and rid not in self.active:
+        reply = malformed_reply(frame.error, rid if rid not in self.active else None)
+        if isinstance(reply, Rejected):
             self.counts["rejected"] += 1
-            await self.clients.send(Rejected(rid, "invalid_request", f"malformed message: {frame.error}"),
-                                    to=frame.identity)
-        else:
-            await self.clients.send(ProtocolError(f"malformed message: {frame.error}"),
-                                    to=frame.identity)
+        await self.clients.send(reply, to=frame.identity)
 
     async def _client_loop(self) -> None:
         while True:
