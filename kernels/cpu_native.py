@@ -284,29 +284,38 @@ class CpuBackend:
             else None
         if not fresh:
             return paged_attention(q, k_cache, v_cache, meta, scale)
-        spans, rest = fresh
+        groups, rest = fresh
         k, v = new_kv
         out = torch.empty_like(q)
-        for a, b in spans:            # [L, H, D] -> [1, H, L, D], GQA inside SDPA
-            o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1).unsqueeze(0), k[a:b].transpose(0, 1).unsqueeze(0),
-                v[a:b].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
-                enable_gqa=True)
-            out[a:b] = o[0].transpose(0, 1)
+        for a, n, length in groups:   # n prompts of one length, rows a .. a + n * length
+            def batch(x):             # [n * L, H, D] -> [n, H, L, D], a view
+                return x[a:a + n * length].view(n, length, *x.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True,
+                                               scale=scale, enable_gqa=True)  # GQA inside
+            batch(out).copy_(o)
         if rest is not None:
             sub = meta.derived["cpu_rest"]
             out[rest] = paged_attention(q[rest].contiguous(), k_cache, v_cache, sub, scale)
         return out
 
     def _fresh(self, meta: AttentionMetadata):
-        """Once per step: the row spans of fresh prompts (no cached context, at least
-        FRESH_MIN tokens) and the rows left for the native kernel (None if none), with a
-        metadata view of those rows."""
+        """Once per step: the fresh prompts (no cached context, at least FRESH_MIN tokens)
+        as groups ``(first row, prompts, length)`` of neighbouring prompts of one length
+        (one SDPA call each: on 2 AMX cores, 16 x 128 tokens at once is 1.4 ms a layer
+        against 2.0 as 16 calls), and the rows left for the native kernel (None if none),
+        with a metadata view of those rows."""
         if "cpu_fresh" not in meta.derived:
             starts = meta.query_start_loc.tolist()
             spans = [(starts[i], starts[i + 1]) for i, (c, n) in
                      enumerate(zip(meta.context_lens, meta.query_lens))
                      if c == 0 and n >= self.FRESH_MIN]
+            groups: list[list[int]] = []
+            for a, b in spans:
+                last = groups[-1] if groups else None
+                if last and last[2] == b - a and last[0] + last[1] * last[2] == a:
+                    last[1] += 1
+                else:
+                    groups.append([a, 1, b - a])
             rest = None
             if spans and sum(b - a for a, b in spans) < meta.num_tokens:
                 keep = torch.ones(meta.num_tokens, dtype=torch.bool)
@@ -315,7 +324,7 @@ class CpuBackend:
                 rest = keep.nonzero().squeeze(1)
                 meta.derived["cpu_rest"] = dataclasses.replace(meta, derived={
                     "cpu": _kernel_rows(meta.token_seq[rest], meta.positions[rest], meta)})
-            meta.derived["cpu_fresh"] = (spans, rest) if spans else None
+            meta.derived["cpu_fresh"] = ([tuple(g) for g in groups], rest) if spans else None
         return meta.derived["cpu_fresh"]
 
 

@@ -101,8 +101,9 @@ inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t d0, int64_t n) {
 // targets (-march=native on an Intel Xeon with GCC 12) judges the plain loop "not
 // profitable" and leaves it scalar: 8x slower than this, and slower than torch's three
 // passes at 2048 rows.
-inline __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// exp(x) for x in [-87, 88] (clamped): 2^n p(r), the power of two by vscalefps.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -114,30 +115,34 @@ inline __m512 exp_neg16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    e = _mm512_slli_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(p, n);
 }
 inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16f(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-// v rounded to bf16 (nearest even; NaN to the quiet NaN), as float bits
-inline __m512i bf16_bits16(__m512 v) {
+// v rounded to bf16 (nearest even; NaN to a quiet NaN): one vcvtneps2bf16 where the CPU
+// has AVX512-BF16, else integer rounding
+inline __m256i bf16_16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
     const __m512i b = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                 _mm512_set1_epi32(0x7fc00000));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
 }
 inline __m512 rnd16(__m512 v, const float*) { return v; }
-inline __m512 rnd16(__m512 v, const uint16_t*) { return _mm512_castsi512_ps(bf16_bits16(v)); }
+inline __m512 rnd16(__m512 v, const uint16_t*) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
+}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_16(v));
 }
 #endif
 
@@ -153,14 +158,12 @@ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, 
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; d + 16 <= inter; d += 16) {
             const __m512 gv = load16f(g + d);
-            const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-            // 1 / (1 + e) by a reciprocal estimate and one Newton step (~1 ulp): a vector
-            // division costs more than the rest of the loop together
-            const __m512 den = _mm512_add_ps(one, e);
+            // sigmoid = 1 / (1 + exp(-g)) by a reciprocal estimate and one Newton step
+            // (~1 ulp; a vector division costs more than the rest of the loop together).
+            // exp(-g) may be huge (g < -80): the reciprocal is then ~0, as it should be.
+            const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
             const __m512 r0 = _mm512_rcp14_ps(den);
-            const __m512 s = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
-            const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-            const __m512 sig = _mm512_mask_mul_ps(s, neg, e, s);
+            const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
             store16(o + d, _mm512_mul_ps(rnd16(_mm512_mul_ps(gv, sig), o), load16f(u + d)));
         }
 #endif

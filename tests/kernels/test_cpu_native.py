@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import get_backend, torch_ref
 from kernels.testing import random_paged_case
@@ -160,15 +161,21 @@ def test_fresh_prompts_through_sdpa_match_reference(dtype):
     rng = random.Random(5)
     backend = get_backend("cpu", "cpu", dtype=dtype)
     backend.fresh_prompts = "sdpa"
-    for qlens, ctx in (([1, 40, 5, 20, 1, 17], [30, 0, 0, 30, 200, 0]),
-                       ([33, 64], [0, 0])):
+    cases = {  # qlens, contexts -> SDPA groups (first row, prompts, length)
+        ((1, 40, 5, 20, 1, 17), (30, 0, 0, 30, 200, 0)): [(1, 1, 40), (67, 1, 17)],
+        ((33, 64), (0, 0)): [(0, 1, 33), (33, 1, 64)],
+        # neighbours of one length share a call; one between them (a decode row) splits
+        ((24, 24, 24, 20, 1, 24, 24), (0, 0, 0, 0, 50, 0, 0)):
+            [(0, 3, 24), (72, 1, 20), (93, 2, 24)],
+    }
+    for (qlens, ctx), groups in cases.items():
         q, k, v, kc, vc, meta = random_paged_case(rng, "cpu", dtype, 16, 3, 3, qlens, ctx, 64)
         torch_ref.write_kv(kc, vc, k, v, meta)
         want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
         got = backend.paged_attention(q, kc, vc, meta, 0.125, new_kv=(k, v)).float()
-        spans, rest = meta.derived["cpu_fresh"]
-        assert spans == ([(1, 41), (67, 84)] if len(qlens) == 6 else [(0, 33), (33, 97)])
-        assert (rest is None) == (len(qlens) == 2)
+        assert meta.derived["cpu_fresh"][0] == groups
+        every_row_fresh = all(c == 0 and n >= backend.FRESH_MIN for n, c in zip(qlens, ctx))
+        assert (meta.derived["cpu_fresh"][1] is None) == every_row_fresh
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         assert ((got - want).abs().max() / want.abs().max()) <= tol
         backend.fresh_prompts = "native"            # the same step through the native kernel
@@ -176,3 +183,20 @@ def test_fresh_prompts_through_sdpa_match_reference(dtype):
         native = backend.paged_attention(q, kc, vc, meta, 0.125, new_kv=(k, v)).float()
         assert ((native - want).abs().max() / want.abs().max()) <= tol
         backend.fresh_prompts = "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_across_the_range(dtype):
+    """silu(gate) * up, vector body and scalar tail (a width that is not a multiple of 16),
+    over gates from -1e4 to 1e4: exp of a large argument is clamped, not inf * 0."""
+    g = torch.cat([torch.linspace(-100, 100, 997), torch.tensor([-1e4, -88.5, -87.0, 0.0,
+                                                                  87.0, 88.5, 1e4])])
+    u = torch.linspace(-3, 3, g.numel())
+    rows = torch.stack([g, g.flip(0)])
+    gate_up = torch.cat([rows, torch.stack([u, u])], dim=1).to(dtype)
+    got = cpu_native.silu_mul(gate_up).float()
+    gd, ud = gate_up[:, :g.numel()], gate_up[:, g.numel():]
+    want = (F.silu(gd.float()).to(dtype).float() * ud.float()).to(dtype).float()
+    assert torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 1 / 128
+    assert torch.allclose(got, want, rtol=tol, atol=1e-6), (got - want).abs().max()
