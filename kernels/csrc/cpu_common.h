@@ -1,9 +1,12 @@
-// Helpers shared by Weir's native CPU kernels: bf16 widening/narrowing and a branch-free
-// exp that vectorizes.
+// Helpers shared by Weir's native CPU kernels: bf16 widening/narrowing, a branch-free
+// exp that vectorizes, and their AVX-512 forms.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace weir {
 
@@ -41,5 +44,38 @@ inline float exp_neg(float x) {
     std::memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+#if defined(__AVX512F__)
+// exp(x) for x in [-87, 88] (clamped): 2^n p(r), the power of two by vscalefps.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+// v rounded to bf16 (nearest even; NaN to a quiet NaN): one vcvtneps2bf16 where the CPU
+// has AVX512-BF16, else integer rounding
+inline __m256i bf16_16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc00000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+#endif
 
 }  // namespace weir

@@ -70,8 +70,40 @@ template <int D> inline __m512 dot_partial(const uint16_t* q, const uint16_t* k)
     return acc;
 #endif
 }
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return widen(p); }
+// A value row as D / 16 float vectors. bf16: each 32-element load split into its even and
+// odd elements (a shift and a mask, where widening 16 at a time costs a load, a widen and
+// a shift each), so the accumulators hold elements in the order 0, 2, .., 30, 1, 3, .., 31
+// of each 32; store_row puts them back in order.
+template <int D> inline void value_row(const float* p, __m512* v) {
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(p + c * 16);
+}
+template <int D> inline void value_row(const uint16_t* p, __m512* v) {
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512i x = _mm512_loadu_si512(p + c * 32);
+        v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        v[2 * c + 1] = _mm512_castsi512_ps(
+            _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+}
+template <int D> inline void store_row(float* o, const float* acc, float inv) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int c = 0; c < D / 16; ++c)
+        _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), s));
+}
+template <int D> inline void store_row(uint16_t* o, const float* acc, float inv) {
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512 even = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32), s);
+        const __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32 + 16), s);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32),
+                            weir::bf16_16(_mm512_permutex2var_ps(even, lo, odd)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32 + 16),
+                            weir::bf16_16(_mm512_permutex2var_ps(even, hi, odd)));
+    }
+}
 
 constexpr int kTile = 8;       // rows per work item
 
@@ -138,21 +170,25 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
                 }
         }
     }
-    // softmax per query over its own keys
+    // softmax per query over its own keys, 16 at a time: pass 1 wrote every lane of each
+    // 16-key chunk up to the query's length (-inf past it), so a chunk is read whole and
+    // only the last one's tail is masked out of the sum
     float inv[64 * kTile];                 // kv_heads * G <= 64 (heads <= 64)
     for (int qi = 0; qi < nq; ++qi) {
         float* s = scores + qi * lpad;
         const int64_t len = lens[(qi / G) % nrows];
-        float m = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-            const float e = weir::exp_neg(s[t] - m);
-            s[t] = e;
-            sum += e;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? 0xffff : (1u << (len - t)) - 1;
+            const __m512 e = _mm512_maskz_mov_ps(live, weir::exp16(
+                _mm512_sub_ps(_mm512_loadu_ps(s + t), m)));
+            _mm512_storeu_ps(s + t, e);
+            sum = _mm512_add_ps(sum, e);
         }
-        inv[qi] = 1.0f / sum;
+        inv[qi] = 1.0f / _mm512_reduce_add_ps(sum);
         for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
     }
     // values, 16 keys at a time: each head's value row widened in registers and added
@@ -173,9 +209,8 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
                     for (int g = 0; g < SG; ++g)
                         for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (q0 + g) * D + c * 16);
                     for (int j = 0; j < kn; ++j) {
-                        const T* vr = kp[j] + h * D;
                         __m512 vv[C];
-                        for (int c = 0; c < C; ++c) vv[c] = load16(vr + c * 16);
+                        value_row<D>(kp[j] + h * D, vv);
                         for (int g = 0; g < SG; ++g) {
                             const __m512 p = _mm512_set1_ps(scores[(q0 + g) * lpad + t0 + j]);
                             for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
@@ -188,8 +223,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
     }
     for (int qi = 0; qi < nq; ++qi) {
         const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
-        T* o = out + ((row0 + r) * heads + h * G + g) * D;
-        for (int d = 0; d < D; ++d) weir::store(o, d, acc[qi * D + d] * inv[qi]);
+        store_row<D>(out + ((row0 + r) * heads + h * G + g) * D, acc + qi * D, inv[qi]);
     }
 }
 

@@ -101,40 +101,12 @@ inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t d0, int64_t n) {
 // targets (-march=native on an Intel Xeon with GCC 12) judges the plain loop "not
 // profitable" and leaves it scalar: 8x slower than this, and slower than torch's three
 // passes at 2048 rows.
-// exp(x) for x in [-87, 88] (clamped): 2^n p(r), the power of two by vscalefps.
-inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+using weir::bf16_16;
+using weir::exp16;
 inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16f(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-// v rounded to bf16 (nearest even; NaN to a quiet NaN): one vcvtneps2bf16 where the CPU
-// has AVX512-BF16, else integer rounding
-inline __m256i bf16_16(__m512 v) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7fc00000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-#endif
 }
 inline __m512 rnd16(__m512 v, const float*) { return v; }
 inline __m512 rnd16(__m512 v, const uint16_t*) {
