@@ -124,10 +124,6 @@ class BusSocket(Generic[T]):
                 except Exception as exc:
                     log.error("on_malformed_failed", socket=self.name, error=type(exc).__name__)
 
-    def pending(self) -> bool:
-        """Whether a frame is waiting to be received (without receiving it)."""
-        return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
     async def recv_raw(self) -> bytes:
         """The next frame as it came (an XPUB's subscription messages: 0x01 or 0x00, then
         the topic), for sockets whose peers speak ZeroMQ's protocol rather than Weir's."""

@@ -99,10 +99,6 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # kernel, or torch's fused causal attention (SDPA) over the step's own keys and values
     fresh_prompts: Literal["auto", "native", "sdpa"] = "auto"
     cache: bool = True          # keep the measured plan per machine; false: measure each start
-    # CPU: run each linear shape once at the step budget (before ready) and at every decode
-    # batch size (while idle), so no step pays oneDNN's first-use cost for its token count
-    # (~8 ms for a batch-64 decode step, ~35 ms for a 2048-token one, on 2 AMX cores)
-    warm_gemms: bool = True
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

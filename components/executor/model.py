@@ -180,17 +180,6 @@ class LlamaModel:
             self.layers.append(layer)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
-    @torch.inference_mode()
-    def warm_gemms(self, tokens: int, lm_head: bool = True) -> None:
-        """Run every linear shape once at ``tokens`` rows (zeros), so a step of that many
-        tokens finds oneDNN's primitives made: the first call at a new M costs ~1 ms per
-        shape and the layers' linears share their shapes. ``lm_head`` too (its M is the
-        rows sampled, at most the batch size)."""
-        layer = self.layers[0]
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) + (
-                (self.lm_head,) if lm_head else ()):
-            lin(torch.zeros(tokens, lin.shape[1], dtype=self.dtype, device=self.device))
-
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate a paged KV cache that fits this model, in its dtype and device."""
         need = getattr(self.backend, "block_size", None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -45,18 +44,6 @@ class ExecutorService(Component):
         plan = self.runner.model.plan
         log.info("kernels_chosen", how=plan.source, measuring_s=plan.seconds, key=plan.key,
                  **plan.summary())
-        self.to_warm: deque[int] = deque()
-        if self.device.type == "cpu" and eng.kernels.warm_gemms:
-            # the budget-sized step now (~0.1 s on 2 cores); each decode batch size later,
-            # one at a time while no message waits (run), so no step queues behind it
-            sched = self.config.scheduler
-            t = time.perf_counter()
-            await self.on_torch_thread(self.runner.model.warm_gemms,
-                                       sched.max_num_batched_tokens, False)
-            self.to_warm.extend(range(1, sched.max_num_seqs + 1))
-            log.info("gemms_warmed", tokens=sched.max_num_batched_tokens,
-                     seconds=round(time.perf_counter() - t, 3),
-                     decode_sizes_when_idle=len(self.to_warm))
         self.inbox_sock = self.inbox(ExecutorMsg)
         self.to_scheduler = self.push_to("scheduler")
         await self.to_scheduler.send(ExecutorReady(self.runner.block_bytes, self.bandwidth,
@@ -110,11 +97,6 @@ class ExecutorService(Component):
 
     async def run(self) -> None:
         while True:
-            if self.to_warm and not self.inbox_sock.pending():
-                await self.on_torch_thread(self.runner.model.warm_gemms, self.to_warm.popleft())
-                if not self.to_warm:
-                    log.info("gemms_warmed_for_every_batch_size")
-                continue
             msg = await self.inbox_sock.recv()
             match msg.body:
                 case StepPlan() as plan:

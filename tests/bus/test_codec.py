@@ -164,26 +164,6 @@ async def test_pull_drops_malformed_and_returns_valid(tmp_path):
         pull.close()
 
 
-@pytest.mark.anyio
-async def test_pending_says_whether_a_frame_waits_without_taking_it(tmp_path):
-    """What the executor checks before warming a GEMM size in idle time."""
-    address = f"ipc://{tmp_path}/pending.sock"
-    pull = BusSocket(zmq.PULL, "test.inbox", ClientMsg).bind(address)
-    push = BusSocket(zmq.PUSH, "test.out").connect(address)
-    try:
-        assert not pull.pending()
-        await push.send(Cancel("r1"))
-        with anyio.fail_after(5):
-            while not pull.pending():
-                await anyio.sleep(0.001)
-        assert pull.pending()                       # asking does not consume it
-        assert (await pull.recv()).body == Cancel("r1")
-        assert not pull.pending()
-    finally:
-        push.close()
-        pull.close()
-
-
 # ---------------------------------------------------------------- hostile frames
 
 ALL_UNIONS = [ClientMsg, TokenizerMsg, AdmissionMsg, SchedulerMsg, KvMsg, ExecutorMsg,

@@ -99,26 +99,3 @@ def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
-
-
-def test_warm_gemms_runs_every_linear_shape_once_and_leaves_the_logits_alone():
-    """The executor's warm-up: each distinct linear shape (the layers share theirs) once
-    at the given token count, the lm_head only when asked; nothing a step reads changes."""
-    weights = random_weights(SHAPE, seed=4)
-    model = LlamaModel(SHAPE, weights, dtype=torch.float32, kernels={"linear": "torch"})
-    before = _logits(model)
-    calls = []
-    run = model.runs["torch"]
-    model.runs["torch"] = lambda x, w, b=None: calls.append((x.shape[0], tuple(w.shape))) \
-        or run(x, w, b)
-    model.warm_gemms(7)
-    h, d = SHAPE.hidden_size, SHAPE.head_dim
-    qkv = (SHAPE.num_heads + 2 * SHAPE.num_kv_heads) * d
-    assert calls == [(7, (qkv, h)), (7, (h, SHAPE.num_heads * d)),
-                     (7, (2 * SHAPE.intermediate_size, h)), (7, (h, SHAPE.intermediate_size)),
-                     (7, (SHAPE.vocab_size, h))]
-    calls.clear()
-    model.warm_gemms(2048, lm_head=False)
-    assert [m for m, _ in calls] == [2048] * 4
-    model.runs["torch"] = run
-    assert torch.equal(_logits(model), before)
