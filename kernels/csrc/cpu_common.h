@@ -46,6 +46,12 @@ inline float exp_neg(float x) {
 }
 
 #if defined(__AVX512F__)
+// 16 elements as float32 (bf16 widened: its bits are a float's top half)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 // exp(x) for x in [-87, 88] (clamped): 2^n p(r), the power of two by vscalefps.
 inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));

@@ -53,10 +53,7 @@ template <int D> inline __m512 dot_partial(const float* q, const float* k) {
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
     return acc;
 }
-inline __m512 widen(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using weir::load16;
 template <int D> inline __m512 dot_partial(const uint16_t* q, const uint16_t* k) {
 #if defined(__AVX512BF16__)
     __m512 acc = _mm512_setzero_ps();
@@ -65,8 +62,8 @@ template <int D> inline __m512 dot_partial(const uint16_t* q, const uint16_t* k)
                                (__m512bh)_mm512_loadu_si512(k + d));
     return acc;
 #else
-    __m512 acc = _mm512_mul_ps(widen(q), widen(k));
-    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(widen(q + d), widen(k + d), acc);
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
     return acc;
 #endif
 }

@@ -103,11 +103,7 @@ inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t d0, int64_t n) {
 // passes at 2048 rows.
 using weir::bf16_16;
 using weir::exp16;
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using weir::load16;
 inline __m512 rnd16(__m512 v, const float*) { return v; }
 inline __m512 rnd16(__m512 v, const uint16_t*) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
@@ -129,14 +125,14 @@ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, 
 #if defined(__AVX512F__)
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; d + 16 <= inter; d += 16) {
-            const __m512 gv = load16f(g + d);
+            const __m512 gv = load16(g + d);
             // sigmoid = 1 / (1 + exp(-g)) by a reciprocal estimate and one Newton step
             // (~1 ulp; a vector division costs more than the rest of the loop together).
             // exp(-g) may be huge (g < -80): the reciprocal is then ~0, as it should be.
             const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
             const __m512 r0 = _mm512_rcp14_ps(den);
             const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
-            store16(o + d, _mm512_mul_ps(rnd16(_mm512_mul_ps(gv, sig), o), load16f(u + d)));
+            store16(o + d, _mm512_mul_ps(rnd16(_mm512_mul_ps(gv, sig), o), load16(u + d)));
         }
 #endif
         silu_mul_tail(g, u, o, d, inter);
