@@ -27,13 +27,6 @@ log = logging.getLogger(__name__)
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 
-
-def can_pack() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
 PACK_HINT = 64          # the batch size oneDNN lays packed weights out for (any M works)
 
 
@@ -43,6 +36,29 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor:
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+
+
+_PACKS: dict[torch.dtype, bool] = {}
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs for ``dtype`` on this CPU: tried once on a tiny
+    weight, since the ops exist in every build but refuse at run time where the CPU lacks
+    what the dtype needs (bf16 without AVX-512 or AVX-NE-CONVERT, as on AVX2-only CPUs)."""
+    if dtype not in _PACKS:
+        ok = (torch.backends.mkldnn.is_available()
+              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+              and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        if ok:
+            try:
+                w = torch.ones(16, 32, dtype=dtype)
+                y = onednn_linear(torch.ones(2, 32, dtype=dtype), onednn_pack(w))
+                ok = bool(torch.equal(y, torch.full((2, 16), 32.0, dtype=dtype)))
+            except RuntimeError as err:
+                log.info("oneDNN packed linear unavailable for %s here: %s", dtype, err)
+                ok = False
+        _PACKS[dtype] = ok
+    return _PACKS[dtype]
 
 
 def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
@@ -68,7 +84,7 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     if device.type != "cpu":
         return {"torch": 1 << 30}
     out = {"torch": 1 << 30}
-    if can_pack():
+    if can_pack(dtype):
         out["onednn"] = 1 << 30
     n, k = shape
     if (dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0 and cpu_native.available()

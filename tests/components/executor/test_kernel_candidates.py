@@ -99,3 +99,20 @@ def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
+
+
+def test_onednn_is_a_candidate_only_where_it_runs(monkeypatch):
+    """The oneDNN ops exist in every torch build but refuse bf16 at run time on CPUs without
+    AVX-512 (AVX2-only): the probe keeps such a candidate out of the plan."""
+    def refuse(w):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                           "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(autotune, "_PACKS", {})
+    monkeypatch.setattr(autotune, "onednn_pack", refuse)
+    assert not autotune.can_pack(torch.bfloat16)
+    assert "onednn" not in autotune.linear_candidates(torch.bfloat16, torch.device("cpu"),
+                                                      (64, 64))
+    with pytest.raises(ValueError, match="engine.kernels.linear = 'onednn' cannot run here"):
+        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.bfloat16,
+                   kernels={"linear": "onednn"})
