@@ -106,6 +106,10 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     prefill_tokens_per_s: float      # 0 until the step cost model has data
     decode_step_s: float
     tenants: dict[str, TenantBacklog] = {}
+    # arrival → now of each request still without its first token (at most AWAITING_MAX,
+    # the longest waiting first): admission sees an overrun prediction while it happens,
+    # not a first token later
+    awaiting_first_s: dict[str, float] = {}
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from components.admission.estimate import OutputStats, TokenBucket
@@ -62,6 +62,9 @@ ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
 _TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
 # the learned TTFT bias: how far one observed miss moves it, up and down (see released)
 BIAS_UP, BIAS_DOWN = 0.2, 0.02
+# the bias's floor: the 90th percentile of the misses of the last RECENT admitted requests,
+# a request still without its first token counting with what it has overrun so far
+RECENT, RECENT_MIN = 20, 10
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,12 @@ class AdmissionPolicy:
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
         self._unreported: Counter[str] = Counter()      # the same, by tenant
         self.ttft_bias_s = 0.0            # observed − predicted TTFT, smoothed (see released)
+        self.ttft_floor_s = 0.0           # a lower bound of recent misses (see on_load)
+        # the last RECENT admitted with a prediction: request id -> its miss (observed) or
+        # how far it has overrun its prediction so far (None: not reported yet), and whether
+        # the miss is final
+        self._recent: dict[str, list] = {}
+        self._recent_order: deque[str] = deque()
         self._observed = False            # a TTFT was observed since the last load report
         self.outputs = OutputStats(adm.output_percentile)
         self._buckets: dict[str, TokenBucket] = {}
@@ -274,7 +283,7 @@ class AdmissionPolicy:
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
         raw = self.predicted_ttft_s(uncached, req.tenant)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
-                        None if raw is None else raw + self.ttft_bias_s, deadline, raw)
+                        None if raw is None else raw + self.bias_s, deadline, raw)
 
     def _blocks(self, uncached: int, output: int, n: int) -> int:
         grow = output * (1 + self.config.admission.kv_safety)
@@ -354,12 +363,35 @@ class AdmissionPolicy:
                      for u, n in waiting.items() if u != tenant and counter(u) < at)
         return ahead + math.ceil(others)
 
+    @property
+    def bias_s(self) -> float:
+        """What is added to the backlog model's TTFT: the learned bias, or more while recent
+        requests are overrunning their predictions by more."""
+        return max(self.ttft_bias_s, self.ttft_floor_s)
+
     def on_load(self, load: SchedulerLoad) -> None:
         """The scheduler's backlog report (every 100 ms): it now counts what was admitted
-        before it."""
+        before it.
+
+        It also lists how long each request without a first token has waited. The learned
+        bias hears of a miss only at its first token, a whole TTFT after the conditions
+        that caused it: at the start of a burst every request admitted in that time would
+        miss alike. So the bias has a floor, read from the last ``RECENT`` admitted
+        requests: the 90th percentile of their misses, where a request still waiting counts
+        with what it has overrun so far (a lower bound of its miss, so the floor is a lower
+        bound of that percentile). It falls again as soon as recent requests meet their
+        predictions."""
         self.load = load
         self.unreported_tokens = 0
         self._unreported.clear()
+        for rid, waited in load.awaiting_first_s.items():
+            entry = self._recent.get(rid)
+            if entry is not None and not entry[2]:
+                entry[1] = waited - entry[0]
+        misses = sorted((e[1] for e in self._recent.values() if e[1] is not None),
+                        reverse=True)
+        self.ttft_floor_s = max(misses[math.ceil(len(misses) / 10) - 1], 0.0) \
+            if len(misses) >= RECENT_MIN else 0.0
         # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
         # keep it up: a factor learned in a burst must not refuse everything after it
         if not self._observed:
@@ -467,6 +499,11 @@ class AdmissionPolicy:
         blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
         self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
                                decision.estimate.scheduler_ttft_s)
+        if decision.estimate.scheduler_ttft_s is not None:
+            self._recent[rid] = [decision.estimate.scheduler_ttft_s, None, False]
+            self._recent_order.append(rid)
+            if len(self._recent_order) > RECENT:
+                self._recent.pop(self._recent_order.popleft(), None)
         self.reserved_blocks += blocks
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
@@ -513,6 +550,8 @@ class AdmissionPolicy:
                 # moves it 10x as far as one below, so the bias settles near the 90th
                 # percentile of the error and ~95% of the admitted meet the deadline
                 miss = ttft_s[rid] - held.predicted_s
+                if (entry := self._recent.get(rid)) is not None:
+                    entry[1:] = [miss, True]
                 rate = BIAS_UP if miss > self.ttft_bias_s else BIAS_DOWN
                 self.ttft_bias_s = max(self.ttft_bias_s + rate * (miss - self.ttft_bias_s),
                                        0.0)
@@ -531,6 +570,8 @@ class AdmissionPolicy:
         self.reserved_blocks = 0
         self.tenant_blocks.clear()
         self.tenant_seqs.clear()
+        self._recent.clear()
+        self._recent_order.clear()
 
     # ------------------------------------------------------------------ queue
     def _order(self, tenant: str, q_priority: int, cls: ServiceClass, queued_at: float,
@@ -661,7 +702,8 @@ class AdmissionPolicy:
         # (the whole backlog, learned bias included), and the measured prefill rate
         ahead = self.predicted_ttft_s(0)
         if ahead is not None:
-            out["predicted_queue_s"] = max(ahead + self.ttft_bias_s, 0.0)
+            out["predicted_queue_s"] = max(ahead + self.bias_s, 0.0)
+            out["ttft_bias_s"] = round(self.bias_s, 4)
             out["prefill_tokens_per_s"] = self.load.prefill_tokens_per_s
         out.update({f"decisions.{kind}.{cls}": v for (kind, cls), v in self.decisions.items()})
         out.update({f"rejections.{reason}.{cls}": v

@@ -10,6 +10,7 @@ from components.scheduler.cost_model import StepCostModel
 from schemas.wire import SchedulerLoad, TenantBacklog
 
 LOAD_INTERVAL_S = 0.1
+AWAITING_MAX = 256          # requests listed by age in a report (the oldest)
 
 
 def released_outputs(out: Outcome) -> dict[str, int]:
@@ -30,10 +31,13 @@ def released_ttft(out: Outcome) -> dict[str, float]:
             and t.request_id in out.released}
 
 
-def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> SchedulerLoad:
+def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
+                now_ns: int | None = None) -> SchedulerLoad:
     """The backlog (waiting prefill, and what running sequences have left to prefill), the
     measured rates, and per tenant its virtual counter and both parts of the backlog, so
-    admission can tell which of it the fair order computes before a tenant's next request."""
+    admission can tell which of it the fair order computes before a tenant's next request.
+    With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
+    first token has waited since it arrived."""
     waiting: Counter[str] = Counter()
     for s in core.waiting:
         waiting[s.tenant] += s.remaining
@@ -48,5 +52,11 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int) -> Schedu
     n_running = len(core.running)
     decode_s = cost.predict(n_running or 1, sum(s.num_tokens for s in core.running),
                             n_running or 1)
+    awaiting: dict[str, float] = {}
+    if now_ns is not None:
+        first = sorted((s.arrival_ns, s.request_id) for s in (*core.waiting, *core.running)
+                       if s.first_token_ns == 0)
+        for arrival, rid in first[:AWAITING_MAX]:
+            awaiting[rid] = round(max(now_ns - arrival, 0) / 1e9, 4)
     return SchedulerLoad(n_running, len(core.waiting), waiting.total() + running.total(),
-                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants)
+                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting)

@@ -49,7 +49,8 @@ class SchedulerService(Component):
         budget = self.config.scheduler.max_num_batched_tokens
         while True:
             await anyio.sleep(LOAD_INTERVAL_S)
-            await self.peers["admission"].send(load_report(self.core, self.core.cost, budget))
+            await self.peers["admission"].send(load_report(self.core, self.core.cost, budget,
+                                                           time.time_ns()))
 
     async def _serve(self) -> None:
         while True:

@@ -199,7 +199,8 @@ class Simulator:
         if tick != self._load_tick:
             self._load_tick = tick
             self.policy.on_load(load_report(self.core, self.cost,
-                                            self.config.scheduler.max_num_batched_tokens))
+                                            self.config.scheduler.max_num_batched_tokens,
+                                            self.now))
 
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:

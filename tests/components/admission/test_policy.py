@@ -297,6 +297,34 @@ def test_observed_ttft_teaches_a_bias_that_fades():
     assert p.ttft_bias_s == pytest.approx(0.2 * 0.95 ** 14)
 
 
+def test_requests_overrunning_their_prediction_raise_it_before_their_first_token():
+    """A burst: the backlog model predicts 0.15 s, but the requests admitted are still
+    waiting at 1 s. The bias floor (90th percentile of the last 20, a waiting request
+    counting with what it has overrun so far) moves at the next report, a whole TTFT before
+    any first token could teach the learned bias."""
+    p = policy(num_blocks=1000)
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    for i in range(9):
+        p.decide(req(str(i), prompt=100), 0, 0.0)
+        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05, awaiting_first_s={
+        str(i): 0.15 + 0.1 * i for i in range(9)}))         # 9 reported: too few to judge
+    assert p.bias_s == 0.0
+    p.decide(req("9", prompt=100), 0, 0.0)
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05, awaiting_first_s={
+        str(i): 1.15 + 0.1 * i for i in range(10)}))        # overran by 1.0 .. 1.9 s
+    assert (p.ttft_bias_s, p.ttft_floor_s) == (0.0, pytest.approx(1.9))  # 1 of 10: the top
+    assert p.decide(req("x", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
+        pytest.approx(0.15 + 1.9)
+    for i in range(10, 30):                                 # 20 more that meet it exactly
+        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
+        p.released([str(i)], 1.0, {}, {str(i): 0.15})
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    assert p.ttft_floor_s == 0.0                            # the overruns left the window
+    assert p.decide(req("y", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
+        pytest.approx(0.15 + p.ttft_bias_s)
+
+
 def test_queue_releases_the_least_served_tenant_first():
     # a holds the pool and has three more queued; b queues one later, lifted to a's counter
     # (idle time earns no credit). Each release charges the tenant, so b's request goes

@@ -13,8 +13,10 @@ from components.scheduler.load import load_report
 from schemas.wire import AdmissionMsg, SchedulerLoad, TenantBacklog
 
 
-def seq(tenant: str, remaining: int, num_tokens: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens)
+def seq(tenant: str, remaining: int, num_tokens: int = 0, rid: str = "",
+        arrival_ns: int = 0, first_token_ns: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens,
+                           request_id=rid, arrival_ns=arrival_ns, first_token_ns=first_token_ns)
 
 
 def test_load_report_splits_the_backlog_by_tenant():
@@ -32,6 +34,20 @@ def test_load_report_splits_the_backlog_by_tenant():
             "a": TenantBacklog(900.0, True, 800, 200),
             "b": TenantBacklog(50.0, True, 40, 0),
             "c": TenantBacklog(10.0, False, 0, 0)})
+
+
+def test_load_report_lists_how_long_requests_without_a_first_token_have_waited():
+    core = SimpleNamespace(
+        waiting=[seq("a", 300, rid="w", arrival_ns=2_000_000_000),
+                 seq("a", 40, rid="preempted", arrival_ns=1_000_000_000,
+                     first_token_ns=1_500_000_000)],            # it had its first token
+        running=[seq("a", 200, 400, rid="prefilling", arrival_ns=1_000_000_000),
+                 seq("a", 1, 90, rid="decoding", arrival_ns=0, first_token_ns=500)],
+        vtc=VirtualCounters({}), _backlogged_tenants=set)
+    cost = SimpleNamespace(predict=lambda tokens, context, seqs: 0.5)
+    assert load_report(core, cost, 1000).awaiting_first_s == {}      # no clock: not listed
+    assert load_report(core, cost, 1000, 3_250_000_000).awaiting_first_s == {
+        "prefilling": 2.25, "w": 1.25}
 
 
 def test_a_load_report_without_tenants_still_decodes():
