@@ -171,6 +171,22 @@ class AdmissionPolicy:
             self._enqueue(req, decision, now)
         return decision
 
+    def beyond_deadline(self, req: Tokenized, cached: int) -> bool:
+        """Whether ``req`` misses its TTFT deadline even with ``cached`` prompt tokens
+        already cached (the most a prefix lookup could find). Prediction only grows with
+        the uncached prompt, so such a request is rejected as ``deadline_unmeetable`` by
+        whatever the lookup finds: the service decides it without asking the kv_manager,
+        which makes a rejection under overload one hop cheaper."""
+        if self.kind != "deadline" or (tenant := self.tenants.get(req.tenant)) is None:
+            return False
+        cls = self._grant_class(tenant, req.service_class)
+        if isinstance(cls, str):
+            return False
+        deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
+        raw = self.predicted_ttft_s(max(len(req.prompt_token_ids) - cached, 0), req.tenant)
+        return deadline is not None and raw is not None and \
+            (raw + self.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
+
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
         tenant = self.tenants.get(req.tenant)

@@ -70,13 +70,22 @@ class AdmissionService(Component):
             "weir.scheduler.queued_prefill_tokens": policy.load.queued_prefill_tokens,
         }
 
-    async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None) -> None:
+    async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None,
+                     best_case: int | None = None) -> None:
         """Decide, trace the decision, and pass the request on, hold it, or reject it.
-        ``cached`` is the kv_manager's count of already-cached prompt tokens (None: unknown)."""
-        d = self.policy.decide(req, cached or 0, time.monotonic())
+        ``cached`` is the kv_manager's count of already-cached prompt tokens (None: unknown).
+        ``best_case``: not looked up, decided as if that many were cached (see
+        ``AdmissionPolicy.beyond_deadline``)."""
+        d = self.policy.decide(req, best_case if best_case is not None else cached or 0,
+                               time.monotonic())
+        attributes = self._decision_attributes(req, d, cached)
+        attributes["weir.admission.cache_lookup"] = (
+            "skipped_beyond_deadline" if best_case is not None
+            else "none" if not (self.config.kv.enable_prefix_cache and req.block_hashes)
+            else "done" if cached is not None else "timed_out")
         with _TRACER.start_as_current_span(
                 "admission.decide", context=tracing.context_from(traceparent),
-                attributes=self._decision_attributes(req, d, cached)):
+                attributes=attributes):
             log.info("admission", request_id=req.request_id, decision=d.kind, reason=d.reason,
                      service_class=d.service_class)
         if d.kind == REJECT:
@@ -149,10 +158,14 @@ class AdmissionService(Component):
                                             or req.request_id in self.traceparents):
                     pass             # the streamer replayed it after a restart: already here
                 case Tokenized() as req:
-                    if self.config.kv.enable_prefix_cache and req.block_hashes:
+                    bs = self.config.kv.block_size
+                    best = min(len(req.block_hashes) * bs, len(req.prompt_token_ids) - 1)
+                    if self.config.kv.enable_prefix_cache and req.block_hashes \
+                            and self.policy.beyond_deadline(req, best):
+                        await self._admit(req, msg.envelope.traceparent, None, best)
+                    elif self.config.kv.enable_prefix_cache and req.block_hashes:
                         self.pending[req.request_id] = (req, msg.envelope.traceparent,
                                                         time.monotonic())
-                        bs = self.config.kv.block_size
                         await self.to_kv.send(CacheQuery(
                             req.request_id, req.tenant, req.block_hashes,
                             req.prompt_token_ids[:len(req.block_hashes) * bs],

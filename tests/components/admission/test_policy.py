@@ -325,6 +325,22 @@ def test_requests_overrunning_their_prediction_raise_it_before_their_first_token
         pytest.approx(0.15 + p.ttft_bias_s)
 
 
+def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
+    """Interactive: 1000 ms less 20% headroom. 1000 prefill tokens/s, 50 ms a decode step:
+    a 900-token prompt predicts 0.95 s uncached, 0.15 s with 800 tokens cached."""
+    p = policy(num_blocks=1000)
+    assert not p.beyond_deadline(req(prompt=900), 800)      # unknown rates: nothing to say
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    assert p.beyond_deadline(req(prompt=900), 0)
+    assert not p.beyond_deadline(req(prompt=900), 800)      # its cached prefix might save it
+    assert not p.beyond_deadline(req(prompt=900, cls="batch"), 0)         # no TTFT deadline
+    assert p.beyond_deadline(req(prompt=100, deadline=100), 0)            # its own deadline
+    assert not p.beyond_deadline(req(prompt=900, tenant="nobody"), 0)     # decide() says why
+    assert not policy("fcfs").beyond_deadline(req(prompt=900), 0)
+    d = p.decide(req(prompt=900), 0, 0.0)                   # what decide() then says
+    assert (d.kind, d.reason) == (REJECT, "deadline_unmeetable")
+
+
 def test_queue_releases_the_least_served_tenant_first():
     # a holds the pool and has three more queued; b queues one later, lifted to a's counter
     # (idle time earns no credit). Each release charges the tenant, so b's request goes
