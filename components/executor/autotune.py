@@ -65,9 +65,16 @@ def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return cpu_native.small_batch_linear(x, w, b)
 
 
+def upcast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    """A low-precision step through an fp32 weight (``w``): fp32 math, the step's dtype out."""
+    return F.linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
+
+
 # how each candidate lays its weights out, and runs them
-PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch}
-RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear}
+PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,
+           "fp32": lambda w: w.float()}
+RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear,
+       "fp32": upcast_linear}
 
 
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -86,6 +93,8 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     out = {"torch": 1 << 30}
     if can_pack(dtype):
         out["onednn"] = 1 << 30
+    if dtype in (torch.bfloat16, torch.float16):
+        out["fp32"] = 1 << 30
     n, k = shape
     if (dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0 and cpu_native.available()
             and cpu_native.small_batch_supported()):

@@ -9,21 +9,32 @@ from kernels.tuning import KernelPlan, choose_fastest, choose_linear, pick
 ALL = (1, 8, 64, 512)
 
 
-def table(native=None, onednn=None, torch=None):
+def table(native=None, onednn=None, torch=None, fp32=None):
     """Seconds per bucket for each candidate given (a list aligned with ALL; None: that
     candidate cannot run the bucket)."""
     out = {}
-    for name, times in (("native", native), ("onednn", onednn), ("torch", torch)):
+    for name, times in (("native", native), ("onednn", onednn), ("torch", torch),
+                        ("fp32", fp32)):
         if times is not None:
             out[name] = {b: t for b, t in zip(ALL, times) if t is not None}
     return out
 
 
-@pytest.mark.parametrize("winner", ["native", "onednn", "torch"])
+@pytest.mark.parametrize("winner", ["native", "onednn", "torch", "fp32"])
 def test_the_fastest_candidate_is_picked_everywhere_it_wins(winner):
-    times = {c: [2.0, 2.0, 2.0, 2.0] for c in ("native", "onednn", "torch")}
+    times = {c: [2.0, 2.0, 2.0, 2.0] for c in ("native", "onednn", "torch", "fp32")}
     times[winner] = [1.0, 1.0, 1.0, 1.0]
     assert choose_linear(table(**times)) == [(512, winner)]
+
+
+def test_avx2_like_bf16_through_fp32_weights_above_one_token():
+    """An AVX2-only CPU, bf16 model: no oneDNN bf16, no native kernel; torch's bf16 GEMM is
+    ~5x slower than fp32 past a few tokens. fp32 weights win there; the margin keeps the
+    bf16 layout only if it saves 10% where it is used."""
+    t = table(torch=[1.0, 8.0, 56.0, 400.0], fp32=[1.05, 5.0, 11.0, 90.0])
+    assert choose_linear(t) == [(512, "fp32")]           # 1 token: 5% is not worth a layout
+    t = table(torch=[1.0, 2.0, 56.0, 400.0], fp32=[3.0, 5.0, 11.0, 90.0])
+    assert choose_linear(t) == [(8, "torch"), (512, "fp32")]
 
 
 def test_zen4_like_native_for_small_steps_onednn_above():
