@@ -63,8 +63,9 @@ _TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
 # the learned TTFT bias: how far one observed miss moves it, up and down (see released)
 BIAS_UP, BIAS_DOWN = 0.2, 0.02
 # the bias's floor: the 90th percentile of the misses of the last RECENT admitted requests,
-# a request still without its first token counting with what it has overrun so far
-RECENT, RECENT_MIN = 20, 10
+# a request still without its first token counting with what it has overrun so far; a miss
+# known for RECENT_S seconds no longer counts (it describes what has passed)
+RECENT, RECENT_MIN, RECENT_S = 20, 10, 3.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,16 @@ class _Queued:
 
 
 @dataclass
+class _Recent:
+    """A recently admitted request, as the bias floor sees it."""
+
+    predicted_s: float                   # the backlog model's TTFT when it was admitted
+    miss_s: float | None = None          # observed − predicted, or overrun so far (waiting)
+    known_at: float | None = None        # when the miss became final (its first token, or
+    #                                      its release without one)
+
+
+@dataclass
 class _Held:
     """An admitted request, as the ledger counts it."""
 
@@ -140,10 +151,7 @@ class AdmissionPolicy:
         self._unreported: Counter[str] = Counter()      # the same, by tenant
         self.ttft_bias_s = 0.0            # observed − predicted TTFT, smoothed (see released)
         self.ttft_floor_s = 0.0           # a lower bound of recent misses (see on_load)
-        # the last RECENT admitted with a prediction: request id -> its miss (observed) or
-        # how far it has overrun its prediction so far (None: not reported yet), and whether
-        # the miss is final
-        self._recent: dict[str, list] = {}
+        self._recent: dict[str, _Recent] = {}           # the last RECENT admitted
         self._recent_order: deque[str] = deque()
         self._observed = False            # a TTFT was observed since the last load report
         self.outputs = OutputStats(adm.output_percentile)
@@ -385,7 +393,7 @@ class AdmissionPolicy:
         requests are overrunning their predictions by more."""
         return max(self.ttft_bias_s, self.ttft_floor_s)
 
-    def on_load(self, load: SchedulerLoad) -> None:
+    def on_load(self, load: SchedulerLoad, now: float | None = None) -> None:
         """The scheduler's backlog report (every 100 ms): it now counts what was admitted
         before it.
 
@@ -396,16 +404,19 @@ class AdmissionPolicy:
         requests: the 90th percentile of their misses, where a request still waiting counts
         with what it has overrun so far (a lower bound of its miss, so the floor is a lower
         bound of that percentile). It falls again as soon as recent requests meet their
-        predictions."""
+        predictions, and a final miss stops counting ``RECENT_S`` after it became known
+        (``now``), so a floor raised by a burst cannot outlive it when nothing new is
+        admitted."""
         self.load = load
         self.unreported_tokens = 0
         self._unreported.clear()
         for rid, waited in load.awaiting_first_s.items():
             entry = self._recent.get(rid)
-            if entry is not None and not entry[2]:
-                entry[1] = waited - entry[0]
-        misses = sorted((e[1] for e in self._recent.values() if e[1] is not None),
-                        reverse=True)
+            if entry is not None and entry.known_at is None:
+                entry.miss_s = waited - entry.predicted_s
+        misses = sorted((e.miss_s for e in self._recent.values() if e.miss_s is not None
+                         and (now is None or e.known_at is None
+                              or now - e.known_at <= RECENT_S)), reverse=True)
         self.ttft_floor_s = max(misses[math.ceil(len(misses) / 10) - 1], 0.0) \
             if len(misses) >= RECENT_MIN else 0.0
         # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
@@ -516,7 +527,7 @@ class AdmissionPolicy:
         self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
                                decision.estimate.scheduler_ttft_s)
         if decision.estimate.scheduler_ttft_s is not None:
-            self._recent[rid] = [decision.estimate.scheduler_ttft_s, None, False]
+            self._recent[rid] = _Recent(decision.estimate.scheduler_ttft_s)
             self._recent_order.append(rid)
             if len(self._recent_order) > RECENT:
                 self._recent.pop(self._recent_order.popleft(), None)
@@ -555,6 +566,8 @@ class AdmissionPolicy:
             self.per_tenant[tenant] -= 1
             self.releases.ended(now)
             held = self.held.pop(rid)
+            if (entry := self._recent.get(rid)) is not None and entry.known_at is None:
+                entry.known_at = now         # ended; a first token below corrects its miss
             self.reserved_blocks -= held.kv_blocks
             self.tenant_blocks[tenant] -= held.kv_blocks
             self.tenant_seqs[tenant] -= held.seqs
@@ -566,8 +579,8 @@ class AdmissionPolicy:
                 # moves it 10x as far as one below, so the bias settles near the 90th
                 # percentile of the error and ~95% of the admitted meet the deadline
                 miss = ttft_s[rid] - held.predicted_s
-                if (entry := self._recent.get(rid)) is not None:
-                    entry[1:] = [miss, True]
+                if entry is not None:
+                    entry.miss_s = miss
                 rate = BIAS_UP if miss > self.ttft_bias_s else BIAS_DOWN
                 self.ttft_bias_s = max(self.ttft_bias_s + rate * (miss - self.ttft_bias_s),
                                        0.0)

@@ -185,7 +185,7 @@ class AdmissionService(Component):
                     if cancel.request_id in self.policy.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
-                    self.policy.on_load(load)
+                    self.policy.on_load(load, time.monotonic())
                     if self.policy.queued:
                         await self._drain_queue()
                 case Holding(requests=held):          # after our restart: resume the counts

@@ -200,7 +200,7 @@ class Simulator:
             self._load_tick = tick
             self.policy.on_load(load_report(self.core, self.cost,
                                             self.config.scheduler.max_num_batched_tokens,
-                                            self.now))
+                                            self.now), self.now / _NS)
 
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:

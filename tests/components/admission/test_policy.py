@@ -325,6 +325,25 @@ def test_requests_overrunning_their_prediction_raise_it_before_their_first_token
         pytest.approx(0.15 + p.ttft_bias_s)
 
 
+def test_the_bias_floor_does_not_outlive_the_burst():
+    """Misses known for more than RECENT_S seconds stop counting, so a floor raised by a
+    burst falls even when nothing new is admitted (everything refused meanwhile)."""
+    p = policy(num_blocks=1000)
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
+    for i in range(10):                     # all predicted 0.15 s: the report counts them
+        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
+        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
+    p.released([str(i) for i in range(10)], 1.0, {}, {str(i): 1.15 for i in range(10)})
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 1.0)
+    assert p.ttft_floor_s == pytest.approx(1.0)
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.0)             # 3 s: still counts
+    assert p.ttft_floor_s == pytest.approx(1.0)
+    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.1)
+    assert p.ttft_floor_s == 0.0
+    assert p.decide(req("y", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
+        pytest.approx(0.15 + p.ttft_bias_s)
+
+
 def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
     """Interactive: 1000 ms less 20% headroom. 1000 prefill tokens/s, 50 ms a decode step:
     a 900-token prompt predicts 0.95 s uncached, 0.15 s with 800 tokens cached."""
