@@ -160,10 +160,11 @@ class AdmissionService(Component):
                 case Tokenized() as req:
                     bs = self.config.kv.block_size
                     best = min(len(req.block_hashes) * bs, len(req.prompt_token_ids) - 1)
-                    if self.config.kv.enable_prefix_cache and req.block_hashes \
-                            and self.policy.beyond_deadline(req, best):
+                    if not (self.config.kv.enable_prefix_cache and req.block_hashes):
+                        await self._admit(req, msg.envelope.traceparent, 0)
+                    elif self.policy.beyond_deadline(req, best):
                         await self._admit(req, msg.envelope.traceparent, None, best)
-                    elif self.config.kv.enable_prefix_cache and req.block_hashes:
+                    else:
                         self.pending[req.request_id] = (req, msg.envelope.traceparent,
                                                         time.monotonic())
                         await self.to_kv.send(CacheQuery(
@@ -171,8 +172,6 @@ class AdmissionService(Component):
                             req.prompt_token_ids[:len(req.block_hashes) * bs],
                             (len(req.prompt_token_ids) - 1) // bs, req.public_scope,
                             req.public_blocks))
-                    else:
-                        await self._admit(req, msg.envelope.traceparent, 0)
                 case CacheAnswer(request_id=rid, cached_tokens=cached):
                     if (pending := self.pending.pop(rid, None)) is not None:
                         await self._admit(pending[0], pending[1], cached)
