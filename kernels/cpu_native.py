@@ -53,8 +53,13 @@ def build() -> Path:
     if cxx is None:
         raise ValueError("no C++ compiler found for the native CPU attention kernel")
     flags = list(_FLAGS)
-    if os.environ.get("WEIR_CPU_KERNEL_PORTABLE"):      # the kernels for CPUs without AVX-512
+    # the kernels other CPUs run, built here for tests: "avx2" (no AVX-512), "scalar" (no
+    # AVX2 either: what the compiler vectorizes by itself)
+    portable = os.environ.get("WEIR_CPU_KERNEL_PORTABLE")
+    if portable:
         flags.append("-mno-avx512f")
+        if portable == "scalar":
+            flags += ["-mno-avx2", "-mno-fma"]
     source = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
     key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")

@@ -18,6 +18,41 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define WEIR_TILED 1
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kTile = 8;       // rows per work item
+
+// Row pointers of keys t0 .. t0 + nk - 1 (all kv heads: one contiguous row each), walking
+// the block table with (blk, off).
+template <typename T>
+inline void chunk_rows(const T* cache, const int32_t* table, int64_t block_size,
+                       int64_t row_stride, int64_t& blk, int64_t& off, int nk, const T** rows) {
+    for (int j = 0; j < nk; ++j) {
+        rows[j] = cache + (static_cast<int64_t>(table[blk]) * block_size + off) * row_stride;
+        if (++off == block_size) { off = 0; ++blk; }
+    }
+}
+
+// Prefetch rows [t, t + n) (clipped to len) of a cache into cache level Hint.
+template <int Hint, typename T>
+inline void prefetch_rows(const T* cache, const int32_t* table, int64_t block_size,
+                          int64_t row_stride, int64_t t, int64_t n, int64_t len) {
+    const int64_t bytes = row_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t u = t; u < t + n && u < len; ++u) {
+        const char* p = reinterpret_cast<const char*>(
+            cache + (static_cast<int64_t>(table[u / block_size]) * block_size + u % block_size)
+                    * row_stride);
+        for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + x, static_cast<_mm_hint>(Hint));
+    }
+}
+
+}  // namespace
+#endif
+
 // ---- The AVX-512 tiled kernel ------------------------------------------------------------
 // A work item is a tile of up to kTile consecutive rows of one sequence (a prefill chunk's
 // neighbouring positions; a decode row alone) against all its kv heads, so each key and
@@ -26,9 +61,10 @@
 // where the CPU has it), then one transpose-reduce turns the 16 vectors into the 16 scores
 // instead of a horizontal sum per dot product.
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 namespace {
+
+constexpr int kChunk = 16;     // keys per pass step
 
 // out lane j = sum of the lanes of v[j]
 inline __m512 hsum16(const __m512* v) {
@@ -99,32 +135,6 @@ template <int D> inline void store_row(uint16_t* o, const float* acc, float inv)
                             weir::bf16_16(_mm512_permutex2var_ps(even, lo, odd)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32 + 16),
                             weir::bf16_16(_mm512_permutex2var_ps(even, hi, odd)));
-    }
-}
-
-constexpr int kTile = 8;       // rows per work item
-
-// Row pointers of keys t0 .. t0 + nk - 1 (all kv heads: one contiguous row each), walking
-// the block table with (blk, off).
-template <typename T>
-inline void chunk_rows(const T* cache, const int32_t* table, int64_t block_size,
-                       int64_t row_stride, int64_t& blk, int64_t& off, int nk, const T** rows) {
-    for (int j = 0; j < nk; ++j) {
-        rows[j] = cache + (static_cast<int64_t>(table[blk]) * block_size + off) * row_stride;
-        if (++off == block_size) { off = 0; ++blk; }
-    }
-}
-
-// Prefetch rows [t, t + n) (clipped to len) of a cache into cache level Hint.
-template <int Hint, typename T>
-inline void prefetch_rows(const T* cache, const int32_t* table, int64_t block_size,
-                          int64_t row_stride, int64_t t, int64_t n, int64_t len) {
-    const int64_t bytes = row_stride * static_cast<int64_t>(sizeof(T));
-    for (int64_t u = t; u < t + n && u < len; ++u) {
-        const char* p = reinterpret_cast<const char*>(
-            cache + (static_cast<int64_t>(table[u / block_size]) * block_size + u % block_size)
-                    * row_stride);
-        for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + x, static_cast<_mm_hint>(Hint));
     }
 }
 
@@ -227,6 +237,175 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
 }  // namespace
 #endif
 
+// ---- The AVX2 tiled kernel ---------------------------------------------------------------
+// The AVX-512 kernel's tiles and passes, 8 lanes wide, for CPUs with AVX2 and FMA but no
+// AVX-512 (Zen 2/3, Intel client cores and older Xeons). 8 keys at a time; each chunk's key
+// and value rows are widened to float32 once per kv head and shared by the tile's rows and
+// its G query heads, and the tile's queries are widened and scaled once. Measured on 2
+// AVX2-only EPYC cores, bf16, SmolLM2 shapes, 30 layers' caches: see docs/ARCHITECTURE.md.
+#if !defined(__AVX512F__) && defined(WEIR_TILED)
+
+namespace {
+
+constexpr int kChunk = 8;      // keys per pass step
+
+using weir::exp8;
+using weir::load8;
+
+// out lane j = sum of the lanes of v[j]
+inline __m256 hsum8(const __m256* v) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+inline float hadd8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+// Rows of head h of the chunk's keys (or values) as float32: fp32 rows are used in place,
+// bf16 rows are widened once into buf (8 x D).
+template <int D>
+inline void widen_rows(const float* const* rows, int64_t h, int nk, float*, const float** out) {
+    for (int j = 0; j < nk; ++j) out[j] = rows[j] + h * D;
+}
+template <int D>
+inline void widen_rows(const uint16_t* const* rows, int64_t h, int nk, float* buf,
+                       const float** out) {
+    for (int j = 0; j < nk; ++j) {
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(buf + j * D + d, load8(rows[j] + h * D + d));
+        out[j] = buf + j * D;
+    }
+}
+
+// The largest divisor of G that is at most 4: queries sharing one value row in registers
+// (SG x 2 accumulators, 2 value vectors and SG broadcasts fit the 16 ymm registers).
+constexpr int value_group(int g) { return g % 4 == 0 ? 4 : g % 3 == 0 ? 3 : g % 2 == 0 ? 2 : 1; }
+
+// One tile (see the AVX-512 kernel): scores [nq][lpad], acc [nq][D], qf [nq][D],
+// rowbuf [kChunk][D]; query (h, r, g) is qi = (h * nrows + r) * G + g.
+template <typename T, int D, int G>
+void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
+                 int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
+                 int64_t heads, int64_t block_size, float scale, float* scores, int64_t lpad,
+                 float* acc, float* qf, float* rowbuf) {
+    const int64_t L = lens[nrows - 1];
+    const int64_t row_stride = kv_heads * D;
+    const int nq = static_cast<int>(kv_heads) * nrows * G;
+    for (int qi = 0; qi < nq; ++qi) {
+        const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
+        const T* src = q + ((row0 + r) * heads + h * G + g) * D;
+        for (int d = 0; d < D; ++d) qf[qi * D + d] = weir::load(src, d) * scale;
+    }
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const T* kp[kChunk];
+    const float* kf[kChunk];
+    int64_t blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+        const int nk = L - t0 < kChunk ? static_cast<int>(L - t0) : kChunk;
+        chunk_rows(k_cache, table, block_size, row_stride, blk, off, nk, kp);
+        prefetch_rows<_MM_HINT_T1>(k_cache, table, block_size, row_stride, t0 + kChunk,
+                                   kChunk, L);
+        prefetch_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, kChunk, L);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            widen_rows<D>(kp, h, nk, rowbuf, kf);
+            for (int r = 0; r < nrows; ++r) {
+                if (t0 >= lens[r]) continue;
+                const __m256 live = _mm256_cmp_ps(
+                    lane, _mm256_set1_ps(static_cast<float>(lens[r] - t0)), _CMP_LT_OQ);
+                for (int g = 0; g < G; ++g) {
+                    const int qi = static_cast<int>((h * nrows + r) * G + g);
+                    const float* qq = qf + qi * D;
+                    __m256 v[kChunk];
+                    for (int j = 0; j < kChunk; ++j) {
+                        if (j >= nk) { v[j] = _mm256_setzero_ps(); continue; }
+                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qq), _mm256_loadu_ps(kf[j]));
+                        for (int d = 8; d < D; d += 8)
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qq + d),
+                                                _mm256_loadu_ps(kf[j] + d), a);
+                        v[j] = a;
+                    }
+                    _mm256_storeu_ps(scores + qi * lpad + t0,
+                                     _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), hsum8(v), live));
+                }
+            }
+        }
+    }
+    // softmax per query over its own keys (lanes past its length hold -inf)
+    float inv[64 * kTile];                 // kv_heads * G <= 64 (heads <= 64)
+    for (int qi = 0; qi < nq; ++qi) {
+        float* s = scores + qi * lpad;
+        const int64_t len = lens[(qi / G) % nrows];
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += kChunk) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+        const __m256 m = _mm256_set1_ps(hmax8(mv));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; t += kChunk) {
+            const __m256 live = _mm256_cmp_ps(
+                lane, _mm256_set1_ps(static_cast<float>(len - t)), _CMP_LT_OQ);
+            const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m)));
+            _mm256_storeu_ps(s + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        inv[qi] = 1.0f / hadd8(sum);
+        for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
+    }
+    // values: SG queries x 2 vectors of 8 dims in registers, over the chunk's keys
+    constexpr int SG = value_group(G);
+    blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
+        const int nk = L - t0 < kChunk ? static_cast<int>(L - t0) : kChunk;
+        chunk_rows(v_cache, table, block_size, row_stride, blk, off, nk, kp);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            widen_rows<D>(kp, h, nk, rowbuf, kf);
+            for (int r = 0; r < nrows; ++r) {
+                if (t0 >= lens[r]) continue;
+                const int kn = lens[r] - t0 < nk ? static_cast<int>(lens[r] - t0) : nk;
+                for (int g0 = 0; g0 < G; g0 += SG) {
+                    const int q0 = static_cast<int>((h * nrows + r) * G + g0);
+                    for (int d0 = 0; d0 < D; d0 += 16) {
+                        __m256 a[SG][2];
+                        for (int g = 0; g < SG; ++g)
+                            for (int c = 0; c < 2; ++c)
+                                a[g][c] = _mm256_loadu_ps(acc + (q0 + g) * D + d0 + c * 8);
+                        for (int j = 0; j < kn; ++j) {
+                            const __m256 v0 = _mm256_loadu_ps(kf[j] + d0);
+                            const __m256 v1 = _mm256_loadu_ps(kf[j] + d0 + 8);
+                            for (int g = 0; g < SG; ++g) {
+                                const __m256 p = _mm256_broadcast_ss(scores + (q0 + g) * lpad + t0 + j);
+                                a[g][0] = _mm256_fmadd_ps(p, v0, a[g][0]);
+                                a[g][1] = _mm256_fmadd_ps(p, v1, a[g][1]);
+                            }
+                        }
+                        for (int g = 0; g < SG; ++g)
+                            for (int c = 0; c < 2; ++c)
+                                _mm256_storeu_ps(acc + (q0 + g) * D + d0 + c * 8, a[g][c]);
+                    }
+                }
+            }
+        }
+    }
+    for (int qi = 0; qi < nq; ++qi) {
+        const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
+        T* o = out + ((row0 + r) * heads + h * G + g) * D;
+        for (int d = 0; d < D; ++d) weir::store(o, d, acc[qi * D + d] * inv[qi]);
+    }
+}
+
+}  // namespace
+#endif
+
 namespace {
 
 using weir::exp_neg;
@@ -294,7 +473,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int64_t* seqs, int64_t n, const int32_t* block_tables,
                       int64_t table_width, const int32_t* row_lens, int64_t heads,
                       int64_t kv_heads, int64_t block_size, float scale, int num_threads) {
-#if defined(__AVX512F__)
+#if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
     std::vector<int64_t> starts;
     starts.reserve(static_cast<size_t>(n) + 1);
@@ -314,18 +493,27 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         if (tile + num_threads < tiles) {
             const int64_t i1 = starts[tile + num_threads];
             prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
-                                       block_size, kv_heads * D, 0, 16, row_lens[i1]);
+                                       block_size, kv_heads * D, 0, kChunk, row_lens[i1]);
         }
         const int nrows = static_cast<int>(starts[tile + 1] - i0);
         int32_t lens[kTile];
         for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
-        const int64_t lpad = (lens[nrows - 1] + 15) / 16 * 16;
+        const int64_t lpad = (lens[nrows - 1] + kChunk - 1) / kChunk * kChunk;
         const int64_t nq = kv_heads * kTile * G;
         thread_local std::vector<float> buf;
+#if defined(__AVX512F__)
         buf.resize(static_cast<size_t>(nq * (lpad + D)));
         attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
                              block_tables + seqs[i0] * table_width, heads, block_size, scale,
                              buf.data(), lpad, buf.data() + nq * lpad);
+#else
+        buf.resize(static_cast<size_t>(nq * (lpad + 2 * D) + kChunk * D));
+        float* scratch = buf.data();
+        attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
+                             block_tables + seqs[i0] * table_width, heads, block_size, scale,
+                             scratch, lpad, scratch + nq * lpad, scratch + nq * (lpad + D),
+                             scratch + nq * (lpad + 2 * D));
+#endif
     }
 #else
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)

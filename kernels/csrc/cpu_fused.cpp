@@ -9,7 +9,7 @@
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -112,6 +112,20 @@ inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_16(v));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes at a time on AVX2: the same GCC left the plain loop scalar on an AVX2-only EPYC
+// ("control flow in loop"), so the cpu plan chose torch's three passes over it.
+using weir::bf16_8;
+using weir::exp8;
+using weir::load8;
+inline __m256 rnd8(__m256 v, const float*) { return v; }
+inline __m256 rnd8(__m256 v, const uint16_t*) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_8(v)), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_8(v));
+}
 #endif
 
 template <typename T>
@@ -133,6 +147,16 @@ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, 
             const __m512 r0 = _mm512_rcp14_ps(den);
             const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
             store16(o + d, _mm512_mul_ps(rnd16(_mm512_mul_ps(gv, sig), o), load16(u + d)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; d + 8 <= inter; d += 8) {
+            const __m256 gv = load8(g + d);
+            // as above; rcpps is 12 bits, one Newton step makes it ~22
+            const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            const __m256 r0 = _mm256_rcp_ps(den);
+            const __m256 sig = _mm256_mul_ps(r0, _mm256_fnmadd_ps(den, r0, _mm256_set1_ps(2.0f)));
+            store8(o + d, _mm256_mul_ps(rnd8(_mm256_mul_ps(gv, sig), o), load8(u + d)));
         }
 #endif
         silu_mul_tail(g, u, o, d, inter);

@@ -70,24 +70,29 @@ def test_unsupported_shapes_fall_back_and_auto_prefers_native():
     assert get_backend("auto", "cpu").name == "cpu"
 
 
-def test_portable_kernel_matches_reference():
-    """The kernels built without AVX-512 (what a CPU without it runs), in a fresh process."""
+@pytest.mark.parametrize("build", ["avx2", "scalar"])
+def test_portable_kernel_matches_reference(build):
+    """The kernels other CPUs run, built here in a fresh process: without AVX-512 (the AVX2
+    tiled kernel) and without AVX2 (the portable one). The cases cover decode rows, prefill
+    tiles after a cached prefix, lengths off the 8- and 16-key chunks, and every G the
+    model zoo has (1: MHA, 3: SmolLM2, 4, 8) at head_dim 64 and 128."""
     code = (
         "import random, torch\n"
         "from kernels import get_backend, torch_ref\n"
         "from kernels.testing import random_paged_case\n"
         "for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):\n"
-        "    rng = random.Random(5)\n"
-        "    q, _, _, kc, vc, meta = random_paged_case(rng, 'cpu', dtype, 16, 3, 3,\n"
-        "        [1, 1, 40], [0, 300, 17], 64)\n"
-        "    want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)\n"
-        "    got = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(q, kc, vc, meta, 0.125)\n"
-        "    err = ((got.float() - want).abs().max() / want.abs().max()).item()\n"
-        "    assert err <= tol, (dtype, err)\n"
+        "    for kvh, group, dim in ((3, 3, 64), (4, 1, 64), (2, 4, 128), (2, 8, 64)):\n"
+        "        rng = random.Random(5)\n"
+        "        q, _, _, kc, vc, meta = random_paged_case(rng, 'cpu', dtype, 16, kvh, group,\n"
+        "            [1, 1, 40, 9, 3], [0, 300, 17, 5, 61], dim)\n"
+        "        want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)\n"
+        "        got = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(q, kc, vc, meta, 0.125)\n"
+        "        err = ((got.float() - want).abs().max() / want.abs().max()).item()\n"
+        "        assert err <= tol, (dtype, kvh, group, dim, err)\n"
         "print('ok')\n")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                       env={**os.environ, "WEIR_CPU_KERNEL_PORTABLE": "1"}, timeout=300)
+                       env={**os.environ, "WEIR_CPU_KERNEL_PORTABLE": build}, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
