@@ -12,7 +12,8 @@ here, at the model's own shapes, and keeps the fastest.
   AMX where the CPU has it), ``torch`` (plain ``F.linear``) and, for a bf16 model, ``fp32``
   (the weight kept in fp32, the step's activations cast up and the result back: on a CPU
   without AVX-512, torch's bf16 GEMM runs ~5x slower than fp32 and oneDNN refuses bf16;
-  it costs twice the weight memory, so it is kept only where it wins). Each candidate needs its
+  it costs twice the weight memory, so it is kept only where it wins) and ``fp32_onednn``
+  (the same through oneDNN's packed fp32 weight). Each candidate needs its
   own copy of the weights, so a layout is kept only where it beats the layouts already
   kept by ``KEEP_MARGIN``: no second copy of the weights for a marginal gain, and none for
   a kernel that was not chosen (:func:`choose_linear`).
@@ -42,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-VERSION = 7                      # bump when candidates or the timing method change
+VERSION = 8                      # bump when candidates or the timing method change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
-LINEAR = ("native", "onednn", "torch", "fp32")
+LINEAR = ("native", "onednn", "torch", "fp32", "fp32_onednn")
 BINARY = ("native", "torch")
 
 

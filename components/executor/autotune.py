@@ -70,11 +70,16 @@ def upcast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return F.linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
 
 
+def upcast_onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    """:func:`upcast_linear` through oneDNN's packed fp32 weight (``w``)."""
+    return onednn_linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
+
+
 # how each candidate lays its weights out, and runs them
 PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,
-           "fp32": lambda w: w.float()}
+           "fp32": lambda w: w.float(), "fp32_onednn": lambda w: onednn_pack(w.float())}
 RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear,
-       "fp32": upcast_linear}
+       "fp32": upcast_linear, "fp32_onednn": upcast_onednn_linear}
 
 
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -95,6 +100,8 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
         out["onednn"] = 1 << 30
     if dtype in (torch.bfloat16, torch.float16):
         out["fp32"] = 1 << 30
+        if can_pack(torch.float32):
+            out["fp32_onednn"] = 1 << 30
     n, k = shape
     if (dtype == torch.bfloat16 and n % 16 == 0 and k % 2 == 0 and cpu_native.available()
             and cpu_native.small_batch_supported()):

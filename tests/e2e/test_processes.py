@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from kernels import tuning
 from schemas.config import COMPONENTS
 from tests.e2e.engine import ROOT
 
@@ -34,10 +35,10 @@ def test_seven_distinct_live_processes(engine):
     assert kernels["attention"] in ("cpu", "torch") and kernels["sampling"] in ("native", "torch")
     for role in ("qkv", "o", "gate_up", "down", "lm_head"):
         *bounded, last = kernels[f"linear.{role}"].split()   # e.g. "native<=4 onednn"
-        assert last in ("native", "onednn", "torch", "fp32"), kernels
+        assert last in tuning.LINEAR, kernels
         for entry in bounded:
             name, up_to = entry.split("<=")
-            assert name in ("native", "onednn", "torch", "fp32") and int(up_to) > 0, kernels
+            assert name in tuning.LINEAR and int(up_to) > 0, kernels
     out = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--endpoint",
                           engine.endpoint], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)

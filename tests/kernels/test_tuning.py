@@ -9,20 +9,20 @@ from kernels.tuning import KernelPlan, choose_fastest, choose_linear, pick
 ALL = (1, 8, 64, 512)
 
 
-def table(native=None, onednn=None, torch=None, fp32=None):
+def table(native=None, onednn=None, torch=None, fp32=None, fp32_onednn=None):
     """Seconds per bucket for each candidate given (a list aligned with ALL; None: that
     candidate cannot run the bucket)."""
     out = {}
     for name, times in (("native", native), ("onednn", onednn), ("torch", torch),
-                        ("fp32", fp32)):
+                        ("fp32", fp32), ("fp32_onednn", fp32_onednn)):
         if times is not None:
             out[name] = {b: t for b, t in zip(ALL, times) if t is not None}
     return out
 
 
-@pytest.mark.parametrize("winner", ["native", "onednn", "torch", "fp32"])
+@pytest.mark.parametrize("winner", tuning.LINEAR)
 def test_the_fastest_candidate_is_picked_everywhere_it_wins(winner):
-    times = {c: [2.0, 2.0, 2.0, 2.0] for c in ("native", "onednn", "torch", "fp32")}
+    times = {c: [2.0, 2.0, 2.0, 2.0] for c in tuning.LINEAR}
     times[winner] = [1.0, 1.0, 1.0, 1.0]
     assert choose_linear(table(**times)) == [(512, winner)]
 

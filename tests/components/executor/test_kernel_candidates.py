@@ -39,10 +39,10 @@ def _available(dtype: torch.dtype) -> set[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("forced", [{"linear": "native"}, {"linear": "onednn"},
                                     {"linear": "torch"}, {"linear": "fp32"},
-                                    {"elementwise": "native"},
+                                    {"linear": "fp32_onednn"}, {"elementwise": "native"},
                                     {"fresh_prompts": "sdpa"}, {"fresh_prompts": "native"},
-                                    {}], ids=["native", "onednn", "torch", "fp32", "fused",
-                                              "sdpa", "paged", "measured"])
+                                    {}], ids=["native", "onednn", "torch", "fp32", "fp32_onednn",
+                                              "fused", "sdpa", "paged", "measured"])
 def test_each_candidate_gives_the_reference_logits(dtype, forced):
     if forced.get("linear", "torch") not in _available(dtype):
         pytest.skip(f"no {forced['linear']} linear kernel here for {dtype}")

@@ -161,7 +161,8 @@ def test_greedy_generation_matches_hf(model, hf):
         assert len(ref) >= 8 and generated[s][:len(ref)] == ref
 
 
-@pytest.mark.parametrize("linear", ["auto", "native", "onednn", "torch", "fp32"])
+@pytest.mark.parametrize("linear", ["auto", "native", "onednn", "torch", "fp32",
+                                    "fp32_onednn"])
 def test_bf16_tracks_fp32(loaded, model, hf, linear):
     if linear != "auto" and linear not in autotune.linear_candidates(
             torch.bfloat16, torch.device("cpu"), (576, 576)):
