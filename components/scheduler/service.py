@@ -14,7 +14,7 @@ import structlog
 
 from bus.component import Component
 from components.scheduler.load import LOAD_INTERVAL_S, load_report
-from components.scheduler.loop import STEP_DONE, SchedulerLoop, Send, StepDone
+from components.scheduler.loop import SchedulerLoop, Send, StepDone
 from components.scheduler.sequence import ON_HOST
 from components.scheduler.step_trace import StepTracer
 from schemas.wire import (Admitted, ExecutorReady, KvHello, Released, SchedulerMsg, StepPlan, TenantUsage,
