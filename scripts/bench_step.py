@@ -4,7 +4,7 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
 - Bandwidth floor (batch 1): weight bytes / measured memory-copy bandwidth — a decode step
   must stream every weight once.
 - Compute floor (larger batches): 2 x parameters x tokens / measured GEMM rate of the same
-  dtype on a large matmul.
+  dtype on a large matmul, through the fastest linear candidate this machine has.
 - GEMM floor: the step's own linear layers (30 x qkv, o, gate_up, down, and the lm_head) at
   M = batch, each at the fastest candidate this machine has (native, oneDNN, torch); "x gemm"
   is the step's time over it.
@@ -66,15 +66,29 @@ def gemm_floor_ms(model: LlamaModel, batch: int) -> float:
     return total * 1e3
 
 
-def gemm_rate(dtype: torch.dtype, n: int = 2048) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(times)
+def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = 2048) -> tuple[float, str]:
+    """FLOP/s of an n x n x n GEMM of ``dtype`` through the fastest linear candidate this
+    machine has (torch's own bf16 GEMM runs at ~0.2 GFLOP/s on an AVX2-only EPYC, which
+    would make the compute floor meaningless and take minutes). Candidates are first timed
+    at n / 8; only those within 4x of the best there are timed at n."""
+    def best_of(name: str, size: int, reps: int) -> float:
+        limit = candidates[name]
+        w = autotune.PREPARE[name](torch.randn(size, size).to(dtype))
+        x = torch.randn(min(size, limit), size).to(dtype)
+        autotune.RUN[name](x, w)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            autotune.RUN[name](x, w)
+            times.append(time.perf_counter() - t0)
+        return min(times) / x.shape[0]          # seconds per row of n x n
+
+    candidates = autotune.linear_candidates(dtype, device, (n, n))
+    small = {c: best_of(c, n // 8, 3) for c in candidates}
+    keep = [c for c, t in small.items() if t <= 4 * min(small.values())]
+    full = {c: best_of(c, n, 3) for c in keep}
+    name = min(full, key=full.get)
+    return 2 * n * n / full[name], name
 
 
 class DecodeBench:
@@ -178,13 +192,14 @@ def main() -> None:
         for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")])
     nonembed = params - model.embed.numel()
     weight_bytes = params * elem            # tied lm_head: the embedding is read once per step
-    bw, rate = copy_bandwidth(), gemm_rate(dtype)
+    bw, (rate, rate_by) = copy_bandwidth(), gemm_rate(dtype, model.device)
     print(f"machine: {machine.summary_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
           f"context {args.context}, attention backend {model.backend.name}")
     print(f"kernels ({model.plan.source}): " + ", ".join(
         f"{k} {v}" for k, v in model.plan.summary().items() if k != "source"))
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s, "
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s "
+          f"({rate_by}, 2048^3), "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")
     print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
