@@ -6,7 +6,7 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
 - Compute floor (larger batches): 2 x parameters x tokens / measured GEMM rate of the same
   dtype on a large matmul, through the fastest linear candidate this machine has.
 - GEMM floor: the step's own linear layers (30 x qkv, o, gate_up, down, and the lm_head) at
-  M = batch, each at the fastest candidate this machine has (native, oneDNN, torch); "x gemm"
+  M = batch, each at the fastest linear candidate this machine has; "x gemm"
   is the step's time over it.
 
     python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
@@ -66,27 +66,24 @@ def gemm_floor_ms(model: LlamaModel, batch: int) -> float:
     return total * 1e3
 
 
-def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = 2048) -> tuple[float, str]:
+GEMM_N = 2048
+
+
+def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = GEMM_N) -> tuple[float, str]:
     """FLOP/s of an n x n x n GEMM of ``dtype`` through the fastest linear candidate this
     machine has (torch's own bf16 GEMM runs at ~0.2 GFLOP/s on an AVX2-only EPYC, which
     would make the compute floor meaningless and take minutes). Candidates are first timed
     at n / 8; only those within 4x of the best there are timed at n."""
-    def best_of(name: str, size: int, reps: int) -> float:
+    def best_of(name: str, size: int) -> float:
         limit = candidates[name]
         w = autotune.PREPARE[name](torch.randn(size, size).to(dtype))
         x = torch.randn(min(size, limit), size).to(dtype)
-        autotune.RUN[name](x, w)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            autotune.RUN[name](x, w)
-            times.append(time.perf_counter() - t0)
-        return min(times) / x.shape[0]          # seconds per row of n x n
+        return tuning.time_call(lambda: autotune.RUN[name](x, w)) / x.shape[0]   # per row
 
     candidates = autotune.linear_candidates(dtype, device, (n, n))
-    small = {c: best_of(c, n // 8, 3) for c in candidates}
+    small = {c: best_of(c, n // 8) for c in candidates}
     keep = [c for c, t in small.items() if t <= 4 * min(small.values())]
-    full = {c: best_of(c, n, 3) for c in keep}
+    full = {c: best_of(c, n) for c in keep}
     name = min(full, key=full.get)
     return 2 * n * n / full[name], name
 
@@ -199,7 +196,7 @@ def main() -> None:
     print(f"kernels ({model.plan.source}): " + ", ".join(
         f"{k} {v}" for k, v in model.plan.summary().items() if k != "source"))
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s "
-          f"({rate_by}, 2048^3), "
+          f"({rate_by}, {GEMM_N}^3), "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")
     print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "

@@ -65,21 +65,19 @@ def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return cpu_native.small_batch_linear(x, w, b)
 
 
-def upcast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
-    """A low-precision step through an fp32 weight (``w``): fp32 math, the step's dtype out."""
-    return F.linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
-
-
-def upcast_onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
-    """:func:`upcast_linear` through oneDNN's packed fp32 weight (``w``)."""
-    return onednn_linear(x.float(), w, None if b is None else b.float()).to(x.dtype)
+def upcast(run):
+    """``run`` (an fp32 linear: torch's, or oneDNN's on a packed fp32 weight) for a
+    low-precision step: fp32 math, the step's dtype out."""
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+        return run(x.float(), w, None if b is None else b.float()).to(x.dtype)
+    return linear
 
 
 # how each candidate lays its weights out, and runs them
 PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,
            "fp32": lambda w: w.float(), "fp32_onednn": lambda w: onednn_pack(w.float())}
 RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear,
-       "fp32": upcast_linear, "fp32_onednn": upcast_onednn_linear}
+       "fp32": upcast(F.linear), "fp32_onednn": upcast(onednn_linear)}
 
 
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:

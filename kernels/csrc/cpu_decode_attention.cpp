@@ -21,7 +21,6 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define WEIR_TILED 1
-#include <immintrin.h>
 
 namespace {
 

@@ -7,11 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_common.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"     // and <immintrin.h> where the CPU has AVX2 or AVX-512
 
 namespace {
 
