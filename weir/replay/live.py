@@ -395,8 +395,11 @@ async def replay(requests: list[TraceRequest], target, prompt: Callable[[TraceRe
                     for turns in sessions.values():
                         tg.start_soon(session, turns)
                 else:
-                    for item, rec in items:       # spawned on time, not all at once
-                        await _sleep_until(t0 + rec.arrival_s - 0.05)
+                    # one dispatcher sleeps to each arrival and starts its send then: tasks
+                    # start in FIFO order, so a burst of one instant goes out in the trace's
+                    # order (timers of one instant, a task per request, fire in no fixed one)
+                    for item, rec in sorted(items, key=lambda x: x[1].arrival_s):
+                        await _sleep_until(t0 + rec.arrival_s)
                         tg.start_soon(one, item, rec, rec.arrival_s)
             finished.set()
         bar.update(force=True)

@@ -59,6 +59,32 @@ def test_a_client_behind_its_schedule_is_invalid():
     assert goodput_row.split()[-1] == "invalid"
 
 
+class RecordingTarget(BlockingTarget):
+    """Notes the order in which requests reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.order: list[int] = []
+
+    async def send(self, item, rec, t0) -> None:
+        self.order.append(rec.index)
+        await super().send(item, rec, t0)
+
+
+def test_requests_of_one_instant_go_out_in_trace_order():
+    """A trace's burst (many requests at one arrival time) reaches the engine in the
+    trace's order, as the simulator orders it: which prompt the first step takes decides
+    the burst's TTFTs. Before, each request slept to its own arrival and the timers of one
+    instant fired in no fixed order (a 20-request replay's second burst went out reversed)."""
+    reqs = [TraceRequest(index=i, arrival_s=0.02 * (i // 10), input_tokens=4, output_tokens=1)
+            for i in range(40)]
+    target = RecordingTarget()
+    result = anyio.run(lambda: replay(reqs, target, lambda r: ([1] * 4, ""), progress=False,
+                                      sample_every_s=10))
+    assert target.order == list(range(40))
+    assert [r.sent_s for r in result.records] == sorted(r.sent_s for r in result.records)
+
+
 def test_prometheus_gauges_read_vllm_and_weir_names():
     from weir.replay.live import prometheus_gauges
 
