@@ -6,9 +6,10 @@ row (a few ms for 64 rows over a 49k vocabulary, where a full-vocabulary noise d
 ~70 ms). For a seeded row ``u`` is a hash of ``(seed, output_index)`` alone, so its draw is
 independent of the batch and of preemption.
 
-On the CPU the draw runs natively (kernels/csrc/cpu_sampling.cpp; 64 rows over 49k tokens
-at temperature 1: 13.5 ms in torch, see the note in that file) with the same semantics;
-the torch path below is the fallback and the GPU path.
+On the CPU the draw runs natively (kernels/csrc/cpu_sampling.cpp) with the same semantics;
+64 rows of SmolLM2's logits at T 0.8, top-p 0.9, whole call, on a 2-core AVX2 EPYC: 6.3 ms
+native against 35 ms in torch (T 1, unfiltered: 5.9 against 15). The torch path below is
+the fallback and the GPU path.
 """
 from __future__ import annotations
 
@@ -154,7 +155,9 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     k = torch.tensor([_top_k(top_k[i], vocab) for i in rand], dtype=torch.long)
     u = _uniforms([seeds[i] for i in rand], [output_index[i] for i in rand])
     if native:
-        picked = _native.sample(logits[rand].float(), temp[rand], k, p, u)
+        # every row drawn (the usual sampled batch): the logits as they are, not a copy
+        rows_in = logits.float() if len(rand) == rows else logits[rand].float()
+        picked = _native.sample(rows_in, temp[rand], k, p, u)
         out[torch.tensor(rand)] = picked
         return out
     x = logits[rand].float().cpu() / temp[rand, None]

@@ -3,10 +3,21 @@
 // uniform u in (0, 1]. Same semantics as components/executor/sampling.py's torch path.
 //
 // Unfiltered rows never sort: one pass for the max, one for the sum of exp, and a scan in
-// vocabulary order that stops where the running mass reaches u * sum. A top-k row selects
-// its k survivors with nth_element and sorts only those (top-p then applies within them).
-// A top-p-only row does the same with C = 1024 candidates, growing C eightfold until they
-// hold p of the mass (real logits are peaked: the first try almost always suffices).
+// vocabulary order that stops where the running mass reaches u * sum.
+//
+// A filtered row (top-k and/or top-p) sorts only candidates. Each token falls in a bucket
+// by its distance below the max, (max - x) / T, kWidth nats wide (kBuckets of them, the
+// last taking the rest). The buckets nearest the max, up to the first that brings the
+// count to k (top-k) or the mass to p of the total (top-p alone), plus one bucket of
+// margin against rounding, hold every survivor: tokens of one bucket are within e^kWidth
+// of each other in probability, so the candidates are the top tokens exactly, ties and
+// all. The histogram is taken over the tokens within 4 nats of the max (one vector pass
+// gathers them), then 10, then 15.75, then all, until those buckets suffice. Top-k then
+// selects its k among the candidates, and top-p applies within the sorted survivors.
+// Real logits are peaked: a few to a few hundred candidates, against an nth_element over
+// all 49k indices before. SmolLM2's own logits, 64 rows, T 0.8, on a 2-core AVX2 EPYC:
+// top-p 0.9 35.8 -> 3.4 ms, top-k 50 35.6 -> 6.4 ms. A flat row (survivors spread past
+// 15.75 nats) sorts the vocabulary, as before.
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -18,7 +29,85 @@ namespace {
 
 using weir::exp_neg;
 
-constexpr int64_t kCandidates = 1024;
+constexpr int kBuckets = 64;
+constexpr float kWidth = 0.25f;                         // nats: the buckets span 16 nats
+
+// The bucket of a token at distance d = (max - x) / T >= 0; NaN and far ones in the last.
+inline int bucket_of(float d) {
+    return d < (kBuckets - 1) * kWidth ? static_cast<int>(d * (1.0f / kWidth)) : kBuckets - 1;
+}
+
+// e[i] = exp((x[i] - m) / T) over a row, and their sum. GCC leaves the plain loop over
+// exp_neg scalar on AVX2 ("control flow in loop"), so each vector width has its own body
+// (64 rows × 49k at T = 1 on a 2-core AVX2 EPYC: 10.3 -> 2.5 ms).
+float exp_row(const float* x, float m, float inv_t, float* e, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = weir::exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), vt));
+        _mm512_storeu_ps(e + i, v);
+        acc = _mm512_add_ps(acc, v);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = weir::exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm), vt));
+        _mm256_storeu_ps(e + i, v);
+        acc = _mm256_add_ps(acc, v);
+    }
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+    for (; i < n; ++i) {
+        e[i] = exp_neg((x[i] - m) * inv_t);
+        total += e[i];
+    }
+    return total;
+}
+
+// idx = the row's tokens in buckets below `limit`, in vocabulary order (all of them when
+// limit is kBuckets). bucket_of(d) < limit <=> d / kWidth < limit (d >= 0, and limit <
+// kBuckets), so the vector compare agrees exactly with bucket_of.
+void gather_below(const float* x, float m, float inv_t, int limit, int64_t n,
+                  std::vector<int32_t>& idx) {
+    idx.resize(static_cast<size_t>(n));
+    if (limit >= kBuckets) {
+        std::iota(idx.begin(), idx.end(), 0);
+        return;
+    }
+    int64_t held = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t),
+                 vw = _mm512_set1_ps(1.0f / kWidth),
+                 vb = _mm512_set1_ps(static_cast<float>(limit));
+    for (; i + 16 <= n; i += 16) {
+        const __m512 d = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(vm, _mm512_loadu_ps(x + i)),
+                                                     vt), vw);
+        for (uint32_t bits = _mm512_cmp_ps_mask(d, vb, _CMP_LT_OQ); bits; bits &= bits - 1)
+            idx[held++] = static_cast<int32_t>(i + __builtin_ctz(bits));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t),
+                 vw = _mm256_set1_ps(1.0f / kWidth),
+                 vb = _mm256_set1_ps(static_cast<float>(limit));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(vm, _mm256_loadu_ps(x + i)),
+                                                     vt), vw);
+        for (uint32_t bits = _mm256_movemask_ps(_mm256_cmp_ps(d, vb, _CMP_LT_OQ)); bits;
+             bits &= bits - 1)
+            idx[held++] = static_cast<int32_t>(i + __builtin_ctz(bits));
+    }
+#endif
+    for (; i < n; ++i)
+        if (bucket_of((m - x[i]) * inv_t) < limit) idx[held++] = static_cast<int32_t>(i);
+    idx.resize(static_cast<size_t>(held));
+}
 
 int64_t sample_row(const float* x, int64_t vocab, float temp, int64_t top_k, float top_p,
                    float u) {
@@ -28,12 +117,7 @@ int64_t sample_row(const float* x, int64_t vocab, float temp, int64_t top_k, flo
     const int64_t k = (top_k <= 0 || top_k > vocab) ? vocab : top_k;
     thread_local std::vector<float> e;
     e.resize(static_cast<size_t>(vocab));
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < vocab; ++i) {
-        e[i] = exp_neg((x[i] - m) * inv_t);
-        total += e[i];
-    }
+    const float total = exp_row(x, m, inv_t, e.data(), vocab);
     if (k == vocab && top_p >= 1.0f) {                  // plain: scan in vocabulary order
         const float target = u * total;
         float acc = 0.0f;
@@ -43,30 +127,51 @@ int64_t sample_row(const float* x, int64_t vocab, float temp, int64_t top_k, flo
         }
         return vocab - 1;
     }
+    // the candidates: the tokens in the buckets up to the first reaching k tokens (top-k)
+    // or p of the mass (top-p alone), and one more; looked for among the tokens within 4,
+    // then 10, then 15.75 nats of the max, then all (SmolLM2's top 50 reach 3-15 nats)
     thread_local std::vector<int32_t> idx;
-    idx.resize(static_cast<size_t>(vocab));
-    std::iota(idx.begin(), idx.end(), 0);
-    auto higher = [&](int32_t a, int32_t b) { return e[a] > e[b] || (e[a] == e[b] && a < b); };
-    int64_t c = k < vocab ? k : std::min(vocab, kCandidates);
-    while (true) {
-        std::nth_element(idx.begin(), idx.begin() + (c - 1), idx.end(), higher);
-        std::sort(idx.begin(), idx.begin() + c, higher);
-        if (k < vocab || c == vocab) break;
-        float held = 0.0f;                              // top-p alone: enough candidates?
-        for (int64_t i = 0; i < c; ++i) held += e[idx[i]];
-        if (held >= top_p * total) break;
-        c = std::min(vocab, c * 8);
+    for (int limit : {16, 40, kBuckets - 1, kBuckets}) {
+        gather_below(x, m, inv_t, limit, vocab, idx);
+        float mass_in[kBuckets] = {};
+        int64_t count_in[kBuckets] = {};
+        for (int32_t i : idx) {
+            const int b = bucket_of((m - x[i]) * inv_t);
+            mass_in[b] += e[i];
+            count_in[b] += 1;
+        }
+        int cut = -1;
+        float mass_upto = 0.0f;
+        int64_t count_upto = 0;
+        for (int b = 0; b + 1 < limit; ++b) {           // the margin bucket must be held too
+            mass_upto += mass_in[b];
+            count_upto += count_in[b];
+            if (k < vocab ? count_upto >= k : mass_upto >= top_p * total) {
+                cut = b + 1;
+                break;
+            }
+        }
+        if (cut < 0 && limit < kBuckets) continue;      // not within this distance: wider
+        if (cut >= 0 && cut + 1 < limit)
+            idx.erase(std::remove_if(idx.begin(), idx.end(), [&](int32_t i) {
+                          return bucket_of((m - x[i]) * inv_t) > cut; }), idx.end());
+        break;
     }
-    const int64_t kept = std::min(k, c);
+    auto higher = [&](int32_t a, int32_t b) { return e[a] > e[b] || (e[a] == e[b] && a < b); };
+    const int64_t held = static_cast<int64_t>(idx.size());
+    const int64_t c = std::min(k, held);                // top-k: k; top-p alone: them all
+    if (c < held)
+        std::nth_element(idx.begin(), idx.begin() + (c - 1), idx.end(), higher);
+    std::sort(idx.begin(), idx.begin() + c, higher);
     float mass = 0.0f;                                  // renormaliser: top-k survivors or all
     if (k < vocab)
-        for (int64_t i = 0; i < kept; ++i) mass += e[idx[i]];
+        for (int64_t i = 0; i < c; ++i) mass += e[idx[i]];
     else
         mass = total;
-    int64_t n = kept;                                   // nucleus: drop once `before` >= p
+    int64_t n = c;                                      // nucleus: drop once `before` >= p
     if (top_p < 1.0f) {
         float before = 0.0f;
-        for (int64_t i = 0; i < kept; ++i) {
+        for (int64_t i = 0; i < c; ++i) {
             if (i > 0 && before >= top_p * mass) { n = i; break; }
             before += e[idx[i]];
         }

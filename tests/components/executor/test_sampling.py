@@ -138,6 +138,64 @@ def test_native_and_torch_paths_draw_the_same_tokens(monkeypatch):
     assert (native == torch_path).float().mean() >= 0.99
 
 
+def _reference_positions(z: torch.Tensor, k: int, p: float,
+                         u: float) -> tuple[int, int, int]:
+    """Float64 reference of the sampler's semantics for one row of scaled logits ``z``:
+    tokens in (logit descending, index ascending) order, top-k, then the nucleus against
+    the survivors' mass (the whole vocabulary's without top-k), then the first position
+    whose cumulative mass reaches ``u`` of the nucleus. Returns the lowest and highest such
+    position within float32's resolution of the mass, and the nucleus's size n."""
+    _, order = z.double().sort(descending=True, stable=True)
+    e = (z.double()[order] - z.max()).exp()
+    kk = k if 0 < k < len(z) else len(z)
+    kept = e[:kk]
+    mass = kept.sum() if kk < len(z) else e.sum()
+    n = kk
+    if p < 1.0:
+        before = kept.cumsum(0) - kept
+        over = ((before >= p * mass) & (torch.arange(kk) > 0)).nonzero()
+        n = int(over[0]) if len(over) else kk
+    cdf = kept[:n].cumsum(0) / kept[:n].sum()
+    # float32 sums (and the fast exp) hold the mass to ~1e-5: the draw may land in that band
+    at = lambda q: int((cdf >= min(q, float(cdf[-1]))).nonzero()[0])  # noqa: E731
+    return at(u - 1e-5), at(u + 1e-5), n
+
+
+@pytest.mark.parametrize("spread", [0.5, 2.0, 4.0, 8.0, "ties"])
+def test_native_candidates_hold_every_survivor(spread):
+    """The native sampler sorts only the tokens of the distance buckets (below the max)
+    that hold the survivors, looked for within 4, 10 and 15.75 nats, then among all. Logits
+    of each spread put the top-k and top-p boundaries at each of those levels (0.5: the
+    nucleus is most of the vocabulary; 8: a few tokens), and integer logits put top-k's cut
+    through a tie, broken by the lower index. With u = 1 - 1e-4 the draw is near the
+    nucleus's end, so a survivor left out of the candidates moves it (u = 1 itself picks
+    where a float32 sum stops growing, as torch's cumsum does); u = 0.5 checks the middle. A flat row's nucleus boundary may move a few places with float32 sums over
+    ~40k tokens; top-k alone has no such boundary and must match to float32's resolution."""
+    from kernels import cpu_native
+    if not cpu_native.available():
+        pytest.skip("native sampler unavailable")
+    g = torch.Generator().manual_seed(17)
+    params = [(50, 1.0), (0, 0.9), (0, 0.5), (1000, 1.0), (40, 0.95), (7, 1.0), (300, 0.9)]
+    rows = len(params) * 2
+    if spread == "ties":
+        x = torch.randint(-12, 1, (rows, V), generator=g).float()
+    else:
+        x = torch.randn(rows, V, generator=g) * spread
+    k = torch.tensor([kk for kk, _ in params] * 2)
+    p = torch.tensor([pp for _, pp in params] * 2)
+    u = torch.tensor([1 - 1e-4] * len(params) + [0.5] * len(params))
+    temp = torch.full((rows,), 0.8)
+    got = cpu_native.sample(x, temp, k, p, u)
+    for r in range(rows):
+        z = x[r] / 0.8
+        lo, hi, n = _reference_positions(z, int(k[r]), float(p[r]), float(u[r]))
+        order = z.double().sort(descending=True, stable=True)[1]
+        pos = int((order == got[r]).nonzero()[0])
+        slack = 0 if float(p[r]) >= 1.0 else max(2, n // 500)
+        assert lo - slack <= pos <= hi + slack, (spread, r, int(k[r]), float(p[r]), pos,
+                                                 lo, hi, n)
+
+
 def test_extreme_row_parameters_do_not_fail_the_batch(path):
     """Admission validates sampling parameters, but the executor must not depend on it:
     a row with top_k >= 2^63 (or any top_k >= vocab, or negative) samples as top-k off,
