@@ -102,6 +102,10 @@ def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str)
            "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", "result.json"]
+    if args.temperature is not None:             # vllm bench serve's sampling parameters
+        cmd += ["--temperature", str(args.temperature)]
+    if args.top_p is not None:
+        cmd += ["--top-p", str(args.top_p)]
     print(f"bench: {label} rate={rate}: {' '.join(cmd[2:])}", flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
@@ -204,6 +208,11 @@ def main() -> None:
     ap.add_argument("--async-depth", type=int, default=0,
                     help="Weir's scheduler.async_depth (1: plan each step after the previous "
                          "one's result; 2: overlap; default: the engine's own)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature sent with every request (default: the "
+                         "client's own, greedy)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="top-p sent with every request (with --temperature > 0)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole comparison this many times; prints every run and the "
                          "medians (this machine is noisy: quote medians)")
@@ -236,8 +245,10 @@ def main() -> None:
                                  summary(run_bench(py, args.vllm_port, hf_dir, args, "vllm", rate))))
                 finally:
                     stop(vllm)
+    sampling = "" if args.temperature is None else \
+        f", temperature {args.temperature:g}" + ("" if args.top_p is None else f" top-p {args.top_p:g}")
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
-          f"{args.dtype}; machine: {machine.summary_line()}")
+          f"{args.dtype}{sampling}; machine: {machine.summary_line()}")
     head = (f"{'run':>3} {'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
     print(head)
