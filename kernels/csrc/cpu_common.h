@@ -107,6 +107,14 @@ inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// the sum of v's 8 lanes
+inline float hadd8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 // v rounded to bf16 (nearest even; NaN to a quiet NaN), as 8 packed uint16
 inline __m128i bf16_8(__m256 v) {
     const __m256i b = _mm256_castps_si256(v);

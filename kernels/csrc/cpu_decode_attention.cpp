@@ -250,6 +250,7 @@ namespace {
 constexpr int kChunk = 8;      // keys per pass step
 
 using weir::exp8;
+using weir::hadd8;
 using weir::load8;
 
 // out lane j = sum of the lanes of v[j]
@@ -267,12 +268,6 @@ inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-inline float hadd8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
 
 // Rows of head h of the chunk's keys (or values) as float32: fp32 rows are used in place,
 // bf16 rows are widened once into buf (8 x D).

@@ -60,9 +60,7 @@ float exp_row(const float* x, float m, float inv_t, float* e, int64_t n) {
         _mm256_storeu_ps(e + i, v);
         acc = _mm256_add_ps(acc, v);
     }
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    total = weir::hadd8(acc);
 #endif
     for (; i < n; ++i) {
         e[i] = exp_neg((x[i] - m) * inv_t);

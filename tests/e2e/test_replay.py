@@ -51,8 +51,8 @@ def runs(tmp_path_factory, model_path):
         anyio.run(_workload, engine.endpoint, engine.service_key,
                   cfg.scheduler.max_num_batched_tokens, cfg.engine.max_model_len,
                   cfg.scheduler.max_num_seqs, True, lambda msg: None)
-        calibration_steps = len(profiles.read_step_log(steps))
-        profile = profiles.fit(profiles.read_step_log(steps), source="test calibration")
+        calibration = profiles.read_step_log(steps)
+        profile = profiles.fit(calibration, source="test calibration")
         requests = scale(load_trace(TRACE), SCALING)
         synth = PromptSynth.for_scaling(load_tokenizer(str(model_path)), SCALING)
         before = engine.stats("streamer").get("requests.finished", 0)
@@ -66,7 +66,7 @@ def runs(tmp_path_factory, model_path):
                     time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        live_steps = profiles.read_step_log(steps)[calibration_steps:]
+        live_steps = profiles.read_step_log(steps)[len(calibration):]
         ratios = sorted(s["measured_s"] / profile.predict(StepShape(
             s["tokens"], s["context"], s["seqs"], s["pairs"])) for s in live_steps)
         print(f"live steps {len(ratios)}: measured/predicted p10 {ratios[len(ratios)//10]:.2f} "
