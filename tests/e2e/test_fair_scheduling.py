@@ -65,20 +65,29 @@ max_model_len = 1024
 num_blocks = 512
 [scheduler]
 fairness = "{fairness}"
+max_num_seqs = {slots}
 [admission]
 max_outstanding = 256
 tenants = [{{ name = "A", weight = 1.0, kv_blocks = {kv}, max_running = {cap} }}, {{ name = "B", weight = 2.0 }}]
 """
 A_KV, A_CAP = 64, 3
+SLOTS = 4           # running sequences, both engines: new work waits for a slot
 WEIGHTS = {"A": 1.0, "B": 2.0}
 
 
 def two_tenants(seed: int = 3) -> list[TraceRequest]:
-    """A sends 10 prompts of 200-300 tokens in the first second; B sends 8 short ones,
-    one every 0.3 s: both stay backlogged for most of the run."""
+    """A sends 10 prompts of 200-300 tokens in the first 50 ms; B sends 8 short ones, one
+    every 0.3 s from 0.1 s: both stay backlogged for most of the run.
+
+    With ``SLOTS`` sequences running at most, A's flood is a queue whatever the machine's
+    speed: when B's first request arrives, 6 of A's still wait for a slot. FCFS serves them
+    all (~1500 weighted tokens of prompt) before any of B's, so its gap exceeds VTC's bound
+    by more than 2x on a fast machine and a slow one alike. (A flood spread over a second,
+    as this test had, was a queue only where the steps were slow: a faster CI machine
+    scheduled A's prompts as they came and FCFS's gap fell under the bound.)"""
     rng = random.Random(seed)
-    rows = [(rng.uniform(0.0, 1.0), "A", rng.randint(200, 300), 8) for _ in range(10)]
-    rows += [(0.2 + 0.3 * i, "B", rng.randint(32, 64), 12) for i in range(8)]
+    rows = [(rng.uniform(0.0, 0.05), "A", rng.randint(200, 300), 8) for _ in range(10)]
+    rows += [(0.1 + 0.3 * i, "B", rng.randint(32, 64), 12) for i in range(8)]
     rows.sort()
     return [TraceRequest(index=i, arrival_s=t, input_tokens=p, output_tokens=o, tenant=u,
                          max_tokens=o) for i, (t, u, p, o) in enumerate(rows)]
@@ -119,7 +128,7 @@ def test_vtc_keeps_the_service_gap_bound_live_where_fcfs_breaks_it(tmp_path_fact
     for fairness in ("vtc", "fcfs"):
         eng = Engine(tmp_path_factory.mktemp(f"fair-{fairness}"),
                      FAIRNESS.format(fairness=fairness, kv=A_KV if fairness == "vtc" else 0,
-                                     cap=A_CAP if fairness == "vtc" else 0))
+                                     cap=A_CAP if fairness == "vtc" else 0, slots=SLOTS))
         try:
             run = run_live(eng, requests, samples if fairness == "vtc" else None)
         finally:
