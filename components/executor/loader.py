@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType as VT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 from schemas.model import ModelSpec
+from weir.gguf_header import read_header
 
 _LAYER_KEYS = {
     "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
@@ -53,8 +53,6 @@ _HF_MAP = {h: c for c, (_, h) in _GLOBAL_KEYS.items()}
 _GGUF_LAYER = {g: c for c, (g, _) in _LAYER_KEYS.items()}
 _HF_LAYER = {h: c for c, (_, h) in _LAYER_KEYS.items()}
 _PERMUTED_ARCHS = {"llama"}
-_SCALARS = dict(zip([VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.FLOAT32,
-                     VT.BOOL, VT.UINT64, VT.INT64, VT.FLOAT64], "BbHhIif?Qqd"))
 
 
 def load_model(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -95,63 +93,6 @@ def _finish(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> tuple[ModelSpe
     return spec, weights
 
 
-class _Reader:
-    def __init__(self, buf: memoryview):
-        self.buf, self.pos = buf, 0
-
-    def scalar(self, code: str):
-        (v,) = struct.unpack_from("<" + code, self.buf, self.pos)
-        self.pos += struct.calcsize(code)
-        return v
-
-    def string(self) -> str:
-        n = self.scalar("Q")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", "replace")
-        self.pos += n
-        return s
-
-    def value(self, vtype: int):
-        if vtype == VT.STRING:
-            return self.string()
-        if vtype != VT.ARRAY:
-            return self.scalar(_SCALARS[VT(vtype)])
-        etype, n = self.scalar("I"), self.scalar("Q")
-        if etype == VT.STRING:
-            for _ in range(n):
-                skip = self.scalar("Q")
-                self.pos += skip
-            return None
-        if etype == VT.ARRAY:
-            raise ValueError("nested GGUF arrays are not supported")
-        dt = np.dtype("<" + _SCALARS[VT(etype)])
-        arr = np.frombuffer(self.buf, dt, count=n, offset=self.pos)
-        self.pos += n * dt.itemsize
-        return arr.tolist()
-
-
-def _read_gguf(path: Path):
-    mm = np.memmap(path, dtype=np.uint8, mode="c")
-    r = _Reader(memoryview(mm))
-    if bytes(r.buf[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    r.pos = 4
-    version, n_tensors, n_kv = r.scalar("I"), r.scalar("Q"), r.scalar("Q")
-    if version not in (2, 3):
-        raise ValueError(f"unsupported GGUF version {version}")
-    meta = {}
-    for _ in range(n_kv):
-        key = r.string()
-        meta[key] = r.value(r.scalar("I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = r.string()
-        dims = [r.scalar("Q") for _ in range(r.scalar("I"))]
-        infos.append((name, dims, QT(r.scalar("I")), r.scalar("Q")))
-    align = meta.get("general.alignment", 32)
-    start = (r.pos + align - 1) // align * align
-    return mm, meta, infos, start
-
-
 def _dequant(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
     """Flat fp32 values of one GGUF tensor's bytes (``raw`` is uint8)."""
     if qtype == QT.F32:
@@ -174,7 +115,7 @@ def _dequant(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
 
 
 def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    mm, meta, infos, start = _read_gguf(path)
+    mm, meta, infos, start = read_header(path)
     arch = meta.get("general.architecture", "llama")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if a("rope.scaling.type", "none") not in ("none", None):
@@ -188,6 +129,7 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     data = torch.from_numpy(mm)
     weights: dict[str, torch.Tensor] = {}
     for name, dims, qtype, offset in infos:
+        qtype = QT(qtype)
         canon = _canonical(name, _GGUF_MAP, _GGUF_LAYER, r"blk\.")
         if canon is None:
             raise ValueError(f"unsupported GGUF tensor {name!r}")

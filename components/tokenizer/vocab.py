@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from weir.gguf_header import read_header
+
 _GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 2, 3, 4
 
 # tokenizer.ggml.pre -> whether digits are split one by one before the GPT-2 regex
@@ -57,13 +59,10 @@ def load_tokenizer(model_path: str | Path) -> TokenizerBundle:
 
 
 def _from_gguf(path: Path) -> TokenizerBundle:
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
+    meta = read_header(path).meta
 
     def get(key: str, default=None):
-        field = fields.get(key)
-        return default if field is None else field.contents()
+        return meta.get(key, default)
 
     kind = get("tokenizer.ggml.model")
     pre = get("tokenizer.ggml.pre", "gpt2")
