@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf(model_path):
+    """Hugging Face transformers on the same GGUF, float32: ``(tokenizer, model)``. Loaded
+    once for the whole session (~30 s on 2 cores: transformers' GGUF path), shared by the
+    executor's equivalence tests and the end-to-end greedy tests."""
+    from tests.e2e.hf import load_hf
+
+    return load_hf(model_path)

@@ -57,11 +57,3 @@ def start_gateway(tmp_path_factory, gateway_options: str = "") -> Engine:
     return Engine(tmp_path_factory.mktemp("gw"), GATEWAY_TOML, http_port=free_port(),
                   gateway_extra=f'api_keys = [{{ sha256 = "{digest}", tenant = "acme" }}]\n'
                                 + gateway_options)
-
-
-@pytest.fixture(scope="session")
-def hf(model_path):
-    """Hugging Face transformers on the same GGUF, float32: ``(tokenizer, model)``."""
-    from tests.e2e.hf import load_hf
-
-    return load_hf(model_path)

@@ -42,16 +42,6 @@ def model(loaded, request):
     return LlamaModel(*loaded, kernels={"linear": request.param})
 
 
-@pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return m, tok
-
-
 class _Runner:
     """Drives LlamaModel over a paged cache with shuffled, non-contiguous blocks."""
 
@@ -101,7 +91,7 @@ def test_spec(loaded):
 
 def test_weights_equal_hf(loaded, hf):
     _, w = loaded
-    sd = hf[0].state_dict()
+    sd = hf[1].state_dict()
     pairs = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
              "layers.0.q": "model.layers.0.self_attn.q_proj.weight",
              "layers.7.k": "model.layers.7.self_attn.k_proj.weight",
@@ -116,14 +106,14 @@ def test_weights_equal_hf(loaded, hf):
 
 
 def test_full_prefill_logits(model, hf):
-    m, tok = hf
+    tok, m = hf
     ids = tok(PROMPTS[1]).input_ids
     (ours,) = _Runner(model).step({0: ids}, all_logits=True)
     torch.testing.assert_close(ours, _hf_logits(m, ids), atol=ATOL, rtol=RTOL)
 
 
 def test_chunked_prefill_then_decode_batched(model, hf):
-    m, tok = hf
+    tok, m = hf
     a, b = (tok(p).input_ids for p in PROMPTS)
     r = _Runner(model, seed=1)
     out_a1, out_b = r.step({0: a[:2], 1: b}, all_logits=True)
@@ -144,7 +134,7 @@ def test_chunked_prefill_then_decode_batched(model, hf):
 
 
 def test_greedy_generation_matches_hf(model, hf):
-    m, tok = hf
+    tok, m = hf
     prompts = [tok(p).input_ids for p in PROMPTS]
     r = _Runner(model, seed=2)
     last = r.step(dict(enumerate(prompts)))
@@ -167,7 +157,7 @@ def test_bf16_tracks_fp32(loaded, model, hf, linear):
     if linear != "auto" and linear not in autotune.linear_candidates(
             torch.bfloat16, torch.device("cpu"), (576, 576)):
         pytest.skip(f"no {linear} bf16 linear kernel here")
-    ids = hf[1](PROMPTS[0]).input_ids
+    ids = hf[0](PROMPTS[0]).input_ids
     ref = _Runner(model).step({0: ids})[0]
     got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16,
                              kernels={"linear": linear})).step({0: ids})[0]
@@ -179,10 +169,10 @@ def test_bf16_tracks_fp32(loaded, model, hf, linear):
 def test_hf_directory_matches_gguf(loaded, hf, tmp_path):
     from safetensors.torch import save_file
 
-    cfg = hf[0].config.to_dict()
+    cfg = hf[1].config.to_dict()
     cfg.pop("quantization_config", None)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    sd = {k: v.contiguous() for k, v in hf[0].state_dict().items() if k != "lm_head.weight"}
+    sd = {k: v.contiguous() for k, v in hf[1].state_dict().items() if k != "lm_head.weight"}
     names = sorted(sd)
     save_file({k: sd[k] for k in names[::2]}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({k: sd[k] for k in names[1::2]}, tmp_path / "model-00002-of-00002.safetensors")
