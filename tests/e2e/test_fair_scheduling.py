@@ -1,7 +1,8 @@
 """Fair, SLO-aware scheduling through the whole engine (issue 14), live:
 
 - stall-free chunking: 16 streams keep their class's TPOT through a burst of 32 prompts of
-  512 tokens; with a fixed 2048-token budget they do not (both engines in this test);
+  512 tokens, and no gap stalls; with a fixed 2048-token budget they do not (both engines
+  in this test);
 - VTC between tenants: a short two-tenant run stays within VTC's bound on the weighted
   service gap, where FCFS breaks it (both engines in this test);
 - budgets: the flooding tenant never holds more KV blocks than its budget, nor runs more
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import anyio
 import pytest
@@ -42,20 +44,33 @@ classes = [{{ name = "chat", tpot_slo_ms = {tpot} }}]
 def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_factory,
                                                                    model_path):
     """The slack budget keeps each step's predicted time within 80% of the tightest TPOT
-    SLO among the decoding streams, so their inter-token gaps stay within it while the
-    burst is prefilled; a fixed 2048-token step takes seconds on this CPU."""
-    p99 = {}
+    SLO among the decoding streams, so while the burst is prefilled every stream's TPOT (the
+    mean of its inter-token gaps, the SLO's measure) and 90% of all gaps stay within the
+    SLO, and no gap stalls past 1.5x it; a fixed 2048-token step takes seconds on this CPU.
+
+    The worst gap is one step's time against its prediction, so it moves with the machine's
+    noise: 395-489 ms here against a 500 ms SLO. It was this test's bar, and a neighbour's
+    burst on a CI machine could break it without the scheduler being wrong; 1.5x the SLO is
+    a prediction off by nearly 2x. A fixed budget's gaps run to ~10x the SLO."""
+    tpot, p90, worst = {}, {}, {}
     for chunking in ("slack", "fixed"):
         eng = Engine(tmp_path_factory.mktemp(f"chunk-{chunking}"),
                      CHUNKING.format(chunking=chunking, tpot=TPOT_SLO_MS))
+        per_stream: list[list[float]] = []
         try:
             gaps, _ = anyio.run(lambda: decode_through_burst(
-                eng.endpoint, eng.service_key, stream_tokens=40, cancel_burst=True))
+                eng.endpoint, eng.service_key, stream_tokens=40, cancel_burst=True,
+                stream_gaps=per_stream))
         finally:
             eng.stop()
         assert len(gaps) > 200, (chunking, len(gaps))   # the streams decoded through it
-        p99[chunking] = percentile(gaps, 99) * 1e3
-    assert p99["slack"] <= TPOT_SLO_MS < p99["fixed"], p99
+        tpot[chunking] = max(statistics.mean(g) for g in per_stream if g) * 1e3
+        p90[chunking] = percentile(gaps, 90) * 1e3
+        worst[chunking] = max(gaps) * 1e3
+    report = {"worst stream TPOT": tpot, "gap p90": p90, "worst gap": worst}
+    assert tpot["slack"] <= TPOT_SLO_MS < tpot["fixed"], report
+    assert p90["slack"] <= TPOT_SLO_MS < p90["fixed"], report
+    assert worst["slack"] <= 1.5 * TPOT_SLO_MS < worst["fixed"], report
 
 
 FAIRNESS = """

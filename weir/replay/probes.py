@@ -10,12 +10,15 @@ import anyio
 async def decode_through_burst(endpoint: str, api_key: str, *, streams: int = 16,
                                stream_tokens: int = 120, burst: int = 32,
                                burst_tokens: int = 512, cancel_burst: bool = False,
-                               seed: int = 0) -> tuple[list[float], list[float]]:
+                               seed: int = 0, stream_gaps: list[list[float]] | None = None,
+                               ) -> tuple[list[float], list[float]]:
     """``streams`` requests (32-token prompts) decode ``stream_tokens`` tokens each; once all
     are decoding, and a second later, ``burst`` prompts of ``burst_tokens`` tokens arrive at
     once. Returns the streams' inter-token gaps (seconds) from the burst's arrival on, and
     the burst's TTFTs (seconds; only those that finished). ``cancel_burst``: cancel the
-    burst when the last stream ends (the gaps are all that is wanted)."""
+    burst when the last stream ends (the gaps are all that is wanted). ``stream_gaps``: each
+    stream's own gaps from the burst on are appended to it, one list per stream (a stream's
+    TPOT is their mean)."""
     from weir.client import AsyncClient
 
     rng = random.Random(seed)
@@ -28,7 +31,7 @@ async def decode_through_burst(endpoint: str, api_key: str, *, streams: int = 16
         async def stream() -> None:
             s = await c.stream(prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(32)],
                                max_tokens=stream_tokens, ignore_eos=True, temperature=0.0)
-            last = None
+            last, mine = None, []
             async for _ in s:
                 now = time.perf_counter()
                 if last is None:
@@ -37,7 +40,10 @@ async def decode_through_burst(endpoint: str, api_key: str, *, streams: int = 16
                         decoding.set()
                 elif burst_sent.is_set():
                     gaps.append(now - last)
+                    mine.append(now - last)
                 last = now
+            if stream_gaps is not None:
+                stream_gaps.append(mine)
 
         async def burst_one() -> None:
             r = await c.generate(prompt_token_ids=[rng.randrange(1000, 40000)
