@@ -37,8 +37,9 @@ class GGUFHeader(NamedTuple):
 
 
 class _Cursor:
-    def __init__(self, buf: memoryview, path: Path):
+    def __init__(self, buf: memoryview, path: Path, string_arrays: bool):
         self.buf, self.pos, self.path = buf, 0, path
+        self.string_arrays = string_arrays
 
     def scalar(self, code: str):
         try:
@@ -65,7 +66,12 @@ class _Cursor:
             raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
         etype, n = self.scalar("I"), self.scalar("Q")
         if etype == _STRING:
-            return [self.string() for _ in range(n)]
+            if self.string_arrays:
+                return [self.string() for _ in range(n)]
+            for _ in range(n):                  # skipped: only their lengths are read
+                length = self.scalar("Q")
+                self.pos += length
+            return None
         if etype not in _SCALARS:
             raise ValueError(f"{self.path}: GGUF arrays of type {etype} are not supported")
         dt = np.dtype("<" + _SCALARS[etype])
@@ -76,12 +82,14 @@ class _Cursor:
         return arr.tolist()
 
 
-def read_header(path: str | Path) -> GGUFHeader:
+def read_header(path: str | Path, string_arrays: bool = True) -> GGUFHeader:
     """The metadata and tensor table of the GGUF file at ``path`` (versions 2 and 3).
-    Raises ValueError for anything that is not a well-formed GGUF header."""
+    ``string_arrays=False``: string arrays (the vocabulary, the merges) are skipped and read
+    as None, for a reader that needs only the tensors. Raises ValueError for anything that
+    is not a well-formed GGUF header."""
     path = Path(path)
     mm = np.memmap(path, dtype=np.uint8, mode="c")
-    r = _Cursor(memoryview(mm), path)
+    r = _Cursor(memoryview(mm), path, string_arrays)
     if bytes(r.buf[:4]) != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     r.pos = 4

@@ -59,10 +59,7 @@ def load_tokenizer(model_path: str | Path) -> TokenizerBundle:
 
 
 def _from_gguf(path: Path) -> TokenizerBundle:
-    meta = read_header(path).meta
-
-    def get(key: str, default=None):
-        return meta.get(key, default)
+    get = read_header(path).meta.get
 
     kind = get("tokenizer.ggml.model")
     pre = get("tokenizer.ggml.pre", "gpt2")

@@ -61,6 +61,9 @@ def test_every_value_type_and_tensor_entry_equals_the_gguf_reader(written):
     a = h.tensors[0]
     got = np.frombuffer(h.data, np.float32, count=12, offset=h.data_start + a.offset)
     assert got.tolist() == list(range(12))
+    lean = read_header(written, string_arrays=False)     # the executor's read: no vocabulary
+    assert lean.meta["t.strs"] is None and lean.tensors == h.tensors
+    assert lean.data_start == h.data_start
 
 
 def test_the_default_models_header_equals_the_gguf_reader(model_path):
