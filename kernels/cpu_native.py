@@ -96,6 +96,8 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_supported.argtypes = []
         lib.weir_gemv_bf16.restype = ctypes.c_int
         lib.weir_gemv_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.weir_gemv_f32.restype = ctypes.c_int
+        lib.weir_gemv_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
         lib.weir_argmax.argtypes = [vp, i64, i64, vp, ctypes.c_int]
         lib.weir_add_rms_norm.restype = None
@@ -185,35 +187,47 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 SMALL_BATCH_MAX = 256     # beyond this oneDNN's blocked GEMM is as fast or faster
+_GEMV_BITS = {torch.bfloat16: 1, torch.float32: 2}
 
 
-def small_batch_supported() -> bool:
-    """Whether this CPU runs the small-batch bf16 linear kernel (AVX512-BF16)."""
-    return bool(load().weir_gemv_supported())
+def small_batch_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU runs the small-batch linear kernel for ``dtype``: bf16 with
+    AVX512-BF16 or AVX2 + FMA, float32 with AVX2 + FMA (csrc/cpu_gemv.cpp)."""
+    return bool(load().weir_gemv_supported() & _GEMV_BITS.get(dtype, 0))
 
 
 def pack_small_batch(w: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 weight [N, K] in the small-batch kernel's layout [N/16, K/2, 16, 2], or None
-    when its shape does not fit (N % 16, K % 2)."""
+    """A weight [N, K] in the small-batch kernel's layout: bf16 [N/16, K/2, 16, 2], float32
+    [N/16, K, 16]; None when its dtype or shape does not fit (N % 16, bf16 K % 2)."""
     n, k = w.shape
-    if w.dtype != torch.bfloat16 or n % 16 or k % 2:
+    if n % 16:
         return None
-    return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if w.dtype == torch.bfloat16 and k % 2 == 0:
+        return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if w.dtype == torch.float32:
+        return w.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
+    return None
 
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for bf16 ``x`` [M, K] against ``pack_small_batch(w)``;
-    M = 0 gives an empty [0, N] (as ``F.linear`` does)."""
-    nb, kp = packed.shape[0], packed.shape[1]
+    """``F.linear(x, w, bias)`` for ``x`` [M, K] against ``pack_small_batch(w)``, of the
+    same dtype; M = 0 gives an empty [0, N] (as ``F.linear`` does)."""
+    nb = packed.shape[0]
+    k = packed.shape[1] * 2 if packed.dim() == 4 else packed.shape[1]
     y = x.new_empty(x.shape[0], nb * 16)
     if x.shape[0] == 0:
         return y
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rc = load().weir_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                               None if bias is None else bias.data_ptr(), y.data_ptr(),
-                               x.shape[0], nb * 16, kp * 2, torch.get_num_threads())
+    run = load().weir_gemv_bf16 if packed.dtype == torch.bfloat16 else load().weir_gemv_f32
+    if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
+        raise ValueError(f"small-batch linear: {x.dtype} rows against {packed.dtype} weights")
+    if bias is not None:
+        bias = bias.contiguous()
+    rc = run(x.data_ptr(), x.stride(0), packed.data_ptr(),
+             None if bias is None else bias.data_ptr(), y.data_ptr(),
+             x.shape[0], nb * 16, k, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"small-batch linear refused {tuple(x.shape)} x {nb * 16}")
     return y

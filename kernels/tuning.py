@@ -7,8 +7,8 @@ but on an Intel Xeon with AMX oneDNN's blocked GEMM beats it from 8 tokens on, b
 here, at the model's own shapes, and keeps the fastest.
 
 - **Linear layers**, per weight shape (qkv, o, gate_up, down, lm_head) and per bucket of
-  step tokens M (1, 2, 4, ... 2048): ``native`` (the small-batch kernel; bf16 on
-  AVX512-BF16, M <= 256), ``onednn`` (weights reordered once into oneDNN's blocked layout;
+  step tokens M (1, 2, 4, ... 2048): ``native`` (the small-batch kernels, M <= 256: bf16
+  on AVX512-BF16 or AVX2 + FMA, fp32 on AVX2 + FMA), ``onednn`` (weights reordered once into oneDNN's blocked layout;
   AMX where the CPU has it), ``torch`` (plain ``F.linear``) and, for a bf16 model, ``fp32``
   (the weight kept in fp32, the step's activations cast up and the result back: on a CPU
   without AVX-512, torch's bf16 GEMM runs ~5x slower than fp32 and oneDNN refuses bf16;

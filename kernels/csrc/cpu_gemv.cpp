@@ -1,11 +1,23 @@
-// Small-batch linear layers for bf16 on the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias),
-// for M up to ~64 (any M works; past ~128 oneDNN's blocked GEMM is as fast). With so few rows a linear layer only streams its weights, and oneDNN's GEMM
-// reaches ~15 GB/s of them (30 SmolLM2 layers, M = 1: 14.5 ms for 212 MB) where the
-// memory gives ~30. This kernel reads W in a layout packed for it, [N/16][K/2][16][2]:
-// one 64-byte load holds 16 outputs x 2 k, so vdpbf16ps against a broadcast pair of x
-// accumulates 16 outputs at once — no horizontal sums — and each thread streams its
-// contiguous share of the blocks front to back (the hardware prefetcher's best case).
-// Built only with AVX512-BF16; weir_gemv_supported() says so at run time.
+// Small-batch linear layers on the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias), for M up
+// to a few dozen rows (any M works; the executor measures where oneDNN's blocked GEMM takes
+// over). With so few rows a linear layer only streams its weights, and oneDNN's GEMM
+// reaches about half the memory's bandwidth on them (30 SmolLM2 layers, bf16, M = 1 on
+// Zen 4: 14.5 ms for 212 MB where the memory gives ~30 GB/s). Each kernel reads W in a
+// layout packed for it, 16 outputs per 64-byte line, so one load feeds 16 (or 8) outputs
+// at once with no horizontal sums, and each thread streams its contiguous share of the
+// blocks front to back (the hardware prefetcher's best case). Three kernels:
+//
+// - bf16, AVX512-BF16: W packed [N/16][K/2][16][2]; vdpbf16ps against a broadcast pair
+//   of x accumulates 16 outputs x 2 k per instruction.
+// - bf16, AVX2 + FMA (CPUs without AVX512-BF16): the same layout, 8 outputs x 2 k per
+//   256-bit load; each 32-bit lane holds one output's pair (k even in the low half), so a
+//   shift gives the even k's weight as a float32 and a mask the odd one. x is widened to
+//   float32 once per call.
+// - float32, AVX2 + FMA (any CPU with them, AVX-512 ones too): W packed [N/16][K][16].
+//   On a 2-core AVX2 EPYC, oneDNN's fp32 GEMM streams SmolLM2's weights at 8.5 GB/s at
+//   M = 1, where the memory copies at 19.
+//
+// weir_gemv_supported() says which are built in: bit 0 bf16, bit 1 float32.
 #include <cstdint>
 #include <cstring>
 
@@ -57,14 +69,137 @@ void rows(int64_t mm, const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_
 }  // namespace
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <vector>
+
+namespace {
+
+// v rounded to bf16 (nearest even; NaN to a quiet NaN), as 8 packed uint16
+inline __m128i to_bf16x8(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline __m256 widen_bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// the 16 outputs of one block for MM rows: acc[i][0] outputs 0-7, acc[i][1] outputs 8-15
+template <int MM>
+inline void store_block(__m256 (&acc)[MM][2], const float* bias, float* y, int64_t ldy) {
+    for (int h = 0; h < 2; ++h) {
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+        for (int i = 0; i < MM; ++i) _mm256_storeu_ps(y + i * ldy + 8 * h, _mm256_add_ps(acc[i][h], bv));
+    }
+}
+template <int MM>
+inline void store_block(__m256 (&acc)[MM][2], const uint16_t* bias, uint16_t* y, int64_t ldy) {
+    for (int h = 0; h < 2; ++h) {
+        const __m256 bv = bias ? widen_bf16x8(bias + 8 * h) : _mm256_setzero_ps();
+        for (int i = 0; i < MM; ++i)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * ldy + 8 * h),
+                             to_bf16x8(_mm256_add_ps(acc[i][h], bv)));
+    }
+}
+
+// MM rows of x (float32, ldx apart) against one block of 16 outputs, bf16 weights packed
+// [K/2][16][2]
+template <int MM, typename T>
+inline void block_bf16(const float* x, int64_t ldx, const uint16_t* wp, int64_t kp,
+                       const T* bias, T* y, int64_t ldy) {
+    __m256 acc[MM][2];
+    for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    for (int64_t p = 0; p < kp; ++p) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + p * 32));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + p * 32 + 16));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, odd));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, odd));
+        for (int i = 0; i < MM; ++i) {
+            const __m256 xe = _mm256_broadcast_ss(x + i * ldx + 2 * p);
+            const __m256 xo = _mm256_broadcast_ss(x + i * ldx + 2 * p + 1);
+            acc[i][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[i][0]));
+            acc[i][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[i][1]));
+        }
+    }
+    store_block<MM>(acc, bias, y, ldy);
+}
+
+// MM rows of x against one block of 16 outputs, float32 weights packed [K][16]
+template <int MM>
+inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k,
+                      const float* bias, float* y, int64_t ldy) {
+    __m256 acc[MM][2];
+    for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; ++j) {
+        const __m256 w0 = _mm256_loadu_ps(wp + j * 16), w1 = _mm256_loadu_ps(wp + j * 16 + 8);
+        for (int i = 0; i < MM; ++i) {
+            const __m256 xv = _mm256_broadcast_ss(x + i * ldx + j);
+            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+        }
+    }
+    store_block<MM>(acc, bias, y, ldy);
+}
+
+constexpr int kRows = 4;     // rows of x per pass over a block: 8 accumulators
+
+// every block of 16 outputs, in parallel; rows kRows at a time (the block stays in cache
+// for the next pass)
+template <typename W, typename T, typename Block>
+void blocks(Block run, const float* x, int64_t ldx, const W* wp, int64_t block_elems,
+            const T* bias, T* y, int64_t m, int64_t n, int threads) {
+    const int64_t nblocks = n / 16;
+#pragma omp parallel for schedule(static) num_threads(threads) if (nblocks > 4)
+    for (int64_t b = 0; b < nblocks; ++b) {
+        for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+            const int64_t mm = m - m0 < kRows ? m - m0 : kRows;
+            run(mm, x + m0 * ldx, ldx, wp + b * block_elems, bias ? bias + b * 16 : nullptr,
+                y + m0 * n + b * 16, n);
+        }
+    }
+}
+
+// x as float32 rows, once per call (bf16 widened), reused by every block
+[[maybe_unused]] const float* widened(const uint16_t* x, int64_t ldx, int64_t m, int64_t k) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < m * k) buf.resize(m * k);
+    for (int64_t i = 0; i < m; ++i) {
+        int64_t j = 0;
+        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(buf.data() + i * k + j, widen_bf16x8(x + i * ldx + j));
+        for (; j < k; ++j) {
+            const uint32_t bits = static_cast<uint32_t>(x[i * ldx + j]) << 16;
+            std::memcpy(buf.data() + i * k + j, &bits, sizeof bits);
+        }
+    }
+    return buf.data();
+}
+
+}  // namespace
+#define WEIR_GEMV_AVX2 1
+#endif
+
 extern "C" {
 
 int weir_gemv_supported() {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
+    int bits = 0;
+#if defined(__AVX512BF16__) || defined(WEIR_GEMV_AVX2)
+    bits |= 1;
 #endif
+#if defined(WEIR_GEMV_AVX2)
+    bits |= 2;
+#endif
+    return bits;
 }
 
 // x [m, k] bf16 rows ldx apart; wp packed [n/16][k/2][16][2]; bias [n] or null; y [m, n].
@@ -91,6 +226,46 @@ int weir_gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uin
             else rows<1>(mm, xb, ldx, wb, kp, bb, yb, n);
         }
     }
+    return 0;
+#elif defined(WEIR_GEMV_AVX2)
+    if (n % 16 || k % 2 || m < 0) return -1;
+    if (m == 0) return 0;
+    const int64_t kp = k / 2;
+    const float* xf = widened(x, ldx, m, k);
+    auto run = [kp](int64_t mm, const float* xb, int64_t lx, const uint16_t* wb,
+                    const uint16_t* bb, uint16_t* yb, int64_t ly) {
+        switch (mm) {
+            case 1: block_bf16<1>(xb, lx, wb, kp, bb, yb, ly); return;
+            case 2: block_bf16<2>(xb, lx, wb, kp, bb, yb, ly); return;
+            case 3: block_bf16<3>(xb, lx, wb, kp, bb, yb, ly); return;
+            default: block_bf16<4>(xb, lx, wb, kp, bb, yb, ly); return;
+        }
+    };
+    blocks(run, xf, k, wp, kp * 32, bias, y, m, n, threads);
+    return 0;
+#else
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+// x [m, k] float32 rows ldx apart; wp packed [n/16][k][16]; bias [n] or null; y [m, n].
+// n % 16 == 0, m >= 0. Returns 0, or -1 if unsupported.
+int weir_gemv_f32(const float* x, int64_t ldx, const float* wp, const float* bias, float* y,
+                  int64_t m, int64_t n, int64_t k, int threads) {
+#if defined(WEIR_GEMV_AVX2)
+    if (n % 16 || m < 0) return -1;
+    if (m == 0) return 0;
+    auto run = [k](int64_t mm, const float* xb, int64_t lx, const float* wb, const float* bb,
+                   float* yb, int64_t ly) {
+        switch (mm) {
+            case 1: block_f32<1>(xb, lx, wb, k, bb, yb, ly); return;
+            case 2: block_f32<2>(xb, lx, wb, k, bb, yb, ly); return;
+            case 3: block_f32<3>(xb, lx, wb, k, bb, yb, ly); return;
+            default: block_f32<4>(xb, lx, wb, k, bb, yb, ly); return;
+        }
+    };
+    blocks(run, x, ldx, wp, k * 16, bias, y, m, n, threads);
     return 0;
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;

@@ -73,7 +73,8 @@ def test_unsupported_shapes_fall_back_and_auto_prefers_native():
 @pytest.mark.parametrize("build", ["avx2", "scalar"])
 def test_portable_kernel_matches_reference(build):
     """The kernels other CPUs run, built here in a fresh process: without AVX-512 (the AVX2
-    tiled kernel) and without AVX2 (the portable one). The cases cover decode rows, prefill
+    tiled kernel, and both small-batch linears on AVX2) and without AVX2 (the portable
+    attention; no small-batch linear). The cases cover decode rows, prefill
     tiles after a cached prefix, lengths off the 8- and 16-key chunks, and every G the
     model zoo has (1: MHA, 3: SmolLM2, 4, 8) at head_dim 64 and 128."""
     code = (
@@ -89,6 +90,19 @@ def test_portable_kernel_matches_reference(build):
         "        got = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(q, kc, vc, meta, 0.125)\n"
         "        err = ((got.float() - want).abs().max() / want.abs().max()).item()\n"
         "        assert err <= tol, (dtype, kvh, group, dim, err)\n"
+        "from kernels import cpu_native\n"
+        "bits = cpu_native.load().weir_gemv_supported()\n"
+        f"assert bits == {3 if build == 'avx2' else 0}, bits\n"
+        "for dtype, tol in ((torch.float32, 2 ** -20), (torch.bfloat16, 2 ** -8)):\n"
+        "    if not bits:\n"
+        "        break\n"
+        "    w = torch.randn(160, 96).to(dtype)\n"
+        "    for m in (1, 5, 8):\n"
+        "        x = torch.randn(m, 96).to(dtype)\n"
+        "        want = torch.nn.functional.linear(x.float(), w.float())\n"
+        "        got = cpu_native.small_batch_linear(x, cpu_native.pack_small_batch(w)).float()\n"
+        "        scale = (x.float().abs() @ w.float().abs().T + 1).max()\n"
+        "        assert (got - want).abs().max() <= tol * scale, (dtype, m)\n"
         "print('ok')\n")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
@@ -109,37 +123,56 @@ def test_write_kv_matches_reference_on_qkv_views(dtype):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
-@pytest.mark.skipif(not cpu_native.small_batch_supported(), reason="no AVX512-BF16 here")
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (160, 2)])
-def test_small_batch_linear_matches_float_reference(n, k):
+def _needs_small_batch(dtype):
+    if not cpu_native.small_batch_supported(dtype):
+        pytest.skip(f"no small-batch {dtype} linear kernel on this CPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (160, 2), (32, 7)])
+def test_small_batch_linear_matches_float_reference(n, k, dtype):
     """bf16 products are exact in float32, so only the summation order and the final
-    rounding differ from a float32 reference: within bf16's half-ulp, scaled by the sum."""
+    rounding differ from a float32 reference: within bf16's half-ulp, scaled by the sum.
+    float32: the summation order alone, a few ulps of the sum."""
+    _needs_small_batch(dtype)
+    if dtype == torch.bfloat16 and k % 2:
+        assert cpu_native.pack_small_batch(torch.zeros(n, k, dtype=dtype)) is None
+        return
     g = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
     packed = cpu_native.pack_small_batch(w)
-    for m in (1, 3, 8, 9, 17, 64):                  # one pass, 8-row passes and a remainder
-        x = torch.randn(m + 2, k, generator=g).bfloat16()[1:m + 1]   # a row-strided view
+    tol = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
+    for m in (1, 3, 4, 5, 8, 9, 17, 64):      # one pass, whole passes and a remainder
+        x = torch.randn(m + 2, k, generator=g).to(dtype)[1:m + 1]   # a row-strided view
         for bias in (None, b):
             want = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
-            got = cpu_native.small_batch_linear(x, packed, bias).float()
+            got = cpu_native.small_batch_linear(x, packed, bias)
+            assert got.dtype == dtype and got.shape == (m, n)
             scale = (x.float().abs() @ w.float().abs().T + 1).max()
-            assert (got - want).abs().max() <= 2 ** -8 * scale
+            assert (got.float() - want).abs().max() <= tol * scale, (m, bias is None)
 
 
-@pytest.mark.skipif(not cpu_native.small_batch_supported(), reason="no AVX512-BF16 here")
-def test_small_batch_linear_of_no_rows_is_empty():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_small_batch_linear_of_no_rows_is_empty(dtype):
     """M = 0 (the lm_head of a step in which no row samples) is an empty result, as
-    F.linear gives, at both the wrapper and the kernel; only a negative M is refused."""
-    w = torch.randn(48, 64).bfloat16()
+    F.linear gives, at both the wrapper and the kernel; only a negative M is refused, and
+    rows of another dtype than the weight are a clear error."""
+    _needs_small_batch(dtype)
+    w = torch.randn(48, 64).to(dtype)
     packed = cpu_native.pack_small_batch(w)
-    for bias in (None, torch.randn(48).bfloat16()):
-        got = cpu_native.small_batch_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed, bias)
-        assert got.shape == (0, 48) and got.dtype == torch.bfloat16
-    x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 48, dtype=torch.bfloat16)
-    call = lambda m: cpu_native.load().weir_gemv_bf16(  # noqa: E731
-        x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(), m, 48, 64, 1)
+    for bias in (None, torch.randn(48).to(dtype)):
+        got = cpu_native.small_batch_linear(torch.empty(0, 64, dtype=dtype), packed, bias)
+        assert got.shape == (0, 48) and got.dtype == dtype
+    x, y = torch.randn(1, 64).to(dtype), torch.empty(1, 48, dtype=dtype)
+    kernel = cpu_native.load().weir_gemv_bf16 if dtype == torch.bfloat16 \
+        else cpu_native.load().weir_gemv_f32
+    call = lambda m: kernel(x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(),  # noqa: E731
+                            m, 48, 64, 1)
     assert call(0) == 0 and call(-1) == -1
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="rows against"):
+        cpu_native.small_batch_linear(x.to(other), packed)
 
 
 def test_native_row_ops_take_no_rows():
@@ -153,8 +186,10 @@ def test_native_row_ops_take_no_rows():
 
 def test_small_batch_pack_refuses_unfit_shapes():
     assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
-    assert cpu_native.pack_small_batch(torch.randn(48, 63).bfloat16()) is None     # k % 2
-    assert cpu_native.pack_small_batch(torch.randn(48, 64)) is None                # float32
+    assert cpu_native.pack_small_batch(torch.randn(40, 64)) is None
+    assert cpu_native.pack_small_batch(torch.randn(48, 63).bfloat16()) is None     # bf16 k % 2
+    assert cpu_native.pack_small_batch(torch.randn(48, 63)).shape == (3, 63, 16)   # fp32: any k
+    assert cpu_native.pack_small_batch(torch.randn(48, 64).half()) is None         # float16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

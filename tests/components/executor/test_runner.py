@@ -21,8 +21,7 @@ BLOCKS = [5, 2, 7, 1]                      # 40 prompt + 4 decode tokens, non-co
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def model(request):
-    native = request.param == torch.bfloat16 and cpu_native.available() \
-        and cpu_native.small_batch_supported()
+    native = cpu_native.available() and cpu_native.small_batch_supported(request.param)
     m = LlamaModel(SHAPE, random_weights(SHAPE, seed=7), dtype=request.param,
                    kernels={"linear": "native"} if native else None)
     if native:      # the lm_head through the small-batch kernel: the path that failed
