@@ -2,9 +2,42 @@
 in float32 (the ``hf`` fixture in conftest.py loads them once per session)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """While transformers loads the GGUF: one ``gguf.GGUFReader`` per file, and one tensor
+    name map per (architecture, layers). Its GGUF path reads the file's header three times
+    (tokenizer, config, weights: ~6 s each on 2 cores) and builds the name map again for
+    each of the 397 names it converts (~12 s in all). The same file gives the same reader
+    and the same arguments the same map, so what transformers computes is unchanged; only
+    the repeats go."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+    maps: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    def name_map(*args):
+        if args not in maps:
+            maps[args] = real_map(*args)
+        return maps[args]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def load_hf(model_path: Path):
@@ -13,26 +46,17 @@ def load_hf(model_path: Path):
 
     from tokenizers import pre_tokenizers
 
-    tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    with _gguf_read_once():
+        tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                     dtype=torch.float32)
     # HF's GGUF converter drops SmolLM2's digit split; the model's own tokenizer.json
     # (and llama.cpp for tokenizer.ggml.pre=smollm) splits digits before byte-level BPE.
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                 dtype=torch.float32)
     model.eval()
     return tok, model
-
-
-def hf_greedy(hf, ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF's greedy continuation of ``ids`` (``generate``, no EOS stop)."""
-    tok, model = hf
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=tok.pad_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def hf_logits_along(hf, ids: list[int], generated: list[int]) -> torch.Tensor:
