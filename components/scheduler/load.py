@@ -3,8 +3,6 @@ the step-cost model measured, so admission can predict time to first token. Shar
 scheduler service and the replay simulator."""
 from __future__ import annotations
 
-from collections import Counter
-
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel
 from schemas.wire import SchedulerLoad, TenantBacklog
@@ -38,25 +36,33 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     admission can tell which of it the fair order computes before a tenant's next request.
     With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
     first token has waited since it arrived."""
-    waiting: Counter[str] = Counter()
+    # one pass over each queue (a deep queue is when admission needs this most, and the
+    # replay simulator builds one every 0.1 s of virtual time)
+    timed = now_ns is not None
+    first: list[tuple[int, str]] = []       # (arrival, request) without a first token
+    waiting: dict[str, int] = {}
     for s in core.waiting:
-        waiting[s.tenant] += s.remaining
-    running: Counter[str] = Counter()
+        waiting[s.tenant] = waiting.get(s.tenant, 0) + s.remaining
+        if timed and not s.first_token_ns:
+            first.append((s.arrival_ns, s.request_id))
+    running: dict[str, int] = {}
+    context = 0
     for s in core.running:
-        if s.remaining > 1:
-            running[s.tenant] += s.remaining
+        context += s.num_tokens
+        left = s.remaining
+        if left > 1:
+            running[s.tenant] = running.get(s.tenant, 0) + left
+        if timed and not s.first_token_ns:
+            first.append((s.arrival_ns, s.request_id))
     backlogged = core._backlogged_tenants()    # those the core does not lift on a new request
-    tenants = {t: TenantBacklog(core.vtc.of(t), t in backlogged, waiting[t], running[t])
+    tenants = {t: TenantBacklog(core.vtc.of(t), t in backlogged, waiting.get(t, 0),
+                                running.get(t, 0))
                for t in set(core.vtc.counters) | backlogged | set(waiting) | set(running)}
     chunk_s = cost.predict(budget, 0, 1)
     n_running = len(core.running)
-    decode_s = cost.predict(n_running or 1, sum(s.num_tokens for s in core.running),
-                            n_running or 1)
-    awaiting: dict[str, float] = {}
-    if now_ns is not None:
-        first = sorted((s.arrival_ns, s.request_id) for s in (*core.waiting, *core.running)
-                       if s.first_token_ns == 0)
-        for arrival, rid in first[:AWAITING_MAX]:
-            awaiting[rid] = round(max(now_ns - arrival, 0) / 1e9, 4)
-    return SchedulerLoad(n_running, len(core.waiting), waiting.total() + running.total(),
+    decode_s = cost.predict(n_running or 1, context, n_running or 1)
+    first.sort()
+    awaiting = {rid: max(now_ns - arrival, 0) / 1e9 for arrival, rid in first[:AWAITING_MAX]}
+    return SchedulerLoad(n_running, len(core.waiting),
+                         sum(waiting.values()) + sum(running.values()),
                          budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting)

@@ -1,6 +1,7 @@
 """Start a real `weir serve` (seven processes) for end-to-end tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -15,9 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 class Engine:
     def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
                  http_port: int | None = None, gateway_extra: str = "",
-                 log_level: str = "warning", full_config: bool = False, preexec_fn=None):
+                 log_level: str = "warning", full_config: bool = False, preexec_fn=None,
+                 wait: bool = True):
         """``full_config``: ``config_toml`` is the whole config (no ``[gateway]`` section
-        added). ``preexec_fn`` runs in the child before ``weir serve`` (e.g. rlimits)."""
+        added). ``preexec_fn`` runs in the child before ``weir serve`` (e.g. rlimits).
+        ``wait`` False: return once spawned, and call :meth:`wait_ready` (engines a test
+        uses together start side by side: their imports overlap)."""
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
         self.log_path = run_dir / "serve.log"
@@ -38,9 +42,10 @@ class Engine:
              "--run-dir", str(run_dir), "--endpoint", self.endpoint, *extra_args],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"),
             preexec_fn=preexec_fn)
-        self._wait_ready()
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self, timeout: float = 240.0) -> None:
+    def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -111,6 +116,19 @@ class Engine:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+@contextlib.contextmanager
+def side_by_side(*engines: Engine):
+    """Engines spawned with ``wait=False``, once all are ready; all stopped after (or if
+    one fails to start)."""
+    try:
+        for eng in engines:
+            eng.wait_ready()
+        yield engines
+    finally:
+        for eng in engines:
+            eng.stop()
 
 
 def stop_process(proc: subprocess.Popen) -> None:

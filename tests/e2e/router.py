@@ -11,11 +11,12 @@ from tests.e2e.conftest import free_port
 from tests.e2e.engine import ROOT, Engine, stop_process
 
 
-def start_replica(run_dir: Path, toml: str) -> Engine:
+def start_replica(run_dir: Path, toml: str, wait: bool = True) -> Engine:
     """A whole engine (ipc inside) that publishes its KV events on a tcp port."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    eng = Engine(run_dir, toml + f'\n[topology]\nkv_events_endpoint = "tcp://127.0.0.1:{port}"\n')
+    eng = Engine(run_dir, toml + f'\n[topology]\nkv_events_endpoint = "tcp://127.0.0.1:{port}"\n',
+                 wait=wait)
     eng.kv_events = f"tcp://127.0.0.1:{port}"
     return eng
 

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, side_by_side
 
 SYSTEM = ("You are an agent with tools. Tools: search(query) returns web results; "
           "read(url) returns a page; calc(expr) evaluates arithmetic; note(text) saves a "
@@ -41,12 +41,12 @@ max_num_batched_tokens = 256
 [admission]
 tenants = [{ name = "agent" }]
 """
-    cached = Engine(tmp_path_factory.mktemp("cached"), base)
+    cached = Engine(tmp_path_factory.mktemp("cached"), base, wait=False)
     uncached = Engine(tmp_path_factory.mktemp("uncached"),
-                      base.replace("num_blocks = 512", "num_blocks = 512\nenable_prefix_cache = false"))
-    yield cached, uncached
-    cached.stop()
-    uncached.stop()
+                      base.replace("num_blocks = 512", "num_blocks = 512\nenable_prefix_cache = false"),
+                      wait=False)
+    with side_by_side(cached, uncached):
+        yield cached, uncached
 
 
 def test_agent_loop_reuses_its_growing_prefix(engines):

@@ -5,7 +5,7 @@ engine reports both; every block (both tiers) is back at the end."""
 import anyio
 import pytest
 
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, side_by_side
 
 PROMPTS = [f"Tale {i}: the keeper of lighthouse number {i * 7 + 3} wrote in her log that"
            for i in range(16)]
@@ -35,11 +35,10 @@ max_num_batched_tokens = 128
 [kv]
 """
     tiny = Engine(tmp_path_factory.mktemp("tiny"),
-                  base + "num_blocks = 32\nnum_cpu_blocks = 12\ngrow_blocks = 1\n")
-    roomy = Engine(tmp_path_factory.mktemp("roomy"), base + "num_blocks = 512\n")
-    yield tiny, roomy
-    tiny.stop()
-    roomy.stop()
+                  base + "num_blocks = 32\nnum_cpu_blocks = 12\ngrow_blocks = 1\n", wait=False)
+    roomy = Engine(tmp_path_factory.mktemp("roomy"), base + "num_blocks = 512\n", wait=False)
+    with side_by_side(tiny, roomy):
+        yield tiny, roomy
 
 
 def test_tiny_pool_preempts_by_swap_and_recompute_and_loses_nothing(engines):

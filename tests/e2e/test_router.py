@@ -14,7 +14,7 @@ import anyio
 import contextlib
 import pytest
 
-from tests.e2e.engine import ROOT
+from tests.e2e.engine import ROOT, side_by_side
 from tests.e2e.router import Router, start_replica
 from weir.replay.live import SdkTarget, replay
 from weir.replay.synth import PromptSynth, load_tokenizer
@@ -40,14 +40,10 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, model_path):
     base = tmp_path_factory.mktemp("replicas")
-    engines = {}
-    try:
-        for name in ("r0", "r1", "r2", "r3"):
-            engines[name] = start_replica(base / name, REPLICA_TOML)
+    engines = {name: start_replica(base / name, REPLICA_TOML, wait=False)
+               for name in ("r0", "r1", "r2", "r3")}
+    with side_by_side(*engines.values()):
         yield engines
-    finally:
-        for eng in engines.values():
-            eng.stop()
 
 
 def run_agents(router: Router, model_path, seed: int, salt: int) -> dict:
