@@ -84,7 +84,9 @@ inline __m256i bf16_16(__m512 v) {
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// (also built where AVX-512 is: the small-batch bf16 linear uses them on CPUs without
+// AVX512-BF16)
+#if defined(__AVX2__) && defined(__FMA__)
 // 8 elements as float32
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {

@@ -70,27 +70,14 @@ void rows(int64_t mm, const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #include <vector>
+
+#include "cpu_common.h"
 
 namespace {
 
-// v rounded to bf16 (nearest even; NaN to a quiet NaN), as 8 packed uint16
-inline __m128i to_bf16x8(__m256 v) {
-    const __m256i b = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
-                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
-                                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    r = _mm256_srli_epi32(r, 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-inline __m256 widen_bf16x8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+using weir::bf16_8;
+using weir::load8;
 
 // the 16 outputs of one block for MM rows: acc[i][0] outputs 0-7, acc[i][1] outputs 8-15
 template <int MM>
@@ -103,10 +90,10 @@ inline void store_block(__m256 (&acc)[MM][2], const float* bias, float* y, int64
 template <int MM>
 inline void store_block(__m256 (&acc)[MM][2], const uint16_t* bias, uint16_t* y, int64_t ldy) {
     for (int h = 0; h < 2; ++h) {
-        const __m256 bv = bias ? widen_bf16x8(bias + 8 * h) : _mm256_setzero_ps();
+        const __m256 bv = bias ? load8(bias + 8 * h) : _mm256_setzero_ps();
         for (int i = 0; i < MM; ++i)
             _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i * ldy + 8 * h),
-                             to_bf16x8(_mm256_add_ps(acc[i][h], bv)));
+                             bf16_8(_mm256_add_ps(acc[i][h], bv)));
     }
 }
 
@@ -154,18 +141,39 @@ inline void block_f32(const float* x, int64_t ldx, const float* wp, int64_t k,
 
 constexpr int kRows = 4;     // rows of x per pass over a block: 8 accumulators
 
+// the kernels' block functions, with what they share as members
+struct Bf16Blocks {
+    int64_t kp;
+    template <int MM, typename T>
+    void run(const float* x, int64_t ldx, const uint16_t* wp, const T* bias, T* y,
+             int64_t ldy) const { block_bf16<MM>(x, ldx, wp, kp, bias, y, ldy); }
+};
+struct F32Blocks {
+    int64_t k;
+    template <int MM>
+    void run(const float* x, int64_t ldx, const float* wp, const float* bias, float* y,
+             int64_t ldy) const { block_f32<MM>(x, ldx, wp, k, bias, y, ldy); }
+};
+
 // every block of 16 outputs, in parallel; rows kRows at a time (the block stays in cache
 // for the next pass)
-template <typename W, typename T, typename Block>
-void blocks(Block run, const float* x, int64_t ldx, const W* wp, int64_t block_elems,
-            const T* bias, T* y, int64_t m, int64_t n, int threads) {
+template <typename Kernel, typename W, typename T>
+void blocks(const Kernel& kernel, const float* x, int64_t ldx, const W* wp,
+            int64_t block_elems, const T* bias, T* y, int64_t m, int64_t n, int threads) {
     const int64_t nblocks = n / 16;
 #pragma omp parallel for schedule(static) num_threads(threads) if (nblocks > 4)
     for (int64_t b = 0; b < nblocks; ++b) {
+        const W* wb = wp + b * block_elems;
+        const T* bb = bias ? bias + b * 16 : nullptr;
         for (int64_t m0 = 0; m0 < m; m0 += kRows) {
-            const int64_t mm = m - m0 < kRows ? m - m0 : kRows;
-            run(mm, x + m0 * ldx, ldx, wp + b * block_elems, bias ? bias + b * 16 : nullptr,
-                y + m0 * n + b * 16, n);
+            const float* xb = x + m0 * ldx;
+            T* yb = y + m0 * n + b * 16;
+            switch (m - m0 < kRows ? m - m0 : kRows) {
+                case 1: kernel.template run<1>(xb, ldx, wb, bb, yb, n); break;
+                case 2: kernel.template run<2>(xb, ldx, wb, bb, yb, n); break;
+                case 3: kernel.template run<3>(xb, ldx, wb, bb, yb, n); break;
+                default: kernel.template run<kRows>(xb, ldx, wb, bb, yb, n); break;
+            }
         }
     }
 }
@@ -176,7 +184,7 @@ void blocks(Block run, const float* x, int64_t ldx, const W* wp, int64_t block_e
     if (static_cast<int64_t>(buf.size()) < m * k) buf.resize(m * k);
     for (int64_t i = 0; i < m; ++i) {
         int64_t j = 0;
-        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(buf.data() + i * k + j, widen_bf16x8(x + i * ldx + j));
+        for (; j + 8 <= k; j += 8) _mm256_storeu_ps(buf.data() + i * k + j, load8(x + i * ldx + j));
         for (; j < k; ++j) {
             const uint32_t bits = static_cast<uint32_t>(x[i * ldx + j]) << 16;
             std::memcpy(buf.data() + i * k + j, &bits, sizeof bits);
@@ -232,16 +240,7 @@ int weir_gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uin
     if (m == 0) return 0;
     const int64_t kp = k / 2;
     const float* xf = widened(x, ldx, m, k);
-    auto run = [kp](int64_t mm, const float* xb, int64_t lx, const uint16_t* wb,
-                    const uint16_t* bb, uint16_t* yb, int64_t ly) {
-        switch (mm) {
-            case 1: block_bf16<1>(xb, lx, wb, kp, bb, yb, ly); return;
-            case 2: block_bf16<2>(xb, lx, wb, kp, bb, yb, ly); return;
-            case 3: block_bf16<3>(xb, lx, wb, kp, bb, yb, ly); return;
-            default: block_bf16<4>(xb, lx, wb, kp, bb, yb, ly); return;
-        }
-    };
-    blocks(run, xf, k, wp, kp * 32, bias, y, m, n, threads);
+    blocks(Bf16Blocks{kp}, xf, k, wp, kp * 32, bias, y, m, n, threads);
     return 0;
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
@@ -256,16 +255,7 @@ int weir_gemv_f32(const float* x, int64_t ldx, const float* wp, const float* bia
 #if defined(WEIR_GEMV_AVX2)
     if (n % 16 || m < 0) return -1;
     if (m == 0) return 0;
-    auto run = [k](int64_t mm, const float* xb, int64_t lx, const float* wb, const float* bb,
-                   float* yb, int64_t ly) {
-        switch (mm) {
-            case 1: block_f32<1>(xb, lx, wb, k, bb, yb, ly); return;
-            case 2: block_f32<2>(xb, lx, wb, k, bb, yb, ly); return;
-            case 3: block_f32<3>(xb, lx, wb, k, bb, yb, ly); return;
-            default: block_f32<4>(xb, lx, wb, k, bb, yb, ly); return;
-        }
-    };
-    blocks(run, x, ldx, wp, k * 16, bias, y, m, n, threads);
+    blocks(F32Blocks{k}, x, ldx, wp, k * 16, bias, y, m, n, threads);
     return 0;
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
