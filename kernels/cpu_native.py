@@ -196,17 +196,21 @@ def small_batch_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     return bool(load().weir_gemv_supported() & _GEMV_BITS.get(dtype, 0))
 
 
+def small_batch_fits(dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether a weight [N, K] of ``dtype`` has a small-batch layout: N % 16, and for bf16
+    K % 2 (its k-pairs)."""
+    return n % 16 == 0 and (dtype == torch.float32 or (dtype == torch.bfloat16 and k % 2 == 0))
+
+
 def pack_small_batch(w: torch.Tensor) -> torch.Tensor | None:
     """A weight [N, K] in the small-batch kernel's layout: bf16 [N/16, K/2, 16, 2], float32
-    [N/16, K, 16]; None when its dtype or shape does not fit (N % 16, bf16 K % 2)."""
+    [N/16, K, 16]; None when its dtype or shape does not fit (:func:`small_batch_fits`)."""
     n, k = w.shape
-    if n % 16:
+    if not small_batch_fits(w.dtype, n, k):
         return None
-    if w.dtype == torch.bfloat16 and k % 2 == 0:
+    if w.dtype == torch.bfloat16:
         return w.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    if w.dtype == torch.float32:
-        return w.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
-    return None
+    return w.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
 
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
@@ -220,9 +224,10 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
         return y
     if x.stride(-1) != 1:
         x = x.contiguous()
-    run = load().weir_gemv_bf16 if packed.dtype == torch.bfloat16 else load().weir_gemv_f32
     if x.dtype != packed.dtype or (bias is not None and bias.dtype != packed.dtype):
         raise ValueError(f"small-batch linear: {x.dtype} rows against {packed.dtype} weights")
+    lib = load()
+    run = lib.weir_gemv_bf16 if packed.dtype == torch.bfloat16 else lib.weir_gemv_f32
     if bias is not None:
         bias = bias.contiguous()
     rc = run(x.data_ptr(), x.stride(0), packed.data_ptr(),

@@ -101,8 +101,7 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
         if can_pack(torch.float32):
             out["fp32_onednn"] = 1 << 30
     n, k = shape
-    if (dtype in (torch.bfloat16, torch.float32) and n % 16 == 0
-            and (k % 2 == 0 or dtype == torch.float32) and cpu_native.available()
+    if (cpu_native.small_batch_fits(dtype, n, k) and cpu_native.available()
             and cpu_native.small_batch_supported(dtype)):
         out["native"] = cpu_native.SMALL_BATCH_MAX
     return out

@@ -99,9 +99,9 @@ inline void store_block(__m256 (&acc)[MM][2], const uint16_t* bias, uint16_t* y,
 
 // MM rows of x (float32, ldx apart) against one block of 16 outputs, bf16 weights packed
 // [K/2][16][2]
-template <int MM, typename T>
+template <int MM>
 inline void block_bf16(const float* x, int64_t ldx, const uint16_t* wp, int64_t kp,
-                       const T* bias, T* y, int64_t ldy) {
+                       const uint16_t* bias, uint16_t* y, int64_t ldy) {
     __m256 acc[MM][2];
     for (int i = 0; i < MM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
@@ -144,9 +144,9 @@ constexpr int kRows = 4;     // rows of x per pass over a block: 8 accumulators
 // the kernels' block functions, with what they share as members
 struct Bf16Blocks {
     int64_t kp;
-    template <int MM, typename T>
-    void run(const float* x, int64_t ldx, const uint16_t* wp, const T* bias, T* y,
-             int64_t ldy) const { block_bf16<MM>(x, ldx, wp, kp, bias, y, ldy); }
+    template <int MM>
+    void run(const float* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
+             uint16_t* y, int64_t ldy) const { block_bf16<MM>(x, ldx, wp, kp, bias, y, ldy); }
 };
 struct F32Blocks {
     int64_t k;
@@ -185,10 +185,7 @@ void blocks(const Kernel& kernel, const float* x, int64_t ldx, const W* wp,
     for (int64_t i = 0; i < m; ++i) {
         int64_t j = 0;
         for (; j + 8 <= k; j += 8) _mm256_storeu_ps(buf.data() + i * k + j, load8(x + i * ldx + j));
-        for (; j < k; ++j) {
-            const uint32_t bits = static_cast<uint32_t>(x[i * ldx + j]) << 16;
-            std::memcpy(buf.data() + i * k + j, &bits, sizeof bits);
-        }
+        for (; j < k; ++j) buf[i * k + j] = weir::load(x + i * ldx, j);
     }
     return buf.data();
 }
