@@ -73,7 +73,8 @@ def test_client_messages_are_maps_with_a_type_tag():
     raw_envelope({"type": "cancel", "request_id": 5}),                # wrong field type
     raw_envelope({"type": "cancel"}),                                 # missing field
     raw_envelope({"type": "cancel", "request_id": "r1", "extra": 1}),  # unknown field
-])
+], ids=["reserved-byte", "empty", "truncated", "no-envelope", "unknown-tag", "wrong-type",
+        "missing-field", "unknown-field"])   # names, not bytes: an envelope holds a timestamp
 def test_malformed_raises_and_counts(data):
     codec = Codec(ClientMsg)
     with pytest.raises(msgspec.DecodeError):
