@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -29,13 +30,24 @@ def loaded():
     return load_model(default_model_path())
 
 
-# the HF equivalence holds whichever kernels run: the measured plan (cached per machine, as
-# the executor keeps it), and each linear kernel forced (fp32: the native small-batch kernel
-# is bf16 only; test_bf16_tracks_fp32 forces it)
+@pytest.fixture(scope="module")
+def tuning(tmp_path_factory):
+    """A copy of the machine's plan cache (~/.cache/weir/tuning): plans measured before are
+    read, and what these tests measure stays in the copy. They may run beside other tests
+    (./scripts/test's parallel phase), and a plan measured on a shared core must not be the
+    one engines started later read as this machine's."""
+    root = tmp_path_factory.mktemp("weir-cache")
+    if (cache_dir() / "tuning").is_dir():
+        shutil.copytree(cache_dir() / "tuning", root / "tuning")
+    return root
+
+
+# the HF equivalence holds whichever kernels run: the measured plan (as the executor
+# measures it), and each linear kernel forced (test_bf16_tracks_fp32 forces the bf16 ones)
 @pytest.fixture(scope="module", params=["measured", "onednn", "torch"])
-def model(loaded, request):
+def model(loaded, request, tuning):
     if request.param == "measured":
-        return LlamaModel(*loaded, tuning_cache=cache_dir())
+        return LlamaModel(*loaded, tuning_cache=tuning)
     if request.param not in autotune.linear_candidates(torch.float32, torch.device("cpu"),
                                                        (576, 576)):
         pytest.skip(f"no {request.param} linear kernel here")
@@ -153,16 +165,16 @@ def test_greedy_generation_matches_hf(model, hf):
 
 @pytest.mark.parametrize("linear", ["auto", "native", "onednn", "torch", "fp32",
                                     "fp32_onednn"])
-def test_bf16_tracks_fp32(loaded, model, hf, linear):
+def test_bf16_tracks_fp32(loaded, model, hf, linear, tuning):
     if linear != "auto" and linear not in autotune.linear_candidates(
             torch.bfloat16, torch.device("cpu"), (576, 576)):
         pytest.skip(f"no {linear} bf16 linear kernel here")
     ids = hf[0](PROMPTS[0]).input_ids
     ref = _Runner(model).step({0: ids})[0]
-    # "auto": the plan the executor would use, cached per machine as it keeps it (measured
-    # once in the session, not once per fp32 reference)
+    # "auto": the plan the executor would use (measured once in the module, not once per
+    # fp32 reference)
     got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, kernels={"linear": linear},
-                             tuning_cache=cache_dir())).step({0: ids})[0]
+                             tuning_cache=tuning)).step({0: ids})[0]
     assert got.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
     assert int(got.argmax()) == int(ref.argmax())
