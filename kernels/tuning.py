@@ -32,6 +32,8 @@ Torch-only (no msgspec, no weir imports): ``scripts/gpu_check`` imports the mode
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -209,6 +211,21 @@ def load_cached(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def measuring(path: Path):
+    """Held while this process measures the plan for ``path``: executors of one machine
+    started together (replicas, a compose stack) measure one at a time, and each after the
+    first finds the plan stored. Timings taken while another process times its own kernels
+    on the same cores would be the neighbour's, not the machine's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def store(path: Path, data: Mapping[str, object]) -> None:

@@ -8,6 +8,7 @@ of the real weights is made for a candidate that is not chosen.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -134,18 +135,25 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     skip = set(forced) | ({"attention"} if attention != "auto" else set())
     path = cache_dir / "tuning" / f"{key}.json" if cache_dir is not None and not skip \
         else None
-    cached = tuning.load_cached(path) if path is not None else None
-    if cached is not None and cached.get("key") == key:
-        plan = KernelPlan.from_json(cached, key)
-    else:
-        t0 = time.perf_counter()
-        plan = _measure(spec, dtype, shp, cands, native_ops, max_tokens, max_seqs,
-                        kv_block_size or 16, skip)
-        plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
-        if path is not None:
-            tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
+    plan = _cached_plan(path, key)
+    if plan is None:
+        with tuning.measuring(path) if path is not None else contextlib.nullcontext():
+            plan = _cached_plan(path, key)         # another executor measured meanwhile
+            if plan is None:
+                t0 = time.perf_counter()
+                plan = _measure(spec, dtype, shp, cands, native_ops, max_tokens, max_seqs,
+                                kv_block_size or 16, skip)
+                plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
+                if path is not None:
+                    tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
     return _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
                          max_tokens)
+
+
+def _cached_plan(path: Path | None, key: str) -> KernelPlan | None:
+    cached = tuning.load_cached(path) if path is not None else None
+    return KernelPlan.from_json(cached, key) if cached is not None and \
+        cached.get("key") == key else None
 
 
 def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],

@@ -2,6 +2,8 @@
 small-batch, oneDNN-packed, plain torch), the fused native elementwise ops against torch's,
 and the measured plan itself; prefill and decode shapes, with cached prefixes."""
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -103,6 +105,45 @@ def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
+
+
+def test_executors_started_together_measure_once(tmp_path, monkeypatch):
+    """Two executors of one machine asking for the same plan: the second waits for the
+    first's measurement and reads it, instead of timing its kernels beside the first's.
+    The first is held inside its measurement until the second has found no plan cached, so
+    without the lock the second would measure too."""
+    weights = random_weights(SHAPE, seed=3)
+    real_measure, real_load = autotune._measure, autotune.tuning.load_cached
+    measured, second_looked, done = [], threading.Event(), {}
+
+    def measure(*args):
+        measured.append(threading.current_thread().name)
+        assert second_looked.wait(30)
+        return real_measure(*args)
+
+    def load_cached(path):
+        if threading.current_thread().name == "second":
+            second_looked.set()
+        return real_load(path)
+
+    monkeypatch.setattr(autotune, "_measure", measure)
+    monkeypatch.setattr(autotune.tuning, "load_cached", load_cached)
+
+    def start(name):
+        done[name] = LlamaModel(SHAPE, weights, tuning_cache=tmp_path).plan
+
+    first = threading.Thread(target=start, args=("first",), name="first")
+    first.start()
+    while not measured:                        # the first is inside its measurement
+        assert first.is_alive()
+        time.sleep(0.001)
+    second = threading.Thread(target=start, args=("second",), name="second")
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert measured == ["first"]
+    assert (done["first"].source, done["second"].source) == ("measured", "cached")
+    assert done["second"].linear == done["first"].linear
 
 
 def test_onednn_is_a_candidate_only_where_it_runs(monkeypatch):
