@@ -79,8 +79,9 @@ def test_a_cut_or_foreign_file_is_a_value_error(written, tmp_path):
     for n in (2, 10, 30, header_end // 2, header_end - 40):
         cut = tmp_path / f"cut{n}.gguf"
         cut.write_bytes(data[:n] + b"\0" * (4 - n) if n < 4 else data[:n])
-        with pytest.raises(ValueError):
-            read_header(cut)
+        for strings in (True, False):       # the tokenizers' read, and the executor's
+            with pytest.raises(ValueError):
+                read_header(cut, string_arrays=strings)
     foreign = tmp_path / "x.gguf"
     foreign.write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(ValueError, match="not a GGUF file"):
