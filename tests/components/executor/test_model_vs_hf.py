@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
@@ -31,15 +30,12 @@ def loaded():
 
 
 @pytest.fixture(scope="module")
-def tuning(tmp_path_factory):
-    """A copy of the machine's plan cache (~/.cache/weir/tuning): plans measured before are
-    read, and what these tests measure stays in the copy. They may run beside other tests
-    (./scripts/test's parallel phase), and a plan measured on a shared core must not be the
-    one engines started later read as this machine's."""
-    root = tmp_path_factory.mktemp("weir-cache")
-    if (cache_dir() / "tuning").is_dir():
-        shutil.copytree(cache_dir() / "tuning", root / "tuning")
-    return root
+def tuning():
+    """The tests' own plan cache (~/.cache/weir/tests), not the one engines read
+    (~/.cache/weir/tuning): these tests may run beside others (./scripts/test's parallel
+    phase), and a plan measured on a shared core must not be what an engine started later
+    takes for this machine's. Plans are kept there, so a machine measures them once."""
+    return cache_dir() / "tests"
 
 
 # the HF equivalence holds whichever kernels run: the measured plan (as the executor
