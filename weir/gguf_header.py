@@ -74,12 +74,7 @@ class _Cursor:
         return v
 
     def string(self) -> str:
-        n = self.scalar("Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError(f"{self.path}: GGUF string of {n} bytes runs past the file's end")
-        s = str(self.buf[self.pos:self.pos + n], "utf-8")
-        self.pos += n
-        return s
+        return self.strings(1, True)[0]
 
     def value(self, vtype: int):
         if vtype == _STRING:
