@@ -8,8 +8,10 @@ state), ``run`` (its main loop) and optionally ``stats``, ``drain`` and
 from __future__ import annotations
 
 import abc
+import math
 import os
 import signal
+import time
 from typing import ClassVar
 
 import anyio
@@ -23,6 +25,22 @@ from schemas.wire import (ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, 
                           TenantUsage)
 
 log = structlog.get_logger("component")
+
+
+class NewsGate:
+    """Whether a periodic report is worth sending: when it differs from the last one
+    sent, or when ``keepalive_s`` has passed since (the receiver's proof of life)."""
+
+    def __init__(self, keepalive_s: float) -> None:
+        self.keepalive_s = keepalive_s
+        self.last: object = None
+        self.sent_at = -math.inf
+
+    def due(self, report: object, now: float) -> bool:
+        if report == self.last and now - self.sent_at < self.keepalive_s:
+            return False
+        self.last, self.sent_at = report, now
+        return True
 
 
 class Component(abc.ABC):
@@ -75,13 +93,18 @@ class Component(abc.ABC):
         return float(sum(s.malformed for s in self._sockets))
 
     async def _heartbeats(self) -> None:
+        """Every ``heartbeat_interval_s``, a heartbeat if anything in it changed; an
+        unchanged one only every ``heartbeat_keepalive_s`` (the supervisor's liveness)."""
         sock = self.socket(zmq.PUSH, "heartbeat").connect(self.topology.heartbeats())
-        interval = self.config.supervisor.heartbeat_interval_s
+        cfg = self.config.supervisor
+        gate = NewsGate(cfg.heartbeat_keepalive_s)
         while True:
             stats = {"malformed": self._malformed(), **self.stats()}
-            await sock.send(ComponentHeartbeat(self.name, os.getpid(), self.state, stats,
-                                               self.tenant_usage(), self.info()))
-            await anyio.sleep(interval)
+            beat = ComponentHeartbeat(self.name, os.getpid(), self.state, stats,
+                                      self.tenant_usage(), self.info())
+            if gate.due(beat, time.monotonic()):
+                await sock.send(beat)
+            await anyio.sleep(cfg.heartbeat_interval_s)
 
     async def _control(self, scope: anyio.CancelScope) -> None:
         sock = self.socket(zmq.SUB, "control", ControlMsg).connect(self.topology.control())

@@ -67,6 +67,7 @@ class Supervisor:
                          for name in components}
         self.draining = False
         self.stopping = False
+        self._changed = True              # since the status last went to the streamer
         # the gateway's credential towards the streamer (components/streamer/identity.py):
         # inherited by the children this supervisor spawns; compose sets it for every service
         # (a deployment that shares one, in a file, keeps it: replicas and a router agree)
@@ -106,6 +107,10 @@ class Supervisor:
                     if child and (child.external or child.pid == pid):
                         if child.external and child.pid not in (0, pid):
                             child.restarts += 1
+                        news = (pid, state, stats, tenants, info)
+                        if news != (child.pid, child.state, child.stats, child.tenants,
+                                    child.info):
+                            self._changed = True
                         child.pid, child.state, child.stats = pid, state, stats
                         child.tenants = tenants
                         child.info = info
@@ -113,6 +118,7 @@ class Supervisor:
 
     async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:
         cfg = self.config.supervisor
+        sent_at = time.monotonic()
         while not self.stopping:
             await anyio.sleep(cfg.heartbeat_interval_s)
             now = time.monotonic()
@@ -135,7 +141,11 @@ class Supervisor:
                     await control.send(PeerRestarted(child.name))
                 else:
                     child.state = "dead"
-            await to_streamer.send(self.status())
+                self._changed = True
+            # the streamer's copy of the status: at once when it changed, else as a keepalive
+            if self._changed or now - sent_at >= cfg.heartbeat_keepalive_s:
+                self._changed, sent_at = False, now
+                await to_streamer.send(self.status())
 
     async def wait_ready(self, to_streamer: BusSocket | None = None) -> None:
         """Until every component is ready; meanwhile the streamer hears each one's state,
@@ -166,11 +176,14 @@ class Supervisor:
         deadline = time.monotonic() + self.config.streamer.drain_timeout_s
         # the client-facing process: a streamer, or a router in front of engines
         streamer = self.children.get("streamer") or self.children.get("router")
-        await anyio.sleep(0.3)
+        heard_by = time.monotonic() + 1.0
         while streamer and streamer.alive and time.monotonic() < deadline:
-            if streamer.stats.get("active_requests", 0) == 0:
+            # its count is current once its heartbeat says it heard the Drain (or, from one
+            # that says nothing, after a second)
+            heard = streamer.state != "ready" or time.monotonic() > heard_by
+            if heard and streamer.stats.get("active_requests", 0) == 0:
                 break
-            await anyio.sleep(0.05)
+            await anyio.sleep(0.02)
         self.stopping = True
         await control.send(Stop())
         end = time.monotonic() + 5

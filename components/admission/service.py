@@ -29,6 +29,9 @@ class AdmissionService(Component):
         self.policy = AdmissionPolicy(self.config)
         self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
         self.traceparents: dict[str, tuple[str | None, int | None]] = {}    # queued requests
+        # the two timers below run only while they have something to do: set on the first
+        # queued request / cache query (an idle engine's admission woke 60 times a second)
+        self._wake_queue, self._wake_pending = anyio.Event(), anyio.Event()
         self.inbox_sock = self.inbox(AdmissionMsg)
         self.to_scheduler = self.push_to("scheduler")
         self.to_streamer = self.push_to("streamer")
@@ -92,6 +95,7 @@ class AdmissionService(Component):
             await self.to_streamer.send(EventBatch([d.rejected]))
         elif d.kind == QUEUE:
             self.traceparents[req.request_id] = (traceparent, cached)
+            self._wake_queue.set()
         else:
             await self._start(req, d, traceparent, cached, 0.0)
 
@@ -128,15 +132,24 @@ class AdmissionService(Component):
             await self._start(req, d, traceparent, cached, waited)
 
     async def _tick(self) -> None:
+        """Every 20 ms while requests are queued; asleep while none is."""
         while True:
+            await self._wake_queue.wait()
             await anyio.sleep(0.02)
             if self.policy.queued:
                 await self._drain_queue()
+            if not self.policy.queued:
+                self._wake_queue = anyio.Event()
 
     async def _expire_cache_queries(self) -> None:
-        """Never let a request wait on a lost answer (e.g. the kv_manager restarted)."""
+        """Never let a request wait on a lost answer (e.g. the kv_manager restarted).
+        Every 0.1 s while cache queries are out; asleep while none is."""
         while True:
+            await self._wake_pending.wait()
             await anyio.sleep(0.1)
+            if not self.pending:
+                self._wake_pending = anyio.Event()
+                continue
             now = time.monotonic()
             for rid in [r for r, (_, _, t) in self.pending.items() if now - t > 0.5]:
                 req, traceparent, _ = self.pending.pop(rid)
@@ -167,6 +180,7 @@ class AdmissionService(Component):
                     else:
                         self.pending[req.request_id] = (req, msg.envelope.traceparent,
                                                         time.monotonic())
+                        self._wake_pending.set()
                         await self.to_kv.send(CacheQuery(
                             req.request_id, req.tenant, req.block_hashes,
                             req.prompt_token_ids[:len(req.block_hashes) * bs],

@@ -92,6 +92,7 @@ class StreamerService(Component):
         self.ends = DrainRate()                             # for Retry-After estimates
         self.last_seen: dict[bytes, float] = {}
         self.cluster = ClusterStatus((), False)
+        self.cluster_at = time.monotonic()
         self.draining = False
         self.drain_deadline: float | None = None
         self.keys = Keyring(self.config.gateway.api_keys)
@@ -262,9 +263,11 @@ class StreamerService(Component):
         fail what still runs at the drain deadline."""
         timeout = self.config.streamer.client_timeout_s
         tick = min(0.05, timeout / 4)
+        idle_tick = min(1.0, timeout / 4)   # nothing running: nothing to reap, nor a deadline
         last = time.monotonic()
         while True:
-            await anyio.sleep(tick)
+            await anyio.sleep(tick if self.active or self.drain_deadline is not None
+                              else idle_tick)
             now = time.monotonic()
             if self.drain_deadline is not None and now >= self.drain_deadline and self.active:
                 for rid in list(self.active):
@@ -295,7 +298,7 @@ class StreamerService(Component):
                     for event in events:
                         await self._on_event(event)
                 case ClusterStatus() as status:
-                    self.cluster = status
+                    self.cluster, self.cluster_at = status, time.monotonic()
 
     async def _on_event(self, event: Any) -> None:
         rid = event.request_id
@@ -360,11 +363,16 @@ class StreamerService(Component):
     def _status(self, query_id: str, api_key: str | None) -> StatusReport:
         """Every component's status; each tenant's usage only to itself or an operator."""
         who = self.keys.identify(api_key, "default")
+        # the supervisor sends its status when it changes (or every keepalive): each
+        # heartbeat's age has grown since
+        since = round(time.monotonic() - self.cluster_at, 3)
+        comps = tuple(msgspec.structs.replace(c, heartbeat_age_s=c.heartbeat_age_s + since)
+                      for c in self.cluster.components)
         if isinstance(who, Identity) and who.sees_all:
-            return StatusReport(query_id, self.cluster.components, self.draining)
+            return StatusReport(query_id, comps, self.draining)
         tenant = who.tenant if isinstance(who, Identity) else ""
-        comps = tuple(visible_status(c, tenant) for c in self.cluster.components)
-        return StatusReport(query_id, comps, self.draining)
+        return StatusReport(query_id, tuple(visible_status(c, tenant) for c in comps),
+                            self.draining)
 
     def stats(self) -> dict[str, float]:
         return {"active_requests": len(self.active), "clients": len(self.last_seen),

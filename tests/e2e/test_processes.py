@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from kernels import tuning
 from schemas.config import COMPONENTS
@@ -43,3 +44,20 @@ def test_seven_distinct_live_processes(engine):
                           engine.endpoint], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
     assert "admission    outstanding 0 queued 0" in out.stdout
+
+
+def test_idle_components_beat_only_for_news_or_the_keepalive(engine):
+    """An idle engine's components send a heartbeat only every keepalive (1 s), not every
+    interval (0.1 s): each one's heartbeat ages past 0.25 s while nothing happens, and none
+    goes silent past the keepalive (the supervisor's proof of life)."""
+    engine.wait_kv_free(timeout=5.0)                 # what earlier tests sent has finished
+    oldest: dict[str, float] = {}
+    deadline = time.monotonic() + 10
+    with engine.client() as c:        # one client: each new one is news to the streamer
+        while time.monotonic() < deadline and (len(oldest) < 7
+                                               or min(oldest.values()) <= 0.25):
+            for comp in c.status().components:
+                oldest[comp.name] = max(oldest.get(comp.name, 0.0), comp.heartbeat_age_s)
+                assert comp.alive and comp.heartbeat_age_s < 3.0, comp
+            time.sleep(0.05)
+    assert set(oldest) == set(COMPONENTS) and min(oldest.values()) > 0.25, oldest
