@@ -216,9 +216,12 @@ class Supervisor:
                 await to_streamer.send(self.status())     # status is never empty once ready
                 await anyio.sleep(0.05)
                 tg.start_soon(self._watch, control, to_streamer)
-                if on_ready is not None:
-                    on_ready(self)
+                # the handler before the ready line: a SIGTERM sent the moment a caller reads
+                # it drains and stops, where the default action killed us (and by PDEATHSIG
+                # every component) on the spot
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    if on_ready is not None:
+                        on_ready(self)
                     async for signum in signals:
                         log.info("signal", signal=signal.Signals(signum).name)
                         break

@@ -156,6 +156,22 @@ def test_sigterm_drains_active_streams_then_exits(tmp_path, model_path):
         eng.stop()
 
 
+def test_sigterm_the_moment_it_is_ready_still_drains_and_exits_cleanly(tmp_path, model_path):
+    """The supervisor handles SIGTERM before it prints its ready line: a caller that stops
+    it as soon as it reads the line gets a drain and exit status 0, not the default action
+    (killed by the signal, status -15, its components taken down by PDEATHSIG)."""
+    eng = Engine(tmp_path, SMALL, wait=False)
+    try:
+        deadline = time.monotonic() + 240
+        while b"weir: ready" not in eng.log_path.read_bytes():   # no sleep: the moment
+            assert eng.proc.poll() is None and time.monotonic() < deadline, \
+                eng.log_path.read_text()[-2000:]
+        eng.proc.send_signal(signal.SIGTERM)
+        assert eng.proc.wait(30) == 0, eng.log_path.read_text()[-2000:]
+    finally:
+        eng.stop()
+
+
 def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path):
     eng = Engine(tmp_path, SMALL + "[supervisor]\nmax_restarts = 0\n")
     try:
