@@ -3,6 +3,8 @@ the step-cost model measured, so admission can predict time to first token. Shar
 scheduler service and the replay simulator."""
 from __future__ import annotations
 
+import heapq
+
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import StepCostModel
 from schemas.wire import SchedulerLoad, TenantBacklog
@@ -54,15 +56,17 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
             running[s.tenant] = running.get(s.tenant, 0) + left
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
-    backlogged = core._backlogged_tenants()    # those the core does not lift on a new request
+    # the tenants with work waiting: those the core does not lift on a new request (what
+    # core._backlogged_tenants() gives, without a second pass over the queue)
+    backlogged = waiting.keys()
     tenants = {t: TenantBacklog(core.vtc.of(t), t in backlogged, waiting.get(t, 0),
                                 running.get(t, 0))
-               for t in set(core.vtc.counters) | backlogged | set(waiting) | set(running)}
+               for t in set(core.vtc.counters) | set(waiting) | set(running)}
     chunk_s = cost.predict(budget, 0, 1)
     n_running = len(core.running)
     decode_s = cost.predict(n_running or 1, context, n_running or 1)
-    first.sort()
-    awaiting = {rid: max(now_ns - arrival, 0) / 1e9 for arrival, rid in first[:AWAITING_MAX]}
+    awaiting = {rid: max(now_ns - arrival, 0) / 1e9
+                for arrival, rid in heapq.nsmallest(AWAITING_MAX, first)}
     return SchedulerLoad(n_running, len(core.waiting),
                          sum(waiting.values()) + sum(running.values()),
                          budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting)
