@@ -7,11 +7,14 @@ Prints the machine, then:
   package's ``GGUFReader`` (what the tokenizer and detokenizer used), side by side,
   median of ``--runs``, and their ratio;
 - ``weir serve`` (seven processes, ipc, no gateway) from spawn to ``weir: ready``, and from
-  SIGTERM to exit, median of ``--runs`` starts.
+  SIGTERM to exit, median of ``--runs`` starts; with them (Linux: from /proc) the CPU time
+  the supervisor and its components spent to be ready, and the share of one core they use
+  while the engine sits idle for ``--idle`` seconds after it.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import subprocess
@@ -37,8 +40,35 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def start_stop(model: Path, run_dir: Path) -> tuple[float, float]:
-    """Seconds from spawning ``weir serve`` to its ready line, and from SIGTERM to exit."""
+def cpu_seconds(pids: list[int] | None) -> float | None:
+    """User + system CPU seconds of ``pids`` so far (None where /proc cannot tell)."""
+    if not pids:
+        return None
+    total = 0.0
+    try:
+        for pid in pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def family(pid: int) -> list[int] | None:
+    """``pid`` and its children (the supervisor and its components); None if /proc does
+    not list them."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return [pid, *map(int, kids)]
+
+
+def start_stop(model: Path, run_dir: Path, idle_s: float
+               ) -> tuple[float, float, float | None, float | None]:
+    """Seconds from spawning ``weir serve`` to its ready line and from SIGTERM to exit;
+    the CPU seconds its processes spent until ready, and their CPU share of one core while
+    idle for ``idle_s`` after."""
     cfg = run_dir / "weir.toml"
     cfg.write_text(f'[engine]\nmodel = "{model}"\n[kv]\nnum_blocks = 256\n'
                    '[gateway]\nenabled = false\n')
@@ -56,10 +86,17 @@ def start_stop(model: Path, run_dir: Path) -> tuple[float, float]:
                 raise RuntimeError("weir serve not ready after 300 s")
             time.sleep(0.02)
         ready = time.perf_counter() - t0
+        pids = family(proc.pid)
+        to_ready = cpu_seconds(pids)
+        idle = None
+        if idle_s > 0 and to_ready is not None:
+            time.sleep(idle_s)                  # measuring an idle engine: nothing to poll
+            after = cpu_seconds(pids)
+            idle = None if after is None else (after - to_ready) / idle_s
         t1 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-        return ready, time.perf_counter() - t1
+        return ready, time.perf_counter() - t1, to_ready, idle
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -70,6 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--idle", type=float, default=5.0,
+                    help="seconds to watch the ready engine's idle CPU (0: skip)")
     args = ap.parse_args()
     model = args.model or default_model_path()
     print(machine.summary_line())
@@ -82,15 +121,23 @@ def main() -> None:
     print(f"GGUF header: weir.gguf_header {ours:.3f} s, gguf.GGUFReader {theirs:.3f} s "
           f"({theirs / ours:.1f}x), median of {args.runs}")
 
-    ready, stop = [], []
+    ready, stop, cpu, idle = [], [], [], []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as d:
-            r, s = start_stop(model, Path(d))
+            r, s, c, i = start_stop(model, Path(d), args.idle)
         ready.append(r)
         stop.append(s)
+        cpu += [c] if c is not None else []
+        idle += [i] if i is not None else []
     print(f"weir serve: spawn -> ready {statistics.median(ready):.2f} s "
           f"({', '.join(f'{x:.2f}' for x in ready)}), SIGTERM -> exit "
           f"{statistics.median(stop):.2f} s ({', '.join(f'{x:.2f}' for x in stop)})")
+    if cpu:
+        print(f"CPU to ready (supervisor and components): {statistics.median(cpu):.2f} s "
+              f"({', '.join(f'{x:.2f}' for x in cpu)})")
+    if idle:
+        print(f"idle, {args.idle:g} s after ready: {100 * statistics.median(idle):.1f}% of one "
+              f"core ({', '.join(f'{100 * x:.1f}' for x in idle)})")
 
 
 if __name__ == "__main__":
