@@ -115,24 +115,6 @@ def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str)
     return res
 
 
-def component_cpu(root_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each of Weir's processes under ``root_pid``,
-    by component (``bus.launch <component>``), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) != root_pid:          # ppid: the components are its children
-                continue
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        name = argv[argv.index(b"bus.launch") + 1].decode() if b"bus.launch" in argv else "other"
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
 def weir_engine_stats(run_dir: str) -> str:
     """Where Weir's time went during the run: executor busy time and steps, from status."""
     sys.path.insert(0, str(ROOT))
@@ -226,10 +208,10 @@ def main() -> None:
                               async_depth=args.async_depth)
             try:
                 wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
-                cpu0 = component_cpu(weir.pid)
+                cpu0 = machine.component_cpu(weir.pid)
                 res = summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))
                 rows.append((rep, "weir", rate, res))
-                cpu = {k: v - cpu0.get(k, 0.0) for k, v in component_cpu(weir.pid).items()}
+                cpu = {k: v - cpu0.get(k, 0.0) for k, v in machine.component_cpu(weir.pid).items()}
                 notes.append(f"run {rep + 1} weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
                              f"duration {res['duration']:.1f} s; client process CPU "
                              f"{res['client_cpu_s']:.1f} s (incl. its start-up); Weir CPU s: "

@@ -14,7 +14,6 @@ Prints the machine, then:
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import statistics
 import subprocess
@@ -40,30 +39,6 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def cpu_seconds(pids: list[int] | None) -> float | None:
-    """User + system CPU seconds of ``pids`` so far (None where /proc cannot tell)."""
-    if not pids:
-        return None
-    total = 0.0
-    try:
-        for pid in pids:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-    return total
-
-
-def family(pid: int) -> list[int] | None:
-    """``pid`` and its children (the supervisor and its components); None if /proc does
-    not list them."""
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return None
-    return [pid, *map(int, kids)]
-
-
 def start_stop(model: Path, run_dir: Path, idle_s: float
                ) -> tuple[float, float, float | None, float | None]:
     """Seconds from spawning ``weir serve`` to its ready line and from SIGTERM to exit;
@@ -86,13 +61,12 @@ def start_stop(model: Path, run_dir: Path, idle_s: float
                 raise RuntimeError("weir serve not ready after 300 s")
             time.sleep(0.02)
         ready = time.perf_counter() - t0
-        pids = family(proc.pid)
-        to_ready = cpu_seconds(pids)
+        to_ready = sum(machine.component_cpu(proc.pid, include_root=True).values()) or None
         idle = None
         if idle_s > 0 and to_ready is not None:
             time.sleep(idle_s)                  # measuring an idle engine: nothing to poll
-            after = cpu_seconds(pids)
-            idle = None if after is None else (after - to_ready) / idle_s
+            after = sum(machine.component_cpu(proc.pid, include_root=True).values())
+            idle = (after - to_ready) / idle_s
         t1 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -56,10 +56,9 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
             running[s.tenant] = running.get(s.tenant, 0) + left
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
-    # the tenants with work waiting: those the core does not lift on a new request (what
-    # core._backlogged_tenants() gives, without a second pass over the queue)
-    backlogged = waiting.keys()
-    tenants = {t: TenantBacklog(core.vtc.of(t), t in backlogged, waiting.get(t, 0),
+    # backlogged: the tenants with work waiting, those the core does not lift on a new
+    # request (core._backlogged_tenants(), without a second pass over the queue)
+    tenants = {t: TenantBacklog(core.vtc.of(t), t in waiting, waiting.get(t, 0),
                                 running.get(t, 0))
                for t in set(core.vtc.counters) | set(waiting) | set(running)}
     chunk_s = cost.predict(budget, 0, 1)
