@@ -37,6 +37,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1                       # parallel samples sharing the prompt's KV (copy-on-write)
+    # logit adjustments before sampling (greedy too), as vLLM and OpenAI define them:
+    # presence and frequency count the output tokens so far (logit -= presence if the
+    # token was output, -= frequency x its count); repetition (HF's) every token of the
+    # prompt and output (a positive logit divided by it, a negative one multiplied);
+    # logit_bias adds to the logits of the ids it names
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):

@@ -297,6 +297,16 @@ KvEventsMsg = Union[KvEvents]
 
 # ---------------------------------------------------------------- executor inbox
 
+class Penalties(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A sequence's logit adjustments (SamplingParams' fields of the same names; the
+    bias as (token id, bias) pairs)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: list[tuple[int, float]] = []
+
+
 class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Full state of a sequence the executor has not seen (or must recompute)."""
 
@@ -309,6 +319,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_p: float
     top_k: int
     seed: int | None
+    penalties: Penalties | None = None      # None: none asked for (the usual case)
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -171,7 +171,10 @@ def _generate(args: argparse.Namespace) -> int:
     from weir.errors import WeirError
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+              "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+              "presence_penalty": args.presence_penalty,
+              "frequency_penalty": args.frequency_penalty,
+              "repetition_penalty": args.repetition_penalty}
     if args.ignore_eos:
         params["ignore_eos"] = True
     if args.chat:
@@ -353,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="Hugging Face's (1 is off; 1.1-1.3 curbs a small model's loops)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--tenant", default="default")
     g.add_argument("--class", dest="service_class", default=None,

@@ -27,8 +27,11 @@ any work is done on it. The limits and why:
   the longest stop string on every delta.
 - ``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` (64), each a token id
   (0 .. ``MAX_TOKEN_ID``); the tokenizer checks ids against the real vocabulary.
-- ``logit_bias`` (HTTP only): at most ``MAX_LOGIT_BIAS`` (300, OpenAI's cap) entries,
-  keys are decimal token ids, values finite in [-100, 100].
+- ``logit_bias``: at most ``MAX_LOGIT_BIAS`` (300, OpenAI's cap) entries, keys token ids
+  (0 .. ``MAX_TOKEN_ID``; over HTTP, as decimal strings; the tokenizer checks them against
+  the real vocabulary), values finite in [-100, 100].
+- ``presence_penalty``, ``frequency_penalty``: finite, in [-2, 2] (OpenAI's range).
+  ``repetition_penalty``: finite, in (0, ``MAX_REPETITION_PENALTY`` = 100]; 1 is off.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
@@ -56,6 +59,8 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGIT_BIAS = 300
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 100.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_ID_CHARS = 256
 CHARS_PER_TOKEN_BOUND = 32
@@ -103,6 +108,31 @@ def check_params(p: SamplingParams) -> str | None:
         return f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids"
     if _token_ids_bad(p.stop_token_ids):
         return f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]"
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not _is_num(value) or not math.isfinite(value) \
+                or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            return f"{name} must be a number in [-2, 2], got {value!r:.40}"
+    r = p.repetition_penalty
+    if not _is_num(r) or not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
+        return (f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(1 is off), got {r!r:.40}")
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            return "logit_bias must map token ids to biases"
+        return _bias_bad(p.logit_bias, lambda key: _is_int(key) and 0 <= key <= MAX_TOKEN_ID)
+    return None
+
+
+def _bias_bad(bias: dict[Any, Any], key_ok) -> str | None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries"
+    for key, value in bias.items():
+        if not key_ok(key):
+            return f"logit_bias keys must be token ids in [0, {MAX_TOKEN_ID}], got {key!r:.40}"
+        if not _is_num(value) or not math.isfinite(value) \
+                or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            return f"logit_bias values must be in [-100, 100], got {value!r:.40}"
     return None
 
 
@@ -111,6 +141,8 @@ def check_logit_bias(bias: dict[Any, Any] | None) -> str | None:
     decimal strings (as JSON objects require), values in [-100, 100]."""
     if not bias:
         return None
+    return _bias_bad(bias, lambda key: isinstance(key, str) and 0 < len(key) <= 10
+                     and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID)
     if len(bias) > MAX_LOGIT_BIAS:
         return f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries"
     for key, value in bias.items():

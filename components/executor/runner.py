@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from components.executor.sampling import sample
+from components.executor.sampling import apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
-from schemas.wire import BlockCopy, StepPlan, StepResult
+from schemas.wire import BlockCopy, Penalties, StepPlan, StepResult
 
 
 @dataclass(eq=False)
@@ -23,6 +23,7 @@ class SeqState:
     top_p: float
     top_k: int
     seed: int | None
+    penalties: Penalties | None = None
 
 
 class ModelRunner:
@@ -101,7 +102,7 @@ class ModelRunner:
         for n in plan.new_seqs:
             self.seqs[n.seq_id] = SeqState(list(n.token_ids), n.prompt_len, n.num_computed,
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
-                                           n.seed)
+                                           n.seed, n.penalties)
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
@@ -134,6 +135,9 @@ class ModelRunner:
         if sampled:                   # a step of middle prefill chunks samples nothing
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
             states = [s for _, s, _ in sampled]
+            if penalized := [(i, s.token_ids, s.prompt_len, s.penalties)
+                             for i, s in enumerate(states) if s.penalties is not None]:
+                apply_penalties(logits, penalized)
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,

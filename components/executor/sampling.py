@@ -13,11 +13,16 @@ the fallback and the GPU path.
 """
 from __future__ import annotations
 
+import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import cpu_native
+
+if TYPE_CHECKING:
+    from schemas.wire import Penalties
 
 _MASK64 = (1 << 64) - 1
 
@@ -127,6 +132,45 @@ def _top_k(k: int, vocab: int) -> int:
     """``top_k`` as the samplers take it: 0 (off) unless 0 < k < vocab, so any Python int
     (2^63 and past, negative) fits an int64 and means what it says."""
     return k if 0 < k < vocab else 0
+
+
+def apply_penalties(logits: torch.Tensor,
+                    rows: list[tuple[int, list[int], int, Penalties]]) -> None:
+    """Adjust float32 ``logits`` ``[S, vocab]`` in place, before any sampling (greedy too),
+    for each ``(row, token_ids, prompt_len, penalties)``: ``token_ids`` is the sequence so
+    far, its first ``prompt_len`` the prompt. In this order: the repetition penalty over
+    every distinct token of prompt and output (HF's: a positive logit divided by it, a
+    negative one multiplied); then, over the output's tokens, minus ``frequency`` times
+    each one's count and minus ``presence`` once (vLLM's and OpenAI's); then plus each
+    ``bias``. Ids outside the vocabulary, and values validation would have refused (not
+    finite, a repetition penalty <= 0), are skipped, so no row can fail the batch."""
+    with torch.inference_mode():       # the forward's logits are inference tensors
+        _apply_penalties(logits, rows)
+
+
+def _apply_penalties(logits: torch.Tensor,
+                     rows: list[tuple[int, list[int], int, Penalties]]) -> None:
+    vocab = logits.shape[1]
+    dev = logits.device
+    for row, token_ids, prompt_len, pen in rows:
+        x = logits[row]
+        if pen.repetition != 1.0 and 0 < pen.repetition < math.inf and token_ids:
+            seen = torch.tensor(token_ids, dtype=torch.long).unique()
+            seen = seen[(seen >= 0) & (seen < vocab)].to(dev)
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
+        if ((pen.frequency or pen.presence) and math.isfinite(pen.frequency + pen.presence)
+                and len(token_ids) > prompt_len):
+            tok, count = torch.tensor(token_ids[prompt_len:], dtype=torch.long).unique(
+                return_counts=True)
+            keep = (tok >= 0) & (tok < vocab)
+            x[tok[keep].to(dev)] -= (pen.frequency * count[keep]
+                                     + pen.presence).to(device=dev, dtype=x.dtype)
+        if pen.bias:
+            ids = torch.tensor([t for t, _ in pen.bias], dtype=torch.long)
+            add = torch.tensor([b for _, b in pen.bias], dtype=x.dtype)
+            keep = (ids >= 0) & (ids < vocab) & add.isfinite()
+            x.index_add_(0, ids[keep].to(dev), add[keep].to(dev))
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],

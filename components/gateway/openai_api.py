@@ -54,8 +54,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None       # None (as some clients send): off
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None     # vLLM's extension (HF's definition)
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     priority: int = 0               # vLLM's extension: lower is more important
@@ -95,12 +96,8 @@ def parse(body: bytes, kind: type) -> Any:
 def _unsupported(req: _Common) -> str | None:
     if req.best_of not in (None, req.n):
         return "best_of (other than n) is not supported"
-    if req.presence_penalty or req.frequency_penalty:
-        return "presence_penalty and frequency_penalty are not supported"
     if (why := check_logit_bias(req.logit_bias)) is not None:
         return why
-    if req.logit_bias:
-        return "logit_bias is not supported"
     if isinstance(req, CompletionRequest) and (req.logprobs or req.echo or req.suffix):
         return "logprobs, echo and suffix are not supported"
     if isinstance(req, ChatCompletionRequest) and (req.logprobs or req.top_logprobs or req.tools):
@@ -132,9 +129,12 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         params["priority"] = req.priority
     if (service_class := class_of(req, class_header)) is not None:
         params["service_class"] = service_class
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         if (value := getattr(req, name)) is not None:
             params[name] = value
+    if req.logit_bias:
+        params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     if req.stop is not None:
         params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:

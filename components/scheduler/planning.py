@@ -19,13 +19,23 @@ from typing import TYPE_CHECKING
 
 from components.scheduler.kv_requests import TENANT_BUDGET
 from components.scheduler.sequence import ON_HOST, Event, InFlight, Seq, State
-from schemas.wire import NewSeq, SeqStep, StepPlan
+from schemas.wire import NewSeq, Penalties, SamplingParams, SeqStep, StepPlan
 
 if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
 
 
 _NEVER = 1 << 62                 # the deadline of a request that has none
+
+
+def penalties_of(p: SamplingParams) -> Penalties | None:
+    """The logit adjustments a request asked for, as the executor takes them; None when
+    it asked for none."""
+    if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0 and not p.logit_bias):
+        return None
+    return Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                     sorted((p.logit_bias or {}).items()))
 
 
 class Planning:
@@ -227,7 +237,7 @@ class Planning:
                 seed = None if p.seed is None else p.seed + seq.index
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
                                        seq.num_computed, list(seq.block_ids), p.temperature,
-                                       p.top_p, p.top_k, seed))
+                                       p.top_p, p.top_k, seed, penalties_of(p)))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
             else:

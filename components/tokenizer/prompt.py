@@ -46,10 +46,14 @@ class PromptHasher:
         return "", 0
 
     def tokenize(self, prompt: str | None, messages: tuple[ChatMessage, ...] | None,
-                 prompt_token_ids: list[int] | None) -> list[int] | str:
-        """Token ids for a request, or why it cannot be tokenized."""
+                 prompt_token_ids: list[int] | None,
+                 logit_bias: dict[int, float] | None = None) -> list[int] | str:
+        """Token ids for a request, or why it cannot be tokenized (or its ``logit_bias``
+        names an id the vocabulary does not have)."""
+        vocab = self.bundle.vocab_size
+        if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
+            return f"logit_bias keys must be token ids in [0, {vocab})"
         if prompt_token_ids is not None:
-            vocab = self.bundle.vocab_size
             if any(not 0 <= t < vocab for t in prompt_token_ids):
                 return f"prompt_token_ids must be in [0, {vocab})"
             return list(prompt_token_ids)

@@ -34,7 +34,8 @@ class TokenizerService(Component):
                     parent = tracing.context_from(msg.envelope.traceparent)
                     with _TRACER.start_as_current_span("tokenize", context=parent) as span:
                         ids = self.prompts.tokenize(req.prompt, req.messages,
-                                                    req.prompt_token_ids)
+                                                    req.prompt_token_ids,
+                                                    req.params.logit_bias)
                         if isinstance(ids, str):
                             span.set_attribute("weir.rejected", "invalid_request")
                             await self.to_streamer.send(EventBatch(

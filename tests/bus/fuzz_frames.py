@@ -141,7 +141,9 @@ class FrameGen:
             case mi.DictType(key_type=k, value_type=v):
                 if r.randrange(6) == 0:
                     one = self.value(v)
-                    return {f"k{i}": one for i in range(r.randint(self.big // 2, self.big))}
+                    n = r.randint(self.big // 2, self.big)     # keys of the declared type
+                    return ({i: one for i in range(n)} if isinstance(k, mi.IntType)
+                            else {f"k{i}": one for i in range(n)})
                 return {self.value(k): self.value(v) for _ in range(r.randrange(5))}
             case mi.StructType(cls=cls, fields=fields):
                 return self.struct(cls, fields)

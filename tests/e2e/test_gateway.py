@@ -84,6 +84,32 @@ def test_parallel_sampling_n(gw, oai):
     gw.wait_kv_free(timeout=2.0)
 
 
+def test_penalties_and_logit_bias(gw, oai, model_path):
+    """vLLM's and OpenAI's logit adjustments through the official client: penalties change
+    a greedy continuation that repeats itself, a +100 bias makes one token the only
+    choice, a -100 bias bans the greedy pick, and a bias on an id the vocabulary lacks is
+    a clear 400 from the tokenizer."""
+    from components.tokenizer.vocab import load_tokenizer
+    wave = load_tokenizer(model_path).encode(" wave")[0]
+    prompt = "The sea, the sea, the sea, the sea,"
+
+    def go(max_tokens: int = 12, temperature: float = 0.0, **kw) -> str:
+        return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=temperature, **kw).choices[0].text
+
+    plain = go()
+    assert go(frequency_penalty=1.5, presence_penalty=1.0) != plain
+    assert go(extra_body={"repetition_penalty": 1.5}) != plain
+    assert go(4, 0.7, seed=1, logit_bias={str(wave): 100}) == " wave" * 4
+    first = go(1)
+    banned = load_tokenizer(model_path).encode(first)[0]
+    assert go(1, logit_bias={str(banned): -100}) not in ("", first)
+    r = httpx.post(gw.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 5}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_models_health_ready_and_request_id(gw):
     r = httpx.get(gw.base_url + "/v1/models")
     assert r.json()["data"][0]["id"] == MODEL

@@ -21,6 +21,9 @@ def sub(**kw) -> Submit:
     {"temperature": 100.0}, {"temperature": 1e-30}, {"top_p": 1e-9}, {"top_p": 1.0},
     {"stop": ("x" * 256,) * 16}, {"stop_token_ids": tuple(range(64))},
     {"stop_token_ids": (2**31 - 1,)},
+    {"presence_penalty": -2.0}, {"presence_penalty": 2}, {"frequency_penalty": -2},
+    {"frequency_penalty": 2.0}, {"repetition_penalty": 1e-6}, {"repetition_penalty": 100.0},
+    {"logit_bias": {0: -100.0, 2**31 - 1: 100}}, {"logit_bias": {i: 1.0 for i in range(300)}},
 ])
 def test_params_at_their_limits_pass(params):
     assert check_params(SamplingParams(**params)) is None
@@ -44,6 +47,20 @@ def test_params_at_their_limits_pass(params):
     ({"stop_token_ids": (-1,)}, "stop_token_ids"), ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
     ({"stop_token_ids": (2**80,)}, "stop_token_ids"),
     ({"max_tokens": "16"}, "max_tokens"), ({"top_k": 1.5}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": 100.5}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "at most 300"),
+    ({"logit_bias": {-1: 1.0}}, "keys"), ({"logit_bias": {2**31: 1.0}}, "keys"),
+    ({"logit_bias": {"5": 1.0}}, "keys"), ({"logit_bias": {True: 1.0}}, "keys"),
+    ({"logit_bias": {5: 100.5}}, "values"), ({"logit_bias": {5: float("nan")}}, "values"),
+    ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
 ])
 def test_params_past_their_limits_are_refused(params, words):
     why = check_params(SamplingParams(**params))

@@ -48,7 +48,6 @@ def test_chat_translation_and_defaults():
 @pytest.mark.parametrize("body, status, words", [
     (b'{"prompt": "x", "n": 3, "best_of": 5}', 400, "best_of"),
     (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "penalty"),
     (b'{"prompt": "x", "model": "other"}', 404, "other"),
     (b'{"max_tokens": 1}', 400, "prompt"),
     (b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
@@ -69,6 +68,9 @@ def test_errors(body, status, words):
     (b'{"prompt": "x", "priority": 9223372036854775808}', "priority"),
     (b'{"prompt": "x", "max_tokens": 4096}', "context window"),
     (b'{"prompt": "' + b"x" * 65537 + b'"}', "characters"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
+    (b'{"prompt": "x", "frequency_penalty": -2.01}', "frequency_penalty"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty"),
 ])
 def test_engine_limits_checked_before_submitting(body, words):
     with pytest.raises(ApiError) as err:
@@ -77,6 +79,17 @@ def test_engine_limits_checked_before_submitting(body, words):
     validate_kwargs(kwargs(b'{"prompt": "x", "seed": 18446744073709551615, "top_k": 40}'), 2048)
     validate_kwargs(kwargs(b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
                            ChatCompletionRequest), 2048)
+
+
+def test_penalties_and_logit_bias_pass_through():
+    k = kwargs(b'{"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,'
+               b'"repetition_penalty": 1.2, "logit_bias": {"42": -100, "7": 2.5}}')
+    assert (k["presence_penalty"], k["frequency_penalty"], k["repetition_penalty"]) == \
+        (0.5, -1.0, 1.2)
+    assert k["logit_bias"] == {42: -100.0, 7: 2.5}
+    validate_kwargs(k, 2048)
+    k = kwargs(b'{"prompt": "x", "presence_penalty": null, "frequency_penalty": 0}')
+    assert "presence_penalty" not in k and k["frequency_penalty"] == 0   # null: off
 
 
 def test_deep_and_malformed_json_is_400():

@@ -14,12 +14,13 @@ from schemas.wire import RequestTiming
 from components.scheduler import sequence
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.loop import SchedulerLoop
+from components.scheduler.planning import penalties_of
 from components.scheduler.sequence import State
 from components.tokenizer.hashing import block_hashes
 from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
                             TenantConfig, Topology, WeirConfig)
 from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, FreeRequest,
-                          KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq,
+                          KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq, Penalties,
                           Released, SamplingParams, SeqStep, StepPlan, StepResult, TokenBatch,
                           TokenOut, Usage)
 
@@ -69,7 +70,8 @@ def alloc_for(seq_id: int, tokens: list[int], tenant="t1") -> AllocRequest:
 
 def new_seq(seq_id, tokens, prompt_len, num_computed, block_ids, params=SamplingParams()):
     return NewSeq(seq_id, list(tokens), prompt_len, num_computed, list(block_ids),
-                  params.temperature, params.top_p, params.top_k, params.seed)
+                  params.temperature, params.top_p, params.top_k, params.seed,
+                  penalties_of(params))
 
 
 def grant(seq_id, block_ids, cached=0, ok=True, epoch=EPOCH, reason="pool_full") -> KvGrant:
@@ -141,6 +143,21 @@ def test_plan_after_grant():
     assert out.released == [] and out.forget == []
     assert core.by_request["r1"].token_ids == toks + [555]
     assert core.by_request["r1"].num_computed == 10
+
+
+def test_penalties_travel_with_a_new_sequence_only_when_asked_for():
+    assert penalties_of(SamplingParams()) is None
+    assert penalties_of(SamplingParams(logit_bias={})) is None
+    params = SamplingParams(max_tokens=100, presence_penalty=0.5, repetition_penalty=1.2,
+                            logit_bias={9: -100.0, 3: 2.0})
+    assert penalties_of(params) == Penalties(0.5, 0.0, 1.2, [(3, 2.0), (9, -100.0)])
+    assert penalties_of(SamplingParams(frequency_penalty=-1.0)) == Penalties(0.0, -1.0)
+    core, kv, toks = make(), Kv(16), prompt(10)
+    core.add(Admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
+    core.schedule()
+    core.on_grants(kv.apply(core.take_kv_ops()))
+    (ns,) = core.schedule().new_seqs
+    assert ns.penalties == Penalties(0.5, 0.0, 1.2, [(3, 2.0), (9, -100.0)])
 
 
 def test_known_sequences_travel_as_diffs_and_growth_is_batched():

@@ -108,3 +108,19 @@ def test_template_runtime_error_is_value_error(template):
 def test_sandbox_blocks_unsafe_templates(source):
     with pytest.raises(ValueError):
         ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_ids_a_request_names_are_checked_against_the_vocabulary():
+    """Prompt ids and logit_bias keys past the vocabulary are refused with the real bound
+    (the edge validator only bounds them at 2^31 - 1)."""
+    from components.tokenizer.prompt import PromptHasher
+    from schemas.config import EngineConfig, Topology, WeirConfig
+
+    p = PromptHasher(WeirConfig(Topology(run_dir="/nonexistent"),
+                                engine=EngineConfig(model=str(default_model_path()))))
+    vocab = p.bundle.vocab_size
+    assert p.tokenize(None, None, [1, vocab - 1]) == [1, vocab - 1]
+    assert p.tokenize(None, None, [vocab]) == f"prompt_token_ids must be in [0, {vocab})"
+    assert p.tokenize("hi", None, None, {vocab - 1: 5.0}) == p.tokenize("hi", None, None)
+    assert p.tokenize("hi", None, None, {vocab: 5.0}) == \
+        f"logit_bias keys must be token ids in [0, {vocab})"

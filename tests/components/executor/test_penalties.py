@@ -1,0 +1,135 @@
+"""Logit penalties and bias: the adjustment against a plain reference (exact, ms), and the
+executor's whole step path against Hugging Face on the real model."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from components.executor.model import LlamaModel
+from components.executor.runner import ModelRunner
+from components.executor.sampling import apply_penalties, sample
+from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
+from weir.model_fetch import cache_dir
+
+V = 50
+
+
+def reference(row: torch.Tensor, ids: list[int], prompt_len: int, pen: Penalties) -> torch.Tensor:
+    """The definitions, one token at a time, in float64."""
+    x = row.double().clone()
+    if pen.repetition != 1.0:
+        for t in set(ids):
+            if 0 <= t < len(x):
+                x[t] = x[t] / pen.repetition if x[t] > 0 else x[t] * pen.repetition
+    for t, c in Counter(ids[prompt_len:]).items():
+        if 0 <= t < len(x):
+            x[t] -= pen.frequency * c + pen.presence
+    for t, b in pen.bias:
+        if 0 <= t < len(x):
+            x[t] += b
+    return x
+
+
+CASES = [
+    ([1, 2, 3, 3, 9, 9, 9], 3, Penalties(0.5, 0.25, 1.0, [])),          # output 3 9 9 9
+    ([4, 4, 7, 1, 1, 4], 2, Penalties(0.0, 0.0, 1.7, [])),              # prompt and output
+    ([5, 6], 2, Penalties(-0.5, -1.0, 0.8, [])),                        # no output yet
+    ([8, 8, 8, 2], 1, Penalties(1.0, 2.0, 1.3, [(8, -100.0), (0, 3.5)])),
+    ([3], 1, Penalties(0.0, 0.0, 1.0, [(49, 100.0), (V, 5.0), (-1, 5.0)])),   # ids past the ends skipped
+    ([V + 3, -2, 6, V + 9], 1, Penalties(2.0, 2.0, 2.0, [])),           # so are out-of-vocab tokens
+]
+# what validation refuses, from a peer that skipped it: ignored, never a NaN row
+HOSTILE = [([1, 2, 2], 1, Penalties(float("nan"), 1.0, -3.0, [(4, float("inf")), (5, 1.0)])),
+           ([1, 2, 2], 1, Penalties(0.0, float("inf"), float("nan"), [(4, float("nan"))]))]
+
+
+def test_penalties_match_the_definitions():
+    logits = torch.randn(len(CASES) + 1, V, generator=torch.Generator().manual_seed(3)) * 4
+    logits[:, 2] = 0.0                                  # a zero logit: multiplied, stays zero
+    before = logits.clone()
+    apply_penalties(logits, [(i, ids, pl, pen) for i, (ids, pl, pen) in enumerate(CASES)])
+    for i, (ids, pl, pen) in enumerate(CASES):
+        torch.testing.assert_close(logits[i].double(), reference(before[i], ids, pl, pen),
+                                   atol=1e-5, rtol=1e-6)
+    assert torch.equal(logits[-1], before[-1])          # a row without penalties: untouched
+    assert not torch.equal(logits[0], before[0])
+
+
+def test_values_validation_refuses_are_skipped_not_spread():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4))
+    before = logits.clone()
+    apply_penalties(logits, [(i, *case) for i, case in enumerate(HOSTILE)])
+    assert logits.isfinite().all()
+    expect = before[0].clone()
+    expect[5] += 1.0                                    # the one finite bias
+    assert torch.equal(logits[0], expect) and torch.equal(logits[1], before[1])
+
+
+def test_penalties_move_greedy_and_bias_forces_or_bans_a_token():
+    logits = torch.zeros(3, V)
+    logits[:, 7] = 5.0
+    apply_penalties(logits, [(0, [1, 7], 1, Penalties(0.0, 0.0, 10.0, [])),   # 5 -> 0.5
+                             (1, [1], 1, Penalties(0.0, 0.0, 1.0, [(7, -100.0)])),
+                             (2, [1], 1, Penalties(0.0, 0.0, 1.0, [(30, 100.0)]))])
+    logits[0, 11] = 1.0
+    picked = sample(logits, [0.0] * 3, [1.0] * 3, [0] * 3, [None] * 3, [0] * 3)
+    assert picked.tolist() == [11, 0, 30]
+
+
+# ---------------------------------------------------------------- the whole step, vs HF
+
+BLOCK = 16
+PROMPT = "Write a poem about the sea, the sea, the sea."
+
+
+def _generate(runner: ModelRunner, prompts: dict[int, list[int]],
+              penalties: dict[int, Penalties | None], steps: int) -> dict[int, list[int]]:
+    """Greedy decode through ModelRunner.step, one batch with every sequence."""
+    per = -(-(max(map(len, prompts.values())) + steps + 1) // BLOCK)
+    news = [NewSeq(s, ids, len(ids), 0, list(range(i * per, (i + 1) * per)), 0.0, 1.0, 0, None,
+                   penalties[s]) for i, (s, ids) in enumerate(prompts.items())]
+    out: dict[int, list[int]] = {s: [] for s in prompts}
+    plan = StepPlan(1, news, [SeqStep(s, len(ids), [], True) for s, ids in prompts.items()], [])
+    for k in range(steps):
+        res = runner.step(plan)
+        for s, t in zip(res.seq_ids, res.token_ids):
+            out[s].append(t)
+        plan = StepPlan(k + 2, [], [SeqStep(s, 1, [], True) for s in prompts], [])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner(model_path):
+    from components.executor.loader import load_model
+    model = LlamaModel(*load_model(model_path), tuning_cache=cache_dir() / "tests")
+    return ModelRunner(model, model.new_kv_cache(64, BLOCK))
+
+
+def test_the_executor_applies_them_as_hf_and_the_definitions_say(runner, hf):
+    """One batch: no penalties, HF's repetition penalty, and presence + frequency + bias.
+    The first two against HF's own greedy generate (its RepetitionPenaltyLogitsProcessor);
+    the third teacher-forced: each token Weir picked is the argmax of HF's logits for the
+    sequence so far, adjusted by the reference above."""
+    tok, m = hf
+    ids = tok(PROMPT).input_ids
+    n = 24
+    pens = {1: None, 2: Penalties(0.0, 0.0, 1.3, []),
+            3: Penalties(0.6, 0.4, 1.0, [(ids[-1], -100.0), (tok(" waves").input_ids[0], 4.0)])}
+    got = _generate(runner, {s: ids for s in pens}, pens, n)
+    for s, rep in ((1, 1.0), (2, 1.3)):
+        with torch.no_grad():
+            ref = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                             do_sample=False, max_new_tokens=n, repetition_penalty=rep,
+                             eos_token_id=None)[0, len(ids):].tolist()
+        assert got[s] == ref, (s, got[s], ref)
+    assert got[1] != got[2]                               # the penalty changed the text
+    seq = ids + got[3]
+    with torch.no_grad():
+        logits = m(torch.tensor([seq])).logits[0, len(ids) - 1:-1]
+    for i, t in enumerate(got[3]):
+        adjusted = reference(logits[i], seq[:len(ids) + i], len(ids), pens[3])
+        best = int(adjusted.argmax())
+        assert t == best or adjusted[best] - adjusted[t] < 1e-3, (i, t, best)
+    assert got[3] != got[1]
