@@ -10,7 +10,7 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
   is the step's time over it.
 
     python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
-        [--breakdown 1]
+        [--breakdown 1] [--penalties 64]
 
 Prints ms/step (median of ``--steps``), tokens/s, and each floor as a fraction achieved.
 """
@@ -31,7 +31,7 @@ from components.executor import autotune  # noqa: E402
 from components.executor.loader import load_model  # noqa: E402
 from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
-from schemas.wire import NewSeq, SeqStep, StepPlan  # noqa: E402
+from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan  # noqa: E402
 from kernels import tuning  # noqa: E402
 from weir import machine  # noqa: E402
 from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
@@ -91,7 +91,8 @@ def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = GEMM_N) -> tupl
 class DecodeBench:
     """A runner with ``batch`` sequences prefilled to ``context`` tokens, stepping decode."""
 
-    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16):
+    def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
+                 penalties: Penalties | None = None):
         blocks_per_seq = -(-(context + 64) // block_size)
         self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size))
         g = torch.Generator().manual_seed(batch)
@@ -99,7 +100,7 @@ class DecodeBench:
         for i in range(batch):
             toks = torch.randint(100, 40000, (context,), generator=g).tolist()
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None))
+            news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None, penalties))
             steps.append(SeqStep(i + 1, context, [], True))
         self.batch = batch
         self.step_id = 1
@@ -169,6 +170,10 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", help="attention backend (auto, cpu, torch)")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="after the table, time each part of the step at this batch")
+    ap.add_argument("--penalties", type=int, default=0,
+                    help="after the table, time steps at this batch with presence, frequency "
+                         "and repetition penalties and a logit bias on every sequence, "
+                         "beside the same steps without")
     ap.add_argument("--kernels", default="",
                     help="forced choices, e.g. linear=onednn,elementwise=native (default: the "
                          "plan measured on this machine, as the executor uses it)")
@@ -218,6 +223,21 @@ def main() -> None:
                 for _ in range(3):
                     bench.decode()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.penalties:
+        b = args.penalties
+        benches = {"plain": DecodeBench(model, b, args.context),
+                   "penalized": DecodeBench(model, b, args.context,
+                                            penalties=Penalties(0.5, 0.5, 1.2, [(5, 1.0)]))}
+        times: dict[str, list[float]] = {name: [] for name in benches}
+        for i in range(2 + args.steps):          # interleaved: drift hits both alike
+            for name, bench in benches.items():
+                t = bench.decode()
+                if i >= 2:
+                    times[name].append(t)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"batch {b}, context {args.context}: {ms['plain']:.2f} ms/step plain, "
+              f"{ms['penalized']:.2f} with penalties and a bias on every sequence "
+              f"(+{ms['penalized'] - ms['plain']:.2f} ms)")
     if args.breakdown:               # last: the timers stay wrapped around the model
         b = args.breakdown
         bench = DecodeBench(model, b, args.context)

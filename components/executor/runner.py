@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from components.executor.sampling import apply_penalties, sample
+from components.executor.sampling import RowPenalties, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
-from schemas.wire import BlockCopy, Penalties, StepPlan, StepResult
+from schemas.wire import BlockCopy, StepPlan, StepResult
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ class SeqState:
     top_p: float
     top_k: int
     seed: int | None
-    penalties: Penalties | None = None
+    penalties: RowPenalties | None = None
 
 
 class ModelRunner:
@@ -102,7 +102,9 @@ class ModelRunner:
         for n in plan.new_seqs:
             self.seqs[n.seq_id] = SeqState(list(n.token_ids), n.prompt_len, n.num_computed,
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
-                                           n.seed, n.penalties)
+                                           n.seed,
+                                           None if n.penalties is None
+                                           else RowPenalties(n.penalties))
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)

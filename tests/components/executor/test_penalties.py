@@ -9,7 +9,7 @@ import torch
 
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
-from components.executor.sampling import apply_penalties, sample
+from components.executor.sampling import RowPenalties, apply_penalties, sample
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
 from weir.model_fetch import cache_dir
 
@@ -49,7 +49,8 @@ def test_penalties_match_the_definitions():
     logits = torch.randn(len(CASES) + 1, V, generator=torch.Generator().manual_seed(3)) * 4
     logits[:, 2] = 0.0                                  # a zero logit: multiplied, stays zero
     before = logits.clone()
-    apply_penalties(logits, [(i, ids, pl, pen) for i, (ids, pl, pen) in enumerate(CASES)])
+    apply_penalties(logits, [(i, ids, pl, RowPenalties(pen))
+                             for i, (ids, pl, pen) in enumerate(CASES)])
     for i, (ids, pl, pen) in enumerate(CASES):
         torch.testing.assert_close(logits[i].double(), reference(before[i], ids, pl, pen),
                                    atol=1e-5, rtol=1e-6)
@@ -60,7 +61,8 @@ def test_penalties_match_the_definitions():
 def test_values_validation_refuses_are_skipped_not_spread():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4))
     before = logits.clone()
-    apply_penalties(logits, [(i, *case) for i, case in enumerate(HOSTILE)])
+    apply_penalties(logits, [(i, ids, pl, RowPenalties(pen))
+                             for i, (ids, pl, pen) in enumerate(HOSTILE)])
     assert logits.isfinite().all()
     expect = before[0].clone()
     expect[5] += 1.0                                    # the one finite bias
@@ -70,9 +72,9 @@ def test_values_validation_refuses_are_skipped_not_spread():
 def test_penalties_move_greedy_and_bias_forces_or_bans_a_token():
     logits = torch.zeros(3, V)
     logits[:, 7] = 5.0
-    apply_penalties(logits, [(0, [1, 7], 1, Penalties(0.0, 0.0, 10.0, [])),   # 5 -> 0.5
-                             (1, [1], 1, Penalties(0.0, 0.0, 1.0, [(7, -100.0)])),
-                             (2, [1], 1, Penalties(0.0, 0.0, 1.0, [(30, 100.0)]))])
+    apply_penalties(logits, [(0, [1, 7], 1, RowPenalties(Penalties(0.0, 0.0, 10.0))),  # 5 -> .5
+                             (1, [1], 1, RowPenalties(Penalties(0.0, 0.0, 1.0, [(7, -100.0)]))),
+                             (2, [1], 1, RowPenalties(Penalties(0.0, 0.0, 1.0, [(30, 100.0)])))])
     logits[0, 11] = 1.0
     picked = sample(logits, [0.0] * 3, [1.0] * 3, [0] * 3, [None] * 3, [0] * 3)
     assert picked.tolist() == [11, 0, 30]
