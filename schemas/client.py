@@ -46,6 +46,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # None: off. k >= 0: each output token comes with its log-probability and the k most
+    # likely tokens' (0 .. 20), under the model's own distribution (before temperature,
+    # penalties and filters, as vLLM reports them by default)
+    logprobs: int | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
@@ -110,11 +114,27 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     queued_s: float = 0.0               # time held in admission's queue before it started
 
 
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str                       # the token alone, decoded
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """An output token's log-probability and the most likely tokens' at its place."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 class TextDelta(msgspec.Struct, tag="delta", frozen=True):
     request_id: str
     text: str
     token_ids: tuple[int, ...]
     index: int = 0                   # the choice (0 .. n-1)
+    logprobs: tuple[TokenLogprob, ...] = ()     # one per token id, when the request asked
 
 
 class ChoiceEnd(msgspec.Struct, frozen=True, array_like=True):

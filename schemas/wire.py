@@ -17,7 +17,7 @@ from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, ProtocolError, RejectReason, Rejected, RequestTiming,
     SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit, TenantUsage,
-    Terminal, TextDelta, Usage)
+    Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
 
 T = TypeVar("T")
 
@@ -150,6 +150,15 @@ class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):
     index: int = 0
 
 
+class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A sampled token's log-probability and the top ones at its place, most likely
+    first (as many as the request asked for)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     """The executor's answer to one StepPlan: one sampled token per sampling sequence."""
 
@@ -158,6 +167,9 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     token_ids: list[int]
     elapsed_ns: int
     failed: bool = False
+    # beside token_ids when a sequence in the step asked for logprobs (None for the others);
+    # empty when none did
+    logprobs: list[SampleLogprobs | None] = []
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
@@ -320,6 +332,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_k: int
     seed: int | None
     penalties: Penalties | None = None      # None: none asked for (the usual case)
+    logprobs: int | None = None             # SamplingParams.logprobs
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -370,6 +383,7 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     usage: Usage | None = None
     timing: RequestTiming | None = None
     index: int = 0                    # which of the request's n choices
+    logprobs: list[SampleLogprobs] | None = None    # one per token id, when asked
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True, gc=False):

@@ -35,7 +35,8 @@ from bus.tracing import context_from, traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           ProtocolError, Rejected, RequestTiming, SamplingParams, ServerHeartbeat,
-                          ServerMsg, StatusQuery, StatusReport, Submit, TextDelta, Usage)
+                          ServerMsg, StatusQuery, StatusReport, Submit, TextDelta,
+                          TokenLogprob, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
 from weir.inbox import TERMINAL, Inbox
@@ -75,6 +76,7 @@ class Choice:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None      # one per token id, when asked for
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Completion:
     degraded: bool = False
     max_tokens: int | None = None
     queued_s: float = 0.0
+    logprobs: list[TokenLogprob] | None = None      # choice 0's, when asked for
 
     def to_dict(self) -> dict[str, Any]:
         out = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -113,6 +116,11 @@ class Completion:
                "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms,
                "service_class": self.service_class, "degraded": self.degraded,
                "max_tokens": self.max_tokens, "queued_s": self.queued_s}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token_id": e.token_id, "token": e.token, "logprob": e.logprob,
+                                "top": [{"token_id": t.token_id, "token": t.token,
+                                         "logprob": t.logprob} for t in e.top]}
+                               for e in self.logprobs]
         if len(self.choices) > 1:
             out["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                                "finish_reason": c.finish_reason} for c in self.choices]
@@ -139,6 +147,7 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)      # choice 0
     texts: dict[int, list[str]] = field(default_factory=dict)        # every choice
     choice_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    choice_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     result: Completion | None = None
     prompt_tokens: int | None = None
     accepted: Accepted | None = None
@@ -171,6 +180,9 @@ class Stream:
                             self.token_ids.extend(event.token_ids)
                         self.texts.setdefault(event.index, []).append(event.text)
                         self.choice_token_ids.setdefault(event.index, []).extend(event.token_ids)
+                        if event.logprobs:
+                            self.choice_logprobs.setdefault(event.index, []).extend(
+                                event.logprobs)
                         yield event
                     case Finished(finish_reason=reason, usage=usage, queue_time_s=queue,
                                   timing=timing, choices=ends):
@@ -244,12 +256,12 @@ class Stream:
         ttft = None if self.first_token_at is None else (self.first_token_at - self.started) * 1e3
         reasons = {e.index: e.finish_reason for e in ends} or {0: reason}
         choices = [Choice(i, "".join(self.texts.get(i, [])), self.choice_token_ids.get(i, []),
-                          reasons[i]) for i in sorted(reasons)]
+                          reasons[i], self.choice_logprobs.get(i)) for i in sorted(reasons)]
         acc = self.accepted or Accepted(self.request_id, 0)   # none (cancelled first): defaults
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
                                  usage, ttft, (now - self.started) * 1e3, queue_time_s, timing,
                                  choices, acc.service_class, acc.degraded, acc.max_tokens,
-                                 acc.queued_s)
+                                 acc.queued_s, self.choice_logprobs.get(0))
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True

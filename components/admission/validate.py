@@ -32,6 +32,7 @@ any work is done on it. The limits and why:
   the real vocabulary), values finite in [-100, 100].
 - ``presence_penalty``, ``frequency_penalty``: finite, in [-2, 2] (OpenAI's range).
   ``repetition_penalty``: finite, in (0, ``MAX_REPETITION_PENALTY`` = 100]; 1 is off.
+- ``logprobs``: None (off) or 0 .. ``MAX_LOGPROBS`` (20, vLLM's default cap) alternatives.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
@@ -60,6 +61,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGIT_BIAS = 300
 MAX_PENALTY = 2.0
+MAX_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 100.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_ID_CHARS = 256
@@ -117,6 +119,9 @@ def check_params(p: SamplingParams) -> str | None:
     if not _is_num(r) or not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
         return (f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
                 f"(1 is off), got {r!r:.40}")
+    if p.logprobs is not None and (not _is_int(p.logprobs)
+                                   or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        return f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs!r:.40}"
     if p.logit_bias is not None:
         if not isinstance(p.logit_bias, dict):
             return "logit_bias must map token ids to biases"

@@ -15,7 +15,8 @@ from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
 from components.tokenizer.vocab import load_tokenizer
 from schemas.wire import (ChoiceEnd, DetokenizerMsg, EventBatch, Finished, ForgetRequest,
-                          StopRequest, TextDelta, TokenBatch, TokenOut, Usage)
+                          StopRequest, TextDelta, TokenBatch, TokenLogprob, TokenOut,
+                          TopLogprob, Usage)
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("detokenizer")
@@ -42,6 +43,7 @@ class DetokenizerService(Component):
     async def setup(self) -> None:
         self.bundle = load_tokenizer(resolve_model(self.config.engine.model))
         self.streams: dict[str, _Stream] = {}
+        self.pieces: dict[int, str] = {}         # token id -> the token alone, decoded
         self.inbox_sock = self.inbox(DetokenizerMsg)
         self.to_streamer = self.push_to("streamer")
         self.to_scheduler = self.push_to("scheduler")
@@ -64,6 +66,22 @@ class DetokenizerService(Component):
             detok = stream.detoks[item.index] = IncrementalDetokenizer(
                 self.bundle.tokenizer, self.bundle.special_ids, p.skip_special_tokens, p.stop)
         return None if detok is None else (stream, detok)
+
+    def piece(self, token: int) -> str:
+        """A token decoded alone (special tokens as themselves), as logprobs name it."""
+        if (text := self.pieces.get(token)) is None:
+            if not 0 <= token < self.bundle.vocab_size:
+                return ""
+            text = self.pieces[token] = self.bundle.tokenizer.decode(
+                [token], skip_special_tokens=False)
+        return text
+
+    def logprobs(self, item: TokenOut) -> tuple[TokenLogprob, ...]:
+        if not item.logprobs:
+            return ()
+        return tuple(TokenLogprob(t, self.piece(t), lp.logprob, tuple(
+            TopLogprob(i, self.piece(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
+            for t, lp in zip(item.token_ids, item.logprobs))
 
     def process(self, batch: TokenBatch) -> tuple[list, list[tuple[str, int]]]:
         """Events for the streamer, and (request, choice) pairs whose stop string matched."""
@@ -88,9 +106,11 @@ class DetokenizerService(Component):
                 text += detok.flush()
                 reason = "stop" if detok.stopped else item.finish_reason
             else:
-                events.append(TextDelta(rid, text, tuple(item.token_ids), index))
+                events.append(TextDelta(rid, text, tuple(item.token_ids), index,
+                                        self.logprobs(item)))
                 continue
-            events.append(TextDelta(rid, text, tuple(item.token_ids), index))
+            events.append(TextDelta(rid, text, tuple(item.token_ids), index,
+                                    self.logprobs(item)))
             del stream.detoks[index]
             stream.ends[index] = ChoiceEnd(index, reason, stream.choice_tokens[index])
             stream.timing = item.timing or stream.timing

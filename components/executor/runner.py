@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from components.executor.sampling import RowPenalties, apply_penalties, sample
+from components.executor.sampling import (RowPenalties, apply_penalties, sample,
+                                          token_logprobs)
 from kernels import AttentionMetadata, KVCache
-from schemas.wire import BlockCopy, StepPlan, StepResult
+from schemas.wire import BlockCopy, SampleLogprobs, StepPlan, StepResult
 
 
 @dataclass(eq=False)
@@ -24,6 +25,7 @@ class SeqState:
     top_k: int
     seed: int | None
     penalties: RowPenalties | None = None
+    logprobs: int | None = None
 
 
 class ModelRunner:
@@ -104,7 +106,7 @@ class ModelRunner:
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
                                            n.seed,
                                            None if n.penalties is None
-                                           else RowPenalties(n.penalties))
+                                           else RowPenalties(n.penalties), n.logprobs)
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
@@ -134,9 +136,13 @@ class ModelRunner:
             logits = self.model.forward(ids, meta.positions, self.kv, meta,
                                         torch.tensor(rows, dtype=torch.long, device=self.kv.device))
         tokens: list[int] = []
+        logprobs: list[SampleLogprobs | None] = []
         if sampled:                   # a step of middle prefill chunks samples nothing
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
             states = [s for _, s, _ in sampled]
+            asked = [i for i, s in enumerate(states) if s.logprobs is not None]
+            # the model's own distribution: before penalties change the logits in place
+            dist = logits[asked].log_softmax(dim=-1) if asked else None
             if penalized := [(i, s.token_ids, s.prompt_len, s.penalties)
                              for i, s in enumerate(states) if s.penalties is not None]:
                 apply_penalties(logits, penalized)
@@ -145,10 +151,14 @@ class ModelRunner:
                             [s.top_k for s in states], seeds,
                             [len(s.token_ids) - s.prompt_len for s in states],
                             self.native_sampling).tolist()
+            if dist is not None:
+                logprobs = token_logprobs(dist, [tokens[i] for i in asked],
+                                          [states[i].logprobs for i in asked], asked,
+                                          len(sampled))
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
         for (_, s, k), tok in zip(sampled, tokens):
             if k == 0:
                 s.token_ids.append(tok)
         return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
-                          time.perf_counter_ns() - start)
+                          time.perf_counter_ns() - start, logprobs=logprobs)

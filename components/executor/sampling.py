@@ -23,7 +23,7 @@ import torch
 from kernels import cpu_native
 
 if TYPE_CHECKING:
-    from schemas.wire import Penalties
+    from schemas.wire import Penalties, SampleLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -234,6 +234,23 @@ def _apply_penalties(logits: torch.Tensor,
         base = torch.tensor([r * vocab for r, *_, pen in bias for _ in pen.bias_ids])
         keep = (ids >= 0) & (ids < vocab)
         flat.index_add_(0, (ids + base)[keep].to(dev), add[keep].to(dev))
+
+
+def token_logprobs(dist: torch.Tensor, tokens: list[int], tops: list[int], rows: list[int],
+                   n: int) -> list[SampleLogprobs | None]:
+    """``n`` entries, None but at ``rows``: there, ``tokens[j]``'s log-probability in row
+    ``j`` of ``dist`` (log-softmax ``[len(rows), vocab]``) and the ``tops[j]`` most likely
+    tokens' (one topk for the batch, at the largest asked)."""
+    from schemas.wire import SampleLogprobs     # (msgspec: not in the torch-only import path)
+
+    picked = dist.gather(1, torch.tensor(tokens, device=dist.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    top_lp, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    out: list[SampleLogprobs | None] = [None] * n
+    for j, row in enumerate(rows):
+        out[row] = SampleLogprobs(picked[j], top_ids[j][:tops[j]], top_lp[j][:tops[j]])
+    return out
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],

@@ -274,8 +274,8 @@ def build_app(state: GatewayState) -> Starlette:
                                    headers["x-request-id"])
         res = stream.result
         _record(res, started)
-        body = shaper.full([(c.text, c.finish_reason) for c in res.choices], res.usage,
-                           _granted(res))
+        body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
+                           res.usage, _granted(res))
         headers.update(degraded_headers(res.degraded, res.max_tokens))
         return Response(_json.encode(body), media_type="application/json", headers=headers)
 
@@ -295,15 +295,17 @@ def build_app(state: GatewayState) -> Starlette:
                 for index in range(n):
                     yield frame(shaper.chunk("", first=True, index=index))
             last = time.perf_counter()
-            if first is not None and first.text:
-                yield frame(shaper.chunk(first.text, index=first.index))
+            if first is not None and (first.text or first.logprobs):
+                yield frame(shaper.chunk(first.text, index=first.index,
+                                         logprobs=first.logprobs or None))
             try:
                 async for delta in events:
                     now = time.perf_counter()
                     state.metrics.itl.labels(state.model).observe(now - last)
                     last = now
-                    if delta.text:
-                        yield frame(shaper.chunk(delta.text, index=delta.index))
+                    if delta.text or delta.logprobs:   # a token's text may come later
+                        yield frame(shaper.chunk(delta.text, index=delta.index,
+                                                 logprobs=delta.logprobs or None))
             except (RequestFailed, RequestCancelled) as exc:
                 state.metrics.error("failed")
                 yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())

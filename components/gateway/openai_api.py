@@ -3,12 +3,13 @@ shape of responses and stream chunks. Pure functions; no I/O."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from components.admission.validate import check_logit_bias, check_submit
-from schemas.client import SamplingParams, Submit
+from schemas.client import SamplingParams, Submit, TokenLogprob
 from schemas.wire import Usage
 
 
@@ -98,10 +99,13 @@ def _unsupported(req: _Common) -> str | None:
         return "best_of (other than n) is not supported"
     if (why := check_logit_bias(req.logit_bias)) is not None:
         return why
-    if isinstance(req, CompletionRequest) and (req.logprobs or req.echo or req.suffix):
-        return "logprobs, echo and suffix are not supported"
-    if isinstance(req, ChatCompletionRequest) and (req.logprobs or req.top_logprobs or req.tools):
-        return "logprobs and tools are not supported"
+    if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
+        return "echo and suffix are not supported"
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            return "tools are not supported"
+        if req.top_logprobs is not None and not req.logprobs:
+            return "top_logprobs needs logprobs set to true"
     return None
 
 
@@ -135,6 +139,11 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
             params[name] = value
     if req.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            params["logprobs"] = req.top_logprobs or 0
+    elif req.logprobs is not None:
+        params["logprobs"] = req.logprobs
     if req.stop is not None:
         params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:
@@ -212,6 +221,35 @@ def degraded_headers(degraded: bool, max_tokens: int | None) -> dict[str, str]:
     return out
 
 
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object: each token, its log-probability, the
+    top alternatives with the sampled token among them (OpenAI: "up to logprobs + 1"), and
+    each token's character offset in the text (from ``offset``)."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(e.token)
+        offsets.append(offset)
+        offset += len(e.token)
+    tops = []
+    for e in entries:
+        top = {t.token: t.logprob for t in e.top}
+        top.setdefault(e.token, e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``content``, one entry per token with its UTF-8 bytes
+    and its ``top_logprobs`` (as many as asked)."""
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(t.token, t.logprob) for t in e.top]}
+                        for e in entries]}
+
+
 class Shaper:
     """Builds response bodies and stream chunks for one request."""
 
@@ -221,36 +259,49 @@ class Shaper:
         self.model = model
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.offsets: dict[int, int] = {}          # streamed text per choice, for text_offset
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, choices: list[tuple[str, str]], usage: Usage,
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None, index: int) -> Any:
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        out = completion_logprobs(entries, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(e.token) for e in entries)
+        return out
+
+    def full(self, choices: list[tuple[str, str, Sequence[TokenLogprob] | None]], usage: Usage,
              weir: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The whole response; ``choices`` are (text, finish_reason) by index; ``weir``
-        (``weir_usage``) goes into ``usage``."""
+        """The whole response; ``choices`` are (text, finish_reason, logprobs or None) by
+        index; ``weir`` (``weir_usage``) goes into ``usage``."""
         out = []
-        for index, (text, finish_reason) in enumerate(choices):
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            lp = self._logprobs(logprobs, index)
             if self.chat:
                 out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": finish_reason})
+                            "logprobs": lp, "finish_reason": finish_reason})
             else:
-                out.append({"index": index, "text": text, "logprobs": None,
+                out.append({"index": index, "text": text, "logprobs": lp,
                             "finish_reason": finish_reason})
         return {**self._base(self.object), "choices": out, "usage": usage_dict(usage, weir)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None,
-              first: bool = False, index: int = 0) -> dict[str, Any]:
+              first: bool = False, index: int = 0,
+              logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
+        lp = self._logprobs(logprobs, index)
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": lp,
                       "finish_reason": finish_reason}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": lp,
                   "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 

@@ -4,10 +4,12 @@ last choice ends."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from components.scheduler.sequence import IN_RUNNING_SET, Event, Seq, State
-from schemas.wire import DetokParams, ForkRequest, RequestTiming, StepResult, TokenOut, Usage
+from schemas.wire import (DetokParams, ForkRequest, RequestTiming, SampleLogprobs, StepResult,
+                          TokenOut, Usage)
 
 if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
@@ -42,10 +44,11 @@ class Output:
                 seq.in_flight.popleft()
                 seq.num_computed += n
                 live.add(seq_id)
-        sampled: dict[int, list[int]] = {}
-        for seq_id, token in zip(result.seq_ids, result.token_ids):
+        sampled: dict[int, list[tuple[int, SampleLogprobs | None]]] = {}
+        lps = result.logprobs or repeat(None)
+        for seq_id, token, lp in zip(result.seq_ids, result.token_ids, lps):
             if seq_id in live:
-                sampled.setdefault(seq_id, []).append(token)
+                sampled.setdefault(seq_id, []).append((token, lp))
             else:
                 self.discarded_samples += 1
         for seq_id, tokens in sampled.items():
@@ -53,14 +56,15 @@ class Output:
             self.charge(seq.tenant, now_ns, output_tokens=len(tokens))
             if seq.n > 1 and not seq.forked:
                 seq.forked = True
-                for index, token in enumerate(tokens[1:seq.n], start=1):
-                    self._fork(seq, index, token, now_ns, out)
-            seq.token_ids.append(tokens[0])
-            self._emit_token(seq, tokens[0], now_ns, out)
+                for index, (token, lp) in enumerate(tokens[1:seq.n], start=1):
+                    self._fork(seq, index, token, lp, now_ns, out)
+            token, lp = tokens[0]
+            seq.token_ids.append(token)
+            self._emit_token(seq, token, lp, now_ns, out)
         return out
 
-    def _fork(self: SchedulerCore, parent: Seq, index: int, token: int, now_ns: int,
-              out: Outcome) -> None:
+    def _fork(self: SchedulerCore, parent: Seq, index: int, token: int,
+              lp: SampleLogprobs | None, now_ns: int, out: Outcome) -> None:
         """Choice ``index`` of an n > 1 request: the parent's computed prompt plus its own
         first token, sharing the parent's blocks once the kv_manager grants the fork."""
         child = Seq(next(self._ids), parent.request_id, parent.tenant, parent.params,
@@ -75,10 +79,10 @@ class Output:
         self.by_seq[child.seq_id] = child
         self.running.append(child)
         self._forks.append(ForkRequest(parent.seq_id, child.seq_id, parent.num_computed))
-        self._emit_token(child, token, now_ns, out)
+        self._emit_token(child, token, lp, now_ns, out)
 
-    def _emit_token(self: SchedulerCore, seq: Seq, token: int, now_ns: int,
-                    out: Outcome) -> None:
+    def _emit_token(self: SchedulerCore, seq: Seq, token: int, lp: SampleLogprobs | None,
+                    now_ns: int, out: Outcome) -> None:
         reason = self._stop_reason(seq, token)
         first = seq.outputs_sent == 0
         if first:
@@ -89,7 +93,8 @@ class Output:
                               max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n)
                   if first else None)
         if reason is None:
-            out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index))
+            out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index,
+                                       logprobs=None if lp is None else [lp]))
             return
         usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
         timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
@@ -97,7 +102,7 @@ class Output:
                                max(now_ns - seq.first_token_ns, 0) / 1e9,
                                sum(s.preemptions for s in seq.group))
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
-                                   seq.index))
+                                   seq.index, None if lp is None else [lp]))
         self._finish(seq, out)
 
     def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:

@@ -237,7 +237,8 @@ class Planning:
                 seed = None if p.seed is None else p.seed + seq.index
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
                                        seq.num_computed, list(seq.block_ids), p.temperature,
-                                       p.top_p, p.top_k, seed, penalties_of(p)))
+                                       p.top_p, p.top_k, seed, penalties_of(p),
+                                       p.logprobs))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
             else:

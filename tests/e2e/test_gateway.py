@@ -110,6 +110,39 @@ def test_penalties_and_logit_bias(gw, oai, model_path):
     gw.wait_kv_free(timeout=2.0)
 
 
+def test_logprobs_completion_chat_and_streamed(gw, oai):
+    """Logprobs through the official client: one per output token, the tokens spell the
+    text, offsets run along it, greedy picks are the most likely of their top, the stream
+    carries the same numbers as the whole response, and chat's top_logprobs has as many
+    entries as asked."""
+    prompt = "The capital of France is"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+               extra_body={"ignore_eos": True})
+    full = oai.completions.create(**ask)
+    lp = full.choices[0].logprobs
+    assert "".join(lp.tokens) == full.choices[0].text
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == full.usage.completion_tokens == 6
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for t, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and top[t] == logprob == pytest.approx(max(top.values()))
+    chunks = [c.choices[0].logprobs for c in oai.completions.create(**ask, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [x for c in chunks for x in c.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                           abs=1e-4)
+    assert [x for c in chunks for x in c.text_offset] == lp.text_offset
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+               and c.bytes == list(c.token.encode()) for c in content)
+    assert oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0] \
+        .logprobs is None
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_models_health_ready_and_request_id(gw):
     r = httpx.get(gw.base_url + "/v1/models")
     assert r.json()["data"][0]["id"] == MODEL

@@ -140,9 +140,13 @@ def test_cli_generate_class_flag(eng):
     env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_API_KEY=eng.service_key)
     out = subprocess.run(
         [sys.executable, "-m", "weir.cli", "generate", "The sky is", "--class", "batch",
-         "--max-tokens", "3", "--temperature", "0", "--json", "--endpoint", eng.endpoint],
+         "--max-tokens", "3", "--temperature", "0", "--json", "--endpoint", eng.endpoint,
+         "--logprobs", "2", "--repetition-penalty", "1.1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["service_class"] == "batch" and result["degraded"] is False
     assert result["max_tokens"] == 3
+    lps = result["logprobs"]                  # one per token, each with its top two
+    assert [e["token_id"] for e in lps] == result["token_ids"]
+    assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in lps)

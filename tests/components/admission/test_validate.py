@@ -24,6 +24,7 @@ def sub(**kw) -> Submit:
     {"presence_penalty": -2.0}, {"presence_penalty": 2}, {"frequency_penalty": -2},
     {"frequency_penalty": 2.0}, {"repetition_penalty": 1e-6}, {"repetition_penalty": 100.0},
     {"logit_bias": {0: -100.0, 2**31 - 1: 100}}, {"logit_bias": {i: 1.0 for i in range(300)}},
+    {"logprobs": 0}, {"logprobs": 20},
 ])
 def test_params_at_their_limits_pass(params):
     assert check_params(SamplingParams(**params)) is None
@@ -61,6 +62,8 @@ def test_params_at_their_limits_pass(params):
     ({"logit_bias": {"5": 1.0}}, "keys"), ({"logit_bias": {True: 1.0}}, "keys"),
     ({"logit_bias": {5: 100.5}}, "values"), ({"logit_bias": {5: float("nan")}}, "values"),
     ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
+    ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 2**70}, "logprobs"),
 ])
 def test_params_past_their_limits_are_refused(params, words):
     why = check_params(SamplingParams(**params))

@@ -48,7 +48,7 @@ class FakeStream:
                 await anyio.sleep(self.delay)
                 yield TextDelta(self.request_id, self.text, (1,), 0)
             choice = types.SimpleNamespace(index=0, text=self.text * self.deltas,
-                                           finish_reason="length")
+                                           finish_reason="length", logprobs=None)
             self.result = types.SimpleNamespace(
                 choices=[choice], usage=Usage(3, self.deltas), finish_reason="length",
                 queue_time_s=0.0, timing=None, service_class=acc.service_class,

@@ -5,8 +5,10 @@ import pytest
 
 from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, class_of, degraded_headers, parse,
-                                           submit_kwargs, validate_kwargs, weir_usage)
+                                           Shaper, chat_logprobs, class_of, completion_logprobs,
+                                           degraded_headers, parse, submit_kwargs,
+                                           validate_kwargs, weir_usage)
+from schemas.client import TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
 
@@ -47,7 +49,8 @@ def test_chat_translation_and_defaults():
 
 @pytest.mark.parametrize("body, status, words", [
     (b'{"prompt": "x", "n": 3, "best_of": 5}', 400, "best_of"),
-    (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "x", "echo": true}', 400, "echo"),
+    (b'{"prompt": "x", "suffix": "y"}', 400, "suffix"),
     (b'{"prompt": "x", "model": "other"}', 404, "other"),
     (b'{"max_tokens": 1}', 400, "prompt"),
     (b'{"prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
@@ -119,16 +122,50 @@ def test_auth_hashed_keys():
         ApiKey("sk-plaintext-key", "acme")
 
 
+def test_logprobs_requests():
+    assert kwargs(b'{"prompt": "x", "logprobs": 3}')["logprobs"] == 3
+    assert kwargs(b'{"prompt": "x", "logprobs": 0}')["logprobs"] == 0
+    assert "logprobs" not in kwargs(b'{"prompt": "x"}')
+    chat = lambda body: kwargs(b'{"messages": [{"role": "user", "content": "x"}], ' + body,  # noqa: E731
+                               ChatCompletionRequest)
+    assert chat(b'"logprobs": true, "top_logprobs": 2}')["logprobs"] == 2
+    assert chat(b'"logprobs": true}')["logprobs"] == 0
+    assert "logprobs" not in chat(b'"logprobs": false}')
+    with pytest.raises(ApiError, match="top_logprobs needs logprobs"):
+        chat(b'"top_logprobs": 2}')
+    with pytest.raises(ApiError, match="logprobs must be in"):
+        validate_kwargs(kwargs(b'{"prompt": "x", "logprobs": 21}'), 2048)
+
+
+def test_logprobs_shapes():
+    e = [TokenLogprob(5, " the", -0.25, (TopLogprob(5, " the", -0.25), TopLogprob(9, " a", -2.0))),
+         TokenLogprob(7, "é", -3.0, (TopLogprob(8, " sea", -0.5),))]
+    lp = completion_logprobs(e)
+    assert lp == {"tokens": [" the", "é"], "token_logprobs": [-0.25, -3.0],
+                  "top_logprobs": [{" the": -0.25, " a": -2.0}, {" sea": -0.5, "é": -3.0}],
+                  "text_offset": [0, 4]}                 # the sampled token is always among them
+    assert chat_logprobs(e)["content"][1] == {
+        "token": "é", "logprob": -3.0, "bytes": [195, 169],
+        "top_logprobs": [{"token": " sea", "logprob": -0.5, "bytes": [32, 115, 101, 97]}]}
+    sh = Shaper(False, "r", M)                           # streamed: offsets run on per choice
+    assert sh.chunk(" the", logprobs=e[:1])["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert sh.chunk("é", logprobs=e[1:])["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert sh.chunk(" x", index=1, logprobs=e[1:])["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert sh.chunk("x")["choices"][0]["logprobs"] is None
+    body = Shaper(True, "r", M).full([("the", "stop", e)], Usage(1, 2))
+    assert body["choices"][0]["logprobs"]["content"][0]["token"] == " the"
+
+
 def test_shapes():
     u = Usage(5, 3, 4)
-    full = Shaper(False, "r", M).full([("hey", "stop")], u)
+    full = Shaper(False, "r", M).full([("hey", "stop", None)], u)
     assert full["object"] == "text_completion" and full["choices"][0]["text"] == "hey"
     assert full["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 4}}
     chat = Shaper(True, "r", M)
-    assert chat.full([("hey", "length")], u)["choices"][0]["message"] == {"role": "assistant",
-                                                                          "content": "hey"}
-    two = chat.full([("a", "stop"), ("b", "length")], u)["choices"]
+    assert chat.full([("hey", "length", None)], u)["choices"][0]["message"] == {
+        "role": "assistant", "content": "hey"}
+    two = chat.full([("a", "stop", None), ("b", "length", None)], u)["choices"]
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in two] == [
         (0, "a", "stop"), (1, "b", "length")]
     assert chat.chunk("x", index=2)["choices"][0]["index"] == 2
@@ -186,6 +223,6 @@ def test_admission_grant_shapes():
     assert weir == {"service_class": "batch", "degraded": True, "max_tokens": 4,
                     "queued_ms": 12.3}
     u = Usage(5, 3, 4)
-    assert Shaper(False, "r", M).full([("a", "stop")], u, weir)["usage"]["weir"] == weir
+    assert Shaper(False, "r", M).full([("a", "stop", None)], u, weir)["usage"]["weir"] == weir
     assert Shaper(True, "r", M).usage_chunk(u, weir)["usage"]["weir"] == weir
     assert "weir" not in Shaper(True, "r", M).usage_chunk(u)["usage"]

@@ -71,7 +71,7 @@ def alloc_for(seq_id: int, tokens: list[int], tenant="t1") -> AllocRequest:
 def new_seq(seq_id, tokens, prompt_len, num_computed, block_ids, params=SamplingParams()):
     return NewSeq(seq_id, list(tokens), prompt_len, num_computed, list(block_ids),
                   params.temperature, params.top_p, params.top_k, params.seed,
-                  penalties_of(params))
+                  penalties_of(params), params.logprobs)
 
 
 def grant(seq_id, block_ids, cached=0, ok=True, epoch=EPOCH, reason="pool_full") -> KvGrant:

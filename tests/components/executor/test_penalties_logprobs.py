@@ -1,5 +1,5 @@
-"""Logit penalties and bias: the adjustment against a plain reference (exact, ms), and the
-executor's whole step path against Hugging Face on the real model."""
+"""Logit penalties and bias, and logprobs: the adjustment against a plain reference (exact,
+ms), and the executor's whole step path against Hugging Face on the real model."""
 from __future__ import annotations
 
 from collections import Counter
@@ -135,3 +135,41 @@ def test_the_executor_applies_them_as_hf_and_the_definitions_say(runner, hf):
         best = int(adjusted.argmax())
         assert t == best or adjusted[best] - adjusted[t] < 1e-3, (i, t, best)
     assert got[3] != got[1]
+
+
+def test_logprobs_are_the_models_own_distribution(runner, hf):
+    """Each sampled token's log-probability and the top alternatives, against HF's
+    log-softmax over the same sequence (teacher-forced), with and without penalties: they
+    report the model's distribution, before penalties (vLLM's default). A sequence that did
+    not ask gets None, and a step where none asked carries no list at all."""
+    tok, m = hf
+    ids = tok(PROMPT).input_ids
+    per = -(-(len(ids) + 12) // BLOCK)
+    news = [NewSeq(10 + i, ids, len(ids), 0, list(range(40 + i * per, 40 + (i + 1) * per)), 0.0,
+                   1.0, 0, None, pen, lp)
+            for i, (pen, lp) in enumerate([(None, 3), (Penalties(0.0, 0.0, 1.5, []), 0),
+                                           (None, None)])]
+    plan = StepPlan(100, news, [SeqStep(s.seq_id, len(ids), [], True) for s in news], [])
+    got: dict[int, list] = {s.seq_id: [] for s in news}
+    for k in range(8):
+        res = runner.step(plan)
+        assert len(res.logprobs) == 3 and res.logprobs[2] is None
+        for sid, t, lp in zip(res.seq_ids, res.token_ids, res.logprobs):
+            got[sid].append((t, lp))
+        plan = StepPlan(101 + k, [], [SeqStep(s.seq_id, 1, [], True) for s in news], [])
+    runner.step(StepPlan(200, [], [], [s.seq_id for s in news]))
+    for sid, top in ((10, 3), (11, 0)):
+        seq = ids + [t for t, _ in got[sid]]
+        with torch.no_grad():
+            ref = m(torch.tensor([seq])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+        for i, (t, lp) in enumerate(got[sid]):
+            assert abs(lp.logprob - float(ref[i, t])) < 1e-3, (sid, i)
+            assert len(lp.top_ids) == len(lp.top_logprobs) == top
+            want = ref[i].topk(top)
+            assert lp.top_logprobs == pytest.approx(want.values.tolist(), abs=1e-3)
+            if top:
+                assert lp.top_ids[0] == t == int(want.indices[0])     # greedy, unpenalized
+    plain = runner.step(StepPlan(201, [NewSeq(30, ids, len(ids), 0, list(range(per)), 0.0, 1.0,
+                                              0, None)], [SeqStep(30, len(ids), [], True)], []))
+    assert plain.logprobs == []
+    runner.step(StepPlan(202, [], [], [30]))
