@@ -21,8 +21,8 @@ from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerCo
                             TenantConfig, Topology, WeirConfig)
 from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, FreeRequest,
                           KvGrant, KvGrants, KvHello, KvManagerUp, KvOps, NewSeq, Penalties,
-                          Released, SamplingParams, SeqStep, StepPlan, StepResult, TokenBatch,
-                          TokenOut, Usage)
+                          Released, SampleLogprobs, SamplingParams, SeqStep, StepPlan,
+                          StepResult, TokenBatch, TokenOut, Usage)
 
 T0 = RequestTiming()    # timings are zero when the test passes no clock
 
@@ -877,6 +877,10 @@ class Cluster:
                 for t in msg.items:
                     r = self.requests[t.request_id]
                     r["out"].setdefault(t.index, []).extend(t.token_ids)
+                    # each token travels with its own logprobs (the executor's below name
+                    # the token they belong to), through forks, discards and overlap
+                    assert [lp.top_ids[0] for lp in t.logprobs] == t.token_ids, \
+                        f"seed {self.seed}: logprobs of {t.request_id} paired wrongly"
                     if t.finish_reason:
                         r["ends"][t.index] = t.finish_reason
             elif to == "admission" and isinstance(msg, Released):
@@ -987,8 +991,9 @@ class Cluster:
                 ids += [st.seq_id] * st.num_samples
                 tokens += drawn
                 toks.append(drawn[0])
-        self.inbox["from_executor"].append(StepResult(plan.step_id, ids, tokens,
-                                                      self.rng.randint(1, 3_000_000)))
+        self.inbox["from_executor"].append(StepResult(
+            plan.step_id, ids, tokens, self.rng.randint(1, 3_000_000),
+            logprobs=[SampleLogprobs(-1.0, [t], [-1.0]) for t in tokens]))
 
     def executor_restart(self) -> None:
         """Its state and KV are gone; plans not yet run are lost, results already sent are
