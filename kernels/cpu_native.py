@@ -100,6 +100,8 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
         lib.weir_argmax.argtypes = [vp, i64, i64, vp, ctypes.c_int]
+        lib.weir_logprobs.restype = None
+        lib.weir_logprobs.argtypes = [vp, i64, i64, i64, vp, vp, vp, ctypes.c_int]
         lib.weir_add_rms_norm.restype = None
         lib.weir_add_rms_norm.argtypes = [ctypes.c_int, vp, vp, vp, vp, i64, i64, ctypes.c_float,
                                           ctypes.c_int]
@@ -246,6 +248,19 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     load().weir_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                        torch.get_num_threads())
     return out
+
+
+def logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For float32 rows [S, vocab]: each row's log-sum-exp [S], and its ``k`` (<= 64)
+    largest logits [S, k] and their ids [S, k], largest first (ties: the earlier id)."""
+    x = logits.contiguous()
+    rows = x.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32)
+    vals = torch.empty(rows, k, dtype=torch.float32)
+    ids = torch.empty(rows, k, dtype=torch.int64)
+    load().weir_logprobs(x.data_ptr(), rows, x.shape[1], k, lse.data_ptr(), ids.data_ptr(),
+                         vals.data_ptr(), torch.get_num_threads())
+    return lse, vals, ids
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -92,7 +92,7 @@ class DecodeBench:
     """A runner with ``batch`` sequences prefilled to ``context`` tokens, stepping decode."""
 
     def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
-                 penalties: Penalties | None = None):
+                 penalties: Penalties | None = None, logprobs: int | None = None):
         blocks_per_seq = -(-(context + 64) // block_size)
         self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size))
         g = torch.Generator().manual_seed(batch)
@@ -100,7 +100,8 @@ class DecodeBench:
         for i in range(batch):
             toks = torch.randint(100, 40000, (context,), generator=g).tolist()
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None, penalties))
+            news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None, penalties,
+                               logprobs))
             steps.append(SeqStep(i + 1, context, [], True))
         self.batch = batch
         self.step_id = 1
@@ -172,8 +173,9 @@ def main() -> None:
                     help="after the table, time each part of the step at this batch")
     ap.add_argument("--penalties", type=int, default=0,
                     help="after the table, time steps at this batch with presence, frequency "
-                         "and repetition penalties and a logit bias on every sequence, "
-                         "beside the same steps without")
+                         "and repetition penalties and a logit bias on every sequence, and "
+                         "with logprobs (top 5) on every sequence, beside the same steps "
+                         "with neither")
     ap.add_argument("--kernels", default="",
                     help="forced choices, e.g. linear=onednn,elementwise=native (default: the "
                          "plan measured on this machine, as the executor uses it)")
@@ -227,7 +229,8 @@ def main() -> None:
         b = args.penalties
         benches = {"plain": DecodeBench(model, b, args.context),
                    "penalized": DecodeBench(model, b, args.context,
-                                            penalties=Penalties(0.5, 0.5, 1.2, [(5, 1.0)]))}
+                                            penalties=Penalties(0.5, 0.5, 1.2, [(5, 1.0)])),
+                   "logprobs": DecodeBench(model, b, args.context, logprobs=5)}
         times: dict[str, list[float]] = {name: [] for name in benches}
         for i in range(2 + args.steps):          # interleaved: drift hits both alike
             for name, bench in benches.items():
@@ -237,7 +240,8 @@ def main() -> None:
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"batch {b}, context {args.context}: {ms['plain']:.2f} ms/step plain, "
               f"{ms['penalized']:.2f} with penalties and a bias on every sequence "
-              f"(+{ms['penalized'] - ms['plain']:.2f} ms)")
+              f"(+{ms['penalized'] - ms['plain']:.2f} ms), {ms['logprobs']:.2f} with logprobs "
+              f"and the top 5 on every sequence (+{ms['logprobs'] - ms['plain']:.2f} ms)")
     if args.breakdown:               # last: the timers stay wrapped around the model
         b = args.breakdown
         bench = DecodeBench(model, b, args.context)

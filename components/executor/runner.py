@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from components.executor.sampling import (RowPenalties, apply_penalties, sample,
-                                          token_logprobs)
+from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, SampleLogprobs, StepPlan, StepResult
 
@@ -140,21 +139,21 @@ class ModelRunner:
         if sampled:                   # a step of middle prefill chunks samples nothing
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
             states = [s for _, s, _ in sampled]
+            penalized = [(i, s.token_ids, s.prompt_len, s.penalties)
+                         for i, s in enumerate(states) if s.penalties is not None]
             asked = [i for i, s in enumerate(states) if s.logprobs is not None]
-            # the model's own distribution: before penalties change the logits in place
-            dist = logits[asked].log_softmax(dim=-1) if asked else None
-            if penalized := [(i, s.token_ids, s.prompt_len, s.penalties)
-                             for i, s in enumerate(states) if s.penalties is not None]:
+            lps = Logprobs(logits, asked, [states[i].logprobs for i in asked],
+                           any(states[i].penalties is not None for i in asked),
+                           self.native_sampling) if asked else None
+            if penalized:
                 apply_penalties(logits, penalized)
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,
                             [len(s.token_ids) - s.prompt_len for s in states],
                             self.native_sampling).tolist()
-            if dist is not None:
-                logprobs = token_logprobs(dist, [tokens[i] for i in asked],
-                                          [states[i].logprobs for i in asked], asked,
-                                          len(sampled))
+            if lps is not None:
+                logprobs = lps.finish(tokens, len(sampled))
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
         for (_, s, k), tok in zip(sampled, tokens):

@@ -236,21 +236,42 @@ def _apply_penalties(logits: torch.Tensor,
         flat.index_add_(0, (ids + base)[keep].to(dev), add[keep].to(dev))
 
 
-def token_logprobs(dist: torch.Tensor, tokens: list[int], tops: list[int], rows: list[int],
-                   n: int) -> list[SampleLogprobs | None]:
-    """``n`` entries, None but at ``rows``: there, ``tokens[j]``'s log-probability in row
-    ``j`` of ``dist`` (log-softmax ``[len(rows), vocab]``) and the ``tops[j]`` most likely
-    tokens' (one topk for the batch, at the largest asked)."""
-    from schemas.wire import SampleLogprobs     # (msgspec: not in the torch-only import path)
+class Logprobs:
+    """Logprobs for the rows that asked, in two halves around the sampler: taken from the
+    logits before penalties change them (the model's own distribution, vLLM's default),
+    finished once the tokens are known. Each row's log-sum-exp and its top k by value
+    (log-probabilities differ from logits by that constant), not a whole log-softmax; on
+    the CPU natively (kernels/csrc/cpu_sampling.cpp): 64 rows at the top 5, 2-core AVX2
+    EPYC, 2.7 ms in all against 7.5 in torch (whose log_softmax + gather + topk took 10)."""
 
-    picked = dist.gather(1, torch.tensor(tokens, device=dist.device)[:, None])[:, 0].tolist()
-    k = max(tops)
-    top_lp, top_ids = dist.topk(k, dim=-1) if k else (dist[:, :0], dist[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    out: list[SampleLogprobs | None] = [None] * n
-    for j, row in enumerate(rows):
-        out[row] = SampleLogprobs(picked[j], top_ids[j][:tops[j]], top_lp[j][:tops[j]])
-    return out
+    def __init__(self, logits: torch.Tensor, rows: list[int], tops: list[int],
+                 will_change: bool, native: bool = True) -> None:
+        """``rows`` of ``logits`` asked for ``tops`` alternatives each; ``will_change``:
+        penalties will rewrite some of them in place before sampling."""
+        sel = logits if len(rows) == logits.shape[0] else logits[rows]
+        self.logits = sel.clone() if will_change and sel is logits else sel
+        self.rows, self.tops = rows, tops
+        k = max(tops)
+        if native and _native is not None and sel.device.type == "cpu" \
+                and sel.dtype == torch.float32:
+            self.lse, values, indices = _native.logprobs(self.logits, k)
+        else:
+            self.lse = torch.logsumexp(self.logits, dim=-1)
+            values, indices = self.logits.topk(k, dim=-1)
+        self.top = (values - self.lse[:, None]).tolist(), indices.tolist()
+
+    def finish(self, tokens: list[int], n: int) -> list[SampleLogprobs | None]:
+        """``n`` entries, None but at ``rows``: there, the sampled token's log-probability
+        (``tokens`` holds all ``n`` samples) and the top alternatives, most likely first."""
+        from schemas.wire import SampleLogprobs     # (msgspec: not in the torch-only path)
+
+        picked = torch.tensor([tokens[r] for r in self.rows], device=self.logits.device)
+        lp = (self.logits.gather(1, picked[:, None])[:, 0] - self.lse.to(picked.device)).tolist()
+        top_lp, top_ids = self.top
+        out: list[SampleLogprobs | None] = [None] * n
+        for j, (row, k) in enumerate(zip(self.rows, self.tops)):
+            out[row] = SampleLogprobs(lp[j], top_ids[j][:k], top_lp[j][:k])
+        return out
 
 
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],

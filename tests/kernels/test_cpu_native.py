@@ -103,6 +103,10 @@ def test_portable_kernel_matches_reference(build):
         "        got = cpu_native.small_batch_linear(x, cpu_native.pack_small_batch(w)).float()\n"
         "        scale = (x.float().abs() @ w.float().abs().T + 1).max()\n"
         "        assert (got - want).abs().max() <= tol * scale, (dtype, m)\n"
+        "x = torch.randn(5, 777) * 4\n"
+        "lse, vals, ids = cpu_native.logprobs(x, 4)\n"
+        "assert (lse - torch.logsumexp(x, -1)).abs().max() < 1e-4, 'logprobs lse'\n"
+        "assert torch.equal(vals, x.topk(4, -1).values), 'logprobs top'\n"
         "print('ok')\n")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
@@ -182,6 +186,28 @@ def test_native_row_ops_take_no_rows():
     out = torch.empty(0, 8)
     cpu_native.add_rms_norm(torch.empty(0, 8), None, torch.ones(8), out, 1e-5)
     assert cpu_native.sample(torch.empty(0, 10), *(torch.empty(0),) * 4).shape == (0,)
+
+
+def test_logprobs_match_torch():
+    """Log-sum-exp and the top k, against torch: ties go to the earlier id, k = 0 works, a
+    vocabulary smaller than k pads with -inf, an empty batch is empty."""
+    x = torch.randn(7, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    top = float(x[2].max()) + 1
+    x[2, 10] = x[2, 500] = top                   # a tie at the top
+    x[3] = 0.0                                   # all equal
+    x[4, -1] = 60.0                              # the max at the last position
+    for k in (0, 1, 5, 20):
+        lse, vals, ids = cpu_native.logprobs(x, k)
+        torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=2e-5, rtol=1e-6)
+        assert vals.shape == ids.shape == (7, k)
+        assert torch.equal(vals, x.topk(k, -1).values)
+        assert torch.equal(x.gather(1, ids), vals)
+        if k >= 2:
+            assert ids[2, :2].tolist() == [10, 500] and ids[3].tolist() == list(range(k))
+            assert ids[4, 0] == 999
+    lse, vals, ids = cpu_native.logprobs(torch.tensor([[1.0, 3.0, 2.0]]), 5)
+    assert ids[0, :3].tolist() == [1, 2, 0] and vals[0, 3:].tolist() == [float("-inf")] * 2
+    assert cpu_native.logprobs(torch.empty(0, 10), 3)[1].shape == (0, 3)
 
 
 def test_small_batch_pack_refuses_unfit_shapes():
