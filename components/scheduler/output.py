@@ -45,7 +45,9 @@ class Output:
                 seq.num_computed += n
                 live.add(seq_id)
         sampled: dict[int, list[tuple[int, SampleLogprobs | None]]] = {}
-        lps = result.logprobs or repeat(None)
+        # beside the tokens one for one, or not at all (a list of another length, which only
+        # a corrupt message could carry, must not cut the tokens short in the zip below)
+        lps = result.logprobs if len(result.logprobs) == len(result.token_ids) else repeat(None)
         for seq_id, token, lp in zip(result.seq_ids, result.token_ids, lps):
             if seq_id in live:
                 sampled.setdefault(seq_id, []).append((token, lp))

@@ -160,6 +160,18 @@ def test_penalties_travel_with_a_new_sequence_only_when_asked_for():
     assert ns.penalties == Penalties(0.5, 0.0, 1.2, [(3, 2.0), (9, -100.0)])
 
 
+def test_logprobs_ride_with_their_token_or_not_at_all():
+    core, kv, toks = make(), Kv(16), prompt(10)
+    plan = start(core, kv, admitted("a", toks), admitted("b", prompt(9, 300)))
+    lp = SampleLogprobs(-0.5, [7], [-0.5])
+    out = core.on_result(StepResult(plan.step_id, [1, 2], [7, 8], 1, logprobs=[lp, None]))
+    assert [(t.token_ids, t.logprobs) for t in out.tokens] == [([7], [lp]), ([8], None)]
+    plan = core.schedule()
+    # a list of another length (a corrupt message) is dropped, and no token with it
+    out = core.on_result(StepResult(plan.step_id, [1, 2], [5, 6], 1, logprobs=[lp]))
+    assert [(t.token_ids, t.logprobs) for t in out.tokens] == [([5], None), ([6], None)]
+
+
 def test_known_sequences_travel_as_diffs_and_growth_is_batched():
     core, kv, toks = make(lookahead=4, grow_blocks=2), Kv(16), prompt(10)
     plan = start(core, kv, admitted("r1", toks))
