@@ -98,19 +98,17 @@ class DetokenizerService(Component):
             # forged or corrupt message) must not reach the tokenizer's decoder, which raises
             vocab = self.bundle.vocab_size
             out = detok.push([t for t in item.token_ids if 0 <= t < vocab])
-            text = out.text
+            text, reason = out.text, None
             if out.stopped:
                 reason = "stop"
                 stopped.append((rid, index))
             elif item.finish_reason is not None:
                 text += detok.flush()
                 reason = "stop" if detok.stopped else item.finish_reason
-            else:
-                events.append(TextDelta(rid, text, tuple(item.token_ids), index,
-                                        self.logprobs(item)))
-                continue
             events.append(TextDelta(rid, text, tuple(item.token_ids), index,
                                     self.logprobs(item)))
+            if reason is None:
+                continue
             del stream.detoks[index]
             stream.ends[index] = ChoiceEnd(index, reason, stream.choice_tokens[index])
             stream.timing = item.timing or stream.timing
