@@ -9,7 +9,7 @@ import torch
 
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
-from components.executor.sampling import RowPenalties, apply_penalties, sample
+from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
 from weir.model_fetch import cache_dir
 
@@ -173,3 +173,28 @@ def test_logprobs_are_the_models_own_distribution(runner, hf):
                                               0, None)], [SeqStep(30, len(ids), [], True)], []))
     assert plain.logprobs == []
     runner.step(StepPlan(202, [], [], [30]))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("asked", [[0, 2, 3], [0, 1, 2, 3]])     # all: the logits themselves
+def test_logprobs_halves_agree_with_log_softmax(native, asked):
+    """Both paths (the native kernel, and torch's, which GPUs and the torch plan take): the
+    rows that asked, each with its own k, the others None; penalties applied between the
+    halves change nothing reported."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(5)) * 3
+    want = logits.log_softmax(-1)
+    tops = {0: 2, 1: 1, 2: 0, 3: 5}
+    lps = Logprobs(logits, asked, [tops[r] for r in asked], will_change=True, native=native)
+    apply_penalties(logits, [(0, [1, 2], 1, RowPenalties(Penalties(0.0, 0.0, 1.0,
+                                                                   [(7, 50.0)])))])
+    tokens = [7, 9, 11, 13]
+    got = lps.finish(tokens, 4)
+    for row in range(4):
+        if row not in asked:
+            assert got[row] is None
+            continue
+        g = got[row]
+        assert g.logprob == pytest.approx(float(want[row, tokens[row]]), abs=1e-5)
+        top = want[row].topk(tops[row])
+        assert g.top_ids == top.indices.tolist()
+        assert g.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
