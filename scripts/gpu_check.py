@@ -257,6 +257,32 @@ def check_flash_attn(report: Report, device, tiny: bool = False) -> None:
 
 # ---------------------------------------------------------------- CUDA graphs against eager
 
+def check_logit_processing(report: Report, device) -> None:
+    """Sampling penalties and logprobs (the executor's torch code, which a GPU runs) on
+    ``device`` against the CPU's own path: the native logprobs kernel where it builds."""
+    import types
+
+    import torch
+    from components.executor.sampling import Logprobs, RowPenalties, apply_penalties
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 49152, generator=g) * 3
+    rows = [(r, torch.randint(0, 49152, (200,), generator=g).tolist(), 150,
+             types.SimpleNamespace(presence=0.5, frequency=0.25 * r, repetition=1.0 + 0.1 * r,
+                                   bias=[(r, 5.0), (49151, -3.0)])) for r in range(6)]
+
+    def run(dev, native: bool):
+        x = logits.to(dev, copy=True)      # (the same tensor on the CPU without copy)
+        lp = Logprobs(x, [0, 2, 5], [3, 0, 5], will_change=True, native=native)
+        apply_penalties(x, [(r, ids, pl, RowPenalties(pen)) for r, ids, pl, pen in rows])
+        return x.cpu(), lp.lse.cpu(), torch.tensor(lp.top[0][2]), lp.top[1]
+
+    want, got = run("cpu", True), run(device, False)
+    err = max((got[0] - want[0]).abs().max().item(), (got[1] - want[1]).abs().max().item(),
+              (got[2] - want[2]).abs().max().item())
+    report.check("penalties and logprobs vs the CPU", err < 1e-4 and got[3] == want[3],
+                 f"max|err|={err:.1e}")
+
+
 def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num_blocks: int,
                   vocab: int, context: int | None = None):
     """n decode sequences on disjoint shuffled blocks (with spare lookahead blocks); each at
@@ -585,6 +611,9 @@ def gpu_main(args) -> int:
     print("[2] flash-attn adapter", flush=True)
     check_flash_attn(report, device)
 
+    print("[2b] sampling penalties and logprobs vs the CPU", flush=True)
+    check_logit_processing(report, device)
+
     print("[3] CUDA graphs vs eager, every bucket (fp32)", flush=True)
     real = _load_gguf(Path(args.model_path)) if args.model_path else None
     shape, label = (real[0], "smollm2-135m") if real else (SMOLLM2_135M, "smollm2-135m-rand")
@@ -696,6 +725,8 @@ def cpu_dry_run(args) -> int:
         model = LlamaModel(tiny, random_weights(tiny), backend="triton")
         check_graphs(report, "tiny fp32", model, max_len=64, max_batch=4, block_size=16,
                      tol=1e-4, partials=(3,))
+    print("[2b] sampling penalties and logprobs: torch vs native", flush=True)
+    check_logit_processing(report, "cpu")
     print("[4] decode timing (torch backend, eager)", flush=True)
     model = LlamaModel(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(2 * 3 + 1, 16)
