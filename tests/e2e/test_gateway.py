@@ -140,6 +140,10 @@ def test_logprobs_completion_chat_and_streamed(gw, oai):
                and c.bytes == list(c.token.encode()) for c in content)
     assert oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2).choices[0] \
         .logprobs is None
+    two = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=2, temperature=1.0,
+                                 seed=3, logprobs=1, extra_body={"ignore_eos": True})
+    for c in two.choices:                # each choice its own tokens (the fork's first too)
+        assert "".join(c.logprobs.tokens) == c.text and len(c.logprobs.token_logprobs) == 5
     gw.wait_kv_free(timeout=2.0)
 
 
