@@ -2,7 +2,7 @@
 sequence's planned position, the sit-out rules, the sample discarded after an end, releases
 sent at once though a step in flight still names the sequence, failure paths, and the
 step-time accounting of ``SchedulerLoop``. Exact inputs; the randomized whole-loop
-test (test_core.py, ``Cluster``) covers the interleavings."""
+test (test_whole_loop.py, ``Cluster``) covers the interleavings."""
 from __future__ import annotations
 
 import itertools
