@@ -251,7 +251,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For float32 rows [S, vocab]: each row's log-sum-exp [S], and its ``k`` (<= 64)
+    """For float32 rows [S, vocab]: each row's log-sum-exp [S], and its ``k``
     largest logits [S, k] and their ids [S, k], largest first (ties: the earlier id)."""
     x = logits.contiguous()
     rows = x.shape[0]

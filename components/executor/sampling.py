@@ -13,7 +13,6 @@ the fallback and the GPU path.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from typing import TYPE_CHECKING
