@@ -50,6 +50,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # likely tokens' (0 .. 20), under the model's own distribution (before temperature,
     # penalties and filters, as vLLM reports them by default)
     logprobs: int | None = None
+    # no EOS, stop_token_ids or stop string ends a choice before it has this many tokens
+    # (vLLM's min_tokens: the executor bans the stop ids until then); at most max_tokens
+    min_tokens: int = 0
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):

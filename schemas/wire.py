@@ -311,12 +311,16 @@ KvEventsMsg = Union[KvEvents]
 
 class Penalties(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A sequence's logit adjustments (SamplingParams' fields of the same names; the
-    bias as (token id, bias) pairs)."""
+    bias as (token id, bias) pairs). ``stop_ids`` are banned (logit -inf) while the
+    output has fewer than ``min_tokens`` tokens: the ids that would end it (EOS unless
+    ignored, and stop_token_ids)."""
 
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
     bias: list[tuple[int, float]] = []
+    min_tokens: int = 0
+    stop_ids: list[int] = []
 
 
 class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -370,6 +374,7 @@ class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     queue_time_s: float = 0.0
     traceparent: str | None = None
     n: int = 1                        # choices in the request; Finished waits for all
+    min_tokens: int = 0               # no stop string matches before a choice has this many
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -32,6 +32,7 @@ any work is done on it. The limits and why:
   the real vocabulary), values finite in [-100, 100].
 - ``presence_penalty``, ``frequency_penalty``: finite, in [-2, 2] (OpenAI's range).
   ``repetition_penalty``: finite, in (0, ``MAX_REPETITION_PENALTY`` = 100]; 1 is off.
+- ``min_tokens``: 0 .. ``max_tokens`` (or ``MAX_MAX_TOKENS`` without one).
 - ``logprobs``: None (off) or 0 .. ``MAX_LOGPROBS`` (20, vLLM's default cap) alternatives.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
@@ -119,6 +120,9 @@ def check_params(p: SamplingParams) -> str | None:
     if not _is_num(r) or not math.isfinite(r) or not 0 < r <= MAX_REPETITION_PENALTY:
         return (f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
                 f"(1 is off), got {r!r:.40}")
+    top = MAX_MAX_TOKENS if p.max_tokens is None else p.max_tokens
+    if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= top:
+        return f"min_tokens must be in [0, max_tokens = {top}], got {p.min_tokens!r:.40}"
     if p.logprobs is not None and (not _is_int(p.logprobs)
                                    or not 0 <= p.logprobs <= MAX_LOGPROBS):
         return f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs!r:.40}"

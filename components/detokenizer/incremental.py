@@ -23,11 +23,13 @@ class IncrementalDetokenizer:
     emitted stay as left context (so decoders that depend on it, e.g. leading-space handling,
     see it) and are dropped at the next complete character. Text that ends in an incomplete
     UTF-8 sequence is held until it completes, and text that could be the start of a stop
-    string is held until it cannot be.
+    string is held until it cannot be. Before ``min_tokens`` ids have been pushed no stop
+    string matches (vLLM's min_tokens), and text is released as it comes.
     """
 
     def __init__(self, tokenizer: Tokenizer, special_ids: Iterable[int],
-                 skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+                 skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 min_tokens: int = 0):
         self._tokenizer = tokenizer
         self._skip_ids = frozenset(special_ids) if skip_special_tokens else frozenset()
         self._skip_special = skip_special_tokens
@@ -38,6 +40,7 @@ class IncrementalDetokenizer:
         self._held = ""
         self._matched_stop: str | None = None
         self._finished = False
+        self._min_tokens, self._pushed = min_tokens, 0
 
     @property
     def stopped(self) -> bool:
@@ -54,6 +57,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("push() after flush()")
         if self.stopped:
             return DetokOutput("", True)
+        self._pushed += len(token_ids)
         new = [t for t in token_ids if t not in self._skip_ids]
         if not new:
             return DetokOutput("", False)
@@ -83,7 +87,7 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _release(self, chunk: str, final: bool) -> DetokOutput:
-        if not self._stops:
+        if not self._stops or self._pushed < self._min_tokens:    # nothing held till then
             return DetokOutput(chunk, False)
         buf = self._held + chunk
         hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]

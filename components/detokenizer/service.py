@@ -64,7 +64,8 @@ class DetokenizerService(Component):
         detok = stream.detoks.get(item.index)
         if detok is None and p is not None and item.index not in stream.ends:
             detok = stream.detoks[item.index] = IncrementalDetokenizer(
-                self.bundle.tokenizer, self.bundle.special_ids, p.skip_special_tokens, p.stop)
+                self.bundle.tokenizer, self.bundle.special_ids, p.skip_special_tokens, p.stop,
+                p.min_tokens)
         return None if detok is None else (stream, detok)
 
     def piece(self, token: int) -> str:

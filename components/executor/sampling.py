@@ -140,7 +140,8 @@ class RowPenalties:
     a row of NaNs, and the distinct tokens of its prompt kept after the first step (a
     prompt does not change), so a step pays only for the output's tokens."""
 
-    __slots__ = ("presence", "frequency", "repetition", "bias_ids", "bias", "_prompt", "_out")
+    __slots__ = ("presence", "frequency", "repetition", "bias_ids", "bias", "min_tokens",
+                 "stop_ids", "_prompt", "_out")
 
     def __init__(self, pen: Penalties) -> None:
         self.repetition = pen.repetition if 0 < pen.repetition < math.inf else 1.0
@@ -148,6 +149,7 @@ class RowPenalties:
         self.frequency, self.presence = (pen.frequency, pen.presence) if ok else (0.0, 0.0)
         bias = [(t, b) for t, b in pen.bias if math.isfinite(b)]
         self.bias_ids, self.bias = [t for t, _ in bias], [b for _, b in bias]
+        self.min_tokens, self.stop_ids = pen.min_tokens, pen.stop_ids
         self._prompt: torch.Tensor | None = None
         self._out = torch.empty(0, dtype=torch.long)
 
@@ -175,7 +177,8 @@ def apply_penalties(logits: torch.Tensor,
     every distinct token of prompt and output (HF's: a positive logit divided by it, a
     negative one multiplied); then, over the output's tokens, minus ``frequency`` times
     each one's count and minus ``presence`` once (vLLM's and OpenAI's); then plus each
-    ``bias``. Ids outside the vocabulary are skipped, so no row can fail the batch. Each
+    ``bias``; then, while the output is shorter than ``min_tokens``, ``stop_ids`` to
+    -inf (a bias cannot bring them back). Ids outside the vocabulary are skipped, so no row can fail the batch. Each
     of the three is one set of tensor ops over every row at once, on flat indices
     ``row * vocab + token``: 64 rows of 300 tokens, all three on every row, cost 20.7 ms
     one row at a time and ~4 ms so; a batch-64 decode step with them on every sequence
@@ -233,6 +236,12 @@ def _apply_penalties(logits: torch.Tensor,
         base = torch.tensor([r * vocab for r, *_, pen in bias for _ in pen.bias_ids])
         keep = (ids >= 0) & (ids < vocab)
         flat.index_add_(0, (ids + base)[keep].to(dev), add[keep].to(dev))
+    ban = [r for r in rows if r[3].stop_ids and len(r[1]) - r[2] < r[3].min_tokens]
+    if ban:
+        ids = torch.tensor([t for *_, pen in ban for t in pen.stop_ids], dtype=torch.long)
+        base = torch.tensor([r * vocab for r, *_, pen in ban for _ in pen.stop_ids])
+        keep = (ids >= 0) & (ids < vocab)
+        flat[(ids + base)[keep].to(dev)] = -math.inf
 
 
 class Logprobs:

@@ -58,6 +58,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float | None = None       # None (as some clients send): off
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None     # vLLM's extension (HF's definition)
+    min_tokens: int | None = None               # vLLM's extension
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     priority: int = 0               # vLLM's extension: lower is more important
@@ -134,7 +135,7 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
     if (service_class := class_of(req, class_header)) is not None:
         params["service_class"] = service_class
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         if (value := getattr(req, name)) is not None:
             params[name] = value
     if req.logit_bias:

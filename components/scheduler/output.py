@@ -92,7 +92,8 @@ class Output:
         seq.outputs_sent += 1
         p = seq.params
         params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
-                              max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n)
+                              max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n,
+                              p.min_tokens)
                   if first else None)
         if reason is None:
             out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index,
@@ -109,7 +110,10 @@ class Output:
 
     def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:
         p = seq.params
-        if (token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        # ``token`` is counted in num_output: min_tokens tokens come before a stop token
+        # (the executor bans them until then; this holds if a sampler did not)
+        if ((token in seq.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids) \
+                and seq.num_output > p.min_tokens:
             return "stop"
         if ((p.max_tokens is not None and seq.num_output >= p.max_tokens)
                 or seq.num_tokens >= self.max_model_len):

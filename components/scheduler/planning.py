@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from components.scheduler.kv_requests import TENANT_BUDGET
@@ -28,14 +29,17 @@ if TYPE_CHECKING:
 _NEVER = 1 << 62                 # the deadline of a request that has none
 
 
-def penalties_of(p: SamplingParams) -> Penalties | None:
+def penalties_of(p: SamplingParams, eos_token_ids: Iterable[int] = ()) -> Penalties | None:
     """The logit adjustments a request asked for, as the executor takes them; None when
-    it asked for none."""
+    it asked for none. With ``min_tokens``, the ids that would end a choice (its
+    ``eos_token_ids`` unless ``ignore_eos``, and ``stop_token_ids``) are banned until then."""
     if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and not p.logit_bias):
+            and p.repetition_penalty == 1.0 and not p.logit_bias and p.min_tokens == 0):
         return None
+    stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                      ) if p.min_tokens else []
     return Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                     sorted((p.logit_bias or {}).items()))
+                     sorted((p.logit_bias or {}).items()), p.min_tokens, stop_ids)
 
 
 class Planning:
@@ -237,7 +241,8 @@ class Planning:
                 seed = None if p.seed is None else p.seed + seq.index
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
                                        seq.num_computed, list(seq.block_ids), p.temperature,
-                                       p.top_p, p.top_k, seed, penalties_of(p),
+                                       p.top_p, p.top_k, seed,
+                                       penalties_of(p, seq.eos_token_ids),
                                        p.logprobs))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples))

@@ -110,6 +110,33 @@ def test_penalties_and_logit_bias(gw, oai, model_path):
     gw.wait_kv_free(timeout=2.0)
 
 
+def test_min_tokens_holds_off_eos_and_stop_strings(gw, oai):
+    """vLLM's min_tokens: a greedy reply that ends on EOS after a few tokens runs to at
+    least min_tokens, and a stop string that would match in the first tokens does not."""
+    msgs = [{"role": "user", "content": "Is water wet? Answer yes or no."}]
+
+    def chat(**extra):
+        return oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40,
+                                           temperature=0, extra_body=extra)
+
+    short = chat()
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 12, short
+    held = chat(min_tokens=n + 8)
+    assert held.usage.completion_tokens >= n + 8
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content)
+
+    def comp(**extra):
+        return oai.completions.create(model=MODEL, prompt="One, two, three, four, five, six,",
+                                      max_tokens=16, temperature=0, stop=[","],
+                                      extra_body=extra).choices[0]
+
+    cut, longer = comp(), comp(min_tokens=6)
+    assert cut.finish_reason == "stop" and "," not in cut.text
+    assert longer.text.startswith(cut.text + ",") and longer.finish_reason == "stop"
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_logprobs_completion_chat_and_streamed(gw, oai):
     """Logprobs through the official client: one per output token, the tokens spell the
     text, offsets run along it, greedy picks are the most likely of their top, the stream

@@ -24,7 +24,8 @@ def sub(**kw) -> Submit:
     {"presence_penalty": -2.0}, {"presence_penalty": 2}, {"frequency_penalty": -2},
     {"frequency_penalty": 2.0}, {"repetition_penalty": 1e-6}, {"repetition_penalty": 100.0},
     {"logit_bias": {0: -100.0, 2**31 - 1: 100}}, {"logit_bias": {i: 1.0 for i in range(300)}},
-    {"logprobs": 0}, {"logprobs": 20},
+    {"logprobs": 0}, {"logprobs": 20}, {"min_tokens": 16}, {"min_tokens": 0},
+    {"max_tokens": None, "min_tokens": 2**31 - 1},
 ])
 def test_params_at_their_limits_pass(params):
     assert check_params(SamplingParams(**params)) is None
@@ -64,6 +65,9 @@ def test_params_at_their_limits_pass(params):
     ({"logit_bias": [(5, 1.0)]}, "logit_bias"),
     ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"), ({"logprobs": 2**70}, "logprobs"),
+    ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"max_tokens": None, "min_tokens": 2**31}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
 ])
 def test_params_past_their_limits_are_refused(params, words):
     why = check_params(SamplingParams(**params))

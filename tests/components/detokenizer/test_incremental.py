@@ -209,6 +209,27 @@ def test_stop_string_in_skipped_special_token_does_not_fire(bundle):
     assert out == "ab" and not detok.stopped
 
 
+def test_no_stop_string_matches_before_min_tokens(bundle):
+    text = "Hi. I am here. Yes."
+    ids = bundle.encode(text)
+    first = next(i for i in range(len(ids)) if "." in bundle.tokenizer.decode(ids[:i + 1]))
+    for min_tokens, want in [(0, "Hi"), (first + 1, "Hi"), (first + 2, "Hi. I am here")]:
+        detok = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, stop=["."],
+                                       min_tokens=min_tokens)
+        out = ""
+        for i in ids:
+            got = detok.push([i])
+            out += got.text
+            if got.stopped:
+                break
+        assert out == want and detok.stopped, min_tokens
+    # past the end: nothing ever matches, every character comes out
+    detok = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, stop=["."],
+                                   min_tokens=len(ids) + 1)
+    assert "".join(detok.push([i]).text for i in ids) + detok.flush() == text
+    assert not detok.stopped
+
+
 def test_push_after_flush_raises(bundle):
     detok = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids)
     detok.push(bundle.encode("hi"))

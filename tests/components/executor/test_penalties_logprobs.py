@@ -29,6 +29,10 @@ def reference(row: torch.Tensor, ids: list[int], prompt_len: int, pen: Penalties
     for t, b in pen.bias:
         if 0 <= t < len(x):
             x[t] += b
+    if len(ids) - prompt_len < pen.min_tokens:
+        for t in pen.stop_ids:
+            if 0 <= t < len(x):
+                x[t] = -torch.inf
     return x
 
 
@@ -39,6 +43,10 @@ CASES = [
     ([8, 8, 8, 2], 1, Penalties(1.0, 2.0, 1.3, [(8, -100.0), (0, 3.5)])),
     ([3], 1, Penalties(0.0, 0.0, 1.0, [(49, 100.0), (V, 5.0), (-1, 5.0)])),   # ids past the ends skipped
     ([V + 3, -2, 6, V + 9], 1, Penalties(2.0, 2.0, 2.0, [])),           # so are out-of-vocab tokens
+    # min_tokens: stop ids banned while the output is shorter (2 < 3; a bias cannot lift
+    # the ban), free once it is not (3 = 3)
+    ([1, 2, 5, 6], 2, Penalties(0.0, 0.0, 1.0, [(4, 100.0)], 3, [4, 9, V, -1])),
+    ([1, 2, 5, 6, 7], 2, Penalties(0.0, 0.0, 1.0, [], 3, [4, 9])),
 ]
 # what validation refuses, from a peer that skipped it: ignored, never a NaN row
 HOSTILE = [([1, 2, 2], 1, Penalties(float("nan"), 1.0, -3.0, [(4, float("inf")), (5, 1.0)])),
@@ -78,6 +86,22 @@ def test_penalties_move_greedy_and_bias_forces_or_bans_a_token():
     logits[0, 11] = 1.0
     picked = sample(logits, [0.0] * 3, [1.0] * 3, [0] * 3, [None] * 3, [0] * 3)
     assert picked.tolist() == [11, 0, 30]
+
+
+def test_a_min_tokens_ban_holds_under_every_sampler():
+    """-inf logits (the ban) through greedy, temperature, top-p and top-k, natively and in
+    torch: never drawn, never a NaN."""
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(5))
+    logits[:, 4] = logits[:, 9] = 30.0                  # the stop ids are the likely picks
+    apply_penalties(logits, [(i, [1, 2], 1, RowPenalties(Penalties(min_tokens=3,
+                                                                   stop_ids=[4, 9])))
+                             for i in range(8)])
+    for native in (True, False):
+        for seed in range(20):
+            picked = sample(logits, [0.0, 0.5, 1.0, 1.0, 2.0, 1.0, 0.7, 1.0],
+                            [1.0, 1.0, 1.0, 0.9, 0.5, 1.0, 0.95, 1.0],
+                            [0, 0, 0, 0, 0, 5, 50, 1], [seed] * 8, [3] * 8, native=native)
+            assert not set(picked.tolist()) & {4, 9}
 
 
 # ---------------------------------------------------------------- the whole step, vs HF

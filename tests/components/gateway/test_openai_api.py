@@ -74,6 +74,7 @@ def test_errors(body, status, words):
     (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
     (b'{"prompt": "x", "frequency_penalty": -2.01}', "frequency_penalty"),
     (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty"),
+    (b'{"prompt": "x", "max_tokens": 4, "min_tokens": 5}', "min_tokens"),
 ])
 def test_engine_limits_checked_before_submitting(body, words):
     with pytest.raises(ApiError) as err:
@@ -93,6 +94,10 @@ def test_penalties_and_logit_bias_pass_through():
     validate_kwargs(k, 2048)
     k = kwargs(b'{"prompt": "x", "presence_penalty": null, "frequency_penalty": 0}')
     assert "presence_penalty" not in k and k["frequency_penalty"] == 0   # null: off
+    k = kwargs(b'{"messages": [{"role": "user", "content": "hi"}], "min_tokens": 8}',
+               ChatCompletionRequest)
+    assert k["min_tokens"] == 8
+    validate_kwargs(k, 2048)
 
 
 def test_deep_and_malformed_json_is_400():

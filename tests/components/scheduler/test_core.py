@@ -146,6 +146,11 @@ def test_penalties_travel_with_a_new_sequence_only_when_asked_for():
                             logit_bias={9: -100.0, 3: 2.0})
     assert penalties_of(params) == Penalties(0.5, 0.0, 1.2, [(3, 2.0), (9, -100.0)])
     assert penalties_of(SamplingParams(frequency_penalty=-1.0)) == Penalties(0.0, -1.0)
+    # min_tokens bans what would end the choice: EOS (unless ignored) and stop_token_ids
+    p = SamplingParams(min_tokens=4, stop_token_ids=(7, 2))
+    assert penalties_of(p, (2, 0)) == Penalties(min_tokens=4, stop_ids=[0, 2, 7])
+    p = SamplingParams(min_tokens=4, stop_token_ids=(7,), ignore_eos=True)
+    assert penalties_of(p, (2,)) == Penalties(min_tokens=4, stop_ids=[7])
     core, kv, toks = make(), Kv(16), prompt(10)
     core.add(Admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
     core.schedule()
@@ -319,6 +324,20 @@ def test_stop_token_ids():
     assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 2, 0), T0)]
     assert out.released == ["a"]
     assert core.take_kv_ops() == KvOps(EPOCH, [FreeRequest(1, 11)], [])
+
+
+def test_min_tokens_holds_off_eos_and_stop_ids():
+    core, kv = make(), Kv(16)
+    plan = run_to_sample(core, kv, admitted("a", prompt(10), eos=(2,), stop_token_ids=(8,),
+                                            min_tokens=2))
+    assert plan.new_seqs[0].penalties == Penalties(min_tokens=2, stop_ids=[2, 8])
+    out = core.on_result(result(plan, {1: 2}))            # a sampler that ignored the ban
+    assert out.tokens == [TokenOut("a", [2], DetokParams((), True, 10, 0, min_tokens=2))]
+    plan = core.schedule()
+    assert core.on_result(result(plan, {1: 8})).released == []      # 2 tokens: not yet
+    plan = core.schedule()
+    out = core.on_result(result(plan, {1: 8}))            # the third may stop
+    assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 3, 0), T0)]
 
 
 def test_max_tokens_length():
