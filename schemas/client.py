@@ -53,6 +53,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # no EOS, stop_token_ids or stop string ends a choice before it has this many tokens
     # (vLLM's min_tokens: the executor bans the stop ids until then); at most max_tokens
     min_tokens: int = 0
+    # None: off. k >= 0: every prompt token after the first comes back with its
+    # log-probability given the tokens before it and the k most likely there (vLLM's
+    # prompt_logprobs; what OpenAI's echo + logprobs report). Such a prompt is computed
+    # whole: its blocks are never read from the prefix cache
+    prompt_logprobs: int | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
@@ -132,12 +137,24 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: tuple[TopLogprob, ...] = ()
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The prompt as the model read it, for ``prompt_logprobs``: its token ids, its text
+    (decoded as the output is), its first token alone (which has no logprob), and one
+    entry per token after the first."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    first_token: str
+    logprobs: tuple[TokenLogprob, ...]
+
+
 class TextDelta(msgspec.Struct, tag="delta", frozen=True):
     request_id: str
     text: str
     token_ids: tuple[int, ...]
     index: int = 0                   # the choice (0 .. n-1)
     logprobs: tuple[TokenLogprob, ...] = ()     # one per token id, when the request asked
+    prompt: PromptLogprobs | None = None        # on the request's first delta, when asked
 
 
 class ChoiceEnd(msgspec.Struct, frozen=True, array_like=True):

@@ -15,9 +15,9 @@ import msgspec
 
 from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
-    FinishReason, Finished, Heartbeat, ProtocolError, RejectReason, Rejected, RequestTiming,
-    SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit, TenantUsage,
-    Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
+    FinishReason, Finished, Heartbeat, PromptLogprobs, ProtocolError, RejectReason, Rejected,
+    RequestTiming, SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
+    TenantUsage, Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
 
 T = TypeVar("T")
 
@@ -159,6 +159,15 @@ class SampleLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
+class PromptChunkLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """``prompt_logprobs`` of one sequence's prompt chunk: entry ``i`` is the prompt token
+    at position ``start + i``, given the tokens before it."""
+
+    seq_id: int
+    start: int
+    logprobs: list[SampleLogprobs]
+
+
 class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     """The executor's answer to one StepPlan: one sampled token per sampling sequence."""
 
@@ -170,6 +179,7 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     # beside token_ids when a sequence in the step asked for logprobs (None for the others);
     # empty when none did
     logprobs: list[SampleLogprobs | None] = []
+    prompt_logprobs: list[PromptChunkLogprobs] = []     # prompt_logprobs' rows of this step
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
@@ -337,6 +347,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     seed: int | None
     penalties: Penalties | None = None      # None: none asked for (the usual case)
     logprobs: int | None = None             # SamplingParams.logprobs
+    prompt_logprobs: int | None = None      # SamplingParams.prompt_logprobs, while owed
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -389,6 +400,9 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     timing: RequestTiming | None = None
     index: int = 0                    # which of the request's n choices
     logprobs: list[SampleLogprobs] | None = None    # one per token id, when asked
+    # prompt_logprobs, on choice 0's first output: the prompt, one entry per token after
+    # its first
+    prompt: tuple[list[int], list[SampleLogprobs]] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="token_batch", frozen=True, gc=False):

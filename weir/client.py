@@ -34,9 +34,9 @@ from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
-                          ProtocolError, Rejected, RequestTiming, SamplingParams, ServerHeartbeat,
-                          ServerMsg, StatusQuery, StatusReport, Submit, TextDelta,
-                          TokenLogprob, Usage)
+                          PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
+                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
+                          TextDelta, TokenLogprob, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
 from weir.inbox import TERMINAL, Inbox
@@ -66,6 +66,12 @@ def _ensure_tracing() -> None:
 
 _RETRYABLE = ("overloaded", "tenant_over_budget", "queue_full",   # load: worth another
               "tenant_token_budget")                              # try after Retry-After
+
+
+def _entry(e: TokenLogprob) -> dict[str, Any]:
+    return {"token_id": e.token_id, "token": e.token, "logprob": e.logprob,
+            "top": [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob}
+                    for t in e.top]}
 
 
 @dataclass
@@ -106,6 +112,7 @@ class Completion:
     max_tokens: int | None = None
     queued_s: float = 0.0
     logprobs: list[TokenLogprob] | None = None      # choice 0's, when asked for
+    prompt: PromptLogprobs | None = None            # with prompt_logprobs
 
     def to_dict(self) -> dict[str, Any]:
         out = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -117,10 +124,11 @@ class Completion:
                "service_class": self.service_class, "degraded": self.degraded,
                "max_tokens": self.max_tokens, "queued_s": self.queued_s}
         if self.logprobs is not None:
-            out["logprobs"] = [{"token_id": e.token_id, "token": e.token, "logprob": e.logprob,
-                                "top": [{"token_id": t.token_id, "token": t.token,
-                                         "logprob": t.logprob} for t in e.top]}
-                               for e in self.logprobs]
+            out["logprobs"] = [_entry(e) for e in self.logprobs]
+        if self.prompt is not None:
+            out["prompt"] = {"token_ids": list(self.prompt.token_ids), "text": self.prompt.text,
+                             "first_token": self.prompt.first_token,
+                             "logprobs": [_entry(e) for e in self.prompt.logprobs]}
         if len(self.choices) > 1:
             out["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                                "finish_reason": c.finish_reason} for c in self.choices]
@@ -148,6 +156,7 @@ class Stream:
     texts: dict[int, list[str]] = field(default_factory=dict)        # every choice
     choice_token_ids: dict[int, list[int]] = field(default_factory=dict)
     choice_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt: PromptLogprobs | None = None
     result: Completion | None = None
     prompt_tokens: int | None = None
     accepted: Accepted | None = None
@@ -183,6 +192,7 @@ class Stream:
                         if event.logprobs:
                             self.choice_logprobs.setdefault(event.index, []).extend(
                                 event.logprobs)
+                        self.prompt = event.prompt or self.prompt
                         yield event
                     case Finished(finish_reason=reason, usage=usage, queue_time_s=queue,
                                   timing=timing, choices=ends):
@@ -261,7 +271,7 @@ class Stream:
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
                                  usage, ttft, (now - self.started) * 1e3, queue_time_s, timing,
                                  choices, acc.service_class, acc.degraded, acc.max_tokens,
-                                 acc.queued_s, self.choice_logprobs.get(0))
+                                 acc.queued_s, self.choice_logprobs.get(0), self.prompt)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True

@@ -33,7 +33,8 @@ any work is done on it. The limits and why:
 - ``presence_penalty``, ``frequency_penalty``: finite, in [-2, 2] (OpenAI's range).
   ``repetition_penalty``: finite, in (0, ``MAX_REPETITION_PENALTY`` = 100]; 1 is off.
 - ``min_tokens``: 0 .. ``max_tokens`` (or ``MAX_MAX_TOKENS`` without one).
-- ``logprobs``: None (off) or 0 .. ``MAX_LOGPROBS`` (20, vLLM's default cap) alternatives.
+- ``logprobs``, ``prompt_logprobs``: None (off) or 0 .. ``MAX_LOGPROBS`` (20, vLLM's
+  default cap) alternatives.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
@@ -123,9 +124,10 @@ def check_params(p: SamplingParams) -> str | None:
     top = MAX_MAX_TOKENS if p.max_tokens is None else p.max_tokens
     if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= top:
         return f"min_tokens must be in [0, max_tokens = {top}], got {p.min_tokens!r:.40}"
-    if p.logprobs is not None and (not _is_int(p.logprobs)
-                                   or not 0 <= p.logprobs <= MAX_LOGPROBS):
-        return f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs!r:.40}"
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(p, name)
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            return f"{name} must be in [0, {MAX_LOGPROBS}], got {k!r:.40}"
     if p.logit_bias is not None:
         if not isinstance(p.logit_bias, dict):
             return "logit_bias must map token ids to biases"

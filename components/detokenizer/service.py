@@ -15,8 +15,8 @@ from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
 from components.tokenizer.vocab import load_tokenizer
 from schemas.wire import (ChoiceEnd, DetokenizerMsg, EventBatch, Finished, ForgetRequest,
-                          StopRequest, TextDelta, TokenBatch, TokenLogprob, TokenOut,
-                          TopLogprob, Usage)
+                          PromptLogprobs, StopRequest, TextDelta, TokenBatch, TokenLogprob,
+                          TokenOut, TopLogprob, Usage)
 from weir.model_fetch import resolve_model
 
 log = structlog.get_logger("detokenizer")
@@ -77,12 +77,28 @@ class DetokenizerService(Component):
                 [token], skip_special_tokens=False)
         return text
 
-    def logprobs(self, item: TokenOut) -> tuple[TokenLogprob, ...]:
-        if not item.logprobs:
-            return ()
+    def named(self, token_ids, entries) -> tuple[TokenLogprob, ...]:
+        """Sampled (or prompt) tokens with their logprobs entries, each token named."""
         return tuple(TokenLogprob(t, self.piece(t), lp.logprob, tuple(
             TopLogprob(i, self.piece(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)))
-            for t, lp in zip(item.token_ids, item.logprobs))
+            for t, lp in zip(token_ids, entries))
+
+    def logprobs(self, item: TokenOut) -> tuple[TokenLogprob, ...]:
+        return self.named(item.token_ids, item.logprobs) if item.logprobs else ()
+
+    def prompt(self, item: TokenOut) -> PromptLogprobs | None:
+        """prompt_logprobs: the prompt's ids, its text (decoded as the output is), each
+        token after the first named. None if an id is outside the vocabulary (only a
+        corrupt message could carry one; the decoder would raise)."""
+        if item.prompt is None or item.params is None:
+            return None
+        ids, entries = item.prompt
+        if any(not 0 <= t < self.bundle.vocab_size for t in ids):
+            return None
+        text = self.bundle.tokenizer.decode(
+            ids, skip_special_tokens=item.params.skip_special_tokens)
+        return PromptLogprobs(tuple(ids), text, self.piece(ids[0]) if ids else "",
+                              self.named(ids[1:], entries))
 
     def process(self, batch: TokenBatch) -> tuple[list, list[tuple[str, int]]]:
         """Events for the streamer, and (request, choice) pairs whose stop string matched."""
@@ -107,7 +123,7 @@ class DetokenizerService(Component):
                 text += detok.flush()
                 reason = "stop" if detok.stopped else item.finish_reason
             events.append(TextDelta(rid, text, tuple(item.token_ids), index,
-                                    self.logprobs(item)))
+                                    self.logprobs(item), self.prompt(item)))
             if reason is None:
                 continue
             del stream.detoks[index]

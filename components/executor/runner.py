@@ -10,7 +10,7 @@ import torch
 
 from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
-from schemas.wire import BlockCopy, SampleLogprobs, StepPlan, StepResult
+from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
 
 
 @dataclass(eq=False)
@@ -25,6 +25,7 @@ class SeqState:
     seed: int | None
     penalties: RowPenalties | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class ModelRunner:
@@ -105,13 +106,21 @@ class ModelRunner:
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
                                            n.seed,
                                            None if n.penalties is None
-                                           else RowPenalties(n.penalties), n.logprobs)
+                                           else RowPenalties(n.penalties), n.logprobs,
+                                           n.prompt_logprobs)
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
+        # prompt_logprobs: (seq, first position, rows), each row's logits read the token at
+        # the next position (the prompt's last row is the sampling row, not among them)
+        prompt_rows: list[tuple[int, int, range]] = []
         for st in plan.steps:
             s = self.seqs[st.seq_id]
             s.block_ids.extend(st.new_block_ids)
+            if s.prompt_logprobs is not None and s.num_computed < s.prompt_len - 1:
+                end = min(s.num_computed + st.num_tokens, s.prompt_len - 1)
+                prompt_rows.append((st.seq_id, s.num_computed + 1,
+                                    range(len(input_ids), len(input_ids) + end - s.num_computed)))
             input_ids.extend(s.token_ids[s.num_computed:s.num_computed + st.num_tokens])
             query_lens.append(st.num_tokens)
             context_lens.append(s.num_computed)
@@ -121,6 +130,7 @@ class ModelRunner:
                     rows.append(len(input_ids) - 1)
                     sampled.append((st.seq_id, s, k))
         n = len(query_lens)
+        prompt_lps: list[PromptChunkLogprobs] = []
         if n == 0:                    # only drops and copies: no forward to run
             return StepResult(plan.step_id, [], [], time.perf_counter_ns() - start)
         if (self.graphs is not None and len(input_ids) == n == len(rows)
@@ -132,8 +142,13 @@ class ModelRunner:
             meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
                                            self.kv.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.kv.device)
+            extra = [i for *_, r in prompt_rows for i in r]
             logits = self.model.forward(ids, meta.positions, self.kv, meta,
-                                        torch.tensor(rows, dtype=torch.long, device=self.kv.device))
+                                        torch.tensor(rows + extra, dtype=torch.long,
+                                                     device=self.kv.device))
+            if extra:
+                prompt_lps = self._prompt_logprobs(logits[len(rows):], prompt_rows)
+                logits = logits[:len(rows)]
         tokens: list[int] = []
         logprobs: list[SampleLogprobs | None] = []
         if sampled:                   # a step of middle prefill chunks samples nothing
@@ -160,4 +175,22 @@ class ModelRunner:
             if k == 0:
                 s.token_ids.append(tok)
         return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
-                          time.perf_counter_ns() - start, logprobs=logprobs)
+                          time.perf_counter_ns() - start, logprobs=logprobs,
+                          prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[int, int, range]]
+                         ) -> list[PromptChunkLogprobs]:
+        """Each prompt row's next token's log-probability and the top k there, from
+        ``logits`` (one row per position of ``prompt_rows``, in their order)."""
+        targets, tops = [], []
+        for seq_id, first, r in prompt_rows:
+            s = self.seqs[seq_id]
+            targets.extend(s.token_ids[first:first + len(r)])
+            tops.extend([s.prompt_logprobs] * len(r))
+        lps = Logprobs(logits, list(range(len(targets))), tops, False,
+                       self.native_sampling).finish(targets, len(targets))
+        out, at = [], 0
+        for seq_id, first, r in prompt_rows:
+            out.append(PromptChunkLogprobs(seq_id, first, lps[at:at + len(r)]))
+            at += len(r)
+        return out

@@ -230,7 +230,7 @@ def build_app(state: GatewayState) -> Starlette:
             state.metrics.error(f"http_{err.status}")
             return _error_response(err, echo_id)
         state.metrics.ttft.labels(state.model).observe(time.perf_counter() - started)
-        shaper = Shaper(chat, rid, state.model)
+        shaper = Shaper(chat, rid, state.model, None if chat else req)
         headers = {"x-request-id": echo_id}
         if req.stream:
             # The SDK stream consumed Accepted before yielding ``first`` (admission sends it
@@ -274,6 +274,7 @@ def build_app(state: GatewayState) -> Starlette:
                                    headers["x-request-id"])
         res = stream.result
         _record(res, started)
+        shaper.prompt = res.prompt
         body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
                            res.usage, _granted(res))
         headers.update(degraded_headers(res.degraded, res.max_tokens))
@@ -295,17 +296,19 @@ def build_app(state: GatewayState) -> Starlette:
                 for index in range(n):
                     yield frame(shaper.chunk("", first=True, index=index))
             last = time.perf_counter()
-            if first is not None and (first.text or first.logprobs):
+            if first is not None and shaper.wants(first.index, first.text, first.logprobs):
                 yield frame(shaper.chunk(first.text, index=first.index,
-                                         logprobs=first.logprobs or None))
+                                         logprobs=first.logprobs or None, prompt=first.prompt))
             try:
                 async for delta in events:
                     now = time.perf_counter()
                     state.metrics.itl.labels(state.model).observe(now - last)
                     last = now
-                    if delta.text or delta.logprobs:   # a token's text may come later
+                    # a token's text may come later
+                    if shaper.wants(delta.index, delta.text, delta.logprobs):
                         yield frame(shaper.chunk(delta.text, index=delta.index,
-                                                 logprobs=delta.logprobs or None))
+                                                 logprobs=delta.logprobs or None,
+                                                 prompt=delta.prompt))
             except (RequestFailed, RequestCancelled) as exc:
                 state.metrics.error("failed")
                 yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from components.admission.validate import check_logit_bias, check_submit
-from schemas.client import SamplingParams, Submit, TokenLogprob
+from schemas.client import PromptLogprobs, SamplingParams, Submit, TokenLogprob
 from schemas.wire import Usage
 
 
@@ -100,8 +100,8 @@ def _unsupported(req: _Common) -> str | None:
         return "best_of (other than n) is not supported"
     if (why := check_logit_bias(req.logit_bias)) is not None:
         return why
-    if isinstance(req, CompletionRequest) and (req.echo or req.suffix):
-        return "echo and suffix are not supported"
+    if isinstance(req, CompletionRequest) and req.suffix:
+        return "suffix is not supported"
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             return "tools are not supported"
@@ -145,6 +145,11 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
             params["logprobs"] = req.top_logprobs or 0
     elif req.logprobs is not None:
         params["logprobs"] = req.logprobs
+        if req.echo:                        # the prompt's tokens come with theirs
+            params["prompt_logprobs"] = req.logprobs
+    if isinstance(req, CompletionRequest) and req.echo and not isinstance(req.prompt, str) \
+            and not (len(req.prompt) == 1 and isinstance(req.prompt[0], str)):
+        params["prompt_logprobs"] = req.logprobs or 0     # token ids: echo their text
     if req.stop is not None:
         params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:
@@ -154,7 +159,9 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
                                 else req.max_tokens)      # 0 is invalid, not "unlimited"
         msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
         return {"messages": msgs, **params}
-    params["max_tokens"] = req.max_tokens
+    # echo with max_tokens 0 (the prompt's logprobs alone, as evaluation harnesses ask):
+    # one token is generated and left out of the response (Shaper)
+    params["max_tokens"] = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
     return {**_prompt(req.prompt), **params}
 
 
@@ -222,22 +229,29 @@ def degraded_headers(degraded: bool, max_tokens: int | None) -> dict[str, str]:
     return out
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0,
+                        prompt: PromptLogprobs | None = None) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object: each token, its log-probability, the
     top alternatives with the sampled token among them (OpenAI: "up to logprobs + 1"), and
-    each token's character offset in the text (from ``offset``)."""
-    tokens, offsets = [], []
-    for e in entries:
+    each token's character offset in the text (from ``offset``). With ``prompt`` (echo),
+    the prompt's tokens first, its first one with null log-probability and alternatives."""
+    tokens, offsets, lps, tops = [], [], [], []
+    if prompt is not None:
+        tokens.append(prompt.first_token)
+        offsets.append(offset)
+        offset += len(prompt.first_token)
+        lps.append(None)
+        tops.append(None)
+    for e in (*prompt.logprobs, *entries) if prompt is not None else entries:
         tokens.append(e.token)
         offsets.append(offset)
         offset += len(e.token)
-    tops = []
-    for e in entries:
+        lps.append(e.logprob)
         top = {t.token: t.logprob for t in e.top}
         top.setdefault(e.token, e.logprob)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -254,25 +268,69 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
 class Shaper:
     """Builds response bodies and stream chunks for one request."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str,
+                 echo: CompletionRequest | None = None) -> None:
+        """``echo``: a completions request with ``echo`` set, whose choices each begin
+        with the prompt (its text as sent, or the engine's decode of its token ids) and,
+        with ``logprobs``, the prompt tokens' entries; with ``max_tokens`` 0, only that."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.offsets: dict[int, int] = {}          # streamed text per choice, for text_offset
+        self.echo = echo is not None and echo.echo
+        self.echo_only = self.echo and echo.max_tokens == 0
+        self.echo_logprobs = self.echo and echo.logprobs is not None
+        self.echo_text = echo.prompt if self.echo and isinstance(echo.prompt, str) else \
+            echo.prompt[0] if self.echo and len(echo.prompt) == 1 \
+            and isinstance(echo.prompt[0], str) else None
+        self.prompt: PromptLogprobs | None = None   # from the request's first delta
+        self.echoed: set[int] = set()               # choices whose prompt went out
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, entries: Sequence[TokenLogprob] | None, index: int) -> Any:
-        if entries is None:
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None, index: int,
+                  prompt: PromptLogprobs | None = None) -> Any:
+        if entries is None and prompt is None:
             return None
         if self.chat:
             return chat_logprobs(entries)
-        out = completion_logprobs(entries, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + sum(len(e.token) for e in entries)
+        out = completion_logprobs(entries or (), self.offsets.get(index, 0), prompt)
+        self.offsets[index] = self.offsets.get(index, 0) + sum(map(len, out["tokens"]))
         return out
+
+    def _echoed(self, index: int, text: str | None, entries: Sequence[TokenLogprob] | None,
+                finish_reason: str | None = None) -> tuple[str | None, Any, str | None]:
+        """Choice ``index``'s text, logprobs object and finish reason, the prompt put
+        first if it has not gone out yet for this choice (and the output left out with
+        ``max_tokens`` 0)."""
+        if not self.echo:
+            return text, self._logprobs(entries, index), finish_reason
+        if self.echo_only:
+            text, entries = None if text is None else "", None if entries is None else ()
+            finish_reason = finish_reason and "length"
+        prompt = None
+        if index not in self.echoed:
+            self.echoed.add(index)
+            prefix = self.echo_text if self.echo_text is not None else \
+                self.prompt.text if self.prompt is not None else ""
+            text = prefix + (text or "")
+            prompt = self.prompt if self.echo_logprobs else None
+        if self.echo_logprobs and entries is None and prompt is not None:
+            entries = ()
+        return text, self._logprobs(entries, index, prompt), finish_reason
+
+    def wants(self, index: int, text: str, logprobs: Sequence[TokenLogprob]) -> bool:
+        """Whether a delta of choice ``index`` makes a stream chunk."""
+        if self.echo and index not in self.echoed:
+            return True
+        return not self.echo_only and bool(text or logprobs)
+
+    def usage(self, usage: Usage) -> Usage:
+        """With ``max_tokens`` 0 the one token generated is not in the response."""
+        return Usage(usage.prompt_tokens, 0, usage.cached_tokens) if self.echo_only else usage
 
     def full(self, choices: list[tuple[str, str, Sequence[TokenLogprob] | None]], usage: Usage,
              weir: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -280,19 +338,23 @@ class Shaper:
         index; ``weir`` (``weir_usage``) goes into ``usage``."""
         out = []
         for index, (text, finish_reason, logprobs) in enumerate(choices):
-            lp = self._logprobs(logprobs, index)
+            text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
             if self.chat:
                 out.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": lp, "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp,
                             "finish_reason": finish_reason})
-        return {**self._base(self.object), "choices": out, "usage": usage_dict(usage, weir)}
+        return {**self._base(self.object), "choices": out,
+                "usage": usage_dict(self.usage(usage), weir)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None,
               first: bool = False, index: int = 0,
-              logprobs: Sequence[TokenLogprob] | None = None) -> dict[str, Any]:
-        lp = self._logprobs(logprobs, index)
+              logprobs: Sequence[TokenLogprob] | None = None,
+              prompt: PromptLogprobs | None = None) -> dict[str, Any]:
+        """One stream chunk; ``prompt``: the request's prompt_logprobs (its first delta's)."""
+        self.prompt = prompt or self.prompt
+        text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
         if self.chat:
             delta: dict[str, Any] = {}
             if first:
@@ -308,4 +370,4 @@ class Shaper:
 
     def usage_chunk(self, usage: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage_dict(usage, weir)}
+        return {**self._base(obj), "choices": [], "usage": usage_dict(self.usage(usage), weir)}

@@ -125,7 +125,8 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                   req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
                   deadline_ns=deadline_ns,
                   tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
-                  public_scope=req.public_scope, public_blocks=req.public_blocks)
+                  public_scope=req.public_scope, public_blocks=req.public_blocks,
+                  prompt_lps=None if req.params.prompt_logprobs is None else [])
         seq.group.append(seq)
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq

@@ -143,7 +143,8 @@ class KvRequests:
             if seq.state is State.SWAPPING_IN:
                 self._swap_ins.append(seq.seq_id)
                 continue
-            max_cached = (seq.num_tokens - 1) // bs
+            # a prompt owed prompt_logprobs is computed whole: no cached block is read
+            max_cached = 0 if seq.owes_prompt_logprobs else (seq.num_tokens - 1) // bs
             self._allocs.append(AllocRequest(
                 seq.seq_id, -(-(seq.num_tokens + 1) // bs), seq.tenant, seq.block_hashes,
                 seq.token_ids[:len(seq.block_hashes) * bs], max_cached, seq.public_scope,

@@ -8,8 +8,8 @@ from itertools import repeat
 from typing import TYPE_CHECKING
 
 from components.scheduler.sequence import IN_RUNNING_SET, Event, Seq, State
-from schemas.wire import (DetokParams, ForkRequest, RequestTiming, SampleLogprobs, StepResult,
-                          TokenOut, Usage)
+from schemas.wire import (DetokParams, ForkRequest, PromptChunkLogprobs, RequestTiming,
+                          SampleLogprobs, StepResult, TokenOut, Usage)
 
 if TYPE_CHECKING:
     from components.scheduler.core import SchedulerCore
@@ -53,6 +53,9 @@ class Output:
                 sampled.setdefault(seq_id, []).append((token, lp))
             else:
                 self.discarded_samples += 1
+        for chunk in result.prompt_logprobs:
+            if chunk.seq_id in live:
+                self._take_prompt_logprobs(self.by_seq[chunk.seq_id], chunk)
         for seq_id, tokens in sampled.items():
             seq = self.by_seq[seq_id]
             self.charge(seq.tenant, now_ns, output_tokens=len(tokens))
@@ -64,6 +67,17 @@ class Output:
             seq.token_ids.append(token)
             self._emit_token(seq, token, lp, now_ns, out)
         return out
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Seq, chunk: PromptChunkLogprobs) -> None:
+        """Append the entries past those taken (a chunk computed again after preemption
+        repeats positions); a chunk that would leave a gap is dropped (only a corrupt
+        message could carry one), and so the prompt's entries come out incomplete."""
+        if seq.prompt_lps is None:
+            return
+        have = len(seq.prompt_lps) + 1             # the next position owed
+        if chunk.start <= have:
+            seq.prompt_lps.extend(chunk.logprobs[have - chunk.start:])
 
     def _fork(self: SchedulerCore, parent: Seq, index: int, token: int,
               lp: SampleLogprobs | None, now_ns: int, out: Outcome) -> None:
@@ -95,9 +109,16 @@ class Output:
                               max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n,
                               p.min_tokens)
                   if first else None)
+        prompt, owner = None, seq.group[0] if seq.group else seq   # choice 0 computed them
+        if owner.prompt_lps is not None:
+            # on the request's first token (a fork's comes before choice 0's); whole or not
+            # at all: entries that do not line up with the prompt would name the wrong tokens
+            if len(owner.prompt_lps) == seq.prompt_len - 1:
+                prompt = (seq.token_ids[:seq.prompt_len], owner.prompt_lps)
+            owner.prompt_lps = None
         if reason is None:
             out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index,
-                                       logprobs=None if lp is None else [lp]))
+                                       logprobs=None if lp is None else [lp], prompt=prompt))
             return
         usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
         timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
@@ -105,7 +126,7 @@ class Output:
                                max(now_ns - seq.first_token_ns, 0) / 1e9,
                                sum(s.preemptions for s in seq.group))
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
-                                   seq.index, None if lp is None else [lp]))
+                                   seq.index, None if lp is None else [lp], prompt))
         self._finish(seq, out)
 
     def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:

@@ -242,8 +242,9 @@ class Planning:
                 new_seqs.append(NewSeq(seq.seq_id, list(seq.token_ids), seq.prompt_len,
                                        seq.num_computed, list(seq.block_ids), p.temperature,
                                        p.top_p, p.top_k, seed,
-                                       penalties_of(p, seq.eos_token_ids),
-                                       p.logprobs))
+                                       penalties_of(p, seq.eos_token_ids), p.logprobs,
+                                       p.prompt_logprobs if seq.owes_prompt_logprobs
+                                       else None))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
             else:

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from schemas.wire import SamplingParams
+from schemas.wire import SampleLogprobs, SamplingParams
 
 
 class State(enum.Enum):
@@ -153,6 +153,10 @@ class Seq:
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
     group: list["Seq"] = field(default_factory=list)   # every choice of the request
+    # prompt_logprobs so far, for positions 1.. of the prompt (the executor's chunks, in
+    # order; a chunk recomputed after preemption is not taken twice); None when not owed
+    # (not asked for, or sent with the request's first token)
+    prompt_lps: list[SampleLogprobs] | None = None
     # the steps it is in that have not answered, oldest first; cleared when it leaves the
     # running set (finished, preempted), so what those steps compute for it is discarded
     in_flight: deque[InFlight] = field(default_factory=deque)
@@ -188,6 +192,12 @@ class Seq:
     def slots(self) -> int:
         """Running sequences it stands for: an n > 1 request counts n until it forks."""
         return 1 if self.forked else self.params.n
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """It asked for prompt_logprobs and has not sent them (they go with the request's
+        first token): its prompt must be computed, not read from the prefix cache."""
+        return self.prompt_lps is not None
 
     @property
     def num_tokens(self) -> int:

@@ -137,6 +137,53 @@ def test_min_tokens_holds_off_eos_and_stop_strings(gw, oai):
     gw.wait_kv_free(timeout=2.0)
 
 
+def test_echo_and_prompt_logprobs(gw, oai, model_path):
+    """echo + logprobs, as evaluation harnesses score text: each prompt token's
+    log-probability given those before it. Checked against the engine's own sampled
+    logprobs: a greedy continuation, fed back as a prompt, scores what generating it
+    reported (teacher forcing reads what sampling saw). max_tokens 0 gives the prompt
+    alone; a prompt asked twice is computed twice (never read from the prefix cache);
+    streamed equals whole; the SDK's prompt_logprobs name the same entries."""
+    from components.tokenizer.vocab import load_tokenizer
+    ids = load_tokenizer(model_path).encode("The capital of France is")
+    with gw.client() as c:
+        gen = c.generate(prompt_token_ids=ids, max_tokens=6, temperature=0, logprobs=0,
+                         ignore_eos=True)
+    whole = ids + gen.token_ids
+    scored = oai.completions.create(model=MODEL, prompt=whole, max_tokens=0, echo=True,
+                                    logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == "The capital of France is" + gen.text
+    assert len(lp.tokens) == len(whole) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    for got, want in zip(lp.token_logprobs[len(ids):], gen.logprobs):
+        assert abs(got - want.logprob) < 2e-3, (got, want.logprob)
+    # greedy: each continuation token is the most likely there, as lm-eval's is_greedy asks
+    for tok, top in zip(lp.tokens[len(ids):], lp.top_logprobs[len(ids):]):
+        assert max(top, key=top.get) == tok
+    again = oai.completions.create(model=MODEL, prompt=whole, max_tokens=2, echo=True,
+                                   logprobs=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0      # computed, not cached
+    assert again.choices[0].logprobs.token_logprobs[:len(whole)] == pytest.approx(
+        lp.token_logprobs, abs=1e-4)
+    assert len(again.choices[0].logprobs.tokens) == len(whole) + 2
+    text = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, echo=True,
+        temperature=0, stream=True))
+    plain = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                   temperature=0)
+    assert text == "The capital of France is" + plain.choices[0].text
+    with gw.client() as c:
+        res = c.generate(prompt_token_ids=whole, max_tokens=1, temperature=0, prompt_logprobs=2)
+    assert res.prompt.token_ids == tuple(whole)
+    assert [e.logprob for e in res.prompt.logprobs] == pytest.approx(lp.token_logprobs[1:],
+                                                                     abs=1e-4)
+    assert all(len(e.top) == 2 for e in res.prompt.logprobs)
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_logprobs_completion_chat_and_streamed(gw, oai):
     """Logprobs through the official client: one per output token, the tokens spell the
     text, offsets run along it, greedy picks are the most likely of their top, the stream

@@ -199,6 +199,39 @@ def test_logprobs_are_the_models_own_distribution(runner, hf):
     runner.step(StepPlan(202, [], [], [30]))
 
 
+def test_prompt_logprobs_are_the_models_reading_of_the_prompt(runner, hf):
+    """prompt_logprobs, with the prompt in three chunks (one a single token) beside a
+    sequence in decode: each prompt token after the first gets its log-probability given
+    the tokens before it and the top k there, against HF's log-softmax over the prompt; a
+    sequence that did not ask gets no chunk; the first output is sampled as ever."""
+    tok, m = hf
+    ids = tok(PROMPT + " And the sky.").input_ids
+    per = -(-(len(ids) + 4) // BLOCK)
+    asked = NewSeq(50, ids, len(ids), 0, list(range(per)), 0.0, 1.0, 0, None, None, None, 2)
+    other = NewSeq(51, ids, len(ids), 0, list(range(per, 2 * per)), 0.0, 1.0, 0, None)
+    res = runner.step(StepPlan(300, [asked, other], [SeqStep(50, 7, [], False),
+                                                     SeqStep(51, len(ids), [], True)], []))
+    chunks = list(res.prompt_logprobs)
+    res = runner.step(StepPlan(301, [], [SeqStep(50, 1, [], False), SeqStep(51, 1, [], True)], []))
+    chunks += res.prompt_logprobs
+    res = runner.step(StepPlan(302, [], [SeqStep(50, len(ids) - 8, [], True)], []))
+    chunks += res.prompt_logprobs
+    got = {sid: t for sid, t in zip(res.seq_ids, res.token_ids)}
+    runner.step(StepPlan(303, [], [], [50, 51]))
+    assert [(c.seq_id, c.start, len(c.logprobs)) for c in chunks] == [
+        (50, 1, 7), (50, 8, 1), (50, 9, len(ids) - 9)]       # positions 1 .. len - 1
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0]
+    ref = logits.log_softmax(-1)
+    entries = [e for c in chunks for e in c.logprobs]
+    for pos, e in enumerate(entries, start=1):
+        assert abs(e.logprob - float(ref[pos - 1, ids[pos]])) < 1e-3, pos
+        want = ref[pos - 1].topk(2)
+        assert e.top_ids == want.indices.tolist()
+        assert e.top_logprobs == pytest.approx(want.values.tolist(), abs=1e-3)
+    assert got[50] == int(logits[-1].argmax())
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("asked", [[0, 2, 3], [0, 1, 2, 3]])     # all: the logits themselves
 def test_logprobs_halves_agree_with_log_softmax(native, asked):

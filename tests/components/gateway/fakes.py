@@ -52,7 +52,8 @@ class FakeStream:
             self.result = types.SimpleNamespace(
                 choices=[choice], usage=Usage(3, self.deltas), finish_reason="length",
                 queue_time_s=0.0, timing=None, service_class=acc.service_class,
-                degraded=acc.degraded, max_tokens=acc.max_tokens, queued_s=acc.queued_s)
+                degraded=acc.degraded, max_tokens=acc.max_tokens, queued_s=acc.queued_s,
+                prompt=None)
         finally:
             self.closed.set()
 

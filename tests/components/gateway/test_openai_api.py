@@ -8,7 +8,7 @@ from components.gateway.openai_api import (ApiError, ChatCompletionRequest, Comp
                                            Shaper, chat_logprobs, class_of, completion_logprobs,
                                            degraded_headers, parse, submit_kwargs,
                                            validate_kwargs, weir_usage)
-from schemas.client import TokenLogprob, TopLogprob
+from schemas.client import PromptLogprobs, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
 
@@ -49,7 +49,6 @@ def test_chat_translation_and_defaults():
 
 @pytest.mark.parametrize("body, status, words", [
     (b'{"prompt": "x", "n": 3, "best_of": 5}', 400, "best_of"),
-    (b'{"prompt": "x", "echo": true}', 400, "echo"),
     (b'{"prompt": "x", "suffix": "y"}', 400, "suffix"),
     (b'{"prompt": "x", "model": "other"}', 404, "other"),
     (b'{"max_tokens": 1}', 400, "prompt"),
@@ -159,6 +158,61 @@ def test_logprobs_shapes():
     assert sh.chunk("x")["choices"][0]["logprobs"] is None
     body = Shaper(True, "r", M).full([("the", "stop", e)], Usage(1, 2))
     assert body["choices"][0]["logprobs"]["content"][0]["token"] == " the"
+
+
+def test_echo_maps_to_prompt_logprobs():
+    k = kwargs(b'{"prompt": "x", "echo": true}')
+    assert "prompt_logprobs" not in k and k["max_tokens"] == 16     # the text is the prompt's
+    k = kwargs(b'{"prompt": "x", "echo": true, "logprobs": 2, "max_tokens": 0}')
+    assert (k["prompt_logprobs"], k["logprobs"], k["max_tokens"]) == (2, 2, 1)
+    validate_kwargs(k, 2048)
+    k = kwargs(b'{"prompt": [5, 6, 7], "echo": true}')   # token ids: the engine decodes them
+    assert k["prompt_logprobs"] == 0 and "logprobs" not in k
+    assert "prompt_logprobs" not in kwargs(b'{"prompt": "x", "logprobs": 1}')
+    with pytest.raises(ApiError, match="max_tokens"):  # 0 without echo: still refused
+        validate_kwargs(kwargs(b'{"prompt": "x", "max_tokens": 0}'), 2048)
+
+
+def _echo(body: bytes) -> Shaper:
+    return Shaper(False, "r", M, parse(body, CompletionRequest))
+
+
+def test_echo_shapes():
+    """Each choice starts with the prompt; with logprobs, the prompt's tokens first (the
+    first with nulls), offsets running on into the output; max_tokens 0: the prompt only."""
+    out = [TokenLogprob(9, "!", -1.5, (TopLogprob(9, "!", -1.5),))]
+    prompt = PromptLogprobs((1, 2), "Hi there", "Hi", (
+        TokenLogprob(2, " there", -4.0, (TopLogprob(3, " you", -0.5),)),))
+    sh = _echo(b'{"prompt": "Hi there", "echo": true, "logprobs": 1}')
+    sh.prompt = prompt
+    body = sh.full([("!", "length", out), ("?", "stop", out)], Usage(2, 2))
+    for c in body["choices"]:
+        assert c["text"].startswith("Hi there") and c["logprobs"] == {
+            "tokens": ["Hi", " there", "!"], "token_logprobs": [None, -4.0, -1.5],
+            "top_logprobs": [None, {" you": -0.5, " there": -4.0}, {"!": -1.5}],
+            "text_offset": [0, 2, 8]}
+    assert [c["text"] for c in body["choices"]] == ["Hi there!", "Hi there?"]
+    only = _echo(b'{"prompt": [1, 2], "echo": true, "logprobs": 1, "max_tokens": 0}')
+    only.prompt = prompt
+    body = only.full([("!", "length", out)], Usage(2, 1, 0))
+    assert body["choices"][0]["text"] == "Hi there"           # the engine's decode of the ids
+    assert body["choices"][0]["logprobs"]["tokens"] == ["Hi", " there"]
+    assert body["usage"]["completion_tokens"] == 0
+    # streamed: the first chunk of each choice carries the prompt, then outputs as usual
+    st = _echo(b'{"prompt": "Hi there", "echo": true, "logprobs": 1, "n": 2}')
+    assert st.wants(1, "", ()) and st.wants(0, "", ())
+    c1 = st.chunk("?", index=1, logprobs=out, prompt=prompt)["choices"][0]
+    c0 = st.chunk("!", index=0, logprobs=out)["choices"][0]
+    assert (c1["text"], c0["text"]) == ("Hi there?", "Hi there!")
+    assert c0["logprobs"]["token_logprobs"] == [None, -4.0, -1.5]
+    nxt = st.chunk(" ok", index=0, logprobs=out)["choices"][0]
+    assert nxt["text"] == " ok" and nxt["logprobs"]["text_offset"] == [9]
+    assert not st.wants(0, "", ())
+    so = _echo(b'{"prompt": "Hi there", "echo": true, "max_tokens": 0, "stream": true}')
+    assert so.chunk("!")["choices"][0]["text"] == "Hi there"
+    assert not so.wants(0, "!", ())                            # the output never streams
+    assert so.chunk("", "stop")["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                                  "finish_reason": "length"}
 
 
 def test_shapes():

@@ -15,8 +15,8 @@ from components.scheduler.sequence import State
 from components.tokenizer.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
-                          NewSeq, Penalties, RequestTiming, SampleLogprobs, SamplingParams,
-                          SeqStep, StepPlan, StepResult, TokenOut, Usage)
+                          NewSeq, Penalties, PromptChunkLogprobs, RequestTiming, SampleLogprobs,
+                          SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
 
 T0 = RequestTiming()    # timings are zero when the test passes no clock
 
@@ -338,6 +338,73 @@ def test_min_tokens_holds_off_eos_and_stop_ids():
     plan = core.schedule()
     out = core.on_result(result(plan, {1: 8}))            # the third may stop
     assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 3, 0), T0)]
+
+
+def _prompt_run(core: SchedulerCore, kv: Kv, toks: list[int], chunk_for) -> list[TokenOut]:
+    """Run request "a" (prompt_logprobs 1) through its prompt, answering each step with
+    ``chunk_for(first position, tokens)``'s PromptChunkLogprobs; its first output."""
+    plan = start(core, kv, admitted("a", toks, prompt_logprobs=1))
+    assert plan.new_seqs[0].prompt_logprobs == 1
+    done = 0
+    while True:
+        (st,) = plan.steps
+        chunks = chunk_for(done, st.num_tokens)
+        done += st.num_tokens
+        out = core.on_result(StepResult(plan.step_id, [1] if st.sample else [],
+                                        [5] if st.sample else [], 1, prompt_logprobs=chunks))
+        if st.sample:
+            return out.tokens
+        plan = core.schedule()
+
+
+def _entry(pos: int) -> SampleLogprobs:
+    return SampleLogprobs(-float(pos), [pos], [-float(pos)])
+
+
+def test_prompt_logprobs_computed_whole_and_sent_with_the_first_token():
+    """A prompt owed prompt_logprobs reads nothing from the prefix cache (it may match
+    no cached block, where the same prompt without them may match two), its chunks'
+    entries are gathered once each (a chunk computed again, as after preemption, repeats
+    positions) and ride on the first token."""
+    core, toks = make(), prompt(20)
+    core.add(admitted("n", toks))
+    core.add(admitted("a", toks, prompt_logprobs=1))
+    core.schedule()
+    assert [a.max_cached_blocks for a in core.take_kv_ops().allocs] == [2, 0]
+    core, kv = make(max_tokens_per_step=8), Kv(32)
+
+    def chunks(first: int, n: int) -> list[PromptChunkLogprobs]:
+        last = min(first + n, len(toks) - 1)              # the prompt's last row samples
+        start_at = max(first + 1 - 3, 1)                  # 3 positions again, as recomputed
+        return [PromptChunkLogprobs(1, start_at, [_entry(p) for p in range(start_at, last + 1)])]
+
+    (tok,) = _prompt_run(core, kv, toks, chunks)
+    assert tok.prompt == (toks, [_entry(p) for p in range(1, 20)])
+    plan = core.schedule()
+    assert plan.new_seqs == [] and core.on_result(result(plan, {1: 6})).tokens[0].prompt is None
+
+
+def test_prompt_logprobs_with_a_gap_are_not_sent():
+    core, kv, toks = make(max_tokens_per_step=8), Kv(32), prompt(20)
+    skip = {9}                                            # a chunk that starts past the next
+
+    def chunks(first: int, n: int) -> list[PromptChunkLogprobs]:
+        at = first + 1 + (first + 1 in skip)
+        return [PromptChunkLogprobs(1, at, [_entry(p) for p in range(at, min(first + n, 19) + 1)])]
+
+    (tok,) = _prompt_run(core, kv, toks, chunks)
+    assert tok.prompt is None and tok.token_ids == [5]
+
+
+def test_prompt_logprobs_go_with_the_first_choice_out():
+    """n = 2: the fork's first token goes out first and carries the prompt's entries."""
+    core, kv, toks = make(), Kv(32), prompt(4)
+    plan = start(core, kv, admitted("a", toks, prompt_logprobs=0, n=2, max_tokens=4))
+    res = StepResult(plan.step_id, [1, 1], [7, 8], 1, prompt_logprobs=[
+        PromptChunkLogprobs(1, 1, [_entry(1), _entry(2), _entry(3)])])
+    out = core.on_result(res)
+    assert [(t.index, t.prompt) for t in out.tokens] == [
+        (1, (toks, [_entry(1), _entry(2), _entry(3)])), (0, None)]
 
 
 def test_max_tokens_length():

@@ -17,7 +17,8 @@ from components.tokenizer.hashing import block_hashes
 from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
                             TenantConfig, Topology, WeirConfig)
 from schemas.wire import (Admitted, CancelRequest, KvGrants, KvHello, KvManagerUp, Released,
-                          SampleLogprobs, SamplingParams, StepResult, TokenBatch)
+                          PromptChunkLogprobs, SampleLogprobs, SamplingParams, StepResult,
+                          TokenBatch)
 
 BS = 8                                       # block size, as in test_core.py
 
@@ -127,6 +128,11 @@ class Cluster:
                     # the token they belong to), through forks, discards and overlap
                     assert [lp.top_ids[0] for lp in t.logprobs] == t.token_ids, \
                         f"seed {self.seed}: logprobs of {t.request_id} paired wrongly"
+                    if t.prompt is not None:  # whole, in order, once, on its first token
+                        assert t.prompt[0] == r["tokens"] and r["out"][t.index] == t.token_ids
+                        assert [lp.top_ids[0] for lp in t.prompt[1]] == r["tokens"][1:], \
+                            f"seed {self.seed}: prompt logprobs of {t.request_id} wrong"
+                        r["prompts"] += 1
                     if t.finish_reason:
                         r["ends"][t.index] = t.finish_reason
             elif to == "admission" and isinstance(msg, Released):
@@ -181,11 +187,13 @@ class Cluster:
                 else:
                     self.kv_slots.pop((c.dst, slot), None)
         for n in plan.new_seqs:
+            # a prompt owed its logprobs is computed whole, never read from the cache
+            assert n.prompt_logprobs is None or n.num_computed == 0, f"seed {self.seed}"
             self.ex_seqs[n.seq_id] = dict(tokens=list(n.token_ids), done=n.num_computed,
                                           blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id],
-                                          prompt_len=n.prompt_len,
+                                          prompt_len=n.prompt_len, prompt_lp=n.prompt_logprobs,
                                           request=self.requests[self.request_of[n.seq_id]])
-        ids, tokens = [], []
+        ids, tokens, prompt_chunks = [], [], []
         writes: dict[int, int] = {}           # block -> the sequence writing it in this plan
         used_by: dict[int, set[int]] = {}     # block -> the sequences using it in this plan
         discarded: set[int] = set()           # sequences whose result here will be dropped
@@ -212,6 +220,11 @@ class Cluster:
         for st in plan.steps:
             s = self.ex_seqs[st.seq_id]
             toks, blocks, tenant = s["tokens"], s["blocks"], s["tenant"]
+            if s["prompt_lp"] is not None:    # each entry names the token it is for
+                first, last = s["done"] + 1, min(s["done"] + st.num_tokens, s["prompt_len"] - 1)
+                if first <= last:
+                    prompt_chunks.append(PromptChunkLogprobs(st.seq_id, first, [
+                        SampleLogprobs(-1.0, [toks[p]], [-1.0]) for p in range(first, last + 1)]))
             for p in range(s["done"], s["done"] + st.num_tokens):
                 assert p < len(blocks) * BS, f"seed {self.seed}: no slot for token {p}"
                 if st.seq_id in discarded:    # what it reads and writes is thrown away:
@@ -239,7 +252,8 @@ class Cluster:
                 toks.append(drawn[0])
         self.inbox["from_executor"].append(StepResult(
             plan.step_id, ids, tokens, self.rng.randint(1, 3_000_000),
-            logprobs=[SampleLogprobs(-1.0, [t], [-1.0]) for t in tokens]))
+            logprobs=[SampleLogprobs(-1.0, [t], [-1.0]) for t in tokens],
+            prompt_logprobs=prompt_chunks))
 
     def executor_restart(self) -> None:
         """Its state and KV are gone; plans not yet run are lost, results already sent are
@@ -291,11 +305,14 @@ class Cluster:
                 max_tokens = rng.choice([rng.randint(1, 12)] * 9
                                         + [None] * (tenant not in self.kv_budgets))
                 eos = tuple(rng.sample(range(1000, 1050), rng.choice([0, 0, 4])))
+                prompt_lp = rng.choice([None, None, None, 1])
                 self.requests[rid] = dict(tenant=tenant, tokens=toks, out={}, ends={}, n=n,
-                                          max_tokens=max_tokens, eos=eos)
+                                          max_tokens=max_tokens, eos=eos, prompts=0,
+                                          prompt_lp=prompt_lp)
                 self.inbox["from_client"].append(
                     Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
-                             SamplingParams(max_tokens=max_tokens, n=n), self.clock, eos,
+                             SamplingParams(max_tokens=max_tokens, n=n,
+                                            prompt_logprobs=prompt_lp), self.clock, eos,
                              deadline_ms=rng.choice([None, 2, 10, 50]),
                              priority=rng.choice([0, 1])))
             elif move == "cancel":
@@ -319,8 +336,10 @@ class Cluster:
         assert self.pool.num_cpu_free == self.num_cpu_blocks, f"seed {self.seed}: leaked cpu"
         assert self.pool.stats().leased_seqs == 0
         for rid, r in self.requests.items():
+            assert r["prompts"] <= 1, f"seed {self.seed}: {rid}'s prompt logprobs sent twice"
             if self.ended[rid] == "done":
                 assert sorted(r["out"]) == list(range(r["n"])), f"seed {self.seed}: {rid}"
+                assert r["prompts"] == (r["prompt_lp"] is not None), f"seed {self.seed}: {rid}"
                 for index, out in r["out"].items():
                     # exactly the output the model gives alone, one step at a time: every
                     # token continues its own prefix, up to the first EOS or the length cap
