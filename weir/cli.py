@@ -175,7 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
               "presence_penalty": args.presence_penalty,
               "frequency_penalty": args.frequency_penalty,
               "repetition_penalty": args.repetition_penalty, "logprobs": args.logprobs,
-              "min_tokens": args.min_tokens}
+              "min_tokens": args.min_tokens, "prompt_logprobs": args.prompt_logprobs}
     if args.ignore_eos:
         params["ignore_eos"] = True
     if args.chat:
@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face's (1 is off; 1.1-1.3 curbs a small model's loops)")
     g.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="each token's log-probability and the K most likely (with --json)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="each prompt token's log-probability and the K most likely (with "
+                        "--json); the prompt is computed whole, not read from the cache")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS, stop id or stop string ends it before this many tokens")
     g.add_argument("--ignore-eos", action="store_true")

@@ -141,7 +141,8 @@ def test_cli_generate_class_flag(eng):
     out = subprocess.run(
         [sys.executable, "-m", "weir.cli", "generate", "The sky is", "--class", "batch",
          "--max-tokens", "3", "--temperature", "0", "--json", "--endpoint", eng.endpoint,
-         "--logprobs", "2", "--repetition-penalty", "1.1"],
+         "--logprobs", "2", "--repetition-penalty", "1.1", "--prompt-logprobs", "1",
+         "--min-tokens", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -150,3 +151,6 @@ def test_cli_generate_class_flag(eng):
     lps = result["logprobs"]                  # one per token, each with its top two
     assert [e["token_id"] for e in lps] == result["token_ids"]
     assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in lps)
+    prompt = result["prompt"]                 # the prompt's tokens after the first, named
+    assert prompt["text"] == "The sky is" and len(result["token_ids"]) == 3
+    assert [e["token_id"] for e in prompt["logprobs"]] == prompt["token_ids"][1:]
