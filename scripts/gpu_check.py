@@ -268,7 +268,11 @@ def check_logit_processing(report: Report, device) -> None:
     logits = torch.randn(6, 49152, generator=g) * 3
     rows = [(r, torch.randint(0, 49152, (200,), generator=g).tolist(), 150,
              types.SimpleNamespace(presence=0.5, frequency=0.25 * r, repetition=1.0 + 0.1 * r,
-                                   bias=[(r, 5.0), (49151, -3.0)])) for r in range(6)]
+                                   bias=[(r, 5.0), (49151, -3.0)],
+                                   # min_tokens: 50 tokens of output so far, so a ban holds
+                                   # on the even rows (60) and is over on the odd ones (50)
+                                   min_tokens=60 - 10 * (r % 2), stop_ids=[2, 0]))
+            for r in range(6)]
 
     def run(dev, native: bool):
         x = logits.to(dev, copy=True)      # (the same tensor on the CPU without copy)
@@ -277,10 +281,13 @@ def check_logit_processing(report: Report, device) -> None:
         return x.cpu(), lp.lse.cpu(), torch.tensor(lp.top[0][2]), lp.top[1]
 
     want, got = run("cpu", True), run(device, False)
-    err = max((got[0] - want[0]).abs().max().item(), (got[1] - want[1]).abs().max().item(),
-              (got[2] - want[2]).abs().max().item())
-    report.check("penalties and logprobs vs the CPU", err < 1e-4 and got[3] == want[3],
-                 f"max|err|={err:.1e}")
+    banned = want[0].isneginf()                    # min_tokens' bans: -inf on both sides
+    err = max((got[0] - want[0])[~banned].abs().max().item(),
+              (got[1] - want[1]).abs().max().item(), (got[2] - want[2]).abs().max().item())
+    same_bans = torch.equal(got[0].isneginf(), banned) and int(banned.sum()) == 6
+    report.check("penalties and logprobs vs the CPU",
+                 err < 1e-4 and got[3] == want[3] and same_bans,
+                 f"max|err|={err:.1e}, {int(banned.sum())} banned")
 
 
 def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num_blocks: int,
