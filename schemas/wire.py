@@ -400,8 +400,8 @@ class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):
     timing: RequestTiming | None = None
     index: int = 0                    # which of the request's n choices
     logprobs: list[SampleLogprobs] | None = None    # one per token id, when asked
-    # prompt_logprobs, on choice 0's first output: the prompt, one entry per token after
-    # its first
+    # prompt_logprobs, on the request's first output (a fork's, with n > 1): the prompt,
+    # one entry per token after its first
     prompt: tuple[list[int], list[SampleLogprobs]] | None = None
 
 

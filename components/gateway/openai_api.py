@@ -147,8 +147,7 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         params["logprobs"] = req.logprobs
         if req.echo:                        # the prompt's tokens come with theirs
             params["prompt_logprobs"] = req.logprobs
-    if isinstance(req, CompletionRequest) and req.echo and not isinstance(req.prompt, str) \
-            and not (len(req.prompt) == 1 and isinstance(req.prompt[0], str)):
+    if isinstance(req, CompletionRequest) and req.echo and prompt_text(req.prompt) is None:
         params["prompt_logprobs"] = req.logprobs or 0     # token ids: echo their text
     if req.stop is not None:
         params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
@@ -193,6 +192,13 @@ def _prompt(prompt: str | list[Any]) -> dict[str, Any]:
         return {"prompt_token_ids": list(prompt)}
     raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of those",
                    param="prompt")
+
+
+def prompt_text(prompt: str | list[Any]) -> str | None:
+    """A completions prompt's text: a string or a batch of one; None for token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt[0] if len(prompt) == 1 and isinstance(prompt[0], str) else None
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -282,9 +288,7 @@ class Shaper:
         self.echo = echo is not None and echo.echo
         self.echo_only = self.echo and echo.max_tokens == 0
         self.echo_logprobs = self.echo and echo.logprobs is not None
-        self.echo_text = echo.prompt if self.echo and isinstance(echo.prompt, str) else \
-            echo.prompt[0] if self.echo and len(echo.prompt) == 1 \
-            and isinstance(echo.prompt[0], str) else None
+        self.echo_text = prompt_text(echo.prompt) if self.echo else None
         self.prompt: PromptLogprobs | None = None   # from the request's first delta
         self.echoed: set[int] = set()               # choices whose prompt went out
 
@@ -318,8 +322,6 @@ class Shaper:
                 self.prompt.text if self.prompt is not None else ""
             text = prefix + (text or "")
             prompt = self.prompt if self.echo_logprobs else None
-        if self.echo_logprobs and entries is None and prompt is not None:
-            entries = ()
         return text, self._logprobs(entries, index, prompt), finish_reason
 
     def wants(self, index: int, text: str, logprobs: Sequence[TokenLogprob]) -> bool:
