@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (Starlette). It is a client of the streamer via the SDK."""
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -18,13 +19,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bus import tracing
-from schemas.client import StatusReport
+from schemas.client import StatusReport, Usage
 from schemas.config import GatewayConfig
 from components.gateway.auth import Authenticator
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, degraded_headers, parse, submit_kwargs,
+                                           Shaper, degraded_headers, parse, submit_batch,
                                            validate_kwargs, weir_usage)
 from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
@@ -196,8 +197,12 @@ def build_app(state: GatewayState) -> Starlette:
             check_content_type(request.headers.get("content-type"))
             body = await read_body(request, cfg.max_body_bytes, cfg.read_timeout_s)
             req = parse(body, kind)
-            kwargs = submit_kwargs(req, state.model, request.headers.get("x-weir-class"))
-            validate_kwargs(kwargs, state.max_model_len)
+            batch = submit_batch(req, state.model, request.headers.get("x-weir-class"))
+            for kwargs in batch:
+                validate_kwargs(kwargs, state.max_model_len)
+            if len(batch) > 1 and req.stream:
+                raise ApiError(400, "a batch of prompts cannot be streamed; stream one prompt "
+                                    "per request", param="stream")
             rid = uuid.uuid4().hex
             idempotency_key = request.headers.get("idempotency-key") or None
             if idempotency_key is not None and len(idempotency_key) > 256:
@@ -207,9 +212,12 @@ def build_app(state: GatewayState) -> Starlette:
             if session_id is not None and len(session_id) > 256:
                 raise ApiError(400, "X-Session-Id must be at most 256 characters",
                                code="invalid_session_id")
+            if len(batch) > 1:
+                return await _batch(request, batch, rid, tenant, idempotency_key, session_id,
+                                    Shaper(False, rid, state.model, req), started, echo_id)
             stream = await state.client.stream(request_id=rid, tenant=tenant,
                                                idempotency_key=idempotency_key,
-                                               session_id=session_id, **kwargs)
+                                               session_id=session_id, **batch[0])
             events = stream.__aiter__()
 
             async def first_event():
@@ -255,6 +263,71 @@ def build_app(state: GatewayState) -> Starlette:
         return _error_response(ApiError(400, "the client disconnected",
                                         code="client_disconnected"), echo_id)
 
+    async def _batch(request: Request, batch: list[dict[str, Any]], rid: str, tenant: str,
+                     idempotency_key: str | None, session_id: str | None, shaper: Shaper,
+                     started: float, echo_id: str) -> Response:
+        """A completions request with several prompts: one engine request each, run side by
+        side and read together; the response holds their choices in order (prompt ``i``'s
+        ``j``-th is ``i * n + j``) and their usage summed. If one is refused or fails, or
+        the client leaves, every other is abandoned (its KV freed) and the whole answer is
+        that error."""
+        streams: list[Stream] = []
+        errors: list[Exception] = []
+
+        async def drain(stream: Stream, tg) -> None:
+            try:
+                async for _ in stream:
+                    pass
+            except Exception as exc:             # the first error ends them all
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+
+        async def run_all() -> None:
+            async with anyio.create_task_group() as tg:
+                for stream in streams:
+                    tg.start_soon(drain, stream, tg)
+
+        key = idempotency_key           # a retry of the batch attaches to each of its requests
+        if key is not None and len(key) > 200:
+            key = hashlib.sha256(key.encode()).hexdigest()
+        gone = False
+        try:
+            for i, kwargs in enumerate(batch):
+                streams.append(await state.client.stream(
+                    request_id=f"{rid}-{i}", tenant=tenant, session_id=session_id,
+                    idempotency_key=None if key is None else f"{key}#{i}", **kwargs))
+            gone, _ = await _unless_disconnected(request, run_all)
+            if not gone and errors:
+                raise errors[0]
+        except RequestRejected as exc:
+            err = _from_rejection(exc)
+        except Exception as exc:                 # failed, cancelled, timed out
+            err = ApiError(500, f"request failed: {exc}", "server_error")
+        else:
+            err = None if not gone else ApiError(400, "the client disconnected",
+                                                 code="client_disconnected")
+        if err is not None:
+            with anyio.CancelScope(shield=True):
+                for stream in streams:
+                    if stream.result is None:
+                        await stream.abandon()
+            state.metrics.error("cancelled" if gone else f"http_{err.status}")
+            return _error_response(err, echo_id)
+        results = [stream.result for stream in streams]
+        choices = []
+        for k, res in enumerate(results):
+            _record(res, started)
+            shaper.prompts[k] = res.prompt
+            choices += [(c.text, c.finish_reason, c.logprobs) for c in res.choices]
+        usage = Usage(sum(r.usage.prompt_tokens for r in results),
+                      sum(r.usage.completion_tokens for r in results),
+                      sum(r.usage.cached_tokens for r in results))
+        first = results[0]
+        headers = {"x-request-id": echo_id,
+                   **degraded_headers(any(r.degraded for r in results), first.max_tokens)}
+        body = shaper.full(choices, usage, _granted(first))
+        return Response(_json.encode(body), media_type="application/json", headers=headers)
+
     async def _collect(request: Request, stream: Stream, events, shaper: Shaper,
                        started: float, headers: dict) -> Response:
         async def drain() -> None:
@@ -274,7 +347,7 @@ def build_app(state: GatewayState) -> Starlette:
                                    headers["x-request-id"])
         res = stream.result
         _record(res, started)
-        shaper.prompt = res.prompt
+        shaper.prompts[0] = res.prompt
         body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
                            res.usage, _granted(res))
         headers.update(degraded_headers(res.degraded, res.max_tokens))

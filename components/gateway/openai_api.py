@@ -118,10 +118,13 @@ def class_of(req: _Common, header: str | None) -> str | None:
     return req.service_class or (header or "").strip() or None
 
 
-def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: str,
-                  class_header: str | None = None) -> dict[str, Any]:
+def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: str,
+                 class_header: str | None = None) -> list[dict[str, Any]]:
     """Keyword arguments for ``AsyncClient.stream`` from an OpenAI request (and its
-    ``x-weir-class`` header, if any)."""
+    ``x-weir-class`` header, if any): one request per prompt. A chat request, or a
+    completions request with one prompt, makes one; a batch of prompts (a list of strings
+    or of token-id lists) one each, in order: choice ``j`` of prompt ``i`` is choice
+    ``i * n + j`` of the response, as OpenAI and vLLM number them."""
     if req.model not in (None, "", served_model):
         raise ApiError(404, f"the model `{req.model[:100]}` does not exist; this server serves "
                             f"`{served_model}`", "invalid_request_error", "model", "model_not_found")
@@ -147,8 +150,6 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         params["logprobs"] = req.logprobs
         if req.echo:                        # the prompt's tokens come with theirs
             params["prompt_logprobs"] = req.logprobs
-    if isinstance(req, CompletionRequest) and req.echo and prompt_text(req.prompt) is None:
-        params["prompt_logprobs"] = req.logprobs or 0     # token ids: echo their text
     if req.stop is not None:
         params["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.stop_token_ids:
@@ -157,11 +158,17 @@ def submit_kwargs(req: CompletionRequest | ChatCompletionRequest, served_model: 
         params["max_tokens"] = (req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)      # 0 is invalid, not "unlimited"
         msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
-        return {"messages": msgs, **params}
+        return [{"messages": msgs, **params}]
     # echo with max_tokens 0 (the prompt's logprobs alone, as evaluation harnesses ask):
     # one token is generated and left out of the response (Shaper)
     params["max_tokens"] = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
-    return {**_prompt(req.prompt), **params}
+    out = []
+    for prompt in prompts_of(req.prompt):
+        one = {**_prompt(prompt), **params}
+        if req.echo and not isinstance(prompt, str):
+            one["prompt_logprobs"] = req.logprobs or 0     # token ids: echo their text
+        out.append(one)
+    return out
 
 
 _PARAMS = frozenset(SamplingParams.__struct_fields__)
@@ -179,26 +186,28 @@ def validate_kwargs(kwargs: dict[str, Any], max_model_len: int,
         raise ApiError(400, bad[1], code=bad[0])
 
 
-def _prompt(prompt: str | list[Any]) -> dict[str, Any]:
-    """OpenAI's prompt forms: a string, token ids, or a batch of one of either."""
+MAX_BATCH = 64          # prompts in one completions request
+
+
+def prompts_of(prompt: str | list[Any]) -> list[Any]:
+    """OpenAI's prompt forms: a string or token ids is one prompt; a list of strings or of
+    token-id lists is a batch of them (at most ``MAX_BATCH``)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, "batched prompts are not supported; send one prompt per request",
+        if len(prompt) > MAX_BATCH:
+            raise ApiError(400, f"a request may batch at most {MAX_BATCH} prompts",
                            param="prompt")
-        prompt = prompt[0]
+        return list(prompt)
+    return [prompt]
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                        for t in prompt):
         return {"prompt_token_ids": list(prompt)}
-    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of one of those",
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either",
                    param="prompt")
-
-
-def prompt_text(prompt: str | list[Any]) -> str | None:
-    """A completions prompt's text: a string or a batch of one; None for token ids."""
-    if isinstance(prompt, str):
-        return prompt
-    return prompt[0] if len(prompt) == 1 and isinstance(prompt[0], str) else None
 
 
 def _text(content: str | list[TextPart] | None) -> str:
@@ -276,9 +285,10 @@ class Shaper:
 
     def __init__(self, chat: bool, request_id: str, model: str,
                  echo: CompletionRequest | None = None) -> None:
-        """``echo``: a completions request with ``echo`` set, whose choices each begin
-        with the prompt (its text as sent, or the engine's decode of its token ids) and,
-        with ``logprobs``, the prompt tokens' entries; with ``max_tokens`` 0, only that."""
+        """``echo``: the completions request; with ``echo`` set, each choice begins with
+        its prompt (its text as sent, or the engine's decode of its token ids) and, with
+        ``logprobs``, the prompt tokens' entries; with ``max_tokens`` 0, only that. Choice
+        ``index`` is of prompt ``index // n``."""
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
@@ -288,9 +298,11 @@ class Shaper:
         self.echo = echo is not None and echo.echo
         self.echo_only = self.echo and echo.max_tokens == 0
         self.echo_logprobs = self.echo and echo.logprobs is not None
-        self.echo_text = prompt_text(echo.prompt) if self.echo else None
-        self.prompt: PromptLogprobs | None = None   # from the request's first delta
-        self.echoed: set[int] = set()               # choices whose prompt went out
+        self.n = 1 if echo is None else echo.n
+        self.echo_texts = [p if isinstance(p, str) else None
+                           for p in prompts_of(echo.prompt)] if self.echo else []
+        self.prompts: dict[int, PromptLogprobs] = {}    # by prompt, from its first delta
+        self.echoed: set[int] = set()                   # choices whose prompt went out
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -318,10 +330,12 @@ class Shaper:
         prompt = None
         if index not in self.echoed:
             self.echoed.add(index)
-            prefix = self.echo_text if self.echo_text is not None else \
-                self.prompt.text if self.prompt is not None else ""
-            text = prefix + (text or "")
-            prompt = self.prompt if self.echo_logprobs else None
+            k = index // self.n
+            prompt = self.prompts.get(k)
+            as_sent = self.echo_texts[k] if k < len(self.echo_texts) else None
+            text = (as_sent if as_sent is not None else prompt.text if prompt else "") \
+                + (text or "")
+            prompt = prompt if self.echo_logprobs else None
         return text, self._logprobs(entries, index, prompt), finish_reason
 
     def wants(self, index: int, text: str, logprobs: Sequence[TokenLogprob]) -> bool:
@@ -355,7 +369,8 @@ class Shaper:
               logprobs: Sequence[TokenLogprob] | None = None,
               prompt: PromptLogprobs | None = None) -> dict[str, Any]:
         """One stream chunk; ``prompt``: the request's prompt_logprobs (its first delta's)."""
-        self.prompt = prompt or self.prompt
+        if prompt is not None:
+            self.prompts[index // self.n] = prompt
         text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
         if self.chat:
             delta: dict[str, Any] = {}

@@ -189,6 +189,35 @@ def test_echo_and_prompt_logprobs(gw, oai, model_path):
     gw.wait_kv_free(timeout=2.0)
 
 
+def test_a_batch_of_prompts(gw, oai, model_path):
+    """Several prompts in one completions request, as OpenAI's client and lm-eval send
+    them: choice j of prompt i at i * n + j, each what that prompt alone gives; the
+    scoring form (token ids, echo, logprobs, max_tokens 0) per prompt; a stream of a batch
+    is a 400; every block comes back."""
+    from components.tokenizer.vocab import load_tokenizer
+    prompts = ["The capital of France is", "Once upon a time"]
+    alone = [oai.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+             for p in prompts]
+    both = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + \
+        [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 20
+    tok = load_tokenizer(model_path)
+    ids = [tok.encode(p) for p in prompts]
+    scored = oai.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True,
+                                    logprobs=1, temperature=0)
+    for c, p, i in zip(scored.choices, prompts, ids):
+        assert c.text == p and len(c.logprobs.tokens) == len(i)
+        assert c.logprobs.token_logprobs[0] is None
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        oai.completions.create(model=MODEL, prompt=prompts, max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError):                 # one bad prompt: none run
+        oai.completions.create(model=MODEL, prompt=["fine", "x" * 70000], max_tokens=2)
+    gw.wait_kv_free(timeout=2.0)
+
+
 def test_logprobs_completion_chat_and_streamed(gw, oai):
     """Logprobs through the official client: one per output token, the tokens spell the
     text, offsets run along it, greedy picks are the most likely of their top, the stream

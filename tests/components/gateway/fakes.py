@@ -68,9 +68,10 @@ class FakeClient:
     def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,
                  delay: float = 0.0, first_delay: float = 0.0,
                  tenants: dict | None = None, accepted: Accepted | None = None,
-                 reject: RequestRejected | None = None) -> None:
+                 reject: RequestRejected | None = None, reject_from: int = 0) -> None:
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.accepted, self.reject = accepted, reject     # for every stream it opens
+        self.reject_from = reject_from                    # ... from this one on
         self.stats = stats or {}
         self.tenants = tenants or {}              # component -> {tenant: TenantUsage}
         self.submitted: list[dict[str, Any]] = []
@@ -79,7 +80,7 @@ class FakeClient:
     async def stream(self, request_id: str, tenant: str, **kwargs: Any) -> FakeStream:
         self.submitted.append({"tenant": tenant, **kwargs})
         s = FakeStream(request_id, self.deltas, self.text, self.delay, self.accepted,
-                       self.reject)
+                       self.reject if len(self.streams) >= self.reject_from else None)
         s.first_delay = self.first_delay
         self.streams.append(s)
         return s

@@ -6,7 +6,7 @@ import pytest
 from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            Shaper, chat_logprobs, class_of, completion_logprobs,
-                                           degraded_headers, parse, submit_kwargs,
+                                           degraded_headers, parse, submit_batch,
                                            validate_kwargs, weir_usage)
 from schemas.client import PromptLogprobs, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
@@ -16,7 +16,8 @@ M = "SmolLM2-135M-Instruct"
 
 
 def kwargs(body: bytes, kind=CompletionRequest, class_header: str | None = None):
-    return submit_kwargs(parse(body, kind), M, class_header)
+    (one,) = submit_batch(parse(body, kind), M, class_header)
+    return one
 
 
 def test_completion_forms_of_prompt():
@@ -25,8 +26,14 @@ def test_completion_forms_of_prompt():
     assert kwargs(b'{"prompt": [1, 2, 3]}')["prompt_token_ids"] == [1, 2, 3]
     assert kwargs(b'{"prompt": ["one"]}')["prompt"] == "one"
     assert kwargs(b'{"prompt": [[4, 5]]}')["prompt_token_ids"] == [4, 5]
-    with pytest.raises(ApiError, match="batched"):
-        kwargs(b'{"prompt": ["a", "b"]}')
+    two = submit_batch(parse(b'{"prompt": ["a", [7, 8]], "n": 2, "echo": true}',
+                             CompletionRequest), M)
+    assert [(k.get("prompt"), k.get("prompt_token_ids"), k["n"]) for k in two] == [
+        ("a", None, 2), (None, [7, 8], 2)]
+    assert "prompt_logprobs" not in two[0] and two[1]["prompt_logprobs"] == 0
+    with pytest.raises(ApiError, match="at most 64 prompts"):
+        submit_batch(parse(b'{"prompt": [' + b",".join([b'"a"'] * 65) + b']}',
+                           CompletionRequest), M)
     with pytest.raises(ApiError, match="token ids"):
         kwargs(b'{"prompt": [1, "x"]}')
 
@@ -183,8 +190,8 @@ def test_echo_shapes():
     out = [TokenLogprob(9, "!", -1.5, (TopLogprob(9, "!", -1.5),))]
     prompt = PromptLogprobs((1, 2), "Hi there", "Hi", (
         TokenLogprob(2, " there", -4.0, (TopLogprob(3, " you", -0.5),)),))
-    sh = _echo(b'{"prompt": "Hi there", "echo": true, "logprobs": 1}')
-    sh.prompt = prompt
+    sh = _echo(b'{"prompt": "Hi there", "echo": true, "logprobs": 1, "n": 2}')
+    sh.prompts[0] = prompt
     body = sh.full([("!", "length", out), ("?", "stop", out)], Usage(2, 2))
     for c in body["choices"]:
         assert c["text"].startswith("Hi there") and c["logprobs"] == {
@@ -193,7 +200,7 @@ def test_echo_shapes():
             "text_offset": [0, 2, 8]}
     assert [c["text"] for c in body["choices"]] == ["Hi there!", "Hi there?"]
     only = _echo(b'{"prompt": [1, 2], "echo": true, "logprobs": 1, "max_tokens": 0}')
-    only.prompt = prompt
+    only.prompts[0] = prompt
     body = only.full([("!", "length", out)], Usage(2, 1, 0))
     assert body["choices"][0]["text"] == "Hi there"           # the engine's decode of the ids
     assert body["choices"][0]["logprobs"]["tokens"] == ["Hi", " there"]
@@ -208,6 +215,11 @@ def test_echo_shapes():
     nxt = st.chunk(" ok", index=0, logprobs=out)["choices"][0]
     assert nxt["text"] == " ok" and nxt["logprobs"]["text_offset"] == [9]
     assert not st.wants(0, "", ())
+    # a batch: choice i of n = 2 echoes prompt i // 2, as sent or as the engine decoded it
+    bt = _echo(b'{"prompt": ["Hi there", [1, 2]], "echo": true, "n": 2}')
+    bt.prompts[1] = PromptLogprobs((1, 2), "Yo", "Y", ())
+    body = bt.full([("a", "stop", None)] * 4, Usage(4, 4))
+    assert [c["text"] for c in body["choices"]] == ["Hi therea", "Hi therea", "Yoa", "Yoa"]
     so = _echo(b'{"prompt": "Hi there", "echo": true, "max_tokens": 0, "stream": true}')
     assert so.chunk("!")["choices"][0]["text"] == "Hi there"
     assert not so.wants(0, "!", ())                            # the output never streams

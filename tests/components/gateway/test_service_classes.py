@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import httpx
 import pytest
 
@@ -104,3 +105,35 @@ async def test_admission_rejections_map_to_http_statuses(reason, retry_after_s, 
     assert r.status_code == status
     assert r.json()["error"]["code"] == reason
     assert r.headers.get("retry-after") == retry_header
+
+
+async def test_a_batch_of_prompts_is_one_request_each_and_one_answer():
+    """Completions with a list of prompts: one engine request each (their own ids), the
+    choices in order, usage summed; a batch cannot be streamed."""
+    client = FakeClient(deltas=2, text="x")
+    async with serve(client) as gw, httpx.AsyncClient() as http:
+        r = await http.post(gw.url + "/v1/completions", headers=JSON,
+                            content=b'{"prompt": ["a", [5, 6], "c"], "max_tokens": 4}')
+        bad = await http.post(gw.url + "/v1/completions", headers=JSON,
+                              content=b'{"prompt": ["a", "b"], "stream": true}')
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == 9 and body["usage"]["completion_tokens"] == 6
+    assert [s.get("prompt", s.get("prompt_token_ids")) for s in client.submitted] == \
+        ["a", [5, 6], "c"]
+    assert len({s.request_id for s in client.streams}) == 3
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+
+
+async def test_a_refused_prompt_of_a_batch_refuses_the_batch_and_frees_the_rest():
+    """The second of three is refused while the first still runs: the answer is that
+    refusal, and the first is cancelled (its KV freed), not left running."""
+    reject = RequestRejected("r", "overloaded", "engine busy", 1.5)
+    client = FakeClient(deltas=50, delay=0.05, reject=reject, reject_from=1)
+    async with serve(client) as gw, httpx.AsyncClient() as http:
+        r = await http.post(gw.url + "/v1/completions", headers=JSON,
+                            content=b'{"prompt": ["a", "b", "c"]}')
+        with anyio.fail_after(5):
+            await client.streams[0].cancelled.wait()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
