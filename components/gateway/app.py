@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bus import tracing
-from schemas.client import StatusReport, Usage
+from schemas.client import StatusReport
 from schemas.config import GatewayConfig
 from components.gateway.auth import Authenticator
+from components.gateway.batch import StreamGroup
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
@@ -200,9 +201,6 @@ def build_app(state: GatewayState) -> Starlette:
             batch = submit_batch(req, state.model, request.headers.get("x-weir-class"))
             for kwargs in batch:
                 validate_kwargs(kwargs, state.max_model_len)
-            if len(batch) > 1 and req.stream:
-                raise ApiError(400, "a batch of prompts cannot be streamed; stream one prompt "
-                                    "per request", param="stream")
             rid = uuid.uuid4().hex
             idempotency_key = request.headers.get("idempotency-key") or None
             if idempotency_key is not None and len(idempotency_key) > 256:
@@ -212,12 +210,16 @@ def build_app(state: GatewayState) -> Starlette:
             if session_id is not None and len(session_id) > 256:
                 raise ApiError(400, "X-Session-Id must be at most 256 characters",
                                code="invalid_session_id")
-            if len(batch) > 1:
+            if len(batch) > 1 and not req.stream:
                 return await _batch(request, batch, rid, tenant, idempotency_key, session_id,
                                     Shaper(False, rid, state.model, req), started, echo_id)
-            stream = await state.client.stream(request_id=rid, tenant=tenant,
-                                               idempotency_key=idempotency_key,
-                                               session_id=session_id, **batch[0])
+            if len(batch) > 1:
+                stream = StreamGroup(await _open_all(batch, rid, tenant, idempotency_key,
+                                                     session_id), req.n)
+            else:
+                stream = await state.client.stream(request_id=rid, tenant=tenant,
+                                                   idempotency_key=idempotency_key,
+                                                   session_id=session_id, **batch[0])
             events = stream.__aiter__()
 
             async def first_event():
@@ -228,9 +230,12 @@ def build_app(state: GatewayState) -> Starlette:
 
             try:
                 gone, first = await _unless_disconnected(request, first_event)
-            except RequestRejected as exc:
-                raise _from_rejection(exc) from None
-            except (RequestFailed, RequestCancelled) as exc:
+            except (RequestRejected, RequestFailed, RequestCancelled) as exc:
+                if isinstance(stream, StreamGroup):    # the batch's other prompts: freed
+                    with anyio.CancelScope(shield=True):
+                        await stream.abandon()
+                if isinstance(exc, RequestRejected):
+                    raise _from_rejection(exc) from None
                 raise ApiError(500, f"request failed: {exc}", "server_error") from None
             if gone:
                 return await _client_gone(stream, events, echo_id)
@@ -263,14 +268,34 @@ def build_app(state: GatewayState) -> Starlette:
         return _error_response(ApiError(400, "the client disconnected",
                                         code="client_disconnected"), echo_id)
 
+    async def _open_all(batch: list[dict[str, Any]], rid: str, tenant: str,
+                        idempotency_key: str | None, session_id: str | None) -> list[Stream]:
+        """One engine request per prompt of a batch, ids ``<rid>-<i>``; an Idempotency-Key
+        becomes one per prompt (a retry of the batch attaches to each). If one cannot be
+        sent, those sent are abandoned and the error raised."""
+        streams: list[Stream] = []
+        key = idempotency_key
+        if key is not None and len(key) > 200:
+            key = hashlib.sha256(key.encode()).hexdigest()
+        try:
+            for i, kwargs in enumerate(batch):
+                streams.append(await state.client.stream(
+                    request_id=f"{rid}-{i}", tenant=tenant, session_id=session_id,
+                    idempotency_key=None if key is None else f"{key}#{i}", **kwargs))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await StreamGroup(streams, 1).abandon()
+            raise
+        return streams
+
     async def _batch(request: Request, batch: list[dict[str, Any]], rid: str, tenant: str,
                      idempotency_key: str | None, session_id: str | None, shaper: Shaper,
                      started: float, echo_id: str) -> Response:
-        """A completions request with several prompts: one engine request each, run side by
-        side and read together; the response holds their choices in order (prompt ``i``'s
-        ``j``-th is ``i * n + j``) and their usage summed. If one is refused or fails, or
-        the client leaves, every other is abandoned (its KV freed) and the whole answer is
-        that error."""
+        """A completions request with several prompts, not streamed: one engine request
+        each, run side by side and read together; the response holds their choices in
+        order (prompt ``i``'s ``j``-th is ``i * n + j``) and their usage summed. If one is
+        refused or fails, or the client leaves, every other is abandoned (its KV freed) and
+        the whole answer is that error."""
         streams: list[Stream] = []
         errors: list[Exception] = []
 
@@ -287,15 +312,9 @@ def build_app(state: GatewayState) -> Starlette:
                 for stream in streams:
                     tg.start_soon(drain, stream, tg)
 
-        key = idempotency_key           # a retry of the batch attaches to each of its requests
-        if key is not None and len(key) > 200:
-            key = hashlib.sha256(key.encode()).hexdigest()
         gone = False
         try:
-            for i, kwargs in enumerate(batch):
-                streams.append(await state.client.stream(
-                    request_id=f"{rid}-{i}", tenant=tenant, session_id=session_id,
-                    idempotency_key=None if key is None else f"{key}#{i}", **kwargs))
+            streams = await _open_all(batch, rid, tenant, idempotency_key, session_id)
             gone, _ = await _unless_disconnected(request, run_all)
             if not gone and errors:
                 raise errors[0]
@@ -313,19 +332,13 @@ def build_app(state: GatewayState) -> Starlette:
                         await stream.abandon()
             state.metrics.error("cancelled" if gone else f"http_{err.status}")
             return _error_response(err, echo_id)
-        results = [stream.result for stream in streams]
-        choices = []
-        for k, res in enumerate(results):
-            _record(res, started)
-            shaper.prompts[k] = res.prompt
-            choices += [(c.text, c.finish_reason, c.logprobs) for c in res.choices]
-        usage = Usage(sum(r.usage.prompt_tokens for r in results),
-                      sum(r.usage.completion_tokens for r in results),
-                      sum(r.usage.cached_tokens for r in results))
-        first = results[0]
-        headers = {"x-request-id": echo_id,
-                   **degraded_headers(any(r.degraded for r in results), first.max_tokens)}
-        body = shaper.full(choices, usage, _granted(first))
+        for k, stream in enumerate(streams):
+            _record(stream.result, started)
+            shaper.prompts[k] = stream.result.prompt
+        res = StreamGroup(streams, shaper.n).result
+        headers = {"x-request-id": echo_id, **degraded_headers(res.degraded, res.max_tokens)}
+        body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
+                           res.usage, _granted(res))
         return Response(_json.encode(body), media_type="application/json", headers=headers)
 
     async def _collect(request: Request, stream: Stream, events, shaper: Shaper,
@@ -382,7 +395,12 @@ def build_app(state: GatewayState) -> Starlette:
                         yield frame(shaper.chunk(delta.text, index=delta.index,
                                                  logprobs=delta.logprobs or None,
                                                  prompt=delta.prompt))
-            except (RequestFailed, RequestCancelled) as exc:
+            except (RequestFailed, RequestCancelled, RequestRejected) as exc:
+                # a refusal here is a batch's later prompt; a batch's other prompts still
+                # run, and are abandoned (a lone stream that failed is over already)
+                if isinstance(stream, StreamGroup):
+                    with anyio.CancelScope(shield=True):
+                        await stream.abandon()
                 state.metrics.error("failed")
                 yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())
                 done = True

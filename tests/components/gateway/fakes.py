@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import types
 from typing import Any
 
 import anyio
@@ -16,6 +15,7 @@ from components.gateway.http import guarded_protocol
 from components.gateway.service import _Server
 from schemas.client import Accepted, ComponentStatus, StatusReport, TextDelta, Usage
 from schemas.config import GatewayConfig
+from weir.client import Choice, Completion
 from weir.errors import RequestRejected
 
 
@@ -47,13 +47,12 @@ class FakeStream:
             for _ in range(self.deltas):
                 await anyio.sleep(self.delay)
                 yield TextDelta(self.request_id, self.text, (1,), 0)
-            choice = types.SimpleNamespace(index=0, text=self.text * self.deltas,
-                                           finish_reason="length", logprobs=None)
-            self.result = types.SimpleNamespace(
-                choices=[choice], usage=Usage(3, self.deltas), finish_reason="length",
-                queue_time_s=0.0, timing=None, service_class=acc.service_class,
-                degraded=acc.degraded, max_tokens=acc.max_tokens, queued_s=acc.queued_s,
-                prompt=None)
+            text = self.text * self.deltas
+            self.result = Completion(
+                self.request_id, text, [1] * self.deltas, "length", Usage(3, self.deltas),
+                None, 0.0, choices=[Choice(0, text, [1] * self.deltas, "length")],
+                service_class=acc.service_class, degraded=acc.degraded,
+                max_tokens=acc.max_tokens, queued_s=acc.queued_s)
         finally:
             self.closed.set()
 
@@ -68,10 +67,12 @@ class FakeClient:
     def __init__(self, deltas: int = 3, text: str = "ok", stats: dict | None = None,
                  delay: float = 0.0, first_delay: float = 0.0,
                  tenants: dict | None = None, accepted: Accepted | None = None,
-                 reject: RequestRejected | None = None, reject_from: int = 0) -> None:
+                 reject: RequestRejected | None = None, reject_from: int = 0,
+                 reject_after: float | None = None) -> None:
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.accepted, self.reject = accepted, reject     # for every stream it opens
         self.reject_from = reject_from                    # ... from this one on
+        self.reject_after = reject_after                  # seconds to a refusal (first_delay)
         self.stats = stats or {}
         self.tenants = tenants or {}              # component -> {tenant: TenantUsage}
         self.submitted: list[dict[str, Any]] = []
@@ -82,6 +83,8 @@ class FakeClient:
         s = FakeStream(request_id, self.deltas, self.text, self.delay, self.accepted,
                        self.reject if len(self.streams) >= self.reject_from else None)
         s.first_delay = self.first_delay
+        if s.reject is not None and self.reject_after is not None:
+            s.first_delay = self.reject_after
         self.streams.append(s)
         return s
 

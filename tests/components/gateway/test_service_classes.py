@@ -109,21 +109,30 @@ async def test_admission_rejections_map_to_http_statuses(reason, retry_after_s, 
 
 async def test_a_batch_of_prompts_is_one_request_each_and_one_answer():
     """Completions with a list of prompts: one engine request each (their own ids), the
-    choices in order, usage summed; a batch cannot be streamed."""
+    choices in order, usage summed; streamed, every prompt's deltas under its own index,
+    each choice finished, the usage summed."""
     client = FakeClient(deltas=2, text="x")
     async with serve(client) as gw, httpx.AsyncClient() as http:
         r = await http.post(gw.url + "/v1/completions", headers=JSON,
                             content=b'{"prompt": ["a", [5, 6], "c"], "max_tokens": 4}')
-        bad = await http.post(gw.url + "/v1/completions", headers=JSON,
-                              content=b'{"prompt": ["a", "b"], "stream": true}')
+        st = await http.post(gw.url + "/v1/completions", headers=JSON,
+                             content=b'{"prompt": ["a", "b"], "stream": true, "n": 1,'
+                                     b' "stream_options": {"include_usage": true}}')
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["prompt_tokens"] == 9 and body["usage"]["completion_tokens"] == 6
-    assert [s.get("prompt", s.get("prompt_token_ids")) for s in client.submitted] == \
+    assert [s.get("prompt", s.get("prompt_token_ids")) for s in client.submitted[:3]] == \
         ["a", [5, 6], "c"]
-    assert len({s.request_id for s in client.streams}) == 3
-    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+    assert len({s.request_id for s in client.streams}) == 5
+    frames = sse_frames(st.text)
+    texts = {0: "", 1: ""}
+    for f in frames:
+        for c in f["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {0: "xx", 1: "xx"}
+    assert sorted(c["index"] for f in frames for c in f["choices"] if c["finish_reason"]) == [0, 1]
+    assert frames[-1]["usage"]["completion_tokens"] == 4 and st.text.endswith("data: [DONE]\n\n")
 
 
 async def test_a_refused_prompt_of_a_batch_refuses_the_batch_and_frees_the_rest():
@@ -137,3 +146,20 @@ async def test_a_refused_prompt_of_a_batch_refuses_the_batch_and_frees_the_rest(
         with anyio.fail_after(5):
             await client.streams[0].cancelled.wait()
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+
+
+@pytest.mark.parametrize("after, status", [(0.0, 503), (0.3, 200)])
+async def test_a_streamed_batch_refused_in_part_frees_the_rest(after, status):
+    """The second prompt refused before the first's first token (the answer is the 503)
+    or after the stream began (an error frame ends it): either way the first prompt,
+    still running, is cancelled."""
+    reject = RequestRejected("r", "overloaded", "engine busy", 1.5)
+    client = FakeClient(deltas=50, delay=0.05, reject=reject, reject_from=1, reject_after=after)
+    async with serve(client) as gw, httpx.AsyncClient() as http:
+        r = await http.post(gw.url + "/v1/completions", headers=JSON,
+                            content=b'{"prompt": ["a", "b"], "stream": true}')
+        with anyio.fail_after(5):
+            await client.streams[0].cancelled.wait()
+    assert r.status_code == status
+    if status == 200:
+        assert sse_frames(r.text)[-1]["error"]["message"].startswith("request failed")
