@@ -67,7 +67,10 @@ class Raw:
         a moment, then give up. Returns whether the frame was queued."""
         if not self.sock.poll(1000, zmq.POLLOUT):
             return False
-        self.sock.send(data, zmq.NOBLOCK)
+        try:            # the pipe can go between the poll and the send, as a refused
+            self.sock.send(data, zmq.NOBLOCK)     # handshake drops it (seen in a full run)
+        except zmq.Again:
+            return False
         return True
 
     def close(self) -> None:
