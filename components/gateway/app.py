@@ -210,9 +210,6 @@ def build_app(state: GatewayState) -> Starlette:
             if session_id is not None and len(session_id) > 256:
                 raise ApiError(400, "X-Session-Id must be at most 256 characters",
                                code="invalid_session_id")
-            if len(batch) > 1 and not req.stream:
-                return await _batch(request, batch, rid, tenant, idempotency_key, session_id,
-                                    Shaper(False, rid, state.model, req), started, echo_id)
             if len(batch) > 1:
                 stream = StreamGroup(await _open_all(batch, rid, tenant, idempotency_key,
                                                      session_id), req.n)
@@ -288,59 +285,6 @@ def build_app(state: GatewayState) -> Starlette:
             raise
         return streams
 
-    async def _batch(request: Request, batch: list[dict[str, Any]], rid: str, tenant: str,
-                     idempotency_key: str | None, session_id: str | None, shaper: Shaper,
-                     started: float, echo_id: str) -> Response:
-        """A completions request with several prompts, not streamed: one engine request
-        each, run side by side and read together; the response holds their choices in
-        order (prompt ``i``'s ``j``-th is ``i * n + j``) and their usage summed. If one is
-        refused or fails, or the client leaves, every other is abandoned (its KV freed) and
-        the whole answer is that error."""
-        streams: list[Stream] = []
-        errors: list[Exception] = []
-
-        async def drain(stream: Stream, tg) -> None:
-            try:
-                async for _ in stream:
-                    pass
-            except Exception as exc:             # the first error ends them all
-                errors.append(exc)
-                tg.cancel_scope.cancel()
-
-        async def run_all() -> None:
-            async with anyio.create_task_group() as tg:
-                for stream in streams:
-                    tg.start_soon(drain, stream, tg)
-
-        gone = False
-        try:
-            streams = await _open_all(batch, rid, tenant, idempotency_key, session_id)
-            gone, _ = await _unless_disconnected(request, run_all)
-            if not gone and errors:
-                raise errors[0]
-        except RequestRejected as exc:
-            err = _from_rejection(exc)
-        except Exception as exc:                 # failed, cancelled, timed out
-            err = ApiError(500, f"request failed: {exc}", "server_error")
-        else:
-            err = None if not gone else ApiError(400, "the client disconnected",
-                                                 code="client_disconnected")
-        if err is not None:
-            with anyio.CancelScope(shield=True):
-                for stream in streams:
-                    if stream.result is None:
-                        await stream.abandon()
-            state.metrics.error("cancelled" if gone else f"http_{err.status}")
-            return _error_response(err, echo_id)
-        for k, stream in enumerate(streams):
-            _record(stream.result, started)
-            shaper.prompts[k] = stream.result.prompt
-        res = StreamGroup(streams, shaper.n).result
-        headers = {"x-request-id": echo_id, **degraded_headers(res.degraded, res.max_tokens)}
-        body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
-                           res.usage, _granted(res))
-        return Response(_json.encode(body), media_type="application/json", headers=headers)
-
     async def _collect(request: Request, stream: Stream, events, shaper: Shaper,
                        started: float, headers: dict) -> Response:
         async def drain() -> None:
@@ -354,13 +298,21 @@ def build_app(state: GatewayState) -> Starlette:
             gone, _ = await _unless_disconnected(request, drain)
             if gone:
                 return await _client_gone(stream, events, headers["x-request-id"])
-        except (RequestFailed, RequestCancelled) as exc:
-            state.metrics.error("failed")
-            return _error_response(ApiError(500, f"request failed: {exc}", "server_error"),
-                                   headers["x-request-id"])
+        except (RequestRejected, RequestFailed, RequestCancelled) as exc:
+            # a refusal here is a batch's later prompt; a batch's other prompts still run,
+            # and are abandoned (a lone stream that failed is over already)
+            if isinstance(stream, StreamGroup):
+                with anyio.CancelScope(shield=True):
+                    await stream.abandon()
+            err = _from_rejection(exc) if isinstance(exc, RequestRejected) else \
+                ApiError(500, f"request failed: {exc}", "server_error")
+            state.metrics.error(f"http_{err.status}" if isinstance(exc, RequestRejected)
+                                else "failed")
+            return _error_response(err, headers["x-request-id"])
         res = stream.result
         _record(res, started)
-        shaper.prompts[0] = res.prompt
+        prompts = stream.prompts if isinstance(stream, StreamGroup) else [res.prompt]
+        shaper.prompts.update(enumerate(prompts))
         body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
                            res.usage, _granted(res))
         headers.update(degraded_headers(res.degraded, res.max_tokens))

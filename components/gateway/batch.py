@@ -15,8 +15,8 @@ from weir.client import Completion, Stream
 
 
 class StreamGroup:
-    """The SDK streams of one batch (the gateway reads it as it reads one ``Stream``:
-    ``accepted``, async iteration, ``result``, ``abandon``)."""
+    """The SDK streams of one batch, streamed or not (the gateway reads it as it reads
+    one ``Stream``: ``accepted``, async iteration, ``result``, ``abandon``)."""
 
     def __init__(self, streams: list[Stream], n: int) -> None:
         self.streams, self.n = streams, n
@@ -68,6 +68,11 @@ class StreamGroup:
                       sum(r.usage.cached_tokens for r in results))
         return dataclasses.replace(results[0], choices=choices, usage=usage,
                                    degraded=any(r.degraded for r in results))
+
+    @property
+    def prompts(self) -> list:
+        """Each prompt's prompt_logprobs (None where not asked), once all have finished."""
+        return [s.result.prompt for s in self.streams]
 
     async def abandon(self) -> None:
         """Every stream not finished is abandoned (cancelled, its KV freed)."""
