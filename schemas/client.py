@@ -23,6 +23,25 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: str
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Constrain a request's output to a language (vLLM's structured outputs): exactly one
+    of ``json`` (a JSON Schema, as JSON text), ``json_object`` (any JSON object), ``regex``
+    (Rust regex syntax, matched whole; ``\\d`` is any Unicode digit, ``[0-9]`` ASCII),
+    ``choice`` (one of these strings) or ``grammar`` (Lark, llguidance's dialect, or
+    llama.cpp's GBNF). At each step the executor masks every token the language cannot
+    continue with, so the output is always a prefix of a sentence of it, and a whole one
+    when it ends by EOS (``max_tokens`` can still cut it short). JSON
+    is compact: no whitespace but one space after ``,`` and ``:``, unless
+    ``json_whitespace`` lets the model choose it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_whitespace: bool = False
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-request generation parameters. Validated by admission, not at decode.
     ``max_tokens=None`` means "until the context window is full"."""
@@ -58,6 +77,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # prompt_logprobs; what OpenAI's echo + logprobs report). Such a prompt is computed
     # whole: its blocks are never read from the prefix cache
     prompt_logprobs: int | None = None
+    # None: free text. Otherwise the output is held to a language (StructuredOutput)
+    structured: StructuredOutput | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):

@@ -16,8 +16,8 @@ import msgspec
 from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, PromptLogprobs, ProtocolError, RejectReason, Rejected,
-    RequestTiming, SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
-    TenantUsage, Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
+    RequestTiming, SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
+    StructuredOutput, Submit, TenantUsage, Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
 
 T = TypeVar("T")
 
@@ -348,6 +348,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     penalties: Penalties | None = None      # None: none asked for (the usual case)
     logprobs: int | None = None             # SamplingParams.logprobs
     prompt_logprobs: int | None = None      # SamplingParams.prompt_logprobs, while owed
+    structured: StructuredOutput | None = None  # SamplingParams.structured
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from schemas.config import ConfigError, load_config
 
@@ -166,6 +167,11 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _file_or_text(value: str) -> str:
+    """``@path``: the file's text; anything else: itself."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
 def _generate(args: argparse.Namespace) -> int:
     from weir.client import Client
     from weir.errors import WeirError
@@ -178,6 +184,20 @@ def _generate(args: argparse.Namespace) -> int:
               "min_tokens": args.min_tokens, "prompt_logprobs": args.prompt_logprobs}
     if args.ignore_eos:
         params["ignore_eos"] = True
+    forms = {"json": args.json_schema, "regex": args.regex, "choice": args.choice,
+             "grammar": args.grammar, "json_object": args.json_object or None}
+    forms = {k: v for k, v in forms.items() if v is not None}
+    if forms:
+        if len(forms) > 1:
+            print("weir generate: give one of --json-schema, --json-object, --regex, --choice "
+                  "and --grammar", file=sys.stderr)
+            return 2
+        try:
+            params["structured"] = {k: _file_or_text(v) if k in ("json", "grammar") else v
+                                    for k, v in forms.items()}
+        except OSError as exc:
+            print(f"weir generate: {exc}", file=sys.stderr)
+            return 2
     if args.chat:
         kwargs = {"messages": [{"role": "user", "content": args.prompt}]}
     else:
@@ -369,6 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS, stop id or stop string ends it before this many tokens")
     g.add_argument("--ignore-eos", action="store_true")
+    so = g.add_argument_group("structured output (one of)")
+    so.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                    help="the output is JSON valid under this JSON Schema (text, or @file)")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", default=None, help="the output matches this regex, whole")
+    so.add_argument("--choice", action="append", default=None,
+                    help="the output is one of these strings (repeat)")
+    so.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                    help="the output is a sentence of this Lark or GBNF grammar (text, or @file)")
     g.add_argument("--tenant", default="default")
     g.add_argument("--class", dest="service_class", default=None,
                    help="service class to run under (default: the tenant's); only one at "

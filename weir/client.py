@@ -35,8 +35,8 @@ from bus.tracing import context_from, traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
-                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
-                          TextDelta, TokenLogprob, Usage)
+                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
+                          StructuredOutput, Submit, TextDelta, TokenLogprob, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
 from weir.inbox import TERMINAL, Inbox
@@ -292,6 +292,17 @@ class Stream:
         return self.result
 
 
+def structured_output(json: str | dict | None = None, *, json_object: bool = False,
+                      regex: str | None = None, choice: list[str] | None = None,
+                      grammar: str | None = None, json_whitespace: bool = False
+                      ) -> StructuredOutput:
+    """A ``StructuredOutput``; ``json`` a JSON Schema as a dict or as JSON text."""
+    return StructuredOutput(json=json if json is None or isinstance(json, str)
+                            else msgspec.json.encode(json).decode(), json_object=json_object,
+                            regex=regex, choice=None if choice is None else tuple(choice),
+                            grammar=grammar, json_whitespace=json_whitespace)
+
+
 class AsyncClient:
     """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task).
 
@@ -430,7 +441,9 @@ class AsyncClient:
         join (else a new trace, when tracing is configured). ``session_id``: the
         conversation this turn belongs to; behind a router (``weir route``) it keeps the
         conversation on the replica that holds its cached prefix while that one can serve
-        it in time."""
+        it in time. ``structured``: a ``StructuredOutput`` or the keywords of
+        :func:`structured_output` (``{"json": schema}``, ``{"regex": ...}``,
+        ``{"choice": [...]}``, ``{"grammar": lark}``, ``{"json_object": True}``)."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
@@ -438,6 +451,8 @@ class AsyncClient:
                                                     for m in messages)
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
+        if isinstance(params.get("structured"), dict):
+            params["structured"] = structured_output(**params["structured"])
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
                      service_class=service_class, session_id=session_id)

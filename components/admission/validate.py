@@ -35,6 +35,11 @@ any work is done on it. The limits and why:
 - ``min_tokens``: 0 .. ``max_tokens`` (or ``MAX_MAX_TOKENS`` without one).
 - ``logprobs``, ``prompt_logprobs``: None (off) or 0 .. ``MAX_LOGPROBS`` (20, vLLM's
   default cap) alternatives.
+- ``structured``: exactly one language; its text (a schema, regex or grammar, or the
+  choices together) at most ``MAX_GRAMMAR_CHARS`` (64 Ki) characters, at most
+  ``MAX_CHOICES`` (256) non-empty choices; not with ``min_tokens`` (a language that is
+  complete allows only EOS, which min_tokens would ban). Whether the text parses (a valid
+  schema, regex, grammar) the tokenizer checks, with the model's vocabulary.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
@@ -51,7 +56,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from schemas.client import SamplingParams
+from schemas.client import SamplingParams, StructuredOutput
 
 MAX_N = 16
 MAX_TOP_K = 2**20
@@ -68,6 +73,8 @@ MAX_REPETITION_PENALTY = 100.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_ID_CHARS = 256
 CHARS_PER_TOKEN_BOUND = 32
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
 Reason = tuple[str, str]            # (reject reason, message), as in ``Rejected``
@@ -131,7 +138,32 @@ def check_params(p: SamplingParams) -> str | None:
     if p.logit_bias is not None:
         if not isinstance(p.logit_bias, dict):
             return "logit_bias must map token ids to biases"
-        return _bias_bad(p.logit_bias, lambda key: _is_int(key) and 0 <= key <= MAX_TOKEN_ID)
+        if (why := _bias_bad(p.logit_bias, lambda k: _is_int(k) and 0 <= k <= MAX_TOKEN_ID)):
+            return why
+    if p.structured is not None:
+        if p.min_tokens:
+            return "min_tokens cannot be combined with structured output"
+        return check_structured(p.structured)
+    return None
+
+
+def check_structured(so: StructuredOutput) -> str | None:
+    """Why a ``StructuredOutput`` is malformed (not one language, or too big), or None."""
+    given = [name for name in ("json", "regex", "choice", "grammar")
+             if getattr(so, name) is not None] + (["json_object"] if so.json_object else [])
+    if len(given) != 1:
+        return ("structured output must name exactly one of json, json_object, regex, "
+                f"choice or grammar, got {', '.join(given) or 'none'}")
+    if so.choice is not None:
+        if not 0 < len(so.choice) <= MAX_CHOICES or not all(so.choice):
+            return f"choice must hold 1 to {MAX_CHOICES} non-empty strings"
+        size = sum(len(c) for c in so.choice)
+    else:
+        size = len(so.json or so.regex or so.grammar or "")
+    if size > MAX_GRAMMAR_CHARS:
+        return f"structured output's {given[0]} must be at most {MAX_GRAMMAR_CHARS} characters"
+    if so.json_whitespace and so.json is None and not so.json_object:
+        return "json_whitespace applies to json and json_object only"
     return None
 
 

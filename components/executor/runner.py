@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from components.executor.constraints import Constraint, Grammars, apply_constraints
 from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
@@ -26,11 +27,16 @@ class SeqState:
     penalties: RowPenalties | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, num_host_blocks: int = 0, graphs=None) -> None:
+    def __init__(self, model, kv: KVCache, num_host_blocks: int = 0, graphs=None,
+                 grammars: Grammars | None = None) -> None:
+        """``grammars``: matchers for structured output (none: a constrained sequence
+        fails its step)."""
         self.model = model
+        self.grammars = grammars
         self.kv = kv
         self.graphs = graphs              # DecodeGraphs (CUDA) or None
         self.graph_steps = 0
@@ -107,7 +113,10 @@ class ModelRunner:
                                            n.seed,
                                            None if n.penalties is None
                                            else RowPenalties(n.penalties), n.logprobs,
-                                           n.prompt_logprobs)
+                                           n.prompt_logprobs,
+                                           None if n.structured is None
+                                           else self.grammars.constraint(
+                                               n.structured, n.token_ids[n.prompt_len:]))
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
@@ -162,6 +171,11 @@ class ModelRunner:
                            self.native_sampling) if asked else None
             if penalized:
                 apply_penalties(logits, penalized)
+            # after the forward is launched: on a GPU the masks are made while it runs
+            constrained = [(i, s.constraint) for i, s in enumerate(states)
+                           if s.constraint is not None]
+            if constrained:
+                apply_constraints(logits, constrained)
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,
@@ -174,6 +188,8 @@ class ModelRunner:
         for (_, s, k), tok in zip(sampled, tokens):
             if k == 0:
                 s.token_ids.append(tok)
+                if s.constraint is not None:
+                    s.constraint.advance(tok)
         return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
                           time.perf_counter_ns() - start, logprobs=logprobs,
                           prompt_logprobs=prompt_lps)

@@ -14,9 +14,12 @@ from opentelemetry.trace import Status, StatusCode
 from bus import tracing
 
 from bus.component import Component
+from components.executor.constraints import Grammars
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
+from components.tokenizer.structured import ll_tokenizer
+from components.tokenizer.vocab import load_tokenizer
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
 from weir.model_fetch import cache_dir, resolve_model
 
@@ -58,7 +61,8 @@ class ExecutorService(Component):
         eng, kv = self.config.engine, self.config.kv
         torch.set_num_threads(eng.num_threads or os.cpu_count() or 1)
         t0 = time.perf_counter()
-        spec, weights = load_model(resolve_model(eng.model))
+        path = resolve_model(eng.model)
+        spec, weights = load_model(path)
         if eng.max_model_len > spec.max_position:
             raise ValueError(f"engine.max_model_len {eng.max_model_len} exceeds the model's "
                              f"context of {spec.max_position}")
@@ -89,7 +93,9 @@ class ExecutorService(Component):
             except Exception:
                 log.exception("cuda_graph_capture_failed; decode runs eagerly")
                 graphs = None
-        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs)
+        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs,
+                                  Grammars(lambda: ll_tokenizer(load_tokenizer(path),
+                                                                spec.vocab_size)))
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from components.admission.validate import check_logit_bias, check_submit
-from schemas.client import PromptLogprobs, SamplingParams, Submit, TokenLogprob
+from schemas.client import (PromptLogprobs, SamplingParams, StructuredOutput, Submit,
+                            TokenLogprob)
 from schemas.wire import Usage
 
 
@@ -42,6 +43,31 @@ class ChatMsg(msgspec.Struct, frozen=True):
     content: str | list[TextPart] | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` (one of its forms), with its whitespace switch."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool | None = None
+
+
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     temperature: float | None = None
@@ -63,6 +89,14 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     best_of: int | None = None
     priority: int = 0               # vLLM's extension: lower is more important
     service_class: str | None = None    # Weir's: the admission class (see class_of)
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields; one of them (structured_of)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -110,6 +144,41 @@ def _unsupported(req: _Common) -> str | None:
     return None
 
 
+def _json_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else msgspec.json.encode(schema).decode()
+
+
+def structured_of(req: _Common) -> StructuredOutput | None:
+    """The request's structured output, from whichever form it came in (None: free
+    text). JSON is compact unless vLLM's ``disable_any_whitespace`` is false."""
+    forms: list[tuple[str, StructuredOutput]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        forms.append(("response_format", StructuredOutput(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format")
+        forms.append(("response_format", StructuredOutput(json=_json_text(rf.json_schema.schema))))
+    if (so := req.structured_outputs) is not None:
+        forms.append(("structured_outputs", StructuredOutput(
+            json=None if so.json is None else _json_text(so.json),
+            json_object=bool(so.json_object), regex=so.regex,
+            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
+            json_whitespace=so.disable_any_whitespace is False
+            and (so.json is not None or bool(so.json_object)))))
+    for name, make in (("guided_json", lambda v: StructuredOutput(json=_json_text(v))),
+                       ("guided_regex", lambda v: StructuredOutput(regex=v)),
+                       ("guided_choice", lambda v: StructuredOutput(choice=tuple(v))),
+                       ("guided_grammar", lambda v: StructuredOutput(grammar=v))):
+        if (value := getattr(req, name)) is not None:
+            forms.append((name, make(value)))
+    if len(forms) > 1:
+        raise ApiError(400, f"give one form of structured output, not {len(forms)}: "
+                            f"{', '.join(name for name, _ in forms)}")
+    return forms[0][1] if forms else None
+
+
 def class_of(req: _Common, header: str | None) -> str | None:
     """The service class a request asks for: its body's ``service_class``, else the
     ``x-weir-class`` header, else None (the tenant's default). The body wins because it
@@ -143,6 +212,8 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
             params[name] = value
     if req.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    if (structured := structured_of(req)) is not None:
+        params["structured"] = structured
     if isinstance(req, ChatCompletionRequest):
         if req.logprobs:
             params["logprobs"] = req.top_logprobs or 0

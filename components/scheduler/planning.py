@@ -244,7 +244,7 @@ class Planning:
                                        p.top_p, p.top_k, seed,
                                        penalties_of(p, seq.eos_token_ids), p.logprobs,
                                        p.prompt_logprobs if seq.owes_prompt_logprobs
-                                       else None))
+                                       else None, p.structured))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
             else:

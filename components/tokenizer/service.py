@@ -7,9 +7,10 @@ from opentelemetry import trace
 from bus import tracing
 
 from bus.component import Component
+from components.tokenizer import structured
 from components.tokenizer.prompt import PromptHasher
-from schemas.wire import (CancelRequest, EventBatch, NewRequest, Rejected, Tokenized,
-                          TokenizerMsg)
+from schemas.wire import (CancelRequest, EventBatch, NewRequest, Rejected, StructuredOutput,
+                          Tokenized, TokenizerMsg)
 
 log = structlog.get_logger("tokenizer")
 _TRACER = trace.get_tracer("weir.tokenizer")
@@ -25,6 +26,7 @@ class TokenizerService(Component):
         self.to_admission = self.push_to("admission")
         self.to_streamer = self.push_to("streamer")
         self.tokenized = 0
+        self.ll_tokenizer = None
 
     async def run(self) -> None:
         while True:
@@ -36,6 +38,8 @@ class TokenizerService(Component):
                         ids = self.prompts.tokenize(req.prompt, req.messages,
                                                     req.prompt_token_ids,
                                                     req.params.logit_bias)
+                        if not isinstance(ids, str) and req.params.structured is not None:
+                            ids = self._check_structured(req.params.structured) or ids
                         if isinstance(ids, str):
                             span.set_attribute("weir.rejected", "invalid_request")
                             await self.to_streamer.send(EventBatch(
@@ -54,6 +58,12 @@ class TokenizerService(Component):
                         traceparent=msg.envelope.traceparent)
                 case CancelRequest() as cancel:
                     await self.to_admission.send(cancel)
+
+    def _check_structured(self, so: StructuredOutput) -> str | None:
+        """Why the request's structured output cannot be used with this model, or None."""
+        if self.ll_tokenizer is None:           # built on the first request that asks
+            self.ll_tokenizer = structured.ll_tokenizer(self.bundle)
+        return structured.check(so, self.ll_tokenizer)
 
     def stats(self) -> dict[str, float]:
         return {"tokenized": self.tokenized}

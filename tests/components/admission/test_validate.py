@@ -4,7 +4,7 @@ import pytest
 from components.admission import validate as v
 from components.admission.validate import (check_length, check_logit_bias, check_params,
                                            check_prompt_size, check_submit)
-from schemas.client import ChatMessage, SamplingParams, Submit
+from schemas.client import ChatMessage, SamplingParams, StructuredOutput, Submit
 
 L = 2048                                            # max_model_len
 
@@ -26,6 +26,10 @@ def sub(**kw) -> Submit:
     {"logit_bias": {0: -100.0, 2**31 - 1: 100}}, {"logit_bias": {i: 1.0 for i in range(300)}},
     {"logprobs": 0}, {"logprobs": 20}, {"min_tokens": 16}, {"min_tokens": 0},
     {"max_tokens": None, "min_tokens": 2**31 - 1},
+    {"structured": StructuredOutput(json="x" * v.MAX_GRAMMAR_CHARS)},
+    {"structured": StructuredOutput(choice=("x" * 256,) * 256)},
+    {"structured": StructuredOutput(json_object=True, json_whitespace=True)},
+    {"structured": StructuredOutput(regex="a"), "max_tokens": 3},
 ])
 def test_params_at_their_limits_pass(params):
     assert check_params(SamplingParams(**params)) is None
@@ -68,6 +72,16 @@ def test_params_at_their_limits_pass(params):
     ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
     ({"max_tokens": None, "min_tokens": 2**31}, "min_tokens"),
     ({"min_tokens": 1.5}, "min_tokens"),
+    ({"structured": StructuredOutput()}, "exactly one of"),
+    ({"structured": StructuredOutput(regex="a", grammar="b")}, "got regex, grammar"),
+    ({"structured": StructuredOutput(json="{}", json_object=True)}, "got json, json_object"),
+    ({"structured": StructuredOutput(json="x" * (v.MAX_GRAMMAR_CHARS + 1))}, "at most 65536"),
+    ({"structured": StructuredOutput(choice=("x" * 257,) * 256)}, "at most 65536"),
+    ({"structured": StructuredOutput(choice=())}, "1 to 256 non-empty"),
+    ({"structured": StructuredOutput(choice=("a", ""))}, "1 to 256 non-empty"),
+    ({"structured": StructuredOutput(choice=("a",) * 257)}, "1 to 256 non-empty"),
+    ({"structured": StructuredOutput(regex="a", json_whitespace=True)}, "json_whitespace"),
+    ({"structured": StructuredOutput(regex="a"), "min_tokens": 1}, "min_tokens cannot"),
 ])
 def test_params_past_their_limits_are_refused(params, words):
     why = check_params(SamplingParams(**params))

@@ -8,7 +8,7 @@ from components.gateway.openai_api import (ApiError, ChatCompletionRequest, Comp
                                            Shaper, chat_logprobs, class_of, completion_logprobs,
                                            degraded_headers, parse, submit_batch,
                                            validate_kwargs, weir_usage)
-from schemas.client import PromptLogprobs, TokenLogprob, TopLogprob
+from schemas.client import PromptLogprobs, StructuredOutput, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
 
@@ -104,6 +104,57 @@ def test_penalties_and_logit_bias_pass_through():
                ChatCompletionRequest)
     assert k["min_tokens"] == 8
     validate_kwargs(k, 2048)
+
+
+SCHEMA = b'{"type": "object", "properties": {"a": {"type": "integer"}}}'
+CHAT = b'{"messages": [{"role": "user", "content": "hi"}], '
+
+
+@pytest.mark.parametrize("body, kind, want", [
+    (CHAT + b'"response_format": {"type": "json_schema", "json_schema": {"name": "a", '
+     b'"strict": true, "schema": ' + SCHEMA + b'}}}', ChatCompletionRequest,
+     StructuredOutput(json='{"type":"object","properties":{"a":{"type":"integer"}}}')),
+    (CHAT + b'"response_format": {"type": "json_object"}}', ChatCompletionRequest,
+     StructuredOutput(json_object=True)),
+    (CHAT + b'"response_format": {"type": "text"}}', ChatCompletionRequest, None),
+    (b'{"prompt": "x", "structured_outputs": {"regex": "[0-9]+"}}', CompletionRequest,
+     StructuredOutput(regex="[0-9]+")),
+    (b'{"prompt": "x", "structured_outputs": {"json": "{}", "disable_any_whitespace": false}}',
+     CompletionRequest, StructuredOutput(json="{}", json_whitespace=True)),
+    (b'{"prompt": "x", "structured_outputs": {"json_object": true, '
+     b'"disable_any_whitespace": true}}', CompletionRequest, StructuredOutput(json_object=True)),
+    (b'{"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}', CompletionRequest,
+     StructuredOutput(choice=("a", "b"))),
+    (b'{"prompt": "x", "guided_json": ' + SCHEMA + b'}', CompletionRequest,
+     StructuredOutput(json='{"type":"object","properties":{"a":{"type":"integer"}}}')),
+    (b'{"prompt": "x", "guided_json": "{}"}', CompletionRequest, StructuredOutput(json="{}")),
+    (b'{"prompt": "x", "guided_regex": "a+"}', CompletionRequest, StructuredOutput(regex="a+")),
+    (CHAT + b'"guided_choice": ["y", "n"]}', ChatCompletionRequest,
+     StructuredOutput(choice=("y", "n"))),
+    (b'{"prompt": "x", "guided_grammar": "start: \\"a\\""}', CompletionRequest,
+     StructuredOutput(grammar='start: "a"')),
+])
+def test_structured_output_in_every_form(body, kind, want):
+    k = kwargs(body, kind)
+    assert k.get("structured") == want
+    validate_kwargs(k, 2048)
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}', "not 2"),
+    (CHAT + b'"response_format": {"type": "json_object"}, "guided_json": {}}', "not 2"),
+    (CHAT + b'"response_format": {"type": "json_schema"}}', "json_schema.schema"),
+    (CHAT + b'"response_format": {"type": "yaml"}}', "response_format.type"),
+    (b'{"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}', "exactly one"),
+    (b'{"prompt": "x", "structured_outputs": {"schema": {}}}', "schema"),
+    (b'{"prompt": "x", "guided_choice": []}', "choice"),
+    (b'{"prompt": "x", "guided_regex": "a", "min_tokens": 2}', "min_tokens"),
+])
+def test_structured_output_errors_are_400(body, words):
+    kind = ChatCompletionRequest if body.startswith(CHAT) else CompletionRequest
+    with pytest.raises(ApiError) as err:
+        validate_kwargs(kwargs(body, kind), 2048)
+    assert err.value.status == 400 and words in err.value.message
 
 
 def test_deep_and_malformed_json_is_400():

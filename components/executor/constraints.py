@@ -1,0 +1,101 @@
+"""Structured output in the executor: each constrained sequence's llguidance matcher, fed
+the sequence's output as it is sampled, and the token masks they give applied to the
+logits before sampling (after penalties, so no bias or penalty can bring back a token
+the language forbids; logprobs are taken before either, the model's own distribution).
+
+The executor owns a sequence's sampled tokens, so the matcher advances here, in the step
+that sampled them, and the scheduler plans the next step without knowing them (the
+overlapped path needs nothing more). A sequence the executor learns again (recomputed
+after preemption, or a fork of ``n`` > 1) rebuilds its matcher from the grammar and the
+output so far. llguidance is imported on the first constrained sequence."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Callable
+
+import numpy as np
+import structlog
+import torch
+
+from schemas.client import StructuredOutput
+
+log = structlog.get_logger("executor")
+
+
+class Constraint:
+    """One sequence's place in its language."""
+
+    __slots__ = ("matcher", "eos")
+
+    def __init__(self, matcher, eos: list[int], output: list[int]) -> None:
+        self.matcher, self.eos = matcher, eos
+        if output:                          # recomputed, or a fork: catch up
+            matcher.consume_tokens(output)
+
+    def advance(self, token: int) -> None:
+        """The sequence sampled ``token`` (a language that is complete ignores the rest:
+        with ``ignore_eos`` it keeps sampling EOS until ``max_tokens``)."""
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+    def fill(self, row: np.ndarray) -> None:
+        """The tokens allowed next as bits into ``row``, an int32 array (token ``t`` is
+        bit ``t % 32`` of word ``t // 32``: on a little-endian CPU, bit ``t % 8`` of byte
+        ``t // 8``, as ``apply_constraints`` unpacks them). A matcher in its error state (a grammar
+        llguidance refused late; never a sampled token, which the mask allowed) allows EOS
+        alone, so the sequence ends instead of drawing from an empty row."""
+        if self.matcher.is_error():
+            row[:] = 0
+            for t in self.eos:
+                row.view(np.uint8)[t // 8] |= 1 << (t % 8)
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+class Grammars:
+    """Matchers for constrained sequences: the vocabulary built once (``vocab()``, on first
+    use), and a fresh matcher per language kept (up to ``keep``), copied for each sequence
+    that asks for it (requests of one service send the same schema again and again)."""
+
+    def __init__(self, vocab: Callable[[], object], keep: int = 64) -> None:
+        self._vocab_fn, self._vocab = vocab, None
+        self._fresh: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self.keep = keep
+
+    def constraint(self, so: StructuredOutput, output: list[int]) -> Constraint:
+        from llguidance import LLMatcher
+
+        from components.tokenizer.structured import grammar_of
+
+        if self._vocab is None:
+            self._vocab = self._vocab_fn()
+        fresh = self._fresh.get(so)
+        if fresh is None:
+            try:
+                grammar = grammar_of(so)
+            except ValueError as exc:        # the tokenizer refuses these before they run
+                grammar = LLMatcher.grammar_from_lark('start: "x"')
+                log.error("structured_output_unusable", error=str(exc)[:200])
+            fresh = LLMatcher(self._vocab, grammar, log_level=0)
+            if fresh.is_error():
+                log.error("structured_output_unusable", error=fresh.get_error()[:200])
+            self._fresh[so] = fresh
+            while len(self._fresh) > self.keep:
+                self._fresh.popitem(last=False)
+        self._fresh.move_to_end(so)
+        return Constraint(fresh.deep_copy(), list(self._vocab.eos_tokens), output)
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
+    """Set every token ``rows``' languages forbid to -inf in ``logits`` ``[S, vocab]``
+    (in place), for each ``(row, constraint)``."""
+    vocab = logits.shape[1]
+    masks = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for j, (_, c) in enumerate(rows):
+        c.fill(masks[j])
+    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = torch.from_numpy(bits).to(logits.device) == 0
+    at = torch.tensor([r for r, _ in rows], device=logits.device)
+    with torch.inference_mode():
+        logits[at] = logits[at].masked_fill(banned, -math.inf)

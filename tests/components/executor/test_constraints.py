@@ -1,0 +1,201 @@
+"""Structured output in the executor: a random-weight model (so nothing but the masks makes
+its output well-formed) with SmolLM2's real vocabulary and tokenizer. Every constrained
+sequence, greedy or sampled, side by side with others in one batch, ends (by EOS) with a
+whole sentence of its language; a sequence learned again mid-output (recomputed after
+preemption) continues exactly as one that never left; the masks are exactly the tokens
+llguidance accepts, and an unconstrained row beside them is untouched."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from components.executor.constraints import Constraint, Grammars, apply_constraints
+from components.executor.model import LlamaModel
+from components.executor.runner import ModelRunner
+from components.executor.synthetic import ModelShape, random_weights
+from components.tokenizer.structured import grammar_of, ll_tokenizer
+from components.tokenizer.vocab import load_tokenizer
+from schemas.wire import NewSeq, SeqStep, StepPlan, StructuredOutput
+
+llguidance = pytest.importorskip("llguidance")
+
+VOCAB = 49152
+SHAPE = ModelShape("tiny-smollm-vocab", num_layers=2, hidden_size=64, intermediate_size=128,
+                   num_heads=1, num_kv_heads=1, head_dim=64, vocab_size=VOCAB,
+                   max_position=512)
+BLOCK = 16
+EOS = 2
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "ok", "n"],
+          "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+REGEX = r"[0-9]{3}-(yes|no)"
+CHOICES = ("alpha", "beta gamma", "δ")
+LARK = 'start: "x" ("," "y"){1,3}'
+GBNF = 'root ::= "(" [a-c]{1,4} ")"'
+
+
+def valid(kind: str, text: str) -> bool:
+    if kind == "json":
+        value = json.loads(text)
+        return (set(value) == {"kind", "ok", "n"} and value["kind"] in ("cat", "dog")
+                and isinstance(value["ok"], bool) and 0 <= value["n"] <= 99)
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    if kind == "lark":
+        return re.fullmatch(r"x(,y){1,3}", text) is not None
+    return re.fullmatch(r"\([a-c]{1,4}\)", text) is not None
+
+
+FORMS = {"json": StructuredOutput(json=json.dumps(SCHEMA)),
+         "regex": StructuredOutput(regex=REGEX), "choice": StructuredOutput(choice=CHOICES),
+         "lark": StructuredOutput(grammar=LARK), "gbnf": StructuredOutput(grammar=GBNF)}
+
+
+@pytest.fixture(scope="module")
+def bundle(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="module")
+def vocab(bundle):
+    return ll_tokenizer(bundle, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaModel(SHAPE, random_weights(SHAPE, seed=3), dtype=torch.float32)
+
+
+def _runner(model, vocab) -> ModelRunner:
+    return ModelRunner(model, model.new_kv_cache(64, BLOCK), grammars=Grammars(lambda: vocab))
+
+
+def _decode(runner: ModelRunner, seqs: dict[int, NewSeq], max_steps: int = 40,
+            first_step: int = 1) -> dict[int, list[int]]:
+    """Prefill ``seqs`` together, then decode them all until each has sampled EOS (or
+    ``max_steps`` have run)."""
+    out = {sid: [] for sid in seqs}
+    live = set(seqs)
+    plan = StepPlan(first_step, list(seqs.values()),
+                    [SeqStep(sid, len(n.token_ids) - n.num_computed, [], True)
+                     for sid, n in seqs.items()], [])
+    for step in range(max_steps):
+        result = runner.step(plan)
+        for sid, tok in zip(result.seq_ids, result.token_ids):
+            out[sid].append(tok)
+            if tok == EOS:
+                live.discard(sid)
+        if not live:
+            break
+        plan = StepPlan(first_step + step + 1, [], [SeqStep(sid, 1, [], True)
+                                                    for sid in sorted(live)], sorted(
+                                                        set(seqs) - live))
+    return out
+
+
+def _new(sid: int, prompt: list[int], so: StructuredOutput | None, temperature: float = 0.0,
+         seed: int | None = None) -> NewSeq:
+    blocks = list(range(sid * 6, sid * 6 + 6))
+    return NewSeq(sid, list(prompt), len(prompt), 0, blocks, temperature, 1.0, 0, seed,
+                  structured=so)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_language_ends_in_a_whole_sentence_beside_the_others(model, vocab, bundle,
+                                                                    temperature):
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, VOCAB) for _ in range(21)]
+    kinds = list(FORMS)
+    seqs = {i + 1: _new(i + 1, prompt, FORMS[k], temperature, seed=i) for i, k in
+            enumerate(kinds)}
+    seqs[9] = _new(9, prompt, None)
+    out = _decode(_runner(model, vocab), seqs)
+    for i, kind in enumerate(kinds):
+        tokens = out[i + 1]
+        assert tokens[-1] == EOS
+        text = bundle.decode(tokens[:-1])
+        assert valid(kind, text), (kind, text)
+    # the unconstrained row is what it is alone: a mask never reaches a row beside it
+    assert _decode_some(_runner(model, vocab), seqs[9], len(out[9])) == out[9]
+
+
+def test_a_sequence_learned_again_mid_output_continues_as_if_it_never_left(model, vocab,
+                                                                          bundle):
+    """Preemption by recompute: the executor forgets the sequence and is sent it again,
+    prompt and output so far, from position 0; its matcher catches up on the output."""
+    prompt = [1000 + 37 * i for i in range(18)]
+    so = FORMS["json"]
+    whole = _decode(_runner(model, vocab), {1: _new(1, prompt, so)})[1]
+    assert len(whole) > 6
+    runner = _runner(model, vocab)
+    first = _decode_some(runner, _new(1, prompt, so), 5)
+    assert first == whole[:5]
+    again = NewSeq(1, prompt + first, len(prompt), 0, list(range(40, 46)), 0.0, 1.0, 0, None,
+                   structured=so)
+    runner.step(StepPlan(100, [], [], [1]))                    # dropped (preempted)
+    rest = _decode(runner, {1: again}, first_step=101)[1]
+    assert first + rest == whole
+    assert valid("json", bundle.decode(whole[:-1]))
+
+
+def _decode_some(runner: ModelRunner, new: NewSeq, n: int) -> list[int]:
+    got = runner.step(StepPlan(1, [new], [SeqStep(new.seq_id, len(new.token_ids), [], True)],
+                               [])).token_ids
+    for step in range(n - 1):
+        got += runner.step(StepPlan(2 + step, [], [SeqStep(new.seq_id, 1, [], True)],
+                                    [])).token_ids
+    return got
+
+
+def test_masks_are_exactly_the_tokens_llguidance_accepts(vocab, bundle):
+    grammars = Grammars(lambda: vocab)
+    c = grammars.constraint(FORMS["regex"], bundle.encode("12"))
+    logits = torch.zeros(3, VOCAB)
+    apply_constraints(logits, [(1, c)])
+    assert torch.equal(logits[0], torch.zeros(VOCAB)) and torch.equal(logits[2], logits[0])
+    allowed = set(torch.isfinite(logits[1]).nonzero()[:, 0].tolist())
+    probe = grammars.constraint(FORMS["regex"], bundle.encode("12")).matcher
+    # every allowed token and 3000 others, each asked of the matcher itself
+    rng = random.Random(0)
+    for t in allowed | {rng.randrange(VOCAB) for _ in range(3000)}:
+        assert (probe.validate_tokens([t]) == 1) == (t in allowed), t
+    assert {bundle.decode([t]) for t in allowed} <= set("0123456789")
+    assert len(allowed) >= 10
+
+
+def test_a_matcher_in_error_allows_eos_alone(vocab, bundle):
+    c = Constraint(llguidance.LLMatcher(vocab, grammar_of(FORMS["choice"])), [EOS], [])
+    c.matcher.consume_token(bundle.encode("zzz")[0])         # not in the language
+    assert c.matcher.is_error()
+    row = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
+    c.fill(row)
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    assert bits.nonzero()[0].tolist() == [EOS]
+
+
+def test_a_stopped_language_ignores_what_follows(vocab, bundle):
+    """With ``ignore_eos`` a sequence keeps sampling after its language ends: EOS only."""
+    c = Grammars(lambda: vocab).constraint(FORMS["choice"], bundle.encode("alpha") + [EOS])
+    assert c.matcher.is_stopped()
+    c.advance(EOS)
+    logits = torch.zeros(1, VOCAB)
+    apply_constraints(logits, [(0, c)])
+    assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [EOS]
+
+
+def test_one_fresh_matcher_per_language_is_kept_and_copied(vocab, bundle):
+    grammars = Grammars(lambda: vocab, keep=2)
+    a = grammars.constraint(FORMS["choice"], [])
+    b = grammars.constraint(FORMS["choice"], bundle.encode("alpha"))
+    assert a.matcher is not b.matcher and not a.matcher.is_stopped()
+    assert b.matcher.is_accepting() and not a.matcher.is_accepting()
+    grammars.constraint(FORMS["regex"], [])
+    grammars.constraint(FORMS["lark"], [])
+    assert list(grammars._fresh) == [FORMS["regex"], FORMS["lark"]]
