@@ -100,6 +100,8 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
         lib.weir_argmax.argtypes = [vp, i64, i64, vp, ctypes.c_int]
+        lib.weir_apply_bitmask.restype = None
+        lib.weir_apply_bitmask.argtypes = [vp, i64, vp, i64, vp, i64, ctypes.c_int]
         lib.weir_logprobs.restype = None
         lib.weir_logprobs.argtypes = [vp, i64, i64, i64, vp, vp, vp, ctypes.c_int]
         lib.weir_add_rms_norm.restype = None
@@ -248,6 +250,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     load().weir_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                        torch.get_num_threads())
     return out
+
+
+def apply_bitmask(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured output: in float32 ``logits`` [S, vocab] (contiguous; in place), row
+    ``rows[j]``'s tokens whose bit is clear in ``masks[j]`` (int32 [n, words], token ``t``
+    bit ``t % 32`` of word ``t // 32``) to -inf."""
+    assert logits.is_contiguous() and logits.dtype == torch.float32
+    assert masks.dtype == torch.int32 and masks.is_contiguous() and rows.dtype == torch.int64
+    assert masks.shape[1] * 32 >= logits.shape[1] and masks.shape[0] == rows.numel()
+    load().weir_apply_bitmask(logits.data_ptr(), logits.shape[1], masks.data_ptr(),
+                              masks.shape[1], rows.data_ptr(), rows.numel(),
+                              torch.get_num_threads())
 
 
 def logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from components.executor import autotune  # noqa: E402
 from components.executor.loader import load_model  # noqa: E402
 from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
-from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan  # noqa: E402
+from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
 from kernels import tuning  # noqa: E402
 from weir import machine  # noqa: E402
 from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
@@ -92,16 +92,25 @@ class DecodeBench:
     """A runner with ``batch`` sequences prefilled to ``context`` tokens, stepping decode."""
 
     def __init__(self, model: LlamaModel, batch: int, context: int, block_size: int = 16,
-                 penalties: Penalties | None = None, logprobs: int | None = None):
+                 penalties: Penalties | None = None, logprobs: int | None = None,
+                 structured: StructuredOutput | None = None):
         blocks_per_seq = -(-(context + 64) // block_size)
-        self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size))
+        grammars = None
+        if structured is not None:
+            from components.executor.constraints import Grammars
+            from components.tokenizer.structured import ll_tokenizer
+            from components.tokenizer.vocab import load_tokenizer
+            grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(default_model_path()),
+                                                     model.spec.vocab_size))
+        self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size),
+                                  grammars=grammars)
         g = torch.Generator().manual_seed(batch)
         news, steps = [], []
         for i in range(batch):
             toks = torch.randint(100, 40000, (context,), generator=g).tolist()
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             news.append(NewSeq(i + 1, toks, context, 0, table, 0.0, 1.0, 0, None, penalties,
-                               logprobs))
+                               logprobs, structured=structured))
             steps.append(SeqStep(i + 1, context, [], True))
         self.batch = batch
         self.step_id = 1
@@ -173,9 +182,10 @@ def main() -> None:
                     help="after the table, time each part of the step at this batch")
     ap.add_argument("--penalties", type=int, default=0,
                     help="after the table, time steps at this batch with presence, frequency "
-                         "and repetition penalties and a logit bias on every sequence, and "
-                         "with logprobs (top 5) on every sequence, beside the same steps "
-                         "with neither")
+                         "and repetition penalties and a logit bias on every sequence, with "
+                         "logprobs (top 5) on every sequence, and with every sequence held "
+                         "to a JSON object (structured output), beside the same steps with "
+                         "none of them")
     ap.add_argument("--kernels", default="",
                     help="forced choices, e.g. linear=onednn,elementwise=native (default: the "
                          "plan measured on this machine, as the executor uses it)")
@@ -230,7 +240,9 @@ def main() -> None:
         benches = {"plain": DecodeBench(model, b, args.context),
                    "penalized": DecodeBench(model, b, args.context,
                                             penalties=Penalties(0.5, 0.5, 1.2, [(5, 1.0)])),
-                   "logprobs": DecodeBench(model, b, args.context, logprobs=5)}
+                   "logprobs": DecodeBench(model, b, args.context, logprobs=5),
+                   "structured": DecodeBench(model, b, args.context,
+                                             structured=StructuredOutput(json_object=True))}
         times: dict[str, list[float]] = {name: [] for name in benches}
         for i in range(2 + args.steps):          # interleaved: drift hits both alike
             for name, bench in benches.items():
@@ -241,7 +253,9 @@ def main() -> None:
         print(f"batch {b}, context {args.context}: {ms['plain']:.2f} ms/step plain, "
               f"{ms['penalized']:.2f} with penalties and a bias on every sequence "
               f"(+{ms['penalized'] - ms['plain']:.2f} ms), {ms['logprobs']:.2f} with logprobs "
-              f"and the top 5 on every sequence (+{ms['logprobs'] - ms['plain']:.2f} ms)")
+              f"and the top 5 on every sequence (+{ms['logprobs'] - ms['plain']:.2f} ms), "
+              f"{ms['structured']:.2f} with every sequence held to a JSON object "
+              f"(+{ms['structured'] - ms['plain']:.2f} ms)")
     if args.breakdown:               # last: the timers stay wrapped around the model
         b = args.breakdown
         bench = DecodeBench(model, b, args.context)

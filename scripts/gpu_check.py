@@ -288,6 +288,41 @@ def check_logit_processing(report: Report, device) -> None:
     report.check("penalties and logprobs vs the CPU",
                  err < 1e-4 and got[3] == want[3] and same_bans,
                  f"max|err|={err:.1e}, {int(banned.sum())} banned")
+    check_structured_masks(report, device, logits, g)
+
+
+def check_structured_masks(report: Report, device, logits, g) -> None:
+    """Structured output's token masks applied by torch on ``device`` against the CPU's
+    native kernel: a random mask, one allowing EOS alone, one allowing everything."""
+    try:
+        import numpy  # noqa: F401   (the masks are made in numpy arrays)
+        import torch
+        from components.executor.constraints import apply_constraints
+    except ImportError as exc:
+        print(f"  skip structured-output masks: {exc}", flush=True)
+        return
+
+    class Fixed:                     # a language whose mask is given
+        def __init__(self, words):
+            self.words = words
+
+        def fill(self, row) -> None:
+            row[:] = self.words
+
+    words = torch.randint(-2**31, 2**31, (3, 1536), generator=g, dtype=torch.int64).to(
+        torch.int32)
+    words[1] = 0
+    words[1, 0] = 4                  # token 2 (EOS) alone
+    words[2] = -1                    # every token
+    rows = [(r, Fixed(words[j].numpy())) for j, r in enumerate((0, 3, 5))]
+    want = logits.clone()
+    apply_constraints(want, rows, native=True)
+    got = logits.to(device, copy=True)
+    apply_constraints(got, rows, native=False)
+    got, masked = got.cpu(), want.isneginf()
+    ok = torch.equal(got.isneginf(), masked) and torch.equal(got[~masked], want[~masked])
+    report.check("structured-output masks vs the CPU", ok and int(masked[3].sum()) == 49151
+                 and int(masked[5].sum()) == 0, f"{int(masked.sum())} masked")
 
 
 def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num_blocks: int,

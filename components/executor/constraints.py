@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import structlog
 import torch
 
-from schemas.client import StructuredOutput
+from components.executor.sampling import _native
 
-log = structlog.get_logger("executor")
+if TYPE_CHECKING:           # (torch and numpy alone here: scripts/gpu_check runs this file)
+    from schemas.client import StructuredOutput
 
 
 class Constraint:
@@ -64,9 +64,12 @@ class Grammars:
         self.keep = keep
 
     def constraint(self, so: StructuredOutput, output: list[int]) -> Constraint:
+        import structlog
         from llguidance import LLMatcher
 
         from components.tokenizer.structured import grammar_of
+
+        log = structlog.get_logger("executor")
 
         if self._vocab is None:
             self._vocab = self._vocab_fn()
@@ -87,15 +90,27 @@ class Grammars:
         return Constraint(fresh.deep_copy(), list(self._vocab.eos_tokens), output)
 
 
-def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, Constraint]]) -> None:
+def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, Constraint]],
+                      native: bool = True) -> None:
     """Set every token ``rows``' languages forbid to -inf in ``logits`` ``[S, vocab]``
-    (in place), for each ``(row, constraint)``."""
+    (in place), for each ``(row, constraint)``: natively on the CPU (kernels/csrc/
+    cpu_sampling.cpp), else unpacked and filled by torch (a GPU). 64 rows held to JSON
+    objects, 2-core AVX512 EPYC: 0.7 ms with the masks' making, 11.8 through torch; a
+    batch-64 bf16 decode step, every row held to JSON: +13.2 ms through torch, within the
+    noise natively (``scripts/bench_step.py --penalties 64``)."""
     vocab = logits.shape[1]
-    masks = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    masks = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    words = masks.numpy()
     for j, (_, c) in enumerate(rows):
-        c.fill(masks[j])
-    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    banned = torch.from_numpy(bits).to(logits.device) == 0
-    at = torch.tensor([r for r, _ in rows], device=logits.device)
+        c.fill(words[j])
+    at = torch.tensor([r for r, _ in rows], dtype=torch.long)
     with torch.inference_mode():
+        if (native and _native is not None and logits.device.type == "cpu"
+                and logits.dtype == torch.float32 and logits.is_contiguous()):
+            _native.apply_bitmask(logits, masks, at)
+            return
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        bits = (masks.to(logits.device)[:, :, None] >> shifts) & 1
+        banned = bits.reshape(len(rows), -1)[:, :vocab] == 0
+        at = at.to(logits.device)
         logits[at] = logits[at].masked_fill(banned, -math.inf)

@@ -175,7 +175,7 @@ class ModelRunner:
             constrained = [(i, s.constraint) for i, s in enumerate(states)
                            if s.constraint is not None]
             if constrained:
-                apply_constraints(logits, constrained)
+                apply_constraints(logits, constrained, self.native_sampling)
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,

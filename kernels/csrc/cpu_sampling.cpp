@@ -265,3 +265,29 @@ void weir_logprobs(const float* logits, int64_t rows, int64_t vocab, int64_t k, 
 }
 
 }
+
+extern "C" {
+
+// Structured output's masks: in row rows[j] of logits [*, vocab] (float32, contiguous),
+// every token whose bit is clear in mask j to -inf. masks [n, words] of 32-bit words,
+// token t is bit t % 32 of word t / 32 (llguidance's layout); words * 32 >= vocab. A word
+// of all ones (every token allowed) is skipped, one of all zeros written whole: most of a
+// language's vocabulary is one or the other. 64 x 49k rows: ~0.3 ms on 2 cores, where
+// unpacking the bits and a masked fill through torch took ~20.
+void weir_apply_bitmask(float* logits, int64_t vocab, const int32_t* masks, int64_t words,
+                        const int64_t* rows, int64_t n, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 1)
+    for (int64_t j = 0; j < n; ++j) {
+        float* x = logits + rows[j] * vocab;
+        const uint32_t* m = reinterpret_cast<const uint32_t*>(masks + j * words);
+        for (int64_t w = 0; w * 32 < vocab; ++w) {
+            const uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int64_t base = w * 32, end = vocab - base < 32 ? vocab - base : 32;
+            for (int64_t b = 0; b < end; ++b)
+                if (!((bits >> b) & 1u)) x[base + b] = -INFINITY;
+        }
+    }
+}
+
+}

@@ -154,12 +154,20 @@ def _decode_some(runner: ModelRunner, new: NewSeq, n: int) -> list[int]:
     return got
 
 
-def test_masks_are_exactly_the_tokens_llguidance_accepts(vocab, bundle):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_masks_are_exactly_the_tokens_llguidance_accepts(vocab, bundle, native):
     grammars = Grammars(lambda: vocab)
     c = grammars.constraint(FORMS["regex"], bundle.encode("12"))
-    logits = torch.zeros(3, VOCAB)
-    apply_constraints(logits, [(1, c)])
-    assert torch.equal(logits[0], torch.zeros(VOCAB)) and torch.equal(logits[2], logits[0])
+    json_c = grammars.constraint(FORMS["json"], bundle.encode('{"kind": "cat", "ok'))
+    logits = torch.randn(4, VOCAB)
+    want = logits.clone()
+    apply_constraints(logits, [(1, c), (3, json_c)], native)
+    assert torch.equal(logits[0], want[0]) and torch.equal(logits[2], want[2])
+    for row in (1, 3):          # what is allowed keeps its value
+        kept = torch.isfinite(logits[row])
+        assert torch.equal(logits[row][kept], want[row][kept])
+    json_next = {bundle.decode([t]) for t in torch.isfinite(logits[3]).nonzero()[:, 0].tolist()}
+    assert '":' in json_next and "x" not in json_next
     allowed = set(torch.isfinite(logits[1]).nonzero()[:, 0].tolist())
     probe = grammars.constraint(FORMS["regex"], bundle.encode("12")).matcher
     # every allowed token and 3000 others, each asked of the matcher itself
