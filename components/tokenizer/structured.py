@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from components.tokenizer.vocab import TokenizerBundle
 
 # JSON as a model would write it on one line: one space after "," and ":", no other
-# whitespace. Flexible whitespace (``json_whitespace``) lets a small model spend its
-# whole budget on newlines inside an object, which the language cannot refuse.
+# whitespace. With flexible whitespace (``json_whitespace``) nothing bounds it: drawing at
+# random under the masks, whole budgets went to spaces and newlines inside an object.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
