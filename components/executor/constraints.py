@@ -26,30 +26,24 @@ if TYPE_CHECKING:           # (torch and numpy alone here: scripts/gpu_check run
 class Constraint:
     """One sequence's place in its language."""
 
-    __slots__ = ("matcher", "eos")
+    __slots__ = ("matcher",)
 
-    def __init__(self, matcher, eos: list[int], output: list[int]) -> None:
-        self.matcher, self.eos = matcher, eos
+    def __init__(self, matcher, output: list[int]) -> None:
+        self.matcher = matcher
         if output:                          # recomputed, or a fork: catch up
             matcher.consume_tokens(output)
 
     def advance(self, token: int) -> None:
-        """The sequence sampled ``token`` (a language that is complete ignores the rest:
-        with ``ignore_eos`` it keeps sampling EOS until ``max_tokens``)."""
-        if not self.matcher.is_stopped():
-            self.matcher.consume_token(token)
+        """The sequence sampled ``token``. A language that is complete allows EOS alone
+        from then on (with ``ignore_eos`` the sequence samples EOS until ``max_tokens``)."""
+        self.matcher.consume_token(token)
 
     def fill(self, row: np.ndarray) -> None:
         """The tokens allowed next as bits into ``row``, an int32 array (token ``t`` is
-        bit ``t % 32`` of word ``t // 32``: on a little-endian CPU, bit ``t % 8`` of byte
-        ``t // 8``, as ``apply_constraints`` unpacks them). A matcher in its error state (a grammar
-        llguidance refused late; never a sampled token, which the mask allowed) allows EOS
-        alone, so the sequence ends instead of drawing from an empty row."""
-        if self.matcher.is_error():
-            row[:] = 0
-            for t in self.eos:
-                row.view(np.uint8)[t // 8] |= 1 << (t % 8)
-            return
+        bit ``t % 32`` of word ``t // 32``). A matcher in its error state (its language
+        past llguidance's limits on the tokens it met, or one the tokenizer should have
+        refused; never a sampled token, which the mask allowed) allows EOS alone, so the
+        sequence ends instead of drawing from an empty row."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
@@ -67,7 +61,7 @@ class Grammars:
         import structlog
         from llguidance import LLMatcher
 
-        from components.tokenizer.structured import grammar_of
+        from components.tokenizer.structured import grammar_of, limits
 
         log = structlog.get_logger("executor")
 
@@ -75,19 +69,20 @@ class Grammars:
             self._vocab = self._vocab_fn()
         fresh = self._fresh.get(so)
         if fresh is None:
+            # the tokenizer refuses what fails here before it runs; if one did, the
+            # matcher's error state ends the sequence (the log names no part of it: a
+            # schema is the user's)
             try:
-                grammar = grammar_of(so)
-            except ValueError as exc:        # the tokenizer refuses these before they run
-                grammar = LLMatcher.grammar_from_lark('start: "x"')
-                log.error("structured_output_unusable", error=str(exc)[:200])
-            fresh = LLMatcher(self._vocab, grammar, log_level=0)
+                fresh = LLMatcher(self._vocab, grammar_of(so), log_level=0, limits=limits())
+            except ValueError:
+                fresh = LLMatcher(self._vocab, "start: (", log_level=0)
             if fresh.is_error():
-                log.error("structured_output_unusable", error=fresh.get_error()[:200])
+                log.error("structured_output_unusable")
             self._fresh[so] = fresh
             while len(self._fresh) > self.keep:
                 self._fresh.popitem(last=False)
         self._fresh.move_to_end(so)
-        return Constraint(fresh.deep_copy(), list(self._vocab.eos_tokens), output)
+        return Constraint(fresh.deep_copy(), output)
 
 
 def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, Constraint]],

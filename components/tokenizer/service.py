@@ -1,6 +1,8 @@
 """The tokenizer process: chat templates, tokenization and per-tenant prefix block hashes."""
 from __future__ import annotations
 
+import functools
+
 import structlog
 from opentelemetry import trace
 
@@ -26,7 +28,7 @@ class TokenizerService(Component):
         self.to_admission = self.push_to("admission")
         self.to_streamer = self.push_to("streamer")
         self.tokenized = 0
-        self.ll_tokenizer = None
+        self._checked = None
 
     async def run(self) -> None:
         while True:
@@ -60,10 +62,13 @@ class TokenizerService(Component):
                     await self.to_admission.send(cancel)
 
     def _check_structured(self, so: StructuredOutput) -> str | None:
-        """Why the request's structured output cannot be used with this model, or None."""
-        if self.ll_tokenizer is None:           # built on the first request that asks
-            self.ll_tokenizer = structured.ll_tokenizer(self.bundle)
-        return structured.check(so, self.ll_tokenizer)
+        """Why the request's structured output cannot be used with this model, or None;
+        the answers for the last 256 languages kept (a service sends one schema often)."""
+        if self._checked is None:               # built on the first request that asks
+            vocab = structured.ll_tokenizer(self.bundle)
+            self._checked = functools.lru_cache(maxsize=256)(
+                lambda so: structured.check(so, vocab))
+        return self._checked(so)
 
     def stats(self) -> dict[str, float]:
         return {"tokenized": self.tokenized}

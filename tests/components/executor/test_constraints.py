@@ -179,13 +179,27 @@ def test_masks_are_exactly_the_tokens_llguidance_accepts(vocab, bundle, native):
 
 
 def test_a_matcher_in_error_allows_eos_alone(vocab, bundle):
-    c = Constraint(llguidance.LLMatcher(vocab, grammar_of(FORMS["choice"])), [EOS], [])
+    """(llguidance's own behaviour, which Constraint.fill relies on.)"""
+    c = Constraint(llguidance.LLMatcher(vocab, grammar_of(FORMS["choice"]), log_level=0), [])
     c.matcher.consume_token(bundle.encode("zzz")[0])         # not in the language
     assert c.matcher.is_error()
     row = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
     c.fill(row)
     bits = np.unpackbits(row.view(np.uint8), bitorder="little")
     assert bits.nonzero()[0].tolist() == [EOS]
+
+
+def test_a_language_past_its_limits_ends_the_sequence(model, vocab, bundle):
+    """``a{1000}{1000}`` parses, then reaches the lexer's limits on its first tokens: the
+    sequence ends there, by EOS, instead of stalling every step or failing the batch."""
+    so = StructuredOutput(regex="a{1000}{1000}")
+    assert grammar_of(so) and Grammars(lambda: vocab).constraint(so, []).matcher.is_error() \
+        is False
+    seqs = {1: _new(1, [500 + i for i in range(20)], so), 2: _new(2, [700] * 20, None)}
+    out = _decode(_runner(model, vocab), seqs, max_steps=12)
+    assert out[1][-1] == EOS and len(out[1]) < 12
+    assert set(bundle.decode(out[1][:-1])) <= {"a"}
+    assert len(out[2]) == 12                  # the row beside it ran on
 
 
 def test_a_stopped_language_ignores_what_follows(vocab, bundle):
