@@ -237,6 +237,20 @@ GOOD = {
     "priority": st.integers(-5, 5),
 }
 MAX_TOKENS = st.integers(1, 4)
+STRUCTURED = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    ("response_format", {"type": "yaml"}),
+    ("guided_regex", "[0-9]{1,3}"), ("guided_regex", "a(b"), ("guided_regex", "a{1000}{1000}"),
+    ("guided_choice", ["yes", "no"]), ("guided_choice", []), ("guided_choice", [""]),
+    ("guided_json", {"type": "nonsense"}), ("guided_json", "{not json"),
+    ("guided_grammar", 'root ::= "a" [0-9]+'), ("guided_grammar", "start: ("),
+    ("structured_outputs", {"choice": ["a", "b"]}),
+    ("structured_outputs", {"regex": "x", "json_object": True}),
+    ("structured_outputs", {"json": {"enum": [1, 2]}, "disable_any_whitespace": False}),
+]
 
 
 def pick(rnd: random.Random, weights: dict[Any, float]) -> Any:
@@ -273,6 +287,9 @@ def openai_bodies(draw, rnd: random.Random, chat: bool) -> bytes:
     if rnd.random() < 0.05:
         fields[draw(st.sampled_from(["logit_bias", "x", "best_of", "logprobs", "echo",
                                      "presence_penalty", "tools", "suffix", ""]))] = draw(json_any)
+    if rnd.random() < 0.15:            # structured output: good, ill-formed, or garbage
+        name, value = draw(st.sampled_from(STRUCTURED))
+        fields[name] = draw(short_text) if rnd.random() < 0.2 else value
     parts = []
     for k, v in fields.items():
         val = v[1] if isinstance(v, tuple) and v and v[0] is RAW else _j(v)
