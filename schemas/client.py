@@ -18,9 +18,28 @@ RejectReason = Literal[
 ]
 
 
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A function call an assistant message made (an OpenAI ``tool_calls`` entry)."""
+
+    id: str
+    name: str
+    arguments: str                      # JSON text
+
+
+class Tool(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A function the model may call (an OpenAI ``tools`` entry): given to the chat
+    template, which shows it to the model if the template takes tools."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None       # a JSON Schema, as JSON text
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()   # an assistant's calls
+    tool_call_id: str | None = None         # a tool's answer: to which call
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,6 +118,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     service_class: str | None = None    # ask for a class (the tenant's default if None); a
                                         # client may only lower its class, never raise it
     session_id: str | None = None       # a conversation: a router keeps it on one replica
+    tools: tuple[Tool, ...] = ()        # chat: functions the template may show the model
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):

@@ -17,7 +17,8 @@ from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
     Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
     FinishReason, Finished, Heartbeat, PromptLogprobs, ProtocolError, RejectReason, Rejected,
     RequestTiming, SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
-    StructuredOutput, Submit, TenantUsage, Terminal, TextDelta, TokenLogprob, TopLogprob, Usage)
+    StructuredOutput, Submit, TenantUsage, Terminal, TextDelta, TokenLogprob, Tool, ToolCall,
+    TopLogprob, Usage)
 
 T = TypeVar("T")
 
@@ -44,6 +45,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     deadline_ms: int | None = None
     priority: int = 0
     service_class: str | None = None      # as the client asked (admission decides)
+    tools: tuple[Tool, ...] = ()          # Submit.tools, for the chat template
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):

@@ -36,7 +36,8 @@ from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
                           ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
-                          StructuredOutput, Submit, TextDelta, TokenLogprob, Usage)
+                          StructuredOutput, Submit, TextDelta, TokenLogprob, Tool, ToolCall,
+                          Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout)
 from weir.inbox import TERMINAL, Inbox
@@ -292,13 +293,38 @@ class Stream:
         return self.result
 
 
+def _json_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else \
+        msgspec.json.encode(value).decode()
+
+
+def _chat_message(m: dict | ChatMessage) -> ChatMessage:
+    """A chat message from OpenAI's shape: ``role``, ``content`` (None with calls), an
+    assistant's ``tool_calls`` (``{"id", "function": {"name", "arguments"}}``), a tool
+    answer's ``tool_call_id``."""
+    if isinstance(m, ChatMessage):
+        return m
+    calls = tuple(c if isinstance(c, ToolCall) else ToolCall(
+        c["id"], c["function"]["name"], _json_text(c["function"].get("arguments")) or "{}")
+        for c in m.get("tool_calls") or ())
+    return ChatMessage(m["role"], m.get("content") or "", calls, m.get("tool_call_id"))
+
+
+def _tool(t: dict | Tool) -> Tool:
+    """A tool from OpenAI's shape (``{"type": "function", "function": {"name",
+    "description", "parameters"}}``) or its function alone."""
+    if isinstance(t, Tool):
+        return t
+    f = t.get("function", t)
+    return Tool(f["name"], f.get("description"), _json_text(f.get("parameters")))
+
+
 def structured_output(json: str | dict | None = None, *, json_object: bool = False,
                       regex: str | None = None, choice: list[str] | None = None,
                       grammar: str | None = None, json_whitespace: bool = False
                       ) -> StructuredOutput:
     """A ``StructuredOutput``; ``json`` a JSON Schema as a dict or as JSON text."""
-    return StructuredOutput(json=json if json is None or isinstance(json, str)
-                            else msgspec.json.encode(json).decode(), json_object=json_object,
+    return StructuredOutput(json=_json_text(json), json_object=json_object,
                             regex=regex, choice=None if choice is None else tuple(choice),
                             grammar=grammar, json_whitespace=json_whitespace)
 
@@ -427,7 +453,7 @@ class AsyncClient:
                      deadline_ms: int | None = None, priority: int = 0,
                      service_class: str | None = None, idempotency_key: str | None = None,
                      traceparent: str | None = None, session_id: str | None = None,
-                     **params: Any) -> Stream:
+                     tools: list[dict | Tool] | None = None, **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
@@ -443,19 +469,22 @@ class AsyncClient:
         conversation on the replica that holds its cached prefix while that one can serve
         it in time. ``structured``: a ``StructuredOutput`` or the keywords of
         :func:`structured_output` (``{"json": schema}``, ``{"regex": ...}``,
-        ``{"choice": [...]}``, ``{"grammar": lark}``, ``{"json_object": True}``)."""
+        ``{"choice": [...]}``, ``{"grammar": lark}``, ``{"json_object": True}``). ``tools``:
+        functions for the chat template (OpenAI's shape), shown to the model where the
+        template takes tools; to hold the output to a call, ask for its JSON with
+        ``structured`` (the gateway's ``tool_choice`` does)."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
-        msgs = None if messages is None else tuple(ChatMessage(m["role"], m["content"])
-                                                    for m in messages)
+        msgs = None if messages is None else tuple(_chat_message(m) for m in messages)
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         if isinstance(params.get("structured"), dict):
             params["structured"] = structured_output(**params["structured"])
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
-                     service_class=service_class, session_id=session_id)
+                     service_class=service_class, session_id=session_id,
+                     tools=tuple(_tool(t) for t in tools or ()))
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

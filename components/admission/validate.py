@@ -40,6 +40,8 @@ any work is done on it. The limits and why:
   ``MAX_CHOICES`` (256) non-empty choices; not with ``min_tokens`` (a language that is
   complete allows only EOS, which min_tokens would ban). Whether the text parses (a valid
   schema, regex, grammar) the tokenizer checks, with the model's vocabulary.
+- ``tools``: at most ``MAX_TOOLS`` (128), each named by 1-64 letters, digits, ``_`` or
+  ``-`` (OpenAI's rule), no two alike; their text counts toward the prompt's size.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
 - ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
@@ -54,6 +56,7 @@ any work is done on it. The limits and why:
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 from schemas.client import SamplingParams, StructuredOutput
@@ -75,6 +78,8 @@ MAX_ID_CHARS = 256
 CHARS_PER_TOKEN_BOUND = 32
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
+MAX_TOOLS = 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
 Reason = tuple[str, str]            # (reject reason, message), as in ``Rejected``
@@ -188,20 +193,42 @@ def check_logit_bias(bias: dict[Any, Any] | None) -> str | None:
                      and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID)
 
 
+def _field(m: Any, name: str) -> Any:
+    return m.get(name) if isinstance(m, dict) else getattr(m, name, None)
+
+
 def _message_chars(messages: Iterable[Any]) -> int:
     total = 0
     for m in messages:
-        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else \
-            (m.role, m.content)
-        total += len(role or "") + len(content or "")
+        total += len(_field(m, "role") or "") + len(_field(m, "content") or "")
+        for call in _field(m, "tool_calls") or ():
+            total += sum(len(_field(call, k) or "") for k in ("id", "name", "arguments"))
     return total
+
+
+def check_tools(tools: Iterable[Any]) -> str | None:
+    """Why a request's ``tools`` are malformed (too many, a name that is not a function
+    name, two with one name), or None."""
+    tools = list(tools)
+    if len(tools) > MAX_TOOLS:
+        return f"at most {MAX_TOOLS} tools"
+    names = [_field(t, "name") for t in tools]
+    for name in names:
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            return (f"a tool's name must be 1 to 64 letters, digits, '_' or '-', "
+                    f"got {name!r:.80}")
+    if len(set(names)) != len(names):
+        return "two tools have one name"
+    return None
 
 
 def check_prompt_size(prompt: str | None, messages: Iterable[Any] | None,
                       prompt_token_ids: list[int] | None, max_model_len: int,
-                      max_prompt_chars: int | None = None) -> Reason | None:
+                      max_prompt_chars: int | None = None, tools: Iterable[Any] = ()
+                      ) -> Reason | None:
     """Size checks that need no tokenizer: (reason, message) or None. ``messages`` are
-    ``ChatMessage`` structs or ``{"role", "content"}`` dicts. Text is bounded at
+    ``ChatMessage`` structs or ``{"role", "content"}`` dicts; ``tools`` (which a chat
+    template may render into the prompt) ``Tool`` structs or dicts. Text is bounded at
     ``max_prompt_chars`` characters, by default ``max_model_len * CHARS_PER_TOKEN_BOUND``."""
     limit = max_prompt_chars if max_prompt_chars is not None \
         else max_model_len * CHARS_PER_TOKEN_BOUND
@@ -218,6 +245,8 @@ def check_prompt_size(prompt: str | None, messages: Iterable[Any] | None,
         if not messages:
             return "invalid_request", "messages is empty"
         chars += _message_chars(messages)
+    chars += sum(len(_field(t, k) or "") for t in tools
+                 for k in ("name", "description", "parameters"))
     if chars > limit:
         return "prompt_too_long", (
             f"the prompt has {chars} characters; at most {limit} are accepted for a context "
@@ -247,8 +276,11 @@ def check_submit(sub: Any, max_model_len: int,
     if p.max_tokens is not None and p.max_tokens >= max_model_len:
         return "invalid_request", (f"max_tokens ({p.max_tokens}) leaves no room for the prompt "
                                    f"in the context window of {max_model_len} tokens")
+    tools = getattr(sub, "tools", ()) or ()
+    if tools and (why := check_tools(tools)) is not None:
+        return "invalid_request", why
     return check_prompt_size(sub.prompt, sub.messages, sub.prompt_token_ids, max_model_len,
-                             max_prompt_chars)
+                             max_prompt_chars, tools)
 
 
 def check_length(prompt_len: int, max_tokens: int | None,

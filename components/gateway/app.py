@@ -28,6 +28,7 @@ from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            Shaper, degraded_headers, parse, submit_batch,
                                            validate_kwargs, weir_usage)
+from components.gateway.tools import mode_of
 from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
 
@@ -240,7 +241,8 @@ def build_app(state: GatewayState) -> Starlette:
             state.metrics.error(f"http_{err.status}")
             return _error_response(err, echo_id)
         state.metrics.ttft.labels(state.model).observe(time.perf_counter() - started)
-        shaper = Shaper(chat, rid, state.model, None if chat else req)
+        shaper = Shaper(chat, rid, state.model, None if chat else req,
+                        mode_of(req.tools, req.tool_choice) if chat else None)
         headers = {"x-request-id": echo_id}
         if req.stream:
             # The SDK stream consumed Accepted before yielding ``first`` (admission sends it
@@ -334,19 +336,22 @@ def build_app(state: GatewayState) -> Starlette:
                 for index in range(n):
                     yield frame(shaper.chunk("", first=True, index=index))
             last = time.perf_counter()
-            if first is not None and shaper.wants(first.index, first.text, first.logprobs):
-                yield frame(shaper.chunk(first.text, index=first.index,
-                                         logprobs=first.logprobs or None, prompt=first.prompt))
+            if first is not None and shaper.wants(first.index, first.text, first.logprobs) \
+                    and (c := shaper.chunk(first.text, index=first.index,
+                                           logprobs=first.logprobs or None,
+                                           prompt=first.prompt)) is not None:
+                yield frame(c)
             try:
                 async for delta in events:
                     now = time.perf_counter()
                     state.metrics.itl.labels(state.model).observe(now - last)
                     last = now
                     # a token's text may come later
-                    if shaper.wants(delta.index, delta.text, delta.logprobs):
-                        yield frame(shaper.chunk(delta.text, index=delta.index,
-                                                 logprobs=delta.logprobs or None,
-                                                 prompt=delta.prompt))
+                    if shaper.wants(delta.index, delta.text, delta.logprobs) \
+                            and (c := shaper.chunk(delta.text, index=delta.index,
+                                                   logprobs=delta.logprobs or None,
+                                                   prompt=delta.prompt)) is not None:
+                        yield frame(c)
             except (RequestFailed, RequestCancelled, RequestRejected) as exc:
                 # a refusal here is a batch's later prompt; a batch's other prompts still
                 # run, and are abandoned (a lone stream that failed is over already)

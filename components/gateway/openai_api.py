@@ -9,8 +9,10 @@ from typing import Any, Literal
 import msgspec
 
 from components.admission.validate import check_logit_bias, check_submit
+from components.gateway.tools import (CallMsg, ToolChoice, ToolDef, ToolError, ToolMode,
+                                     call_id, calls_of, tool_request)
 from schemas.client import (PromptLogprobs, SamplingParams, StructuredOutput, Submit,
-                            TokenLogprob)
+                            TokenLogprob, ToolCall)
 from schemas.wire import Usage
 
 
@@ -41,6 +43,8 @@ class TextPart(msgspec.Struct, frozen=True):
 class ChatMsg(msgspec.Struct, frozen=True):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[CallMsg] | None = None       # an assistant's calls, sent back
+    tool_call_id: str | None = None               # a tool's answer: to which call
 
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True):
@@ -114,7 +118,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(body: bytes, kind: type) -> Any:
@@ -137,11 +143,19 @@ def _unsupported(req: _Common) -> str | None:
     if isinstance(req, CompletionRequest) and req.suffix:
         return "suffix is not supported"
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            return "tools are not supported"
         if req.top_logprobs is not None and not req.logprobs:
             return "top_logprobs needs logprobs set to true"
     return None
+
+
+def _message(m: ChatMsg) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+    if m.tool_calls:
+        out["tool_calls"] = [ToolCall(c.id, c.function.name, c.function.arguments)
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def _json_text(schema: dict[str, Any] | str) -> str:
@@ -212,7 +226,21 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
             params[name] = value
     if req.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
-    if (structured := structured_of(req)) is not None:
+    structured = structured_of(req)
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            tools, for_tools = tool_request(req.tools, req.tool_choice,
+                                            req.parallel_tool_calls)
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param="tool_choice") from None
+        if tools:
+            params["tools"] = tools
+        if for_tools is not None:
+            if structured is not None:
+                raise ApiError(400, "give one form of structured output, not 2: tool_choice "
+                                    "and a response format")
+            structured = for_tools
+    if structured is not None:
         params["structured"] = structured
     if isinstance(req, ChatCompletionRequest):
         if req.logprobs:
@@ -228,7 +256,7 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
     if isinstance(req, ChatCompletionRequest):
         params["max_tokens"] = (req.max_completion_tokens if req.max_completion_tokens is not None
                                 else req.max_tokens)      # 0 is invalid, not "unlimited"
-        msgs = [{"role": m.role, "content": _text(m.content)} for m in req.messages]
+        msgs = [_message(m) for m in req.messages]
         return [{"messages": msgs, **params}]
     # echo with max_tokens 0 (the prompt's logprobs alone, as evaluation harnesses ask):
     # one token is generated and left out of the response (Shaper)
@@ -252,7 +280,7 @@ def validate_kwargs(kwargs: dict[str, Any], max_model_len: int,
     params = SamplingParams(**{k: v for k, v in kwargs.items() if k in _PARAMS})
     sub = Submit("gateway", kwargs.get("prompt"), kwargs.get("messages"),
                  kwargs.get("prompt_token_ids"), params, priority=kwargs.get("priority", 0),
-                 service_class=kwargs.get("service_class"))
+                 service_class=kwargs.get("service_class"), tools=kwargs.get("tools", ()))
     if (bad := check_submit(sub, max_model_len, max_prompt_chars)) is not None:
         raise ApiError(400, bad[1], code=bad[0])
 
@@ -355,12 +383,16 @@ class Shaper:
     """Builds response bodies and stream chunks for one request."""
 
     def __init__(self, chat: bool, request_id: str, model: str,
-                 echo: CompletionRequest | None = None) -> None:
+                 echo: CompletionRequest | None = None, tools: ToolMode | None = None) -> None:
         """``echo``: the completions request; with ``echo`` set, each choice begins with
         its prompt (its text as sent, or the engine's decode of its token ids) and, with
         ``logprobs``, the prompt tokens' entries; with ``max_tokens`` 0, only that. Choice
-        ``index`` is of prompt ``index // n``."""
+        ``index`` is of prompt ``index // n``. ``tools``: a chat answer is tool calls
+        (streamed: a named function's arguments as they come; ``"required"``'s list at
+        the end, when it is whole)."""
         self.chat = chat
+        self.tools = tools
+        self.held: dict[int, str] = {}              # "required": each choice's text so far
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -427,8 +459,14 @@ class Shaper:
         for index, (text, finish_reason, logprobs) in enumerate(choices):
             text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                calls = None if self.tools is None else calls_of(self.tools, text)
+                if calls is not None:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    if self.tools.name is None and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                out.append({"index": index, "message": message, "logprobs": lp,
+                            "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": lp,
                             "finish_reason": finish_reason})
@@ -438,8 +476,9 @@ class Shaper:
     def chunk(self, text: str | None, finish_reason: str | None = None,
               first: bool = False, index: int = 0,
               logprobs: Sequence[TokenLogprob] | None = None,
-              prompt: PromptLogprobs | None = None) -> dict[str, Any]:
-        """One stream chunk; ``prompt``: the request's prompt_logprobs (its first delta's)."""
+              prompt: PromptLogprobs | None = None) -> dict[str, Any] | None:
+        """One stream chunk (None: nothing to send for this delta yet); ``prompt``: the
+        request's prompt_logprobs (its first delta's)."""
         if prompt is not None:
             self.prompts[index // self.n] = prompt
         text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
@@ -447,7 +486,12 @@ class Shaper:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
-            if text is not None:
+            if self.tools is not None:
+                delta, finish_reason = self._tool_delta(delta, index, text, first,
+                                                        finish_reason)
+                if delta is None:
+                    return None
+            elif text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": lp,
                       "finish_reason": finish_reason}
@@ -455,6 +499,32 @@ class Shaper:
         choice = {"index": index, "text": text or "", "logprobs": lp,
                   "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
+
+    def _tool_delta(self, delta: dict[str, Any], index: int, text: str | None, first: bool,
+                    finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
+        """A tool-call answer's stream delta (None: nothing to send yet) and finish reason.
+        A named function's call opens on the choice's first chunk and its arguments follow
+        as they come; ``"required"``'s text is held, and its calls go out whole with its
+        finish (or, cut short, the text as content)."""
+        name = self.tools.name
+        if name is not None:
+            if first:
+                delta["tool_calls"] = [{"index": 0, "id": call_id(), "type": "function",
+                                        "function": {"name": name, "arguments": ""}}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+            return delta, finish_reason
+        if text:
+            self.held[index] = self.held.get(index, "") + text
+        if finish_reason is None:
+            return (delta if first else None), None
+        held = self.held.pop(index, "")
+        calls = calls_of(self.tools, held)
+        if calls is None:
+            delta["content"] = held
+            return delta, finish_reason
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return delta, "tool_calls" if finish_reason == "stop" else finish_reason
 
     def usage_chunk(self, usage: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

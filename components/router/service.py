@@ -214,7 +214,8 @@ class RouterService(Component):
             return
         who_is = self.keys.identify(sub.api_key, sub.tenant)
         tenant = who_is.tenant if isinstance(who_is, Identity) else sub.tenant
-        ids = self.prompts.tokenize(sub.prompt, sub.messages, sub.prompt_token_ids)
+        ids = self.prompts.tokenize(sub.prompt, sub.messages, sub.prompt_token_ids,
+                                    tools=sub.tools)
         f = Flight(who, sub, tenant, time.monotonic(), len(ids) if isinstance(ids, list) else 0,
                    traceparent=traceparent)
         if isinstance(ids, list):        # else: the replica rejects it with the reason

@@ -176,7 +176,7 @@ class StreamerService(Component):
             req.idempotent = True
         req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
                                  req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
-                                 sub.priority, sub.service_class)
+                                 sub.priority, sub.service_class, sub.tools)
         req.traceparent = tracing.traceparent_of(span)
         await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
 

@@ -40,6 +40,12 @@ class ChatTemplate:
             raise ValueError(f"invalid chat template: {e}") from e
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.source = template_str
+
+    def takes(self, name: str) -> bool:
+        """Whether the template reads a variable or message field of this name (e.g.
+        ``tools``, ``tool_calls``): SmolLM2's reads neither."""
+        return name in self.source
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for messages; extra variables (e.g. tools) are passed to the template.

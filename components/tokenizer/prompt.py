@@ -4,12 +4,13 @@ compute the very keys a replica's prefix cache is indexed by: the same tokenizer
 template, public system prompts, scope and model id."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from components.tokenizer.chat import ChatTemplate
 from components.tokenizer.hashing import block_hashes
 from components.tokenizer.vocab import load_tokenizer
-from schemas.client import ChatMessage
+from schemas.client import ChatMessage, Tool
 from schemas.config import WeirConfig
 from weir.model_fetch import resolve_model
 
@@ -47,9 +48,10 @@ class PromptHasher:
 
     def tokenize(self, prompt: str | None, messages: tuple[ChatMessage, ...] | None,
                  prompt_token_ids: list[int] | None,
-                 logit_bias: dict[int, float] | None = None) -> list[int] | str:
+                 logit_bias: dict[int, float] | None = None,
+                 tools: tuple[Tool, ...] = ()) -> list[int] | str:
         """Token ids for a request, or why it cannot be tokenized (or its ``logit_bias``
-        names an id the vocabulary does not have)."""
+        names an id the vocabulary does not have). ``tools`` go to the chat template."""
         vocab = self.bundle.vocab_size
         if logit_bias and any(not 0 <= t < vocab for t in logit_bias):
             return f"logit_bias keys must be token ids in [0, {vocab})"
@@ -63,13 +65,33 @@ class PromptHasher:
             if not messages:
                 return "messages is empty"
             try:
-                text = self.chat.render([{"role": m.role, "content": m.content}
-                                         for m in messages])
+                extra = {"tools": [_tool(t) for t in tools]} if tools else {}
+                text = self.chat.render([self._message(m) for m in messages], **extra)
             except ValueError as exc:
                 return str(exc)
         else:
             text = prompt or ""
         return self.bundle.encode(text)
+
+    def _message(self, m: ChatMessage) -> dict:
+        """A message as chat templates read it (OpenAI's shape). An assistant's calls go
+        as ``tool_calls`` (arguments parsed, as templates that render them expect); to a
+        template that does not read them, as the message's text (a JSON list of the
+        calls), so the model still sees what it called."""
+        out: dict = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+                     for c in m.tool_calls]
+            out["tool_calls"] = calls
+            if not self.chat.takes("tool_calls"):
+                listed = json.dumps([{"name": c["function"]["name"],
+                                      "arguments": c["function"]["arguments"]} for c in calls],
+                                    ensure_ascii=False)
+                out["content"] = f"{m.content}\n{listed}" if m.content else listed
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        return out
 
     def hashes(self, tenant: str, ids: list[int]) -> tuple[list[int], str, int]:
         """The chained hashes of the prompt's full blocks, and its public scope and the
@@ -81,3 +103,20 @@ class PromptHasher:
         hashes += block_hashes(ids[public_blocks * bs:], bs, tenant, self.model_id,
                                hashes[-1] if hashes else None)
         return hashes, public_scope, public_blocks
+
+
+def _json_or_text(text: str | None):
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return text
+
+
+def _tool(t: Tool) -> dict:
+    """A tool as chat templates read it (OpenAI's shape)."""
+    function: dict = {"name": t.name}
+    if t.description is not None:
+        function["description"] = t.description
+    if t.parameters is not None:
+        function["parameters"] = _json_or_text(t.parameters)
+    return {"type": "function", "function": function}

@@ -39,9 +39,12 @@ class TokenizerService(Component):
                     with _TRACER.start_as_current_span("tokenize", context=parent) as span:
                         ids = self.prompts.tokenize(req.prompt, req.messages,
                                                     req.prompt_token_ids,
-                                                    req.params.logit_bias)
-                        if not isinstance(ids, str) and req.params.structured is not None:
-                            ids = self._check_structured(req.params.structured) or ids
+                                                    req.params.logit_bias, req.tools)
+                        if (so := req.params.structured) is not None:
+                            # which kind of language, never its text (a schema is the user's)
+                            span.set_attribute("weir.structured", structured.kind(so))
+                            if not isinstance(ids, str):
+                                ids = self._check_structured(so) or ids
                         if isinstance(ids, str):
                             span.set_attribute("weir.rejected", "invalid_request")
                             await self.to_streamer.send(EventBatch(
@@ -51,7 +54,8 @@ class TokenizerService(Component):
                                                                                   ids)
                         span.set_attributes({"gen_ai.usage.input_tokens": len(ids),
                                              "weir.prefix.full_blocks": len(hashes),
-                                             "weir.chat": req.messages is not None})
+                                             "weir.chat": req.messages is not None,
+                                             "weir.tools": len(req.tools)})
                     self.tokenized += 1
                     await self.to_admission.send(
                         Tokenized(req.request_id, req.tenant, ids, hashes, req.params,

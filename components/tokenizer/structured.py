@@ -34,6 +34,13 @@ def limits() -> llguidance.LLParserLimits:
                                      max_lexer_states=20_000)
 
 
+def kind(so: StructuredOutput) -> str:
+    """Which kind of language (``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``): what traces and logs may say of it."""
+    return next((k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None),
+                "json_object")
+
+
 def grammar_of(so: StructuredOutput) -> str:
     """llguidance's grammar text for a (well-formed, see ``check_structured``) request.
     Raises ValueError where the text is not even JSON (a schema that does not parse)."""

@@ -114,3 +114,66 @@ def test_a_language_that_does_not_parse_is_a_400_and_costs_nothing(gw, oai, extr
                                 extra_body={"guided_choice": ["a", "b"]})
     assert ok.choices[0].text in ("a", "b")
     gw.wait_kv_free(timeout=2.0)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "properties": {}}}}
+
+
+def a_weather_call(call) -> bool:
+    args = json.loads(call.function.arguments)
+    return (call.type == "function" and call.id.startswith("call_")
+            and call.function.name == "get_weather" and set(args) <= {"city", "unit"}
+            and isinstance(args["city"], str) and args.get("unit", "celsius") in (
+                "celsius", "fahrenheit"))
+
+
+def test_tool_calls_through_the_openai_client(gw, oai):
+    """A named function, "required" (whole and streamed, as the client's stream helper
+    accumulates it), an agent's next turn with the call and the tool's answer sent back,
+    and "auto" refused."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = oai.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert a_weather_call(call) and named.choices[0].message.content is None
+    required = oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                           max_tokens=60, temperature=0, tool_choice="required",
+                                           parallel_tool_calls=False)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    with oai.beta.chat.completions.stream(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                          max_tokens=60, temperature=0,
+                                          tool_choice="required",
+                                          parallel_tool_calls=False) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+    with oai.beta.chat.completions.stream(
+            model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=40, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        (streamed_named,) = stream.get_final_completion().choices[0].message.tool_calls
+    assert streamed_named.function.arguments == named.choices[0].message.tool_calls[
+        0].function.arguments
+    # the agent's next turn: its call and the tool's answer go back, the reply is text
+    turn = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    reply = oai.chat.completions.create(model=MODEL, messages=turn, tools=[WEATHER, TIME],
+                                        tool_choice="none", max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="auto"):
+        oai.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=5)
+    gw.wait_kv_free(timeout=2.0)

@@ -124,3 +124,65 @@ def test_ids_a_request_names_are_checked_against_the_vocabulary():
     assert p.tokenize("hi", None, None, {vocab - 1: 5.0}) == p.tokenize("hi", None, None)
     assert p.tokenize("hi", None, None, {vocab: 5.0}) == \
         f"logit_bias keys must be token ids in [0, {vocab})"
+
+
+TOOL_TEMPLATE = """{% if tools %}[TOOLS]{{ tools | tojson }}
+{% endif %}{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.id }}>{{ c.function.name }}{{ c.function.arguments | tojson }}</call>{% endfor %}{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}
+{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def _agent_turn():
+    from schemas.client import ChatMessage, Tool, ToolCall
+
+    messages = (ChatMessage("user", "Weather in Paris?"),
+                ChatMessage("assistant", "", (ToolCall("call_1", "get_weather",
+                                                       '{"city": "Paris"}'),)),
+                ChatMessage("tool", "18 C, sunny", tool_call_id="call_1"))
+    tool = Tool("get_weather", "The weather in a city",
+                '{"type": "object", "properties": {"city": {"type": "string"}}}')
+    return messages, tool
+
+
+def _hasher(template: str | None = None):
+    from components.tokenizer.prompt import PromptHasher
+    from schemas.config import EngineConfig, Topology, WeirConfig
+
+    p = PromptHasher(WeirConfig(Topology(run_dir="/nonexistent"),
+                                engine=EngineConfig(model=str(default_model_path()))))
+    if template is not None:
+        p.chat = ChatTemplate(template, p.bundle.bos_token, p.bundle.eos_token)
+    return p
+
+
+def test_tools_and_calls_render_as_hugging_face_renders_them(hf):
+    """A template that reads ``tools`` and ``tool_calls`` gets OpenAI's shapes, the calls'
+    arguments parsed, exactly as transformers' apply_chat_template is given them."""
+    messages, tool = _agent_turn()
+    p = _hasher(TOOL_TEMPLATE)
+    ids = p.tokenize(None, messages, None, tools=(tool,))
+    want = hf.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}],
+        tools=[WEATHER], chat_template=TOOL_TEMPLATE, tokenize=False,
+        add_generation_prompt=True)
+    assert '[TOOLS][{"type": "function"' in want and '<call call_1>get_weather{"city"' in want
+    assert p.bundle.decode(ids, skip_special_tokens=False) == want
+
+
+def test_calls_reach_a_template_that_does_not_read_them_as_text():
+    """SmolLM2's template reads neither ``tools`` nor ``tool_calls``: the assistant's calls
+    become its text (the model still sees what it called), the tool's answer a turn."""
+    messages, tool = _agent_turn()
+    p = _hasher()
+    text = p.bundle.decode(p.tokenize(None, messages, None, tools=(tool,)),
+                           skip_special_tokens=False)
+    assert ('<|im_start|>assistant\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+            '<|im_end|>\n<|im_start|>tool\n18 C, sunny<|im_end|>') in text
+    assert "The weather in a city" not in text          # tools are the template's to show

@@ -68,3 +68,12 @@ def test_what_does_not_parse_is_refused_with_the_reason(so, words, vocab):
     why = check(so, vocab)
     assert why is not None and why.startswith("invalid structured output") and words in why
     assert len(why) <= 600
+
+
+def test_kind_names_the_language_and_nothing_of_it():
+    from components.tokenizer.structured import kind
+
+    assert [kind(StructuredOutput(**f)) for f in (
+        {"json": '{"secret": 1}'}, {"json_object": True}, {"regex": "s3cret"},
+        {"choice": ("a",)}, {"grammar": 'start: "x"'})] == [
+        "json", "json_object", "regex", "choice", "grammar"]
