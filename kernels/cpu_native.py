@@ -89,7 +89,7 @@ def load() -> ctypes.CDLL:
                       + [ctypes.c_float, ctypes.c_int])
         s = lib.weir_sample
         s.restype = None
-        s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
+        s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
                       + [ctypes.c_int])
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         lib.weir_gemv_supported.restype = ctypes.c_int
@@ -176,17 +176,22 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+           top_p: torch.Tensor, u: torch.Tensor, keys: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """One token per row of float32 ``logits`` [S, vocab] (every temperature > 0): top-k,
-    then top-p on the renormalised survivors, then the inverse-CDF draw at ``u``."""
+    then top-p on the renormalised survivors, then a row with ``keys[r]`` >= 0 by the
+    exponential race seeded by it, another by the inverse-CDF draw at ``u[r]``."""
     x = logits.contiguous()
     t = temperature.to(torch.float32).contiguous()
     k = top_k.to(torch.int64).contiguous()
     p = top_p.to(torch.float32).contiguous()
     uu = u.to(torch.float32).contiguous()
+    kk = (torch.full((x.shape[0],), -1, dtype=torch.int64) if keys is None
+          else keys.to(torch.int64).contiguous())
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load().weir_sample(x.data_ptr(), x.shape[0], x.shape[1], t.data_ptr(), k.data_ptr(),
-                       p.data_ptr(), uu.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                       p.data_ptr(), uu.data_ptr(), kk.data_ptr(), out.data_ptr(),
+                       torch.get_num_threads())
     return out
 
 

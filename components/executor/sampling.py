@@ -51,18 +51,66 @@ def seed_process_generator(seed: int) -> None:
     _process_generator = torch.Generator().manual_seed(seed)
 
 
-def _uniforms(seeds: list[int | None], output_index: list[int]) -> torch.Tensor:
-    """One uniform in (0, 1] per row: hashed from (seed, index) for seeded rows, from the
-    process generator otherwise."""
+def _uniforms(n: int) -> torch.Tensor:
+    """One uniform in (0, 1] per row, from the process generator (the unseeded rows')."""
     global _process_generator
     if _process_generator is None:
         _process_generator = torch.Generator()
         _process_generator.seed()
-    u = 1.0 - torch.rand(len(seeds), generator=_process_generator)
-    for i, s in enumerate(seeds):
-        if s is not None:
-            u[i] = ((_mix(s, output_index[i]) >> 39) + 1) / float(1 << 24)
-    return u
+    return 1.0 - torch.rand(n, generator=_process_generator)
+
+
+def _keys(seeds: list[int | None], output_index: list[int]) -> torch.Tensor:
+    """Each row's race key: hashed from (seed, index) for a seeded row, -1 for another."""
+    return torch.tensor([-1 if s is None else _mix(s, i) for s, i in zip(seeds, output_index)],
+                        dtype=torch.int64)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2^32`` for h in [0, 2^32), in halves that fit an int64 (no overflow)."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & _M32) << 16)) & _M32
+
+
+def _race_uniforms(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Seeded rows' uniforms in (0, 1) per token (``keys`` [R], ``tokens`` [R, W]): the
+    native sampler's race_uniform, bit for bit (kernels/csrc/cpu_sampling.cpp)."""
+    key = ((keys ^ (keys >> 32)) & _M32)[:, None].to(tokens.device)
+    h = (key + _mul32(tokens, 0x9E3779B1)) & _M32
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return _hash_uniform(h ^ (h >> 16))
+
+
+def _hash_uniform(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash's top 23 bits at their midpoint: 2^-24 .. 1 - 2^-24, exact in float32
+    (24 bits would round the top one to 1.0, where -log u is 0 and that token's score
+    infinite, whatever its probability)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
+def _pick(kept: torch.Tensor, u: torch.Tensor, keys: torch.Tensor,
+          tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """A position per row of ``kept`` [R, W] (each token's probability, 0 where filtered
+    out; ``tokens`` their ids, None: the positions): a seeded row (key >= 0) by the
+    exponential race (Gumbel-max: the highest log p - log(-log u), u hashed per token from
+    the key, wins; see the native race()), another by the inverse-CDF draw at ``u``."""
+    out = torch.empty(kept.shape[0], dtype=torch.long, device=kept.device)
+    seeded = keys >= 0
+    if bool((~seeded).any()):
+        free = (~seeded).nonzero()[:, 0]
+        out[free] = _draw(kept[free].cumsum(dim=-1), u[free])
+    if bool(seeded.any()):
+        at = seeded.nonzero()[:, 0]
+        ids = (tokens[at] if tokens is not None else
+               torch.arange(kept.shape[1], device=kept.device).expand(len(at), -1))
+        race_u = _race_uniforms(keys[at], ids)
+        out[at] = (kept[at].log() - (-race_u.log()).log()).argmax(dim=-1)
+    return out
 
 
 def _filtered_log_probs(logits: torch.Tensor, top_p: torch.Tensor,
@@ -92,7 +140,7 @@ def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_draw(x: torch.Tensor, p: torch.Tensor, k: torch.Tensor,
-                   u: torch.Tensor) -> torch.Tensor:
+                   u: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p draw. Works on the top ``_CANDIDATES`` tokens when the filtered set
     provably lies inside them (top-k within it, or that slice already holds top_p of the
     mass); only other rows pay for a full-vocabulary sort."""
@@ -105,19 +153,18 @@ def _filtered_draw(x: torch.Tensor, p: torch.Tensor, k: torch.Tensor,
     out = torch.empty(rows, dtype=torch.long)
     if bool(inside.any()):
         sel = inside.nonzero()[:, 0]
-        out[sel] = idx[sel].gather(1, _draw(_nucleus(vals[sel], p[sel], kk[sel], vocab), u[sel])
-                                   .unsqueeze(1)).squeeze(1)
+        at = _pick(_nucleus(vals[sel], p[sel], kk[sel], vocab), u[sel], keys[sel], idx[sel])
+        out[sel] = idx[sel].gather(1, at.unsqueeze(1)).squeeze(1)
     if not bool(inside.all()):
         sel = (~inside).nonzero()[:, 0]
-        full = _filtered_log_probs(x[sel], p[sel], k[sel]).exp_()
-        out[sel] = _draw(full.cumsum_(dim=-1), u[sel])
+        out[sel] = _pick(_filtered_log_probs(x[sel], p[sel], k[sel]).exp_(), u[sel], keys[sel])
     return out
 
 
 def _nucleus(sorted_probs: torch.Tensor, p: torch.Tensor, kk: torch.Tensor,
              vocab: int) -> torch.Tensor:
-    """CDF over the top candidates (descending probabilities of the full softmax) after
-    top-k and top-p filtering. Top-p is measured against the top-k survivors' mass, or, with
+    """The top candidates' probabilities (descending, of the full softmax), 0 where top-k
+    and top-p filter them out. Top-p is measured against the top-k survivors' mass, or, with
     no top-k, the whole vocabulary's (1), not just the candidates'."""
     rank = torch.arange(sorted_probs.shape[1])
     kept = sorted_probs.masked_fill(rank[None, :] >= kk[:, None], 0.0)
@@ -125,7 +172,7 @@ def _nucleus(sorted_probs: torch.Tensor, p: torch.Tensor, kk: torch.Tensor,
                         torch.ones_like(kept[:, :1]))
     before = (kept.cumsum(dim=-1) - kept) / total
     drop = (before >= p[:, None]) & (rank[None, :] > 0) & (p[:, None] < 1.0)
-    return kept.masked_fill_(drop, 0.0).cumsum_(dim=-1)
+    return kept.masked_fill_(drop, 0.0)
 
 
 def _top_k(k: int, vocab: int) -> int:
@@ -289,7 +336,9 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
 
     Row ``i`` uses ``temperature[i]`` (0 means greedy argmax), ``top_k[i]`` (0 = off),
     ``top_p[i]`` (1.0 = off) and, when ``seeds[i]`` is not None, noise that depends only
-    on ``(seeds[i], output_index[i])`` -- the number of the output token being drawn.
+    on ``(seeds[i], output_index[i])`` -- the number of the output token being drawn --
+    and each token's id: the exponential race (``_pick``), which a last-bit change of the
+    logits moves only where two tokens' scores tie within it.
     Top-k is applied first, then top-p on the renormalised survivors. ``native`` False
     runs the torch path even where the native sampler exists (the kernel plan's choice).
     """
@@ -306,17 +355,18 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
         return out
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)
     k = torch.tensor([_top_k(top_k[i], vocab) for i in rand], dtype=torch.long)
-    u = _uniforms([seeds[i] for i in rand], [output_index[i] for i in rand])
+    u = _uniforms(len(rand))
+    keys = _keys([seeds[i] for i in rand], [output_index[i] for i in rand])
     if native:
         # every row drawn (the usual sampled batch): the logits as they are, not a copy
         rows_in = logits.float() if len(rand) == rows else logits[rand].float()
-        picked = _native.sample(rows_in, temp[rand], k, p, u)
+        picked = _native.sample(rows_in, temp[rand], k, p, u, keys)
         out[torch.tensor(rand)] = picked
         return out
     x = logits[rand].float().cpu() / temp[rand, None]
     if bool((p < 1.0).any()) or bool(((k > 0) & (k < vocab)).any()):
-        picked = _filtered_draw(x, p, k, u)
+        picked = _filtered_draw(x, p, k, u, keys)
     else:
-        picked = _draw(x.softmax(dim=-1).cumsum_(dim=-1), u)
+        picked = _pick(x.softmax(dim=-1), u, keys)
     out[torch.tensor(rand, device=out.device)] = picked.to(out.device)
     return out
