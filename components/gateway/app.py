@@ -26,8 +26,8 @@ from components.gateway.batch import StreamGroup
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
 from components.gateway.metrics import GatewayMetrics
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, degraded_headers, parse, submit_batch,
-                                           validate_kwargs, weir_usage)
+                                           parse, submit_batch, validate_kwargs)
+from components.gateway.shaping import Shaper, degraded_headers, weir_usage
 from components.gateway.tools import mode_of
 from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout

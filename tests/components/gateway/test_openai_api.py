@@ -5,9 +5,9 @@ import pytest
 
 from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           Shaper, chat_logprobs, class_of, completion_logprobs,
-                                           degraded_headers, parse, submit_batch,
-                                           validate_kwargs, weir_usage)
+                                           class_of, parse, submit_batch, validate_kwargs)
+from components.gateway.shaping import (Shaper, chat_logprobs, completion_logprobs,
+                                        degraded_headers, weir_usage)
 from schemas.client import PromptLogprobs, StructuredOutput, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from components.gateway.openai_api import (ApiError, ChatCompletionRequest, Shaper, parse,
-                                           submit_batch, validate_kwargs)
+from components.gateway.openai_api import (ApiError, ChatCompletionRequest, parse, submit_batch,
+                                           validate_kwargs)
+from components.gateway.shaping import Shaper
 from components.gateway.tools import ToolMode, calls_of, mode_of, tool_request
 from schemas.client import Tool, ToolCall
 from schemas.wire import Usage
