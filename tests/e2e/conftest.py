@@ -57,3 +57,20 @@ def start_gateway(tmp_path_factory, gateway_options: str = "") -> Engine:
     return Engine(tmp_path_factory.mktemp("gw"), GATEWAY_TOML, http_port=free_port(),
                   gateway_extra=f'api_keys = [{{ sha256 = "{digest}", tenant = "acme" }}]\n'
                                 + gateway_options)
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory, model_path):
+    """An engine with its gateway, one per test module that asks (a module may override
+    it, e.g. with gateway options)."""
+    eng = start_gateway(tmp_path_factory)
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def oai(gw):
+    """The official `openai` client on ``gw``, as tenant acme, no retries."""
+    import openai
+
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=GATEWAY_KEY, max_retries=0)

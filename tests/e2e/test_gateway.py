@@ -8,19 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL, start_gateway
-
-
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory, model_path):
-    eng = start_gateway(tmp_path_factory)
-    yield eng
-    eng.stop()
-
-
-@pytest.fixture
-def oai(gw):
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=KEY, max_retries=0)
+from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL
 
 
 def test_openai_client_chat_and_completion(gw, oai):

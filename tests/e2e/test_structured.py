@@ -12,7 +12,7 @@ import sys
 import openai
 import pytest
 
-from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL, start_gateway
+from tests.e2e.conftest import GATEWAY_MODEL as MODEL
 from tests.e2e.engine import ROOT
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -26,18 +26,6 @@ def a_person(text: str) -> bool:
     return (set(value) == {"name", "age", "pet"} and isinstance(value["name"], str)
             and len(value["name"]) <= 24 and isinstance(value["age"], int)
             and 0 <= value["age"] <= 120 and value["pet"] in ("cat", "dog", "none"))
-
-
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory, model_path):
-    eng = start_gateway(tmp_path_factory)
-    yield eng
-    eng.stop()
-
-
-@pytest.fixture
-def oai(gw):
-    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=KEY, max_retries=0)
 
 
 def test_response_format_json_schema_through_the_openai_client(gw, oai):
