@@ -1,7 +1,9 @@
 """Preemption on the live engine: a deliberately tiny KV pool and a small host tier, 16
-concurrent long greedy generations. Every request finishes with the same tokens as on an
-unconstrained engine; victims are both swapped to the host tier and recomputed, and the
+concurrent long greedy generations, four held to a regex. Every request finishes with the
+same tokens as on an unconstrained engine; victims are both swapped to the host tier and recomputed, and the
 engine reports both; every block (both tiers) is back at the end."""
+import re
+
 import anyio
 import pytest
 
@@ -12,12 +14,25 @@ PROMPTS = [f"Tale {i}: the keeper of lighthouse number {i * 7 + 3} wrote in her 
 MAX_TOKENS = 64
 
 
+# a quarter of them held to a language (structured output) that 64 tokens cannot finish,
+# and whose next tokens depend on what came before (a JSON list of words): a victim
+# recomputed or swapped in must carry on in it, its matcher rebuilt from its output
+HELD = set(PROMPTS[1::4])
+WORDS = {"type": "array", "minItems": 30,
+         "items": {"type": "string", "pattern": "^[a-z]{1,12}$"}}
+
+
 async def _run_all(engine: Engine) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     async with engine.async_client() as c:
         async def one(p: str) -> None:
-            res = await c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+            extra = {"structured": {"json": WORDS}} if p in HELD else {}
+            res = await c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                   **extra)
             out[p] = res.token_ids
+            if p in HELD:                       # a prefix of the list, never anything else
+                assert re.fullmatch(r'\[("[a-z]{1,12}", )*("[a-z]{0,12}("(, ?)?)?)?', res.text), \
+                    res.text
         async with anyio.create_task_group() as tg:
             for p in PROMPTS:
                 tg.start_soon(one, p)
