@@ -40,6 +40,8 @@ class ModelRunner:
         self.kv = kv
         self.graphs = graphs              # DecodeGraphs (CUDA) or None
         self.graph_steps = 0
+        self.constrained_rows = 0         # rows sampled under structured output's masks
+        self.mask_ns = 0                  # time making and applying those masks
         self.block_size = kv.block_size
         self.seqs: dict[int, SeqState] = {}
         self.num_blocks = kv.num_blocks
@@ -175,7 +177,10 @@ class ModelRunner:
             constrained = [(i, s.constraint) for i, s in enumerate(states)
                            if s.constraint is not None]
             if constrained:
+                t0 = time.perf_counter_ns()
                 apply_constraints(logits, constrained, self.native_sampling)
+                self.constrained_rows += len(constrained)
+                self.mask_ns += time.perf_counter_ns() - t0
             seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
             tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                             [s.top_k for s in states], seeds,

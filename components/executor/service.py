@@ -140,4 +140,6 @@ class ExecutorService(Component):
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
                 "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks,
-                "graph_steps": self.runner.graph_steps}
+                "graph_steps": self.runner.graph_steps,
+                "structured.rows": self.runner.constrained_rows,
+                "structured.mask_s": round(self.runner.mask_ns / 1e9, 3)}

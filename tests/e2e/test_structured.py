@@ -54,6 +54,9 @@ def test_response_format_json_schema_through_the_openai_client(gw, oai):
     assert not free.startswith("{") and obj.choices[0].message.content.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    executor = gw.stats("executor")          # weir status: rows masked, time spent on it
+    assert executor["structured.rows"] >= many.usage.completion_tokens
+    assert 0 < executor["structured.mask_s"] < executor["busy_s"]
     gw.wait_kv_free(timeout=2.0)
 
 
