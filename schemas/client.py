@@ -135,7 +135,29 @@ class StatusQuery(msgspec.Struct, tag="status", frozen=True, forbid_unknown_fiel
     api_key: str | None = None          # operators see every tenant; a tenant only its own
 
 
-ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery]
+class ReplicaAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine a router may route to: its client endpoint, and where its kv_manager
+    publishes prefix-cache events (empty: none; the router then routes by load alone)."""
+
+    name: str
+    endpoint: str
+    kv_events: str = ""
+
+
+class ChangeReplicas(msgspec.Struct, tag="change_replicas", frozen=True,
+                     forbid_unknown_fields=True):
+    """To a router, from an operator (an operator or the service key; anyone where no
+    keys are configured): route to the engines ``add`` names from now on, and retire those
+    ``remove`` names (no new request goes there; each is let go once its open requests
+    end). Answered by ``ReplicasChanged``; an engine answers it with an error."""
+
+    query_id: str = ""
+    add: tuple[ReplicaAddress, ...] = ()
+    remove: tuple[str, ...] = ()
+    api_key: str | None = None
+
+
+ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery, ChangeReplicas]
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -291,5 +313,15 @@ def malformed_reply(error: str, request_id: str | None) -> Rejected | ProtocolEr
 
 
 Terminal = Union[Finished, Rejected, Cancelled, Failed]
+class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
+    """A router's answer to ``ChangeReplicas``: ``error`` None when every change was made
+    (else nothing was changed), and the replicas it routes new requests to now."""
+
+    query_id: str
+    error: str | None = None
+    replicas: tuple[str, ...] = ()
+    retiring: tuple[str, ...] = ()      # removed, with requests still open on them
+
+
 ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
-                  ServerHeartbeat, ProtocolError]
+                  ServerHeartbeat, ProtocolError, ReplicasChanged]

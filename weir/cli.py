@@ -223,6 +223,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replicas(args: argparse.Namespace) -> int:
+    """A router's replicas: listed (its status), or changed (an operator's key)."""
+    from weir.client import Client
+    from weir.errors import WeirError
+
+    try:
+        with Client(args.endpoint) as client:
+            if args.action == "list":
+                stats = next((c.stats for c in client.status(timeout=args.timeout).components
+                              if c.name == "router"), None)
+                if stats is None:
+                    print("weir replicas: this endpoint is not a router", file=sys.stderr)
+                    return 1
+                names = sorted({k.split(".")[1] for k in stats if k.startswith("replica.")})
+                out = {n: {"healthy": bool(stats.get(f"replica.{n}.healthy")),
+                           "retiring": bool(stats.get(f"replica.{n}.retiring")),
+                           "open": int(stats.get(f"replica.{n}.open", 0))} for n in names}
+            else:
+                done = (client.change_replicas(add=args.replicas, timeout=args.timeout)
+                        if args.action == "add" else
+                        client.change_replicas(remove=args.replicas, timeout=args.timeout))
+                out = {"replicas": list(done.replicas), "retiring": list(done.retiring)}
+    except (WeirError, ValueError) as exc:
+        print(f"weir replicas: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(out))
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -432,6 +461,16 @@ def build_parser() -> argparse.ArgumentParser:
     ks.add_argument("action", choices=["generate"])
     ks.add_argument("dir", help="the directory for [security] curve_keys_dir")
     ks.set_defaults(func=_keys)
+
+    rp = sub.add_parser("replicas", help="list a router's replicas, or add and retire "
+                                          "them while it runs (an operator's key)")
+    rp.add_argument("action", choices=["list", "add", "remove"])
+    rp.add_argument("replicas", nargs="*", metavar="REPLICA",
+                    help="add: NAME=ENDPOINT[,KV_EVENTS] (as `weir route --replica`); remove: "
+                         "NAME (no new requests go there; it is let go once its open ones end)")
+    rp.add_argument("--timeout", type=float, default=5.0)
+    rp.add_argument("--endpoint", default=None, help=endpoint_help)
+    rp.set_defaults(func=_replicas)
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")

@@ -33,13 +33,14 @@ from opentelemetry import trace
 from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
+from schemas.client import ChangeReplicas, ReplicaAddress, ReplicasChanged
 from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
                           PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
                           ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
                           StructuredOutput, Submit, TextDelta, TokenLogprob, Tool, ToolCall,
                           Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
-                         RequestTimeout)
+                         RequestTimeout, WeirError)
 from weir.inbox import TERMINAL, Inbox
 
 
@@ -293,6 +294,17 @@ class Stream:
         return self.result
 
 
+def replica_address(spec: ReplicaAddress | str) -> ReplicaAddress:
+    """``"name=endpoint[,kv_events]"`` (as ``weir route --replica`` takes it) or itself."""
+    if isinstance(spec, ReplicaAddress):
+        return spec
+    name, sep, rest = spec.partition("=")
+    if not sep:
+        raise ValueError(f"a replica is NAME=ENDPOINT[,KV_EVENTS], got {spec!r}")
+    endpoint, _, kv_events = rest.partition(",")
+    return ReplicaAddress(name, endpoint, kv_events)
+
+
 def _json_text(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else \
         msgspec.json.encode(value).decode()
@@ -391,7 +403,7 @@ class AsyncClient:
             if isinstance(event, ServerHeartbeat):
                 self._on_instance(event.instance)
                 continue
-            if isinstance(event, StatusReport):
+            if isinstance(event, (StatusReport, ReplicasChanged)):
                 key = "status:" + event.query_id
             elif isinstance(event, ProtocolError):
                 key = next(iter(self._streams), None)
@@ -522,6 +534,27 @@ class AsyncClient:
         finally:
             self._close_stream("status:" + qid)
 
+    async def change_replicas(self, add: list[ReplicaAddress | str] = (),
+                              remove: list[str] = (), timeout: float = 5.0) -> ReplicasChanged:
+        """A router's replicas, changed (an operator's key): ``add`` engines to route to
+        (``ReplicaAddress`` or ``"name=endpoint[,kv_events]"``), retire those ``remove``
+        names (no new requests; let go once their open ones end). Raises WeirError with
+        the router's reason when it changed nothing."""
+        qid = uuid.uuid4().hex
+        recv = self._open("status:" + qid)
+        try:
+            with anyio.fail_after(timeout):
+                await self._sock.send(ChangeReplicas(qid, tuple(map(replica_address, add)),
+                                                     tuple(remove), self.api_key))
+                answer = await recv.get()
+        except TimeoutError:
+            raise RequestTimeout(f"no answer from {self.endpoint} within {timeout}s") from None
+        finally:
+            self._close_stream("status:" + qid)
+        if answer.error is not None:
+            raise WeirError(answer.error)
+        return answer
+
 
 class Client:
     """Blocking client; runs an AsyncClient on a background event loop thread."""
@@ -556,6 +589,10 @@ class Client:
 
     def status(self, timeout: float = 5.0) -> StatusReport:
         return self._portal.call(self._async.status, timeout)
+
+    def change_replicas(self, add: list[ReplicaAddress | str] = (), remove: list[str] = (),
+                        timeout: float = 5.0) -> ReplicasChanged:
+        return self._portal.call(self._async.change_replicas, add, remove, timeout)
 
 
 class SyncStream:

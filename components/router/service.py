@@ -39,15 +39,16 @@ from bus import tracing
 from bus.codec import Codec, salvage_request_id
 from bus.component import Component
 from bus.socket import BusSocket, MalformedFrame
+from components.admission.validate import MAX_ID_CHARS
 from components.router.index import PrefixMatch, ReplicaIndex
 from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
                                        predicted_queue_s, rank)
 from components.streamer.identity import Identity, Keyring, load_service_key, visible_status
 from components.tokenizer.prompt import PromptHasher
-from schemas.client import (Accepted, Cancel, Cancelled, ClientMsg, ComponentStatus, Failed,
-                            Finished, Heartbeat, Rejected, ServerHeartbeat,
-                            ServerMsg, StatusQuery, StatusReport, Submit, TextDelta,
-                            malformed_reply)
+from schemas.client import (Accepted, Cancel, Cancelled, ChangeReplicas, ClientMsg,
+                            ComponentStatus, Failed, Finished, Heartbeat, Rejected,
+                            ReplicasChanged, ServerHeartbeat, ServerMsg, StatusQuery,
+                            StatusReport, Submit, TextDelta, malformed_reply)
 from schemas.config import ReplicaSpec
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
@@ -60,6 +61,7 @@ _LOAD_QUERY = "router-load"         # a load query's id: this, ':', when it was 
 
 
 _MAX_PREFILLED = 4096                # prefilled prompts kept while no report comes
+MAX_CHANGES = 64                     # replicas added and removed in one ChangeReplicas
 
 
 def _asked_at(query_id: str) -> float:
@@ -87,6 +89,8 @@ class Replica:
     prefilled: list[tuple[int, float, float]] = field(default_factory=list)
     open: set[str] = field(default_factory=set)
     counts: Counter = field(default_factory=Counter)
+    retiring: bool = False              # removed: no new requests; let go once none is open
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)   # its loops
 
     def stat(self, component: str, key: str, default: float = 0.0) -> float:
         if self.report is None:
@@ -154,17 +158,28 @@ class RouterService(Component):
             self.topology.inbox("streamer", bind=True))
         self.replicas: dict[str, Replica] = {}
         for spec in rc.replicas:
-            sock = self.socket(zmq.DEALER, f"to_{spec.name}").connect(spec.endpoint)
-            events = (self.socket(zmq.SUB, f"events_{spec.name}", KvEventsMsg)
-                      .connect(spec.kv_events) if spec.kv_events else None)
-            self.replicas[spec.name] = Replica(spec, sock, events)
+            self._connect(spec)
+
+    def _connect(self, spec: ReplicaSpec) -> Replica:
+        sock = self.socket(zmq.DEALER, f"to_{spec.name}").connect(spec.endpoint)
+        events = (self.socket(zmq.SUB, f"events_{spec.name}", KvEventsMsg)
+                  .connect(spec.kv_events) if spec.kv_events else None)
+        r = self.replicas[spec.name] = Replica(spec, sock, events)
+        return r
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             tg.start_soon(self._client_loop)
             tg.start_soon(self._cluster_loop)
             tg.start_soon(self._ticker)
             for r in self.replicas.values():
+                tg.start_soon(self._serve, r)
+
+    async def _serve(self, r: Replica) -> None:
+        """A replica's loops, until it is let go (``r.scope`` cancelled)."""
+        with r.scope:
+            async with anyio.create_task_group() as tg:
                 tg.start_soon(self._replica_loop, r)
                 if r.events is not None:
                     tg.start_soon(self._events_loop, r)
@@ -198,6 +213,8 @@ class RouterService(Component):
                                             to=who)
                 case StatusQuery(query_id=qid, api_key=key):
                     await self.clients.send(self._status(qid, key), to=who)
+                case ChangeReplicas() as change:
+                    await self.clients.send(self._change(change), to=who)
 
     async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
@@ -227,7 +244,8 @@ class RouterService(Component):
         """Send ``f`` to the best replica it has not tried; or, if none is left, end it."""
         rid = f.submit.request_id
         now = time.monotonic()
-        candidates = [r for name, r in self.replicas.items() if name not in f.tried]
+        candidates = [r for name, r in self.replicas.items()
+                      if name not in f.tried and not r.retiring]
         deadline_s = self._deadline_s(f)
         states = [self._state(r, f) for r in candidates]
         use_prefix = self.rc.policy == "cache_aware"
@@ -404,8 +422,8 @@ class RouterService(Component):
                 self._prefilled(r, f)
             if isinstance(body, Rejected) and not f.accepted and not f.cancelled \
                     and body.reason in REROUTE and len(f.tried) <= self.rc.reroute_attempts \
-                    and any(o.healthy and not o.draining and name not in f.tried
-                            for name, o in self.replicas.items()):
+                    and any(o.healthy and not o.draining and not o.retiring
+                            and name not in f.tried for name, o in self.replicas.items()):
                 r.counts[f"rerouted.{body.reason}"] += 1
                 self.counts["rerouted"] += 1
                 r.open.discard(rid)
@@ -474,6 +492,8 @@ class RouterService(Component):
                     await self._lose(r, f"silent for {now - r.last_heard:.1f} s")
             if now >= next_load:
                 next_load = now + rc.load_interval_s
+            for r in [r for r in self.replicas.values() if r.retiring and not r.open]:
+                self._let_go(r)
             await self._reap(now)
             await anyio.sleep(rc.heartbeat_interval_s)
 
@@ -489,6 +509,60 @@ class RouterService(Component):
             del self.last_seen[who]
         cutoff = now - self.config.streamer.idempotency_ttl_s
         self.idempotent = {k: v for k, v in self.idempotent.items() if v[1] > cutoff}
+
+    # ------------------------------------------------------------------ membership
+    def _change(self, c: ChangeReplicas) -> ReplicasChanged:
+        """An operator's change of replicas: all of it, or (with the reason) none of it."""
+        who = self.keys.identify(c.api_key, "default")
+        error = "changing replicas needs an operator's key" if not (
+            isinstance(who, Identity) and who.sees_all) else self._check_change(c)
+        if error is None:
+            for a in c.add:
+                r = self._connect(ReplicaSpec(a.name, a.endpoint, a.kv_events))
+                self._tg.start_soon(self._serve, r)
+                log.info("replica_added", replica=a.name)
+            for name in c.remove:
+                self.replicas[name].retiring = True
+                log.info("replica_retiring", replica=name, open=len(self.replicas[name].open))
+            self.counts["replica_changes"] += 1
+        return ReplicasChanged(
+            c.query_id, error, tuple(n for n, r in self.replicas.items() if not r.retiring),
+            tuple(n for n, r in self.replicas.items() if r.retiring))
+
+    def _check_change(self, c: ChangeReplicas) -> str | None:
+        names = [a.name for a in c.add]
+        if len(c.add) + len(c.remove) > MAX_CHANGES:
+            return f"at most {MAX_CHANGES} replicas in one change"
+        if len(set(names)) != len(names):
+            return "add names one replica twice"
+        for a in c.add:
+            if a.name in self.replicas:
+                return f"replica {a.name[:64]!r} is already routed to" + (
+                    " (retiring: add it again once it is gone)"
+                    if self.replicas[a.name].retiring else "")
+            try:
+                msgspec.convert({"name": a.name, "endpoint": a.endpoint,
+                                 "kv_events": a.kv_events}, ReplicaSpec)
+            except msgspec.ValidationError as exc:
+                return str(exc)[:300]
+            if len(a.name) > MAX_ID_CHARS:
+                return f"a replica's name must be at most {MAX_ID_CHARS} characters"
+        for name in c.remove:
+            r = self.replicas.get(name)
+            if r is None or r.retiring or name in names:
+                return f"no replica {name[:64]!r} to remove"
+        return None
+
+    def _let_go(self, r: Replica) -> None:
+        """A retiring replica with nothing open on it: its loops stop, its sockets close."""
+        r.scope.cancel()
+        for sock in (r.sock, r.events):
+            if sock is not None:
+                sock.close()
+                self._sockets.remove(sock)
+        del self.replicas[r.spec.name]
+        self.counts["replicas_let_go"] += 1
+        log.info("replica_removed", replica=r.spec.name)
 
     # ------------------------------------------------------------------ status
     async def _cluster_loop(self) -> None:
@@ -524,6 +598,7 @@ class RouterService(Component):
                                  **{f"requests.{k}": v for k, v in self.counts.items()}}
         for name, r in self.replicas.items():
             out.update({f"replica.{name}.healthy": int(r.healthy),
+                        f"replica.{name}.retiring": int(r.retiring),
                         f"replica.{name}.open": len(r.open),
                         f"replica.{name}.index_blocks": len(r.index.blocks),
                         f"replica.{name}.index_gaps": r.index.gaps,

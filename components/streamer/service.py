@@ -38,7 +38,7 @@ from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg,
                           EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           Rejected, ServerHeartbeat, StatusQuery, StatusReport,
                           StreamerMsg, Submit, TextDelta, Usage)
-from schemas.client import malformed_reply
+from schemas.client import ChangeReplicas, ReplicasChanged, malformed_reply
 
 log = structlog.get_logger("streamer")
 _TRACER = trace.get_tracer("weir.streamer")
@@ -139,6 +139,10 @@ class StreamerService(Component):
                     await self.clients.send(ServerHeartbeat(self.instance, self.draining), to=who)
                 case StatusQuery(query_id=qid, api_key=key):
                     await self.clients.send(self._status(qid, key), to=who)
+                case ChangeReplicas(query_id=qid):
+                    await self.clients.send(ReplicasChanged(
+                        qid, "this endpoint is an engine, not a router: it has no replicas"),
+                        to=who)
 
     async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id

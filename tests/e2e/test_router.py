@@ -5,6 +5,7 @@ prefix, and a replica killed under load loses no client and stops getting work.
 The replicas' pools are small and have no host tier, so a replica cannot keep every
 session's context: placing each session where its context is (cache-aware) is what keeps
 the prefix cache useful; round robin makes every replica hold every session."""
+import json
 import os
 import statistics
 import threading
@@ -359,3 +360,62 @@ def test_failover_when_a_replica_is_killed_under_load(router, replicas):
     for name, eng in replicas.items():
         if name != victim_name:
             eng.wait_kv_free(timeout=60)
+
+
+def test_replicas_are_added_and_retired_while_the_router_runs(replicas, tmp_path):
+    """`weir replicas add` brings an engine into the routing without a restart; `remove`
+    sends it no new request, lets its open one finish, then lets it go; bad changes change
+    nothing and say why; an engine's own endpoint says it is not a router."""
+    import subprocess
+    import sys
+
+    from weir import Client
+    from weir.errors import WeirError
+
+    r0, r1 = replicas["r0"], replicas["r1"]
+    router = Router(tmp_path / "router", {"r0": r0}, REPLICA_TOML, policy="round_robin")
+    try:
+        cli = subprocess.run([sys.executable, "-m", "weir.cli", "replicas", "add",
+                              f"r1={r1.endpoint},{r1.kv_events}", "--endpoint", router.endpoint],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert cli.returncode == 0, cli.stderr
+        assert json.loads(cli.stdout) == {"replicas": ["r0", "r1"], "retiring": []}
+        router.wait(lambda s: s.get("replica.r1.healthy") == 1, "r1 up")
+        with router.client() as c:
+            for i in range(4):                         # round robin: both get work
+                c.generate(f"Count to {i}.", max_tokens=2, temperature=0.0)
+            counted = routed(router.wait(lambda s: sum(routed(s).values()) == 4, "4 routed"))
+            assert counted == {"r0": 2, "r1": 2}
+            for bad, words in (({"add": ["r1=ipc:///x"]}, "already routed to"),
+                               ({"add": ["r9=http://x"]}, "tcp:// or ipc://"),
+                               ({"remove": ["r7"]}, "no replica 'r7'"),
+                               ({"add": ["r8=ipc:///x", "r8=ipc:///y"]}, "twice")):
+                with pytest.raises(WeirError, match=words):
+                    c.change_replicas(**bad)
+            with pytest.raises(ValueError, match="NAME=ENDPOINT"):
+                c.change_replicas(add=["r8"])
+            stream = c.stream("Write a long story about a lighthouse.", max_tokens=48,
+                              ignore_eos=True, temperature=0.0)
+            first = next(iter(stream))                 # it runs on one of them
+            now = router.wait(lambda s: sum(s.get(f"replica.{n}.open", 0)
+                                            for n in ("r0", "r1")) == 1, "one open")
+            busy = next(n for n in ("r0", "r1") if now.get(f"replica.{n}.open") == 1)
+            other = "r1" if busy == "r0" else "r0"
+            done = c.change_replicas(remove=[busy])
+            assert done.replicas == (other,) and done.retiring == (busy,)
+            before = routed(router.stats())
+            for i in range(3):                         # nothing new goes to the retiring one
+                c.generate(f"Name a colour, {i}.", max_tokens=2, temperature=0.0)
+            after = routed(router.wait(lambda s: sum(routed(s).values())
+                                       == sum(before.values()) + 3, "three more routed"))
+            assert after[busy] == before[busy] and after[other] == before[other] + 3
+            rest = "".join(d.text for d in stream)
+            assert stream.result.finish_reason == "length"            # it finished there
+            assert len(stream.result.token_ids) == 48 and first.text + rest
+            router.wait(lambda s: f"replica.{busy}.healthy" not in s, f"{busy} let go")
+        with Client(r0.endpoint) as engine:
+            with pytest.raises(WeirError, match="not a router"):
+                engine.change_replicas(remove=["r0"])
+    finally:
+        router.stop()
