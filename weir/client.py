@@ -32,15 +32,15 @@ from opentelemetry import trace
 
 from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
-from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.client import ChangeReplicas, ReplicaAddress, ReplicasChanged
-from schemas.wire import (Accepted, Cancel, Cancelled, ChatMessage, Failed, Finished, Heartbeat,
+from schemas.config import DEFAULT_CLIENT_ENDPOINT
+from schemas.wire import (Accepted, Cancel, Cancelled, Failed, Finished, Heartbeat,
                           PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
-                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
-                          StructuredOutput, Submit, TextDelta, TokenLogprob, Tool, ToolCall,
-                          Usage)
+                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
+                          TextDelta, TokenLogprob, Tool, Usage)
 from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
                          RequestTimeout, WeirError)
+from weir.forms import chat_message, replica_address, structured_output, tool
 from weir.inbox import TERMINAL, Inbox
 
 
@@ -294,53 +294,6 @@ class Stream:
         return self.result
 
 
-def replica_address(spec: ReplicaAddress | str) -> ReplicaAddress:
-    """``"name=endpoint[,kv_events]"`` (as ``weir route --replica`` takes it) or itself."""
-    if isinstance(spec, ReplicaAddress):
-        return spec
-    name, sep, rest = spec.partition("=")
-    if not sep:
-        raise ValueError(f"a replica is NAME=ENDPOINT[,KV_EVENTS], got {spec!r}")
-    endpoint, _, kv_events = rest.partition(",")
-    return ReplicaAddress(name, endpoint, kv_events)
-
-
-def _json_text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else \
-        msgspec.json.encode(value).decode()
-
-
-def _chat_message(m: dict | ChatMessage) -> ChatMessage:
-    """A chat message from OpenAI's shape: ``role``, ``content`` (None with calls), an
-    assistant's ``tool_calls`` (``{"id", "function": {"name", "arguments"}}``), a tool
-    answer's ``tool_call_id``."""
-    if isinstance(m, ChatMessage):
-        return m
-    calls = tuple(c if isinstance(c, ToolCall) else ToolCall(
-        c["id"], c["function"]["name"], _json_text(c["function"].get("arguments")) or "{}")
-        for c in m.get("tool_calls") or ())
-    return ChatMessage(m["role"], m.get("content") or "", calls, m.get("tool_call_id"))
-
-
-def _tool(t: dict | Tool) -> Tool:
-    """A tool from OpenAI's shape (``{"type": "function", "function": {"name",
-    "description", "parameters"}}``) or its function alone."""
-    if isinstance(t, Tool):
-        return t
-    f = t.get("function", t)
-    return Tool(f["name"], f.get("description"), _json_text(f.get("parameters")))
-
-
-def structured_output(json: str | dict | None = None, *, json_object: bool = False,
-                      regex: str | None = None, choice: list[str] | None = None,
-                      grammar: str | None = None, json_whitespace: bool = False
-                      ) -> StructuredOutput:
-    """A ``StructuredOutput``; ``json`` a JSON Schema as a dict or as JSON text."""
-    return StructuredOutput(json=_json_text(json), json_object=json_object,
-                            regex=regex, choice=None if choice is None else tuple(choice),
-                            grammar=grammar, json_whitespace=json_whitespace)
-
-
 class AsyncClient:
     """Async client. Use as ``async with AsyncClient() as c:`` (enter and exit in one task).
 
@@ -488,7 +441,7 @@ class AsyncClient:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")
-        msgs = None if messages is None else tuple(_chat_message(m) for m in messages)
+        msgs = None if messages is None else tuple(chat_message(m) for m in messages)
         if "stop" in params and isinstance(params["stop"], str):
             params["stop"] = (params["stop"],)
         if isinstance(params.get("structured"), dict):
@@ -496,7 +449,7 @@ class AsyncClient:
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
                      service_class=service_class, session_id=session_id,
-                     tools=tuple(_tool(t) for t in tools or ()))
+                     tools=tuple(tool(t) for t in tools or ()))
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
