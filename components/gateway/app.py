@@ -29,6 +29,7 @@ from components.gateway.openai_api import (ApiError, ChatCompletionRequest, Comp
                                            parse, submit_batch, validate_kwargs)
 from components.gateway.shaping import Shaper, degraded_headers, weir_usage
 from components.gateway.tools import mode_of
+from components.tokenizer.structured import kind as structured_kind
 from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
 
@@ -202,6 +203,9 @@ def build_app(state: GatewayState) -> Starlette:
             batch = submit_batch(req, state.model, request.headers.get("x-weir-class"))
             for kwargs in batch:
                 validate_kwargs(kwargs, state.max_model_len)
+            for kwargs in batch:
+                if (so := kwargs.get("structured")) is not None:
+                    state.metrics.structured.labels(state.model, structured_kind(so)).inc()
             rid = uuid.uuid4().hex
             idempotency_key = request.headers.get("idempotency-key") or None
             if idempotency_key is not None and len(idempotency_key) > 256:

@@ -54,6 +54,12 @@ class _EngineCollector:
         for kind in ("recompute", "swap"):
             pre.add_metric([self.model, kind], sched.get(f"preemptions.{kind}", 0))
         yield pre
+        ex = self.stats.get("executor", {})
+        yield self._counter("weir:structured_output_rows", "Rows sampled under structured "
+                            "output's masks (all traffic).", ex.get("structured.rows", 0))
+        yield self._counter("weir:structured_output_mask_seconds", "Time the executor spent "
+                            "making and applying structured output's masks.",
+                            ex.get("structured.mask_s", 0))
         yield self._gauge("weir:kv_cpu_tier_blocks", "Blocks in the executor's host-memory tier.",
                           kv.get("cpu_total_blocks", 0))
         yield self._gauge("weir:kv_cpu_tier_free_blocks", "Free host-tier blocks (incl. cached).",
@@ -236,6 +242,10 @@ class GatewayMetrics:
         self.errors = Counter("weir:request_errors", "Requests that ended without finishing, "
                               "by kind (rejected:<reason>, cancelled, failed, http_<status>).",
                               m + ["kind"], registry=r)
+        self.structured = Counter("weir:structured_output_requests", "HTTP requests held to "
+                                  "a language, by kind (json, json_object, regex, choice, "
+                                  "grammar; a tool_choice's is json).", m + ["kind"],
+                                  registry=r)
         self.prompt_tokens = Counter("weir:prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter("weir:generation_tokens", "Tokens generated.", m,
                                          registry=r)

@@ -12,7 +12,7 @@ import sys
 import openai
 import pytest
 
-from tests.e2e.conftest import GATEWAY_MODEL as MODEL
+from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL
 from tests.e2e.engine import ROOT
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -58,6 +58,39 @@ def test_response_format_json_schema_through_the_openai_client(gw, oai):
     assert executor["structured.rows"] >= many.usage.completion_tokens
     assert 0 < executor["structured.mask_s"] < executor["busy_s"]
     gw.wait_kv_free(timeout=2.0)
+
+
+def test_metrics_count_held_requests_by_kind_and_the_masks_work(gw, oai):
+    """/metrics (Prometheus, parsed by prometheus_client): HTTP requests held to a
+    language by kind, and engine-wide the rows masked and the time spent on them."""
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def metrics() -> dict[str, float]:
+        r = httpx.get(gw.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200
+        return {s.name + (f"[{s.labels['kind']}]" if "kind" in s.labels else ""): s.value
+                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+    before = metrics()
+    for extra in ({"guided_regex": "[a-z]{3}"}, {"guided_regex": "[0-9]{2}"},
+                  {"guided_choice": ["x", "y"]}):
+        oai.completions.create(model=MODEL, prompt="Go:", max_tokens=4, temperature=0,
+                               extra_body=extra)
+    after = metrics()
+    assert after["weir:structured_output_requests_total[regex]"] == \
+        before.get("weir:structured_output_requests_total[regex]", 0) + 2
+    assert after["weir:structured_output_requests_total[choice]"] == \
+        before.get("weir:structured_output_requests_total[choice]", 0) + 1
+    deadline = time.monotonic() + 5     # engine counters ride on heartbeats: poll
+    while after["weir:structured_output_rows_total"] < \
+            before.get("weir:structured_output_rows_total", 0) + 3:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+        after = metrics()
+    assert after["weir:structured_output_mask_seconds_total"] > 0
 
 
 def test_vllm_forms_sdk_and_cli_agree(gw, oai):
