@@ -16,8 +16,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     from bus import curve
     from bus.log import configure
+    import msgspec
+
     from bus.supervisor import StartupError, Supervisor
     from weir.client import default_endpoint
+    from weir.forms import replica_address
     from weir.model_fetch import resolve_model
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-run-")
@@ -57,19 +60,18 @@ def _route(args: argparse.Namespace) -> int:
 
     from bus import curve
     from bus.log import configure
+    import msgspec
+
     from bus.supervisor import StartupError, Supervisor
     from weir.client import default_endpoint
+    from weir.forms import replica_address
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-route-")
     router: dict = {"policy": args.policy}
-    if args.replica:
-        replicas = []
-        for item in args.replica:
-            name, _, rest = item.partition("=")
-            endpoint, _, events = rest.partition(",")
-            replicas.append({"name": name, "endpoint": endpoint, "kv_events": events})
-        router["replicas"] = replicas
     try:
+        if args.replica:
+            router["replicas"] = [msgspec.structs.asdict(replica_address(item))
+                                  for item in args.replica]
         config = load_config(
             args.config,
             topology={"run_dir": run_dir, "transport": "ipc",
@@ -81,7 +83,7 @@ def _route(args: argparse.Namespace) -> int:
         if not config.router.replicas:
             raise ConfigError("no replicas: give --replica NAME=ENDPOINT[,KV_EVENTS] or "
                               "[[router.replicas]] in the config")
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"weir route: {exc}", file=sys.stderr)
         return 2
     configure("supervisor", config.log_level)

@@ -10,6 +10,7 @@ import msgspec
 from components.admission.validate import check_logit_bias, check_submit
 from components.gateway.tools import CallMsg, ToolChoice, ToolDef, ToolError, tool_request
 from schemas.client import SamplingParams, StructuredOutput, Submit, ToolCall
+from weir.forms import json_text
 
 
 class ApiError(Exception):
@@ -154,10 +155,6 @@ def _message(m: ChatMsg) -> dict[str, Any]:
     return out
 
 
-def _json_text(schema: dict[str, Any] | str) -> str:
-    return schema if isinstance(schema, str) else msgspec.json.encode(schema).decode()
-
-
 def structured_of(req: _Common) -> StructuredOutput | None:
     """The request's structured output, from whichever form it came in (None: free
     text). JSON is compact unless vLLM's ``disable_any_whitespace`` is false."""
@@ -169,15 +166,15 @@ def structured_of(req: _Common) -> StructuredOutput | None:
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise ApiError(400, "response_format of type json_schema needs json_schema.schema",
                            param="response_format")
-        forms.append(("response_format", StructuredOutput(json=_json_text(rf.json_schema.schema))))
+        forms.append(("response_format", StructuredOutput(json=json_text(rf.json_schema.schema))))
     if (so := req.structured_outputs) is not None:
         forms.append(("structured_outputs", StructuredOutput(
-            json=None if so.json is None else _json_text(so.json),
+            json=None if so.json is None else json_text(so.json),
             json_object=bool(so.json_object), regex=so.regex,
             choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar,
             json_whitespace=so.disable_any_whitespace is False
             and (so.json is not None or bool(so.json_object)))))
-    for name, make in (("guided_json", lambda v: StructuredOutput(json=_json_text(v))),
+    for name, make in (("guided_json", lambda v: StructuredOutput(json=json_text(v))),
                        ("guided_regex", lambda v: StructuredOutput(regex=v)),
                        ("guided_choice", lambda v: StructuredOutput(choice=tuple(v))),
                        ("guided_grammar", lambda v: StructuredOutput(grammar=v))):

@@ -49,7 +49,7 @@ from schemas.client import (Accepted, Cancel, Cancelled, ChangeReplicas, ClientM
                             ComponentStatus, Failed, Finished, Heartbeat, Rejected,
                             ReplicasChanged, ServerHeartbeat, ServerMsg, StatusQuery,
                             StatusReport, Submit, TextDelta, malformed_reply)
-from schemas.config import ReplicaSpec
+from schemas.config import ConfigError, ReplicaSpec
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
 log = structlog.get_logger("router")
@@ -541,9 +541,8 @@ class RouterService(Component):
                     " (retiring: add it again once it is gone)"
                     if self.replicas[a.name].retiring else "")
             try:
-                msgspec.convert({"name": a.name, "endpoint": a.endpoint,
-                                 "kv_events": a.kv_events}, ReplicaSpec)
-            except msgspec.ValidationError as exc:
+                ReplicaSpec(a.name, a.endpoint, a.kv_events)      # its own checks
+            except ConfigError as exc:
                 return str(exc)[:300]
             if len(a.name) > MAX_ID_CHARS:
                 return f"a replica's name must be at most {MAX_ID_CHARS} characters"
