@@ -15,6 +15,9 @@
 //   decode, batch 64 x 160 keys:   portable 1.17, tiled 0.48   portable 1.99, AVX2 1.09
 //   prefill, 4 x 128 new tokens:   portable 1.48, tiled 0.65   portable 3.34, AVX2 1.62
 //   prefill, 2 x 256 after 1000:   portable 24.1, tiled 9.2    portable 37.9, AVX2 22.3
+// With P.V by vdpbf16ps (bf16 probabilities, below), the same 2 Zen 4 cores, 30 layers, A/B in
+// one process: decode 64 x 160 cold 0.97-0.99x, hot (one layer's cache) 0.85-0.94x; prefill
+// 4 x 128 0.89x, 2 x 256 after 1000 0.90x.
 #include <vector>
 
 #include "cpu_common.h"
@@ -138,6 +141,37 @@ template <int D> inline void store_row(uint16_t* o, const float* acc, float inv)
     }
 }
 
+// P.V by vdpbf16ps (CPUs with AVX512-BF16, bf16 caches): the probabilities rounded to bf16
+// (as Hugging Face's eager attention rounds its softmax to the model's dtype before P.V) and
+// taken two keys at a time, so one vdpbf16ps adds p0 v0 + p1 v1 for 16 elements: the value
+// rows of keys j and j + 1 interleaved by vpunpck{l,h}wd, (p0, p1) broadcast as one dword.
+// The accumulators hold elements in unpack order: of each 32, `lo` holds 0-3, 8-11, 16-19,
+// 24-27 and `hi` 4-7, 12-15, 20-23, 28-31; store_pairs puts them back in order.
+#if defined(__AVX512BF16__)
+constexpr bool kPairedPV = true;
+template <int D> inline void value_pair(const uint16_t* p0, const uint16_t* p1, __m512i* v) {
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512i x0 = _mm512_loadu_si512(p0 + c * 32), x1 = _mm512_loadu_si512(p1 + c * 32);
+        v[2 * c] = _mm512_unpacklo_epi16(x0, x1);
+        v[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+}
+template <int D> inline void store_pairs(uint16_t* o, const float* acc) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                             30, 31);
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + c * 32), hi = _mm512_loadu_ps(acc + c * 32 + 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32),
+                            weir::bf16_16(_mm512_permutex2var_ps(lo, first, hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32 + 16),
+                            weir::bf16_16(_mm512_permutex2var_ps(lo, second, hi)));
+    }
+}
+#else
+constexpr bool kPairedPV = false;
+#endif
+
 // One tile of nrows rows (positions consecutive, lens[r] keys each, increasing) against
 // every kv head of its sequence: query (h, r, g) is qi = (h * nrows + r) * G + g.
 // scores: [kv_heads * kTile * G][lpad]; acc: [kv_heads * kTile * G][D].
@@ -145,7 +179,9 @@ template <typename T, int D, int G>
 void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
                  int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
                  int64_t heads, int64_t block_size, float scale, float* scores, int64_t lpad,
-                 float* acc) {
+                 float* acc, uint16_t* probs) {
+    // probs: [kv_heads * kTile * G][lpad] bf16, used by the paired P.V (bf16 caches)
+    constexpr bool paired = kPairedPV && sizeof(T) == 2;
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;
     const int nq = static_cast<int>(kv_heads) * nrows * G;
@@ -197,6 +233,15 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
         }
         inv[qi] = 1.0f / _mm512_reduce_add_ps(sum);
         for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
+#if defined(__AVX512BF16__)
+        if constexpr (paired) {           // normalized, then rounded (the tail lanes are 0)
+            const __m512 scale_by = _mm512_set1_ps(inv[qi]);
+            for (int64_t t = 0; t < len; t += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + qi * lpad + t),
+                                    weir::bf16_16(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale_by)));
+            inv[qi] = 1.0f;
+        }
+#endif
     }
     // values, 16 keys at a time: each head's value row widened in registers and added
     // into register accumulators for SG queries (same head and row) at a time
@@ -215,6 +260,26 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
                     __m512 a[SG][C];
                     for (int g = 0; g < SG; ++g)
                         for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (q0 + g) * D + c * 16);
+#if defined(__AVX512BF16__)
+                    if constexpr (paired) {
+                        // pairs of keys; an odd last key pairs with itself at probability 0
+                        // (its neighbour's lane of probs is a masked 0, or past the chunk)
+                        for (int j = 0; j < kn; j += 2) {
+                            __m512i vv[C];
+                            const T* v0 = kp[j] + h * D;
+                            value_pair<D>(reinterpret_cast<const uint16_t*>(v0),
+                                          reinterpret_cast<const uint16_t*>(
+                                              j + 1 < nk ? kp[j + 1] + h * D : v0), vv);
+                            for (int g = 0; g < SG; ++g) {
+                                int32_t pair;
+                                __builtin_memcpy(&pair, probs + (q0 + g) * lpad + t0 + j, 4);
+                                const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+                                for (int c = 0; c < C; ++c)
+                                    a[g][c] = _mm512_dpbf16_ps(a[g][c], p, (__m512bh)vv[c]);
+                            }
+                        }
+                    } else
+#endif
                     for (int j = 0; j < kn; ++j) {
                         __m512 vv[C];
                         value_row<D>(kp[j] + h * D, vv);
@@ -230,7 +295,14 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
     }
     for (int qi = 0; qi < nq; ++qi) {
         const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
-        store_row<D>(out + ((row0 + r) * heads + h * G + g) * D, acc + qi * D, inv[qi]);
+        T* o = out + ((row0 + r) * heads + h * G + g) * D;
+#if defined(__AVX512BF16__)
+        if constexpr (paired) {
+            store_pairs<D>(reinterpret_cast<uint16_t*>(o), acc + qi * D);
+            continue;
+        }
+#endif
+        store_row<D>(o, acc + qi * D, inv[qi]);
     }
 }
 
@@ -497,10 +569,11 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         const int64_t nq = kv_heads * kTile * G;
         thread_local std::vector<float> buf;
 #if defined(__AVX512F__)
-        buf.resize(static_cast<size_t>(nq * (lpad + D)));
+        buf.resize(static_cast<size_t>(nq * (lpad + D + lpad / 2)));   // + bf16 probs
         attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
                              block_tables + seqs[i0] * table_width, heads, block_size, scale,
-                             buf.data(), lpad, buf.data() + nq * lpad);
+                             buf.data(), lpad, buf.data() + nq * lpad,
+                             reinterpret_cast<uint16_t*>(buf.data() + nq * (lpad + D)));
 #else
         buf.resize(static_cast<size_t>(nq * (lpad + 2 * D) + kChunk * D));
         float* scratch = buf.data();
