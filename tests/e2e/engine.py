@@ -13,6 +13,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def wait_for(probe, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
+    """Poll ``probe()`` until it returns something truthy and return that; AssertionError
+    naming ``what`` after ``timeout`` seconds. (Tests wait for a condition, never a fixed
+    time.)"""
+    deadline = time.monotonic() + timeout
+    while not (got := probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout}s")
+        time.sleep(interval)
+    return got
+
+
 class Engine:
     def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
                  http_port: int | None = None, gateway_extra: str = "",

@@ -1,7 +1,6 @@
 """The OpenAI-compatible gateway, driven by real clients: the official `openai` package,
 raw httpx for disconnects and errors, and prometheus_client's parser for /metrics."""
 import concurrent.futures
-import time
 
 import httpx
 import openai
@@ -9,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL
+from tests.e2e.engine import wait_for
 
 
 def test_openai_client_chat_and_completion(gw, oai):
@@ -360,8 +360,13 @@ def test_metrics_parse_and_move(gw, oai):
         assert name in before, name
     oai.completions.create(model=MODEL, prompt="Count with me: one, two, three, four, five, six, seven,", max_tokens=5, temperature=0,
                            extra_body={"ignore_eos": True})
-    time.sleep(0.5)                     # engine gauges/counters arrive with the next heartbeat
-    after = _metrics(gw)
+    # the gateway's own histograms move at once; the engine's counters arrive with the
+    # next heartbeat
+    after = wait_for(lambda: (m := _metrics(gw)).get("weir:generation_tokens_total", 0)
+                     >= before.get("weir:generation_tokens_total", 0) + 5
+                     and m.get("weir:request_e2e_seconds_count", 0)
+                     >= before.get("weir:request_e2e_seconds_count", 0) + 1 and m,
+                     what="the engine's counters counting the request")
     assert after["weir:e2e_request_latency_seconds_count"] == before["weir:e2e_request_latency_seconds_count"] + 1
     assert after["weir:generation_tokens_total"] == before.get("weir:generation_tokens_total", 0) + 5
     assert after["weir:request_success_total[length]"] == before.get("weir:request_success_total[length]", 0) + 1

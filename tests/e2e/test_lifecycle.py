@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, wait_for
 from weir import AsyncClient, RequestFailed, RequestRejected
 
 SMALL = """
@@ -103,18 +103,22 @@ def test_the_sdk_retries_overload_rejections_after_retry_after(small_engine):
 
 def test_component_crash_fails_in_flight_and_restarts(small_engine):
     pid = small_engine.status()["detokenizer"].pid
-    errors = []
+    errors, streaming = [], threading.Event()
 
     def stream():
         with small_engine.client(timeout=30) as c:
             try:
-                c.generate("Write a long essay.", max_tokens=500, temperature=0.0, ignore_eos=True)
+                for _ in c.stream("Write a long essay.", max_tokens=500, temperature=0.0,
+                                  ignore_eos=True):
+                    streaming.set()
             except RequestFailed as exc:
                 errors.append(exc)
+            finally:
+                streaming.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(1.5)
+    assert streaming.wait(60)                  # mid-stream: tokens are flowing
     os.kill(pid, signal.SIGKILL)
     t.join(30)
     assert not t.is_alive()
@@ -140,10 +144,15 @@ def test_sigterm_drains_active_streams_then_exits(tmp_path, model_path):
             it = iter(stream)
             next(it)
             eng.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            with pytest.raises(RequestRejected) as err:
-                c.generate("too late", max_tokens=4)
-            assert err.value.reason == "draining"
+
+            def refused():            # a request that beat the signal in is served first
+                try:
+                    c.generate("too late", max_tokens=4)
+                except RequestRejected as exc:
+                    return exc
+                return None
+
+            assert wait_for(refused, what="a rejection while draining").reason == "draining"
             for _ in it:
                 pass
             assert stream.result.finish_reason == "length"
@@ -177,10 +186,8 @@ def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path)
     try:
         pid = eng.status()["detokenizer"].pid
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and eng.status()["detokenizer"].alive:
-            time.sleep(0.1)
-        time.sleep(0.3)
+        # status is the streamer's own view of the cluster, the one it admits by
+        wait_for(lambda: not eng.status()["detokenizer"].alive, what="the detokenizer down")
         with eng.client(timeout=10, max_retries=0) as c:
             with pytest.raises(RequestRejected) as err:
                 c.generate("Hello?", max_tokens=4)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, wait_for
 from tests.e2e.otlp_receiver import Receiver
 from tests.e2e.test_tcp_topology import free_base_port
 
@@ -126,11 +126,16 @@ def test_step_spans_account_for_every_token(traced):
 def test_no_prompt_or_completion_text_in_spans_or_logs(traced):
     eng, receiver = traced
     marker = "zebracorn" + secrets.token_hex(6)
-    r = _post(eng, f"My secret word is {marker}. Repeat the secret word:", max_tokens=16)
+    trace_id = secrets.token_hex(16)
+    r = _post(eng, f"My secret word is {marker}. Repeat the secret word:", max_tokens=16,
+              headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
     text = r.json()["choices"][0]["text"]
-    trace_spans = _wait_for(receiver, lambda ss: any(
-        s["name"] == "detokenize" and s["end_ns"] > 0 for s in ss))
-    time.sleep(1.0)
+    # the request's whole trace, every process's spans, has arrived: all it could leak
+    wanted = {"POST /v1/completions", "weir.submit", "weir.request", "tokenize",
+              "admission.decide", "queue", "prefill", "decode", "detokenize", "stream"}
+    trace_spans = _wait_for(receiver, lambda ss: wanted <= {s["name"] for s in ss
+                                                            if s["trace_id"] == trace_id})
+    assert wanted <= {s["name"] for s in trace_spans if s["trace_id"] == trace_id}
     blob = repr(receiver.snapshot())
     logs = eng.log_path.read_text(errors="replace")
     assert len(logs) > 1000                         # debug logs were really written
@@ -199,7 +204,8 @@ def test_admission_predicts_ttft_and_records_the_deadline(traced):
     with eng.client() as c:
         for i in range(3):                       # let the step cost model see some steps
             c.generate(f"Warm up {i}: " + "words " * 40, max_tokens=4, temperature=0.0)
-        time.sleep(0.3)
+        wait_for(lambda: eng.stats("admission").get("prefill_tokens_per_s", 0) > 0,
+                 what="admission measuring the prefill rate")
         r = c.generate("Now with a deadline, please answer briefly.", max_tokens=4,
                        temperature=0.0, deadline_ms=5000)
     spans = _wait_for(receiver, lambda ss: any(
