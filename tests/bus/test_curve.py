@@ -192,6 +192,7 @@ def test_client_endpoint_policy(keys_dir, tmp_path, endpoint, mode, expected):
 
 
 SDK = """
+import sys
 import anyio, zmq
 from bus.socket import BusSocket
 from schemas.wire import Cancel
@@ -200,7 +201,7 @@ async def main():
     dealer = BusSocket(zmq.DEALER, "sdk").connect("tcp://127.0.0.1:%d")
     assert dealer.curve
     await dealer.send(Cancel("r1"))
-    await anyio.sleep(2)
+    await anyio.to_thread.run_sync(sys.stdin.readline)     # held open until it was heard
     dealer.close()
 
 anyio.run(main)
@@ -222,13 +223,15 @@ async def test_client_endpoint_with_curve_and_an_sdk_keyed_by_environment(keys_d
         (sdk_dir / name).write_bytes((keys_dir / name).read_bytes())
     plain = Raw(zmq.DEALER, f"tcp://127.0.0.1:{port}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{curve.ENV_KEYS_DIR: str(sdk_dir)})
-    sdk = subprocess.Popen([sys.executable, "-c", SDK % port], cwd=ROOT, env=env)
+    sdk = subprocess.Popen([sys.executable, "-c", SDK % port], cwd=ROOT, env=env,
+                           stdin=subprocess.PIPE)
     try:
         assert router.curve
         plain.send(encode(Cancel("intruder")))
         got = await received(router, 20)
         assert got == Cancel("r1")
         assert await received(router, 1.0) is None
+        sdk.stdin.close()                                  # the SDK may go now
         assert sdk.wait(20) == 0
     finally:
         if sdk.poll() is None:
