@@ -161,3 +161,31 @@ def test_onednn_is_a_candidate_only_where_it_runs(monkeypatch):
     with pytest.raises(ValueError, match="engine.kernels.linear = 'onednn' cannot run here"):
         LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.bfloat16,
                    kernels={"linear": "onednn"})
+
+
+def test_onednn_runs_large_steps_as_few_shapes():
+    """oneDNN builds and keeps a primitive per input shape: above 256 rows a step runs as
+    the next multiple of 32 (64 above 1024), so 2048 possible token counts are 296 shapes."""
+    rows = autotune.onednn_rows
+    assert [rows(m) for m in (1, 17, 255, 256, 257, 288, 289, 1000, 1024, 1025, 2048)] == \
+        [1, 17, 255, 256, 288, 288, 320, 1024, 1024, 1088, 2048]
+    assert len({rows(m) for m in range(1, 2049)}) == 296
+    assert all(rows(m) >= m for m in range(1, 4097))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_padded_onednn_rows_give_the_reference(dtype):
+    """The padding rows are computed and dropped: each real row is the reference's."""
+    if not autotune.can_pack(dtype):
+        pytest.skip(f"no oneDNN packed linear here for {dtype}")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    packed = autotune.onednn_pack(w)
+    for m in (256, 257, 300, 1030):
+        x = torch.randn(m, 32, generator=g).to(dtype)
+        got = autotune.onednn_linear(x, packed, b)
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        assert got.shape == (m, 48) and got.is_contiguous()
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err <= TOL[dtype], (m, err)
