@@ -61,10 +61,9 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor:
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
     m = x.shape[0]
     rows = onednn_rows(m)
-    if rows == m:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, rows - m)), w, b, "none",
-                                              [], "")[:m]
+    x = x.contiguous() if rows == m else F.pad(x, (0, 0, 0, rows - m))
+    y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return y if rows == m else y[:m]
 
 
 _PACKS: dict[torch.dtype, bool] = {}
