@@ -377,19 +377,39 @@ def test_metrics_parse_and_move(gw, oai):
     assert after["weir:request_e2e_seconds_count"] >= before.get("weir:request_e2e_seconds_count", 0) + 1
 
 
+ENGINE_WIDE = ("weir:request_ttft_seconds_count", "weir:request_tpot_seconds_count",
+               "weir:request_e2e_seconds_count", "weir:slo_requests_total")
+
+
+def _settled_metrics(gw, names=ENGINE_WIDE, timeout: float = 10.0) -> dict[str, float]:
+    """The gateway's metrics once the engine holds no request (KV all free) and two reads
+    more than a heartbeat apart agree on ``names``: the engine-wide counts ride on the
+    streamer's heartbeats, so a request an earlier test finished can land a beat late."""
+    gw.wait_kv_free(timeout=timeout)
+    last: list[dict[str, float] | None] = [None]
+
+    def agree():
+        cur = _metrics(gw)
+        same = last[0] is not None and all(cur.get(n, 0) == last[0].get(n, 0) for n in names)
+        last[0] = cur
+        return same and cur
+    # reads 0.25 s apart: more than a heartbeat
+    return wait_for(agree, timeout=timeout, what="the engine-wide metrics settling",
+                    interval=0.25)
+
+
 def test_engine_wide_latency_and_slo_metrics_count_sdk_traffic(gw):
     """A request over the SDK never touches HTTP: the gateway's own histograms stay still,
     the streamer's (class ``default``, TTFT against the request's own deadline) move."""
-    before = _metrics(gw)
+    before = _settled_metrics(gw)
     met = gw.stats("streamer").get("slo.ttft.met.default", 0)
     with gw.client() as c:
         done = c.generate("Count with me: one, two, three,", max_tokens=4, temperature=0,
                           ignore_eos=True, deadline_ms=60_000)
     assert done.usage.completion_tokens == 4
     gw.wait_stat("streamer", "slo.ttft.met.default", met + 1, timeout=2.0)
-    after = _metrics(gw)
-    for name in ("weir:request_ttft_seconds_count", "weir:request_tpot_seconds_count",
-                 "weir:request_e2e_seconds_count", "weir:slo_requests_total"):
+    after = _settled_metrics(gw)
+    for name in ENGINE_WIDE:
         assert after[name] == before.get(name, 0) + 1, name
     for name in ("weir:e2e_request_latency_seconds_count",      # (none yet, run alone)
                  "weir:time_to_first_token_seconds_count"):
