@@ -71,6 +71,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     reason: str = ""                    # the admission reason code, or the failure's
     queue_s: float | None = None        # arrival → first scheduled, as the engine reports
     ttft_s: float | None = None         # sent → first token
+    prefill_s: float | None = None      # first scheduled → first token, as the engine reports
     itl_s: list[float] = []             # gaps between consecutive output tokens (choice 0)
     e2e_s: float | None = None          # sent → terminal event
     prompt_tokens: int = 0

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from weir.replay.fairness import (ADMIT, ARRIVE, LEAVE, SERVE, Event, backlog_end,
+                                  backlog_span,
                                   backlog_intervals, max_backlogged_gap, overlap_s,
                                   service_events, time_grid)
 from weir.replay.report import (Summary, met_slo, pcts, percentile, read_records, render_table,
@@ -222,6 +223,34 @@ def test_backlogged_is_waiting_from_send_to_first_scheduled():
     assert overlap_s([(0.0, 2.5), (3.0, 4.0)], [(1.0, 3.5)]) == 2.0
 
 
+def test_with_the_engines_prefill_time_the_wait_is_where_the_engine_had_it():
+    # sent at 1.0, first token at 2.0 on the client's clock; the engine: 0.5 s queued, then
+    # 0.25 s to the first token: first scheduled at 1.75, arrived at 1.25 (0.25 s in transit)
+    late = _rec(1, queue_s=0.5, prefill_s=0.25, ttft_s=1.0, e2e_s=1.5)
+    assert backlog_span(late) == (1.25, 1.75)
+    assert backlog_end(late) == 1.75
+    assert backlog_span(_rec(1, queue_s=0.5, ttft_s=1.0)) == (1.0, 1.5)       # no prefill time
+    # a first token sooner than the engine's times allow: never before the send
+    assert backlog_span(_rec(1, queue_s=0.5, prefill_s=0.75, ttft_s=0.5)) == (1.0, 1.0)
+    assert backlog_span(_rec(1, queue_s=0.5, prefill_s=0.25, ttft_s=0.5)) == (1.0, 1.25)
+
+
+def test_a_request_the_engine_had_not_received_yet_is_not_backlog():
+    # B is sent at 0 but reaches the engine only at 0.3 (a busy client); A's prompt of 100
+    # starts at 0.2, before the engine could know of B, and B starts at 0.3 at once. Timed
+    # from its send B waited through A's start and A's first token at 0.3: gap 100 + 2.
+    # Timed where the engine had it, it never waited: no gap.
+    a = _rec(0, tenant="A", sent_s=0.0, queue_s=0.2, prefill_s=0.1, ttft_s=0.3, e2e_s=0.3,
+             prompt_tokens=100, output_tokens=1)
+    b = _rec(1, tenant="B", sent_s=0.0, queue_s=0.0, prefill_s=0.1, ttft_s=0.4, e2e_s=0.4,
+             prompt_tokens=10, output_tokens=1)
+    waiter = _rec(2, tenant="A", sent_s=0.0, queue_s=5.0, ttft_s=5.1, e2e_s=5.1,
+                  prompt_tokens=1, output_tokens=1)       # keeps A backlogged throughout
+    assert max_backlogged_gap(service_events([a, b, waiter])) == 0.0
+    from_send = msgspec.structs.replace(b, prefill_s=None, queue_s=0.3)
+    assert max_backlogged_gap(service_events([a, from_send, waiter])) == 102.0
+
+
 def test_a_tenant_whose_work_is_all_running_is_not_backlogged():
     # A's one request starts at once and streams 10 tokens over 1..10 s; B's requests each
     # wait 1 s and are served. A was never waiting, so however far ahead it gets, no gap
@@ -285,7 +314,8 @@ def test_table_marks_an_invalid_run_and_prints_none_of_its_goodput():
 
 def _records():
     return [_done(0, tenant="t1", service_class="chat", session_id="s1", deadline_ms=250.0,
-                  cached_tokens=64, preemptions=1, trace_id="abc", queue_s=0.012),
+                  cached_tokens=64, preemptions=1, trace_id="abc", queue_s=0.012,
+                  prefill_s=0.05),
             _rec(1, decision="reject", terminal=REJECTED, reason="tenant_quota"),
             _rec(2, terminal=CANCELLED, ttft_s=0.1 + 0.2, itl_s=[1 / 3], e2e_s=0.7,
                  output_tokens=2, finish_reason="", n=2)]
