@@ -77,3 +77,42 @@ def test_plan_without_steps_runs_no_forward(model):
     runner = ModelRunner(model, model.new_kv_cache(8, BLOCK))
     r = runner.step(StepPlan(1, [], [], [3]))
     assert (r.seq_ids, r.token_ids, r.failed) == ([], [], False)
+
+
+def test_tier_copies_run_in_order_and_touch_only_their_blocks():
+    """Copies between the device pool and the host tier (block ids past the pool's are the
+    host's), in the order given: a chain main 1 -> host 0 -> main 3 carries block 1's
+    contents, a copy that reads a block an earlier one wrote sees the new contents, and
+    nothing else changes."""
+    from kernels.kv_cache import KVCache
+    from schemas.wire import BlockCopy
+    kv = KVCache.allocate(2, 4, BLOCK, 1, 8)
+    runner = ModelRunner(model=None, kv=kv, num_host_blocks=3)
+    kv.data.normal_()
+    runner.host.normal_()
+    main, host = kv.data.clone(), runner.host.clone()
+    runner.copy_blocks([BlockCopy(1, 4), BlockCopy(4, 3), BlockCopy(2, 5), BlockCopy(6, 2)])
+    assert torch.equal(runner.host[:, :, 0], main[:, :, 1])
+    assert torch.equal(kv.data[:, :, 3], main[:, :, 1])
+    assert torch.equal(runner.host[:, :, 1], main[:, :, 2])
+    assert torch.equal(kv.data[:, :, 2], host[:, :, 2])
+    assert torch.equal(kv.data[:, :, :2], main[:, :, :2])
+    assert torch.equal(runner.host[:, :, 2], host[:, :, 2])
+    assert runner.copied_blocks == 4
+    assert runner.measure_copy_bandwidth(blocks=2) > 0
+    assert runner.copied_blocks == 0
+
+
+def test_the_cpu_pool_is_zeroed_and_costs_no_memory_until_written():
+    from kernels.kv_cache import KVCache
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    before = rss()
+    kv = KVCache.allocate(30, 4096, 16, 3, 64, torch.bfloat16)    # 1.5 GB
+    assert kv.data.is_contiguous() and kv.data.data_ptr() % 4096 == 0
+    assert not kv.data[:, :, ::97].any()            # reading maps the zero page
+    kv.data[:, :, 7] = 1.0
+    assert rss() - before < 64 << 20
+    assert kv.data[:, :, 7].eq(1.0).all() and not kv.data[:, :, 8].any()
