@@ -15,9 +15,10 @@ began ``queue_s`` before that. A request the client sent late, or the engine too
 not charged for others served meanwhile: on 2 cores, a 0.3 s delay between a send and the
 engine's arrival read as a 2.7x larger gap under VTC. Where a record has no queue time (HTTP
 targets report none) its first token stands in; a request that never started (rejected
-after waiting in admission's queue, cancelled, failed) waited until its terminal event. A request that is running is service, not backlog: a tenant
-whose work is all running is not backlogged, so it is never compared at an instant where the
-scheduler had nothing of it to choose.
+after waiting in admission's queue, cancelled, failed) waited until its terminal event. A
+request that is running is service, not backlog: a tenant whose work is all running is not
+backlogged, so it is never compared at an instant where the scheduler had nothing of it to
+choose.
 
 The gap follows VTC. Each tenant has a counter that accrues its weighted service. A tenant that
 becomes backlogged is lifted to the smallest counter among the tenants already backlogged, or,
