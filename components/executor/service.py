@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,30 @@ log = structlog.get_logger("executor")
 _TRACER = trace.get_tracer("weir.executor")
 
 
+def rss_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def trim_heap() -> int:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``) and return the
+    bytes of resident memory that went (0 where the C library has none). Building frees
+    the dequantized weights and the packing's temporaries, and the heap keeps those pages
+    resident otherwise: SmolLM2's executor held 2.0 GB (fp32) / 1.3 GB (bf16) after its
+    build, 1.45 / 0.80 GB after this (40 ms)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    before = rss_bytes()
+    trim(0)
+    return max(before - rss_bytes(), 0)
+
+
 class ExecutorService(Component):
     name = "executor"
 
@@ -43,7 +68,8 @@ class ExecutorService(Component):
                  backend=self.runner.model.backend.name, layers=self.spec.num_layers,
                  kv_blocks=kv.num_blocks, host_kv_blocks=kv.num_cpu_blocks,
                  block_bytes=self.runner.block_bytes,
-                 copy_gb_per_s=round(self.bandwidth / 1e9, 2), seconds=self.load_s)
+                 copy_gb_per_s=round(self.bandwidth / 1e9, 2), seconds=self.load_s,
+                 rss_mb=rss_bytes() >> 20, trimmed_mb=self.trimmed >> 20)
         plan = self.runner.model.plan
         log.info("kernels_chosen", how=plan.source, measuring_s=plan.seconds, key=plan.key,
                  **plan.summary())
@@ -99,6 +125,7 @@ class ExecutorService(Component):
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
+        self.trimmed = trim_heap()
         self.load_s = round(time.perf_counter() - t0, 2)
 
     async def run(self) -> None:
