@@ -104,11 +104,8 @@ def test_tier_copies_run_in_order_and_touch_only_their_blocks():
 
 
 def test_the_cpu_pool_is_zeroed_and_costs_no_memory_until_written():
+    from components.executor.service import rss_bytes as rss
     from kernels.kv_cache import KVCache
-
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
     before = rss()
     kv = KVCache.allocate(30, 4096, 16, 3, 64, torch.bfloat16)    # 1.5 GB
     assert kv.data.is_contiguous() and kv.data.data_ptr() % 4096 == 0
