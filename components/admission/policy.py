@@ -1,5 +1,6 @@
 """Admission's pure core: the decision for each tokenized request, the queue of requests it
-holds, and the ledger of what admitted requests reserve.
+holds, and the ledger of what admitted requests reserve. The TTFT it predicts for a request
+is :class:`components.admission.ttft.TtftModel`'s.
 
 The admission service and the replay simulator (``weir simulate``) both drive this class,
 so a policy tried in the simulator is the one that runs. Synchronous and clock-free: the
@@ -40,32 +41,27 @@ exception preemption handles.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 from components.admission.estimate import OutputStats, TokenBucket
+from components.admission.queue import AdmissionQueue, Queued
 from components.admission.retry import DrainRate
+from components.admission.ttft import TtftModel
 from components.admission.validate import check_length, check_params
 from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
-from schemas.wire import Rejected, SchedulerLoad, Tokenized
+from schemas.wire import Rejected, Tokenized
 
+
+ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
+# what holds a request for its own tenant's caps, not the engine's capacity
+_TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
 
 
 def headroom_pct(kept: float) -> str:
     return f"{(1 - kept) * 100:.0f}%"
-ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
-# what holds a request for its own tenant's caps, not the engine's capacity
-_TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
-# the learned TTFT bias: how far one observed miss moves it, up and down (see released)
-BIAS_UP, BIAS_DOWN = 0.2, 0.02
-# the bias's floor: the 90th percentile of the misses of the last RECENT admitted requests,
-# a request still without its first token counting with what it has overrun so far; a miss
-# known for RECENT_S seconds no longer counts (it describes what has passed)
-RECENT, RECENT_MIN, RECENT_S = 20, 10, 3.0
 
 
 @dataclass(frozen=True)
@@ -98,27 +94,6 @@ def effective_deadline_ms(d: Decision) -> int | None:
     return None if ms is None else round(ms)
 
 
-@dataclass(order=True)
-class _Queued:
-    order: tuple                         # (tenant's counter, priority now, deadline, arrival, seq)
-    request_id: str = field(compare=False)
-    req: Tokenized = field(compare=False)
-    decision: Decision = field(compare=False)
-    queued_at: float = field(compare=False)
-    deadline_at: float = field(compare=False)
-    seq: int = field(compare=False)
-
-
-@dataclass
-class _Recent:
-    """A recently admitted request, as the bias floor sees it."""
-
-    predicted_s: float                   # the backlog model's TTFT when it was admitted
-    miss_s: float | None = None          # observed − predicted, or overrun so far (waiting)
-    known_at: float | None = None        # when the miss became final (its first token, or
-    #                                      its release without one)
-
-
 @dataclass
 class _Held:
     """An admitted request, as the ledger counts it."""
@@ -146,20 +121,11 @@ class AdmissionPolicy:
         self.releases = DrainRate()
         self.decisions: Counter[tuple[str, str]] = Counter()     # (kind, class) -> count
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
-        self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
-        self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
-        self._unreported: Counter[str] = Counter()      # the same, by tenant
-        self.ttft_bias_s = 0.0            # observed − predicted TTFT, smoothed (see released)
-        self.ttft_floor_s = 0.0           # a lower bound of recent misses (see on_load)
-        self._recent: dict[str, _Recent] = {}           # the last RECENT admitted
-        self._recent_order: deque[str] = deque()
-        self._observed = False            # a TTFT was observed since the last load report
         self.outputs = OutputStats(adm.output_percentile)
         self._buckets: dict[str, TokenBucket] = {}
-        self._queue: list[_Queued] = []                # a heap, re-ordered as priorities age
-        self._queued: dict[str, _Queued] = {}
-        self._seq = itertools.count()
         self.vtc = VirtualCounters({t.name: t.weight for t in adm.tenants})   # queue order
+        self.queue = AdmissionQueue(self.vtc)
+        self.ttft = TtftModel(config, self.vtc)
         kv = config.kv
         self.block_size = kv.block_size
         self.kv_capacity = kv.num_blocks - kv.watermark_blocks
@@ -191,9 +157,9 @@ class AdmissionPolicy:
         if isinstance(cls, str):
             return False
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
-        raw = self.predicted_ttft_s(max(len(req.prompt_token_ids) - cached, 0), req.tenant)
+        raw = self.ttft.predicted_s(max(len(req.prompt_token_ids) - cached, 0), req.tenant)
         return deadline is not None and raw is not None and \
-            (raw + self.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
+            (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
@@ -275,11 +241,10 @@ class AdmissionPolicy:
             reason = "tenant_over_budget" if blocker.startswith("tenant") else "overloaded"
             return self._reject(req, reason, f"no capacity now ({blocker}) and class "
                                 f"{cls.name!r} does not queue", retry=1, now=now, **base)
-        if len(self._queued) >= self.config.admission.max_queued or \
-                sum(q.req.tenant == req.tenant for q in self._queued.values()) \
-                >= tenant.max_queued:
+        if len(self.queue) >= self.config.admission.max_queued or \
+                self.queue.count(req.tenant) >= tenant.max_queued:
             return self._reject(req, "queue_full", "admission's queue is full",
-                                retry=len(self._queued) + 1, now=now, **base)
+                                retry=len(self.queue) + 1, now=now, **base)
         return Decision(QUEUE, f"waiting_for_{blocker}", **base)
 
     def _grant_class(self, tenant: TenantConfig, asked: str | None) -> ServiceClass | str:
@@ -305,125 +270,13 @@ class AdmissionPolicy:
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
-        raw = self.predicted_ttft_s(uncached, req.tenant)
+        raw = self.ttft.predicted_s(uncached, req.tenant)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
-                        None if raw is None else raw + self.bias_s, deadline, raw)
+                        None if raw is None else raw + self.ttft.bias_s, deadline, raw)
 
     def _blocks(self, uncached: int, output: int, n: int) -> int:
         grow = output * (1 + self.config.admission.kv_safety)
         return math.ceil((uncached + n * grow) / self.block_size)
-
-    def predicted_ttft_s(self, uncached_tokens: int, tenant: str | None = None) -> float | None:
-        """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
-        request of ``tenant`` starts) plus this prompt's uncached tokens, at the measured
-        prefill rate, plus one decode step for the current batch; None while the scheduler
-        has not measured enough steps."""
-        load = self.load
-        if load.prefill_tokens_per_s <= 0:
-            return None
-        ahead = self.prefill_ahead(tenant) + uncached_tokens
-        # each step decodes every running sequence and prefills what is left of the budget:
-        # a prefill token costs its own time plus its share of the step's decode work
-        budget = self.config.scheduler.max_num_batched_tokens
-        per_step = max(budget - load.running, 1)
-        step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
-        steps = ahead / per_step
-        return steps * step_s if steps >= 1 else \
-            ahead / load.prefill_tokens_per_s + load.decode_step_s
-
-    def prefill_ahead(self, tenant: str | None) -> int:
-        """The prefill the scheduler computes before a new request of ``tenant`` starts. It
-        includes what admission let in since the scheduler's last report, which that report
-        could not count (as waiting, at its tenant).
-
-        ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
-        split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
-        in order. ``"vtc"``: new work starts from the tenant with the lowest virtual
-        counter, each start charges its prompt to its tenant (÷ its weight), a tenant the
-        scheduler does not count as backlogged (VTC: nothing waiting) is lifted to the
-        lowest counter among those it does, and the prompts in progress of tenants served
-        more than the head of the queue go after its new work. Let ``T`` be where the
-        tenant's counter stands when this request is picked: its counter (lifted) plus its
-        own waiting prefill ÷ its weight. Ahead of the request are the tenant's own waiting
-        prefill (its work starts in arrival order), the prompts in progress of every
-        tenant with a counter ``c_u <= T``, and of each other waiting tenant what VTC starts
-        before its counter reaches ``T``: ``(T − c_u) × w_u`` tokens, at most all it waits
-        with. A tenant tied with ``T`` (as a light tenant lifted to a flood's counter is)
-        puts nothing ahead: the scheduler splits the step's new prompts between tied
-        tenants. Counting every waiting tenant with ``c_u <= T`` in full would price that
-        light tenant behind the whole flood.
-
-        An estimate: it leaves out the output charges that move the counters while requests
-        wait, the token rates (a tenant past its rate starts after the others), sequences
-        back from preemption (they start first), the rounding to whole requests and the
-        changes since the report (up to 100 ms old)."""
-        load = self.load
-        fifo = load.queued_prefill_tokens + self.unreported_tokens
-        if tenant is None or self.config.scheduler.fairness != "vtc" \
-                or (load.waiting and not load.tenants):
-            return fifo
-        backlog = load.tenants
-        waiting = {u: b.queued_prefill_tokens for u, b in backlog.items()}
-        for u, n in self._unreported.items():
-            waiting[u] = waiting.get(u, 0) + n
-        backlogged = {u for u, b in backlog.items() if b.backlogged} | set(self._unreported)
-
-        def counter(u: str) -> float:
-            b = backlog.get(u)
-            return b.counter if b is not None else 0.0
-
-        at = counter(tenant)
-        if tenant not in backlogged:           # lifted when it becomes backlogged
-            at = max(at, min((counter(u) for u in backlogged), default=at))
-        own = waiting.get(tenant, 0)
-        at += own * self.vtc.w_in / self.vtc.weight(tenant)
-        # a report's split covers its whole backlog; anything it did not attribute counts
-        ahead = max(load.queued_prefill_tokens - sum(b.queued_prefill_tokens
-                                                     + b.running_prefill_tokens
-                                                     for b in backlog.values()), 0)
-        ahead += own + sum(b.running_prefill_tokens for u, b in backlog.items()
-                           if b.counter <= at)
-        others = sum(min(n, (at - counter(u)) * self.vtc.weight(u) / self.vtc.w_in)
-                     for u, n in waiting.items() if u != tenant and counter(u) < at)
-        return ahead + math.ceil(others)
-
-    @property
-    def bias_s(self) -> float:
-        """What is added to the backlog model's TTFT: the learned bias, or more while recent
-        requests are overrunning their predictions by more."""
-        return max(self.ttft_bias_s, self.ttft_floor_s)
-
-    def on_load(self, load: SchedulerLoad, now: float | None = None) -> None:
-        """The scheduler's backlog report (every 100 ms): it now counts what was admitted
-        before it.
-
-        It also lists how long each request without a first token has waited. The learned
-        bias hears of a miss only at its first token, a whole TTFT after the conditions
-        that caused it: at the start of a burst every request admitted in that time would
-        miss alike. So the bias has a floor, read from the last ``RECENT`` admitted
-        requests: the 90th percentile of their misses, where a request still waiting counts
-        with what it has overrun so far (a lower bound of its miss, so the floor is a lower
-        bound of that percentile). It falls again as soon as recent requests meet their
-        predictions, and a final miss stops counting ``RECENT_S`` after it became known
-        (``now``), so a floor raised by a burst cannot outlive it when nothing new is
-        admitted."""
-        self.load = load
-        self.unreported_tokens = 0
-        self._unreported.clear()
-        for rid, waited in load.awaiting_first_s.items():
-            entry = self._recent.get(rid)
-            if entry is not None and entry.known_at is None:
-                entry.miss_s = waited - entry.predicted_s
-        misses = sorted((e.miss_s for e in self._recent.values() if e.miss_s is not None
-                         and (now is None or e.known_at is None
-                              or now - e.known_at <= RECENT_S)), reverse=True)
-        self.ttft_floor_s = max(misses[math.ceil(len(misses) / 10) - 1], 0.0) \
-            if len(misses) >= RECENT_MIN else 0.0
-        # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
-        # keep it up: a factor learned in a burst must not refuse everything after it
-        if not self._observed:
-            self.ttft_bias_s *= 0.95
-        self._observed = False
 
     # ------------------------------------------------------------------ capacity
     def _room(self, name: str, tenant: TenantConfig) -> int:
@@ -450,13 +303,12 @@ class AdmissionPolicy:
         """Is a queued request that waits for the engine's capacity ahead of this one (which
         fits now)? Requests held by their own tenant's caps, and their tenant's later ones,
         are passed over, as ``release`` passes them."""
-        if not self._queue:
+        if not self.queue:
             return False
-        self._reorder(now)
         deadline_at = now + est.deadline_ms / 1e3 if est.deadline_ms is not None else math.inf
-        order = (self.vtc.of(tenant), priority, deadline_at, now)
+        order = self.queue.order(tenant, priority, deadline_at, now)
         capped: set[str] = set()
-        for item in sorted(self._queue):
+        for item in self.queue.in_order(now):
             if item.order[:4] > order:
                 return False                 # it and the rest come after this request
             if item.req.tenant in capped:
@@ -526,16 +378,11 @@ class AdmissionPolicy:
         blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
         self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
                                decision.estimate.scheduler_ttft_s)
-        if decision.estimate.scheduler_ttft_s is not None:
-            self._recent[rid] = _Recent(decision.estimate.scheduler_ttft_s)
-            self._recent_order.append(rid)
-            if len(self._recent_order) > RECENT:
-                self._recent.pop(self._recent_order.popleft(), None)
         self.reserved_blocks += blocks
         self.tenant_blocks[tenant] += blocks
         self.tenant_seqs[tenant] += seqs
-        self.unreported_tokens += decision.estimate.uncached_tokens
-        self._unreported[tenant] += decision.estimate.uncached_tokens
+        self.ttft.admitted(rid, tenant, decision.estimate.uncached_tokens,
+                           decision.estimate.scheduler_ttft_s)
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):
@@ -555,10 +402,8 @@ class AdmissionPolicy:
                  output_tokens: dict[str, int] | None = None,
                  ttft_s: dict[str, float] | None = None) -> None:
         """Requests the scheduler let go. ``output_tokens`` teach the expected output;
-        ``ttft_s`` (arrival → first token, as the engine saw it) corrects the TTFT
-        prediction by a learned bias (an upper expectile of observed − predicted; it fades
-        when nothing is observed): the model sees only the scheduler's backlog, not the time
-        a request spends in the other processes, nor CPU contention between them."""
+        ``ttft_s`` (arrival → first token, as the engine saw it) teach the TTFT model's
+        bias (:meth:`TtftModel.ended`)."""
         for rid in request_ids:
             tenant = self.outstanding.pop(rid, None)
             if tenant is None:
@@ -566,25 +411,13 @@ class AdmissionPolicy:
             self.per_tenant[tenant] -= 1
             self.releases.ended(now)
             held = self.held.pop(rid)
-            if (entry := self._recent.get(rid)) is not None and entry.known_at is None:
-                entry.known_at = now         # ended; a first token below corrects its miss
             self.reserved_blocks -= held.kv_blocks
             self.tenant_blocks[tenant] -= held.kv_blocks
             self.tenant_seqs[tenant] -= held.seqs
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(tenant, held.service_class,
                                      output_tokens[rid] // max(held.seqs, 1))
-            if ttft_s and rid in ttft_s and held.predicted_s is not None:
-                # an upper expectile of the misses, not their mean: a miss above the bias
-                # moves it 10x as far as one below, so the bias settles near the 90th
-                # percentile of the error and ~95% of the admitted meet the deadline
-                miss = ttft_s[rid] - held.predicted_s
-                if entry is not None:
-                    entry.miss_s = miss
-                rate = BIAS_UP if miss > self.ttft_bias_s else BIAS_DOWN
-                self.ttft_bias_s = max(self.ttft_bias_s + rate * (miss - self.ttft_bias_s),
-                                       0.0)
-                self._observed = True
+            self.ttft.ended(rid, now, ttft_s.get(rid) if ttft_s else None, held.predicted_s)
 
     def holding(self, held: list[tuple[str, str]]) -> None:
         """After a restart of admission: resume the counts of what the scheduler holds."""
@@ -599,30 +432,14 @@ class AdmissionPolicy:
         self.reserved_blocks = 0
         self.tenant_blocks.clear()
         self.tenant_seqs.clear()
-        self._recent.clear()
-        self._recent_order.clear()
+        self.ttft.forget_all()
 
     # ------------------------------------------------------------------ queue
-    def _order(self, tenant: str, q_priority: int, cls: ServiceClass, queued_at: float,
-               now: float, deadline_at: float, seq: int) -> tuple:
-        """Across tenants, the tenant's virtual counter (VTC: least served first); within a
-        tenant, class priority with aging, then deadline, then arrival."""
-        aged = q_priority - cls.aging_per_s * (now - queued_at)
-        return (self.vtc.of(tenant), aged, deadline_at, queued_at, seq)
-
     def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
         cls = self.classes[decision.service_class]
-        deadline_at = self._deadline_at(req, decision, now)
-        waiting = {q.req.tenant for q in self._queued.values()}   # backlogged: queued here
-        if req.tenant not in waiting:        # admitted work alone does not make it backlogged
-            self.vtc.backlogged(req.tenant, waiting)
-        seq = next(self._seq)
-        item = _Queued(self._order(req.tenant, decision.priority, cls, now, now, deadline_at,
-                                   seq), req.request_id, req, decision, now, deadline_at, seq)
-        self._queued[req.request_id] = item
-        heapq.heappush(self._queue, item)
+        self.queue.add(req, decision, cls.aging_per_s, now, self._deadline_at(decision, now))
 
-    def _deadline_at(self, req: Tokenized, decision: Decision, queued_at: float) -> float:
+    def _deadline_at(self, decision: Decision, queued_at: float) -> float:
         """When a queued request expires: its TTFT deadline (from arrival) or its class's
         max_queue_ms (from queueing), whichever comes first."""
         cls = self.classes[decision.service_class]
@@ -632,35 +449,20 @@ class AdmissionPolicy:
         return min(limits)
 
     def queue_position(self, request_id: str) -> int:
-        item = self._queued.get(request_id)
-        return -1 if item is None else sorted(self._queue).index(item)
+        return self.queue.position(request_id)
 
     @property
     def queue_depth(self) -> Counter[str]:
-        return Counter(q.decision.service_class for q in self._queued.values())
+        return self.queue.depth()
 
     def cancel(self, request_id: str) -> bool:
         """Remove a queued request (cancelled by its client); True if it was queued."""
-        item = self._queued.pop(request_id, None)
-        if item is None:
-            return False
-        self._queue.remove(item)
-        heapq.heapify(self._queue)
-        return True
-
-    def _reorder(self, now: float) -> None:
-        """Priorities age: recompute every queued request's place (the queue is short)."""
-        for item in self._queue:
-            cls = self.classes[item.decision.service_class]
-            item.order = self._order(item.req.tenant, item.decision.priority, cls,
-                                     item.queued_at, now, item.deadline_at, item.seq)
-        heapq.heapify(self._queue)
+        return self.queue.remove(request_id) is not None
 
     def expire(self, now: float) -> list[Rejected]:
         """Queued requests past their deadline or max_queue_ms: ``deadline_expired``."""
-        gone = [q for q in self._queued.values() if now >= q.deadline_at]
+        gone = self.queue.expired(now)
         for item in gone:
-            self.cancel(item.request_id)
             self.rejections["deadline_expired", item.decision.service_class] += 1
         return [Rejected(q.request_id, "deadline_expired",
                          f"held {now - q.queued_at:.2f} s in admission's queue; its deadline "
@@ -674,31 +476,22 @@ class AdmissionPolicy:
         engine's (``kv``, ``engine_cap``) stops the release: no request jumps a bigger one
         ahead of it that waits for the same capacity."""
         out: list[tuple[Tokenized, Decision, float]] = []
-        if not self._queue:
-            return out
-        self._reorder(now)
-        passed: list[_Queued] = []           # held by their tenant's caps, back in the heap
         capped: set[str] = set()
-        while self._queue:
-            item = heapq.heappop(self._queue)
-            if item.req.tenant in capped:
-                passed.append(item)
+        for item in self.queue.in_order(now):
+            if item.tenant in capped:
                 continue
             decision, blocker = self._fits_now(item, now)
             if decision is None:
-                passed.append(item)
                 if blocker in _TENANT_BLOCKERS:
-                    capped.add(item.req.tenant)
+                    capped.add(item.tenant)
                     continue
                 break
-            del self._queued[item.request_id]
+            self.queue.remove(item.request_id)
             self._admit(item.req, decision, now)
             out.append((item.req, decision, now - item.queued_at))
-        for item in passed:
-            heapq.heappush(self._queue, item)
         return out
 
-    def _fits_now(self, item: _Queued, now: float) -> tuple[Decision | None, str | None]:
+    def _fits_now(self, item: Queued, now: float) -> tuple[Decision | None, str | None]:
         """The decision a queued request starts with now (degraded if its class may and
         only that fits), or None and what holds it."""
         tenant = self.tenants[item.req.tenant]
@@ -721,7 +514,7 @@ class AdmissionPolicy:
 
     @property
     def queued(self) -> int:
-        return len(self._queued)
+        return len(self.queue)
 
     def stats(self) -> dict[str, float]:
         """Counters for ``weir status`` and the gateway's metrics."""
@@ -729,11 +522,11 @@ class AdmissionPolicy:
                                  "reserved_kv_blocks": self.reserved_blocks}
         # a router's load signal: the wait a new prompt would see before its own prefill
         # (the whole backlog, learned bias included), and the measured prefill rate
-        ahead = self.predicted_ttft_s(0)
+        ahead = self.ttft.predicted_s(0)
         if ahead is not None:
-            out["predicted_queue_s"] = max(ahead + self.bias_s, 0.0)
-            out["ttft_bias_s"] = round(self.bias_s, 4)
-            out["prefill_tokens_per_s"] = self.load.prefill_tokens_per_s
+            out["predicted_queue_s"] = max(ahead + self.ttft.bias_s, 0.0)
+            out["ttft_bias_s"] = round(self.ttft.bias_s, 4)
+            out["prefill_tokens_per_s"] = self.ttft.load.prefill_tokens_per_s
         out.update({f"decisions.{kind}.{cls}": v for (kind, cls), v in self.decisions.items()})
         out.update({f"rejections.{reason}.{cls}": v
                     for (reason, cls), v in self.rejections.items()})

@@ -70,7 +70,7 @@ class AdmissionService(Component):
             "weir.engine.outstanding": len(policy.outstanding),
             "weir.engine.max_outstanding": self.config.admission.max_outstanding,
             "weir.engine.kv_blocks_reserved": policy.reserved_blocks,
-            "weir.scheduler.queued_prefill_tokens": policy.load.queued_prefill_tokens,
+            "weir.scheduler.queued_prefill_tokens": policy.ttft.load.queued_prefill_tokens,
         }
 
     async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None,
@@ -106,8 +106,9 @@ class AdmissionService(Component):
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         await self.to_scheduler.send(Admitted(
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
-            req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority, req.public_scope,
-            req.public_blocks, d.service_class, self.policy.classes[d.service_class].tpot_slo_ms),
+            req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
+            req.public_scope, req.public_blocks, d.service_class,
+            self.policy.classes[d.service_class].tpot_slo_ms),
             traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
@@ -198,7 +199,7 @@ class AdmissionService(Component):
                     if cancel.request_id in self.policy.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
-                    self.policy.on_load(load, time.monotonic())
+                    self.policy.ttft.on_load(load, time.monotonic())
                     if self.policy.queued:
                         await self._drain_queue()
                 case Holding(requests=held):          # after our restart: resume the counts

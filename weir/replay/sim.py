@@ -198,7 +198,7 @@ class Simulator:
         tick = self.now - self.now % _LOAD_NS
         if tick != self._load_tick:
             self._load_tick = tick
-            self.policy.on_load(load_report(self.core, self.cost,
+            self.policy.ttft.on_load(load_report(self.core, self.cost,
                                             self.config.scheduler.max_num_batched_tokens,
                                             self.now), self.now / _NS)
 

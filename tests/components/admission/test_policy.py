@@ -1,40 +1,14 @@
 """The admission policy, exact: each decision and reason from given inputs, the class and
-priority rules, the cost estimate, the queue's order with aging, expiry, release, the
-degrade arithmetic and the KV reservation."""
+priority rules, the cost estimate (its TTFT: test_ttft.py), the queue's order with aging,
+expiry, release, the degrade arithmetic and the KV reservation."""
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from components.admission.estimate import COLD_START, OutputStats, TokenBucket
-from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
-from schemas.config import load_config
-from schemas.wire import SamplingParams, SchedulerLoad, TenantBacklog, Tokenized
-
-BS = 16
-CLASSES = [
-    {"name": "interactive", "priority": 0, "ttft_slo_ms": 1000, "max_queue_ms": 500},
-    {"name": "batch", "priority": 10, "max_queue_ms": 60000, "aging_per_s": 1.0,
-     "may_degrade": True, "min_max_tokens": 8, "max_tokens": 256},
-    {"name": "bulk", "priority": 20},
-]
-
-
-def policy(kind="deadline", num_blocks=100, tenants=None, classes=CLASSES, fairness="vtc",
-           **admission):
-    cfg = load_config(None, topology={"run_dir": "/x"}, scheduler={"fairness": fairness},
-                      kv={"num_blocks": num_blocks, "block_size": BS, "watermark": 0.0},
-                      engine={"max_model_len": min(1024, num_blocks * BS)},
-                      admission={"policy": kind, "classes": classes,
-                                 "tenants": tenants or [{"name": "a"}, {"name": "b"}],
-                                 "kv_safety": 0.0, **admission})
-    return AdmissionPolicy(cfg)
-
-
-def req(rid="r", tenant="a", prompt=32, max_tokens=32, cls=None, n=1, deadline=None,
-        priority=0):
-    return Tokenized(rid, tenant, list(range(prompt)), [], SamplingParams(max_tokens=max_tokens,
-                     n=n), 0, (), deadline, priority, service_class=cls)
+from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT
+from schemas.wire import SchedulerLoad
+from tests.components.admission.policies import policy, req
 
 
 # ------------------------------------------------------------------ classes and priority
@@ -111,17 +85,10 @@ def test_released_outputs_teach_the_estimate():
     assert p.decide(req("next", max_tokens=500), 0, 1.0).estimate.expected_output == 20
 
 
-def test_predicted_ttft_from_the_schedulers_rates():
-    p = policy()
-    assert p.predicted_ttft_s(100) is None            # no rates measured yet
-    p.load = SchedulerLoad(4, 2, 900, 1000.0, 0.05)
-    assert p.predicted_ttft_s(100) == pytest.approx((900 + 100) / 1000 + 0.05)
-
-
 # ------------------------------------------------------------------ decisions
 def test_deadline_unmeetable_rejects_at_once_with_retry_after():
     p = policy()
-    p.load = SchedulerLoad(4, 2, 4000, 1000.0, 0.05)   # 4 s of prefill queued
+    p.ttft.load = SchedulerLoad(4, 2, 4000, 1000.0, 0.05)   # 4 s of prefill queued
     d = p.decide(req(cls="interactive"), 0, 0.0)
     assert (d.kind, d.reason) == (REJECT, "deadline_unmeetable")
     assert d.rejected.retry_after_s == pytest.approx(4.082 - 1.0, abs=0.1)
@@ -217,12 +184,12 @@ def test_queue_order_priority_then_deadline_with_aging():
     p.decide(req("batch", cls="batch", prompt=32, max_tokens=32), 0, 0.0)
     p.decide(req("late", cls="interactive", prompt=32, max_tokens=32, deadline=900), 0, 0.1)
     p.decide(req("early", cls="interactive", prompt=32, max_tokens=32, deadline=300), 0, 0.1)
-    p._reorder(0.2)
+    p.queue.in_order(0.2)
     # interactive (priority 0) before batch (10); within it, the earlier deadline first
     assert [p.queue_position(r) for r in ("early", "late", "batch")] == [0, 1, 2]
     # after 10.5 s of aging at 1/s, batch (10 - 10.5 < 0) is ahead of the interactive ones;
     # (they would have expired by then; aging is checked on the order alone here)
-    p._reorder(10.5)
+    p.queue.in_order(10.5)
     assert p.queue_position("batch") == 0
 
 
@@ -282,74 +249,12 @@ def test_a_queued_request_that_fits_only_degraded_starts_degraded():
     assert p.tenant_blocks["a"] == 3
 
 
-def test_observed_ttft_teaches_a_bias_that_fades():
-    p = policy()
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-    d = p.decide(req("1", prompt=100), 0, 0.0)
-    assert d.estimate.predicted_ttft_s == pytest.approx(0.15)          # 100 / 1000 + 0.05
-    p.released(["1"], 1.0, {}, {"1": 1.15})                           # it took 1 s longer
-    assert p.ttft_bias_s == pytest.approx(0.2)                         # smoothed: 0.2 x 1 s
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))     # the report after the observation
-    assert p.decide(req("2", prompt=100), 0, 1.0).estimate.predicted_ttft_s == \
-        pytest.approx(0.35)
-    for _ in range(14):                                 # 1.4 s of reports, nothing observed
-        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-    assert p.ttft_bias_s == pytest.approx(0.2 * 0.95 ** 14)
-
-
-def test_requests_overrunning_their_prediction_raise_it_before_their_first_token():
-    """A burst: the backlog model predicts 0.15 s, but the requests admitted are still
-    waiting at 1 s. The bias floor (90th percentile of the last 20, a waiting request
-    counting with what it has overrun so far) moves at the next report, a whole TTFT before
-    any first token could teach the learned bias."""
-    p = policy(num_blocks=1000)
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-    for i in range(9):
-        p.decide(req(str(i), prompt=100), 0, 0.0)
-        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05, awaiting_first_s={
-        str(i): 0.15 + 0.1 * i for i in range(9)}))         # 9 reported: too few to judge
-    assert p.bias_s == 0.0
-    p.decide(req("9", prompt=100), 0, 0.0)
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05, awaiting_first_s={
-        str(i): 1.15 + 0.1 * i for i in range(10)}))        # overran by 1.0 .. 1.9 s
-    assert (p.ttft_bias_s, p.ttft_floor_s) == (0.0, pytest.approx(1.9))  # 1 of 10: the top
-    assert p.decide(req("x", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
-        pytest.approx(0.15 + 1.9)
-    for i in range(10, 30):                                 # 20 more that meet it exactly
-        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
-        p.released([str(i)], 1.0, {}, {str(i): 0.15})
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-    assert p.ttft_floor_s == 0.0                            # the overruns left the window
-    assert p.decide(req("y", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
-        pytest.approx(0.15 + p.ttft_bias_s)
-
-
-def test_the_bias_floor_does_not_outlive_the_burst():
-    """Misses known for more than RECENT_S seconds stop counting, so a floor raised by a
-    burst falls even when nothing new is admitted (everything refused meanwhile)."""
-    p = policy(num_blocks=1000)
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
-    for i in range(10):                     # all predicted 0.15 s: the report counts them
-        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
-        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
-    p.released([str(i) for i in range(10)], 1.0, {}, {str(i): 1.15 for i in range(10)})
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 1.0)
-    assert p.ttft_floor_s == pytest.approx(1.0)
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.0)             # 3 s: still counts
-    assert p.ttft_floor_s == pytest.approx(1.0)
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.1)
-    assert p.ttft_floor_s == 0.0
-    assert p.decide(req("y", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
-        pytest.approx(0.15 + p.ttft_bias_s)
-
-
 def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
     """Interactive: 1000 ms less 20% headroom. 1000 prefill tokens/s, 50 ms a decode step:
     a 900-token prompt predicts 0.95 s uncached, 0.15 s with 800 tokens cached."""
     p = policy(num_blocks=1000)
     assert not p.beyond_deadline(req(prompt=900), 800)      # unknown rates: nothing to say
-    p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
     assert p.beyond_deadline(req(prompt=900), 0)
     assert not p.beyond_deadline(req(prompt=900), 800)      # its cached prefix might save it
     assert not p.beyond_deadline(req(prompt=900, cls="batch"), 0)         # no TTFT deadline
@@ -377,79 +282,6 @@ def test_queue_releases_the_least_served_tenant_first():
         ((tok, _, _),) = p.release(1.0 + t)
         order.append(running := tok.request_id)
     assert order == ["a0", "b0", "a1", "a2"]
-
-
-# ------------------------------------------------------------------ TTFT under VTC
-# The scheduler's report: a, b (weight 2) and c waiting, a and c with prompts in progress;
-# d has nothing waiting (counter 4600); e is not in the report (counter 0).
-VTC_TENANTS = [{"name": "a"}, {"name": "b", "weight": 2.0}, {"name": "c"}, {"name": "d"},
-               {"name": "e"}]
-VTC_LOAD = SchedulerLoad(3, 7, 3000 + 500 + 2000 + 600 + 400, 1000.0, 0.05, {
-    "a": TenantBacklog(5000.0, True, 3000, 600),
-    "b": TenantBacklog(4500.0, True, 500, 0),
-    "c": TenantBacklog(4000.0, True, 2000, 400),
-    "d": TenantBacklog(4600.0)})
-
-
-@pytest.mark.parametrize("tenant, ahead", [
-    # T = its counter (lifted if not backlogged) + its own waiting ÷ its weight. Ahead: its
-    # own waiting, the prompts in progress of tenants with c_u <= T, and of each other
-    # waiting tenant with c_u < T, (T − c_u) × w_u tokens, at most all it waits with
-    ("c", 2000 + (600 + 400) + min(3000, 1000) + min(500, 1500 * 2)),     # T = 6000
-    ("b", 500 + 400 + min(2000, 750)),                        # T = 4750: a (5000) after it
-    ("a", 3000 + (600 + 400) + 500 + 2000),                   # T = 8000: everything
-    ("d", 0 + 400 + min(2000, 600) + min(500, 100 * 2)),      # T = 4600 (not lifted)
-    ("e", 0 + 400),                            # lifted to c's 4000: tied with c, nothing
-])
-def test_vtc_prefill_ahead_is_what_the_fair_order_computes_first(tenant, ahead):
-    p = policy(tenants=VTC_TENANTS)
-    p.on_load(VTC_LOAD)
-    assert p.prefill_ahead(tenant) == ahead
-
-
-def test_prefill_ahead_is_the_whole_backlog_under_fcfs_or_an_old_report():
-    fcfs = policy(tenants=VTC_TENANTS, fairness="fcfs")
-    fcfs.on_load(VTC_LOAD)
-    assert fcfs.prefill_ahead("e") == 6500
-    vtc = policy(tenants=VTC_TENANTS)
-    vtc.on_load(SchedulerLoad(3, 7, 6500, 1000.0, 0.05))    # a scheduler without the split
-    assert vtc.prefill_ahead("e") == 6500
-
-
-def test_prefill_admitted_since_the_report_waits_at_its_tenant():
-    p = policy(tenants=VTC_TENANTS)
-    p.on_load(VTC_LOAD)
-    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind == ACCEPT
-    # d now waits, so it is not lifted: T = 4600 + 100; c: 700 of 2000; b: 200 × 2 of 500
-    assert p.prefill_ahead("d") == 100 + 400 + 700 + 400
-    assert p.prefill_ahead("c") == 4500 + 100                # d's 100, below c's T (6000)
-    assert p.prefill_ahead("e") == 400                       # d (4600) is past e's T (4000)
-    p.on_load(VTC_LOAD)                                      # the next report counts it
-    assert p.prefill_ahead("d") == 1200
-
-
-def test_a_light_tenant_is_not_refused_behind_anothers_flood():
-    # a floods: 20,000 tokens waiting and 1,000 in progress, at counter 5000. b, not
-    # backlogged, is lifted to 5000: tied with a, it starts in the next step after a's
-    # prompts in progress. FIFO prices it behind all 21,000
-    load = SchedulerLoad(2, 10, 21_000, 10_000.0, 0.01, {
-        "a": TenantBacklog(5000.0, True, 20_000, 1000), "b": TenantBacklog(100.0)})
-    per_step = 2048 - 2                               # the token budget less the running rows
-    step_s = 0.01 + per_step / 10_000.0
-
-    def decide(fairness: str, report: SchedulerLoad = load) -> tuple[str, float]:
-        p = policy(fairness=fairness)
-        p.on_load(report)
-        d = p.decide(req("b1", "b", prompt=100), 0, 0.0)
-        return d.reason, d.estimate.predicted_ttft_s
-
-    assert decide("vtc") == ("fits", pytest.approx(1100 / 10_000.0 + 0.01))
-    assert decide("fcfs") == ("deadline_unmeetable", pytest.approx(21_100 / per_step * step_s))
-    # b counted backlogged (as a scheduler that counts running work would): not lifted, so
-    # a, served more, puts nothing ahead of it
-    backlogged = msgspec.structs.replace(load, tenants={**load.tenants,
-                                                        "b": TenantBacklog(100.0, True)})
-    assert decide("vtc", backlogged) == ("fits", pytest.approx(100 / 10_000.0 + 0.01))
 
 
 # ------------------------------------------------------------------ release past a tenant's cap
@@ -529,16 +361,3 @@ def test_the_lift_floor_is_the_least_counter_among_tenants_with_queued_requests(
     assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
     assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
     assert (p.vtc.of("a"), p.vtc.of("b"), p.vtc.of("c")) == (96, 96, 16)
-
-
-def test_the_bias_follows_the_high_misses_not_their_mean():
-    # misses of 0 and 0.5 s in turn: their mean is 0.25 s, but admitting on the mean would
-    # let half the requests miss; the bias settles near the upper tail instead
-    p = policy()
-    for i in range(400):
-        p.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
-        rid = str(i)
-        d = p.decide(req(rid, prompt=100), 0, float(i))
-        assert d.kind == ACCEPT
-        p.released([rid], float(i), {}, {rid: d.estimate.scheduler_ttft_s + 0.5 * (i % 2)})
-    assert 0.45 < p.ttft_bias_s < 0.47      # cycles between 0.4537 and 0.4630 (mean: 0.25)

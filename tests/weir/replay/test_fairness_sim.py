@@ -262,7 +262,7 @@ def test_admission_does_not_refuse_the_light_tenant_behind_the_flood():
     """B's class with a TTFT SLO (10 s, above the two-step bound this engine keeps for it):
     admission should accept B's requests, not predict them behind A's backlog. It prices
     each where VTC starts it, from the per-tenant counters and backlog in the
-    scheduler's load report (``AdmissionPolicy.prefill_ahead``)."""
+    scheduler's load report (``TtftModel.prefill_ahead``)."""
     cfg = nn_config("vtc", "deadline")
     cfg["admission"]["classes"] = [{**NN_CLASSES[0], "ttft_slo_ms": 10_000}, NN_CLASSES[1]]
     run = simulate(noisy_neighbour(), **cfg)

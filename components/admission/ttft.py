@@ -1,0 +1,200 @@
+"""Admission's TTFT prediction for a new request: a model of the scheduler's backlog (what
+it prefills before the request starts, at its measured rates) plus a bias learned from
+the TTFTs requests then saw. Pure and clock-free, like the policy that owns it."""
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from components.scheduler.fairness import VirtualCounters
+from schemas.config import WeirConfig
+from schemas.wire import SchedulerLoad
+
+# how far one observed miss moves the learned bias, up and down (see ``observed``)
+BIAS_UP, BIAS_DOWN = 0.2, 0.02
+# the bias's floor: the 90th percentile of the misses of the last RECENT admitted requests,
+# a request still without its first token counting with what it has overrun so far; a miss
+# known for RECENT_S seconds no longer counts (it describes what has passed)
+RECENT, RECENT_MIN, RECENT_S = 20, 10, 3.0
+
+
+@dataclass
+class _Recent:
+    """A recently admitted request, as the bias floor sees it."""
+
+    predicted_s: float                   # the backlog model's TTFT when it was admitted
+    miss_s: float | None = None          # observed − predicted, or overrun so far (waiting)
+    known_at: float | None = None        # when the miss became final (its first token, or
+    #                                      its release without one)
+
+
+class TtftModel:
+    """``predicted_s`` is the backlog model's TTFT (None until the scheduler has measured
+    its rates); ``bias_s`` is what admission adds to it. The policy tells it what it
+    admits (``admitted``), what ends (``ended``, ``observed``) and every scheduler report
+    (``on_load``)."""
+
+    def __init__(self, config: WeirConfig, vtc: VirtualCounters) -> None:
+        self.budget = config.scheduler.max_num_batched_tokens
+        self.fairness = config.scheduler.fairness
+        self.vtc = vtc                        # the tenants' weights, as the scheduler's VTC
+        self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
+        self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
+        self._unreported: Counter[str] = Counter()      # the same, by tenant
+        self.learned_s = 0.0              # observed − predicted TTFT, smoothed (``observed``)
+        self.floor_s = 0.0                # a lower bound of recent misses (``on_load``)
+        self._recent: dict[str, _Recent] = {}           # the last RECENT admitted
+        self._recent_order: deque[str] = deque()
+        self._observed = False            # a TTFT was observed since the last load report
+
+    @property
+    def bias_s(self) -> float:
+        """What is added to the backlog model's TTFT: the learned bias, or more while recent
+        requests are overrunning their predictions by more."""
+        return max(self.learned_s, self.floor_s)
+
+    def predicted_s(self, uncached_tokens: int, tenant: str | None = None) -> float | None:
+        """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
+        request of ``tenant`` starts) plus this prompt's uncached tokens, at the measured
+        prefill rate, plus one decode step for the current batch; None while the scheduler
+        has not measured enough steps."""
+        load = self.load
+        if load.prefill_tokens_per_s <= 0:
+            return None
+        ahead = self.prefill_ahead(tenant) + uncached_tokens
+        # each step decodes every running sequence and prefills what is left of the budget:
+        # a prefill token costs its own time plus its share of the step's decode work
+        per_step = max(self.budget - load.running, 1)
+        step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
+        steps = ahead / per_step
+        return steps * step_s if steps >= 1 else \
+            ahead / load.prefill_tokens_per_s + load.decode_step_s
+
+    def prefill_ahead(self, tenant: str | None) -> int:
+        """The prefill the scheduler computes before a new request of ``tenant`` starts. It
+        includes what admission let in since the scheduler's last report, which that report
+        could not count (as waiting, at its tenant).
+
+        ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
+        split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
+        in order. ``"vtc"``: new work starts from the tenant with the lowest virtual
+        counter, each start charges its prompt to its tenant (÷ its weight), a tenant the
+        scheduler does not count as backlogged (VTC: nothing waiting) is lifted to the
+        lowest counter among those it does, and the prompts in progress of tenants served
+        more than the head of the queue go after its new work. Let ``T`` be where the
+        tenant's counter stands when this request is picked: its counter (lifted) plus its
+        own waiting prefill ÷ its weight. Ahead of the request are the tenant's own waiting
+        prefill (its work starts in arrival order), the prompts in progress of every
+        tenant with a counter ``c_u <= T``, and of each other waiting tenant what VTC starts
+        before its counter reaches ``T``: ``(T − c_u) × w_u`` tokens, at most all it waits
+        with. A tenant tied with ``T`` (as a light tenant lifted to a flood's counter is)
+        puts nothing ahead: the scheduler splits the step's new prompts between tied
+        tenants. Counting every waiting tenant with ``c_u <= T`` in full would price that
+        light tenant behind the whole flood.
+
+        An estimate: it leaves out the output charges that move the counters while requests
+        wait, the token rates (a tenant past its rate starts after the others), sequences
+        back from preemption (they start first), the rounding to whole requests and the
+        changes since the report (up to 100 ms old)."""
+        load = self.load
+        fifo = load.queued_prefill_tokens + self.unreported_tokens
+        if tenant is None or self.fairness != "vtc" or (load.waiting and not load.tenants):
+            return fifo
+        backlog = load.tenants
+        waiting = {u: b.queued_prefill_tokens for u, b in backlog.items()}
+        for u, n in self._unreported.items():
+            waiting[u] = waiting.get(u, 0) + n
+        backlogged = {u for u, b in backlog.items() if b.backlogged} | set(self._unreported)
+
+        def counter(u: str) -> float:
+            b = backlog.get(u)
+            return b.counter if b is not None else 0.0
+
+        at = counter(tenant)
+        if tenant not in backlogged:           # lifted when it becomes backlogged
+            at = max(at, min((counter(u) for u in backlogged), default=at))
+        own = waiting.get(tenant, 0)
+        at += own * self.vtc.w_in / self.vtc.weight(tenant)
+        # a report's split covers its whole backlog; anything it did not attribute counts
+        ahead = max(load.queued_prefill_tokens - sum(b.queued_prefill_tokens
+                                                     + b.running_prefill_tokens
+                                                     for b in backlog.values()), 0)
+        ahead += own + sum(b.running_prefill_tokens for u, b in backlog.items()
+                           if b.counter <= at)
+        others = sum(min(n, (at - counter(u)) * self.vtc.weight(u) / self.vtc.w_in)
+                     for u, n in waiting.items() if u != tenant and counter(u) < at)
+        return ahead + math.ceil(others)
+
+    def on_load(self, load: SchedulerLoad, now: float | None = None) -> None:
+        """The scheduler's backlog report (every 100 ms): it now counts what was admitted
+        before it.
+
+        It also lists how long each request without a first token has waited. The learned
+        bias hears of a miss only at its first token, a whole TTFT after the conditions
+        that caused it: at the start of a burst every request admitted in that time would
+        miss alike. So the bias has a floor, read from the last ``RECENT`` admitted
+        requests: the 90th percentile of their misses, where a request still waiting counts
+        with what it has overrun so far (a lower bound of its miss, so the floor is a lower
+        bound of that percentile). It falls again as soon as recent requests meet their
+        predictions, and a final miss stops counting ``RECENT_S`` after it became known
+        (``now``), so a floor raised by a burst cannot outlive it when nothing new is
+        admitted."""
+        self.load = load
+        self.unreported_tokens = 0
+        self._unreported.clear()
+        for rid, waited in load.awaiting_first_s.items():
+            entry = self._recent.get(rid)
+            if entry is not None and entry.known_at is None:
+                entry.miss_s = waited - entry.predicted_s
+        misses = sorted((e.miss_s for e in self._recent.values() if e.miss_s is not None
+                         and (now is None or e.known_at is None
+                              or now - e.known_at <= RECENT_S)), reverse=True)
+        self.floor_s = max(misses[math.ceil(len(misses) / 10) - 1], 0.0) \
+            if len(misses) >= RECENT_MIN else 0.0
+        # the correction fades toward 1 (half-life ~1.4 s of reports) unless observations
+        # keep it up: a factor learned in a burst must not refuse everything after it
+        if not self._observed:
+            self.learned_s *= 0.95
+        self._observed = False
+
+    def admitted(self, request_id: str, tenant: str, uncached_tokens: int,
+                 predicted_s: float | None) -> None:
+        """A request admitted with ``predicted_s`` (the backlog model's TTFT, None before
+        the rates are measured): its prefill is ahead of later requests until the next
+        report counts it, and its miss counts toward the floor."""
+        self.unreported_tokens += uncached_tokens
+        self._unreported[tenant] += uncached_tokens
+        if predicted_s is None:
+            return
+        self._recent[request_id] = _Recent(predicted_s)
+        self._recent_order.append(request_id)
+        if len(self._recent_order) > RECENT:
+            self._recent.pop(self._recent_order.popleft(), None)
+
+    def ended(self, request_id: str, now: float, ttft_s: float | None,
+              predicted_s: float | None) -> None:
+        """A request let go at ``now``, with the TTFT the engine saw (arrival → first token;
+        None without one) against its prediction. The learned bias is an upper expectile of
+        the misses (observed − predicted; it fades when nothing is observed): the model
+        sees only the scheduler's backlog, not the time a request spends in the other
+        processes, nor CPU contention between them."""
+        entry = self._recent.get(request_id)
+        if entry is not None and entry.known_at is None:
+            entry.known_at = now             # ended; a first token below corrects its miss
+        if ttft_s is None or predicted_s is None:
+            return
+        # an upper expectile of the misses, not their mean: a miss above the bias moves it
+        # 10x as far as one below, so the bias settles near the 90th percentile of the
+        # error and ~95% of the admitted meet the deadline
+        miss = ttft_s - predicted_s
+        if entry is not None:
+            entry.miss_s = miss
+        rate = BIAS_UP if miss > self.learned_s else BIAS_DOWN
+        self.learned_s = max(self.learned_s + rate * (miss - self.learned_s), 0.0)
+        self._observed = True
+
+    def forget_all(self) -> None:
+        """The scheduler restarted: no admitted request's miss is pending any more."""
+        self._recent.clear()
+        self._recent_order.clear()
