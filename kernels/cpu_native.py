@@ -85,7 +85,7 @@ def load() -> ctypes.CDLL:
         f = lib.weir_decode_attention
         f.restype = ctypes.c_int
         f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 4
+                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
                       + [ctypes.c_float, ctypes.c_int])
         s = lib.weir_sample
         s.restype = None
@@ -130,12 +130,14 @@ def available() -> bool:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Every new token at once, decode and prefill alike: the token at position p attends
-    keys 0..p of its sequence (causal), read in place from the blocks."""
+    keys 0..p of its sequence (causal), read in place from the blocks. ``q``'s rows may be
+    apart (a view into the fused qkv projection); its heads must be packed."""
     if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
         raise ValueError(f"native attention needs q and cache in one of {list(_DTYPES)}")
-    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("native attention needs contiguous q and caches")
-    out = torch.empty_like(q)
+    if not (q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
+            and v_cache.is_contiguous()):
+        raise ValueError("native attention needs q's heads packed and contiguous caches")
+    out = q.new_empty(q.shape)
     args = meta.derived.get("cpu")
     if args is None:            # once per step, not per layer
         args = meta.derived["cpu"] = _kernel_rows(meta.token_seq, meta.positions, meta)
@@ -144,7 +146,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rc = load().weir_decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1], row_lens.data_ptr(),
-        heads, k_cache.shape[2], dim, k_cache.shape[1], scale, torch.get_num_threads())
+        heads, q.stride(0), k_cache.shape[2], dim, k_cache.shape[1], scale,
+        torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
@@ -344,7 +347,7 @@ class CpuBackend:
             return paged_attention(q, k_cache, v_cache, meta, scale)
         groups, rest = fresh
         k, v = new_kv
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         for a, n, length in groups:   # n prompts of one length, rows a .. a + n * length
             def batch(x):             # [n * L, H, D] -> [n, H, L, D], a view
                 return x[a:a + n * length].view(n, length, *x.shape[1:]).transpose(1, 2)

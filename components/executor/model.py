@@ -108,8 +108,7 @@ class ElementwiseOps:
                     self.rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin), v)
         self.native.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
                           self.sin)
-        return (q.contiguous().view(-1, s.num_heads, s.head_dim),
-                k.view(-1, s.num_kv_heads, s.head_dim), v)
+        return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim), v)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

@@ -178,14 +178,14 @@ constexpr bool kPairedPV = false;
 template <typename T, int D, int G>
 void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
                  int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
-                 int64_t heads, int64_t block_size, float scale, float* scores, int64_t lpad,
-                 float* acc, uint16_t* probs) {
+                 int64_t heads, int64_t q_row, int64_t block_size, float scale,
+                 float* scores, int64_t lpad, float* acc, uint16_t* probs) {
     // probs: [kv_heads * kTile * G][lpad] bf16, used by the paired P.V (bf16 caches)
     constexpr bool paired = kPairedPV && sizeof(T) == 2;
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;
     const int nq = static_cast<int>(kv_heads) * nrows * G;
-    auto qp = [&](int64_t h, int r, int g) { return q + ((row0 + r) * heads + h * G + g) * D; };
+    auto qp = [&](int64_t h, int r, int g) { return q + (row0 + r) * q_row + (h * G + g) * D; };
     const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const T* kp[16];
     int64_t blk = 0, off = 0;
@@ -365,14 +365,14 @@ constexpr int value_group(int g) { return g % 4 == 0 ? 4 : g % 3 == 0 ? 3 : g % 
 template <typename T, int D, int G>
 void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
                  int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
-                 int64_t heads, int64_t block_size, float scale, float* scores, int64_t lpad,
-                 float* acc, float* qf, float* rowbuf) {
+                 int64_t heads, int64_t q_row, int64_t block_size, float scale,
+                 float* scores, int64_t lpad, float* acc, float* qf, float* rowbuf) {
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;
     const int nq = static_cast<int>(kv_heads) * nrows * G;
     for (int qi = 0; qi < nq; ++qi) {
         const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
-        const T* src = q + ((row0 + r) * heads + h * G + g) * D;
+        const T* src = q + (row0 + r) * q_row + (h * G + g) * D;
         for (int d = 0; d < D; ++d) qf[qi * D + d] = weir::load(src, d) * scale;
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -485,12 +485,12 @@ using weir::store;
 // registers; each key row is widened once and shared by the G dot products.
 template <typename T, int D, int G>
 void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row, int64_t h,
-            int64_t len, const int32_t* table, int64_t heads, int64_t row_stride,
+            int64_t len, const int32_t* table, int64_t heads, int64_t q_row, int64_t row_stride,
             int64_t block_size, float scale, float* scores) {
     float qf[G][D], acc[G][D], kf[D];
     for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) {
-            qf[g][d] = load(q, (row * heads + h * G + g) * D + d) * scale;
+            qf[g][d] = load(q, row * q_row + (h * G + g) * D + d) * scale;
             acc[g][d] = 0.0f;
         }
     float maxs[G];
@@ -539,7 +539,8 @@ template <typename T, int D, int G>
 void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int64_t* seqs, int64_t n, const int32_t* block_tables,
                       int64_t table_width, const int32_t* row_lens, int64_t heads,
-                      int64_t kv_heads, int64_t block_size, float scale, int num_threads) {
+                      int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
+                      int num_threads) {
 #if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
     std::vector<int64_t> starts;
@@ -571,14 +572,14 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 #if defined(__AVX512F__)
         buf.resize(static_cast<size_t>(nq * (lpad + D + lpad / 2)));   // + bf16 probs
         attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
-                             block_tables + seqs[i0] * table_width, heads, block_size, scale,
+                             block_tables + seqs[i0] * table_width, heads, q_row, block_size, scale,
                              buf.data(), lpad, buf.data() + nq * lpad,
                              reinterpret_cast<uint16_t*>(buf.data() + nq * (lpad + D)));
 #else
         buf.resize(static_cast<size_t>(nq * (lpad + 2 * D) + kChunk * D));
         float* scratch = buf.data();
         attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
-                             block_tables + seqs[i0] * table_width, heads, block_size, scale,
+                             block_tables + seqs[i0] * table_width, heads, q_row, block_size, scale,
                              scratch, lpad, scratch + nq * lpad, scratch + nq * (lpad + D),
                              scratch + nq * (lpad + 2 * D));
 #endif
@@ -591,7 +592,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
         attend<T, D, G>(q, k_cache, v_cache, out, i, h, len,
-                        block_tables + s * table_width, heads, kv_heads * D, block_size, scale,
+                        block_tables + s * table_width, heads, q_row, kv_heads * D, block_size,
+                        scale,
                         scores.data());
     }
 #endif
@@ -601,10 +603,10 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 template <typename T, int D>
 int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* seqs,
                int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens, int64_t heads,
-               int64_t kv_heads, int64_t bs, float scale, int threads) {
+               int64_t q_row, int64_t kv_heads, int64_t bs, float scale, int threads) {
     switch (g) {
 #define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
-                                                    kv_heads, bs, scale, threads); \
+                                                    q_row, kv_heads, bs, scale, threads); \
                           return 0;
         WEIR_G(1) WEIR_G(2) WEIR_G(3) WEIR_G(4) WEIR_G(5) WEIR_G(6) WEIR_G(7) WEIR_G(8)
 #undef WEIR_G
@@ -615,13 +617,14 @@ int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int6
 template <typename T>
 int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
              const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens,
-             int64_t heads, int64_t kv_heads, int64_t bs, float scale, int threads) {
+             int64_t heads, int64_t q_row, int64_t kv_heads, int64_t bs, float scale,
+             int threads) {
     if (dim == 64)
-        return dispatch_g<T, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, kv_heads, bs,
-                                 scale, threads);
+        return dispatch_g<T, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
+                                 bs, scale, threads);
     if (dim == 128)
-        return dispatch_g<T, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, kv_heads, bs,
-                                  scale, threads);
+        return dispatch_g<T, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
+                                  bs, scale, threads);
     return -1;
 }
 
@@ -652,21 +655,22 @@ void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cac
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
                           void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
-                          const int32_t* row_lens, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t block_size, float scale, int num_threads) {
+                          const int32_t* row_lens, int64_t heads, int64_t q_row,
+                          int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                          int num_threads) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
     const int64_t g = heads / kv_heads;
     if (dtype == 0)
         return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),
                         static_cast<const float*>(v_cache), static_cast<float*>(out), seqs, n,
-                        block_tables, table_width, row_lens, heads, kv_heads, block_size, scale,
-                        num_threads);
+                        block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
+                        scale, num_threads);
     if (dtype == 1)
         return dispatch(dim, g, static_cast<const uint16_t*>(q),
                         static_cast<const uint16_t*>(k_cache),
                         static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), seqs,
-                        n, block_tables, table_width, row_lens, heads, kv_heads, block_size,
-                        scale, num_threads);
+                        n, block_tables, table_width, row_lens, heads, q_row, kv_heads,
+                        block_size, scale, num_threads);
     return -1;
 }
 

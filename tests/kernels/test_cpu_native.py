@@ -34,6 +34,13 @@ def _case(rng: random.Random, dtype, block_size, kv_heads, group, dim):
     return q, kc, vc, meta
 
 
+def qkv_view(q: torch.Tensor) -> torch.Tensor:
+    """``q``'s values as the model passes them: a view into a fused qkv projection, its rows
+    wider than q (the keys and values beside it, here noise)."""
+    t, h, d = q.shape
+    return torch.cat([q.flatten(1), torch.randn(t, 5 * d).to(q.dtype)], 1)[:, :h * d].view(t, h, d)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("dim", [64, 128])
@@ -46,6 +53,9 @@ def test_matches_reference_fp32(block_size, group, dim):
         got = backend.paged_attention(q, kc, vc, meta, dim ** -0.5)
         err = (got - want).abs().max() / want.abs().max()
         assert err <= 1e-4, err
+        strided = qkv_view(q)
+        assert q.shape[0] == 1 or strided.stride(0) > q.stride(0)     # rows apart
+        assert torch.equal(backend.paged_attention(strided, kc, vc, meta, dim ** -0.5), got)
 
 
 def test_bf16_close_to_fp32_reference():
@@ -56,6 +66,7 @@ def test_bf16_close_to_fp32_reference():
         want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
         got = backend.paged_attention(q, kc, vc, meta, 0.125).float()
         assert ((got - want).abs().max() / want.abs().max()) <= 1e-2
+        assert torch.equal(backend.paged_attention(qkv_view(q), kc, vc, meta, 0.125).float(), got)
 
 
 def test_unsupported_shapes_fall_back_and_auto_prefers_native():
@@ -90,6 +101,11 @@ def test_portable_kernel_matches_reference(build):
         "        got = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(q, kc, vc, meta, 0.125)\n"
         "        err = ((got.float() - want).abs().max() / want.abs().max()).item()\n"
         "        assert err <= tol, (dtype, kvh, group, dim, err)\n"
+        "        t, h, d = q.shape\n"
+        "        wide = torch.cat([q.flatten(1), torch.randn(t, 3 * d).to(dtype)], 1)\n"
+        "        strided = get_backend('cpu', 'cpu', dtype=dtype).paged_attention(\n"
+        "            wide[:, :h * d].view(t, h, d), kc, vc, meta, 0.125)\n"
+        "        assert torch.equal(strided, got), ('strided q', dtype, kvh, group, dim)\n"
         "from kernels import cpu_native\n"
         "bits = cpu_native.load().weir_gemv_supported()\n"
         f"assert bits == {3 if build == 'avx2' else 0}, bits\n"
@@ -239,6 +255,8 @@ def test_fresh_prompts_through_sdpa_match_reference(dtype):
         torch_ref.write_kv(kc, vc, k, v, meta)
         want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, 0.125)
         got = backend.paged_attention(q, kc, vc, meta, 0.125, new_kv=(k, v)).float()
+        assert torch.equal(backend.paged_attention(qkv_view(q), kc, vc, meta, 0.125,
+                                                   new_kv=(k, v)).float(), got)
         assert meta.derived["cpu_fresh"][0] == groups
         every_row_fresh = all(c == 0 and n >= backend.FRESH_MIN for n, c in zip(qlens, ctx))
         assert (meta.derived["cpu_fresh"][1] is None) == every_row_fresh
