@@ -47,11 +47,14 @@ def _cpu_key() -> str:
     return flags
 
 
-def build() -> Path:
-    """Compile (or find the cached) shared library; raises ValueError if it cannot."""
+def _compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise ValueError("no C++ compiler found for the native CPU attention kernel")
+    return cxx
+
+
+def _flags() -> list[str]:
     flags = list(_FLAGS)
     # the kernels other CPUs run, built here for tests: "avx2" (no AVX-512), "scalar" (no
     # AVX2 either: what the compiler vectorizes by itself)
@@ -60,8 +63,20 @@ def build() -> Path:
         flags.append("-mno-avx512f")
         if portable == "scalar":
             flags += ["-mno-avx2", "-mno-fma"]
+    return flags
+
+
+def build_key() -> str:
+    """What the library is built from: its sources, the compiler, the flags and the CPU. A
+    kernel choice measured on one build says nothing about another (autotune's cache)."""
     source = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_key()]).encode()).hexdigest()[:16]
+    blob = " ".join([_compiler(), *_flags(), _cpu_key()]).encode()
+    return hashlib.sha256(source + blob).hexdigest()[:16]
+
+
+def build() -> Path:
+    """Compile (or find the cached) shared library; raises ValueError if it cannot."""
+    cxx, flags, key = _compiler(), _flags(), build_key()
     cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")
     target = cache / f"weir_cpu_{key}.so"
     if target.exists():

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 9                      # bump when candidates or the timing method change
+VERSION = 10                     # bump when candidates, the timing method or the choice change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
 LINEAR = ("native", "onednn", "torch", "fp32", "fp32_onednn")
@@ -88,8 +88,11 @@ def choose_linear(timings: Mapping[str, Mapping[int, float]],
     ascending ``up_to_m``; the last entry also takes every larger M.
 
     Each bucket starts with its fastest candidate. Then the candidates that win the fewest
-    buckets are dropped, one at a time, if the others still run those buckets, in all at
-    most ``margin`` slower than the dropped one: every layout kept pays for its memory."""
+    buckets are dropped, one at a time, if the others still run those buckets at most
+    ``margin`` slower than the dropped one on average over them: every layout kept pays for
+    its memory. The average is of each bucket's slowdown (time / the dropped one's time),
+    so a one-token step weighs as much as a 256-token one; a sum of times would let the
+    largest buckets, where candidates tie, hide a 1.4x loss at decode sizes."""
     buckets = sorted({b for t in timings.values() for b in t})
     if not buckets:
         raise ValueError("no timings to choose from")
@@ -107,8 +110,8 @@ def choose_linear(timings: Mapping[str, Mapping[int, float]],
                 break
             swap[b] = min(options)
         else:
-            if sum(t for t, _ in swap.values()) <= \
-                    (1 + margin) * sum(timings[cand][b] for b in won):
+            if sum(t / timings[cand][b] for b, (t, _) in swap.items()) <= \
+                    (1 + margin) * len(won):
                 best.update({b: o for b, (_, o) in swap.items()})
                 kept = others
     table: list[tuple[int, str]] = []

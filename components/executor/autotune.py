@@ -156,6 +156,7 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
         return plan
     native_ops = native_ops_possible(spec, dtype, device)
     machine = {**tuning.machine_info(), "native_ops": native_ops,
+               "native_build": cpu_native.build_key() if cpu_native.available() else "",
                "candidates": {r: sorted(c) for r, c in cands.items()}}
     key = tuning.machine_key(machine, str(dtype).removeprefix("torch."), shp, max_tokens)
     # a plan with forced parts measures only the rest, and is not cached

@@ -149,12 +149,16 @@ def _needs_small_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (160, 2), (32, 7)])
-def test_small_batch_linear_matches_float_reference(n, k, dtype):
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (160, 2), (32, 7),
+                                  (16, 64), (80, 96)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_small_batch_linear_matches_float_reference(n, k, dtype, threads, monkeypatch):
     """bf16 products are exact in float32, so only the summation order and the final
     rounding differ from a float32 reference: within bf16's half-ulp, scaled by the sum.
-    float32: the summation order alone, a few ulps of the sum."""
+    float32: the summation order alone, a few ulps of the sum. Output widths of 1 to 60
+    blocks of 16, split between 1 or 3 threads."""
     _needs_small_batch(dtype)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     if dtype == torch.bfloat16 and k % 2:
         assert cpu_native.pack_small_batch(torch.zeros(n, k, dtype=dtype)) is None
         return

@@ -11,7 +11,7 @@ import torch
 from components.executor import autotune
 from components.executor.model import LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, cpu_native
 
 # head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
 SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=2,
@@ -105,6 +105,26 @@ def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
+    monkeypatch.setattr(autotune.tuning, "machine_info", real)
+    if cpu_native.available():         # new native kernels (an upgrade): measured again
+        monkeypatch.setattr(cpu_native, "build_key", lambda: "another build")
+        rebuilt = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+        assert rebuilt.plan.source == "measured" and rebuilt.plan.key != first.plan.key
+
+
+def test_the_native_build_key_follows_the_kernel_sources(tmp_path, monkeypatch):
+    if not cpu_native.available():
+        pytest.skip("no native kernels here")
+    key = cpu_native.build_key()
+    src = tmp_path / "csrc"
+    src.mkdir()
+    for f in cpu_native._CSRC.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(cpu_native, "_CSRC", src)
+    assert cpu_native.build_key() == key
+    gemv = src / "cpu_gemv.cpp"
+    gemv.write_bytes(gemv.read_bytes() + b"\n")
+    assert cpu_native.build_key() != key
 
 
 def test_executors_started_together_measure_once(tmp_path, monkeypatch):
