@@ -66,17 +66,18 @@ def _flags() -> list[str]:
     return flags
 
 
-def build_key() -> str:
+def build_key(cxx: str | None = None, flags: list[str] | None = None) -> str:
     """What the library is built from: its sources, the compiler, the flags and the CPU. A
     kernel choice measured on one build says nothing about another (autotune's cache)."""
     source = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
-    blob = " ".join([_compiler(), *_flags(), _cpu_key()]).encode()
+    blob = " ".join([cxx or _compiler(), *(flags or _flags()), _cpu_key()]).encode()
     return hashlib.sha256(source + blob).hexdigest()[:16]
 
 
 def build() -> Path:
     """Compile (or find the cached) shared library; raises ValueError if it cannot."""
-    cxx, flags, key = _compiler(), _flags(), build_key()
+    cxx, flags = _compiler(), _flags()
+    key = build_key(cxx, flags)
     cache = Path(os.environ.get("WEIR_KERNEL_CACHE") or Path.home() / ".cache/weir/kernels")
     target = cache / f"weir_cpu_{key}.so"
     if target.exists():

@@ -47,9 +47,10 @@ class AdmissionQueue:
 
     def add(self, req: Tokenized, decision, aging_per_s: float, now: float,
             deadline_at: float) -> Queued:
-        if all(q.tenant != req.tenant for q in self._items.values()):
-            # queued here makes a tenant backlogged (admitted work alone does not)
-            self.vtc.backlogged(req.tenant, {q.tenant for q in self._items.values()})
+        # queued here makes a tenant backlogged (admitted work alone does not)
+        waiting = {q.tenant for q in self._items.values()}
+        if req.tenant not in waiting:
+            self.vtc.backlogged(req.tenant, waiting)
         seq = next(self._seq)
         item = Queued(self.order(req.tenant, decision.priority, deadline_at, now) + (seq,),
                       req.request_id, req, decision, now, deadline_at, aging_per_s, seq)

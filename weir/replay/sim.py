@@ -199,8 +199,8 @@ class Simulator:
         if tick != self._load_tick:
             self._load_tick = tick
             self.policy.ttft.on_load(load_report(self.core, self.cost,
-                                            self.config.scheduler.max_num_batched_tokens,
-                                            self.now), self.now / _NS)
+                                                 self.config.scheduler.max_num_batched_tokens,
+                                                 self.now), self.now / _NS)
 
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:
