@@ -42,6 +42,7 @@ class ModelRunner:
         self.graph_steps = 0
         self.constrained_rows = 0         # rows sampled under structured output's masks
         self.mask_ns = 0                  # time making and applying those masks
+        self.grammar_wait_ns = 0          # time steps waited for a language's compile
         self.block_size = kv.block_size
         self.seqs: dict[int, SeqState] = {}
         self.num_blocks = kv.num_blocks
@@ -187,6 +188,7 @@ class ModelRunner:
             constrained = [(i, s.constraint) for i, s in enumerate(states)
                            if s.constraint is not None]
             if constrained:
+                self.grammar_wait_ns += sum(c.ready() for _, c in constrained)
                 t0 = time.perf_counter_ns()
                 apply_constraints(logits, constrained, self.native_sampling)
                 self.constrained_rows += len(constrained)

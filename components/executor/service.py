@@ -97,6 +97,12 @@ class ExecutorService(Component):
             raise ValueError("engine.device is 'cuda' but no CUDA device is available")
         device = torch.device("cuda" if eng.device == "cuda" or (
             eng.device == "auto" and torch.cuda.is_available()) else "cpu")
+        # structured output's vocabulary, built on its own thread while the weights are
+        # prepared (not under the first constrained request's step); languages compile
+        # beside the forward pass where it leaves cores free
+        grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(path), spec.vocab_size),
+                            overlap=device.type == "cuda"
+                            or torch.get_num_threads() < (os.cpu_count() or 1))
         k = eng.kernels
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
@@ -119,9 +125,7 @@ class ExecutorService(Component):
             except Exception:
                 log.exception("cuda_graph_capture_failed; decode runs eagerly")
                 graphs = None
-        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs,
-                                  Grammars(lambda: ll_tokenizer(load_tokenizer(path),
-                                                                spec.vocab_size)))
+        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs, grammars)
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
@@ -169,4 +173,5 @@ class ExecutorService(Component):
                 "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks,
                 "graph_steps": self.runner.graph_steps,
                 "structured.rows": self.runner.constrained_rows,
-                "structured.mask_s": round(self.runner.mask_ns / 1e9, 3)}
+                "structured.mask_s": round(self.runner.mask_ns / 1e9, 3),
+                "structured.compile_wait_s": round(self.runner.grammar_wait_ns / 1e9, 3)}

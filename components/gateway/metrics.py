@@ -60,6 +60,10 @@ class _EngineCollector:
         yield self._counter("weir:structured_output_mask_seconds", "Time the executor spent "
                             "making and applying structured output's masks.",
                             ex.get("structured.mask_s", 0))
+        yield self._counter("weir:structured_output_compile_wait_seconds", "Time executor "
+                            "steps waited for a language's matcher to finish compiling "
+                            "(it compiles while the step's forward pass runs).",
+                            ex.get("structured.compile_wait_s", 0))
         yield self._gauge("weir:kv_cpu_tier_blocks", "Blocks in the executor's host-memory tier.",
                           kv.get("cpu_total_blocks", 0))
         yield self._gauge("weir:kv_cpu_tier_free_blocks", "Free host-tier blocks (incl. cached).",

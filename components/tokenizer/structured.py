@@ -68,7 +68,7 @@ def ll_tokenizer(bundle: TokenizerBundle, vocab_size: int | None = None
                  ) -> llguidance.LLTokenizer:
     """The vocabulary as llguidance reads it: the same tokenizer, its EOS ids, and the
     model's vocabulary size (its logits' width: larger than the tokenizer's where a model
-    pads it). 0.4 s for SmolLM2's 49152 tokens: built once per process, on first use."""
+    pads it). 0.4 s for SmolLM2's 49152 tokens: built once per process, as it starts."""
     import llguidance
 
     return llguidance.LLTokenizer(bundle.tokenizer.to_str(),

@@ -91,6 +91,7 @@ def test_metrics_count_held_requests_by_kind_and_the_masks_work(gw, oai):
         time.sleep(0.05)
         after = metrics()
     assert after["weir:structured_output_mask_seconds_total"] > 0
+    assert "weir:structured_output_compile_wait_seconds_total" in after
 
 
 def test_vllm_forms_sdk_and_cli_agree(gw, oai):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -145,6 +146,46 @@ def test_a_sequence_learned_again_mid_output_continues_as_if_it_never_left(model
     assert valid("json", bundle.decode(whole[:-1]))
 
 
+def _step_within(runner: ModelRunner, plan: StepPlan, timeout: float = 60.0):
+    """``runner.step(plan)`` on a thread; its result, or an AssertionError if it has not
+    returned within ``timeout`` (it is waiting for something it should not)."""
+    got = []
+    worker = threading.Thread(target=lambda: got.append(runner.step(plan)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert got, f"step {plan.step_id} did not return within {timeout}s"
+    return got[0]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "inline"])
+def test_a_language_still_compiling_holds_up_no_other_sequence(model, vocab, bundle, overlap):
+    """The vocabulary is built on the grammar thread, here held back by a gate: a step with
+    a constrained sequence still prefilling, beside an unconstrained one, runs to its end
+    (the matcher is made when the sequence first samples, compiled beside the forward pass
+    or on the step's thread); then the constrained sequence's first sample takes a token
+    of its language."""
+    gate = threading.Event()
+    grammars = Grammars(lambda: (gate.wait(), vocab)[1], overlap=overlap)
+    runner = ModelRunner(model, model.new_kv_cache(64, BLOCK), grammars=grammars)
+    prompt = [900 + 13 * i for i in range(40)]
+    try:
+        first = _step_within(runner, StepPlan(1, [_new(1, prompt, FORMS["choice"]),
+                                                 _new(2, prompt[:20], None)],
+                                              [SeqStep(1, 16, [], False),
+                                               SeqStep(2, 20, [], True)], []))
+        assert first.seq_ids == [2]
+        assert not grammars._vocab.done()          # nothing above waited for it
+        gate.set()
+        second = _step_within(runner, StepPlan(2, [], [SeqStep(1, 24, [], True),
+                                                       SeqStep(2, 1, [], True)], []))
+    finally:
+        gate.set()
+    assert second.seq_ids == [1, 2]
+    token = second.token_ids[0]
+    assert any(bundle.decode([token]) == c[:len(bundle.decode([token]))] for c in CHOICES)
+    assert runner.grammar_wait_ns >= 0 and runner.constrained_rows == 1
+
+
 def _decode_some(runner: ModelRunner, new: NewSeq, n: int) -> list[int]:
     got = runner.step(StepPlan(1, [new], [SeqStep(new.seq_id, len(new.token_ids), [], True)],
                                [])).token_ids
@@ -180,7 +221,8 @@ def test_masks_are_exactly_the_tokens_llguidance_accepts(vocab, bundle, native):
 
 def test_a_matcher_in_error_allows_eos_alone(vocab, bundle):
     """(llguidance's own behaviour, which Constraint.fill relies on.)"""
-    c = Constraint(llguidance.LLMatcher(vocab, grammar_of(FORMS["choice"]), log_level=0), [])
+    fresh = llguidance.LLMatcher(vocab, grammar_of(FORMS["choice"]), log_level=0)
+    c = Constraint(lambda: fresh, [])
     c.matcher.consume_token(bundle.encode("zzz")[0])         # not in the language
     assert c.matcher.is_error()
     row = np.zeros((VOCAB + 31) // 32, dtype=np.int32)
@@ -212,12 +254,16 @@ def test_a_stopped_language_ignores_what_follows(vocab, bundle):
     assert torch.isfinite(logits[0]).nonzero()[:, 0].tolist() == [EOS]
 
 
-def test_one_fresh_matcher_per_language_is_kept_and_copied(vocab, bundle):
-    grammars = Grammars(lambda: vocab, keep=2)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "inline"])
+def test_one_fresh_matcher_per_language_is_kept_and_copied(vocab, bundle, overlap):
+    grammars = Grammars(lambda: vocab, keep=2, overlap=overlap)
+    compiled, compile = [], grammars._compile
+    grammars._compile = lambda so: (compiled.append(so), compile(so))[1]
     a = grammars.constraint(FORMS["choice"], [])
     b = grammars.constraint(FORMS["choice"], bundle.encode("alpha"))
     assert a.matcher is not b.matcher and not a.matcher.is_stopped()
     assert b.matcher.is_accepting() and not a.matcher.is_accepting()
+    assert compiled == [FORMS["choice"]]                  # once, for both sequences
     grammars.constraint(FORMS["regex"], [])
     grammars.constraint(FORMS["lark"], [])
     assert list(grammars._fresh) == [FORMS["regex"], FORMS["lark"]]
