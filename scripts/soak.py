@@ -7,6 +7,12 @@ grew past the stated margin between the first measured wave and the last.
 
 A real `weir serve` (all components, gateway on) is started and stopped by the script.
 The first wave warms caches and allocators; growth is measured from the end of wave 2.
+Requests of every kind by default: plain, streamed, cancelled, abandoned, invalid, held to
+one of 400 JSON schemas (the compiled-language caches turn over), and sampled with n 2,
+logprobs, penalties, a logit bias and a stop string. ``--kinds`` keeps some of them, to find
+which kind a growth comes from. The engine's KV pool is small, so that every block has been
+written within the first waves: a block's pages are zero pages until then, and a default
+pool's would read as growth for thousands of requests.
 """
 from __future__ import annotations
 
@@ -52,8 +58,12 @@ def sample(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
     return out
 
 
-async def one_sdk(client, i: int, rng: random.Random, tally: dict) -> None:
-    kind = rng.choice(["generate", "stream", "cancel", "bad"])
+SDK_KINDS = ("generate", "stream", "cancel", "bad")
+HTTP_KINDS = ("json", "sse", "abandon", "bad", "structured", "sampling")
+
+
+async def one_sdk(client, i: int, rng: random.Random, tally: dict, kinds=SDK_KINDS) -> None:
+    kind = rng.choice(kinds)
     try:
         if kind == "bad":
             await client.generate("x", max_tokens=-1)
@@ -73,12 +83,34 @@ async def one_sdk(client, i: int, rng: random.Random, tally: dict) -> None:
         tally[f"{kind}:{type(exc).__name__}"] = tally.get(f"{kind}:{type(exc).__name__}", 0) + 1
 
 
-async def one_http(http, i: int, rng: random.Random, tally: dict) -> None:
-    kind = rng.choice(["json", "sse", "abandon", "bad"])
+def schema(i: int) -> dict:
+    """One of 400 distinct small JSON schemas: more than the executor keeps compiled (64)
+    and the tokenizer keeps checked (256), so both caches turn over."""
+    return {"type": "object", "required": [f"k{i % 400}"],
+            "properties": {f"k{i % 400}": {"type": "integer", "minimum": 0, "maximum": 999},
+                           "note": {"type": "string", "maxLength": 12}}}
+
+
+async def one_http(http, i: int, rng: random.Random, tally: dict, kinds=HTTP_KINDS) -> None:
+    kind = rng.choice(kinds)
     body = {"prompt": f"Soak {i}: say something", "max_tokens": rng.randint(4, 32),
             "temperature": 0}
     try:
-        if kind == "bad":
+        if kind == "structured":         # held to a schema, streamed or not
+            chat = {"max_tokens": 24, "stream": bool(i % 3),
+                    "messages": [{"role": "user", "content": f"Soak {i}: a record"}],
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "r", "schema": schema(i)}}}
+            async with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+                code = r.status_code
+                async for _ in r.aiter_lines():
+                    pass
+        elif kind == "sampling":         # n > 1, logprobs, penalties, a bias, a stop string
+            code = (await http.post("/v1/completions", json={
+                **body, "n": 2, "temperature": 0.8, "seed": i, "logprobs": 3,
+                "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
+                "logit_bias": {"13": -5}, "stop": [" the"]})).status_code
+        elif kind == "bad":
             r = await http.post("/v1/completions", json={**body, "max_tokens": -5})
             code = r.status_code
         elif kind == "json":
@@ -96,15 +128,19 @@ async def one_http(http, i: int, rng: random.Random, tally: dict) -> None:
         tally[f"{kind}:{type(exc).__name__}"] = tally.get(f"{kind}:{type(exc).__name__}", 0) + 1
 
 
-async def wave(eng: Engine, start: int, size: int, rng: random.Random, tally: dict) -> None:
+async def wave(eng: Engine, start: int, size: int, rng: random.Random, tally: dict,
+               kinds: tuple[str, ...] = ()) -> None:
+    """``size`` requests, alternately SDK and HTTP, of ``kinds`` (all: every kind)."""
+    sdk = tuple(k for k in SDK_KINDS if not kinds or k in kinds)
+    web = tuple(k for k in HTTP_KINDS if not kinds or k in kinds)
     async with eng.async_client(timeout=120) as client, \
             httpx.AsyncClient(base_url=eng.base_url, timeout=120) as http, \
             anyio.create_task_group() as tg:
         for i in range(start, start + size):
-            if i % 2:
-                tg.start_soon(one_sdk, client, i, rng, tally)
+            if web and (i % 2 == 0 or not sdk):
+                tg.start_soon(one_http, http, i, rng, tally, web)
             else:
-                tg.start_soon(one_http, http, i, rng, tally)
+                tg.start_soon(one_sdk, client, i, rng, tally, sdk)
 
 
 def main() -> int:
@@ -114,12 +150,21 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="print the outcomes after each wave")
+    ap.add_argument("--kinds", default="", help="only these kinds of request, comma-separated "
+                    f"(SDK: {', '.join(SDK_KINDS)}; HTTP: {', '.join(HTTP_KINDS)}; "
+                    "default: all), to find which one a growth comes from")
     args = ap.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if unknown := set(kinds) - set(SDK_KINDS) - set(HTTP_KINDS):
+        ap.error(f"unknown kinds: {', '.join(sorted(unknown))}")
     print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; "
           f"{args.requests} requests in waves of {args.wave}, {args.dtype}")
     run_dir = Path(tempfile.mkdtemp(prefix="weir-soak-"))
-    eng = Engine(run_dir, "[engine]\nmax_model_len = 1024\n", http_port=free_port(),
-                 extra_args=("--dtype", args.dtype))
+    # a small KV pool and host tier: every block is written within the first waves (the
+    # pool is zero pages until a block is first written, so a large one would read as
+    # growth until it had all been used once), and preemption runs too
+    eng = Engine(run_dir, "[engine]\nmax_model_len = 1024\n[kv]\nnum_blocks = 256\n"
+                 "num_cpu_blocks = 64\n", http_port=free_port(), extra_args=("--dtype", args.dtype))
     rng = random.Random(args.seed)
     tally: dict = {}
     try:
@@ -134,7 +179,7 @@ def main() -> int:
         while sent < args.requests:
             t0 = time.monotonic()
             size = min(args.wave, args.requests - sent)
-            anyio.run(wave, eng, sent, size, rng, tally)
+            anyio.run(wave, eng, sent, size, rng, tally, kinds)
             sent += size
             eng.wait_kv_free(timeout=30)
             s = sample(pids)
