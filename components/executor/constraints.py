@@ -10,8 +10,9 @@ after preemption, or a fork of ``n`` > 1) rebuilds its matcher from the grammar 
 output so far.
 
 The vocabulary llguidance reads (0.4-0.6 s, most of it holding the GIL) is built on a
-worker thread as the executor starts: built under the first constrained request, it stalled
-every running stream 0.6-0.7 s on 2 cores. A language's matcher is compiled when its first
+worker thread as the executor starts (``Grammars.settle`` waits for it before the executor
+is ready): built under the first constrained request, it stalled every running stream
+0.6-0.7 s on 2 cores. A language's matcher is compiled when its first
 sequence arrives: on that thread while the forward pass runs where cores are free (llguidance
 lets go of the GIL: 30-40 ms for 200 properties), else on the step's thread when the
 sequence first samples (``Grammars.overlap``)."""
@@ -93,6 +94,11 @@ class Grammars:
         self._vocab: Future = self._worker.submit(vocab)
         self._fresh: OrderedDict[StructuredOutput, Callable[[], object]] = OrderedDict()
         self.keep, self.overlap = keep, overlap
+
+    def settle(self) -> BaseException | None:
+        """Waits for the vocabulary's build; what it raised, if it failed (the constrained
+        sequences then fail their steps, as the build would have in them)."""
+        return self._vocab.exception()
 
     def constraint(self, so: StructuredOutput, output: list[int]) -> Constraint:
         """``so``'s constraint for a sequence whose output so far is ``output``, at once

@@ -129,6 +129,9 @@ class ExecutorService(Component):
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
+        # ready once the vocabulary is: its build holds the GIL, which the first steps need
+        if (failed := grammars.settle()) is not None:
+            log.error("structured_output_unavailable", error=repr(failed)[:200])
         self.trimmed = trim_heap()
         self.load_s = round(time.perf_counter() - t0, 2)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from opentelemetry import trace
@@ -29,11 +28,18 @@ class TokenizerService(Component):
         self.to_admission = self.push_to("admission")
         self.to_streamer = self.push_to("streamer")
         self.tokenized = 0
-        # structured output's vocabulary, built on a thread from the start (0.4 s, mostly
-        # under the GIL): on the first request that asks, it held up every prompt behind it
-        self._vocab = ThreadPoolExecutor(1, thread_name_prefix="weir-vocab").submit(
-            structured.ll_tokenizer, self.bundle)
-        self._checked = None
+        # structured output's vocabulary (0.4 s, mostly holding the GIL), built before the
+        # first request: built on the first request that asked, it held up every prompt
+        # behind it
+        try:
+            vocab = structured.ll_tokenizer(self.bundle)
+        except Exception as exc:              # a tokenizer llguidance cannot read: a 400 each
+            log.error("structured_output_unavailable", error=repr(exc)[:200])
+            why = f"structured output is unavailable for this model's tokenizer: {exc}"[:500]
+            self._checked = lambda so: why
+        else:
+            self._checked = functools.lru_cache(maxsize=256)(
+                lambda so: structured.check(so, vocab))
 
     async def run(self) -> None:
         while True:
@@ -73,10 +79,6 @@ class TokenizerService(Component):
     def _check_structured(self, so: StructuredOutput) -> str | None:
         """Why the request's structured output cannot be used with this model, or None;
         the answers for the last 256 languages kept (a service sends one schema often)."""
-        if self._checked is None:
-            vocab = self._vocab.result()
-            self._checked = functools.lru_cache(maxsize=256)(
-                lambda so: structured.check(so, vocab))
         return self._checked(so)
 
     def stats(self) -> dict[str, float]:
