@@ -77,3 +77,48 @@ def test_kind_names_the_language_and_nothing_of_it():
         {"json": '{"secret": 1}'}, {"json_object": True}, {"regex": "s3cret"},
         {"choice": ("a",)}, {"grammar": 'start: "x"'})] == [
         "json", "json_object", "regex", "choice", "grammar"]
+
+
+class _Sink:
+    async def send(self, *args, **kwargs) -> None:
+        pass
+
+
+async def _tokenizer_service(tmp_path, model_path):
+    from components.tokenizer.service import TokenizerService
+    from schemas.config import load_config
+
+    service = TokenizerService(load_config(topology={"run_dir": str(tmp_path)},
+                                           engine={"model": str(model_path)}))
+    service.inbox = lambda accepts: _Sink()
+    service.push_to = lambda component: _Sink()
+    await service.setup()
+    return service
+
+
+@pytest.mark.anyio
+async def test_the_tokenizer_checks_languages_with_the_vocabulary_it_built_at_setup(
+        tmp_path, model_path, monkeypatch):
+    from components.tokenizer import structured
+
+    service = await _tokenizer_service(tmp_path, model_path)
+    built = []
+    monkeypatch.setattr(structured, "ll_tokenizer", lambda *a: built.append(a))
+    assert service._check_structured(StructuredOutput(regex="[0-9]+")) is None
+    assert "invalid structured output" in service._check_structured(StructuredOutput(regex="("))
+    assert built == []                        # nothing built on a request
+
+
+@pytest.mark.anyio
+async def test_a_vocabulary_llguidance_cannot_read_refuses_structured_requests(
+        tmp_path, model_path, monkeypatch):
+    """The tokenizer still starts and tokenizes; each structured request gets the reason."""
+    from components.tokenizer import structured
+
+    def unreadable(*args):
+        raise ValueError("no such token kind")
+
+    monkeypatch.setattr(structured, "ll_tokenizer", unreadable)
+    service = await _tokenizer_service(tmp_path, model_path)
+    why = service._check_structured(StructuredOutput(regex="[0-9]+"))
+    assert why.startswith("structured output is unavailable") and "no such token kind" in why
