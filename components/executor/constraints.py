@@ -12,9 +12,9 @@ output so far.
 The vocabulary llguidance reads (0.4-0.6 s, most of it holding the GIL) is built on a
 worker thread as the executor starts (``Grammars.settle`` waits for it before the executor
 is ready): built under the first constrained request, it stalled every running stream
-0.6-0.7 s on 2 cores. A language's matcher is compiled when its first
-sequence arrives: on that thread while the forward pass runs where cores are free (llguidance
-lets go of the GIL: 30-40 ms for 200 properties), else on the step's thread when the
+0.6-0.7 s on 2 cores. A language's matcher is compiled on that thread from the moment its
+first sequence arrives, beside the forward pass, where that leaves cores free (llguidance
+lets go of the GIL: 30-40 ms for 200 properties); else on the step's thread when the
 sequence first samples (``Grammars.overlap``)."""
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class Constraint:
 
 
 class Grammars:
-    """Matchers for constrained sequences: the vocabulary (``vocab()``), built on a worker
+    """Matchers for constrained sequences: the vocabulary, built by ``vocab`` on a worker
     thread from construction, and a fresh matcher per language kept (up to ``keep``),
     copied for each sequence that asks for it (requests of one service send the same schema
     again and again).
