@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from components.gateway.openai_api import CompletionRequest, prompts_of
-from components.gateway.tools import ToolMode, call_id, calls_of
+from components.gateway.tools import CallStream, ToolMode, call_id, calls_of
 from schemas.client import PromptLogprobs, TokenLogprob
 from schemas.wire import Usage
 
@@ -87,7 +87,7 @@ class Shaper:
         the end, when it is whole)."""
         self.chat = chat
         self.tools = tools
-        self.held: dict[int, str] = {}              # "required": each choice's text so far
+        self.calls: dict[int, CallStream] = {}      # "required": each choice's calls so far
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
@@ -199,8 +199,9 @@ class Shaper:
                     finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         """A tool-call answer's stream delta (None: nothing to send yet) and finish reason.
         A named function's call opens on the choice's first chunk and its arguments follow
-        as they come; ``"required"``'s text is held, and its calls go out whole with its
-        finish (or, cut short, the text as content)."""
+        as they come. ``"required"``'s calls each open once their name is whole, and their
+        arguments follow as they come; an answer cut short before any call opened goes out
+        as its text, as content (the whole-body shape does the same)."""
         name = self.tools.name
         if name is not None:
             if first:
@@ -209,17 +210,18 @@ class Shaper:
             elif text:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             return delta, finish_reason
-        if text:
-            self.held[index] = self.held.get(index, "") + text
+        stream = self.calls.setdefault(index, CallStream())
+        calls = stream.feed(text or "")
+        if calls:
+            delta["tool_calls"] = calls
         if finish_reason is None:
-            return (delta if first else None), None
-        held = self.held.pop(index, "")
-        calls = calls_of(self.tools, held)
-        if calls is None:
-            delta["content"] = held
+            return (delta if calls or first else None), None
+        del self.calls[index]
+        if not stream.opened:
+            delta["content"] = stream.text
             return delta, finish_reason
-        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-        return delta, "tool_calls" if finish_reason == "stop" else finish_reason
+        whole = calls_of(self.tools, stream.text) is not None
+        return delta, "tool_calls" if finish_reason == "stop" and whole else finish_reason
 
     def usage_chunk(self, usage: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -120,19 +120,115 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+class CallStream:
+    """A ``"required"`` answer's calls as its text arrives (the grammar holds it to a JSON
+    list of ``{"name": ..., "parameters": {...}}``): each call's opening (its index, id and
+    name) once its name is whole, then its arguments, the ``parameters`` value's text, as
+    they come: OpenAI's streamed ``tool_calls`` deltas. ``feed`` scans only what is new."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._at = 0                        # scanned up to here
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._string_start = 0
+        self._key: str | None = None        # the call object's key being read or valued
+        self._calls: list[dict[str, Any]] = []   # name, args (start, sent up to), opened
+        self.opened = 0                     # calls whose opening has gone out
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas ``text`` completes (``[{"index": k, ...}, ...]``, maybe none)."""
+        self.text += text
+        t = self.text
+        while self._at < len(t):
+            c, i = t[self._at], self._at
+            self._at += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 2:
+                        self._string_ended(t[self._string_start:i])
+                continue
+            if c == '"':
+                self._in_string, self._string_start = True, i + 1
+                if self._depth == 2 and self._key == "parameters":
+                    self._value_starts(i)
+            elif c in "[{":
+                if self._depth == 1 and c == "{":
+                    self._calls.append({"name": None, "args": None, "sent": 0})
+                    self._key = None
+                elif self._depth == 2 and self._key == "parameters":
+                    self._value_starts(i)
+                self._depth += 1
+            elif c in "]}":
+                self._depth -= 1
+                if self._depth == 1:
+                    self._value_ends(i)
+            elif c == "," and self._depth == 2:
+                self._value_ends(i)
+                self._key = None
+            elif self._depth == 2 and self._key == "parameters" and not c.isspace() \
+                    and c != ":":
+                self._value_starts(i)             # a scalar value
+        return self._deltas()
+
+    def _string_ended(self, s: str) -> None:
+        call = self._calls[-1]
+        if self._key is None:
+            self._key = json.loads(f'"{s}"')
+        elif self._key == "name" and call["name"] is None:
+            call["name"] = json.loads(f'"{s}"')
+
+    def _value_starts(self, i: int) -> None:
+        call = self._calls[-1]
+        if call["args"] is None:
+            call["args"] = call["sent"] = i
+
+    def _value_ends(self, i: int) -> None:
+        if self._calls and self._key == "parameters":
+            self._calls[-1].setdefault("end", i)
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        out = []
+        for k, call in enumerate(self._calls):
+            if call["name"] is None:
+                break                              # calls open in order
+            if k >= self.opened:
+                out.append({"index": k, "id": call_id(), "type": "function",
+                            "function": {"name": call["name"], "arguments": ""}})
+                self.opened = k + 1
+            if call["args"] is None:
+                continue
+            upto = call.get("end", self._at)
+            if upto > call["sent"]:
+                out.append({"index": k,
+                            "function": {"arguments": self.text[call["sent"]:upto]}})
+                call["sent"] = upto
+        return out
+
+
 def calls_of(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     """The answer's ``tool_calls`` (OpenAI's shape), or None where ``"required"``'s text is
     not a whole list of calls (``max_tokens`` cut it short). A named function's call is
     its text whatever it holds: cut short, its arguments are too (``finish_reason``
-    ``length`` says so, as OpenAI's does)."""
+    ``length`` says so, as OpenAI's does). A call's arguments are its ``parameters``' text
+    as the model wrote it, the same text a stream sends (``CallStream``)."""
     if mode.name is not None:
         return [{"id": call_id(), "type": "function",
                  "function": {"name": mode.name, "arguments": text}}]
     try:
-        items = json.loads(text)
+        json.loads(text)
     except ValueError:
         return None
-    return [{"id": call_id(), "type": "function",
-             "function": {"name": item["name"],
-                          "arguments": json.dumps(item["parameters"], ensure_ascii=False)}}
-            for item in items]
+    calls: list[dict[str, Any]] = []
+    for delta in CallStream().feed(text):
+        if "id" in delta:
+            calls.append({"id": delta["id"], "type": "function",
+                          "function": dict(delta["function"])})
+        else:
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    return calls

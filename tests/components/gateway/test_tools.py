@@ -3,13 +3,14 @@ answer's text becomes tool_calls (whole and streamed), and every way a request's
 can be wrong is a 400. The "required" grammar is checked against llguidance with
 SmolLM2's vocabulary: the calls it accepts are the ones calls_of reads."""
 import json
+import random
 
 import pytest
 
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, parse, submit_batch,
                                            validate_kwargs)
 from components.gateway.shaping import Shaper
-from components.gateway.tools import ToolMode, calls_of, mode_of, tool_request
+from components.gateway.tools import CallStream, ToolMode, calls_of, mode_of
 from schemas.client import Tool, ToolCall
 from schemas.wire import Usage
 
@@ -149,12 +150,53 @@ def test_streamed_calls():
     required = Shaper(True, "r", M, tools=ToolMode(None))
     assert required.chunk("", first=True, index=1)["choices"][0]["delta"] == {
         "role": "assistant"}
-    assert required.chunk('[{"name": "get_time", ', index=1) is None     # held
-    assert required.chunk('"parameters": {}}]', index=1) is None
+    assert required.chunk('[{"name": "get_ti', index=1) is None      # no whole name yet
+    (opening,) = required.chunk('me", ', index=1)["choices"][0]["delta"]["tool_calls"]
+    assert opening["index"] == 0 and opening["id"].startswith("call_")
+    assert opening["function"] == {"name": "get_time", "arguments": ""}
+    (args,) = required.chunk('"parameters": {}}]', index=1)["choices"][0]["delta"][
+        "tool_calls"]
+    assert args == {"index": 0, "function": {"arguments": "{}"}}
     end = required.chunk(None, "stop", index=1)["choices"][0]
-    assert end["finish_reason"] == "tool_calls" and end["index"] == 1
-    (call,) = end["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"] == {"name": "get_time", "arguments": "{}"}
-    required.chunk('[{"name": "get_ti', index=0)
+    assert end["finish_reason"] == "tool_calls" and end["index"] == 1 and end["delta"] == {}
+    # cut short before any call opened: the text, as content (as the whole-body shape)
+    assert required.chunk('[{"name": "get_ti', index=0) is None
     cut = required.chunk(None, "length", index=0)["choices"][0]
     assert cut["delta"] == {"content": '[{"name": "get_ti'} and cut["finish_reason"] == "length"
+    # cut short after one opened: what went out stands, and the finish says why it ended
+    required.chunk('[{"name": "get_weather", "parameters": {"ci', index=2)
+    cut = required.chunk(None, "length", index=2)["choices"][0]
+    assert cut["delta"] == {} and cut["finish_reason"] == "length"
+
+
+TRICKY = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}, ]", '
+          '"days": [1, {"x": null}], "ok": true}}, {"name": "get_time", "parameters": {}}, '
+          '{"name": "get_weather", "parameters": {"city": "\\u00e9\\\\"}}]')
+# the keys the other way round (the grammar writes name first; the parser does not rely
+# on it), and free whitespace
+REVERSED = ('[ {"parameters": {"city": "Oslo", "n": [1, 2]} , "name": "get_weather"},'
+            '{"parameters":{},"name":"get_time"}, {"name": "get_weather", "parameters": '
+            '{"city": "{\\"}"}}]')
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("answer", [TRICKY, REVERSED], ids=["name-first", "reversed"])
+def test_streamed_required_calls_are_the_whole_answers_calls(answer, seed):
+    """Fed in random pieces (one character at a time included), the deltas open each call
+    once, in order, with its name, and its arguments add up to its parameters' text:
+    the calls ``calls_of`` reads from the whole answer, strings with brackets, commas and
+    escaped quotes in them included."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(1, len(answer) - 1)))
+    pieces = [answer[a:b] for a, b in zip([0] + cuts, cuts + [len(answer)])]
+    stream = CallStream()
+    deltas = [d for piece in pieces for d in stream.feed(piece)]
+    opened = [d for d in deltas if "id" in d]
+    assert [d["index"] for d in opened] == [0, 1, 2]
+    args = {k: "".join(d["function"]["arguments"] for d in deltas if d["index"] == k)
+            for k in range(3)}
+    want = calls_of(ToolMode(None), answer)
+    assert [d["function"]["name"] for d in opened] == [c["function"]["name"] for c in want]
+    assert [json.loads(args[k]) for k in range(3)] == [
+        json.loads(c["function"]["arguments"]) for c in want]
+    assert stream.feed("") == []
