@@ -173,6 +173,9 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
     prefill_s: float = 0.0      # first scheduled → first token
     decode_s: float = 0.0       # first token → finished
     preemptions: int = 0        # times the request (any choice) was preempted
+    ingress_s: float = 0.0      # of queue_s, what no queue held it: arrival → the engine's
+                                # queue (admission's or the scheduler's), less admission's
+                                # queue (tokenizer, cache lookup, hops between processes)
 
 
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):

@@ -85,6 +85,7 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     public_blocks: int = 0
     service_class: str | None = None  # asked for by the client; in Admitted, the class granted
     tpot_slo_ms: float | None = None  # in Admitted: the class's TPOT SLO (stall-free chunking)
+    queued_ns: int = 0                # in Admitted: how long admission's queue held it
 
 
 class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):

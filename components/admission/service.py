@@ -108,7 +108,7 @@ class AdmissionService(Component):
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
             req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
             req.public_scope, req.public_blocks, d.service_class,
-            self.policy.classes[d.service_class].tpot_slo_ms),
+            self.policy.classes[d.service_class].tpot_slo_ms, int(queued_s * 1e9)),
             traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,

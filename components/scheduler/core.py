@@ -117,7 +117,10 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         all running is not backlogged, so its next request is lifted (no banked credit)."""
         return {s.tenant for s in self.waiting}
 
-    def add(self, req: Admitted) -> Seq:
+    def add(self, req: Admitted, now_ns: int = 0) -> Seq:
+        """Take an admitted request in at wall-clock ``now_ns`` (0: unknown), from which its
+        ingress is measured: the time since its arrival that neither admission's queue nor
+        this one held it."""
         deadline_ns = req.arrival_ns + int(req.deadline_ms * 1e6) \
             if req.deadline_ms is not None else 0
         seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
@@ -126,7 +129,8 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                   deadline_ns=deadline_ns,
                   tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
                   public_scope=req.public_scope, public_blocks=req.public_blocks,
-                  prompt_lps=None if req.params.prompt_logprobs is None else [])
+                  prompt_lps=None if req.params.prompt_logprobs is None else [],
+                  ingress_ns=max(now_ns - req.arrival_ns - req.queued_ns, 0) if now_ns else 0)
         seq.group.append(seq)
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq

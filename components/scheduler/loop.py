@@ -103,7 +103,7 @@ class SchedulerLoop:
         match body:
             case Admitted() as req:
                 if req.request_id not in core.by_request:       # a replay may repeat it
-                    core.add(req)
+                    core.add(req, now_ns)
             case StepResult() as res:
                 out = self._on_result(res, sends, now_ns, mono_ns)
             case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):

@@ -87,7 +87,8 @@ class Output:
                     parent.prompt_len, parent.token_ids + [token], parent.block_hashes,
                     parent.arrival_ns, parent.eos_token_ids, state=State.FORKING,
                     num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
-                    first_scheduled_ns=parent.first_scheduled_ns, index=index,
+                    first_scheduled_ns=parent.first_scheduled_ns,
+                    ingress_ns=parent.ingress_ns, index=index,
                     priority=parent.priority, deadline_ns=parent.deadline_ns,
                     tpot_slo_s=parent.tpot_slo_s, public_scope=parent.public_scope,
                     public_blocks=parent.public_blocks, forked=True, group=parent.group)
@@ -121,10 +122,12 @@ class Output:
                                        logprobs=None if lp is None else [lp], prompt=prompt))
             return
         usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
-        timing = RequestTiming(max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9,
+        queue_ns = max(seq.first_scheduled_ns - seq.arrival_ns, 0)
+        timing = RequestTiming(queue_ns / 1e9,
                                max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
                                max(now_ns - seq.first_token_ns, 0) / 1e9,
-                               sum(s.preemptions for s in seq.group))
+                               sum(s.preemptions for s in seq.group),
+                               min(seq.ingress_ns, queue_ns) / 1e9)
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
                                    seq.index, None if lp is None else [lp], prompt))
         self._finish(seq, out)

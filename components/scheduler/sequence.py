@@ -143,6 +143,7 @@ class Seq:
     outputs_sent: int = 0          # output tokens already handed to the detokenizer
     preemptions: int = 0
     first_scheduled_ns: int = 0
+    ingress_ns: int = 0             # arrival → the engine's queues, less admission's queue
     first_token_ns: int = 0
     index: int = 0                 # which of the request's n choices
     priority: int = 0              # lower is more important

@@ -18,9 +18,10 @@ import random
 import statistics
 
 import anyio
-import pytest
+import msgspec
 
 from tests.e2e.engine import Engine
+from weir.replay.fairness import max_backlogged_gap, service_events
 from weir.replay.live import SdkTarget, replay
 from weir.replay.probes import decode_through_burst
 from weir.replay.report import percentile, summarize
@@ -158,6 +159,15 @@ def test_vtc_keeps_the_service_gap_bound_live_where_fcfs_breaks_it(tmp_path_fact
             [(r.request_id, r.terminal, r.reason) for r in run.records if r.terminal != COMPLETED]
         gaps[fairness] = summarize(run, {}, Slo(math.inf, math.inf),
                                    weights=WEIGHTS).max_backlogged_gap
+        ingress = [r.ingress_s for r in run.records if r.ingress_s is not None]
+        assert len(ingress) == len(run.records) and all(0 <= x <= r.queue_s for x, r in
+                                                        zip(ingress, run.records))
+        counted = [msgspec.structs.replace(r, ingress_s=None) for r in run.records]
+        print(f"{fairness}: gap {gaps[fairness]:.0f}, {gaps[fairness] / u:.2f} U (U {u:.0f}); "
+              f"with the engine's ingress counted as backlog "
+              f"{max_backlogged_gap(service_events(counted, WEIGHTS)):.0f}; ingress "
+              f"median {1e3 * sorted(ingress)[len(ingress) // 2]:.1f} ms, max "
+              f"{1e3 * max(ingress):.1f} ms")
         if fairness == "vtc":
             # budgets held all along: A's KV at the kv_manager, A's running sequences
             assert samples and max(kv for kv, _ in samples) <= A_KV, samples

@@ -8,9 +8,12 @@ output token at the moment it arrived.
 
 A tenant is *backlogged* while it has work waiting to be served, as in VTC: a request counts
 from when it was sent until it was first scheduled (``sent_s + queue_s``, the engine's queue
-time). Where the engine also reports its prefill time (first scheduled to first token), the
-wait is placed where the engine had it: it ends that long before the first token arrived and
-began ``queue_s`` before that. A request the client sent late, or the engine took in late
+time), less its ingress (``ingress_s``: tokenization, the prefix-cache lookup and the hops
+between processes, which no queue's order decides; on 2 cores under load these are where a
+busy core makes a request wait before any queue holds it). Where the engine also reports
+its prefill time (first scheduled to first token), the wait is placed where the engine had
+it: it ends that long before the first token arrived and began the queued part of
+``queue_s`` before that. A request the client sent late, or the engine took in late
 (a busy client or a descheduled ingress), was not there to be scheduled, so the scheduler is
 not charged for others served meanwhile: on 2 cores, a 0.3 s delay between a send and the
 engine's arrival read as a 2.7x larger gap under VTC. Where a record has no queue time (HTTP
@@ -72,22 +75,21 @@ def terminal_time(rec: RequestRecord) -> float:
 
 
 def backlog_span(rec: RequestRecord) -> tuple[float, float]:
-    """When the request waited to be scheduled, ``(start, end)``, never before it was sent:
-    with the engine's queue and prefill times and a first token, ``end`` is the first token
+    """When the request waited to be scheduled, ``(start, end)``, never before it was sent.
+    With the engine's queue and prefill times and a first token, ``end`` is the first token
     less the prefill time (first scheduled, on the client's clock) and ``start`` is ``end``
-    less the queue time (the engine's arrival); with a queue time only, from the send until
-    ``sent_s + queue_s``; else from the send until its first token, else its terminal
-    event."""
+    less the time a queue held it: the queue time less its ingress (the tokenizer, the
+    cache lookup and the hops between processes, which no queue's order decides). With a
+    queue time only, from the send plus its ingress until ``sent_s + queue_s``; else from
+    the send until its first token, else its terminal event."""
     start = rec.sent_s
-    if rec.queue_s is not None and rec.prefill_s is not None and rec.ttft_s is not None:
-        end = max(rec.sent_s + rec.ttft_s - rec.prefill_s, start)
-        return max(end - rec.queue_s, start), end
     if rec.queue_s is not None:
-        end = rec.sent_s + rec.queue_s
-    elif rec.ttft_s is not None:
-        end = rec.sent_s + rec.ttft_s
-    else:
-        end = terminal_time(rec)
+        ingress = min(rec.ingress_s or 0.0, rec.queue_s)
+        if rec.prefill_s is not None and rec.ttft_s is not None:
+            end = max(rec.sent_s + rec.ttft_s - rec.prefill_s, start)
+            return max(end - (rec.queue_s - ingress), start), end
+        return start + ingress, start + rec.queue_s
+    end = rec.sent_s + rec.ttft_s if rec.ttft_s is not None else terminal_time(rec)
     return start, max(end, start)
 
 

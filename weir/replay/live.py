@@ -117,6 +117,7 @@ class SdkTarget:
             if result.timing is not None:
                 rec.preemptions = result.timing.preemptions
                 rec.prefill_s = result.timing.prefill_s
+                rec.ingress_s = result.timing.ingress_s
         except RequestRejected as exc:
             rec.decision, rec.reason, rec.terminal = "reject", exc.reason, REJECTED
             rec.e2e_s = _clock(t0) - rec.sent_s

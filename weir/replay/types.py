@@ -72,6 +72,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     queue_s: float | None = None        # arrival → first scheduled, as the engine reports
     ttft_s: float | None = None         # sent → first token
     prefill_s: float | None = None      # first scheduled → first token, as the engine reports
+    ingress_s: float | None = None      # of queue_s, arrival → the engine's queues, less
+                                        # admission's queue (tokenizer, lookup, hops)
     itl_s: list[float] = []             # gaps between consecutive output tokens (choice 0)
     e2e_s: float | None = None          # sent → terminal event
     prompt_tokens: int = 0

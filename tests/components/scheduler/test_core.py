@@ -868,8 +868,10 @@ def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
 
 def test_request_timing_from_the_clock():
     core = make()
-    req = Admitted("tm", "t1", prompt(5), [], SamplingParams(max_tokens=2), 1_000_000_000)
-    core.add(req)
+    # arrived at 1.0 s, held 0.03 s in admission's queue, here at 1.05 s: 0.02 s of ingress
+    req = Admitted("tm", "t1", prompt(5), [], SamplingParams(max_tokens=2), 1_000_000_000,
+                   queued_ns=30_000_000)
+    core.add(req, now_ns=1_050_000_000)
     assert core.schedule(now_ns=1_100_000_000) is None
     ops = core.take_kv_ops()
     pool = BlockPool(64, BS)
@@ -882,4 +884,4 @@ def test_request_timing_from_the_clock():
     core.take_kv_ops()
     plan = core.schedule(now_ns=1_450_000_000)
     out = core.on_result(result(plan, {a.seq_id: 8}), now_ns=1_900_000_000)
-    assert out.tokens[0].timing == RequestTiming(0.25, 0.15, 0.5)
+    assert out.tokens[0].timing == RequestTiming(0.25, 0.15, 0.5, 0, 0.02)

@@ -251,6 +251,27 @@ def test_a_request_the_engine_had_not_received_yet_is_not_backlog():
     assert max_backlogged_gap(service_events([a, from_send, waiter])) == 102.0
 
 
+def test_the_engines_ingress_is_not_backlog():
+    # the engine had the request 0.5 s from arrival to first scheduled, 0.2 s of it in the
+    # tokenizer, the cache lookup and the hops (no queue held it): it waited 0.3 s
+    both = _rec(1, queue_s=0.5, ingress_s=0.2, prefill_s=0.25, ttft_s=1.0)
+    assert backlog_span(both) == (1.25 + 0.2, 1.75)
+    assert backlog_span(_rec(1, queue_s=0.5, ingress_s=0.2)) == (1.2, 1.5)   # queue time only
+    assert backlog_span(_rec(1, queue_s=0.5, ingress_s=0.9)) == (1.5, 1.5)   # never past it
+    # B reaches the scheduler 0.3 s after arriving (a busy tokenizer); A's prompt of 100
+    # starts meanwhile. B never waited in a queue: no gap, where counting its ingress as
+    # backlog charges the scheduler with A's start (the gap of the test above)
+    a = _rec(0, tenant="A", sent_s=0.0, queue_s=0.2, prefill_s=0.1, ttft_s=0.3, e2e_s=0.3,
+             prompt_tokens=100, output_tokens=1)
+    b = _rec(1, tenant="B", sent_s=0.0, queue_s=0.3, ingress_s=0.3, prefill_s=0.1,
+             ttft_s=0.4, e2e_s=0.4, prompt_tokens=10, output_tokens=1)
+    waiter = _rec(2, tenant="A", sent_s=0.0, queue_s=5.0, ttft_s=5.1, e2e_s=5.1,
+                  prompt_tokens=1, output_tokens=1)
+    assert max_backlogged_gap(service_events([a, b, waiter])) == 0.0
+    b_counted = msgspec.structs.replace(b, ingress_s=None)
+    assert max_backlogged_gap(service_events([a, b_counted, waiter])) == 102.0
+
+
 def test_a_tenant_whose_work_is_all_running_is_not_backlogged():
     # A's one request starts at once and streams 10 tokens over 1..10 s; B's requests each
     # wait 1 s and are served. A was never waiting, so however far ahead it gets, no gap
