@@ -220,8 +220,8 @@ class Shaper:
         if not stream.opened:
             delta["content"] = stream.text
             return delta, finish_reason
-        whole = calls_of(self.tools, stream.text) is not None
-        return delta, "tool_calls" if finish_reason == "stop" and whole else finish_reason
+        return delta, "tool_calls" if finish_reason == "stop" and stream.whole() \
+            else finish_reason
 
     def usage_chunk(self, usage: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -176,6 +176,14 @@ class CallStream:
                 self._value_starts(i)             # a scalar value
         return self._deltas()
 
+    def whole(self) -> bool:
+        """Whether the text fed so far is a whole JSON value (the answer was not cut short)."""
+        try:
+            json.loads(self.text)
+        except ValueError:
+            return False
+        return True
+
     def _string_ended(self, s: str) -> None:
         call = self._calls[-1]
         if self._key is None:
@@ -220,12 +228,12 @@ def calls_of(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     if mode.name is not None:
         return [{"id": call_id(), "type": "function",
                  "function": {"name": mode.name, "arguments": text}}]
-    try:
-        json.loads(text)
-    except ValueError:
+    stream = CallStream()
+    deltas = stream.feed(text)
+    if not stream.whole():
         return None
     calls: list[dict[str, Any]] = []
-    for delta in CallStream().feed(text):
+    for delta in deltas:
         if "id" in delta:
             calls.append({"id": delta["id"], "type": "function",
                           "function": dict(delta["function"])})
