@@ -102,7 +102,9 @@ def load() -> ctypes.CDLL:
         f.restype = ctypes.c_int
         f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p,
                       ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                      + [ctypes.c_float, ctypes.c_int])
+                      + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+        lib.weir_amx_supported.restype = ctypes.c_int
+        lib.weir_amx_supported.argtypes = []
         s = lib.weir_sample
         s.restype = None
         s.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
@@ -143,11 +145,18 @@ def available() -> bool:
     return True
 
 
+def amx_supported() -> bool:
+    """Whether the library has the AMX attention kernel and this process may use the
+    tiles (built for a CPU with AMX-BF16; Linux granted the tile state)."""
+    return available() and bool(load().weir_amx_supported())
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, amx: bool = False) -> torch.Tensor:
     """Every new token at once, decode and prefill alike: the token at position p attends
     keys 0..p of its sequence (causal), read in place from the blocks. ``q``'s rows may be
-    apart (a view into the fused qkv projection); its heads must be packed."""
+    apart (a view into the fused qkv projection); its heads must be packed. ``amx``: the
+    AMX kernel (bf16, block size a multiple of 16, :func:`amx_supported`)."""
     if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
         raise ValueError(f"native attention needs q and cache in one of {list(_DTYPES)}")
     if not (q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
@@ -163,7 +172,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1], row_lens.data_ptr(),
         heads, q.stride(0), k_cache.shape[2], dim, k_cache.shape[1], scale,
-        torch.get_num_threads())
+        torch.get_num_threads(), int(amx))
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
@@ -350,6 +359,7 @@ class CpuBackend:
         load()
         self.write_kv = write_kv
         self.fresh_prompts = "native"
+        self.tiles = "vector"            # the paged kernel: "vector", or "amx" (bf16 only)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
@@ -359,8 +369,9 @@ class CpuBackend:
             return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
         fresh = self._fresh(meta) if new_kv is not None and self.fresh_prompts == "sdpa" \
             else None
+        amx = self.tiles == "amx" and q.dtype == torch.bfloat16 and k_cache.shape[1] % 16 == 0
         if not fresh:
-            return paged_attention(q, k_cache, v_cache, meta, scale)
+            return paged_attention(q, k_cache, v_cache, meta, scale, amx)
         groups, rest = fresh
         k, v = new_kv
         out = q.new_empty(q.shape)
@@ -372,7 +383,7 @@ class CpuBackend:
             batch(out).copy_(o)
         if rest is not None:
             sub = meta.derived["cpu_rest"]
-            out[rest] = paged_attention(q[rest].contiguous(), k_cache, v_cache, sub, scale)
+            out[rest] = paged_attention(q[rest].contiguous(), k_cache, v_cache, sub, scale, amx)
         return out
 
     def _fresh(self, meta: AttentionMetadata):

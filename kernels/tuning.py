@@ -178,6 +178,7 @@ class KernelPlan:
     attention: str = "torch"
     source: str = "measured"
     fresh_prompts: str = "native"              # a prompt's first chunk: native or sdpa
+    attention_tiles: str = "vector"            # the cpu backend's paged kernel: vector or amx
     key: str = ""
     seconds: float = 0.0                       # spent measuring (0 when cached)
     timings: dict[str, object] = field(default_factory=dict)
@@ -192,20 +193,22 @@ class KernelPlan:
                + (" " if len(table) > 1 else "") + table[-1][1]
                for role, table in sorted(self.linear.items())}
         out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
-                   fresh_prompts=self.fresh_prompts, source=self.source)
+                   fresh_prompts=self.fresh_prompts, attention_tiles=self.attention_tiles,
+                   source=self.source)
         return out
 
     def to_json(self) -> dict[str, object]:
         return {"linear": {r: [list(e) for e in t] for r, t in self.linear.items()},
                 "elementwise": self.elementwise, "sampling": self.sampling,
                 "attention": self.attention, "fresh_prompts": self.fresh_prompts,
-                "timings": self.timings}
+                "attention_tiles": self.attention_tiles, "timings": self.timings}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
         return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
                    str(data["elementwise"]), str(data["sampling"]), str(data["attention"]),
-                   "cached", str(data.get("fresh_prompts", "native")), key, 0.0,
+                   "cached", str(data.get("fresh_prompts", "native")),
+                   str(data.get("attention_tiles", "vector")), key, 0.0,
                    dict(data.get("timings", {})))
 
 

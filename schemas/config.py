@@ -100,6 +100,9 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a prompt's first chunk (no cached context) on the cpu attention backend: its paged
     # kernel, or torch's fused causal attention (SDPA) over the step's own keys and values
     fresh_prompts: Literal["auto", "native", "sdpa"] = "auto"
+    # the cpu attention backend's paged kernel: vector (AVX-512 / AVX2 dot products) or amx
+    # (q.k and P.V on the tile unit; bf16 on CPUs with AMX)
+    attention_tiles: Literal["auto", "vector", "amx"] = "auto"
     cache: bool = True          # keep the measured plan per machine; false: measure each start
 
 

@@ -135,6 +135,12 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     return out
 
 
+def amx_possible(dtype: torch.dtype, block_size: int) -> bool:
+    """Whether the cpu backend's AMX paged kernel can run: bf16, blocks of a multiple of 16
+    keys, and a native build with AMX that this process may use."""
+    return dtype == torch.bfloat16 and block_size % 16 == 0 and cpu_native.amx_supported()
+
+
 def native_ops_possible(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and spec.head_dim <= 256 and cpu_native.available())
@@ -202,6 +208,13 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
     if "fresh_prompts" in forced:
         plan.fresh_prompts = forced["fresh_prompts"]
         plan.source = "forced"
+    if "attention_tiles" in forced:
+        if forced["attention_tiles"] == "amx" and not amx_possible(dtype, kv_block_size or 16):
+            raise ValueError("engine.kernels.attention_tiles = 'amx' cannot run here: it needs "
+                             "bfloat16, a kv.block_size that is a multiple of 16, and a CPU with "
+                             "AMX-BF16 that the native kernels were built for")
+        plan.attention_tiles = forced["attention_tiles"]
+        plan.source = "forced"
     for op in ("elementwise", "sampling"):
         if op in forced:
             if forced[op] == "native" and not native_ops:
@@ -248,19 +261,57 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         t = timer()
         setattr(plan, op, tuning.choose_fastest(t))
         plan.timings[op] = {c: round(s * 1e6, 1) for c, s in t.items()}
+    if "attention_tiles" not in skip and plan.attention == "cpu" \
+            and amx_possible(dtype, block_size):
+        t = _time_attention_tiles(spec, dtype, block_size, g)
+        plan.attention_tiles = tuning.choose_fastest(t)
+        plan.timings["attention_tiles"] = {c: round(s * 1e6, 1) for c, s in t.items()}
     if "fresh_prompts" not in skip and plan.attention == "cpu":
-        t = _time_fresh_prompts(spec, dtype, block_size, g)
+        t = _time_fresh_prompts(spec, dtype, block_size, g, plan.attention_tiles)
         plan.fresh_prompts = tuning.choose_fastest(t)
         plan.timings["fresh_prompts"] = {c: round(s * 1e6, 1) for c, s in t.items()}
     return plan
 
 
+def _time_attention_tiles(spec: ModelSpec, dtype: torch.dtype, block_size: int,
+                          g: torch.Generator) -> dict:
+    """The cpu backend's paged kernel, vector against AMX, on one layer: 64 sequences
+    decoding at 160 keys of context (over 30 layers' worth of cache, so the keys come from
+    memory, as in a step), a 128-token chunk after 256 cached tokens, and 8 fresh
+    128-token prompts."""
+    kvh, d, layers = spec.num_kv_heads, spec.head_dim, 30
+    seqs, ctx = 64, 160
+    per = -(-(ctx + 1) // block_size)
+    kv = KVCache.allocate(layers, seqs * per, block_size, kvh, d, dtype, "cpu")
+    kv.data[0].copy_(torch.randn(kv.data.shape[1:], generator=g).to(dtype))
+    kv.data[1:].copy_(kv.data[0].expand_as(kv.data[1:]))     # the time is not the values'
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
+    steps = [(AttentionMetadata.build([1] * seqs, [ctx] * seqs, tables, block_size), layers),
+             (AttentionMetadata.build([128], [32], tables[:1], block_size), 1),
+             (AttentionMetadata.build([128] * 8, [0] * 8, tables[:8], block_size), 1)]
+    qs = [torch.randn(meta.num_tokens, spec.num_heads, d, generator=g).to(dtype)
+          for meta, _ in steps]
+
+    def run(tiles: str):
+        backend = get_backend("cpu", "cpu", block_size=block_size, dtype=dtype)
+        backend.tiles = tiles
+
+        def call():
+            for (meta, n), q in zip(steps, qs):
+                for i in range(n):
+                    backend.paged_attention(q, kv.key(i), kv.value(i), meta, d ** -0.5)
+        return call
+    return tuning.time_interleaved({tiles: run(tiles) for tiles in ("vector", "amx")})
+
+
 def _time_fresh_prompts(spec: ModelSpec, dtype: torch.dtype, block_size: int,
-                        g: torch.Generator) -> dict:
+                        g: torch.Generator, tiles: str = "vector") -> dict:
     """One layer's attention over fresh prompts (no cached context): 8 x 128 and 1 x 512
-    tokens, through the cpu backend's paged kernel and through SDPA on the new keys."""
+    tokens, through the cpu backend's paged kernel (its ``tiles``) and through SDPA on the
+    new keys."""
     out = {}
     backend = get_backend("cpu", "cpu", block_size=block_size, dtype=dtype)
+    backend.tiles = tiles
     kvh, d = spec.num_kv_heads, spec.head_dim
     steps = []
     for n, length in ((8, 128), (1, 512)):

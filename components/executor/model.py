@@ -152,6 +152,8 @@ class LlamaModel:
         self._new_kv = getattr(backend, "takes_new_kv", False)
         if hasattr(backend, "fresh_prompts"):
             backend.fresh_prompts = plan.fresh_prompts
+        if hasattr(backend, "tiles"):
+            backend.tiles = plan.attention_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, self.native)
         self.runs = dict(autotune.RUN)

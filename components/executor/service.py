@@ -107,7 +107,8 @@ class ExecutorService(Component):
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
                            kernels={"linear": k.linear, "elementwise": k.elementwise,
-                                    "sampling": k.sampling, "fresh_prompts": k.fresh_prompts},
+                                    "sampling": k.sampling, "fresh_prompts": k.fresh_prompts,
+                                    "attention_tiles": k.attention_tiles},
                            tuning_cache=cache_dir() if k.cache else None,
                            max_tokens=self.config.scheduler.max_num_batched_tokens,
                            max_seqs=self.config.scheduler.max_num_seqs)

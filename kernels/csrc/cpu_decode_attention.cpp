@@ -309,6 +309,214 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
 }  // namespace
 #endif
 
+// ---- The AMX kernel (bf16 caches, CPUs with AMX tiles) -----------------------------------
+// q.k on the tile unit: a chunk of 16 keys is an A tile read straight from the cache (16
+// rows, 32 bf16 each: a kv head's slice of each key row, the rows a key row apart), and
+// the tile's queries are B tiles packed once per tile: 16 columns, each a query (row r,
+// kv head h, group member g) holding its d pairs, zero outside its own head. So one
+// tdpbf16ps gives 16 keys x 16 queries; the queries of several kv heads share the columns
+// when they fit (SmolLM2 decode: 3 heads x 3 = 9 columns, 6 A tiles per chunk). The scores
+// land as [key][query] (a key per vector), where the softmax is one vector op per key for
+// all the tile's queries; the probabilities, normalized and rounded to bf16 as the AVX-512
+// kernel rounds them, are stored as pairs of neighbouring keys per query (one dword), which
+// is what P.V by vdpbf16ps broadcasts. A tile holds at most 16 / G rows (16 columns).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define WEIR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes. q.k: tmm0 the scores (16 keys x 16 queries, fp32), tmm1
+// the keys (16 x 32 bf16), tmm2 the queries. P.V: tmm1 the probabilities (16 queries x 32
+// keys), tmm2 the values (16 key pairs x 16 dims), tmm3-6 the outputs (16 queries x 64 dims)
+inline void amx_configure() {
+    alignas(64) TileConfig cfg;
+    for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+// 16 x 16 dwords: dst[j][i] = src[i][j] (rows 64 bytes apart)
+inline void transpose16(const uint32_t* src, uint32_t* dst) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * 16);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // r[4b + k] holds, in each 128-bit lane l, column 4l + k of rows 4b .. 4b + 3
+    for (int b = 0; b < 4; ++b)
+        for (int k = 0; k < 4; ++k) t[4 * b + k] = r[4 * b + k];
+    for (int k = 0; k < 4; ++k) {
+        // lanes: rows 0-3, 4-7, 8-11, 12-15 of columns 4l + k
+        const __m512i a = _mm512_shuffle_i32x4(t[k], t[4 + k], 0x44);       // b0 l0 l1, b1 l0 l1
+        const __m512i b = _mm512_shuffle_i32x4(t[k], t[4 + k], 0xEE);       // b0 l2 l3, b1 l2 l3
+        const __m512i c = _mm512_shuffle_i32x4(t[8 + k], t[12 + k], 0x44);
+        const __m512i d = _mm512_shuffle_i32x4(t[8 + k], t[12 + k], 0xEE);
+        _mm512_storeu_si512(dst + (0 + k) * 16, _mm512_shuffle_i32x4(a, c, 0x88));   // lane 0
+        _mm512_storeu_si512(dst + (4 + k) * 16, _mm512_shuffle_i32x4(a, c, 0xDD));   // lane 1
+        _mm512_storeu_si512(dst + (8 + k) * 16, _mm512_shuffle_i32x4(b, d, 0x88));   // lane 2
+        _mm512_storeu_si512(dst + (12 + k) * 16, _mm512_shuffle_i32x4(b, d, 0xDD));  // lane 3
+    }
+}
+
+template <int D, int G>
+void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                     uint16_t* out, int64_t row0, int nrows, const int32_t* lens,
+                     int64_t kv_heads, const int32_t* table, int64_t heads, int64_t q_row,
+                     int64_t block_size, float scale, float* scores, int64_t lpad,
+                     uint32_t* pairs, uint32_t* qb) {
+    // scores: [lpad][16] fp32; pairs: [lpad / 2][16] bf16 pairs; qb: [hg * D / 32][16][16]
+    const int64_t L = lens[nrows - 1];
+    const int64_t row_stride = kv_heads * D;               // elements between key rows
+    const int cph = nrows * G;                             // columns per kv head
+    const int64_t hg = std::min<int64_t>(kv_heads, 16 / cph);   // kv heads per pass
+    constexpr int DT = D / 32;                             // A tiles per head slice
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t h0 = 0; h0 < kv_heads; h0 += hg) {
+        const int nh = static_cast<int>(std::min(hg, kv_heads - h0));
+        const int ncols = nh * cph;
+        // column c = hl * cph + r * G + g; lenv: its row's key count (0: an unused column)
+        alignas(64) float lenf[16];
+        for (int c = 0; c < 16; ++c) lenf[c] = c < ncols ? static_cast<float>(lens[(c % cph) / G]) : 0.0f;
+        const __m512 lenv = _mm512_load_ps(lenf);
+        std::memset(qb, 0, static_cast<size_t>(nh) * DT * 1024);
+        for (int hl = 0; hl < nh; ++hl)
+            for (int r = 0; r < nrows; ++r)
+                for (int g = 0; g < G; ++g) {
+                    const int c = hl * cph + r * G + g;
+                    const uint16_t* qq = q + (row0 + r) * q_row + ((h0 + hl) * G + g) * D;
+                    for (int i = 0; i < DT; ++i)
+                        for (int p = 0; p < 16; ++p)
+                            std::memcpy(qb + ((hl * DT + i) * 16 + p) * 16 + c, qq + i * 32 + 2 * p, 4);
+                }
+        // scores, 16 keys (one block's rows: block_size is a multiple of 16) at a time
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            const uint16_t* kb = k_cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size
+                                            + t0 % block_size) * row_stride + h0 * D;
+            if (h0 == 0) {          // the next chunk's keys to L1, this chunk's values to L2
+                prefetch_rows<_MM_HINT_T0>(k_cache, table, block_size, row_stride, t0 + 16, 16, L);
+                prefetch_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, 16, L);
+            }
+            _tile_zero(0);
+            for (int hl = 0; hl < nh; ++hl)
+                for (int i = 0; i < DT; ++i) {
+                    _tile_loadd(1, kb + hl * D + i * 32, row_stride * 2);
+                    _tile_loadd(2, qb + (hl * DT + i) * 256, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+            _tile_stored(0, scores + t0 * 16, 64);
+        }
+        // softmax per column over the keys (a key per vector); keys past a column's row
+        // (and the chunk's tail past L) are masked out
+        const __m512 sc = _mm512_set1_ps(scale);
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < L; ++t) {
+            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(t)), lenv, _CMP_LT_OQ);
+            m = _mm512_mask_max_ps(m, live, m, _mm512_mul_ps(_mm512_loadu_ps(scores + t * 16), sc));
+        }
+        __m512 sum = _mm512_setzero_ps();
+        const int64_t L2 = (L + 1) / 2 * 2;
+        for (int64_t t = 0; t < L2; ++t) {
+            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(t)), lenv, _CMP_LT_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(live, weir::exp16(_mm512_fmsub_ps(
+                _mm512_loadu_ps(scores + t * 16), sc, m)));
+            _mm512_storeu_ps(scores + t * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 inv = _mm512_maskz_div_ps(any, _mm512_set1_ps(1.0f), sum);
+        for (int64_t t = 0; t < L2; t += 2) {
+            const __m512i p0 = _mm512_cvtepu16_epi32(weir::bf16_16(
+                _mm512_mul_ps(_mm512_loadu_ps(scores + t * 16), inv)));
+            const __m512i p1 = _mm512_cvtepu16_epi32(weir::bf16_16(
+                _mm512_mul_ps(_mm512_loadu_ps(scores + (t + 1) * 16), inv)));
+            _mm512_storeu_si512(pairs + t / 2 * 16, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
+        }
+        // P.V on the tiles: per 32 keys, the probabilities as an A tile (16 queries x 16 key
+        // pairs: the pairs transposed) and each head's values as B tiles, its rows key pairs
+        // interleaved (vpunpck{l,h}wd, as value_pair: the output dims come out in that
+        // order, which store_pairs undoes); keys past L are zeros, not read.
+        const int64_t L32 = (L + 31) / 32 * 32;
+        for (int64_t t = L2; t < L32; t += 2)
+            _mm512_storeu_si512(pairs + t / 2 * 16, _mm512_setzero_si512());
+        uint32_t* pt = qb;                       // [16 queries][16 pairs] (q is packed: free)
+        uint32_t* vb = qb + 256;                 // [4][16 pairs][16 dims]
+        float* ob = reinterpret_cast<float*>(qb + 256 + 1024);   // [16 queries][D]
+        for (int hl = 0; hl < nh; ++hl) {
+            for (int dh = 0; dh < D / 64; ++dh) {
+                _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
+                for (int64_t t0 = 0; t0 < L32; t0 += 32) {
+                    transpose16(pairs + t0 / 2 * 16, pt);
+                    for (int j = 0; j < 16; ++j) {
+                        const int64_t t = t0 + 2 * j;
+                        __m512i x0a, x0b, x1a, x1b;
+                        if (t < L) {
+                            const uint16_t* v0 = v_cache + (static_cast<int64_t>(table[t / block_size]) * block_size
+                                                            + t % block_size) * row_stride + (h0 + hl) * D + dh * 64;
+                            x0a = _mm512_loadu_si512(v0);
+                            x0b = _mm512_loadu_si512(v0 + 32);
+                            if (t + 1 < L) {
+                                x1a = _mm512_loadu_si512(v0 + row_stride);
+                                x1b = _mm512_loadu_si512(v0 + row_stride + 32);
+                            } else {
+                                x1a = x1b = _mm512_setzero_si512();
+                            }
+                        } else {
+                            x0a = x0b = x1a = x1b = _mm512_setzero_si512();
+                        }
+                        _mm512_store_si512(vb + (0 * 16 + j) * 16, _mm512_unpacklo_epi16(x0a, x1a));
+                        _mm512_store_si512(vb + (1 * 16 + j) * 16, _mm512_unpackhi_epi16(x0a, x1a));
+                        _mm512_store_si512(vb + (2 * 16 + j) * 16, _mm512_unpacklo_epi16(x0b, x1b));
+                        _mm512_store_si512(vb + (3 * 16 + j) * 16, _mm512_unpackhi_epi16(x0b, x1b));
+                    }
+                    _tile_loadd(1, pt, 64);
+                    _tile_loadd(2, vb + 0 * 256, 64);
+                    _tile_dpbf16ps(3, 1, 2);
+                    _tile_loadd(2, vb + 1 * 256, 64);
+                    _tile_dpbf16ps(4, 1, 2);
+                    _tile_loadd(2, vb + 2 * 256, 64);
+                    _tile_dpbf16ps(5, 1, 2);
+                    _tile_loadd(2, vb + 3 * 256, 64);
+                    _tile_dpbf16ps(6, 1, 2);
+                }
+                _tile_stored(3, ob + dh * 64 + 0, D * 4);
+                _tile_stored(4, ob + dh * 64 + 16, D * 4);
+                _tile_stored(5, ob + dh * 64 + 32, D * 4);
+                _tile_stored(6, ob + dh * 64 + 48, D * 4);
+            }
+            for (int r = 0; r < nrows; ++r)
+                for (int g = 0; g < G; ++g)
+                    store_pairs<D>(out + ((row0 + r) * heads + (h0 + hl) * G + g) * D,
+                                   ob + (hl * cph + r * G + g) * D);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int weir_amx_supported() {
+    // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    static const int ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
+    return ok;
+}
+#else
+extern "C" int weir_amx_supported() { return 0; }
+#endif
+
 // ---- The AVX2 tiled kernel ---------------------------------------------------------------
 // The AVX-512 kernel's tiles and passes, 8 lanes wide, for CPUs with AVX2 and FMA but no
 // AVX-512 (Zen 2/3, Intel client cores and older Xeons). 8 keys at a time; each chunk's key
@@ -540,17 +748,56 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                       const int64_t* seqs, int64_t n, const int32_t* block_tables,
                       int64_t table_width, const int32_t* row_lens, int64_t heads,
                       int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
-                      int num_threads) {
+                      int num_threads, bool amx) {
 #if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
+    // (the AMX kernel: up to 16 / G, its queries' columns)
+    const int64_t tile_rows = amx ? 16 / G : kTile;
     std::vector<int64_t> starts;
     starts.reserve(static_cast<size_t>(n) + 1);
     for (int64_t i = 0; i < n; ++i)
         if (i == 0 || seqs[i] != seqs[i - 1] || row_lens[i] != row_lens[i - 1] + 1
-                || i - starts.back() == kTile)
+                || i - starts.back() == tile_rows)
             starts.push_back(i);
     starts.push_back(n);
     const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
+#if defined(WEIR_AMX)
+    if constexpr (sizeof(T) == 2) {
+        if (amx) {
+#pragma omp parallel num_threads(num_threads)
+            {
+                amx_configure();
+                thread_local std::vector<float> buf;
+#pragma omp for schedule(static, 1)
+                for (int64_t tile = 0; tile < tiles; ++tile) {
+                    const int64_t i0 = starts[tile];
+                    if (tile + num_threads < tiles) {      // this thread's next tile
+                        const int64_t i1 = starts[tile + num_threads];
+                        prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
+                                                   block_size, kv_heads * D, 0, 16, row_lens[i1]);
+                    }
+                    const int nrows = static_cast<int>(starts[tile + 1] - i0);
+                    int32_t lens[16];
+                    for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
+                    const int64_t lpad = (lens[nrows - 1] + 31) / 32 * 32;
+                    const int64_t hg = std::min<int64_t>(kv_heads, 16 / (nrows * G));
+                    // q tiles (hg * D / 32 KB), or P.V's scratch: 1 + 4 KB and 16 x D floats
+                    const int64_t scratch = std::max<int64_t>(hg * D * 8, 256 + 1024 + 16 * D);
+                    buf.resize(static_cast<size_t>(lpad * 16 + lpad / 2 * 16 + scratch + 16));
+                    float* scores = buf.data();
+                    auto* pairs = reinterpret_cast<uint32_t*>(scores + lpad * 16);
+                    auto* qb = reinterpret_cast<uint32_t*>(
+                        (reinterpret_cast<uintptr_t>(pairs + lpad / 2 * 16) + 63) & ~uintptr_t(63));
+                    attend_tile_amx<D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
+                                          block_tables + seqs[i0] * table_width, heads, q_row,
+                                          block_size, scale, scores, lpad, pairs, qb);
+                }
+                _tile_release();
+            }
+            return;
+        }
+    }
+#endif
     // one item per tile, all kv heads: a key row's heads share cache lines, so reading
     // them together moves each line once (decode attention is memory-bound)
     // round robin (a sequence's later tiles are longer), so each thread knows its next
@@ -585,6 +832,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 #endif
     }
 #else
+    (void)amx;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < n * kv_heads; ++item) {
         const int64_t i = item / kv_heads, h = item % kv_heads;
@@ -603,10 +851,11 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 template <typename T, int D>
 int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* seqs,
                int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens, int64_t heads,
-               int64_t q_row, int64_t kv_heads, int64_t bs, float scale, int threads) {
+               int64_t q_row, int64_t kv_heads, int64_t bs, float scale, int threads,
+               bool amx) {
     switch (g) {
 #define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
-                                                    q_row, kv_heads, bs, scale, threads); \
+                                                    q_row, kv_heads, bs, scale, threads, amx); \
                           return 0;
         WEIR_G(1) WEIR_G(2) WEIR_G(3) WEIR_G(4) WEIR_G(5) WEIR_G(6) WEIR_G(7) WEIR_G(8)
 #undef WEIR_G
@@ -618,13 +867,13 @@ template <typename T>
 int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
              const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens,
              int64_t heads, int64_t q_row, int64_t kv_heads, int64_t bs, float scale,
-             int threads) {
+             int threads, bool amx) {
     if (dim == 64)
         return dispatch_g<T, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
-                                 bs, scale, threads);
+                                 bs, scale, threads, amx);
     if (dim == 128)
         return dispatch_g<T, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
-                                  bs, scale, threads);
+                                  bs, scale, threads, amx);
     return -1;
 }
 
@@ -651,26 +900,28 @@ void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cac
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
 // (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Query row i
 // attends the first row_lens[i] keys of sequence seqs[i]: a token at position p passes
-// p + 1, which makes prefill causal.
+// p + 1, which makes prefill causal. amx = 1: the AMX kernel (bf16 only, block_size a
+// multiple of 16, weir_amx_supported()), else -1.
 int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
                           void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
                           const int32_t* row_lens, int64_t heads, int64_t q_row,
                           int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                          int num_threads) {
+                          int num_threads, int amx) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
+    if (amx && (dtype != 1 || block_size % 16 != 0 || !weir_amx_supported())) return -1;
     const int64_t g = heads / kv_heads;
     if (dtype == 0)
         return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),
                         static_cast<const float*>(v_cache), static_cast<float*>(out), seqs, n,
                         block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
-                        scale, num_threads);
+                        scale, num_threads, false);
     if (dtype == 1)
         return dispatch(dim, g, static_cast<const uint16_t*>(q),
                         static_cast<const uint16_t*>(k_cache),
                         static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), seqs,
                         n, block_tables, table_width, row_lens, heads, q_row, kv_heads,
-                        block_size, scale, num_threads);
+                        block_size, scale, num_threads, amx != 0);
     return -1;
 }
 

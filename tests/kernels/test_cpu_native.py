@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import get_backend, torch_ref
+from kernels import AttentionMetadata, get_backend, torch_ref
 from kernels.testing import random_paged_case
 
 try:
@@ -288,3 +288,43 @@ def test_silu_mul_matches_torch_across_the_range(dtype):
     assert torch.isfinite(got).all()
     tol = 1e-5 if dtype == torch.float32 else 1 / 128
     assert torch.allclose(got, want, rtol=tol, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.skipif(not cpu_native.amx_supported(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_amx_kernel_matches_the_vector_kernel_and_reference(block_size, group, dim):
+    """The AMX kernel (q.k and P.V on the tile unit) over the randomized cases: decode rows,
+    prefill rows in tiles of 16 / G, contexts straddling blocks, several kv heads sharing
+    the tile's columns or not. Its probabilities are rounded to bf16 as the vector kernel's
+    are, so the two agree closely, and both are within the bf16 tolerance of the fp32
+    reference."""
+    rng = random.Random(block_size * 1000 + group * 10 + dim)
+    backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
+    for _ in range(4):
+        kv_heads = rng.choice([1, 2, 3, 5]) if group < 8 else rng.choice([1, 2])
+        q, kc, vc, meta = _case(rng, torch.bfloat16, block_size, kv_heads, group, dim)
+        want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, dim ** -0.5)
+        backend.tiles = "vector"
+        vector = backend.paged_attention(q, kc, vc, meta, dim ** -0.5).float()
+        backend.tiles = "amx"
+        got = backend.paged_attention(q, kc, vc, meta, dim ** -0.5).float()
+        assert torch.isfinite(got).all()
+        assert ((got - want).abs().max() / want.abs().max()) <= 1e-2
+        assert ((got - vector).abs().max() / vector.abs().max()) <= 1e-2
+        assert torch.equal(backend.paged_attention(qkv_view(q), kc, vc, meta,
+                                                   dim ** -0.5).float(), got)
+
+
+def test_amx_refuses_what_it_cannot_run():
+    q = torch.randn(1, 3, 64)
+    kc = torch.zeros(2, 16, 1, 64)
+    meta = AttentionMetadata.build([1], [0], [[0]], 16)
+    with pytest.raises(ValueError, match="refused"):           # fp32: the AMX kernel is bf16
+        cpu_native.paged_attention(q, kc, kc, meta, 0.125, amx=True)
+    if cpu_native.amx_supported():
+        kb = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)     # blocks of 8 keys
+        meta8 = AttentionMetadata.build([1], [0], [[0]], 8)
+        with pytest.raises(ValueError, match="refused"):
+            cpu_native.paged_attention(q.bfloat16(), kb, kb, meta8, 0.125, amx=True)

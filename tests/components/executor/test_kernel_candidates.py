@@ -45,11 +45,16 @@ def _available(dtype: torch.dtype) -> set[str]:
                                     {"linear": "torch"}, {"linear": "fp32"},
                                     {"linear": "fp32_onednn"}, {"elementwise": "native"},
                                     {"fresh_prompts": "sdpa"}, {"fresh_prompts": "native"},
+                                    {"attention_tiles": "amx", "fresh_prompts": "native"},
+                                    {"attention_tiles": "vector", "fresh_prompts": "native"},
                                     {}], ids=["native", "onednn", "torch", "fp32", "fp32_onednn",
-                                              "fused", "sdpa", "paged", "measured"])
+                                              "fused", "sdpa", "paged", "amx", "vector",
+                                              "measured"])
 def test_each_candidate_gives_the_reference_logits(dtype, forced):
     if forced.get("linear", "torch") not in _available(dtype):
         pytest.skip(f"no {forced['linear']} linear kernel here for {dtype}")
+    if forced.get("attention_tiles") == "amx" and not autotune.amx_possible(dtype, 16):
+        pytest.skip(f"no AMX attention kernel here for {dtype}")
     if forced.get("elementwise") == "native" and \
             not autotune.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
         pytest.skip("native CPU kernels unavailable (no C++ compiler)")
@@ -64,6 +69,8 @@ def test_each_candidate_gives_the_reference_logits(dtype, forced):
             assert getattr(model.plan, op) == choice
     if forced.get("fresh_prompts"):
         assert model.backend.fresh_prompts == forced["fresh_prompts"]
+    if forced.get("attention_tiles"):
+        assert model.backend.tiles == forced["attention_tiles"]
     want, got = _logits(ref), _logits(model)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= TOL[dtype], (model.plan.summary(), err)
@@ -74,6 +81,28 @@ def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
         LlamaModel(odd, random_weights(odd, seed=1), dtype=torch.float32,
                    kernels={"linear": "native"})
+    # the AMX attention kernel is bf16 only, on any machine
+    with pytest.raises(ValueError, match="attention_tiles = 'amx' cannot run here"):
+        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                   kernels={"attention_tiles": "amx"})
+
+
+def test_the_faster_attention_tiles_are_chosen(monkeypatch):
+    """With injected timings, each of the paged kernels is chosen where it is faster, and
+    the fresh prompts are then timed through the chosen one."""
+    monkeypatch.setattr(autotune, "amx_possible", lambda dtype, block_size: True)
+    monkeypatch.setattr(autotune, "_time_attention", lambda *a: {"cpu": 1.0, "torch": 2.0})
+    seen = []
+    monkeypatch.setattr(autotune, "_time_fresh_prompts",
+                        lambda *a: seen.append(a[-1]) or {"native": 1.0, "sdpa": 2.0})
+    for timings, want in (({"vector": 2.0, "amx": 1.0}, "amx"),
+                          ({"vector": 1.0, "amx": 2.0}, "vector")):
+        monkeypatch.setattr(autotune, "_time_attention_tiles", lambda *a, t=timings: t)
+        plan = autotune._measure(SHAPE, torch.bfloat16, autotune.shapes(SHAPE), {}, True, 64,
+                                 8, 16, skip={"linear", "elementwise", "sampling"})
+        assert plan.attention == "cpu" and plan.attention_tiles == want
+        assert seen[-1] == want
+        assert plan.timings["attention_tiles"] == {c: s * 1e6 for c, s in timings.items()}
 
 
 def test_only_the_chosen_layouts_are_kept():
