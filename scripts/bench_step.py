@@ -33,6 +33,7 @@ from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
 from kernels import tuning  # noqa: E402
+from kernels.kv_cache import populate  # noqa: E402
 from weir import machine  # noqa: E402
 from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
 
@@ -102,8 +103,10 @@ class DecodeBench:
             from components.tokenizer.vocab import load_tokenizer
             grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(default_model_path()),
                                                      model.spec.vocab_size))
-        self.runner = ModelRunner(model, model.new_kv_cache(batch * blocks_per_seq, block_size),
-                                  grammars=grammars)
+        kv = model.new_kv_cache(batch * blocks_per_seq, block_size)
+        if kv.device.type == "cpu":
+            populate(kv.data)            # as the executor does (kv.prefault): no page faults
+        self.runner = ModelRunner(model, kv, grammars=grammars)
         g = torch.Generator().manual_seed(batch)
         news, steps = [], []
         for i in range(batch):
