@@ -277,8 +277,8 @@ def _time_attention_tiles(spec: ModelSpec, dtype: torch.dtype, block_size: int,
                           g: torch.Generator) -> dict:
     """The cpu backend's paged kernel, vector against AMX, on one layer: 64 sequences
     decoding at 160 keys of context (over 30 layers' worth of cache, so the keys come from
-    memory, as in a step), a 128-token chunk after 256 cached tokens, and 8 fresh
-    128-token prompts."""
+    memory, as in a step), a 128-token chunk after 32 cached tokens, and 8 fresh 128-token
+    prompts."""
     kvh, d, layers = spec.num_kv_heads, spec.head_dim, 30
     seqs, ctx = 64, 160
     per = -(-(ctx + 1) // block_size)
