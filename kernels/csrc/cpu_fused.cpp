@@ -28,6 +28,38 @@ template <> inline float rnd<uint16_t>(float v) {
     return v != v ? v : out;
 }
 
+#if defined(__AVX512F__)
+// Vector helpers for the loops written out below (SiLU x up, RMSNorm's scaling): GCC's
+// cost model for some targets (-march=native on an Intel Xeon with GCC 12) judges the plain
+// loops "not profitable" and leaves them scalar (SiLU x up: 8x slower than this, and
+// slower than torch's three passes at 2048 rows).
+using weir::bf16_16;
+using weir::exp16;
+using weir::load16;
+inline __m512 rnd16(__m512 v, const float*) { return v; }
+inline __m512 rnd16(__m512 v, const uint16_t*) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_16(v));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes at a time on AVX2: the same GCC left the plain loop scalar on an AVX2-only EPYC
+// ("control flow in loop"), so the cpu plan chose torch's three passes over it.
+using weir::bf16_8;
+using weir::exp8;
+using weir::load8;
+inline __m256 rnd8(__m256 v, const float*) { return v; }
+inline __m256 rnd8(__m256 v, const uint16_t*) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_8(v)), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_8(v));
+}
+#endif
+
 template <typename T>
 void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight,
                   T* __restrict__ x, int64_t rows, int64_t dim, float eps, int threads) {
@@ -53,8 +85,15 @@ void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __res
         }
         const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
         T* __restrict__ xr = x + r * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d)   // as torch: normalise in float32, round, scale
+        int64_t d0 = 0;
+#if defined(__AVX512F__)
+        // written out: GCC 12 left this loop scalar (-march=native, AMX Xeon and Zen 4)
+        const __m512 sv = _mm512_set1_ps(inv);
+        for (; d0 + 16 <= dim; d0 += 16)
+            store16(xr + d0, _mm512_mul_ps(rnd16(_mm512_mul_ps(load16(hr + d0), sv), xr),
+                                           load16(weight + d0)));
+#endif
+        for (int64_t d = d0; d < dim; ++d)  // as torch: normalise in float32, round, scale
             store(xr, d, rnd<T>(load(hr, d) * inv) * load(weight, d));
     }
 }
@@ -91,38 +130,6 @@ inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t d0, int64_t n) {
         store(o, d, rnd<T>(gv * sig) * load(u, d));        // silu rounded to T, as torch
     }
 }
-
-#if defined(__AVX512F__)
-// The same arithmetic 16 lanes at a time. Written out because GCC's cost model for some
-// targets (-march=native on an Intel Xeon with GCC 12) judges the plain loop "not
-// profitable" and leaves it scalar: 8x slower than this, and slower than torch's three
-// passes at 2048 rows.
-using weir::bf16_16;
-using weir::exp16;
-using weir::load16;
-inline __m512 rnd16(__m512 v, const float*) { return v; }
-inline __m512 rnd16(__m512 v, const uint16_t*) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_16(v));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// 8 lanes at a time on AVX2: the same GCC left the plain loop scalar on an AVX2-only EPYC
-// ("control flow in loop"), so the cpu plan chose torch's three passes over it.
-using weir::bf16_8;
-using weir::exp8;
-using weir::load8;
-inline __m256 rnd8(__m256 v, const float*) { return v; }
-inline __m256 rnd8(__m256 v, const uint16_t*) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_8(v)), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_8(v));
-}
-#endif
 
 template <typename T>
 void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, int64_t inter, int threads) {

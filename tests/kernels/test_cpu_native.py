@@ -328,3 +328,23 @@ def test_amx_refuses_what_it_cannot_run():
         meta8 = AttentionMetadata.build([1], [0], [[0]], 8)
         with pytest.raises(ValueError, match="refused"):
             cpu_native.paged_attention(q.bfloat16(), kb, kb, meta8, 0.125, amx=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [576, 100])                 # 36 vectors; 6 and a tail of 4
+def test_add_rms_norm_is_exact(dtype, dim):
+    """h += delta in the model's dtype, the sum of squares in float64, then (as torch)
+    normalised in float32, rounded to the dtype, times the weight, rounded: bit for bit,
+    the vector loops and their scalar tails alike, with and without the residual add."""
+    g = torch.Generator().manual_seed(dim)
+    for rows in (1, 3, 64):
+        h = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+        delta = torch.randn(rows, dim, generator=g).to(dtype)
+        w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+        for d in (delta, None):
+            summed = h if d is None else (h.float() + d.float()).to(dtype)
+            inv = (1.0 / torch.sqrt(summed.double().pow(2).mean(1, keepdim=True) + 1e-5)).float()
+            want = ((summed.float() * inv).to(dtype).float() * w.float()).to(dtype)
+            got_h, out = h.clone(), torch.empty_like(h)
+            cpu_native.add_rms_norm(got_h, d, w, out, 1e-5)
+            assert torch.equal(got_h, summed) and torch.equal(out, want), (rows, d is None)
