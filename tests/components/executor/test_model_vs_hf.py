@@ -176,6 +176,37 @@ def test_bf16_tracks_fp32(loaded, model, hf, linear, tuning):
     assert int(got.argmax()) == int(ref.argmax())
 
 
+@pytest.mark.parametrize("tiles", ["vector", "amx"])
+def test_bf16_attention_tiles_track_fp32(loaded, hf, tiles):
+    """The bf16 model, its paged attention forced to each kernel and its GEMMs oneDNN's
+    where it runs (AMX tiles on such CPUs, interleaved with the AMX attention's own tile
+    use in every layer): two prompts prefilled in chunks (the second chunk over cached
+    keys), then eight batched decode steps teacher-forced with the fp32 model's greedy
+    tokens; every step's logits track the fp32 model's. Every kernel is forced: nothing
+    is measured."""
+    if tiles == "amx" and not autotune.amx_possible(torch.bfloat16, BLOCK):
+        pytest.skip("no AMX attention kernel here")
+    fixed = {"elementwise": "torch", "sampling": "torch"}
+    linear = "onednn" if "onednn" in autotune.linear_candidates(
+        torch.bfloat16, torch.device("cpu"), (576, 576)) else "torch"
+    ref = _Runner(LlamaModel(*loaded, backend="torch", kernels={"linear": "torch", **fixed}),
+                  seed=2)
+    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
+        "linear": linear, "attention_tiles": tiles, "fresh_prompts": "native", **fixed}),
+        seed=2)
+    assert got.model.backend.tiles == tiles
+    tok, _ = hf
+    a, b = (tok(p).input_ids for p in PROMPTS)
+    half = len(b) // 2
+    for chunk in ({0: a[:3], 1: b[:half]}, {0: a[3:], 1: b[half:]}):
+        outs = list(zip(ref.step(chunk), got.step(chunk)))
+    for _ in range(8):
+        for want, have in outs:
+            assert torch.nn.functional.cosine_similarity(have, want, dim=0) > 0.99
+        nxt = {s: [int(want.argmax())] for s, (want, _) in enumerate(outs)}
+        outs = list(zip(ref.step(nxt), got.step(nxt)))
+
+
 def test_hf_directory_matches_gguf(loaded, hf, tmp_path):
     from safetensors.torch import save_file
 
