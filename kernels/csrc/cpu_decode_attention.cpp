@@ -319,7 +319,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
 // land as [key][query] (a key per vector), where the softmax is one vector op per key for
 // all the tile's queries; the probabilities, normalized and rounded to bf16 as the AVX-512
 // kernel rounds them, are stored as pairs of neighbouring keys per query (one dword), which
-// is what P.V by vdpbf16ps broadcasts. A tile holds at most 16 / G rows (16 columns).
+// transposed are P.V's A tile (below). A tile holds at most 16 / G rows (16 columns).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define WEIR_AMX 1
 #include <sys/syscall.h>
