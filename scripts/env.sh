@@ -16,6 +16,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   quiet() { { grep -v "^WARNING: Location" || true; } >&2; }   # this machine's pip mirror notes
   "$VENV/bin/pip" install --quiet --disable-pip-version-check torch==2.13.0 2>&1 | quiet
   "$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT${EXTRA:+[$EXTRA]}" 2>&1 | quiet
+  # Hugging Face's `kernels` distribution (required by transformers >= 5.25, left behind when
+  # pip moves transformers back below it) installs a top-level module `kernels`: Weir's name.
+  if "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('kernels')" 2>/dev/null; then
+    echo "weir: removing the PyPI package 'kernels' from $VENV: its module shadows Weir's kernels/" >&2
+    "$VENV/bin/pip" uninstall --quiet --yes kernels 2>&1 | quiet
+  fi
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
