@@ -114,6 +114,8 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_supported.argtypes = []
         lib.weir_gemv_bf16.restype = ctypes.c_int
         lib.weir_gemv_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.weir_gemm_amx_bf16.restype = ctypes.c_int
+        lib.weir_gemm_amx_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_gemv_f32.restype = ctypes.c_int
         lib.weir_gemv_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
@@ -250,10 +252,18 @@ def pack_small_batch(w: torch.Tensor) -> torch.Tensor | None:
     return w.reshape(n // 16, 16, k).permute(0, 2, 1).contiguous()
 
 
+def amx_linear_fits(dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether a weight [N, K] runs on the AMX tiles (:func:`small_batch_linear` with
+    ``tiles="amx"``): bf16, N % 16, K % 32, and a CPU and process with AMX."""
+    return dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and amx_supported()
+
+
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, tiles: str = "vector") -> torch.Tensor:
     """``F.linear(x, w, bias)`` for ``x`` [M, K] against ``pack_small_batch(w)``, of the
-    same dtype; M = 0 gives an empty [0, N] (as ``F.linear`` does)."""
+    same dtype; M = 0 gives an empty [0, N] (as ``F.linear`` does). ``tiles="amx"``: the
+    bf16 weights through AMX tile multiplies (:func:`amx_linear_fits`), any M at one pass
+    over the weights; "vector": vdpbf16ps (or AVX2) rows against the same layout."""
     nb = packed.shape[0]
     k = packed.shape[1] * 2 if packed.dim() == 4 else packed.shape[1]
     y = x.new_empty(x.shape[0], nb * 16)
@@ -265,6 +275,8 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
         raise ValueError(f"small-batch linear: {x.dtype} rows against {packed.dtype} weights")
     lib = load()
     run = lib.weir_gemv_bf16 if packed.dtype == torch.bfloat16 else lib.weir_gemv_f32
+    if tiles == "amx":
+        run = lib.weir_gemm_amx_bf16
     if bias is not None:
         bias = bias.contiguous()
     rc = run(x.data_ptr(), x.stride(0), packed.data_ptr(),

@@ -45,10 +45,16 @@ from pathlib import Path
 
 import torch
 
-VERSION = 10                     # bump when candidates, the timing method or the choice change
+VERSION = 11                     # bump when candidates, the timing method or the choice change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
-LINEAR = ("native", "onednn", "torch", "fp32", "fp32_onednn")
+LINEAR = ("native", "amx", "onednn", "torch", "fp32", "fp32_onednn")
+# candidates that run another's weight layout: both chosen, the weight exists once
+SHARED_LAYOUT = {"amx": "native"}
+
+
+def layout_of(candidate: str) -> str:
+    return SHARED_LAYOUT.get(candidate, candidate)
 BINARY = ("native", "torch")
 
 
@@ -102,6 +108,8 @@ def choose_linear(timings: Mapping[str, Mapping[int, float]],
         others = kept - {cand}
         if not others:
             break
+        if any(layout_of(o) == layout_of(cand) for o in others):
+            continue                   # its layout stays for another: dropping saves nothing
         won = [b for b in buckets if best[b] == cand]
         swap = {}
         for b in won:

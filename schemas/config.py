@@ -91,10 +91,11 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Forced kernel choices ("auto": the fastest measured here; kernels/tuning.py)."""
     # linear layers: native small-batch bf16 kernel (AVX512-BF16, steps <= 256 tokens; larger
-    # steps take oneDNN), oneDNN-packed weights (AMX where the CPU has it), plain torch, or
+    # steps take oneDNN), the same packed bf16 weights through AMX tile multiplies (CPUs with
+    # AMX-BF16; any step size), oneDNN-packed weights (AMX where the CPU has it), plain torch, or
     # (a bf16 model) fp32 weights with the activations cast up, for CPUs without AVX-512,
     # through torch or oneDNN's packed fp32 layout
-    linear: Literal["auto", "native", "onednn", "torch", "fp32", "fp32_onednn"] = "auto"
+    linear: Literal["auto", "native", "amx", "onednn", "torch", "fp32", "fp32_onednn"] = "auto"
     elementwise: Literal["auto", "native", "torch"] = "auto"   # add+RMSNorm, RoPE, SiLU x up
     sampling: Literal["auto", "native", "torch"] = "auto"      # argmax and the seeded draw
     # a prompt's first chunk (no cached context) on the cpu attention backend: its paged

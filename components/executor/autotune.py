@@ -93,6 +93,10 @@ def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return cpu_native.small_batch_linear(x, w, b)
 
 
+def amx_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    return cpu_native.small_batch_linear(x, w, b, tiles="amx")
+
+
 def upcast(run):
     """``run`` (an fp32 linear: torch's, or oneDNN's on a packed fp32 weight) for a
     low-precision step: fp32 math, the step's dtype out."""
@@ -102,9 +106,12 @@ def upcast(run):
 
 
 # how each candidate lays its weights out, and runs them
+# how each candidate lays its weights out, and runs them ("amx" runs "native"'s layout:
+# tuning.SHARED_LAYOUT)
 PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,
+           "amx": cpu_native.pack_small_batch,
            "fp32": lambda w: w.float(), "fp32_onednn": lambda w: onednn_pack(w.float())}
-RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear,
+RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear, "amx": amx_linear,
        "fp32": upcast(F.linear), "fp32_onednn": upcast(onednn_linear)}
 
 
@@ -132,6 +139,8 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     if (cpu_native.small_batch_fits(dtype, n, k) and cpu_native.available()
             and cpu_native.small_batch_supported(dtype)):
         out["native"] = cpu_native.SMALL_BATCH_MAX
+    if cpu_native.available() and cpu_native.amx_linear_fits(dtype, n, k):
+        out["amx"] = 1 << 30                # one pass over the weights for any M
     return out
 
 

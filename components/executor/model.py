@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from components.executor import autotune
 from kernels import AttentionBackend, AttentionMetadata, KVCache, cpu_native, get_backend
+from kernels import tuning
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
@@ -31,8 +32,11 @@ class Linear:
     def __init__(self, w: torch.Tensor, table: list[tuple[int, str]],
                  runs: dict, bias: torch.Tensor | None = None) -> None:
         self.shape = tuple(w.shape)
-        layouts = {c: autotune.PREPARE[c](w) for c in {c for _, c in table}}
-        self.table = [(m, c, layouts[c]) for m, c in table]
+        layouts: dict[str, object] = {}            # one copy per layout (amx runs native's)
+        for c in {c for _, c in table}:
+            if tuning.layout_of(c) not in layouts:
+                layouts[tuning.layout_of(c)] = autotune.PREPARE[c](w)
+        self.table = [(m, c, layouts[tuning.layout_of(c)]) for m, c in table]
         self.runs, self.bias = runs, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -130,4 +130,21 @@ inline __m128i bf16_8(__m256 v) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// AMX (the kernels that use it need AVX512-BF16 beside it): every tile 16 rows x 64 bytes (palette 1). The process must have asked for the
+// tile state first (weir_amx_supported: arch_prctl), and each thread configures its own.
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {
+    alignas(64) TileConfig cfg;
+    for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 }  // namespace weir

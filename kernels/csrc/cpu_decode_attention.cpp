@@ -327,21 +327,11 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
 
 namespace {
 
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes. q.k: tmm0 the scores (16 keys x 16 queries, fp32), tmm1
-// the keys (16 x 32 bf16), tmm2 the queries. P.V: tmm1 the probabilities (16 queries x 32
-// keys), tmm2 the values (16 key pairs x 16 dims), tmm3-6 the outputs (16 queries x 64 dims)
-inline void amx_configure() {
-    alignas(64) TileConfig cfg;
-    for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-    _tile_loadconfig(&cfg);
-}
+using weir::amx_configure;
+// Tiles (weir::amx_configure: each 16 rows x 64 bytes). q.k: tmm0 the scores (16 keys x 16
+// queries, fp32), tmm1 the keys (16 x 32 bf16), tmm2 the queries. P.V: tmm1 the
+// probabilities (16 queries x 32 keys), tmm2 the values (16 key pairs x 16 dims), tmm3-6
+// the outputs (16 queries x 64 dims)
 
 // 16 x 16 dwords: dst[j][i] = src[i][j] (rows 64 bytes apart)
 inline void transpose16(const uint32_t* src, uint32_t* dst) {

@@ -230,6 +230,56 @@ def test_logprobs_match_torch():
     assert cpu_native.logprobs(torch.empty(0, 10), 3)[1].shape == (0, 3)
 
 
+_AMX = pytest.mark.skipif(not cpu_native.available() or not cpu_native.amx_supported(),
+                          reason="no AMX tiles on this CPU")
+
+
+@_AMX
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 64), (16, 32), (80, 96)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_amx_linear_matches_float_reference(n, k, threads, monkeypatch):
+    """The AMX tile linear on the small-batch layout: within bf16's half-ulp of a float32
+    reference, scaled by the sum; and (the same products, summed in another order) within
+    one bf16 ulp of the vector kernel. Row counts below, at and across tiles of 16 and
+    pairs of them (32), into a second pass of 64 rows and beyond; one block and odd block
+    counts (a pair's second block missing); a row-strided view of x; 1 or 3 threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    for m in (1, 5, 15, 16, 17, 31, 32, 33, 47, 64, 100, 256):
+        x = torch.randn(m + 2, k, generator=g).bfloat16()[1:m + 1]
+        for bias in (None, b):
+            want = torch.nn.functional.linear(x.float(), w.float(),
+                                              None if bias is None else bias.float())
+            got = cpu_native.small_batch_linear(x, packed, bias, tiles="amx")
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            scale = (x.float().abs() @ w.float().abs().T + 1).max()
+            assert (got.float() - want).abs().max() <= 2 ** -8 * scale, (m, bias is None)
+            if cpu_native.small_batch_supported(torch.bfloat16):
+                vec = cpu_native.small_batch_linear(x, packed, bias).float()
+                assert (got.float() - vec).abs().max() <= 2 ** -7 * scale, m
+
+
+@_AMX
+def test_amx_linear_refuses_what_it_cannot_run():
+    """k % 32 (a tile's 16 k-pairs) and a negative M are refused by the kernel; M = 0 is
+    an empty result."""
+    w = torch.randn(48, 64).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    assert cpu_native.small_batch_linear(torch.empty(0, 64).bfloat16(), packed,
+                                         tiles="amx").shape == (0, 48)
+    x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 48, dtype=torch.bfloat16)
+    call = lambda m, k: cpu_native.load().weir_gemm_amx_bf16(  # noqa: E731
+        x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(), m, 48, k, 1)
+    assert call(1, 64) == 0 and call(-1, 64) == -1 and call(1, 48) == -1
+    assert cpu_native.amx_linear_fits(torch.bfloat16, 48, 64)
+    assert not cpu_native.amx_linear_fits(torch.bfloat16, 48, 48)       # k % 32
+    assert not cpu_native.amx_linear_fits(torch.bfloat16, 40, 64)       # n % 16
+    assert not cpu_native.amx_linear_fits(torch.float32, 48, 64)
+
+
 def test_small_batch_pack_refuses_unfit_shapes():
     assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
     assert cpu_native.pack_small_batch(torch.randn(40, 64)) is None

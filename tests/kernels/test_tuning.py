@@ -9,12 +9,12 @@ from kernels.tuning import KernelPlan, choose_fastest, choose_linear, pick
 ALL = (1, 8, 64, 512)
 
 
-def table(native=None, onednn=None, torch=None, fp32=None, fp32_onednn=None):
+def table(native=None, onednn=None, torch=None, fp32=None, fp32_onednn=None, amx=None):
     """Seconds per bucket for each candidate given (a list aligned with ALL; None: that
     candidate cannot run the bucket)."""
     out = {}
     for name, times in (("native", native), ("onednn", onednn), ("torch", torch),
-                        ("fp32", fp32), ("fp32_onednn", fp32_onednn)):
+                        ("fp32", fp32), ("fp32_onednn", fp32_onednn), ("amx", amx)):
         if times is not None:
             out[name] = {b: t for b, t in zip(ALL, times) if t is not None}
     return out
@@ -50,6 +50,19 @@ def test_amx_like_native_only_for_one_token():
     t = table(native=[1.0, 4.0, 30.0, None], onednn=[2.0, 1.5, 3.0, 20.0],
               torch=[3.0, 2.5, 5.0, 25.0])
     assert choose_linear(t) == [(1, "native"), (512, "onednn")]
+
+
+def test_amx_tiles_share_the_native_layout_so_a_small_win_keeps_both():
+    """The AMX linear runs the native kernel's packed weights: where each wins some sizes,
+    both stay even by a hair (no second copy to pay for), and the table runs each where
+    it is faster; a distinct layout winning by as little is dropped."""
+    t = table(native=[1.0, 3.0, 9.0, None], amx=[1.02, 1.0, 2.0, 10.0],
+              onednn=[3.0, 2.5, 2.6, 9.0])
+    assert choose_linear(t) == [(1, "native"), (64, "amx"), (512, "onednn")]
+    # the same 2% with oneDNN's own copy of the weights in place of the AMX kernel
+    t = table(native=[1.0, 3.0, 9.0, None], onednn=[1.02, 1.0, 2.0, 10.0])
+    assert choose_linear(t) == [(512, "onednn")]
+    assert tuning.layout_of("amx") == tuning.layout_of("native") != tuning.layout_of("onednn")
 
 
 def test_a_layout_that_saves_less_than_the_margin_is_not_kept():

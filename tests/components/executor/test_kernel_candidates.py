@@ -41,13 +41,14 @@ def _available(dtype: torch.dtype) -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("forced", [{"linear": "native"}, {"linear": "onednn"},
+@pytest.mark.parametrize("forced", [{"linear": "native"}, {"linear": "amx"}, {"linear": "onednn"},
                                     {"linear": "torch"}, {"linear": "fp32"},
                                     {"linear": "fp32_onednn"}, {"elementwise": "native"},
                                     {"fresh_prompts": "sdpa"}, {"fresh_prompts": "native"},
                                     {"attention_tiles": "amx", "fresh_prompts": "native"},
                                     {"attention_tiles": "vector", "fresh_prompts": "native"},
-                                    {}], ids=["native", "onednn", "torch", "fp32", "fp32_onednn",
+                                    {}], ids=["native", "amx_linear", "onednn", "torch", "fp32",
+                                              "fp32_onednn",
                                               "fused", "sdpa", "paged", "amx", "vector",
                                               "measured"])
 def test_each_candidate_gives_the_reference_logits(dtype, forced):
@@ -87,7 +88,10 @@ def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
         LlamaModel(odd, random_weights(odd, seed=1), dtype=torch.float32,
                    kernels={"linear": "native"})
-    # the AMX attention kernel is bf16 only, on any machine
+    # the AMX kernels are bf16 only, on any machine
+    with pytest.raises(ValueError, match="engine.kernels.linear = 'amx' cannot run here"):
+        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                   kernels={"linear": "amx"})
     with pytest.raises(ValueError, match="attention_tiles = 'amx' cannot run here"):
         LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
                    kernels={"attention_tiles": "amx"})
@@ -244,3 +248,12 @@ def test_padded_onednn_rows_give_the_reference(dtype):
         assert got.shape == (m, 48) and got.is_contiguous()
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err <= TOL[dtype], (m, err)
+
+
+def test_the_amx_linear_runs_the_native_layout_without_a_second_copy():
+    from components.executor.model import Linear
+
+    w = (torch.randn(64, 96) * 0.05).to(torch.bfloat16)
+    lin = Linear(w, [(1, "native"), (64, "amx"), (2048, "torch")], autotune.RUN)
+    (_, _, native), (_, _, amx), (_, _, plain) = lin.table
+    assert amx is native and native.shape == (4, 48, 16, 2) and plain is w
