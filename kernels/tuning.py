@@ -8,15 +8,16 @@ here, at the model's own shapes, and keeps the fastest.
 
 - **Linear layers**, per weight shape (qkv, o, gate_up, down, lm_head) and per bucket of
   step tokens M (1, 2, 4, ... 2048): ``native`` (the small-batch kernels, M <= 256: bf16
-  on AVX512-BF16 or AVX2 + FMA, fp32 on AVX2 + FMA), ``onednn`` (weights reordered once into oneDNN's blocked layout;
-  AMX where the CPU has it), ``torch`` (plain ``F.linear``) and, for a bf16 model, ``fp32``
-  (the weight kept in fp32, the step's activations cast up and the result back: on a CPU
-  without AVX-512, torch's bf16 GEMM runs ~5x slower than fp32 and oneDNN refuses bf16;
-  it costs twice the weight memory, so it is kept only where it wins) and ``fp32_onednn``
-  (the same through oneDNN's packed fp32 weight). Each candidate needs its
-  own copy of the weights, so a layout is kept only where it beats the layouts already
-  kept by ``KEEP_MARGIN``: no second copy of the weights for a marginal gain, and none for
-  a kernel that was not chosen (:func:`choose_linear`).
+  on AVX512-BF16 or AVX2 + FMA, fp32 on AVX2 + FMA), ``amx`` (bf16 on AMX tiles, any M,
+  through the native layout: no copy of its own), ``onednn`` (weights reordered once
+  into oneDNN's blocked layout; AMX where the CPU has it), ``torch`` (plain
+  ``F.linear``) and, for a bf16 model, ``fp32`` (the weight kept in fp32, the step's
+  activations cast up and the result back: on a CPU without AVX-512, torch's bf16 GEMM
+  runs ~5x slower than fp32 and oneDNN refuses bf16; it costs twice the weight memory, so
+  it is kept only where it wins) and ``fp32_onednn`` (the same through oneDNN's packed
+  fp32 weight). Each layout is a copy of the weights, so a layout is kept only where it
+  beats the layouts already kept by ``KEEP_MARGIN``: no second copy of the weights for a
+  marginal gain, and none for a kernel that was not chosen (:func:`choose_linear`).
 - **Fused elementwise ops** (add+RMSNorm, RoPE, SiLU x up) and **sampling** (argmax and the
   temperature / top-k / top-p draw):
   ``native`` or ``torch``.
