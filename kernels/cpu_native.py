@@ -276,6 +276,8 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
     lib = load()
     run = lib.weir_gemv_bf16 if packed.dtype == torch.bfloat16 else lib.weir_gemv_f32
     if tiles == "amx":
+        if packed.dtype != torch.bfloat16:
+            raise ValueError(f"the AMX linear runs bf16 weights, not {packed.dtype}")
         run = lib.weir_gemm_amx_bf16
     if bias is not None:
         bias = bias.contiguous()

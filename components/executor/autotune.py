@@ -105,7 +105,6 @@ def upcast(run):
     return linear
 
 
-# how each candidate lays its weights out, and runs them
 # how each candidate lays its weights out, and runs them ("amx" runs "native"'s layout:
 # tuning.SHARED_LAYOUT)
 PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,

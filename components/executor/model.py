@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from components.executor import autotune
-from kernels import AttentionBackend, AttentionMetadata, KVCache, cpu_native, get_backend
-from kernels import tuning
+from kernels import AttentionBackend, AttentionMetadata, KVCache, cpu_native, get_backend, tuning
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)

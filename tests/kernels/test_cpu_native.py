@@ -278,6 +278,9 @@ def test_amx_linear_refuses_what_it_cannot_run():
     assert not cpu_native.amx_linear_fits(torch.bfloat16, 48, 48)       # k % 32
     assert not cpu_native.amx_linear_fits(torch.bfloat16, 40, 64)       # n % 16
     assert not cpu_native.amx_linear_fits(torch.float32, 48, 64)
+    f32 = torch.randn(48, 64)
+    with pytest.raises(ValueError, match="runs bf16 weights"):
+        cpu_native.small_batch_linear(f32[:1], cpu_native.pack_small_batch(f32), tiles="amx")
 
 
 def test_small_batch_pack_refuses_unfit_shapes():
