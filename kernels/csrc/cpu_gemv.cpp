@@ -211,10 +211,11 @@ void blocks(const Kernel& kernel, const float* x, int64_t ldx, const W* wp,
 
 // - bf16 on AMX tiles (CPUs with AMX-BF16): the same packed layout is what a tile multiply
 //   wants for its B operand: 16 k-pairs x 16 outputs of one block are 1 KB, contiguous.
-//   Rows of x are A tiles read in place (16 rows x 32 k); each block's 16 outputs for up
-//   to 64 rows accumulate in four tiles while the block's weights stream through once, so
-//   the weights are read once for any M. (weir_gemm_amx_bf16; measured against the vector
-//   kernel and oneDNN like every candidate.)
+//   Rows of x are A tiles read in place (16 rows x 32 k); two neighbouring blocks' outputs
+//   for 32 rows at a time accumulate in four tiles, every row of x passing over a pair of
+//   blocks while its weights are in cache, so the weights come from memory once for any M.
+//   (weir_gemm_amx_bf16; measured against the vector kernel and oneDNN like every
+//   candidate.)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <vector>
 
