@@ -138,7 +138,7 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     if (cpu_native.small_batch_fits(dtype, n, k) and cpu_native.available()
             and cpu_native.small_batch_supported(dtype)):
         out["native"] = cpu_native.SMALL_BATCH_MAX
-    if cpu_native.available() and cpu_native.amx_linear_fits(dtype, n, k):
+    if cpu_native.amx_linear_fits(dtype, n, k):       # (it checks the library builds)
         out["amx"] = 1 << 30                # one pass over the weights for any M
     return out
 

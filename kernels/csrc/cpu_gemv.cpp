@@ -252,7 +252,10 @@ inline void amx_block(const uint16_t* a, int64_t lda, const uint16_t* wb, int64_
     _tile_stored(0, c, 64);
     if constexpr (NB == 2) _tile_stored(1, c + 256, 64);
     if constexpr (MT == 2 && NB == 1) _tile_stored(1, c + 256, 64);
-    if constexpr (MT == 2 && NB == 2) { _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64); }
+    if constexpr (MT == 2 && NB == 2) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
 }
 
 }  // namespace
@@ -332,15 +335,18 @@ int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const
     if (n % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
     if (m == 0) return 0;
     const int64_t blocks = n / 16, kp = k / 2, ksteps = k / 32;
-    // rows past m up to a whole tile are zeros (a copy of x only where m % 16 != 0)
+    // rows past m up to a whole tile are zeros (a copy of x only where m % 16 != 0, into
+    // the calling thread's buffer: no allocation per call once it is big enough)
     const int64_t mpad = (m + 15) / 16 * 16;
     const uint16_t* a = x;
     int64_t lda = ldx;
-    std::vector<uint16_t> padded;
     if (mpad != m) {
-        padded.assign(static_cast<size_t>(mpad * k), 0);
+        thread_local std::vector<uint16_t> padded;
+        if (static_cast<int64_t>(padded.size()) < mpad * k)
+            padded.resize(static_cast<size_t>(mpad * k));
         for (int64_t i = 0; i < m; ++i)
             std::memcpy(padded.data() + i * k, x + i * ldx, static_cast<size_t>(k) * 2);
+        std::memset(padded.data() + m * k, 0, static_cast<size_t>((mpad - m) * k) * 2);
         a = padded.data();
         lda = k;
     }
