@@ -119,6 +119,8 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
                                         # client may only lower its class, never raise it
     session_id: str | None = None       # a conversation: a router keeps it on one replica
     tools: tuple[Tool, ...] = ()        # chat: functions the template may show the model
+    batch_events: bool = False          # this client takes ``Events``: a step's events for
+                                        # its requests arrive in one frame, not one each
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -326,5 +328,13 @@ class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
     retiring: tuple[str, ...] = ()      # removed, with requests still open on them
 
 
+class Events(msgspec.Struct, tag="events", frozen=True):
+    """Several events for one client, in order: what an engine step produced for its
+    requests (sent only to clients that asked, by ``Submit.batch_events``). Each event
+    means what it would alone."""
+
+    events: list[Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed]]
+
+
 ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
-                  ServerHeartbeat, ProtocolError, ReplicasChanged]
+                  ServerHeartbeat, ProtocolError, ReplicasChanged, Events]

@@ -32,7 +32,7 @@ from opentelemetry import trace
 
 from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
-from schemas.client import ChangeReplicas, ReplicaAddress, ReplicasChanged
+from schemas.client import ChangeReplicas, Events, ReplicaAddress, ReplicasChanged
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (Accepted, Cancel, Cancelled, Failed, Finished, Heartbeat,
                           PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
@@ -169,16 +169,24 @@ class Stream:
     def __aiter__(self) -> AsyncIterator[TextDelta]:
         return self._events()
 
+    async def _timed_out(self) -> None:
+        await self._client.cancel(self.request_id)
+        raise RequestTimeout(f"request {self.request_id} timed out")
+
     async def _events(self) -> AsyncIterator[TextDelta]:
         over = True
         try:
             while True:
                 timeout = None if self._deadline is None else self._deadline - time.monotonic()
-                with anyio.move_on_after(timeout) as scope:
+                if timeout is not None and timeout <= 0:
+                    await self._timed_out()
+                if timeout is None or self._recv.items:     # no wait to bound: no scope
                     event = await self._recv.get()
-                if scope.cancelled_caught:
-                    await self._client.cancel(self.request_id)
-                    raise RequestTimeout(f"request {self.request_id} timed out")
+                else:
+                    with anyio.move_on_after(timeout) as scope:
+                        event = await self._recv.get()
+                    if scope.cancelled_caught:
+                        await self._timed_out()
                 match event:
                     case Accepted(prompt_tokens=n):
                         self.prompt_tokens = n
@@ -356,18 +364,27 @@ class AsyncClient:
             if isinstance(event, ServerHeartbeat):
                 self._on_instance(event.instance)
                 continue
-            if isinstance(event, (StatusReport, ReplicasChanged)):
-                key = "status:" + event.query_id
-            elif isinstance(event, ProtocolError):
-                key = next(iter(self._streams), None)
-            else:
-                key = event.request_id
-            if isinstance(event, TERMINAL):
-                self._instance_of.pop(key, None)
-            inbox = self._streams.get(key) if key is not None else None
-            if inbox is not None and not inbox.put(event):
-                self.slow_consumer_cancels += 1
-                await self._sock.send(Cancel(key))
+            for key in [self._route(e) for e in event.events] if isinstance(event, Events) \
+                    else [self._route(event)]:
+                if key is not None:              # that stream's reader fell too far behind
+                    self.slow_consumer_cancels += 1
+                    await self._sock.send(Cancel(key))
+
+    def _route(self, event: Any) -> str | None:
+        """Put ``event`` in its stream's inbox; the request id to cancel if the inbox
+        refused it (over its buffer policy), else None."""
+        if isinstance(event, (StatusReport, ReplicasChanged)):
+            key = "status:" + event.query_id
+        elif isinstance(event, ProtocolError):
+            key = next(iter(self._streams), None)
+        else:
+            key = event.request_id
+        if isinstance(event, TERMINAL):
+            self._instance_of.pop(key, None)
+        inbox = self._streams.get(key) if key is not None else None
+        if inbox is not None and not inbox.put(event):
+            return key
+        return None
 
     def _on_instance(self, instance: int) -> None:
         """A new streamer instance has none of the requests sent to the old one."""
@@ -449,7 +466,7 @@ class AsyncClient:
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
                      service_class=service_class, session_id=session_id,
-                     tools=tuple(tool(t) for t in tools or ()))
+                     tools=tuple(tool(t) for t in tools or ()), batch_events=True)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -288,7 +288,9 @@ class RouterService(Component):
         r.open.add(rid)
         r.counts["routed"] += 1
         self.counts[f"reason.{decision.reason}"] += 1
-        sub = f.submit
+        # this router relays events one by one: a replica must not batch them for it
+        sub = msgspec.structs.replace(f.submit, batch_events=False) \
+            if f.submit.batch_events else f.submit
         if f.tried[1:]:                   # a second try: what is left of its deadline
             left = None if sub.deadline_ms is None else \
                 max(int(sub.deadline_ms - (now - f.arrival) * 1e3), 1)

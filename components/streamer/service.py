@@ -38,7 +38,7 @@ from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg,
                           EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           Rejected, ServerHeartbeat, StatusQuery, StatusReport,
                           StreamerMsg, Submit, TextDelta, Usage)
-from schemas.client import ChangeReplicas, ReplicasChanged, malformed_reply
+from schemas.client import ChangeReplicas, Events, ReplicasChanged, malformed_reply
 
 log = structlog.get_logger("streamer")
 _TRACER = trace.get_tracer("weir.streamer")
@@ -62,6 +62,7 @@ class Active:
     pending: NewRequest | None = None     # until admission accepts it: replayable
     traceparent: str | None = None
     idempotent: bool = False
+    batched: bool = False            # its client takes Events (Submit.batch_events)
 
     def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
         attrs = {"weir.terminal": terminal, "weir.reason": reason}
@@ -164,7 +165,7 @@ class StreamerService(Component):
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.top_k": p.top_k})
         req = Active(who, tenant, time.time_ns(), RequestClock(time.monotonic(), sub.deadline_ms),
-                     span)
+                     span, batched=sub.batch_events)
         if self.config.telemetry.record_content:          # off by default: text stays out
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
@@ -253,9 +254,14 @@ class StreamerService(Component):
     async def _cancel(self, rid: str, reason: str) -> None:
         await self._end(rid, Cancelled(rid, reason))
 
-    async def _deliver(self, rid: str, req: Active, event: Any, terminal: bool) -> None:
-        """Send one event to the request's client and to any idempotent retries attached."""
-        if req.identity:
+    async def _deliver(self, rid: str, req: Active, event: Any, terminal: bool,
+                       out: dict[bytes, list] | None = None) -> None:
+        """Send one event to the request's client and to any idempotent retries attached.
+        With ``out`` (an engine batch's outbox), a client that takes ``Events`` gets it in
+        its list there instead, sent by the caller once the batch is through."""
+        if req.identity and out is not None and req.batched:
+            out.setdefault(req.identity, []).append(event)
+        elif req.identity:
             await self.clients.send(event, to=req.identity)
         if req.idempotent:
             for who, their_id in self.idempotency.subscribers(rid):
@@ -299,12 +305,19 @@ class StreamerService(Component):
         while True:
             match (await self.inbox_sock.recv()).body:
                 case EventBatch(events=events):
+                    # a step's events: one frame per client that takes Events, not one
+                    # per event (a 64-sequence step was 64 sends here and 64 receives
+                    # in the gateway)
+                    out: dict[bytes, list] = {}
                     for event in events:
-                        await self._on_event(event)
+                        await self._on_event(event, out)
+                    for who, batch in out.items():
+                        await self.clients.send(batch[0] if len(batch) == 1 else Events(batch),
+                                                to=who)
                 case ClusterStatus() as status:
                     self.cluster, self.cluster_at = status, time.monotonic()
 
-    async def _on_event(self, event: Any) -> None:
+    async def _on_event(self, event: Any, out: dict[bytes, list] | None = None) -> None:
         rid = event.request_id
         req = self.active.get(rid)
         terminal = isinstance(event, TERMINAL)
@@ -331,7 +344,7 @@ class StreamerService(Component):
                 self.slo.finished(req.clock, time.monotonic(), generated_tokens(event))
             req.end(kind, getattr(event, "finish_reason", None)
                     or getattr(event, "reason", ""), getattr(event, "usage", None))
-        await self._deliver(rid, req, event, terminal)
+        await self._deliver(rid, req, event, terminal, out)
 
     async def _cancel_orphan(self, rid: str) -> None:
         """Work for a request nobody holds (it failed, or this streamer restarted and never

@@ -28,14 +28,22 @@ def _scope(spec: str, extensions: dict | None = None, path: str = "/",
 
 
 class BlockingSend:
-    """An ASGI send whose peer stops reading after ``accept`` messages: it then blocks."""
+    """An ASGI send whose peer stops reading after ``accept`` messages: it then blocks,
+    until ``abort`` (as uvicorn's: the lost connection resumes writing, and a send on it
+    returns without writing)."""
 
     def __init__(self, accept: int) -> None:
-        self.accept, self.messages = accept, []
+        self.accept, self.messages, self.aborts = accept, [], 0
+        self.aborted = anyio.Event()
+
+    def abort(self) -> None:
+        self.aborts += 1
+        self.aborted.set()
 
     async def __call__(self, message) -> None:
         if len(self.messages) >= self.accept:
-            await anyio.sleep_forever()
+            await self.aborted.wait()
+            return
         self.messages.append(message)
 
 
@@ -54,16 +62,50 @@ async def test_a_blocked_send_is_bounded_and_the_body_is_closed(spec):
         finally:
             closed.set()                     # where the gateway cancels the engine request
 
-    stalls, aborts = [], []
+    stalls = []
     resp = GuardedStreamingResponse(body(), stall_timeout_s=0.2, on_stall=lambda: stalls.append(1),
                                     media_type="text/event-stream")
     send = BlockingSend(accept=4)
     t = time.monotonic()
     with anyio.fail_after(3):
-        await resp(_scope(spec, {ABORT_EXTENSION: lambda: aborts.append(1)}),
-                   _never_disconnects, send)
+        await resp(_scope(spec, {ABORT_EXTENSION: send.abort}), _never_disconnects, send)
     assert 0.2 <= time.monotonic() - t < 1.5
-    assert closed.is_set() and resp.stalled and stalls == [1] and aborts == [1]
+    assert closed.is_set() and resp.stalled and stalls == [1] and send.aborts == 1
+    assert len(send.messages) == 4                     # nothing was written after the stall
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+async def test_without_an_abort_a_blocked_send_is_cancelled(spec):
+    """A server that offers no abort: each send is bounded by its own cancel scope."""
+    stalls = []
+
+    async def body():
+        while True:
+            yield b"data: x\n\n"
+
+    resp = GuardedStreamingResponse(body(), stall_timeout_s=0.2, on_stall=lambda: stalls.append(1))
+    send = BlockingSend(accept=3)                      # never aborted: a send blocks for good
+    with anyio.fail_after(3):
+        await resp(_scope(spec), _never_disconnects, send)
+    assert resp.stalled and stalls == [1] and len(send.messages) == 3
+
+
+async def test_a_slow_send_under_the_limit_is_not_a_stall():
+    """One timer per response: each send is measured from its own start, so sends that
+    each wait most of the limit, back to back for several limits, are never cut off."""
+    async def body():
+        for _ in range(8):
+            yield b"data: x\n\n"
+
+    async def slow_send(message):
+        await anyio.sleep(0.06)                      # 0.6 of the limit, every send
+
+    aborts = []
+    resp = GuardedStreamingResponse(body(), stall_timeout_s=0.1)
+    with anyio.fail_after(3):
+        await resp(_scope("2.4", {ABORT_EXTENSION: lambda: aborts.append(1)}),
+                   _never_disconnects, slow_send)
+    assert not resp.stalled and aborts == []
 
 
 async def test_a_reading_client_is_never_cut_off():
