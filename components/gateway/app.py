@@ -340,6 +340,7 @@ def build_app(state: GatewayState) -> Starlette:
                 for index in range(n):
                     yield frame(shaper.chunk("", first=True, index=index))
             last = time.perf_counter()
+            itl = state.metrics.itl.labels(state.model)         # once, not per token
             if first is not None and shaper.wants(first.index, first.text, first.logprobs) \
                     and (c := shaper.chunk(first.text, index=first.index,
                                            logprobs=first.logprobs or None,
@@ -348,7 +349,7 @@ def build_app(state: GatewayState) -> Starlette:
             try:
                 async for delta in events:
                     now = time.perf_counter()
-                    state.metrics.itl.labels(state.model).observe(now - last)
+                    itl.observe(now - last)
                     last = now
                     # a token's text may come later
                     if shaper.wants(delta.index, delta.text, delta.logprobs) \

@@ -95,3 +95,27 @@ def test_an_abandoned_stream_is_unregistered():
         return "r" in client._streams
 
     assert anyio.run(main) is False
+
+
+def test_a_waiting_reader_wakes_on_put_and_a_cancelled_one_leaves_no_waiter():
+    box = Inbox(capacity=4, stall_timeout=60)
+
+    async def main():
+        got = []
+
+        async def reader():
+            got.append((await box.get()).text)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            assert box._waiter is not None                 # waiting, not polling
+            box.put(_delta(7))
+        assert got == ["7"]
+        with anyio.move_on_after(0.01):                  # a bounded wait that runs out
+            await box.get()
+        assert box._waiter is None
+        box.put(_delta(8))                                 # no stale waiter to trip on
+        return (await box.get()).text
+
+    assert anyio.run(main) == "8"
