@@ -116,6 +116,9 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_gemm_amx_bf16.restype = ctypes.c_int
         lib.weir_gemm_amx_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.weir_gemm_amx_bf16_silu_mul.restype = ctypes.c_int
+        lib.weir_gemm_amx_bf16_silu_mul.argtypes = [vp, i64, vp, vp, i64, i64, i64,
+                                                    ctypes.c_int]
         lib.weir_gemv_f32.restype = ctypes.c_int
         lib.weir_gemv_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_argmax.restype = None
@@ -256,6 +259,30 @@ def amx_linear_fits(dtype: torch.dtype, n: int, k: int) -> bool:
     """Whether a weight [N, K] runs on the AMX tiles (:func:`small_batch_linear` with
     ``tiles="amx"``): bf16, N % 16, K % 32, and a CPU and process with AMX."""
     return dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0 and amx_supported()
+
+
+def amx_silu_mul_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``silu_mul(F.linear(x, w))`` for a fused gate_up weight ``w`` [2 * inter, K] packed
+    by ``pack_small_batch``, on AMX tiles in one pass: [M, inter], equal to the bit to
+    :func:`small_batch_linear` (``tiles="amx"``) then :func:`silu_mul`, without the
+    [M, 2 * inter] intermediate. bf16, and ``amx_linear_fits`` for the weight."""
+    nb = packed.shape[0]
+    k, inter = packed.shape[1] * 2, nb * 8
+    y = x.new_empty(x.shape[0], inter)
+    if x.shape[0] == 0:
+        return y
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.dim() != 4 \
+            or nb % 2:
+        raise ValueError(f"the fused AMX gate_up runs a bf16 gate_up weight, not {x.dtype} "
+                         f"rows against {packed.dtype} {tuple(packed.shape)}")
+    rc = load().weir_gemm_amx_bf16_silu_mul(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                            y.data_ptr(), x.shape[0], inter, k,
+                                            torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"the fused AMX gate_up refused {tuple(x.shape)} x {2 * inter}")
+    return y
 
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,

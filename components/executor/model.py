@@ -38,13 +38,26 @@ class Linear:
         self.table = [(m, c, layouts[tuning.layout_of(c)]) for m, c in table]
         self.runs, self.bias = runs, bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
+    def pick(self, m: int) -> tuple[str, object]:
+        """The candidate the plan runs ``m`` rows with, and the weight in its layout."""
         for up_to, cand, w in self.table:
             if m <= up_to:
-                return self.runs[cand](x, w, self.bias)
+                return cand, w
         _, cand, w = self.table[-1]
+        return cand, w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cand, w = self.pick(x.shape[0])
         return self.runs[cand](x, w, self.bias)
+
+    def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
+        """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the
+        plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
+        the [M, 2 x inter] intermediate), else the linear then the elementwise op."""
+        cand, w = self.pick(x.shape[0])
+        if cand == "amx" and self.bias is None and ops.native is not None:
+            return self.runs["amx+silu"](x, w)
+        return ops.silu_mul(self.runs[cand](x, w, self.bias))
 
 
 class _Layer:
@@ -160,6 +173,7 @@ class LlamaModel:
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, self.native)
         self.runs = dict(autotune.RUN)
+        self.runs["amx+silu"] = cpu_native.amx_silu_mul_linear   # gate_up fused (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
         self.embed = put(weights["embed"])
@@ -222,7 +236,7 @@ class LlamaModel:
                                                 new_kv=(k, v)) if self._new_kv else \
                 self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
             h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            down = layer.down(layer.gate_up.silu_mul(x, ops))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
             h, x = ops.add_norm(h, down, following)
         if logits_indices.numel() == 0:

@@ -82,6 +82,24 @@ inline __m256i bf16_16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 #endif
 }
+// v rounded to bf16 and widened back: what a bf16 store and load would give
+inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
+}
+// silu(g) * u in float32; with ``bf16`` (g and u are bf16, widened) silu is rounded to
+// bf16 first, as torch's bf16 F.silu(gate) * up. sigmoid = 1 / (1 + exp(-g)) by a
+// reciprocal estimate and one Newton step (~1 ulp; a vector division costs more than the
+// rest together). exp(-g) may be huge (g < -80): the reciprocal is then ~0, as it should
+// be. The caller rounds the result to its type. (SiLU x up and the AMX gate_up linear's
+// fused form both call this, so they agree to the bit.)
+inline __m512 silu_mul16(__m512 g, __m512 u, bool bf16) {
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                     exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 r0 = _mm512_rcp14_ps(den);
+    const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
+    const __m512 silu = _mm512_mul_ps(g, sig);
+    return _mm512_mul_ps(bf16 ? round_bf16(silu) : silu, u);
+}
 #endif
 
 // (also built where AVX-512 is: the small-batch bf16 linear uses them on CPUs without

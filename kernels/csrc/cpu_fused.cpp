@@ -34,12 +34,9 @@ template <> inline float rnd<uint16_t>(float v) {
 // loops "not profitable" and leaves them scalar (SiLU x up: 8x slower than this, and
 // slower than torch's three passes at 2048 rows).
 using weir::bf16_16;
-using weir::exp16;
 using weir::load16;
 inline __m512 rnd16(__m512 v, const float*) { return v; }
-inline __m512 rnd16(__m512 v, const uint16_t*) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(v)), 16));
-}
+inline __m512 rnd16(__m512 v, const uint16_t*) { return weir::round_bf16(v); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_16(v));
@@ -140,17 +137,9 @@ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, 
         T* __restrict__ o = out + r * inter;
         int64_t d = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; d + 16 <= inter; d += 16) {
-            const __m512 gv = load16(g + d);
-            // sigmoid = 1 / (1 + exp(-g)) by a reciprocal estimate and one Newton step
-            // (~1 ulp; a vector division costs more than the rest of the loop together).
-            // exp(-g) may be huge (g < -80): the reciprocal is then ~0, as it should be.
-            const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            const __m512 r0 = _mm512_rcp14_ps(den);
-            const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
-            store16(o + d, _mm512_mul_ps(rnd16(_mm512_mul_ps(gv, sig), o), load16(u + d)));
-        }
+        for (; d + 16 <= inter; d += 16)
+            store16(o + d, weir::silu_mul16(load16(g + d), load16(u + d),
+                                            sizeof(T) == 2));
 #elif defined(__AVX2__) && defined(__FMA__)
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; d + 8 <= inter; d += 8) {

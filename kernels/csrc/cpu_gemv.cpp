@@ -227,12 +227,13 @@ extern "C" int weir_amx_supported();
 namespace {
 
 // MT (1 or 2) tiles of 16 rows of x (lda elements apart) against NB (1 or 2) neighbouring
-// blocks of weights (ksteps B tiles of 1 KB each, kp * 32 elements apart): accumulators
+// blocks of weights (ksteps B tiles of 1 KB each; the second block w2 elements after the
+// first: kp * 32 for neighbours, further for gate and up): accumulators
 // tmm0-3 (row tile i, block b: tmm[i * NB + b]), x in tmm4-5, the weights in tmm6-7. Four
 // multiplies per four loads, none of them waiting on the one before (a tile register is
 // reused only a k step later). c: [MT][NB][16][16].
 template <int MT, int NB>
-inline void amx_block(const uint16_t* a, int64_t lda, const uint16_t* wb, int64_t kp,
+inline void amx_block(const uint16_t* a, int64_t lda, const uint16_t* wb, int64_t w2,
                       int64_t ksteps, float* c) {
     const int64_t stride = lda * 2;
     _tile_zero(0);
@@ -243,7 +244,7 @@ inline void amx_block(const uint16_t* a, int64_t lda, const uint16_t* wb, int64_
         _tile_loadd(4, a + j * 32, stride);
         if constexpr (MT == 2) _tile_loadd(5, a + 16 * lda + j * 32, stride);
         _tile_loadd(6, wb + j * 512, 64);
-        if constexpr (NB == 2) _tile_loadd(7, wb + kp * 32 + j * 512, 64);
+        if constexpr (NB == 2) _tile_loadd(7, wb + w2 + j * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
         if constexpr (MT == 2 && NB == 1) _tile_dpbf16ps(1, 5, 6);
@@ -256,6 +257,22 @@ inline void amx_block(const uint16_t* a, int64_t lda, const uint16_t* wb, int64_
         _tile_stored(2, c + 512, 64);
         _tile_stored(3, c + 768, 64);
     }
+}
+
+// x's m rows (ldx apart, k wide) as whole 16-row tiles: x itself where m % 16 == 0, else
+// a copy with zero rows after m, in the calling thread's buffer (no allocation per call
+// once it is big enough); ldx becomes the copy's row stride.
+inline const uint16_t* whole_tiles(const uint16_t* x, int64_t& ldx, int64_t m, int64_t k) {
+    const int64_t mpad = (m + 15) / 16 * 16;
+    if (mpad == m) return x;
+    thread_local std::vector<uint16_t> padded;
+    if (static_cast<int64_t>(padded.size()) < mpad * k)
+        padded.resize(static_cast<size_t>(mpad * k));
+    for (int64_t i = 0; i < m; ++i)
+        std::memcpy(padded.data() + i * k, x + i * ldx, static_cast<size_t>(k) * 2);
+    std::memset(padded.data() + m * k, 0, static_cast<size_t>((mpad - m) * k) * 2);
+    ldx = k;
+    return padded.data();
 }
 
 }  // namespace
@@ -335,21 +352,9 @@ int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const
     if (n % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
     if (m == 0) return 0;
     const int64_t blocks = n / 16, kp = k / 2, ksteps = k / 32;
-    // rows past m up to a whole tile are zeros (a copy of x only where m % 16 != 0, into
-    // the calling thread's buffer: no allocation per call once it is big enough)
     const int64_t mpad = (m + 15) / 16 * 16;
-    const uint16_t* a = x;
     int64_t lda = ldx;
-    if (mpad != m) {
-        thread_local std::vector<uint16_t> padded;
-        if (static_cast<int64_t>(padded.size()) < mpad * k)
-            padded.resize(static_cast<size_t>(mpad * k));
-        for (int64_t i = 0; i < m; ++i)
-            std::memcpy(padded.data() + i * k, x + i * ldx, static_cast<size_t>(k) * 2);
-        std::memset(padded.data() + m * k, 0, static_cast<size_t>((mpad - m) * k) * 2);
-        a = padded.data();
-        lda = k;
-    }
+    const uint16_t* a = whole_tiles(x, lda, m, k);
     const int t = blocks > 4 ? threads : 1;
 #pragma omp parallel num_threads(t)
     {
@@ -369,10 +374,10 @@ int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const
             for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
                 const int mt = mpad - m0 >= 32 ? 2 : 1;
                 const uint16_t* a0 = a + m0 * lda;
-                if (mt == 2 && nb == 2) amx_block<2, 2>(a0, lda, wb, kp, ksteps, c);
-                else if (mt == 2) amx_block<2, 1>(a0, lda, wb, kp, ksteps, c);
-                else if (nb == 2) amx_block<1, 2>(a0, lda, wb, kp, ksteps, c);
-                else amx_block<1, 1>(a0, lda, wb, kp, ksteps, c);
+                if (mt == 2 && nb == 2) amx_block<2, 2>(a0, lda, wb, kp * 32, ksteps, c);
+                else if (mt == 2) amx_block<2, 1>(a0, lda, wb, kp * 32, ksteps, c);
+                else if (nb == 2) amx_block<1, 2>(a0, lda, wb, kp * 32, ksteps, c);
+                else amx_block<1, 1>(a0, lda, wb, kp * 32, ksteps, c);
                 const int64_t rows = m - m0 < mt * 16 ? m - m0 : mt * 16;
                 for (int64_t r = 0; r < rows; ++r)
                     for (int q = 0; q < nb; ++q)
@@ -388,6 +393,52 @@ int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const
     return 0;
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+// The gate_up linear with SiLU x up fused, on AMX tiles: wp packs [gate; up] (2 * inter
+// rows) as weir_gemm_amx_bf16's; y [m, inter] = silu(g) * u, g and u each rounded to bf16
+// first, so the result is exactly weir_gemm_amx_bf16 then weir_silu_mul (bf16), without
+// the [m, 2 * inter] intermediate or a second pass. Each gate block is paired with its up
+// block (inter / 16 blocks further) in the tile multiplies. inter % 16 == 0, k % 32 == 0.
+// Returns 0, or -1 where the CPU, the build or the shape does not allow it.
+int weir_gemm_amx_bf16_silu_mul(const uint16_t* x, int64_t ldx, const uint16_t* wp,
+                                uint16_t* y, int64_t m, int64_t inter, int64_t k, int threads) {
+#if defined(WEIR_GEMM_AMX)
+    if (inter % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
+    if (m == 0) return 0;
+    const int64_t half = inter / 16, kp = k / 2, ksteps = k / 32;
+    const int64_t mpad = (m + 15) / 16 * 16;
+    int64_t lda = ldx;
+    const uint16_t* a = whole_tiles(x, lda, m, k);
+    const int t = half > 2 ? threads : 1;
+#pragma omp parallel num_threads(t)
+    {
+        weir::amx_configure();
+        alignas(64) float c[4 * 256];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < half; ++b) {
+            const uint16_t* wb = wp + b * kp * 32;
+            for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
+                const int mt = mpad - m0 >= 32 ? 2 : 1;
+                if (mt == 2) amx_block<2, 2>(a + m0 * lda, lda, wb, half * kp * 32, ksteps, c);
+                else amx_block<1, 2>(a + m0 * lda, lda, wb, half * kp * 32, ksteps, c);
+                const int64_t rows = m - m0 < mt * 16 ? m - m0 : mt * 16;
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float* cr = c + (r / 16) * 2 * 256 + (r % 16) * 16;
+                    const __m512 g = weir::round_bf16(_mm512_load_ps(cr));
+                    const __m512 u = weir::round_bf16(_mm512_load_ps(cr + 256));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * inter + b * 16),
+                                        weir::bf16_16(weir::silu_mul16(g, u, true)));
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)wp; (void)y; (void)m; (void)inter; (void)k; (void)threads;
     return -1;
 #endif
 }

@@ -283,6 +283,42 @@ def test_amx_linear_refuses_what_it_cannot_run():
         cpu_native.small_batch_linear(f32[:1], cpu_native.pack_small_batch(f32), tiles="amx")
 
 
+@_AMX
+@pytest.mark.parametrize("inter, k", [(1536, 576), (16, 32), (48, 96)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_amx_gate_up_with_silu_mul_is_the_unfused_pair_to_the_bit(inter, k, threads,
+                                                                    monkeypatch):
+    """The fused gate_up (gate block b paired with up block b + inter / 16) equals the AMX
+    linear then SiLU x up, to the bit: row counts within, at and across tiles and pairs of
+    tiles; one gate block and odd counts of them; a row-strided view of x; 1 or 3 threads."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(inter + k)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.2).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    for m in (0, 1, 5, 16, 17, 32, 33, 64, 100):
+        x = torch.randn(m + 2, k, generator=g).bfloat16()[1:m + 1]
+        got = cpu_native.amx_silu_mul_linear(x, packed)
+        want = cpu_native.silu_mul(cpu_native.small_batch_linear(x, packed, tiles="amx")) \
+            if m else torch.empty(0, inter, dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, inter)
+        assert torch.equal(got, want), m
+
+
+@_AMX
+def test_amx_gate_up_with_silu_mul_refuses_what_it_cannot_run():
+    f32 = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="bf16 gate_up"):
+        cpu_native.amx_silu_mul_linear(f32[:1], cpu_native.pack_small_batch(f32))
+    odd = cpu_native.pack_small_batch(torch.randn(48, 64).bfloat16())   # 3 blocks: no halves
+    with pytest.raises(ValueError, match="bf16 gate_up"):
+        cpu_native.amx_silu_mul_linear(torch.randn(1, 64).bfloat16(), odd)
+    x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 16, dtype=torch.bfloat16)
+    packed = cpu_native.pack_small_batch(torch.randn(32, 64).bfloat16())
+    call = lambda m, k: cpu_native.load().weir_gemm_amx_bf16_silu_mul(  # noqa: E731
+        x.data_ptr(), 64, packed.data_ptr(), y.data_ptr(), m, 16, k, 1)
+    assert call(1, 64) == 0 and call(-1, 64) == -1 and call(1, 48) == -1
+
+
 def test_small_batch_pack_refuses_unfit_shapes():
     assert cpu_native.pack_small_batch(torch.randn(40, 64).bfloat16()) is None     # n % 16
     assert cpu_native.pack_small_batch(torch.randn(40, 64)) is None

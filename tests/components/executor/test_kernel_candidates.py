@@ -83,6 +83,23 @@ def test_each_candidate_gives_the_reference_logits(dtype, forced):
     assert err <= TOL[dtype], (model.plan.summary(), err)
 
 
+def test_the_amx_gate_up_runs_fused_with_silu_and_changes_no_bit():
+    """Where the plan runs gate_up on the AMX tiles with the native elementwise ops, the
+    forward takes the fused gate_up + SiLU x up (``runs["amx+silu"]``), and its logits are
+    those of the linear then the elementwise op, to the bit."""
+    if "amx" not in _available(torch.bfloat16) or \
+            not autotune.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AMX linear or native elementwise ops here")
+    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                       kernels={"linear": "amx", "elementwise": "native"})
+    fused, calls = model.runs["amx+silu"], []
+    model.runs["amx+silu"] = lambda x, w: calls.append(x.shape[0]) or fused(x, w)
+    got = _logits(model)
+    assert calls == [26] * SHAPE.num_layers + [5] * SHAPE.num_layers   # every layer, both steps
+    model.runs["amx+silu"] = lambda x, w: model.ops.silu_mul(model.runs["amx"](x, w, None))
+    assert torch.equal(got, _logits(model))
+
+
 def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     odd = dataclasses.replace(SHAPE, vocab_size=SHAPE.vocab_size - 8)   # the lm_head's N % 16
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
