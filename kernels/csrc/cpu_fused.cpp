@@ -103,7 +103,34 @@ void rope(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
     for (int64_t r = 0; r < rows; ++r) {
         const float* c = cos + positions[r] * dim;
         const float* s = sin + positions[r] * dim;
-        for (int64_t hd = 0; hd < heads; ++hd) {
+        int64_t hd = 0;
+#if defined(__AVX512F__)
+        // 16 lanes at a time where a half-head is whole vectors (head_dim 64, 128): the
+        // row's cos and sin rounded once, not per head and element (the scalar loop below
+        // was 0.4 ms for 2048 rows of 12 heads, every layer)
+        if (half % 16 == 0 && half <= 128) {
+            __m512 cv[16], sv[16];
+            for (int64_t d = 0; d < dim; d += 16) {
+                cv[d / 16] = rnd16(_mm512_loadu_ps(c + d), qkv);
+                sv[d / 16] = rnd16(_mm512_loadu_ps(s + d), qkv);
+            }
+            const int64_t hv = half / 16;
+            for (; hd < heads; ++hd) {
+                T* x = qkv + r * row_stride + hd * dim;
+                for (int64_t v = 0; v < hv; ++v) {
+                    const __m512 lo = load16(x + v * 16), hi = load16(x + half + v * 16);
+                    const __m512 nhi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+                    store16(x + v * 16,
+                            _mm512_add_ps(rnd16(_mm512_mul_ps(lo, cv[v]), qkv),
+                                          rnd16(_mm512_mul_ps(nhi, sv[v]), qkv)));
+                    store16(x + half + v * 16,
+                            _mm512_add_ps(rnd16(_mm512_mul_ps(hi, cv[hv + v]), qkv),
+                                          rnd16(_mm512_mul_ps(lo, sv[hv + v]), qkv)));
+                }
+            }
+        }
+#endif
+        for (; hd < heads; ++hd) {
             T* x = qkv + r * row_stride + hd * dim;
             float tmp[256];
             for (int64_t d = 0; d < dim; ++d) tmp[d] = load(x, d);

@@ -437,3 +437,34 @@ def test_add_rms_norm_is_exact(dtype, dim):
             got_h, out = h.clone(), torch.empty_like(h)
             cpu_native.add_rms_norm(got_h, d, w, out, 1e-5)
             assert torch.equal(got_h, summed) and torch.equal(out, want), (rows, d is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128, 48])          # whole vectors; 48: the scalar loop
+def test_rope_is_the_torch_formula_to_the_bit(dtype, dim):
+    """In-place rotate-half RoPE on the first ``heads`` heads of strided qkv rows: in bf16
+    as the torch path (cos and sin rounded to the dtype, each product rounded, the sum
+    rounded), bit for bit, the vector loop and the scalar one alike; in float32 within an
+    ulp or two (the compiler may fuse a product and the sum); the heads after them (v) and
+    the row padding untouched."""
+    from components.executor.model import ElementwiseOps
+    g = torch.Generator().manual_seed(dim)
+    theta = 1e5
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(512, dtype=torch.float32), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    heads, total = 5, 7                                   # rotate 5 of 7 heads
+    for rows in (1, 9, 40):
+        qkv = (torch.randn(rows, total * dim + 8, generator=g) * 4).to(dtype)
+        pos = torch.randint(0, 512, (rows,), generator=g)
+        x = qkv[:, :heads * dim].view(rows, heads, dim)
+        c, s = cos[pos].to(dtype)[:, None, :], sin[pos].to(dtype)[:, None, :]
+        want = qkv.clone()
+        want[:, :heads * dim] = ElementwiseOps.rope(x, c, s).reshape(rows, heads * dim)
+        got = qkv.clone()
+        cpu_native.rope_(got, heads, dim, pos, cos, sin)
+        assert torch.equal(got[:, heads * dim:], qkv[:, heads * dim:])
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want), rows
+        else:
+            assert torch.allclose(got, want, rtol=2 ** -21, atol=2 ** -20), rows
