@@ -17,8 +17,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, SpanExporter,
                                             SpanExportResult)
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Link, SpanContext, TraceFlags
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import Link
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from schemas.config import TelemetryConfig
@@ -41,7 +41,8 @@ class JsonlSpanExporter(SpanExporter):
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 for span in spans:
-                    os.write(fd, (json.dumps(span_record(span), separators=(",", ":")) + "\n").encode())
+                    line = json.dumps(span_record(span), separators=(",", ":")) + "\n"
+                    os.write(fd, line.encode())
             finally:
                 os.close(fd)
         return SpanExportResult.SUCCESS
@@ -68,6 +69,16 @@ def span_record(span: ReadableSpan) -> dict:
     }
 
 
+def sampler_for(exporter_name: str, ratio: float) -> Sampler:
+    """Sample ``ratio`` of new traces (and follow a parent's choice) where spans go
+    somewhere; where they go nowhere (exporter "none"), record none: a recorded span was
+    built (its attributes, links, events) only to be dropped, on every request and every
+    step. Unrecorded spans still carry valid contexts, so traceparents still flow."""
+    if exporter_name not in ("otlp", "jsonl"):
+        return ALWAYS_OFF
+    return ParentBased(TraceIdRatioBased(ratio))
+
+
 def setup(component: str, cfg: TelemetryConfig) -> None:
     """Install this process's tracer provider. Call once, at process start."""
     global _PROVIDER
@@ -75,7 +86,7 @@ def setup(component: str, cfg: TelemetryConfig) -> None:
     ratio = float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", cfg.sample_ratio))
     provider = TracerProvider(resource=Resource.create({"service.name": f"weir-{component}",
                                                         "service.namespace": "weir"}),
-                              sampler=ParentBased(TraceIdRatioBased(ratio)))
+                              sampler=sampler_for(exporter_name, ratio))
     exporter: SpanExporter | None = None
     if exporter_name == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
