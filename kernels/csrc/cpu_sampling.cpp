@@ -224,32 +224,68 @@ int64_t race(const float* x, const float* e, float m, float inv_t, const int32_t
     return best_t;
 }
 
+// The row's maximum (a value; finite logits), 16 or 8 lanes at a time: the scalar loop
+// that also tracked its index ran one compare-and-branch per token (~30 us a row).
+float row_max(const float* x, int64_t n) {
+    int64_t i = 0;
+    float m = x[0];
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 vm = _mm512_loadu_ps(x);
+        for (i = 16; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+        m = _mm512_reduce_max_ps(vm);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        m = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+// The first index i at which e[0] + ... + e[i] >= target (n - 1 if none): the running sum
+// taken 16 at a time (each block's lanes summed, then added), then token by token inside
+// the block it crosses in, instead of one dependent add per token over up to the whole
+// vocabulary (~35 us a row). The order of the additions is not the one-by-one order, so a
+// draw at a boundary may land one token over: the distribution is the same.
+int64_t scan_to(const float* e, int64_t n, float target) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const float block = _mm512_reduce_add_ps(_mm512_loadu_ps(e + i));
+        if (acc + block >= target) break;
+        acc += block;
+    }
+#endif
+    for (; i < n; ++i) {
+        acc += e[i];
+        if (acc >= target) return i;
+    }
+    return n - 1;
+}
+
 // key < 0: the inverse-CDF draw at u; key >= 0: the race seeded by key.
 int64_t sample_row(const float* x, int64_t vocab, float temp, int64_t top_k, float top_p,
                    float u, int64_t key) {
     const float inv_t = 1.0f / temp;
-    float m = x[0];
-    int64_t at_max = 0;
-    for (int64_t i = 1; i < vocab; ++i)
-        if (x[i] > m) {
-            m = x[i];
-            at_max = i;
-        }
+    const float m = row_max(x, vocab);
     const int64_t k = (top_k <= 0 || top_k > vocab) ? vocab : top_k;
     thread_local std::vector<float> e;
     e.resize(static_cast<size_t>(vocab));
     const float total = exp_row(x, m, inv_t, e.data(), vocab);
-    if (k == vocab && top_p >= 1.0f && key >= 0)
+    if (k == vocab && top_p >= 1.0f && key >= 0) {
+        const int64_t at_max = std::find(x, x + vocab, m) - x;     // the first maximum
         return race(x, e.data(), m, inv_t, nullptr, vocab, at_max, static_cast<uint64_t>(key));
-    if (k == vocab && top_p >= 1.0f) {                  // plain: scan in vocabulary order
-        const float target = u * total;
-        float acc = 0.0f;
-        for (int64_t i = 0; i < vocab; ++i) {
-            acc += e[i];
-            if (acc >= target) return i;
-        }
-        return vocab - 1;
     }
+    if (k == vocab && top_p >= 1.0f)                    // plain: scan in vocabulary order
+        return scan_to(e.data(), vocab, u * total);
     // the candidates: the tokens in the buckets up to the first reaching k tokens (top-k)
     // or p of the mass (top-p alone), and one more; looked for among the tokens within 4,
     // then 10, then 15.75 nats of the max, then all (SmolLM2's top 50 reach 3-15 nats)
