@@ -191,8 +191,10 @@ def main() -> None:
                     help="Weir's scheduler.async_depth (1: plan each step after the previous "
                          "one's result; 2: overlap; default: the engine's own)")
     ap.add_argument("--temperature", type=float, default=None,
-                    help="sampling temperature sent with every request (default: the "
-                         "client's own, greedy)")
+                    help="sampling temperature sent with every request (default: none "
+                         "sent; vllm bench serve no longer sends 0, so both servers sample "
+                         "at their default, temperature 1.0, as OpenAI's API does; the "
+                         "model's generation config sets none)")
     ap.add_argument("--top-p", type=float, default=None,
                     help="top-p sent with every request (with --temperature > 0)")
     ap.add_argument("--repeats", type=int, default=1,
