@@ -116,6 +116,8 @@ def load() -> ctypes.CDLL:
         lib.weir_gemv_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_gemm_amx_bf16.restype = ctypes.c_int
         lib.weir_gemm_amx_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.weir_gemm_amx_bf16_f32.restype = ctypes.c_int
+        lib.weir_gemm_amx_bf16_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_gemm_amx_bf16_silu_mul.restype = ctypes.c_int
         lib.weir_gemm_amx_bf16_silu_mul.argtypes = [vp, i64, vp, vp, i64, i64, i64,
                                                     ctypes.c_int]
@@ -286,14 +288,20 @@ def amx_silu_mul_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
-                       bias: torch.Tensor | None = None, tiles: str = "vector") -> torch.Tensor:
+                       bias: torch.Tensor | None = None, tiles: str = "vector",
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` for ``x`` [M, K] against ``pack_small_batch(w)``, of the
     same dtype; M = 0 gives an empty [0, N] (as ``F.linear`` does). ``tiles="amx"``: the
     bf16 weights through AMX tile multiplies (:func:`amx_linear_fits`), any M at one pass
-    over the weights; "vector": vdpbf16ps (or AVX2) rows against the same layout."""
+    over the weights; "vector": vdpbf16ps (or AVX2) rows against the same layout.
+    ``out_dtype=torch.float32`` (AMX only): each output rounded to bf16 as always, then
+    written widened, which is ``.float()`` of the bf16 result without a second pass (the
+    lm_head's logits)."""
     nb = packed.shape[0]
     k = packed.shape[1] * 2 if packed.dim() == 4 else packed.shape[1]
-    y = x.new_empty(x.shape[0], nb * 16)
+    if out_dtype not in (None, x.dtype) and (tiles != "amx" or out_dtype != torch.float32):
+        raise ValueError(f"small-batch linear: no {out_dtype} output for {tiles} tiles")
+    y = x.new_empty(x.shape[0], nb * 16, dtype=out_dtype or x.dtype)
     if x.shape[0] == 0:
         return y
     if x.stride(-1) != 1:
@@ -305,7 +313,8 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
     if tiles == "amx":
         if packed.dtype != torch.bfloat16:
             raise ValueError(f"the AMX linear runs bf16 weights, not {packed.dtype}")
-        run = lib.weir_gemm_amx_bf16
+        run = lib.weir_gemm_amx_bf16_f32 if y.dtype == torch.float32 else \
+            lib.weir_gemm_amx_bf16
     if bias is not None:
         bias = bias.contiguous()
     rc = run(x.data_ptr(), x.stride(0), packed.data_ptr(),

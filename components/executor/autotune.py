@@ -97,6 +97,11 @@ def amx_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
     return cpu_native.small_batch_linear(x, w, b, tiles="amx")
 
 
+def amx_linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    """``amx_linear(x, w, b).float()`` in one pass (the lm_head's float32 logits)."""
+    return cpu_native.small_batch_linear(x, w, b, tiles="amx", out_dtype=torch.float32)
+
+
 def upcast(run):
     """``run`` (an fp32 linear: torch's, or oneDNN's on a packed fp32 weight) for a
     low-precision step: fp32 math, the step's dtype out."""

@@ -50,6 +50,15 @@ class Linear:
         cand, w = self.pick(x.shape[0])
         return self.runs[cand](x, w, self.bias)
 
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()``: on the AMX tiles in one pass (``runs["amx+f32"]``: each
+        output rounded to the model's dtype, then widened; the same bits), else the linear
+        then the cast."""
+        cand, w = self.pick(x.shape[0])
+        if cand == "amx":
+            return self.runs["amx+f32"](x, w, self.bias)
+        return self.runs[cand](x, w, self.bias).float()
+
     def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
         """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the
         plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
@@ -174,6 +183,7 @@ class LlamaModel:
         self.ops = ElementwiseOps(spec, dtype, self.device, self.native)
         self.runs = dict(autotune.RUN)
         self.runs["amx+silu"] = cpu_native.amx_silu_mul_linear   # gate_up fused (Linear)
+        self.runs["amx+f32"] = autotune.amx_linear_f32            # float32 logits (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
         self.embed = put(weights["embed"])
@@ -247,9 +257,8 @@ class LlamaModel:
                 return logits_out[:0]
             return torch.empty(0, s.vocab_size, dtype=torch.float32, device=self.device)
         _, x = ops.add_norm(h[logits_indices].contiguous(), None, self.norm)
-        logits = self.lm_head(x)
         if logits_out is not None:
-            return logits_out.copy_(logits)
-        return logits.float()
+            return logits_out.copy_(self.lm_head(x))
+        return self.lm_head.float32(x)
 
     __call__ = forward

@@ -275,6 +275,58 @@ inline const uint16_t* whole_tiles(const uint16_t* x, int64_t& ldx, int64_t m, i
     return padded.data();
 }
 
+// 16 outputs rounded to bf16: stored as bf16, or (the lm_head's logits) widened to float32
+// there, which is what a bf16 linear and a cast to float32 would give, in one pass
+inline void store_row(uint16_t* y, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), weir::bf16_16(v));
+}
+inline void store_row(float* y, __m512 v) { _mm512_storeu_ps(y, weir::round_bf16(v)); }
+
+template <typename Out>
+int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias, Out* y,
+             int64_t m, int64_t n, int64_t k, int threads) {
+    if (n % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
+    if (m == 0) return 0;
+    const int64_t blocks = n / 16, kp = k / 2, ksteps = k / 32;
+    const int64_t mpad = (m + 15) / 16 * 16;
+    int64_t lda = ldx;
+    const uint16_t* a = whole_tiles(x, lda, m, k);
+    const int t = blocks > 4 ? threads : 1;
+#pragma omp parallel num_threads(t)
+    {
+        weir::amx_configure();
+        alignas(64) float c[4 * 256];
+        // pairs of neighbouring blocks, each thread a contiguous run: its weights stream
+        // front to back, each pair's once for every row of x
+        const int64_t pairs = (blocks + 1) / 2;
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < pairs; ++pr) {
+            const int64_t b = 2 * pr;
+            const int nb = b + 1 < blocks ? 2 : 1;
+            const uint16_t* wb = wp + b * kp * 32;
+            __m512 bv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            if (bias)
+                for (int q = 0; q < nb; ++q) bv[q] = weir::load16(bias + (b + q) * 16);
+            for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
+                const int mt = mpad - m0 >= 32 ? 2 : 1;
+                const uint16_t* a0 = a + m0 * lda;
+                if (mt == 2 && nb == 2) amx_block<2, 2>(a0, lda, wb, kp * 32, ksteps, c);
+                else if (mt == 2) amx_block<2, 1>(a0, lda, wb, kp * 32, ksteps, c);
+                else if (nb == 2) amx_block<1, 2>(a0, lda, wb, kp * 32, ksteps, c);
+                else amx_block<1, 1>(a0, lda, wb, kp * 32, ksteps, c);
+                const int64_t rows = m - m0 < mt * 16 ? m - m0 : mt * 16;
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int q = 0; q < nb; ++q)
+                        store_row(y + (m0 + r) * n + (b + q) * 16, _mm512_add_ps(
+                            _mm512_load_ps(c + ((r / 16) * nb + q) * 256 + (r % 16) * 16),
+                            bv[q]));
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
 }  // namespace
 #endif
 
@@ -349,48 +401,19 @@ int weir_gemv_f32(const float* x, int64_t ldx, const float* wp, const float* bia
 int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
                        uint16_t* y, int64_t m, int64_t n, int64_t k, int threads) {
 #if defined(WEIR_GEMM_AMX)
-    if (n % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
-    if (m == 0) return 0;
-    const int64_t blocks = n / 16, kp = k / 2, ksteps = k / 32;
-    const int64_t mpad = (m + 15) / 16 * 16;
-    int64_t lda = ldx;
-    const uint16_t* a = whole_tiles(x, lda, m, k);
-    const int t = blocks > 4 ? threads : 1;
-#pragma omp parallel num_threads(t)
-    {
-        weir::amx_configure();
-        alignas(64) float c[4 * 256];
-        // pairs of neighbouring blocks, each thread a contiguous run: its weights stream
-        // front to back, each pair's once for every row of x
-        const int64_t pairs = (blocks + 1) / 2;
-#pragma omp for schedule(static)
-        for (int64_t pr = 0; pr < pairs; ++pr) {
-            const int64_t b = 2 * pr;
-            const int nb = b + 1 < blocks ? 2 : 1;
-            const uint16_t* wb = wp + b * kp * 32;
-            __m512 bv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            if (bias)
-                for (int q = 0; q < nb; ++q) bv[q] = weir::load16(bias + (b + q) * 16);
-            for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
-                const int mt = mpad - m0 >= 32 ? 2 : 1;
-                const uint16_t* a0 = a + m0 * lda;
-                if (mt == 2 && nb == 2) amx_block<2, 2>(a0, lda, wb, kp * 32, ksteps, c);
-                else if (mt == 2) amx_block<2, 1>(a0, lda, wb, kp * 32, ksteps, c);
-                else if (nb == 2) amx_block<1, 2>(a0, lda, wb, kp * 32, ksteps, c);
-                else amx_block<1, 1>(a0, lda, wb, kp * 32, ksteps, c);
-                const int64_t rows = m - m0 < mt * 16 ? m - m0 : mt * 16;
-                for (int64_t r = 0; r < rows; ++r)
-                    for (int q = 0; q < nb; ++q)
-                        _mm256_storeu_si256(
-                            reinterpret_cast<__m256i*>(y + (m0 + r) * n + (b + q) * 16),
-                            weir::bf16_16(_mm512_add_ps(
-                                _mm512_load_ps(c + ((r / 16) * nb + q) * 256 + (r % 16) * 16),
-                                bv[q])));
-            }
-        }
-        _tile_release();
-    }
-    return 0;
+    return gemm_amx(x, ldx, wp, bias, y, m, n, k, threads);
+#else
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+// weir_gemm_amx_bf16 with y [m, n] float32: each output rounded to bf16, then widened.
+int weir_gemm_amx_bf16_f32(const uint16_t* x, int64_t ldx, const uint16_t* wp,
+                           const uint16_t* bias, float* y, int64_t m, int64_t n, int64_t k,
+                           int threads) {
+#if defined(WEIR_GEMM_AMX)
+    return gemm_amx(x, ldx, wp, bias, y, m, n, k, threads);
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
     return -1;

@@ -305,6 +305,24 @@ def test_amx_gate_up_with_silu_mul_is_the_unfused_pair_to_the_bit(inter, k, thre
 
 
 @_AMX
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_amx_linear_with_float32_output_is_the_cast_to_the_bit(m):
+    """``out_dtype=torch.float32``: each output rounded to bf16 as always, then written
+    widened: ``.float()`` of the bf16 result, bias or not. Only the AMX tiles offer it."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    x = torch.randn(m + 1, 64, generator=g).bfloat16()[1:]
+    for bias in (None, b):
+        got = cpu_native.small_batch_linear(x, packed, bias, tiles="amx", out_dtype=torch.float32)
+        want = cpu_native.small_batch_linear(x, packed, bias, tiles="amx").float()
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="no torch.float32 output"):
+        cpu_native.small_batch_linear(x, packed, tiles="vector", out_dtype=torch.float32)
+
+
+@_AMX
 def test_amx_gate_up_with_silu_mul_refuses_what_it_cannot_run():
     f32 = torch.randn(64, 64)
     with pytest.raises(ValueError, match="bf16 gate_up"):

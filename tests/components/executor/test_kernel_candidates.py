@@ -100,6 +100,21 @@ def test_the_amx_gate_up_runs_fused_with_silu_and_changes_no_bit():
     assert torch.equal(got, _logits(model))
 
 
+def test_the_amx_lm_head_writes_float32_logits_and_changes_no_bit():
+    """Where the plan runs the lm_head on the AMX tiles, the logits come out float32 in
+    the same pass (``runs["amx+f32"]``), equal to the bf16 linear then the cast."""
+    if "amx" not in _available(torch.bfloat16):
+        pytest.skip("no AMX linear here")
+    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                       kernels={"linear": "amx"})
+    f32, calls = model.runs["amx+f32"], []
+    model.runs["amx+f32"] = lambda x, w, b: calls.append(x.shape[0]) or f32(x, w, b)
+    got = _logits(model)
+    assert calls == [3, 3] and got.dtype == torch.float32     # each step's sampled rows
+    model.runs["amx+f32"] = lambda x, w, b: model.runs["amx"](x, w, b).float()
+    assert torch.equal(got, _logits(model))
+
+
 def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     odd = dataclasses.replace(SHAPE, vocab_size=SHAPE.vocab_size - 8)   # the lm_head's N % 16
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
