@@ -364,9 +364,8 @@ class AsyncClient:
             if isinstance(event, ServerHeartbeat):
                 self._on_instance(event.instance)
                 continue
-            for key in [self._route(e) for e in event.events] if isinstance(event, Events) \
-                    else [self._route(event)]:
-                if key is not None:              # that stream's reader fell too far behind
+            for e in event.events if isinstance(event, Events) else (event,):
+                if (key := self._route(e)) is not None:   # its reader fell too far behind
                     self.slow_consumer_cancels += 1
                     await self._sock.send(Cancel(key))
 
