@@ -119,6 +119,18 @@ RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear, "amx
        "fp32": upcast(F.linear), "fp32_onednn": upcast(onednn_linear)}
 
 
+def run_as_used(role: str, cand: str):
+    """``cand``'s linear as the model calls it for ``role``: the lm_head's logits are
+    float32 (``Linear.float32``: one pass on the AMX tiles, else the linear then the cast),
+    so its candidates are timed with that output, not the model dtype's."""
+    if role != "lm_head":
+        return RUN[cand]
+    if cand == "amx":
+        return amx_linear_f32
+    run = RUN[cand]
+    return lambda x, w, b=None: run(x, w, b).float()
+
+
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """Each linear weight's [out, in]."""
     h, d = spec.hidden_size, spec.head_dim
@@ -258,7 +270,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         use = [b for b in buckets if b <= max(max_seqs, 1)] if role == "lm_head" else buckets
         if role == "lm_head" and use[-1] < max_seqs:
             use.append(max_seqs)
-        runs = {c: (RUN[c], tuning.copies_for(w, PREPARE[c]), limit)
+        runs = {c: (run_as_used(role, c), tuning.copies_for(w, PREPARE[c]), limit)
                 for c, limit in cands[role].items()}
         timings = tuning.time_linear(runs, k, dtype, use)
         plan.linear[role] = tuning.choose_linear(timings)

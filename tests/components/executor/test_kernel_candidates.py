@@ -115,6 +115,33 @@ def test_the_amx_lm_head_writes_float32_logits_and_changes_no_bit():
     assert torch.equal(got, _logits(model))
 
 
+def test_the_lm_head_candidates_are_timed_with_float32_logits(monkeypatch):
+    """The plan times each lm_head candidate as the model runs it (float32 logits: the AMX
+    kernel's own float32 pass, the others' output cast), and every other role as the bare
+    linear; either way the values are the bare linear's."""
+    timed = []                                   # per role, in shapes() order
+
+    def time_linear(runs, k, dtype, buckets):
+        x = torch.randn(3, k).to(dtype)
+        timed.append({c: (fn(x, copies[0]), autotune.RUN[c](x, copies[0]))
+                      for c, (fn, copies, _) in runs.items()})
+        return {c: {m: 1.0 for m in buckets} for c in runs}
+
+    monkeypatch.setattr(autotune.tuning, "time_linear", time_linear)
+    shapes = autotune.shapes(SHAPE)
+    cands = {role: autotune.linear_candidates(torch.bfloat16, torch.device("cpu"), shape)
+             for role, shape in shapes.items()}
+    autotune._measure(SHAPE, torch.bfloat16, shapes, cands, False, 64, 8, 16,
+                      skip={"elementwise", "sampling", "attention", "attention_tiles",
+                            "fresh_prompts"})
+    assert len(timed) == len(shapes)
+    for role, outs in zip(shapes, timed):
+        assert set(outs) == set(cands[role])
+        for cand, (got, bare) in outs.items():
+            want = bare.float() if role == "lm_head" else bare
+            assert got.dtype == want.dtype and torch.equal(got, want), (role, cand)
+
+
 def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     odd = dataclasses.replace(SHAPE, vocab_size=SHAPE.vocab_size - 8)   # the lm_head's N % 16
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
