@@ -10,6 +10,16 @@
 
 namespace weir {
 
+// The cache row (slot) of key u of a sequence: table[u / bs] * bs + u % bs, by a shift and
+// a mask where bs is a power of two (all block sizes but multiples of 256 such as 768).
+inline int64_t slot_of(const int32_t* table, int64_t bs, int64_t u) {
+    if ((bs & (bs - 1)) == 0) {
+        const int sh = __builtin_ctzll(static_cast<unsigned long long>(bs));
+        return (static_cast<int64_t>(table[u >> sh]) << sh) | (u & (bs - 1));
+    }
+    return static_cast<int64_t>(table[u / bs]) * bs + u % bs;
+}
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) {
     uint32_t bits = static_cast<uint32_t>(p[i]) << 16;

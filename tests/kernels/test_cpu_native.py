@@ -398,7 +398,7 @@ def test_silu_mul_matches_torch_across_the_range(dtype):
 
 
 @pytest.mark.skipif(not cpu_native.amx_supported(), reason="no AMX tiles on this CPU")
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 48])    # 48: not a power of two
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_amx_kernel_matches_the_vector_kernel_and_reference(block_size, group, dim):
