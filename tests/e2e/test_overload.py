@@ -137,23 +137,36 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
     return report, [name for name, ok in checks.items() if not ok]
 
 
-def test_overload_at_3x_capacity(engine):
+def test_overload_at_3x_capacity(engine, tmp_path_factory):
     """Runs the scenario a second time, and only then fails, when the first run breaks a
     condition: the conditions are about SLOs on a live engine, and a CI machine shared with
     other jobs can halve this engine's speed for seconds without warning (CI's one failure
     here: 83 of 89 met; here, with a process busy 0.3-2 s of every 1-5 s beside it, 50 of 57
     met, the misses in pairs at the noise's bursts). What the policy promises is for the
-    machine it measured; two noisy 60 s windows in a row fail the test. Both reports print."""
-    async def main():
-        async with engine.async_client(max_retries=0) as c:
-            for attempt in (1, 2):
-                report, broken = judge(*await scenario(c))
-                print(f"attempt {attempt}: {report}")
-                if not broken:
-                    return report, broken
-                print(f"attempt {attempt} broke: {'; '.join(broken)}")
-                await anyio.sleep(3.0)
-            return report, broken
+    machine it measured; two noisy 60 s windows in a row fail the test. Both reports print.
 
-    report, broken = anyio.run(main)
+    The second run gets a fresh engine, and the first stops before it starts (stop is
+    idempotent; the fixture's is then a no-op): a second flood on the engine that saw the 3x
+    burst measured a third of the first's capacity (2.83 against 12.67 req/s), and 3x of that
+    was no overload. A fresh engine is a fresh draw, not a cure: the flood's estimate is noisy
+    (met/6 s on nine floods, three fresh engines: 7.7-15.2 req/s; one fresh second run also
+    drew 2.83; at 14.83 the 10 s at "capacity" was overload, 87 of 102 met)."""
+    async def attempt_on(eng):
+        async with eng.async_client(max_retries=0) as c:
+            return judge(*await scenario(c))
+
+    for attempt in (1, 2):
+        if attempt == 2:
+            engine.stop()            # its processes would share the two cores with the next
+        eng = engine if attempt == 1 else Engine(tmp_path_factory.mktemp("overload-again"),
+                                                 CONFIG)
+        try:
+            report, broken = anyio.run(attempt_on, eng)
+        finally:
+            if eng is not engine:
+                eng.stop()
+        print(f"attempt {attempt}: {report}")
+        if not broken:
+            break
+        print(f"attempt {attempt} broke: {'; '.join(broken)}")
     assert not broken, f"{'; '.join(broken)}: {report}"
