@@ -58,6 +58,7 @@ class AdmissionService(Component):
             "weir.admission.kv_blocks_requested": est.kv_blocks,
             "weir.admission.predicted_ttft_ms": round(est.predicted_ttft_s * 1e3, 2)
             if est.predicted_ttft_s is not None else -1.0,
+            "weir.admission.ttft_bias_ms": round(policy.ttft.bias_s * 1e3, 2),
             "weir.admission.deadline_ms": est.deadline_ms if est.deadline_ms is not None else -1,
             "weir.admission.queue_position": policy.queue_position(req.request_id),
             "weir.admission.queued": policy.queued,
@@ -71,6 +72,10 @@ class AdmissionService(Component):
             "weir.engine.max_outstanding": self.config.admission.max_outstanding,
             "weir.engine.kv_blocks_reserved": policy.reserved_blocks,
             "weir.scheduler.queued_prefill_tokens": policy.ttft.load.queued_prefill_tokens,
+            "weir.scheduler.prefill_tokens_per_s": round(
+                policy.ttft.load.prefill_tokens_per_s, 1),
+            "weir.scheduler.decode_step_ms": round(policy.ttft.load.decode_step_s * 1e3, 2),
+            "weir.admission.unreported_prefill_tokens": policy.ttft.unreported_tokens,
         }
 
     async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None,

@@ -62,23 +62,59 @@ def test_requests_overrunning_their_prediction_raise_it_before_their_first_token
         pytest.approx(0.15 + p.ttft.learned_s)
 
 
-def test_the_bias_floor_does_not_outlive_the_burst():
-    """Misses known for more than RECENT_S seconds stop counting, so a floor raised by a
-    burst falls even when nothing new is admitted (everything refused meanwhile)."""
-    p = policy(num_blocks=1000)
+def overrun_burst(p) -> None:
+    """10 requests admitted at 0 s, each predicted 0.15 s; all released at 1 s, each with
+    a TTFT of 1.15 s: 1 s over."""
     p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
     for i in range(10):                     # all predicted 0.15 s: the report counts them
         assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
         p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
     p.released([str(i) for i in range(10)], 1.0, {}, {str(i): 1.15 for i in range(10)})
-    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 1.0)
+
+
+BUSY = SchedulerLoad(1, 0, 0, 1000.0, 0.05)     # one sequence still decoding: not drained
+
+
+def test_the_bias_floor_does_not_outlive_the_burst():
+    """Misses known for more than RECENT_S seconds stop counting, so a floor raised by a
+    burst falls even when nothing new is admitted (everything refused meanwhile) while the
+    engine stays busy."""
+    p = policy(num_blocks=1000)
+    overrun_burst(p)
+    p.ttft.on_load(BUSY, 1.0)
     assert p.ttft.floor_s == pytest.approx(1.0)
-    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.0)             # 3 s: still counts
+    p.ttft.on_load(BUSY, 4.0)                                             # 3 s: still counts
     assert p.ttft.floor_s == pytest.approx(1.0)
-    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 4.1)
+    p.ttft.on_load(BUSY, 4.1)
     assert p.ttft.floor_s == 0.0
     assert p.decide(req("y", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
         pytest.approx(0.15 + p.ttft.learned_s)
+
+
+@pytest.mark.parametrize("report, drained", [
+    (SchedulerLoad(0, 0, 0, 1000.0, 0.05), True),
+    (BUSY, False),
+    (SchedulerLoad(0, 1, 0, 1000.0, 0.05), False),                  # one waiting
+    (SchedulerLoad(0, 0, 96, 1000.0, 0.05), False),                 # prefill queued
+    (SchedulerLoad(0, 0, 0, 1000.0, 0.05, awaiting_first_s={"z": 0.1}), False),
+])
+def test_the_bias_floor_does_not_outlive_the_backlog(report, drained):
+    """A report of a drained engine drops the burst's misses at once: an idle engine that
+    kept a 1 s floor for RECENT_S would refuse what it serves in 0.15 s. A report that
+    shows any work left keeps them; so does one that cannot count what admission let in
+    since the last (``unreported``)."""
+    p = policy(num_blocks=1000)
+    overrun_burst(p)
+    p.ttft.on_load(report, 1.0)
+    assert p.ttft.floor_s == (0.0 if drained else pytest.approx(1.0))
+    if drained:
+        assert p.decide(req("y", prompt=100), 0, 1.0).estimate.predicted_ttft_s == \
+            pytest.approx(0.15 + p.ttft.learned_s)
+    q = policy(num_blocks=1000)
+    overrun_burst(q)
+    q.decide(req("late", prompt=100, deadline=60_000), 0, 1.0)       # admitted, unreported
+    q.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 1.0)
+    assert q.ttft.floor_s == pytest.approx(1.0)
 
 
 
