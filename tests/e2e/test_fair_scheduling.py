@@ -27,7 +27,7 @@ from weir.replay.probes import decode_through_burst
 from weir.replay.report import percentile, summarize
 from weir.replay.types import COMPLETED, Slo, TraceRequest
 
-TPOT_SLO_MS = 500.0
+TPOT_SLO_MS = 400.0
 
 # linear = "torch": one kernel for every step size, so the measured ITL is scheduling,
 # not which kernel the plan picked for each varying chunk size
@@ -57,7 +57,14 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
     Sized for time: the fixed engine computes the whole burst before its streams end, in
     2048-token steps of ~6 s here, so the burst's size is most of the test's time. 16
     prompts (8192 tokens) give each stream 4 such gaps among its ~20 after the burst
-    arrives: its TPOT over 1 s, and over 10% of the gaps stalled."""
+    arrives: its TPOT over 1 s, and over 10% of the gaps stalled.
+
+    On the 2-core AMX Xeon those steps take 1.5 s, and the fixed engine's worst stream TPOT
+    read 470-492 ms alone (618 and 563 after other tests): against the 500 ms SLO this test
+    had, whether the fixed budget broke it was a coin flip. Hence 400 ms, which the slack
+    engine keeps with room (255-345 ms at 500). There, too, the slack budget once fell back
+    to the full 2048 tokens when the cost model's fit priced the decodes at nothing
+    (worst stream TPOT 594-618 ms, gap p90 1.5 s): see ``step_budget``'s "tpot_slo_mean"."""
     tpot, p90, worst = {}, {}, {}
     for chunking in ("slack", "fixed"):
         eng = Engine(tmp_path_factory.mktemp(f"chunk-{chunking}"),

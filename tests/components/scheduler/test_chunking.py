@@ -63,6 +63,25 @@ def test_cold_cost_model_uses_the_full_budget():
     assert step_budget(core_with(4, 0.1), StepCostModel(), 2048).reason == "cost_unknown"
 
 
+def test_a_fit_that_prices_the_decodes_at_nothing_falls_back_to_the_mean_cost():
+    """Seen live: steps of -50 ms + 2 ms per token (every one observed at 30 tokens or
+    more) put 4 decodes at -42 ms, clamped to 0. The budget then prices every token at the
+    window's mean cost instead of taking the full budget beside streams with a TPOT SLO."""
+    m = StepCostModel()
+    for tokens, ctx, seqs in [(30, 300, 30), (40, 400, 40), (64, 700, 3), (256, 300, 2),
+                              (512, 2000, 9), (36, 360, 36), (100, 5000, 40), (2048, 2048, 1),
+                              (48, 480, 48)]:
+        m.observe(tokens, ctx, seqs, -0.05 + 0.002 * tokens)
+    assert min(m._y) > 0 and m.predict(4, 44, 5) == 0.0
+    mean = m.mean_per_token()
+    assert mean > 0
+    b = step_budget(core_with(4, 0.5), m, 2048)
+    room = int((0.5 * 0.8 / m.slowdown() - 4 * mean) / mean)
+    assert (b.tokens, b.reason) == (4 + room, "tpot_slo_mean")
+    assert 4 + MIN_CHUNK < b.tokens < 2048
+    assert b.predicted_s == pytest.approx(4 * mean + mean * room)
+
+
 def burst_run(chunking: str):
     """16 streams decoding (TPOT SLO 300 ms) when 32 prompts of 512 tokens arrive."""
     cfg = load_config(None, topology={"run_dir": "/x"}, scheduler={"chunking": chunking},
