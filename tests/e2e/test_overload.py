@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+import warnings
 
 import anyio
 import pytest
@@ -33,6 +34,11 @@ policy = "deadline"
 classes = [{{ name = "interactive", priority = 0, ttft_slo_ms = {SLO_MS}, tpot_slo_ms = 1000 }}]
 """
 PROMPT, OUTPUT = 96, 8
+
+
+class RetriedScenario(UserWarning):
+    """The first attempt broke a condition and the scenario ran again (the warnings summary
+    shows it, with the first attempt's report, even where the retry passed)."""
 
 
 @pytest.fixture(scope="module")
@@ -169,4 +175,7 @@ def test_overload_at_3x_capacity(engine, tmp_path_factory):
         if not broken:
             break
         print(f"attempt {attempt} broke: {'; '.join(broken)}")
+        if attempt == 1:     # a passing retry prints nothing under -q: say why it ran
+            warnings.warn(f"overload attempt 1 broke: {'; '.join(broken)}: {report}",
+                          RetriedScenario, stacklevel=1)
     assert not broken, f"{'; '.join(broken)}: {report}"
