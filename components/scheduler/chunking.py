@@ -37,27 +37,25 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
     n, ctx = len(decoding), sum(s.num_tokens for s in decoding)
     base = cost.predict(n, ctx, n + 1)
     marginal = (cost.predict(n + _PROBE, ctx + _PROBE, n + 1) - base) / _PROBE
-    if marginal <= 0:                      # the fit cannot tell yet: bound it from above
-        marginal = cost.mean_per_token()
-    reason = "tpot_slo"
-    if base <= 0 < cost.mean_per_token():
+    mean = cost.mean_per_token() if base <= 0 or marginal <= 0 else 0.0
+    if mean <= 0 and (base <= 0 or marginal <= 0):
+        return StepBudget(full, "cost_unknown", tightest)
+    # plan against the model's recent p90 error too: steps that run slower than predicted
+    # would otherwise put the streams' p99 over their SLO
+    limit = tightest * (1 - headroom) / cost.slowdown()
+    if base <= 0:
         # the fit prices these decodes at nothing: decode steps (tokens == sequences) and a
         # few prefill chunks leave it free to extrapolate to a context it has not seen. It
         # is not trusted for this step at all: every token at the window's mean cost (an
         # upper bound of a token's marginal cost). Taking the full budget instead stalled
         # live streams for 1.6-2.8 s a step (2048 prefill tokens beside 20 decodes at a
         # 500 ms TPOT SLO: worst stream TPOT 594 ms, gap p90 1586 ms)
-        base = marginal = cost.mean_per_token()
-        base *= n
-        reason = "tpot_slo_mean"
-    if base <= 0 or marginal <= 0:
-        return StepBudget(full, "cost_unknown", tightest)
-    # plan against the model's recent p90 error too: steps that run slower than predicted
-    # would otherwise put the streams' p99 over their SLO
-    room = int((tightest * (1 - headroom) / cost.slowdown() - base) / marginal)
+        tokens = min(full, n + max(int((limit - mean * n) / mean), MIN_CHUNK))
+        return StepBudget(tokens, "tpot_slo_mean", tightest, mean * tokens)
+    if marginal <= 0:                      # the fit cannot tell yet: bound it from above
+        marginal = mean
+    room = int((limit - base) / marginal)
     tokens = min(full, n + max(room, MIN_CHUNK))
-    if reason == "tpot_slo_mean":
-        return StepBudget(tokens, reason, tightest, base + marginal * (tokens - n))
     if tokens >= full:
         return StepBudget(full, "full", tightest, cost.predict(full, ctx + full - n, n + 1))
     return StepBudget(tokens, "tpot_slo", tightest,
