@@ -329,7 +329,7 @@ namespace {
 
 using weir::amx_configure;
 // Tiles (weir::amx_configure: each 16 rows x 64 bytes). q.k: tmm0 the scores (16 keys x 16
-// queries, fp32), tmm1 the keys (16 x 32 bf16), tmm2 the queries. P.V: tmm1 the
+// queries, fp32), tmm1 the keys (16 x 32 bf16), tmm2 .. tmm7 the queries. P.V: tmm1 the
 // probabilities (16 queries x 32 keys), tmm2 the values (16 key pairs x 16 dims), tmm3-6
 // the outputs (16 queries x 64 dims)
 
@@ -368,7 +368,7 @@ inline void transpose16(const uint32_t* src, uint32_t* dst) {
 // With weir::slot_of for the kernel's row addresses, in place of a 64-bit divide per row:
 // 30 layers, 2 Xeon (AMX) cores, A/B alternating: prefill 4 x 128 6.7-7.1 -> 6.1-6.2 ms,
 // 2 x 256 after 1000 87 -> 76-80 ms; decode 64 x 160 unchanged at ~15.4 (its keys come from
-// memory, which is the wall there).
+// memory: see NextTile).
 template <int Hint, typename T>
 inline void prefetch_block_rows(const T* cache, const int32_t* table, int64_t block_size,
                                 int64_t row_stride, int64_t t, int64_t len) {
@@ -379,12 +379,65 @@ inline void prefetch_block_rows(const T* cache, const int32_t* table, int64_t bl
     for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + x, static_cast<_mm_hint>(Hint));
 }
 
+// The next tile's keys and values, prefetched to L2 a few lines at a time while this tile
+// computes (spread over its key chunks and value pairs), so one tile's reads overlap the
+// tile unit's work on the one before; a decode tile's own chunk-ahead prefetch is too
+// short a distance to hide DRAM latency. Blocks alternate keys and values; lines() issues
+// up to n more prefetches. 2 AMX Xeon cores, decode 64 x 160, 30 layers' caches, the two
+// builds A/B in one process: 13.8 -> 11.7 ms (scattered blocks: 13.8 -> 11.9); with every
+// sequence on the same blocks (all in L2) 3.5 -> 5.1 ms, the prefetches' own cost. A
+// sparser stream (every 2nd-16th line, for the L2 streamer to fill in) was slower than
+// none (14.6 ms): the hardware prefetcher does not follow blocks this size.
+struct NextTile {
+    const char* k = nullptr;
+    const char* v = nullptr;
+    const int32_t* table = nullptr;
+    int64_t block_size = 16, row_bytes = 0, len = 0;
+    int64_t block = 0, off = 0;       // cursor: block index (2j keys, 2j + 1 values), byte
+    void lines(int n) {
+        while (n > 0 && block / 2 * block_size < len) {
+            const int64_t j = block / 2;
+            const int64_t bytes = std::min<int64_t>(block_size, len - j * block_size) * row_bytes;
+            const char* base = (block % 2 == 0 ? k : v)
+                               + static_cast<int64_t>(table[j]) * block_size * row_bytes;
+            for (; off < bytes && n > 0; off += 64, --n) _mm_prefetch(base + off, _MM_HINT_T1);
+            if (off >= bytes) { off = 0; ++block; }
+        }
+    }
+    int64_t total_lines() const {
+        return len <= 0 ? 0 : 2 * ((len * row_bytes + 63) / 64 + (len + block_size - 1) / block_size);
+    }
+};
+
+// The query tiles held in tmm2 .. tmm7 (tile numbers are immediates: one case each).
+inline void load_query_tile(int i, const uint32_t* p) {
+    switch (i) {
+        case 0: _tile_loadd(2, p, 64); break;
+        case 1: _tile_loadd(3, p, 64); break;
+        case 2: _tile_loadd(4, p, 64); break;
+        case 3: _tile_loadd(5, p, 64); break;
+        case 4: _tile_loadd(6, p, 64); break;
+        default: _tile_loadd(7, p, 64); break;
+    }
+}
+// tmm0 += the keys in tmm1 . query tile i
+inline void dot_query_tile(int i) {
+    switch (i) {
+        case 0: _tile_dpbf16ps(0, 1, 2); break;
+        case 1: _tile_dpbf16ps(0, 1, 3); break;
+        case 2: _tile_dpbf16ps(0, 1, 4); break;
+        case 3: _tile_dpbf16ps(0, 1, 5); break;
+        case 4: _tile_dpbf16ps(0, 1, 6); break;
+        default: _tile_dpbf16ps(0, 1, 7); break;
+    }
+}
+
 template <int D, int G>
 void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                      uint16_t* out, int64_t row0, int nrows, const int32_t* lens,
                      int64_t kv_heads, const int32_t* table, int64_t heads, int64_t q_row,
                      int64_t block_size, float scale, float* scores, int64_t lpad,
-                     uint32_t* pairs, uint32_t* qb) {
+                     uint32_t* pairs, uint32_t* qb, NextTile& next) {
     // scores: [lpad][16] fp32; pairs: [lpad / 2][16] bf16 pairs; qb: [hg * D / 32][16][16]
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;               // elements between key rows
@@ -409,19 +462,33 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                         for (int p = 0; p < 16; ++p)
                             std::memcpy(qb + ((hl * DT + i) * 16 + p) * 16 + c, qq + i * 32 + 2 * p, 4);
                 }
-        // scores, 16 keys (one block's rows: block_size is a multiple of 16) at a time
+        // the next tile's prefetches, spread over this group's key chunks and value pairs
+        const int64_t L32 = (L + 31) / 32 * 32;
+        const int64_t spots = (L + 15) / 16 + nh * (L32 / 2);
+        const int per_spot = static_cast<int>((next.total_lines() + spots - 1) / spots);
+        // scores, 16 keys (one block's rows: block_size is a multiple of 16) at a time; the
+        // query tiles stay in tmm2.. when they fit (SmolLM2: 6), loaded once, not per chunk
+        const int nqt = nh * DT;
+        const bool resident = nqt <= 6;
+        if (resident)
+            for (int x = 0; x < nqt; ++x) load_query_tile(x, qb + x * 256);
         for (int64_t t0 = 0; t0 < L; t0 += 16) {
             const uint16_t* kb = k_cache + weir::slot_of(table, block_size, t0) * row_stride + h0 * D;
             if (h0 == 0) {          // the next chunk's keys to L1, this chunk's values to L2
                 prefetch_block_rows<_MM_HINT_T0>(k_cache, table, block_size, row_stride, t0 + 16, L);
                 prefetch_block_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, L);
             }
+            next.lines(per_spot);
             _tile_zero(0);
             for (int hl = 0; hl < nh; ++hl)
                 for (int i = 0; i < DT; ++i) {
                     _tile_loadd(1, kb + hl * D + i * 32, row_stride * 2);
-                    _tile_loadd(2, qb + (hl * DT + i) * 256, 64);
-                    _tile_dpbf16ps(0, 1, 2);
+                    if (resident) {
+                        dot_query_tile(hl * DT + i);
+                    } else {
+                        _tile_loadd(2, qb + (hl * DT + i) * 256, 64);
+                        _tile_dpbf16ps(0, 1, 2);
+                    }
                 }
             _tile_stored(0, scores + t0 * 16, 64);
         }
@@ -452,22 +519,22 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
             _mm512_storeu_si512(pairs + t / 2 * 16, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
         }
         // P.V on the tiles: per 32 keys, the probabilities as an A tile (16 queries x 16 key
-        // pairs: the pairs transposed) and each head's values as B tiles, its rows key pairs
-        // interleaved (vpunpck{l,h}wd, as value_pair: the output dims come out in that
-        // order, which store_pairs undoes); keys past L are zeros, not read.
-        const int64_t L32 = (L + 31) / 32 * 32;
+        // pairs: the pairs transposed, in place, once for every head) and each head's values
+        // as B tiles, its rows key pairs interleaved (vpunpck{l,h}wd, as value_pair: the
+        // output dims come out in that order, which store_pairs undoes); keys past L are
+        // zeros, not read.
         for (int64_t t = L2; t < L32; t += 2)
             _mm512_storeu_si512(pairs + t / 2 * 16, _mm512_setzero_si512());
-        uint32_t* pt = qb;                       // [16 queries][16 pairs] (q is packed: free)
+        for (int64_t t0 = 0; t0 < L32; t0 += 32) transpose16(pairs + t0 / 2 * 16, pairs + t0 / 2 * 16);
         uint32_t* vb = qb + 256;                 // [4][16 pairs][16 dims]
         float* ob = reinterpret_cast<float*>(qb + 256 + 1024);   // [16 queries][D]
         for (int hl = 0; hl < nh; ++hl) {
             for (int dh = 0; dh < D / 64; ++dh) {
                 _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
                 for (int64_t t0 = 0; t0 < L32; t0 += 32) {
-                    transpose16(pairs + t0 / 2 * 16, pt);
                     for (int j = 0; j < 16; ++j) {
                         const int64_t t = t0 + 2 * j;
+                        next.lines(per_spot);
                         __m512i x0a, x0b, x1a, x1b;
                         if (t < L) {
                             const uint16_t* v0 = v_cache + weir::slot_of(table, block_size, t) * row_stride
@@ -488,7 +555,7 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                         _mm512_store_si512(vb + (2 * 16 + j) * 16, _mm512_unpacklo_epi16(x0b, x1b));
                         _mm512_store_si512(vb + (3 * 16 + j) * 16, _mm512_unpackhi_epi16(x0b, x1b));
                     }
-                    _tile_loadd(1, pt, 64);
+                    _tile_loadd(1, pairs + t0 / 2 * 16, 64);
                     _tile_loadd(2, vb + 0 * 256, 64);
                     _tile_dpbf16ps(3, 1, 2);
                     _tile_loadd(2, vb + 1 * 256, 64);
@@ -776,10 +843,17 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 #pragma omp for schedule(static, 1)
                 for (int64_t tile = 0; tile < tiles; ++tile) {
                     const int64_t i0 = starts[tile];
-                    if (tile + num_threads < tiles) {      // this thread's next tile
-                        const int64_t i1 = starts[tile + num_threads];
-                        prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
-                                                   block_size, kv_heads * D, 0, 16, row_lens[i1]);
+                    // this thread's next tile, when it reads another sequence's keys (a
+                    // prefill's next rows share this one's, already on their way in)
+                    NextTile next;
+                    const int64_t i1 = tile + num_threads < tiles ? starts[tile + num_threads] : -1;
+                    if (i1 >= 0 && seqs[i1] != seqs[i0]) {
+                        next.k = reinterpret_cast<const char*>(k_cache);
+                        next.v = reinterpret_cast<const char*>(v_cache);
+                        next.table = block_tables + seqs[i1] * table_width;
+                        next.block_size = block_size;
+                        next.row_bytes = kv_heads * D * static_cast<int64_t>(sizeof(T));
+                        next.len = row_lens[starts[tile + num_threads + 1] - 1];
                     }
                     const int nrows = static_cast<int>(starts[tile + 1] - i0);
                     int32_t lens[16];
@@ -795,7 +869,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                         (reinterpret_cast<uintptr_t>(pairs + lpad / 2 * 16) + 63) & ~uintptr_t(63));
                     attend_tile_amx<D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
                                           block_tables + seqs[i0] * table_width, heads, q_row,
-                                          block_size, scale, scores, lpad, pairs, qb);
+                                          block_size, scale, scores, lpad, pairs, qb, next);
                 }
                 _tile_release();
             }
