@@ -31,7 +31,7 @@ from kernels.metadata import AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
-            _CSRC / "cpu_fused.cpp", _CSRC / "cpu_gemv.cpp"]
+            _CSRC / "cpu_fused.cpp", _CSRC / "cpu_gemv.cpp", _CSRC / "cpu_forward.cpp"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -138,6 +138,8 @@ def load() -> ctypes.CDLL:
         lib.weir_write_kv.argtypes = [vp, vp, i64, vp, vp, i64, vp, i64]
         lib.weir_silu_mul.restype = None
         lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
+        lib.weir_forward_layers.restype = ctypes.c_int
+        lib.weir_forward_layers.argtypes = [vp, i64, vp]
         _lib = lib
     return _lib
 
@@ -388,6 +390,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     load().weir_silu_mul(_DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                          gate_up.shape[0], inter, torch.get_num_threads())
     return out
+
+
+# ---- the decoder layers in one call (csrc/cpu_forward.cpp) --------------------------------
+class LinearArgs(ctypes.Structure):
+    """A packed weight (:func:`pack_small_batch`) and its kernel: kind 0 the vector
+    kernel, 1 the AMX tiles."""
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("kind", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class LayerArgs(ctypes.Structure):
+    _fields_ = [("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
+                ("down", LinearArgs), ("mlp_norm", ctypes.c_void_p),
+                ("next_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("threads", ctypes.c_int32)] + [
+        (n, ctypes.c_int64) for n in ("rows", "hidden", "heads", "kv_heads", "head_dim",
+                                      "inter")] + [
+        (n, ctypes.c_void_p) for n in ("h", "x", "qkv", "attn", "gate_up", "act", "delta",
+                                       "positions", "cos", "sin", "slots", "seqs",
+                                       "row_lens", "tables")] + [
+        ("table_width", ctypes.c_int64), ("block_size", ctypes.c_int64),
+        ("scale", ctypes.c_float), ("eps", ctypes.c_float), ("amx_attention", ctypes.c_int32),
+        ("pad", ctypes.c_int32)]
+
+
+LINEAR_KINDS = {"native": 0, "amx": 1}      # the plan's candidates these layers can run
+
+
+def linear_args(packed: torch.Tensor, kind: str, bias: torch.Tensor | None) -> LinearArgs:
+    n = packed.shape[0] * 16
+    k = packed.shape[1] * 2 if packed.dim() == 4 else packed.shape[1]
+    return LinearArgs(packed.data_ptr(), None if bias is None else bias.data_ptr(), n, k,
+                      LINEAR_KINDS[kind], 0)
+
+
+def forward_layers(layers: ctypes.Array, step: StepArgs) -> None:
+    """Run the decoder layers ``layers`` (a ``LayerArgs`` array) of one step."""
+    rc = load().weir_forward_layers(ctypes.addressof(layers), len(layers),
+                                    ctypes.addressof(step))
+    if rc != 0:
+        raise ValueError(f"a native kernel of layer {rc - 1} refused the step's shapes")
 
 
 class CpuBackend:

@@ -188,6 +188,7 @@ class KernelPlan:
     source: str = "measured"
     fresh_prompts: str = "native"              # a prompt's first chunk: native or sdpa
     attention_tiles: str = "vector"            # the cpu backend's paged kernel: vector or amx
+    layer_loop: str = "native"                 # the decoder layers: one native call, or python
     key: str = ""
     seconds: float = 0.0                       # spent measuring (0 when cached)
     timings: dict[str, object] = field(default_factory=dict)
@@ -203,21 +204,23 @@ class KernelPlan:
                for role, table in sorted(self.linear.items())}
         out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
                    fresh_prompts=self.fresh_prompts, attention_tiles=self.attention_tiles,
-                   source=self.source)
+                   layer_loop=self.layer_loop, source=self.source)
         return out
 
     def to_json(self) -> dict[str, object]:
         return {"linear": {r: [list(e) for e in t] for r, t in self.linear.items()},
                 "elementwise": self.elementwise, "sampling": self.sampling,
                 "attention": self.attention, "fresh_prompts": self.fresh_prompts,
-                "attention_tiles": self.attention_tiles, "timings": self.timings}
+                "attention_tiles": self.attention_tiles, "layer_loop": self.layer_loop,
+                "timings": self.timings}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
         return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
                    str(data["elementwise"]), str(data["sampling"]), str(data["attention"]),
                    "cached", str(data.get("fresh_prompts", "native")),
-                   str(data.get("attention_tiles", "vector")), key, 0.0,
+                   str(data.get("attention_tiles", "vector")),
+                   str(data.get("layer_loop", "native")), key, 0.0,
                    dict(data.get("timings", {})))
 
 

@@ -183,7 +183,7 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     if device.type != "cpu":
         plan = KernelPlan({r: [(max_tokens, "torch")] for r in ROLES}, "torch", "torch",
                           get_backend(attention, device, block_size=kv_block_size,
-                                      dtype=dtype).name, source="device")
+                                      dtype=dtype).name, source="device", layer_loop="python")
         return plan
     native_ops = native_ops_possible(spec, dtype, device)
     machine = {**tuning.machine_info(), "native_ops": native_ops,
@@ -233,6 +233,12 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
     if "fresh_prompts" in forced:
         plan.fresh_prompts = forced["fresh_prompts"]
         plan.source = "forced"
+    if "layer_loop" in forced:
+        if forced["layer_loop"] not in ("native", "python"):
+            raise ValueError(f"engine.kernels.layer_loop = {forced['layer_loop']!r}: "
+                             f"'native' or 'python'")
+        plan.layer_loop = forced["layer_loop"]
+        plan.source = "forced"
     if "attention_tiles" in forced:
         if forced["attention_tiles"] == "amx" and not amx_possible(dtype, kv_block_size or 16):
             raise ValueError("engine.kernels.attention_tiles = 'amx' cannot run here: it needs "
@@ -261,7 +267,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
     "attention"); a skipped op keeps KernelPlan's default, which :func:`_apply_forced`
     then replaces with the forced choice."""
     g = torch.Generator().manual_seed(0)
-    plan = KernelPlan(source="measured")
+    plan = KernelPlan(source="measured", layer_loop="native" if native_ops else "python")
     buckets = [b for b in tuning.M_BUCKETS if b < max_tokens] + [max_tokens]
     for role, (n, k) in shp.items():
         if "linear" in skip:

@@ -207,6 +207,7 @@ class LlamaModel:
             layer.down = lin("down", put(w("down")))
             self.layers.append(layer)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self._native_args: dict[tuple, object] = {}     # LayerArgs arrays by picks and cache
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate a paged KV cache that fits this model, in its dtype and device."""
@@ -238,7 +239,8 @@ class LlamaModel:
         n_q = s.num_heads * s.head_dim
         rope = ops.rope_tables(positions)
         h, x = ops.add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
-        for i, layer in enumerate(self.layers):
+        layers = self._native_layers(input_ids.shape[0], kv, meta)
+        for i, layer in enumerate(self.layers if layers is None else ()):
             q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
             k_cache, v_cache = kv.key(i), kv.value(i)
             self.backend.write_kv(k_cache, v_cache, k, v, meta)
@@ -249,6 +251,8 @@ class LlamaModel:
             down = layer.down(layer.gate_up.silu_mul(x, ops))
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
             h, x = ops.add_norm(h, down, following)
+        if layers is not None:
+            h += self._run_native_layers(layers, h, x, kv, positions, meta)
         if logits_indices.numel() == 0:
             # no row samples (a step of middle prefill chunks): the layers wrote the KV,
             # which is all such a step is for; skip the final norm and lm_head (a shape
@@ -262,3 +266,76 @@ class LlamaModel:
         return self.lm_head.float32(x)
 
     __call__ = forward
+
+    def _native_layers(self, rows: int, kv: KVCache, meta: AttentionMetadata):
+        """The decoder layers as one native call (``cpu_native.LayerArgs`` for every layer)
+        where this step would run each of their parts on the native CPU kernels anyway:
+        the plan's ``layer_loop`` is "native", the elementwise ops are native, attention is
+        the cpu backend's paged kernel for every row (no fresh prompt through SDPA), and
+        every linear layer's candidate at ``rows`` is the vector or AMX small-batch kernel.
+        None: the Python loop runs the step."""
+        if self.plan.layer_loop != "native" or self.native is None \
+                or getattr(self.backend, "name", "") != "cpu" or meta.token_seq is None \
+                or self.dtype not in (torch.bfloat16, torch.float32) or not kv.data.is_contiguous():
+            return None
+        s = self.spec
+        if not cpu_native.supports(s.num_heads, s.num_kv_heads, s.head_dim) \
+                or meta.slot_mapping.dtype != torch.long:
+            return None
+        if self.backend.fresh_prompts == "sdpa" and self.backend._fresh(meta) is not None:
+            return None
+        first = self.layers[0]
+        picks = tuple(getattr(first, r).pick(rows)[0] for r in ("qkv", "o", "gate_up", "down"))
+        if any(p not in cpu_native.LINEAR_KINDS for p in picks) \
+                or ("amx" in picks and self.dtype != torch.bfloat16):
+            return None
+        key = (picks, kv.data.data_ptr(), kv.data.shape)
+        args = self._native_args.get(key)
+        if args is None:
+            args = (cpu_native.LayerArgs * len(self.layers))()
+            for i, layer in enumerate(self.layers):
+                lin = {r: cpu_native.linear_args(getattr(layer, r).pick(rows)[1], p,
+                                                 getattr(layer, r).bias)
+                       for r, p in zip(("qkv", "o", "gate_up", "down"), picks)}
+                nxt = self.layers[i + 1].attn_norm.data_ptr() if i + 1 < len(self.layers) \
+                    else None
+                args[i] = cpu_native.LayerArgs(lin["qkv"], lin["o"], lin["gate_up"],
+                                               lin["down"], layer.mlp_norm.data_ptr(), nxt,
+                                               kv.key(i).data_ptr(), kv.value(i).data_ptr())
+            self._native_args = {key: args}     # one cache, one plan bucket at a time
+        return args
+
+    def _run_native_layers(self, layers, h: torch.Tensor, x: torch.Tensor, kv: KVCache,
+                           positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Run ``layers`` over the residual stream ``h`` (in place) from the first layer's
+        normed input ``x``; returns the last layer's down projection (forward adds it)."""
+        s, rows = self.spec, h.shape[0]
+        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        inter = s.intermediate_size
+        fused_mlp = self.layers[0].gate_up.pick(rows)[0] == "amx" \
+            and self.layers[0].gate_up.bias is None
+        qkv = h.new_empty(rows, n_q + 2 * n_kv)
+        attn = h.new_empty(rows, n_q)
+        gate_up = h.new_empty(0 if fused_mlp else rows, 2 * inter)
+        act = h.new_empty(rows, inter)
+        delta = torch.empty_like(h)
+        args = meta.derived.get("cpu")
+        if args is None:
+            args = meta.derived["cpu"] = cpu_native._kernel_rows(meta.token_seq, meta.positions,
+                                                                 meta)
+        seqs, row_lens, tables = args
+        pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        block_size = kv.block_size
+        amx = self.backend.tiles == "amx" and self.dtype == torch.bfloat16 and block_size % 16 == 0
+        step = cpu_native.StepArgs(
+            dtype=0 if self.dtype == torch.float32 else 1, threads=torch.get_num_threads(),
+            rows=rows, hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, inter=inter, h=h.data_ptr(), x=x.data_ptr(),
+            qkv=qkv.data_ptr(), attn=attn.data_ptr(), gate_up=gate_up.data_ptr(),
+            act=act.data_ptr(), delta=delta.data_ptr(), positions=pos.data_ptr(),
+            cos=self.ops.cos.data_ptr(), sin=self.ops.sin.data_ptr(), slots=slots.data_ptr(),
+            seqs=seqs.data_ptr(), row_lens=row_lens.data_ptr(), tables=tables.data_ptr(),
+            table_width=tables.shape[1], block_size=block_size, scale=self.scale,
+            eps=s.rms_norm_eps, amx_attention=int(amx))
+        cpu_native.forward_layers(layers, step)
+        return delta

@@ -91,13 +91,76 @@ def test_the_amx_gate_up_runs_fused_with_silu_and_changes_no_bit():
             not autotune.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
         pytest.skip("no AMX linear or native elementwise ops here")
     model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
-                       kernels={"linear": "amx", "elementwise": "native"})
+                       kernels={"linear": "amx", "elementwise": "native",
+                                "layer_loop": "python"})    # the layers' Python loop
     fused, calls = model.runs["amx+silu"], []
     model.runs["amx+silu"] = lambda x, w: calls.append(x.shape[0]) or fused(x, w)
     got = _logits(model)
     assert calls == [26] * SHAPE.num_layers + [5] * SHAPE.num_layers   # every layer, both steps
     model.runs["amx+silu"] = lambda x, w: model.ops.silu_mul(model.runs["amx"](x, w, None))
     assert torch.equal(got, _logits(model))
+
+
+def _steps(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_logits`, and the KV cache the two steps wrote."""
+    kv = model.new_kv_cache(8, 16)
+    model.new_kv_cache = lambda *_: kv
+    try:
+        return _logits(model), kv.data.clone()
+    finally:
+        del model.new_kv_cache
+
+
+@pytest.mark.parametrize("dtype,linear,tiles", [
+    (torch.float32, "native", "vector"), (torch.bfloat16, "native", "vector"),
+    (torch.bfloat16, "amx", "vector"), (torch.bfloat16, "amx", "amx"),
+    (torch.bfloat16, "native", "amx")], ids=["fp32", "bf16", "bf16-amx", "bf16-amx-tiles",
+                                             "bf16-vector-amx-tiles"])
+def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch):
+    """Where every part of a step runs on the native kernels, the decoder layers run as one
+    native call (kernels/csrc/cpu_forward.cpp) with the same kernels in the same order as
+    the Python loop: the same logits and the same KV cache, to the bit, prefill and
+    decode; a step with a kernel outside the native set (here oneDNN or torch past the
+    small-batch kernel's rows) runs the Python loop."""
+    if linear not in _available(dtype) or \
+            not autotune.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+        pytest.skip(f"no {linear} linear kernel or native ops here for {dtype}")
+    if tiles == "amx" and not autotune.amx_possible(dtype, 16):
+        pytest.skip("no AMX attention kernel here")
+    calls = []
+    real = cpu_native.forward_layers
+    monkeypatch.setattr(cpu_native, "forward_layers",
+                        lambda layers, step: calls.append(step.rows) or real(layers, step))
+    forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
+              "fresh_prompts": "native"}
+    weights = random_weights(SHAPE, seed=4)
+    models = {loop: LlamaModel(SHAPE, weights, dtype=dtype, backend="cpu",
+                               kernels={**forced, "layer_loop": loop})
+              for loop in ("python", "native")}
+    (want, want_kv), (got, got_kv) = _steps(models["python"]), _steps(models["native"])
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+    limit = models["native"].plan.linear["qkv"][0][0]
+    assert calls == [m for m in (26, 5) if m <= limit] and calls     # 26 + 5 rows: 2 steps
+
+
+def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatch):
+    """SDPA for a fresh prompt is not in the native layers: that step (26 rows: a
+    20-token prompt) runs the Python loop, the next (5 decode-and-prefix rows) the native
+    call, and the logits are the Python loop's throughout."""
+    if not autotune.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
+            or "native" not in _available(torch.float32):
+        pytest.skip("no native kernels here")
+    calls = []
+    real = cpu_native.forward_layers
+    monkeypatch.setattr(cpu_native, "forward_layers",
+                        lambda layers, step: calls.append(step.rows) or real(layers, step))
+    forced = {"linear": "native", "elementwise": "native", "fresh_prompts": "sdpa"}
+    weights = random_weights(SHAPE, seed=4)
+    want = _logits(LlamaModel(SHAPE, weights, backend="cpu",
+                              kernels={**forced, "layer_loop": "python"}))
+    assert calls == []
+    got = _logits(LlamaModel(SHAPE, weights, backend="cpu", kernels=forced))
+    assert torch.equal(got, want) and calls == [5]
 
 
 def test_the_amx_lm_head_writes_float32_logits_and_changes_no_bit():
