@@ -140,6 +140,9 @@ def load() -> ctypes.CDLL:
         lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
         lib.weir_forward_layers.restype = ctypes.c_int
         lib.weir_forward_layers.argtypes = [vp, i64, vp]
+        lib.weir_linear_chain.restype = ctypes.c_int
+        lib.weir_linear_chain.argtypes = [vp, i64, ctypes.c_int32, vp, i64, vp, i64,
+                                          ctypes.c_int32]
         _lib = lib
     return _lib
 
@@ -416,7 +419,12 @@ class StepArgs(ctypes.Structure):
                                        "row_lens", "tables")] + [
         ("table_width", ctypes.c_int64), ("block_size", ctypes.c_int64),
         ("scale", ctypes.c_float), ("eps", ctypes.c_float), ("amx_attention", ctypes.c_int32),
-        ("pad", ctypes.c_int32)]
+        ("pad", ctypes.c_int32), ("seconds", ctypes.c_void_p)]
+
+
+# what weir_forward_layers times into StepArgs.seconds (a float64 tensor of this many)
+LAYER_PARTS = ("qkv", "rope", "kv write", "attention", "o", "add+rmsnorm", "gate_up+silu",
+               "down")
 
 
 LINEAR_KINDS = {"native": 0, "amx": 1}      # the plan's candidates these layers can run
@@ -435,6 +443,21 @@ def forward_layers(layers: ctypes.Array, step: StepArgs) -> None:
                                     ctypes.addressof(step))
     if rc != 0:
         raise ValueError(f"a native kernel of layer {rc - 1} refused the step's shapes")
+
+
+def linear_chain(x: torch.Tensor, weights: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """``F.linear(x, w)`` for each packed weight in turn, all in one native call (no Python
+    between them, as in :func:`forward_layers`); returns the last output. For timing."""
+    chain = (LinearArgs * len(weights))(*[linear_args(w, kind, None) for w in weights])
+    y = x.new_empty(x.shape[0], chain[0].n)
+    if any(c.n != chain[0].n for c in chain) or x.stride(-1) != 1:
+        raise ValueError("a linear chain runs weights of one shape on rows with unit stride")
+    rc = load().weir_linear_chain(ctypes.addressof(chain), len(chain), _DTYPES[x.dtype],
+                                  x.data_ptr(), x.stride(0), y.data_ptr(), x.shape[0],
+                                  torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"the {kind} linear refused {tuple(x.shape)} x {chain[0].n}")
+    return y
 
 
 class CpuBackend:

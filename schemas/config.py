@@ -104,6 +104,9 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the cpu attention backend's paged kernel: vector (AVX-512 / AVX2 dot products) or amx
     # (q.k and P.V on the tile unit; bf16 on CPUs with AMX)
     attention_tiles: Literal["auto", "vector", "amx"] = "auto"
+    # the decoder layers: one native call where every kernel of a step is native (the
+    # same kernels, bit for bit, without Python between them), or the Python loop always
+    layer_loop: Literal["auto", "native", "python"] = "auto"
     cache: bool = True          # keep the measured plan per machine; false: measure each start
 
 

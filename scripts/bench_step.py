@@ -6,8 +6,11 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
 - Compute floor (larger batches): 2 x parameters x tokens / measured GEMM rate of the same
   dtype on a large matmul, through the fastest linear candidate this machine has.
 - GEMM floor: the step's own linear layers (30 x qkv, o, gate_up, down, and the lm_head) at
-  M = batch, each at the fastest linear candidate this machine has; "x gemm"
-  is the step's time over it.
+  M = batch, each at the fastest linear candidate this machine has, over distinct weights
+  that come from memory (the last-level cache evicted first: a decode step's weights and
+  KV outgrow it); "x gemm" is the step's time over it. "warm": the same GEMMs with
+  whatever the cache kept from the previous pass (on a host with a large shared L3 most
+  of the weights), the step's time over that in "x warm".
 
     python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
         [--breakdown 1] [--penalties 64]
@@ -32,7 +35,7 @@ from components.executor.loader import load_model  # noqa: E402
 from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
-from kernels import tuning  # noqa: E402
+from kernels import cpu_native, tuning  # noqa: E402
 from kernels.kv_cache import populate  # noqa: E402
 from weir import machine  # noqa: E402
 from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
@@ -49,22 +52,70 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / min(times)          # read + write
 
 
-def gemm_floor_ms(model: LlamaModel, batch: int) -> float:
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs), or 64 MiB where it does not say."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+            n = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+            best = max(best, n) if int((d / "level").read_text()) >= 2 else best
+        except (OSError, ValueError):
+            continue
+    return best or 64 << 20
+
+
+class Evict:
+    """Reads a buffer of twice the last-level cache, so that what a timed call reads next
+    comes from memory (a 2-core VM can sit on a host with a 480 MB L3: 64 MB of weight
+    copies stay in it between rounds, which a decode step's ~500 MB of weights and KV do
+    not)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.ones(2 * llc_bytes() // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buf.sum()
+
+
+def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
+                  rounds: int = 5) -> tuple[float, float]:
     """The step's linear layers at the fastest candidate measured for each shape at M =
-    ``batch`` (every candidate this machine has, not only the plan's), each call on another
-    copy of the weight, as in a step: what the GEMMs of a decode step of ``batch`` sequences
-    cost here at best."""
+    ``batch`` (every candidate this machine has, not only the plan's), over distinct
+    weights of each shape, one per layer, as in a step: what the GEMMs of a decode step of
+    ``batch`` sequences cost here at best. Returns (cold, warm) ms: cold with the cache
+    evicted before each pass over a role's weights (they come from memory, as in a step
+    whose weights and KV outgrow the last-level cache), warm without (what is left in the
+    cache from the previous pass). The native kernels (small-batch vector, AMX) run as
+    one native call over a role's weights, as the native layer loop runs them: no Python
+    call overhead (~10 us a call, ~1 ms over a step's 121 GEMMs); the others are called
+    from Python, as the step calls them."""
     shapes = autotune.shapes(model.spec)
-    total = 0.0
+    g = torch.Generator().manual_seed(batch)
+    total = {True: 0.0, False: 0.0}
     for role, (n, k) in shapes.items():
-        w = (torch.randn(n, k) * 0.05).to(model.dtype)
-        runs = {c: (autotune.RUN[c], tuning.copies_for(w, autotune.PREPARE[c]), limit)
-                for c, limit in autotune.linear_candidates(model.dtype, model.device,
-                                                           (n, k)).items()}
-        best = min(t[batch] for t in tuning.time_linear(runs, k, model.dtype, [batch]).values()
-                   if batch in t)
-        total += best * (1 if role == "lm_head" else model.spec.num_layers)
-    return total * 1e3
+        layers = 1 if role == "lm_head" else model.spec.num_layers
+        x = torch.randn(batch, k, generator=g).to(model.dtype)
+        fns = {}
+        for c, limit in autotune.linear_candidates(model.dtype, model.device, (n, k)).items():
+            if batch > limit:
+                continue
+            ws = [autotune.PREPARE[c]((torch.randn(n, k, generator=g) * 0.05).to(model.dtype))
+                  for _ in range(layers)]
+            if c in cpu_native.LINEAR_KINDS and cpu_native.available():
+                fns[c] = lambda c=c, ws=ws: cpu_native.linear_chain(x, ws, c)
+            else:
+                fns[c] = lambda c=c, ws=ws: [autotune.RUN[c](x, w) for w in ws]
+        for cold in (True, False):
+            best = {c: float("inf") for c in fns}
+            for _ in range(rounds):               # interleaved: drift hits all alike
+                for c, fn in fns.items():
+                    fn() if not cold else evict()
+                    t0 = time.perf_counter()
+                    fn()
+                    best[c] = min(best[c], time.perf_counter() - t0)
+            total[cold] += min(best.values())
+    return total[True] * 1e3, total[False] * 1e3
 
 
 GEMM_N = 2048
@@ -139,11 +190,14 @@ class DecodeBench:
 def time_parts(model: LlamaModel) -> dict[str, float]:
     """Wrap the forward's parts (native kernels, oneDNN GEMMs, metadata, sampling) with
     wall-clock timers; returns the dict they add seconds to. The native calls are invisible
-    to torch.profiler (ctypes), so this is the step's profile."""
+    to torch.profiler (ctypes), so this is the step's profile. Where the layers run as one
+    native call (``plan.layer_loop``), that call times its own parts into
+    ``model.layer_seconds`` (added here as "layers: <part>")."""
     import components.executor.runner as runner_mod
     import kernels.metadata as meta_mod
 
     spent: dict[str, float] = {}
+    model.layer_seconds = torch.zeros(len(cpu_native.LAYER_PARTS), dtype=torch.float64)
 
     def timed(fn, label):
         def call(*a, **k):
@@ -219,8 +273,12 @@ def main() -> None:
           f"({rate_by}, {GEMM_N}^3), "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")
+    evict = Evict()
+    print(f"last-level cache {llc_bytes() >> 20} MiB; gemm floor: the step's GEMMs with the "
+          f"weights from memory (the cache evicted), warm: left in the cache")
     print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
-          f"{'flop floor ms':>13} {'of flops':>8} {'gemm floor ms':>13} {'x gemm':>6}")
+          f"{'flop floor ms':>13} {'of flops':>8} {'gemm floor ms':>13} {'x gemm':>6} "
+          f"{'warm floor ms':>13} {'x warm':>6}")
     for b in [int(x) for x in args.batches.split(",")]:
         bench = DecodeBench(model, b, args.context)
         for _ in range(2):
@@ -229,9 +287,10 @@ def main() -> None:
         kv_bytes = b * args.context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
         bw_floor = (weight_bytes + kv_bytes) / bw * 1e3
         flop_floor = 2 * params * b / rate * 1e3
-        gemm = gemm_floor_ms(model, b)
+        gemm, warm = gemm_floor_ms(model, b, evict)
         print(f"{b:>5} {ms:>9.2f} {b / ms * 1e3:>8.0f} {bw_floor:>11.2f} {bw_floor / ms:>6.0%} "
-              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%} {gemm:>13.2f} {ms / gemm:>6.2f}")
+              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%} {gemm:>13.2f} {ms / gemm:>6.2f} "
+              f"{warm:>13.2f} {ms / warm:>6.2f}")
         if b == args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -267,8 +326,12 @@ def main() -> None:
         spent = time_parts(model)
         n = args.steps
         total = sum(bench.decode() for _ in range(n))
+        for part, sec in zip(cpu_native.LAYER_PARTS, model.layer_seconds.tolist()):
+            if sec:
+                spent[f"layers: {part}"] = sec
         parts = sorted(spent.items(), key=lambda kv: -kv[1])
-        print(f"batch {b} breakdown, ms/step (mean of {n}): total {total / n * 1e3:.2f}; "
+        print(f"batch {b} breakdown ({model.plan.layer_loop} layer loop), ms/step "
+              f"(mean of {n}): total {total / n * 1e3:.2f}; "
               + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in parts)
               + f", rest (Python, embedding, logits cast) "
                 f"{(total - sum(spent.values())) / n * 1e3:.2f}")

@@ -208,6 +208,9 @@ class LlamaModel:
             self.layers.append(layer)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self._native_args: dict[tuple, object] = {}     # LayerArgs arrays by picks and cache
+        # float64 [len(cpu_native.LAYER_PARTS)]: where the native layer loop adds each
+        # part's seconds (a profiler sets it; None: not timed)
+        self.layer_seconds: torch.Tensor | None = None
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """Allocate a paged KV cache that fits this model, in its dtype and device."""
@@ -336,6 +339,7 @@ class LlamaModel:
             cos=self.ops.cos.data_ptr(), sin=self.ops.sin.data_ptr(), slots=slots.data_ptr(),
             seqs=seqs.data_ptr(), row_lens=row_lens.data_ptr(), tables=tables.data_ptr(),
             table_width=tables.shape[1], block_size=block_size, scale=self.scale,
-            eps=s.rms_norm_eps, amx_attention=int(amx))
+            eps=s.rms_norm_eps, amx_attention=int(amx),
+            seconds=None if self.layer_seconds is None else self.layer_seconds.data_ptr())
         cpu_native.forward_layers(layers, step)
         return delta

@@ -109,7 +109,8 @@ class ExecutorService(Component):
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
                            kernels={"linear": k.linear, "elementwise": k.elementwise,
                                     "sampling": k.sampling, "fresh_prompts": k.fresh_prompts,
-                                    "attention_tiles": k.attention_tiles},
+                                    "attention_tiles": k.attention_tiles,
+                                    "layer_loop": k.layer_loop},
                            tuning_cache=cache_dir() if k.cache else None,
                            max_tokens=self.config.scheduler.max_num_batched_tokens,
                            max_seqs=self.config.scheduler.max_num_seqs)

@@ -6,6 +6,7 @@
 // Built into the same library as the kernels (kernels/cpu_native.py); called by
 // kernels/cpu_native.py:forward_layers where the step's plan runs every layer on these
 // kernels (LlamaModel._native_layers decides).
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -76,6 +77,22 @@ struct Step {
     float scale, eps;
     int32_t amx_attention;
     int32_t pad;
+    double* seconds;           // null, or kParts accumulators (bench_step's breakdown)
+};
+
+// The parts weir_forward_layers times into Step::seconds, in this order.
+constexpr int kParts = 8;      // qkv, rope, kv write, attention, o, add+norm, gate_up, down
+
+// Adds the seconds since the last mark to part p (when timing).
+struct Clock {
+    double* acc;
+    std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+    void mark(int p) {
+        if (acc == nullptr) return;
+        const auto now = std::chrono::steady_clock::now();
+        acc[p] += std::chrono::duration<double>(now - t).count();
+        t = now;
+    }
 };
 
 int linear(const Step& s, const Linear& l, const void* x, int64_t ldx, void* y) {
@@ -106,23 +123,30 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
     const int64_t n_q = s.heads * s.head_dim, n_kv = s.kv_heads * s.head_dim;
     const int64_t qkv_n = n_q + 2 * n_kv;
     char* qkv = static_cast<char*>(s.qkv);
+    Clock clock{s.seconds};
     for (int64_t i = 0; i < num_layers; ++i) {
         const Layer& l = layers[i];
         const int bad = static_cast<int>(i + 1);
         if (linear(s, l.qkv, s.x, s.hidden, s.qkv) != 0) return bad;
+        clock.mark(0);
         weir_rope(s.dtype, s.qkv, s.rows, qkv_n, s.heads + s.kv_heads, s.head_dim, s.positions,
                   s.cos, s.sin, s.threads);
+        clock.mark(1);
         weir_write_kv(qkv + n_q * elem, qkv + (n_q + n_kv) * elem,
                       qkv_n * static_cast<int64_t>(elem), l.k_cache, l.v_cache,
                       n_kv * static_cast<int64_t>(elem), s.slots, s.rows);
+        clock.mark(2);
         if (weir_decode_attention(s.dtype, s.qkv, l.k_cache, l.v_cache, s.attn, s.seqs, s.rows,
                                   s.tables, s.table_width, s.row_lens, s.heads, qkv_n,
                                   s.kv_heads, s.head_dim, s.block_size, s.scale, s.threads,
                                   s.amx_attention) != 0)
             return bad;
+        clock.mark(3);
         if (linear(s, l.o, s.attn, n_q, s.delta) != 0) return bad;
+        clock.mark(4);
         weir_add_rms_norm(s.dtype, s.h, s.delta, l.mlp_norm, s.x, s.rows, s.hidden, s.eps,
                           s.threads);
+        clock.mark(5);
         if (l.gate_up.kind == 1 && s.dtype == 1 && l.gate_up.bias == nullptr) {
             if (weir_gemm_amx_bf16_silu_mul(static_cast<const uint16_t*>(s.x), s.hidden,
                                             static_cast<const uint16_t*>(l.gate_up.w),
@@ -133,11 +157,33 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
             if (linear(s, l.gate_up, s.x, s.hidden, s.gate_up) != 0) return bad;
             weir_silu_mul(s.dtype, s.gate_up, s.act, s.rows, s.inter, s.threads);
         }
+        clock.mark(6);
         if (linear(s, l.down, s.act, s.inter, s.delta) != 0) return bad;
+        clock.mark(7);
         if (l.next_norm != nullptr)
             weir_add_rms_norm(s.dtype, s.h, s.delta, l.next_norm, s.x, s.rows, s.hidden, s.eps,
                               s.threads);
+        clock.mark(5);
     }
+    return 0;
+}
+
+}
+
+extern "C" {
+
+// Time-keeping for benchmarks (scripts/bench_step.py's GEMM floor): n linear layers run
+// back to back on the same rows x [rows, ldx] into y, each its own weight, with no Python
+// between them, as weir_forward_layers runs them. dtype 0 float32, 1 bfloat16. Returns 0,
+// or the 1-based index of the weight whose kernel refused.
+int weir_linear_chain(const Linear* ls, int64_t n, int32_t dtype, const void* x, int64_t ldx,
+                      void* y, int64_t rows, int32_t threads) {
+    Step s{};
+    s.dtype = dtype;
+    s.threads = threads;
+    s.rows = rows;
+    for (int64_t i = 0; i < n; ++i)
+        if (linear(s, ls[i], x, ldx, y) != 0) return static_cast<int>(i + 1);
     return 0;
 }
 

@@ -143,6 +143,40 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
     assert calls == [m for m in (26, 5) if m <= limit] and calls     # 26 + 5 rows: 2 steps
 
 
+def test_the_native_layer_loop_times_its_parts_only_when_asked():
+    """``model.layer_seconds`` (a profiler's) gets every part's seconds from the native
+    layer loop; without it nothing is timed, and the Python loop never touches it."""
+    if not autotune.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
+            or "native" not in _available(torch.float32):
+        pytest.skip("no native kernels here")
+    forced = {"linear": "native", "elementwise": "native", "fresh_prompts": "native"}
+    weights = random_weights(SHAPE, seed=4)
+    for loop in ("native", "python"):
+        model = LlamaModel(SHAPE, weights, backend="cpu", kernels={**forced, "layer_loop": loop})
+        model.layer_seconds = torch.zeros(len(cpu_native.LAYER_PARTS), dtype=torch.float64)
+        _logits(model)
+        timed = model.layer_seconds.tolist()
+        assert all(t > 0 for t in timed) if loop == "native" else timed == [0.0] * len(timed)
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "native"), (torch.bfloat16, "native"),
+                                        (torch.bfloat16, "amx")])
+def test_a_linear_chain_is_its_linears_one_after_another(dtype, kind):
+    """bench_step's native GEMM floor: one call over several weights gives each weight's
+    linear (the last output returned), to the bit; mixed shapes are refused."""
+    if kind not in _available(dtype):
+        pytest.skip(f"no {kind} linear kernel here for {dtype}")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    ws = [cpu_native.pack_small_batch(torch.randn(48, 64, generator=g).to(dtype))
+          for _ in range(3)]
+    want = cpu_native.small_batch_linear(x, ws[-1], tiles="amx" if kind == "amx" else "vector")
+    assert torch.equal(cpu_native.linear_chain(x, ws, kind), want)
+    other = cpu_native.pack_small_batch(torch.randn(32, 64, generator=g).to(dtype))
+    with pytest.raises(ValueError):
+        cpu_native.linear_chain(x, ws + [other], kind)
+
+
 def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatch):
     """SDPA for a fresh prompt is not in the native layers: that step (26 rows: a
     20-token prompt) runs the Python loop, the next (5 decode-and-prefix rows) the native
