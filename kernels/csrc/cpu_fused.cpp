@@ -65,17 +65,39 @@ void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __res
     for (int64_t r = 0; r < rows; ++r) {
         T* __restrict__ hr = h + r * dim;
         double ss = 0.0;                     // the sum of squares in double: order-proof
+        int64_t d1 = 0;
+#if defined(__AVX512F__)
+        // written out: GCC 12 left this loop scalar too (23 us for 64 rows of 576 on one
+        // AMX Xeon core; 60 calls a step); each product of two floats is exact in double
+        {
+            __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+            const T* __restrict__ dr = delta ? delta + r * dim : nullptr;
+            for (; d1 + 16 <= dim; d1 += 16) {
+                __m512 v = load16(hr + d1);
+                if (dr) {
+                    v = rnd16(_mm512_add_ps(v, load16(dr + d1)), hr);   // the stream keeps T
+                    store16(hr + d1, v);
+                }
+                const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+                const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+                s0 = _mm512_fmadd_pd(lo, lo, s0);
+                s1 = _mm512_fmadd_pd(hi, hi, s1);
+            }
+            ss = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+        }
+#endif
         if (delta) {
             const T* __restrict__ dr = delta + r * dim;
 #pragma omp simd reduction(+ : ss)
-            for (int64_t d = 0; d < dim; ++d) {
+            for (int64_t d = d1; d < dim; ++d) {
                 const float v = rnd<T>(load(hr, d) + load(dr, d));   // the stream keeps T
                 store(hr, d, v);
                 ss += static_cast<double>(v) * v;
             }
         } else {
 #pragma omp simd reduction(+ : ss)
-            for (int64_t d = 0; d < dim; ++d) {
+            for (int64_t d = d1; d < dim; ++d) {
                 const float v = load(hr, d);
                 ss += static_cast<double>(v) * v;
             }
