@@ -509,6 +509,11 @@ class CpuBackend:
             out[rest] = paged_attention(q[rest].contiguous(), k_cache, v_cache, sub, scale, amx)
         return out
 
+    def paged_only(self, meta: AttentionMetadata) -> bool:
+        """Whether :meth:`paged_attention` runs every row of this step through the paged
+        kernel (no fresh prompt through SDPA): what the native layer loop runs."""
+        return self.fresh_prompts != "sdpa" or self._fresh(meta) is None
+
     def _fresh(self, meta: AttentionMetadata):
         """Once per step: the fresh prompts (no cached context, at least FRESH_MIN tokens)
         as groups ``(first row, prompts, length)`` of neighbouring prompts of one length

@@ -285,7 +285,7 @@ class LlamaModel:
         if not cpu_native.supports(s.num_heads, s.num_kv_heads, s.head_dim) \
                 or meta.slot_mapping.dtype != torch.long:
             return None
-        if self.backend.fresh_prompts == "sdpa" and self.backend._fresh(meta) is not None:
+        if not self.backend.paged_only(meta):
             return None
         first = self.layers[0]
         picks = tuple(getattr(first, r).pick(rows)[0] for r in ("qkv", "o", "gate_up", "down"))
@@ -305,7 +305,9 @@ class LlamaModel:
                 args[i] = cpu_native.LayerArgs(lin["qkv"], lin["o"], lin["gate_up"],
                                                lin["down"], layer.mlp_norm.data_ptr(), nxt,
                                                kv.key(i).data_ptr(), kv.value(i).data_ptr())
-            self._native_args = {key: args}     # one cache, one plan bucket at a time
+            if len(self._native_args) >= 8:    # a new cache or plan buckets: a handful
+                self._native_args.clear()
+            self._native_args[key] = args
         return args
 
     def _run_native_layers(self, layers, h: torch.Tensor, x: torch.Tensor, kv: KVCache,
