@@ -10,7 +10,7 @@ import torch
 from components.executor import autotune
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, cpu_native
 from weir.model_fetch import cache_dir, default_model_path
 
 BLOCK = 16
@@ -205,6 +205,40 @@ def test_bf16_attention_tiles_track_fp32(loaded, hf, tiles):
             assert torch.nn.functional.cosine_similarity(have, want, dim=0) > 0.99
         nxt = {s: [int(want.argmax())] for s, (want, _) in enumerate(outs)}
         outs = list(zip(ref.step(nxt), got.step(nxt)))
+
+
+@pytest.mark.parametrize("linear,dtype", [("amx", torch.bfloat16), ("native", torch.bfloat16),
+                                          ("native", torch.float32)])
+def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear, dtype,
+                                                            monkeypatch):
+    """SmolLM2's 30 layers (GQA 9 x 3, head_dim 64) as one native call against the Python
+    loop over the same kernels: two prompts prefilled in chunks (the second over cached
+    keys), then eight batched greedy decode steps; every step's logits and the KV cache
+    equal to the bit."""
+    if linear not in autotune.linear_candidates(dtype, torch.device("cpu"), (576, 576)) \
+            or not autotune.native_ops_possible(loaded[0], dtype, torch.device("cpu")):
+        pytest.skip(f"no {linear} linear kernel or native ops here for {dtype}")
+    tiles = "amx" if autotune.amx_possible(dtype, BLOCK) else "vector"
+    forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
+              "fresh_prompts": "native"}
+    runs = {loop: _Runner(LlamaModel(*loaded, dtype=dtype, backend="cpu",
+                                     kernels={**forced, "layer_loop": loop}), seed=3)
+            for loop in ("python", "native")}
+    calls = []
+    real = cpu_native.forward_layers
+    monkeypatch.setattr(cpu_native, "forward_layers",
+                        lambda layers, step: calls.append(step.rows) or real(layers, step))
+    tok, _ = hf
+    a, b = (tok(p).input_ids for p in PROMPTS)
+    half = len(b) // 2
+    step: dict[int, list[int]] = {0: a[:3], 1: b[:half]}
+    for i in range(10):
+        outs = runs["python"].step(step)
+        assert all(torch.equal(x, y) for x, y in zip(runs["native"].step(step), outs))
+        step = {0: a[3:], 1: b[half:]} if i == 0 else \
+            {s: [int(o.argmax())] for s, o in enumerate(outs)}
+    assert torch.equal(runs["native"].kv.data, runs["python"].kv.data)
+    assert len(calls) == 10 and calls[2:] == [2] * 8      # every step took the native call
 
 
 def test_hf_directory_matches_gguf(loaded, hf, tmp_path):
