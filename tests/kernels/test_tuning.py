@@ -113,12 +113,14 @@ def test_the_cache_key_changes_with_the_machine_and_nothing_else_equal():
 
 def test_a_plan_round_trips_through_its_cache_file(tmp_path):
     plan = KernelPlan({"qkv": [(1, "native"), (2048, "onednn")]}, "native", "torch", "cpu",
-                      timings={"sampling": {"native": 3.0}})
+                      layer_loop="python", timings={"sampling": {"native": 3.0}})
     path = tmp_path / "tuning" / "k.json"
     tuning.store(path, {"key": "k", **plan.to_json()})
     back = KernelPlan.from_json(tuning.load_cached(path), "k")
-    assert (back.linear, back.elementwise, back.sampling, back.attention, back.source) == \
-        (plan.linear, "native", "torch", "cpu", "cached")
+    assert (back.linear, back.elementwise, back.sampling, back.attention, back.source,
+            back.layer_loop) == (plan.linear, "native", "torch", "cpu", "cached", "python")
+    older = {k: v for k, v in plan.to_json().items() if k != "layer_loop"}
+    assert KernelPlan.from_json(older, "k").layer_loop == "native"   # a cache from before it
     assert back.summary()["linear.qkv"] == "native<=1 onednn"
     assert tuning.load_cached(tmp_path / "missing.json") is None
 

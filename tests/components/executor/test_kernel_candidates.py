@@ -251,6 +251,9 @@ def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     with pytest.raises(ValueError, match="attention_tiles = 'amx' cannot run here"):
         LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
                    kernels={"attention_tiles": "amx"})
+    with pytest.raises(ValueError, match="layer_loop = 'fused': 'native' or 'python'"):
+        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                   kernels={"layer_loop": "fused"})
 
 
 def test_the_faster_attention_tiles_are_chosen(monkeypatch):
