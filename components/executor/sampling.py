@@ -344,13 +344,16 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     """
     rows, vocab = logits.shape
     native = native and _native is not None and logits.device.type == "cpu"
-    out = (_native.argmax(logits) if native and logits.dtype == torch.float32
-           else logits.argmax(dim=-1))
     temp = torch.tensor(temperature, dtype=torch.float32)
     # one row's parameters must never fail the batch (admission validates them, but the
     # executor does not rely on it): a temperature too small for its float32 reciprocal
     # (or NaN) is the greedy limit, and top_k is clamped before it becomes an int64
     rand = ((temp > 0) & temp.reciprocal().isfinite()).nonzero()[:, 0].tolist()
+    if len(rand) == rows:          # every row draws: no argmax (12.6 MB read at 64 rows)
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    else:
+        out = (_native.argmax(logits) if native and logits.dtype == torch.float32
+               else logits.argmax(dim=-1))
     if not rand:
         return out
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)

@@ -29,6 +29,25 @@ def test_greedy_is_argmax():
     assert torch.equal(_sample(x, temperature=0.0, seeds=list(range(8))), x.argmax(-1))
 
 
+def test_the_argmax_runs_only_where_a_row_is_greedy(path, monkeypatch):
+    """A batch in which every row draws takes no argmax over its logits; a batch with a
+    greedy row among drawn ones gives that row its argmax and the others their draws."""
+    from components.executor import sampling
+    calls = []
+    x = _logits(4, seed=5)
+    if sampling._native is not None:
+        real = sampling._native.argmax
+        monkeypatch.setattr(sampling._native, "argmax", lambda t: calls.append(1) or real(t))
+    real_t = torch.Tensor.argmax              # the torch path's own draws use it on others
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **k: (
+        calls.append(1) if self.data_ptr() == x.data_ptr() else None) or real_t(self, *a, **k))
+    drawn = _sample(x, temperature=0.8, seeds=[1, 2, 3, 4])
+    assert calls == []
+    mixed = _sample(x, temperature=[0.8, 0.0, 0.8, 0.8], seeds=[1, 2, 3, 4])
+    assert calls and int(mixed[1]) == int(real_t(x[1]))
+    assert torch.equal(mixed[[0, 2, 3]], drawn[[0, 2, 3]])      # seeded: batch-independent
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     x = _logits(8, seed=1)
     assert torch.equal(_sample(x, top_k=1, seeds=list(range(8))), x.argmax(-1))
