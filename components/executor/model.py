@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from components.executor import autotune
-from kernels import AttentionBackend, AttentionMetadata, KVCache, cpu_native, get_backend, tuning
+from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_native,
+                     get_backend, tuning)
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
@@ -208,7 +209,7 @@ class LlamaModel:
             self.layers.append(layer)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self._native_args: dict[tuple, object] = {}     # LayerArgs arrays by picks and cache
-        # float64 [len(cpu_native.LAYER_PARTS)]: where the native layer loop adds each
+        # float64 [len(cpu_forward.LAYER_PARTS)]: where the native layer loop adds each
         # part's seconds (a profiler sets it; None: not timed)
         self.layer_seconds: torch.Tensor | None = None
 
@@ -243,19 +244,20 @@ class LlamaModel:
         rope = ops.rope_tables(positions)
         h, x = ops.add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
         layers = self._native_layers(input_ids.shape[0], kv, meta)
-        for i, layer in enumerate(self.layers if layers is None else ()):
-            q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
-            k_cache, v_cache = kv.key(i), kv.value(i)
-            self.backend.write_kv(k_cache, v_cache, k, v, meta)
-            attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                new_kv=(k, v)) if self._new_kv else \
-                self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
-            down = layer.down(layer.gate_up.silu_mul(x, ops))
-            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
-            h, x = ops.add_norm(h, down, following)
         if layers is not None:
             h += self._run_native_layers(layers, h, x, kv, positions, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
+                k_cache, v_cache = kv.key(i), kv.value(i)
+                self.backend.write_kv(k_cache, v_cache, k, v, meta)
+                attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                    new_kv=(k, v)) if self._new_kv else \
+                    self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
+                down = layer.down(layer.gate_up.silu_mul(x, ops))
+                following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+                h, x = ops.add_norm(h, down, following)
         if logits_indices.numel() == 0:
             # no row samples (a step of middle prefill chunks): the layers wrote the KV,
             # which is all such a step is for; skip the final norm and lm_head (a shape
@@ -271,7 +273,7 @@ class LlamaModel:
     __call__ = forward
 
     def _native_layers(self, rows: int, kv: KVCache, meta: AttentionMetadata):
-        """The decoder layers as one native call (``cpu_native.LayerArgs`` for every layer)
+        """The decoder layers as one native call (``cpu_forward.LayerArgs`` for every layer)
         where this step would run each of their parts on the native CPU kernels anyway:
         the plan's ``layer_loop`` is "native", the elementwise ops are native, attention is
         the cpu backend's paged kernel for every row (no fresh prompt through SDPA), and
@@ -289,20 +291,20 @@ class LlamaModel:
             return None
         first = self.layers[0]
         picks = tuple(getattr(first, r).pick(rows)[0] for r in ("qkv", "o", "gate_up", "down"))
-        if any(p not in cpu_native.LINEAR_KINDS for p in picks) \
+        if any(p not in cpu_forward.LINEAR_KINDS for p in picks) \
                 or ("amx" in picks and self.dtype != torch.bfloat16):
             return None
         key = (picks, kv.data.data_ptr(), kv.data.shape)
         args = self._native_args.get(key)
         if args is None:
-            args = (cpu_native.LayerArgs * len(self.layers))()
+            args = (cpu_forward.LayerArgs * len(self.layers))()
             for i, layer in enumerate(self.layers):
-                lin = {r: cpu_native.linear_args(getattr(layer, r).pick(rows)[1], p,
+                lin = {r: cpu_forward.linear_args(getattr(layer, r).pick(rows)[1], p,
                                                  getattr(layer, r).bias)
                        for r, p in zip(("qkv", "o", "gate_up", "down"), picks)}
                 nxt = self.layers[i + 1].attn_norm.data_ptr() if i + 1 < len(self.layers) \
                     else None
-                args[i] = cpu_native.LayerArgs(lin["qkv"], lin["o"], lin["gate_up"],
+                args[i] = cpu_forward.LayerArgs(lin["qkv"], lin["o"], lin["gate_up"],
                                                lin["down"], layer.mlp_norm.data_ptr(), nxt,
                                                kv.key(i).data_ptr(), kv.value(i).data_ptr())
             if len(self._native_args) >= 8:    # a new cache or plan buckets: a handful
@@ -317,22 +319,16 @@ class LlamaModel:
         s, rows = self.spec, h.shape[0]
         n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         inter = s.intermediate_size
-        fused_mlp = self.layers[0].gate_up.pick(rows)[0] == "amx" \
-            and self.layers[0].gate_up.bias is None
         qkv = h.new_empty(rows, n_q + 2 * n_kv)
         attn = h.new_empty(rows, n_q)
-        gate_up = h.new_empty(0 if fused_mlp else rows, 2 * inter)
+        gate_up = h.new_empty(rows, 2 * inter)    # untouched where SiLU x up is fused in
         act = h.new_empty(rows, inter)
         delta = torch.empty_like(h)
-        args = meta.derived.get("cpu")
-        if args is None:
-            args = meta.derived["cpu"] = cpu_native._kernel_rows(meta.token_seq, meta.positions,
-                                                                 meta)
-        seqs, row_lens, tables = args
+        seqs, row_lens, tables = cpu_native.kernel_rows(meta)
         pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         block_size = kv.block_size
         amx = self.backend.tiles == "amx" and self.dtype == torch.bfloat16 and block_size % 16 == 0
-        step = cpu_native.StepArgs(
+        step = cpu_forward.StepArgs(
             dtype=0 if self.dtype == torch.float32 else 1, threads=torch.get_num_threads(),
             rows=rows, hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads,
             head_dim=s.head_dim, inter=inter, h=h.data_ptr(), x=x.data_ptr(),
@@ -343,5 +339,5 @@ class LlamaModel:
             table_width=tables.shape[1], block_size=block_size, scale=self.scale,
             eps=s.rms_norm_eps, amx_attention=int(amx),
             seconds=None if self.layer_seconds is None else self.layer_seconds.data_ptr())
-        cpu_native.forward_layers(layers, step)
+        cpu_forward.forward_layers(layers, step)
         return delta

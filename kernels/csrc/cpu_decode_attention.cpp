@@ -526,8 +526,8 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         for (int64_t t = L2; t < L32; t += 2)
             _mm512_storeu_si512(pairs + t / 2 * 16, _mm512_setzero_si512());
         for (int64_t t0 = 0; t0 < L32; t0 += 32) transpose16(pairs + t0 / 2 * 16, pairs + t0 / 2 * 16);
-        uint32_t* vb = qb + 256;                 // [4][16 pairs][16 dims]
-        float* ob = reinterpret_cast<float*>(qb + 256 + 1024);   // [16 queries][D]
+        uint32_t* vb = qb;                       // [4][16 pairs][16 dims] (q is packed: free)
+        float* ob = reinterpret_cast<float*>(qb + 1024);         // [16 queries][D]
         for (int hl = 0; hl < nh; ++hl) {
             for (int dh = 0; dh < D / 64; ++dh) {
                 _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6);
@@ -860,8 +860,8 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                     for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
                     const int64_t lpad = (lens[nrows - 1] + 31) / 32 * 32;
                     const int64_t hg = std::min<int64_t>(kv_heads, 16 / (nrows * G));
-                    // q tiles (hg * D / 32 KB), or P.V's scratch: 1 + 4 KB and 16 x D floats
-                    const int64_t scratch = std::max<int64_t>(hg * D * 8, 256 + 1024 + 16 * D);
+                    // q tiles (hg * D / 32 KB), or P.V's scratch: 4 KB and 16 x D floats
+                    const int64_t scratch = std::max<int64_t>(hg * D * 8, 1024 + 16 * D);
                     buf.resize(static_cast<size_t>(lpad * 16 + lpad / 2 * 16 + scratch + 16));
                     float* scores = buf.data();
                     auto* pairs = reinterpret_cast<uint32_t*>(scores + lpad * 16);

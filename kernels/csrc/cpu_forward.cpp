@@ -4,11 +4,10 @@
 // On the 2-core AMX Xeon a batch-64 decode step spent ~6 ms of its ~36 in the interpreter
 // and torch's dispatch, while the second core waited at the next parallel region.
 // Built into the same library as the kernels (kernels/cpu_native.py); called by
-// kernels/cpu_native.py:forward_layers where the step's plan runs every layer on these
+// kernels/cpu_forward.py:forward_layers where the step's plan runs every layer on these
 // kernels (LlamaModel._native_layers decides).
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 
 extern "C" {
 int weir_gemv_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
@@ -77,11 +76,10 @@ struct Step {
     float scale, eps;
     int32_t amx_attention;
     int32_t pad;
-    double* seconds;           // null, or kParts accumulators (bench_step's breakdown)
+    // null, or 8 accumulators for weir_forward_layers' parts (bench_step's breakdown): qkv,
+    // rope, kv write, attention, o, add+norm, gate_up, down (cpu_forward.LAYER_PARTS)
+    double* seconds;
 };
-
-// The parts weir_forward_layers times into Step::seconds, in this order.
-constexpr int kParts = 8;      // qkv, rope, kv write, attention, o, add+norm, gate_up, down
 
 // Adds the seconds since the last mark to part p (when timing).
 struct Clock {
@@ -167,10 +165,6 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
     }
     return 0;
 }
-
-}
-
-extern "C" {
 
 // Time-keeping for benchmarks (scripts/bench_step.py's GEMM floor): n linear layers run
 // back to back on the same rows x [rows, ldx] into y, each its own weight, with no Python

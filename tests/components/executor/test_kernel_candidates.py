@@ -11,7 +11,7 @@ import torch
 from components.executor import autotune
 from components.executor.model import LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
-from kernels import AttentionMetadata, cpu_native
+from kernels import AttentionMetadata, cpu_forward, cpu_native
 
 # head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
 SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=2,
@@ -128,8 +128,8 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
     if tiles == "amx" and not autotune.amx_possible(dtype, 16):
         pytest.skip("no AMX attention kernel here")
     calls = []
-    real = cpu_native.forward_layers
-    monkeypatch.setattr(cpu_native, "forward_layers",
+    real = cpu_forward.forward_layers
+    monkeypatch.setattr(cpu_forward, "forward_layers",
                         lambda layers, step: calls.append(step.rows) or real(layers, step))
     forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
               "fresh_prompts": "native"}
@@ -153,7 +153,7 @@ def test_the_native_layer_loop_times_its_parts_only_when_asked():
     weights = random_weights(SHAPE, seed=4)
     for loop in ("native", "python"):
         model = LlamaModel(SHAPE, weights, backend="cpu", kernels={**forced, "layer_loop": loop})
-        model.layer_seconds = torch.zeros(len(cpu_native.LAYER_PARTS), dtype=torch.float64)
+        model.layer_seconds = torch.zeros(len(cpu_forward.LAYER_PARTS), dtype=torch.float64)
         _logits(model)
         timed = model.layer_seconds.tolist()
         assert all(t > 0 for t in timed) if loop == "native" else timed == [0.0] * len(timed)
@@ -171,10 +171,10 @@ def test_a_linear_chain_is_its_linears_one_after_another(dtype, kind):
     ws = [cpu_native.pack_small_batch(torch.randn(48, 64, generator=g).to(dtype))
           for _ in range(3)]
     want = cpu_native.small_batch_linear(x, ws[-1], tiles="amx" if kind == "amx" else "vector")
-    assert torch.equal(cpu_native.linear_chain(x, ws, kind), want)
+    assert torch.equal(cpu_forward.linear_chain(x, ws, kind), want)
     other = cpu_native.pack_small_batch(torch.randn(32, 64, generator=g).to(dtype))
     with pytest.raises(ValueError):
-        cpu_native.linear_chain(x, ws + [other], kind)
+        cpu_forward.linear_chain(x, ws + [other], kind)
 
 
 def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatch):
@@ -185,8 +185,8 @@ def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatc
             or "native" not in _available(torch.float32):
         pytest.skip("no native kernels here")
     calls = []
-    real = cpu_native.forward_layers
-    monkeypatch.setattr(cpu_native, "forward_layers",
+    real = cpu_forward.forward_layers
+    monkeypatch.setattr(cpu_forward, "forward_layers",
                         lambda layers, step: calls.append(step.rows) or real(layers, step))
     forced = {"linear": "native", "elementwise": "native", "fresh_prompts": "sdpa"}
     weights = random_weights(SHAPE, seed=4)

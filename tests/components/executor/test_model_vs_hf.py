@@ -10,7 +10,7 @@ import torch
 from components.executor import autotune
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
-from kernels import AttentionMetadata, cpu_native
+from kernels import AttentionMetadata, cpu_forward
 from weir.model_fetch import cache_dir, default_model_path
 
 BLOCK = 16
@@ -225,8 +225,8 @@ def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear,
                                      kernels={**forced, "layer_loop": loop}), seed=3)
             for loop in ("python", "native")}
     calls = []
-    real = cpu_native.forward_layers
-    monkeypatch.setattr(cpu_native, "forward_layers",
+    real = cpu_forward.forward_layers
+    monkeypatch.setattr(cpu_forward, "forward_layers",
                         lambda layers, step: calls.append(step.rows) or real(layers, step))
     tok, _ = hf
     a, b = (tok(p).input_ids for p in PROMPTS)
