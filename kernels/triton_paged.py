@@ -27,14 +27,14 @@ from kernels.metadata import AttentionMetadata
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, SLOTS, row, ROW_PAD: tl.constexpr):
+def _write_kv_kernel(K, V, KC, VC, SLOTS, row, sk_t, sv_t, ROW_PAD: tl.constexpr):
     t = tl.program_id(0)
-    slot = tl.load(SLOTS + t)
+    slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:  # padding rows of a captured batch have slot -1
         cols = tl.arange(0, ROW_PAD)
         ok = cols < row
-        tl.store(KC + slot * row + cols, tl.load(K + t * row + cols, mask=ok), mask=ok)
-        tl.store(VC + slot * row + cols, tl.load(V + t * row + cols, mask=ok), mask=ok)
+        tl.store(KC + slot * row + cols, tl.load(K + t * sk_t + cols, mask=ok), mask=ok)
+        tl.store(VC + slot * row + cols, tl.load(V + t * sv_t + cols, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def _online_softmax(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
-                    sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride,
+                    sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride, so_t, so_h,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
@@ -85,7 +85,7 @@ def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
             scores = tl.where(ok, scores, float("-inf"))
             m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + (q0 + m_offs)[:, None] * sq_t + h * sq_h + d[None, :],
+        tl.store(O + (q0 + m_offs)[:, None] * so_t + h * so_h + d[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -151,14 +151,24 @@ def _merge_kernel(ACC, ML, O, so_t, so_h, num_parts, GROUP: tl.constexpr,
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Store new keys/values ``[T, kv_heads, head_dim]`` at ``meta.slot_mapping``."""
+    """Store new keys/values ``[T, kv_heads, head_dim]`` at ``meta.slot_mapping``. Each
+    token's heads must be one dense row (views of the fused qkv rows are, and are read in
+    place: no copy kernel); anything else is copied first."""
     t = k.shape[0]
     if t == 0:
         return
     row = k.shape[1] * k.shape[2]
-    _write_kv_kernel[(t,)](k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous(),
-                           k_cache, v_cache, meta.slot_mapping, row,
-                           ROW_PAD=triton.next_power_of_2(row))
+    k, v = _dense_rows(k, k_cache.dtype), _dense_rows(v, v_cache.dtype)
+    _write_kv_kernel[(t,)](k, v, k_cache, v_cache, meta.slot_mapping, row, k.stride(0),
+                           v.stride(0), ROW_PAD=triton.next_power_of_2(row))
+
+
+def _dense_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [T, heads, dim]`` in ``dtype`` with each token's heads dense (any row stride)."""
+    x = x.to(dtype)
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
 
 
 def _pow2(n: int, at_least: int = 16) -> int:
@@ -179,10 +189,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tokens, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
-    q = q.contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()      # views of the fused qkv rows are read in place
     bt = meta.block_tables
     n = len(meta.query_lens)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -205,8 +216,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tiles = -(-max(meta.query_lens) // block_m)
     _prefill_kernel[(n, tiles, heads)](
         q, k_cache, v_cache, out, bt, meta.seq_lens, meta.query_start_loc, scale, *strides,
-        GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        PRECISION=precision)
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_M=block_m, BLOCK_SIZE=block_size,
+        HEAD_DIM=dim, PRECISION=precision)
     return out
 
 

@@ -96,7 +96,8 @@ class KernelsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (a bf16 model) fp32 weights with the activations cast up, for CPUs without AVX-512,
     # through torch or oneDNN's packed fp32 layout
     linear: Literal["auto", "native", "amx", "onednn", "torch", "fp32", "fp32_onednn"] = "auto"
-    elementwise: Literal["auto", "native", "torch"] = "auto"   # add+RMSNorm, RoPE, SiLU x up
+    # add+RMSNorm, RoPE, SiLU x up: native (CPU), triton (GPU) or torch
+    elementwise: Literal["auto", "native", "triton", "torch"] = "auto"
     sampling: Literal["auto", "native", "torch"] = "auto"      # argmax and the seeded draw
     # a prompt's first chunk (no cached context) on the cpu attention backend: its paged
     # kernel, or torch's fused causal attention (SDPA) over the step's own keys and values

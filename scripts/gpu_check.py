@@ -444,6 +444,111 @@ def time_decode(report: Report | None, label: str, model, shape, kv, graphs, bat
     return rows
 
 
+def check_fused_elementwise(report: Report, label: str, device, shape, weights,
+                            tol: float) -> None:
+    """The model on Triton's fused elementwise ops (the GPU's default plan) against the same
+    weights on torch's ops: eager decode logits of 8 sequences, and the KV they wrote."""
+    import torch
+    from components.executor.model import LlamaModel
+    out = {}
+    for e in ("triton", "torch"):
+        model = LlamaModel(shape, weights, dtype=torch.float32, device=device,
+                           backend="triton", kernels={"elementwise": e})
+        kv = model.new_kv_cache(8 * 15 + 1, 16)
+        kv.data.normal_(generator=torch.Generator(device).manual_seed(3))
+        ids, pos, tables = _decode_batch(random.Random(5), 8, 200, 16, kv.num_blocks,
+                                         shape.vocab_size)
+        out[e] = (_eager_decode(model, kv, ids, pos, tables), kv.data)
+        del model
+    (lt, kt), (lr, kr) = out["triton"], out["torch"]
+    err = ((lt - lr).abs().max() / lr.abs().max().clamp_min(1e-6)).item()
+    kv_err = (kt - kr).abs().max().item()
+    report.check(f"{label} fused elementwise (triton) == torch ops", err <= tol and
+                 kv_err <= tol, f"logits rel err {err:.2e}, KV max|err| {kv_err:.2e} "
+                 f"tol {tol:g}")
+
+
+def sweep_decode_partitions(label: str, device, shape, dtype, batches, context: int,
+                            max_len: int, sizes=(2, 4, 8, 16), layers: int = 30) -> None:
+    """One layer's decode attention as a captured graph runs it (the grid sized for
+    ``max_len``, the kernel masking by the real ``context``), ``layers`` calls per timing,
+    for each FlashDecoding partition size (KV blocks of 16 tokens per program)."""
+    import dataclasses
+
+    import torch
+    from kernels import triton_paged
+    from kernels.metadata import AttentionMetadata
+    rng = random.Random(9)
+    kvh, heads, dim = shape.num_kv_heads, shape.num_heads, shape.head_dim
+    for b in batches:
+        blocks = b * (-(-(context + 1) // 16) + 1) + 1
+        kc = torch.randn(blocks, 16, kvh, dim, dtype=dtype, device=device)
+        vc = torch.randn_like(kc)
+        ids, pos, tables = _decode_batch(rng, b, context + 1, 16, blocks, 2, context=context)
+        meta = AttentionMetadata.build([1] * b, pos, tables, 16, device)
+        width = -(-max_len // 16)
+        bt = torch.zeros(b, width, dtype=torch.int32, device=device)
+        bt[:, :meta.block_tables.shape[1]] = meta.block_tables
+        graph_meta = dataclasses.replace(meta, context_lens=[max_len - 1] * b, block_tables=bt)
+        q = torch.randn(b, heads, dim, dtype=dtype, device=device)
+        cells = []
+        for p in sizes:
+            def run():
+                for _ in range(layers):
+                    triton_paged.paged_attention(q, kc, vc, graph_meta, dim ** -0.5,
+                                                 partition_blocks=p)
+            ms = time_steps(run, device, 5, warmup=2)
+            cells.append(f"{p:>2} blocks {ms * 1e3 / layers:7.1f} us")
+        print(f"  {label} batch {b:>3} context {context}: " + ", ".join(cells), flush=True)
+
+
+def profile_decode(label: str, model, shape, kv, graphs, batches, context: int,
+                   steps: int = 10, top: int = 8) -> None:
+    """Where a decode step's time goes, from torch's profiler: per step, the wall time, the
+    device's busy time (the sum of its kernels' times) and the kernels launched, then the
+    ``top`` kernels by time; for the replayed graph when there is one, and for the eager
+    forward. On the CPU (the dry run) the same table lists torch's CPU ops by self time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    dev = kv.device
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rng = random.Random(11)
+    for b in batches:
+        ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
+                                         shape.vocab_size, context=context)
+        modes = [("eager", lambda: _eager_decode(model, kv, ids, pos, tables))]
+        if graphs is not None and graphs.can_replay(b, context + 1):
+            modes.insert(0, ("graph", lambda: graphs.replay(ids, pos, tables)))
+        for mode, fn in modes:
+            for _ in range(3):
+                fn()
+            _sync(dev)
+            with profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                    _sync(dev)
+                wall = (time.perf_counter() - t0) / steps
+            kind = DeviceType.CUDA if cuda else DeviceType.CPU
+            per: dict[str, list[float]] = {}
+            for e in prof.events():
+                if e.device_type != kind:
+                    continue
+                us = e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
+                per.setdefault(e.name, []).append(us)
+            busy = sum(sum(v) for v in per.values()) / steps
+            launched = sum(len(v) for v in per.values()) / steps
+            what = "kernels" if cuda else "ops"
+            print(f"  {label} batch {b} {mode}: {wall * 1e3:.3f} ms/step wall, "
+                  f"{busy / 1e3:.3f} ms {'device busy' if cuda else 'in ops'}, "
+                  f"{launched:.0f} {what}/step", flush=True)
+            ranked = sorted(per.items(), key=lambda kv_: -sum(kv_[1]))[:top]
+            for name, times in ranked:
+                print(f"      {sum(times) / steps:9.1f} us/step  {len(times) / steps:5.0f}x  "
+                      f"{name[:90]}", flush=True)
+
+
 def _free(device) -> None:
     import torch
     gc.collect()
@@ -665,6 +770,8 @@ def gpu_main(args) -> int:
                  block_size=16, tol=1e-3)
     del model
     _free(device)
+    check_fused_elementwise(report, label + " fp32", device, shape, weights, 1e-3)
+    _free(device)
     if "flash_attn" in kernels._REGISTRY and budget.left() > 120:
         from kernels.flash_attn_backend import FlashAttnBackend
         fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
@@ -686,6 +793,26 @@ def gpu_main(args) -> int:
     del weights
     rows += time_decode(report, label, model, shape, kv, graphs, args.batches, args.context, 2,
                         args.steps, budget, 25)
+    if args.profile and budget.left() > 60:
+        print(f"[4b] where a decode step's time goes ({label} bf16, context "
+              f"{args.context})", flush=True)
+        profile_decode(label, model, shape, kv, graphs, [1, 64], args.context)
+        print(f"[4c] decode attention per layer by partition size ({label} bf16, grid for "
+              f"2048 tokens as captured)", flush=True)
+        sweep_decode_partitions(label, device, shape, torch.bfloat16, [1, 8, 64, 256],
+                                args.context, 2048)
+        print(f"[4d] A/B: the same decode steps with torch's elementwise ops "
+              f"({label} bf16)", flush=True)
+        ab_weights = real[1] if real else random_weights(shape, torch.bfloat16, device)
+        ab = LlamaModel(shape, ab_weights, dtype=torch.bfloat16, device=device,
+                        kv_block_size=16, kernels={"elementwise": "torch"})
+        from components.executor.cuda_graphs import DecodeGraphs
+        ab_graphs = DecodeGraphs(ab, kv, max_model_len=2048, max_batch=64)
+        ab_graphs.capture()
+        time_decode(None, label + " torch-ew", ab, shape, kv, ab_graphs, [1, 8, 64],
+                    args.context, 2, args.steps, budget, 0)
+        del ab, ab_graphs, ab_weights
+        _free(device)
     if args.grid_s > 0:
         print(f"[5] step grid for a cost profile ({label} bf16, at most {args.grid_s:.0f} s)",
               flush=True)
@@ -767,12 +894,19 @@ def cpu_dry_run(args) -> int:
         model = LlamaModel(tiny, random_weights(tiny), backend="triton")
         check_graphs(report, "tiny fp32", model, max_len=64, max_batch=4, block_size=16,
                      tol=1e-4, partials=(3,))
+        check_fused_elementwise(report, "tiny fp32", "cpu", tiny, random_weights(tiny), 1e-4)
     print("[2b] sampling penalties and logprobs: torch vs native", flush=True)
     check_logit_processing(report, "cpu")
     print("[4] decode timing (torch backend, eager)", flush=True)
     model = LlamaModel(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(2 * 3 + 1, 16)
     rows = time_decode(None, "tiny", model, tiny, kv, None, [1, 2], 24, 4, 2, budget, 0)
+    if args.profile:
+        print("[4b] where a decode step's time goes (torch backend, eager)", flush=True)
+        profile_decode("tiny", model, tiny, kv, None, [2], 24, steps=2, top=4)
+        if importlib.util.find_spec("triton") is not None:
+            sweep_decode_partitions("tiny", "cpu", tiny, torch.float32, [2], 24, 64,
+                                    sizes=(2, 4), layers=1)
     if args.grid_s > 0:
         print("[5] step grid (torch backend, eager)", flush=True)
         dry_run_step_grid(Path(args.steps_out) if args.steps_out else None)
@@ -809,6 +943,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     p.add_argument("--max-batch", type=int, default=256, help="largest captured bucket")
     p.add_argument("--peak-tbs", type=float, default=4.8, help="HBM peak, TB/s (H200: 4.8)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the profile of decode steps (wall, device busy, top kernels)")
     p.add_argument("--skip-1b", action="store_true", help="do not time the 1B-shaped model")
     p.add_argument("--grid-s", type=float, default=60.0,
                    help="time budget of the step grid for a cost profile (0 skips it)")

@@ -181,9 +181,16 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     shp = shapes(spec)
     cands = {role: linear_candidates(dtype, device, s) for role, s in shp.items()}
     if device.type != "cpu":
-        plan = KernelPlan({r: [(max_tokens, "torch")] for r in ROLES}, "torch", "torch",
+        # a GPU: torch's GEMMs; the elementwise ops as Triton's fused kernels where Triton
+        # is installed (one launch each instead of ~28 per layer, and a small model's decode
+        # step is bound by launches: see kernels/triton_fused.py), else torch
+        plan = KernelPlan({r: [(max_tokens, "torch")] for r in ROLES},
+                          "triton" if triton_available() else "torch", "torch",
                           get_backend(attention, device, block_size=kv_block_size,
                                       dtype=dtype).name, source="device", layer_loop="python")
+        if "elementwise" in forced:
+            plan.elementwise = _elementwise_forced(forced["elementwise"], False)
+            plan.source = "forced"
         return plan
     native_ops = native_ops_possible(spec, dtype, device)
     machine = {**tuning.machine_info(), "native_ops": native_ops,
@@ -246,18 +253,42 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
                              "AMX-BF16 that the native kernels were built for")
         plan.attention_tiles = forced["attention_tiles"]
         plan.source = "forced"
-    for op in ("elementwise", "sampling"):
-        if op in forced:
-            if forced[op] == "native" and not native_ops:
-                raise ValueError(f"engine.kernels.{op} = 'native' cannot run here: the "
-                                 f"native CPU kernels did not build, or the dtype/shape is "
-                                 f"not compiled in")
-            setattr(plan, op, forced[op])
-            plan.source = "forced"
+    if "elementwise" in forced:
+        plan.elementwise = _elementwise_forced(forced["elementwise"], native_ops)
+        plan.source = "forced"
+    if "sampling" in forced:
+        if forced["sampling"] not in ("native", "torch"):
+            raise ValueError(f"engine.kernels.sampling = {forced['sampling']!r}: 'native' or "
+                             f"'torch'")
+        if forced["sampling"] == "native" and not native_ops:
+            raise ValueError("engine.kernels.sampling = 'native' cannot run here: the native "
+                             "CPU kernels did not build, or the dtype/shape is not compiled in")
+        plan.sampling = forced["sampling"]
+        plan.source = "forced"
     if attention != "auto":
         get_backend(attention, "cpu", block_size=kv_block_size, dtype=dtype)   # or refuse
         plan.attention = attention
     return plan
+
+
+def triton_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+def _elementwise_forced(choice: str, native_ops: bool) -> str:
+    """A forced ``engine.kernels.elementwise``, or a clear error where it cannot run."""
+    if choice == "native" and not native_ops:
+        raise ValueError("engine.kernels.elementwise = 'native' cannot run here: the native "
+                         "CPU kernels did not build, or the dtype/shape/device is not "
+                         "compiled in")
+    if choice == "triton" and not triton_available():
+        raise ValueError("engine.kernels.elementwise = 'triton' cannot run here: triton is "
+                         "not installed")
+    if choice not in ("native", "triton", "torch"):
+        raise ValueError(f"engine.kernels.elementwise = {choice!r}: 'native', 'triton' or "
+                         f"'torch'")
+    return choice
 
 
 def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, int]],

@@ -65,7 +65,7 @@ class Linear:
         plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
         the [M, 2 x inter] intermediate), else the linear then the elementwise op."""
         cand, w = self.pick(x.shape[0])
-        if cand == "amx" and self.bias is None and ops.native is not None:
+        if cand == "amx" and self.bias is None and ops.native is cpu_native:
             return self.runs["amx+silu"](x, w)
         return ops.silu_mul(self.runs[cand](x, w, self.bias))
 
@@ -75,9 +75,11 @@ class _Layer:
 
 
 class ElementwiseOps:
-    """The elementwise steps, each in two forms: the CPU's fused native ops
-    (kernels/csrc/cpu_fused.cpp: one pass per row instead of ~30 torch ops per layer), or
-    torch (GPU, graph-capturable; and the CPU when measured faster or without a compiler)."""
+    """The elementwise steps, each in one of three forms: fused, one pass per row instead of
+    ~28 torch ops per layer, by the CPU's native ops (kernels/csrc/cpu_fused.cpp) or by
+    Triton kernels (kernels/triton_fused.py, the GPU's; graph-capturable), both given as
+    ``native`` (a module with ``add_rms_norm``, ``rope_`` and ``silu_mul``); or torch (the
+    CPU when measured faster or without a compiler, and a GPU without Triton)."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                  native=None) -> None:
@@ -143,6 +145,16 @@ class ElementwiseOps:
         return F.silu(gate) * up
 
 
+def fused_ops(elementwise: str):
+    """The module of fused elementwise ops a plan's ``elementwise`` names (None: torch)."""
+    if elementwise == "native":
+        return cpu_native
+    if elementwise == "triton":
+        from kernels import triton_fused
+        return triton_fused
+    return None
+
+
 class LlamaModel:
     """Inference-only Llama/Qwen2-style model built from :func:`loader.load_model` output.
 
@@ -181,7 +193,7 @@ class LlamaModel:
         if hasattr(backend, "tiles"):
             backend.tiles = plan.attention_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
-        self.ops = ElementwiseOps(spec, dtype, self.device, self.native)
+        self.ops = ElementwiseOps(spec, dtype, self.device, fused_ops(plan.elementwise))
         self.runs = dict(autotune.RUN)
         self.runs["amx+silu"] = cpu_native.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = autotune.amx_linear_f32            # float32 logits (Linear)
