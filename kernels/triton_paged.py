@@ -176,11 +176,12 @@ def _pow2(n: int, at_least: int = 16) -> int:
 
 
 MAX_PARTITIONS = 64
+PARTITION_BLOCKS = 16
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, block_m: int = 16,
-                    partition_blocks: int = 16) -> torch.Tensor:
+                    partition_blocks: int = PARTITION_BLOCKS) -> torch.Tensor:
     """Same contract as :func:`kernels.torch_ref.paged_attention`.
 
     Decode splits each context into partitions of ``partition_blocks`` blocks, widened so
@@ -222,7 +223,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class TritonBackend:
+    """The Triton kernels as an attention backend; ``partition_blocks`` is decode's
+    FlashDecoding partition (KV blocks per program, widened to at most ``MAX_PARTITIONS``
+    partitions)."""
     name = "triton"
     graph_safe = True  # decode from static buffers is capturable; write_kv skips slot -1
     write_kv = staticmethod(write_kv)
-    paged_attention = staticmethod(paged_attention)
+
+    def __init__(self, partition_blocks: int = PARTITION_BLOCKS) -> None:
+        self.partition_blocks = partition_blocks
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, scale,
+                               partition_blocks=self.partition_blocks)

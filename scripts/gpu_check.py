@@ -468,38 +468,27 @@ def check_fused_elementwise(report: Report, label: str, device, shape, weights,
                  f"tol {tol:g}")
 
 
-def sweep_decode_partitions(label: str, device, shape, dtype, batches, context: int,
-                            max_len: int, sizes=(2, 4, 8, 16), layers: int = 30) -> None:
-    """One layer's decode attention as a captured graph runs it (the grid sized for
-    ``max_len``, the kernel masking by the real ``context``), ``layers`` calls per timing,
-    for each FlashDecoding partition size (KV blocks of 16 tokens per program)."""
-    import dataclasses
-
-    import torch
-    from kernels import triton_paged
-    from kernels.metadata import AttentionMetadata
+def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,
+                            max_len: int, steps: int, sizes=(2, 4, 8, 16)) -> None:
+    """Whole decode steps as captured graphs (grids sized for ``max_len``) for each
+    FlashDecoding partition size (KV blocks per program): the model's backend set to each
+    size in turn, its graphs captured again, each batch replayed ``steps`` times."""
+    from components.executor.cuda_graphs import DecodeGraphs
     rng = random.Random(9)
-    kvh, heads, dim = shape.num_kv_heads, shape.num_heads, shape.head_dim
+    cases = [(b, *_decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
+                                shape.vocab_size, context=context)) for b in batches]
+    was = model.backend.partition_blocks
+    rows = {b: [] for b in batches}
+    for p in sizes:
+        model.backend.partition_blocks = p
+        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max(batches))
+        graphs.capture()
+        for b, ids, pos, tables in cases:
+            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
+            rows[b].append(f"{p:>2} blocks {ms:6.3f} ms")
+    model.backend.partition_blocks = was
     for b in batches:
-        blocks = b * (-(-(context + 1) // 16) + 1) + 1
-        kc = torch.randn(blocks, 16, kvh, dim, dtype=dtype, device=device)
-        vc = torch.randn_like(kc)
-        ids, pos, tables = _decode_batch(rng, b, context + 1, 16, blocks, 2, context=context)
-        meta = AttentionMetadata.build([1] * b, pos, tables, 16, device)
-        width = -(-max_len // 16)
-        bt = torch.zeros(b, width, dtype=torch.int32, device=device)
-        bt[:, :meta.block_tables.shape[1]] = meta.block_tables
-        graph_meta = dataclasses.replace(meta, context_lens=[max_len - 1] * b, block_tables=bt)
-        q = torch.randn(b, heads, dim, dtype=dtype, device=device)
-        cells = []
-        for p in sizes:
-            def run():
-                for _ in range(layers):
-                    triton_paged.paged_attention(q, kc, vc, graph_meta, dim ** -0.5,
-                                                 partition_blocks=p)
-            ms = time_steps(run, device, 5, warmup=2)
-            cells.append(f"{p:>2} blocks {ms * 1e3 / layers:7.1f} us")
-        print(f"  {label} batch {b:>3} context {context}: " + ", ".join(cells), flush=True)
+        print(f"  {label} batch {b:>3} context {context}: " + ", ".join(rows[b]), flush=True)
 
 
 def profile_decode(label: str, model, shape, kv, graphs, batches, context: int,
@@ -797,10 +786,10 @@ def gpu_main(args) -> int:
         print(f"[4b] where a decode step's time goes ({label} bf16, context "
               f"{args.context})", flush=True)
         profile_decode(label, model, shape, kv, graphs, [1, 64], args.context)
-        print(f"[4c] decode attention per layer by partition size ({label} bf16, grid for "
-              f"2048 tokens as captured)", flush=True)
-        sweep_decode_partitions(label, device, shape, torch.bfloat16, [1, 8, 64, 256],
-                                args.context, 2048)
+        print(f"[4c] graph decode steps by FlashDecoding partition size ({label} bf16, "
+              f"grids for 2048 tokens)", flush=True)
+        sweep_decode_partitions(label, model, shape, kv, [1, 8, 64, 256], args.context, 2048,
+                                args.steps)
         print(f"[4d] A/B: the same decode steps with torch's elementwise ops "
               f"({label} bf16)", flush=True)
         ab_weights = real[1] if real else random_weights(shape, torch.bfloat16, device)
@@ -905,8 +894,9 @@ def cpu_dry_run(args) -> int:
         print("[4b] where a decode step's time goes (torch backend, eager)", flush=True)
         profile_decode("tiny", model, tiny, kv, None, [2], 24, steps=2, top=4)
         if importlib.util.find_spec("triton") is not None:
-            sweep_decode_partitions("tiny", "cpu", tiny, torch.float32, [2], 24, 64,
-                                    sizes=(2, 4), layers=1)
+            tri = LlamaModel(tiny, random_weights(tiny), backend="triton")
+            sweep_decode_partitions("tiny", tri, tiny, tri.new_kv_cache(2 * 3 + 1, 16), [2],
+                                    24, 64, 2, sizes=(2, 4))
     if args.grid_s > 0:
         print("[5] step grid (torch backend, eager)", flush=True)
         dry_run_step_grid(Path(args.steps_out) if args.steps_out else None)
