@@ -176,7 +176,7 @@ def _pow2(n: int, at_least: int = 16) -> int:
 
 
 MAX_PARTITIONS = 64
-PARTITION_BLOCKS = 16
+PARTITION_BLOCKS = 16                   # the plain function's default (see TritonBackend)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -222,18 +222,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def decode_partition_blocks(seqs: int) -> int:
+    """The FlashDecoding partition (KV blocks of a program) for a decode batch of ``seqs``.
+    Measured on an H200 (``scripts/gpu_check`` [4c], SmolLM2-135M-shaped bf16 steps replayed
+    as CUDA graphs sized for 2048 tokens, 512 tokens of context): 2 blocks won at batch 1
+    and 8 (1.18 and 1.25 ms against 1.72 and 1.68 with 16: few sequences need many programs
+    to fill the SMs), 8 blocks at 64 and 256 (1.82 and 3.88 ms; 2 blocks 2.26 and 5.47:
+    many tiny programs, and a wider merge)."""
+    return 2 if seqs <= SMALL_DECODE_BATCH else 8
+
+
+SMALL_DECODE_BATCH = 16
+
+
 class TritonBackend:
-    """The Triton kernels as an attention backend; ``partition_blocks`` is decode's
+    """The Triton kernels as an attention backend. ``partition_blocks`` is decode's
     FlashDecoding partition (KV blocks per program, widened to at most ``MAX_PARTITIONS``
-    partitions)."""
+    partitions); None picks it by batch size (:func:`decode_partition_blocks`)."""
     name = "triton"
     graph_safe = True  # decode from static buffers is capturable; write_kv skips slot -1
     write_kv = staticmethod(write_kv)
 
-    def __init__(self, partition_blocks: int = PARTITION_BLOCKS) -> None:
+    def __init__(self, partition_blocks: int | None = None) -> None:
         self.partition_blocks = partition_blocks
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, meta, scale,
-                               partition_blocks=self.partition_blocks)
+        blocks = self.partition_blocks or decode_partition_blocks(len(meta.query_lens))
+        return paged_attention(q, k_cache, v_cache, meta, scale, partition_blocks=blocks)

@@ -469,10 +469,11 @@ def check_fused_elementwise(report: Report, label: str, device, shape, weights,
 
 
 def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,
-                            max_len: int, steps: int, sizes=(2, 4, 8, 16)) -> None:
+                            max_len: int, steps: int, sizes=(None, 2, 4, 8, 16)) -> None:
     """Whole decode steps as captured graphs (grids sized for ``max_len``) for each
-    FlashDecoding partition size (KV blocks per program): the model's backend set to each
-    size in turn, its graphs captured again, each batch replayed ``steps`` times."""
+    FlashDecoding partition size (KV blocks per program; None: the backend's choice by
+    batch size): the model's backend set to each size in turn, its graphs captured again,
+    each batch replayed ``steps`` times."""
     from components.executor.cuda_graphs import DecodeGraphs
     rng = random.Random(9)
     cases = [(b, *_decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
@@ -485,7 +486,7 @@ def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,
         graphs.capture()
         for b, ids, pos, tables in cases:
             ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
-            rows[b].append(f"{p:>2} blocks {ms:6.3f} ms")
+            rows[b].append(f"{p or 'auto':>4} {ms:6.3f} ms")
     model.backend.partition_blocks = was
     for b in batches:
         print(f"  {label} batch {b:>3} context {context}: " + ", ".join(rows[b]), flush=True)
@@ -896,7 +897,7 @@ def cpu_dry_run(args) -> int:
         if importlib.util.find_spec("triton") is not None:
             tri = LlamaModel(tiny, random_weights(tiny), backend="triton")
             sweep_decode_partitions("tiny", tri, tiny, tri.new_kv_cache(2 * 3 + 1, 16), [2],
-                                    24, 64, 2, sizes=(2, 4))
+                                    24, 64, 2, sizes=(None, 2))
     if args.grid_s > 0:
         print("[5] step grid (torch backend, eager)", flush=True)
         dry_run_step_grid(Path(args.steps_out) if args.steps_out else None)

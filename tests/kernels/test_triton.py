@@ -138,3 +138,17 @@ def test_decode_buffers_validate_shapes():
         AttentionMetadata.for_decode_buffers(**{**ok, "positions": torch.zeros(3)}, max_seq_len=8)
     with pytest.raises(ValueError, match="int32"):
         AttentionMetadata.for_decode_buffers(**{**ok, "seq_lens": z}, max_seq_len=8)
+
+
+def test_the_backend_picks_the_decode_partition_by_batch_size():
+    from kernels.triton_paged import TritonBackend, decode_partition_blocks
+    assert decode_partition_blocks(1) == decode_partition_blocks(16) == 2
+    assert decode_partition_blocks(17) == decode_partition_blocks(256) == 8
+    rng = random.Random(3)
+    contexts = [rng.randrange(40, 300) for _ in range(3)]
+    q, k, v, kc, vc, meta = _case(rng, 16, 3, 3, [1] * 3, contexts)
+    write_kv(kc, vc, k, v, meta)
+    want = paged_attention(q, kc, vc, meta, DIM ** -0.5, partition_blocks=16)
+    for blocks in (None, 2):
+        got = TritonBackend(blocks).paged_attention(q, kc, vc, meta, DIM ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
