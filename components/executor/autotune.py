@@ -189,7 +189,7 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                           get_backend(attention, device, block_size=kv_block_size,
                                       dtype=dtype).name, source="device", layer_loop="python")
         if "elementwise" in forced:
-            plan.elementwise = _elementwise_forced(forced["elementwise"], False)
+            plan.elementwise = _elementwise_forced(forced["elementwise"], False, device)
             plan.source = "forced"
         return plan
     native_ops = native_ops_possible(spec, dtype, device)
@@ -254,7 +254,8 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
         plan.attention_tiles = forced["attention_tiles"]
         plan.source = "forced"
     if "elementwise" in forced:
-        plan.elementwise = _elementwise_forced(forced["elementwise"], native_ops)
+        plan.elementwise = _elementwise_forced(forced["elementwise"], native_ops,
+                                               torch.device("cpu"))   # a CPU plan
         plan.source = "forced"
     if "sampling" in forced:
         if forced["sampling"] not in ("native", "torch"):
@@ -276,8 +277,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _elementwise_forced(choice: str, native_ops: bool) -> str:
-    """A forced ``engine.kernels.elementwise``, or a clear error where it cannot run."""
+def _elementwise_forced(choice: str, native_ops: bool, device: torch.device) -> str:
+    """A forced ``engine.kernels.elementwise``, or a clear error where it cannot run. Triton
+    runs on a GPU, and on the CPU only under ``TRITON_INTERPRET=1`` (the tests' way)."""
     if choice == "native" and not native_ops:
         raise ValueError("engine.kernels.elementwise = 'native' cannot run here: the native "
                          "CPU kernels did not build, or the dtype/shape/device is not "
@@ -285,6 +287,9 @@ def _elementwise_forced(choice: str, native_ops: bool) -> str:
     if choice == "triton" and not triton_available():
         raise ValueError("engine.kernels.elementwise = 'triton' cannot run here: triton is "
                          "not installed")
+    if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("engine.kernels.elementwise = 'triton' runs on a GPU, not the CPU "
+                         "(there: 'native' or 'torch')")
     if choice not in ("native", "triton", "torch"):
         raise ValueError(f"engine.kernels.elementwise = {choice!r}: 'native', 'triton' or "
                          f"'torch'")

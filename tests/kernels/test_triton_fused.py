@@ -98,3 +98,14 @@ def test_forcing_an_unknown_elementwise_kind_is_a_clear_error():
     with pytest.raises(ValueError, match="'native', 'triton' or 'torch'"):
         LlamaModel(shape, random_weights(shape, seed=4), device=DEVICE,
                    kernels={"elementwise": "cuda"})
+
+
+def test_forcing_triton_elementwise_on_a_cpu_without_the_interpreter_is_a_clear_error(
+        monkeypatch):
+    from components.executor import autotune
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="runs on a GPU"):
+        autotune._elementwise_forced("triton", True, torch.device("cpu"))
+    assert autotune._elementwise_forced("triton", False, torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="'native' cannot run here"):
+        autotune._elementwise_forced("native", False, torch.device("cuda"))
