@@ -78,12 +78,15 @@ def machine_info() -> dict[str, object]:
 
 
 def machine_key(machine: Mapping[str, object], dtype: str,
-                shapes: Mapping[str, tuple[int, int]], max_m: int) -> str:
+                shapes: Mapping[str, tuple[int, int]], max_m: int, max_seqs: int = 0,
+                block_size: int = 0) -> str:
     """The cache key: changes with anything in ``machine``, the dtype, the shapes, the
-    largest step measured and the tuning version."""
+    largest step measured, the most sequences a step holds (the lm_head's buckets), the KV
+    block size (the attention timings) and the tuning version."""
     blob = json.dumps({"v": VERSION, "machine": dict(machine), "dtype": dtype,
                        "shapes": {k: list(v) for k, v in sorted(shapes.items())},
-                       "max_m": max_m}, sort_keys=True)
+                       "max_m": max_m, "max_seqs": max_seqs, "block_size": block_size},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -196,7 +196,8 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     machine = {**tuning.machine_info(), "native_ops": native_ops,
                "native_build": cpu_native.build_key() if cpu_native.available() else "",
                "candidates": {r: sorted(c) for r, c in cands.items()}}
-    key = tuning.machine_key(machine, str(dtype).removeprefix("torch."), shp, max_tokens)
+    key = tuning.machine_key(machine, str(dtype).removeprefix("torch."), shp, max_tokens,
+                             max_seqs, kv_block_size or 16)
     # a plan with forced parts measures only the rest, and is not cached
     skip = set(forced) | ({"attention"} if attention != "auto" else set())
     path = cache_dir / "tuning" / f"{key}.json" if cache_dir is not None and not skip \

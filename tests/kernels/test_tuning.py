@@ -109,6 +109,8 @@ def test_the_cache_key_changes_with_the_machine_and_nothing_else_equal():
     assert tuning.machine_key(MACHINE, "float32", SHAPES, 2048) != key
     assert tuning.machine_key(MACHINE, "bfloat16", {**SHAPES, "o": (576, 576)}, 2048) != key
     assert tuning.machine_key(MACHINE, "bfloat16", SHAPES, 512) != key
+    assert tuning.machine_key(MACHINE, "bfloat16", SHAPES, 2048, max_seqs=64) != key
+    assert tuning.machine_key(MACHINE, "bfloat16", SHAPES, 2048, block_size=32) != key
 
 
 def test_a_plan_round_trips_through_its_cache_file(tmp_path):
