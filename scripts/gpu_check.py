@@ -39,6 +39,7 @@ here imports msgspec, zmq or weir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -711,17 +712,36 @@ def time_step_grid(model, kv, graphs, grid: StepGrid, budget: Budget) -> list[St
     return out
 
 
+def step_machine() -> dict[str, object]:
+    """Where the step grid ran, in ``weir.machine.describe()``'s keys (this script imports
+    nothing of weir's), with the device: ``weir calibrate --from-steps`` stamps the profile
+    with it rather than with the machine that fits the log."""
+    import platform
+
+    import torch
+    host = platform.machine()
+    with contextlib.suppress(OSError):
+        host = next((line.split(":", 1)[1].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), host)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"cpu": f"{device} (host {host})", "flags": [], "cores": os.cpu_count(),
+            "python": platform.python_version(), "device": device, "torch": torch.__version__}
+
+
 def write_step_log(path: Path, timings: list[StepTiming], model: str) -> None:
     """Step-log lines as the scheduler writes them (components/scheduler/service.py
     ``_log_step``), which ``weir calibrate --from-steps`` fits. ``measured_s`` and
     ``executor_s`` are both the executor's step: no bus round trip is included (see the
     module docstring)."""
+    where = step_machine()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for t in timings:
             seconds = round(t.seconds, 7)
             f.write(json.dumps({**t.case.shape(), "measured_s": seconds, "executor_s": seconds,
-                                "kind": t.case.kind, "graph": t.graph, "model": model}) + "\n")
+                                "kind": t.case.kind, "graph": t.graph, "model": model,
+                                "machine": where}) + "\n")
     print(f"  step grid: {len(timings)} steps written to {path}", flush=True)
 
 

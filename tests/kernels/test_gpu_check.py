@@ -134,6 +134,22 @@ def test_dry_run_step_grid_is_a_step_log_calibrate_fits(tmp_path):
     assert profile.samples == len(cases) and all(c >= 0 for c in profile.coef)
 
 
+def test_calibrate_stamps_the_profile_with_the_machine_the_steps_ran_on(tmp_path):
+    from weir.machine import describe
+    from weir.replay.calibrate import from_steps
+    path = tmp_path / "gpu_steps.jsonl"
+    gpu_check.dry_run_step_grid(path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(line.replace('"device": "cpu"', '"device": "NVIDIA H200"')
+                              for line in lines) + "\n")
+    prof = from_steps(str(path), tmp_path / "p.json")
+    assert prof.machine["device"] == "NVIDIA H200" and prof.machine["torch"]
+    assert set(describe()) <= set(prof.machine)          # the keys summaries read
+    # a log that names no machine: this one's
+    path.write_text("".join(line.split(', "machine"')[0] + "}\n" for line in lines))
+    assert from_steps(str(path), tmp_path / "q.json").machine == describe()
+
+
 def test_step_grid_needs_no_msgspec_zmq_or_weir(tmp_path):
     """The GPU machine's python3 may lack msgspec and zmq: the grid and its writer must not
     import them (nor weir, which does)."""

@@ -107,7 +107,11 @@ def calibrate(config: str | None, out: Path, *, model: str | None = None,
 
 
 def from_steps(path: str, out: Path, source: str = "") -> profiles.CostProfile:
-    prof = profiles.fit(profiles.read_step_log(path), source=source or f"step log {path}",
-                        machine=describe())
+    """Fit a step log. The profile's machine is the one the log names where its steps ran
+    (``scripts/gpu_check`` writes ``machine`` into each line: its GPU), else this one's."""
+    steps = profiles.read_step_log(path)
+    named = [s["machine"] for s in steps if isinstance(s.get("machine"), dict)]
+    prof = profiles.fit(steps, source=source or f"step log {path}",
+                        machine=named[0] if named else describe())
     profiles.save(prof, out)
     return prof
