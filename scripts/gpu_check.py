@@ -10,11 +10,15 @@ On a CUDA device, within a hard time budget (default 270 s):
    with padding rows (the CUDA-graph path);
 3. the flash-attn adapter the same way (block size 256), or "skipped: not installed";
 4. CUDA-graph replay against eager logits for every batch bucket (SmolLM2-135M-shaped model,
-   fp32, random weights or ``--model-path`` GGUF), padding rows writing no KV;
+   fp32, random weights or ``--model-path`` GGUF), padding rows writing no KV; the model on
+   Triton's fused elementwise ops (the GPU's default) against torch's ops;
 5. decode-step timing at batch 1, 8, 64, 256 with ~512 tokens of context each, eager and
    graph, bf16: SmolLM2-135M-shaped, then Llama-1B-shaped while time remains; a table of
    ms/step, tokens/s, bytes moved (weights + KV read), GB/s and fractions of the HBM peak
-   and of the measured copy bandwidth;
+   and of the measured copy bandwidth. For SmolLM2 also (``--no-profile`` skips them):
+   where a step's time goes (wall, device busy, kernels per step and the top kernels, from
+   torch's profiler), graph steps by FlashDecoding partition size, and the same steps on
+   torch's elementwise ops (an A/B);
 6. a step grid for a cost profile (44 shapes, cut off after ``--grid-s``, default 60 s):
    SmolLM2-135M-shaped bf16 steps run as the executor's ModelRunner.step runs them
    (decode-only batches replay their CUDA graph, anything else is one eager forward, every
@@ -34,26 +38,28 @@ Exit status: 0 all checks passed, 1 a correctness check failed, 3 no CUDA device
 ``--cpu-dry-run`` exercises the same code on the CPU at tiny sizes (Triton under
 TRITON_INTERPRET=1, timing and a 14-shape step grid with the torch backend; the grid is
 written only to an explicit ``--steps-out``). Needs only torch, triton and numpy: nothing
-here imports msgspec, zmq or weir.
+here imports msgspec, zmq or weir. The timing and the step grid live beside this file
+(``gpu_timing.py``, ``gpu_steps.py``).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import json
 import os
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):     # the repo, and gpu_timing / gpu_steps beside this
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from gpu_steps import (GPU_GRID, TINY_GRID, StepCase, StepTiming,  # noqa: E402,F401 (tests)
+                       time_step_grid, write_step_log)
+from gpu_timing import (Row, _decode_batch, _eager_decode, _free, build_timed,  # noqa: E402
+                        copy_bandwidth, decode_blocks, format_table, profile_decode,
+                        sweep_decode_partitions, time_decode)
 
 EXIT_FAILED, EXIT_NO_CUDA = 1, 3
 DEFAULT_GGUF = Path.home() / ".cache/weir/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,54 +92,12 @@ class Report:
         return ok
 
 
-@dataclass
-class Row:
-    model: str
-    batch: int
-    mode: str
-    ms: float
-    bytes: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / (self.ms / 1e3)
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / (self.ms / 1e3)
 
 
-def format_table(rows: list[Row], peak_bps: float, copy_bps: float) -> str:
-    """The timing table: one line per (model, batch, mode)."""
-    head = (f"{'model':<22} {'batch':>5} {'mode':<6} {'ms/step':>9} {'tokens/s':>10} "
-            f"{'MB/step':>9} {'GB/s':>8} {'%peak':>6} {'%copy':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.model:<22} {r.batch:>5} {r.mode:<6} {r.ms:>9.3f} "
-                     f"{r.tokens_per_s:>10.1f} {r.bytes / 1e6:>9.1f} "
-                     f"{r.bytes_per_s / 1e9:>8.1f} {100 * r.bytes_per_s / peak_bps:>6.1f} "
-                     f"{100 * r.bytes_per_s / copy_bps:>6.1f}")
-    return "\n".join(lines)
 
 
-def _sync(device) -> None:
-    import torch
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device, nbytes: int, iters: int = 10) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * iters / (time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------- kernels against the reference
@@ -326,31 +290,8 @@ def check_structured_masks(report: Report, device, logits, g) -> None:
                  and int(masked[5].sum()) == 0, f"{int(masked.sum())} masked")
 
 
-def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num_blocks: int,
-                  vocab: int, context: int | None = None):
-    """n decode sequences on disjoint shuffled blocks (with spare lookahead blocks); each at
-    position ``context`` or at a random / block-edge position below ``max_len``."""
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    edges = [0, block_size - 1, block_size, 2 * block_size - 1, max_len - 1]
-    ids, pos, tables = [], [], []
-    for i in range(n):
-        p = context if context is not None else (
-            edges[i] if i < len(edges) else rng.randrange(max_len))
-        need = p // block_size + 1 + rng.randint(0, 1)
-        tables.append([pool.pop() for _ in range(need)])
-        ids.append(rng.randrange(vocab))
-        pos.append(p)
-    return ids, pos, tables
 
 
-def _eager_decode(model, kv, ids, pos, tables):
-    import torch
-    from kernels.metadata import AttentionMetadata
-    dev = kv.device
-    meta = AttentionMetadata.build([1] * len(ids), pos, tables, kv.block_size, dev)
-    return model.forward(torch.tensor(ids, device=dev), meta.positions, kv, meta,
-                         torch.arange(len(ids), device=dev))
 
 
 def check_graphs(report: Report, label: str, model, max_len: int, max_batch: int,
@@ -399,50 +340,8 @@ def check_graphs(report: Report, label: str, model, max_len: int, max_batch: int
 
 # ---------------------------------------------------------------- timing
 
-def time_steps(fn, device, steps: int, warmup: int = 2) -> float:
-    """Mean ms per call of ``fn`` with a device sync after each (as a real step, which
-    waits for its sampled tokens)."""
-    for _ in range(warmup):
-        fn()
-        _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-        _sync(device)
-    return (time.perf_counter() - t0) / steps * 1e3
 
 
-def time_decode(report: Report | None, label: str, model, shape, kv, graphs, batches,
-                context: int, elem_bytes: int, steps: int, budget: Budget, reserve_s: float,
-                tol: float = 5e-2) -> list[Row]:
-    """Eager and graph decode steps at each batch size (every sequence at ``context``)."""
-    from components.executor.synthetic import decode_bytes
-    rows: list[Row] = []
-    rng = random.Random(7)
-    for b in batches:
-        if budget.left() < reserve_s:
-            print(f"  {label}: batch {b} and larger skipped (time budget)", flush=True)
-            break
-        ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
-                                         shape.vocab_size, context=context)
-        moved = decode_bytes(shape, [context + 1] * b, elem_bytes)
-        eager_logits = _eager_decode(model, kv, ids, pos, tables)
-        ms = time_steps(lambda: _eager_decode(model, kv, ids, pos, tables), kv.device, steps)
-        rows.append(Row(label, b, "eager", ms, moved))
-        timed = f"eager {ms:.3f} ms"
-        if graphs is not None and graphs.can_replay(b, context + 1):
-            got = graphs.replay(ids, pos, tables)
-            if report is not None:
-                err = ((got - eager_logits).abs().max()
-                       / eager_logits.abs().max().clamp_min(1e-6)).item()
-                report.check(f"{label} bf16 graph == eager, batch {b}", err <= tol,
-                             f"rel err {err:.2e} tol {tol:g}")
-            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
-            rows.append(Row(label, b, "graph", ms, moved))
-            timed += f", graph {ms:.3f} ms"
-        print(f"  {label}: batch {b}: {timed} per step ({budget.elapsed():.0f} s elapsed)",
-              flush=True)
-    return rows
 
 
 def check_fused_elementwise(report: Report, label: str, device, shape, weights,
@@ -469,82 +368,10 @@ def check_fused_elementwise(report: Report, label: str, device, shape, weights,
                  f"tol {tol:g}")
 
 
-def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,
-                            max_len: int, steps: int, sizes=(None, 2, 4, 8, 16)) -> None:
-    """Whole decode steps as captured graphs (grids sized for ``max_len``) for each
-    FlashDecoding partition size (KV blocks per program; None: the backend's choice by
-    batch size): the model's backend set to each size in turn, its graphs captured again,
-    each batch replayed ``steps`` times."""
-    from components.executor.cuda_graphs import DecodeGraphs
-    rng = random.Random(9)
-    cases = [(b, *_decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
-                                shape.vocab_size, context=context)) for b in batches]
-    was = model.backend.partition_blocks
-    rows = {b: [] for b in batches}
-    for p in sizes:
-        model.backend.partition_blocks = p
-        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max(batches))
-        graphs.capture()
-        for b, ids, pos, tables in cases:
-            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
-            rows[b].append(f"{p or 'auto':>4} {ms:6.3f} ms")
-    model.backend.partition_blocks = was
-    for b in batches:
-        print(f"  {label} batch {b:>3} context {context}: " + ", ".join(rows[b]), flush=True)
 
 
-def profile_decode(label: str, model, shape, kv, graphs, batches, context: int,
-                   steps: int = 10, top: int = 8) -> None:
-    """Where a decode step's time goes, from torch's profiler: per step, the wall time, the
-    device's busy time (the sum of its kernels' times) and the kernels launched, then the
-    ``top`` kernels by time; for the replayed graph when there is one, and for the eager
-    forward. On the CPU (the dry run) the same table lists torch's CPU ops by self time."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    dev = kv.device
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    rng = random.Random(11)
-    for b in batches:
-        ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
-                                         shape.vocab_size, context=context)
-        modes = [("eager", lambda: _eager_decode(model, kv, ids, pos, tables))]
-        if graphs is not None and graphs.can_replay(b, context + 1):
-            modes.insert(0, ("graph", lambda: graphs.replay(ids, pos, tables)))
-        for mode, fn in modes:
-            for _ in range(3):
-                fn()
-            _sync(dev)
-            with profile(activities=activities) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    fn()
-                    _sync(dev)
-                wall = (time.perf_counter() - t0) / steps
-            kind = DeviceType.CUDA if cuda else DeviceType.CPU
-            per: dict[str, list[float]] = {}
-            for e in prof.events():
-                if e.device_type != kind:
-                    continue
-                us = e.time_range.elapsed_us() if cuda else e.self_cpu_time_total
-                per.setdefault(e.name, []).append(us)
-            busy = sum(sum(v) for v in per.values()) / steps
-            launched = sum(len(v) for v in per.values()) / steps
-            what = "kernels" if cuda else "ops"
-            print(f"  {label} batch {b} {mode}: {wall * 1e3:.3f} ms/step wall, "
-                  f"{busy / 1e3:.3f} ms {'device busy' if cuda else 'in ops'}, "
-                  f"{launched:.0f} {what}/step", flush=True)
-            ranked = sorted(per.items(), key=lambda kv_: -sum(kv_[1]))[:top]
-            for name, times in ranked:
-                print(f"      {sum(times) / steps:9.1f} us/step  {len(times) / steps:5.0f}x  "
-                      f"{name[:90]}", flush=True)
 
 
-def _free(device) -> None:
-    import torch
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _load_gguf(path: Path):
@@ -559,190 +386,26 @@ def _load_gguf(path: Path):
     return load_model(path)
 
 
-def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
-                max_batch: int):
-    """(model, KV cache of ``blocks`` 16-token blocks filled with noise, decode graphs up to
-    ``max_batch`` when the backend is graph-safe, else None) for the timing sections."""
-    from components.executor.model import LlamaModel
-    model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16)
-    print(f"  {label}: backend {model.backend.name}", flush=True)
-    kv = model.new_kv_cache(blocks, 16)
-    kv.data.normal_()
-    graphs = None
-    if getattr(model.backend, "graph_safe", False):
-        from components.executor.cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max_batch)
-        info = graphs.capture()
-        print(f"  {label}: captured {len(info['buckets'])} buckets in {info['seconds']} s, "
-              f"pool reserved {info['pool_reserved_bytes'] / 2**20:.1f} MiB", flush=True)
-    return model, kv, graphs
 
 
-def decode_blocks(batches: list[int], context: int) -> int:
-    """KV blocks :func:`time_decode` needs: its batches draw disjoint tables with lookahead."""
-    return max(batches) * (-(-(context + 1) // 16) + 1) + 1
 
 
 # ---------------------------------------------------------------- step grid (cost profile)
 
-@dataclass(frozen=True)
-class StepCase:
-    """One step to time: ``(new tokens, tokens computed before)`` for each sequence."""
-    kind: str                                       # prefill, decode or mixed
-    seqs: tuple[tuple[int, int], ...]
-
-    def shape(self) -> dict[str, int]:
-        """The step's shape as ``plan_shape`` (components/scheduler/cost_model.py) counts it."""
-        return {"tokens": sum(n for n, _ in self.seqs),
-                "context": sum(done + n for n, done in self.seqs),
-                "seqs": len(self.seqs),
-                "pairs": sum(n * done + n * (n + 1) // 2 for n, done in self.seqs)}
-
-    def blocks(self, block_size: int) -> int:
-        return sum(-(-(done + n) // block_size) for n, done in self.seqs)
 
 
-@dataclass(frozen=True)
-class StepGrid:
-    """The steps to time: one-sequence prefill chunks from empty and after a computed
-    prefix, decode batches at each context, and decode batches at ``mixed_context`` with one
-    prefill chunk from empty riding along."""
-    chunks: tuple[int, ...]
-    after_prefix: tuple[tuple[int, int], ...]       # (chunk, tokens computed before it)
-    batches: tuple[int, ...]
-    contexts: tuple[int, ...]                       # tokens computed before each decode token
-    mixed: tuple[tuple[int, int], ...]              # (decode batch, prefill chunk)
-    mixed_context: int
-    repeats: int = 5
-    warmup: int = 2
-
-    def cases(self) -> list[StepCase]:
-        out = [StepCase("prefill", ((n, 0),)) for n in self.chunks]
-        out += [StepCase("prefill", ((n, done),)) for n, done in self.after_prefix]
-        out += [StepCase("decode", ((1, ctx),) * b) for ctx in self.contexts
-                for b in self.batches]
-        out += [StepCase("mixed", ((1, self.mixed_context),) * b + ((n, 0),))
-                for b, n in self.mixed]
-        return out
-
-    def blocks(self, block_size: int) -> int:
-        """KV blocks the largest case needs (each case gets disjoint tables)."""
-        return max(c.blocks(block_size) for c in self.cases())
 
 
-# the engine's defaults: max_model_len 2048 (every decode here replays a graph), a step
-# budget of 2048 tokens, KV blocks of 16
-GPU_GRID = StepGrid(chunks=(16, 32, 64, 128, 256, 512, 1024, 2048),
-                    after_prefix=((256, 768), (512, 1024), (1024, 1024)),
-                    batches=(1, 2, 4, 8, 16, 32, 64, 128, 256), contexts=(64, 512, 1536),
-                    mixed=((8, 128), (8, 1024), (32, 128), (32, 1024), (128, 128), (128, 1024)),
-                    mixed_context=512)
-TINY_GRID = StepGrid(chunks=(4, 8, 16, 32), after_prefix=((8, 16), (16, 32)), batches=(1, 2, 4),
-                     contexts=(8, 24), mixed=((2, 8), (3, 16)), mixed_context=8, repeats=3,
-                     warmup=1)
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    case: StepCase
-    seconds: float                                  # median of the timed runs
-    graph: bool                                     # replayed a CUDA graph
 
 
-def run_step(model, kv, graphs, case: StepCase, input_ids: list[int],
-             tables: list[list[int]]) -> bool:
-    """``case`` as ModelRunner.step (components/executor/runner.py) runs a plan's steps: a
-    decode-only batch replays its CUDA graph when one fits, anything else is one eager
-    forward over every token; each sequence samples greedily from its last row, and the
-    tokens come back to the host. True when the graph ran. (The runner itself needs
-    msgspec's StepPlan, which the GPU machine may lack.)"""
-    import torch
-
-    from components.executor.sampling import sample
-    from kernels.metadata import AttentionMetadata
-    query_lens = [n for n, _ in case.seqs]
-    context_lens = [done for _, done in case.seqs]
-    n = len(query_lens)
-    graph = (graphs is not None and len(input_ids) == n
-             and graphs.can_replay(n, max(context_lens) + 1))
-    if graph:
-        logits = graphs.replay(input_ids, context_lens, tables)
-    else:
-        dev = kv.device
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, kv.block_size, dev)
-        rows = [end - 1 for end in accumulate(query_lens)]
-        logits = model.forward(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                               meta.positions, kv, meta,
-                               torch.tensor(rows, dtype=torch.long, device=dev))
-    sample(logits, [0.0] * n, [1.0] * n, [0] * n, [None] * n, [0] * n).tolist()
-    return graph
 
 
-def time_step_grid(model, kv, graphs, grid: StepGrid, budget: Budget) -> list[StepTiming]:
-    """Each of ``grid``'s steps on disjoint shuffled blocks of ``kv``: the median seconds of
-    ``grid.repeats`` runs after ``grid.warmup``, each run between device syncs. This is the
-    executor's step alone (what the runner reports as its elapsed time), with no bus round
-    trip. Cases still left when ``budget`` runs out are skipped."""
-    rng = random.Random(11)
-    pool = range(kv.num_blocks)
-    cases = grid.cases()
-    out: list[StepTiming] = []
-    for i, case in enumerate(cases):
-        if budget.left() <= 0:
-            print(f"  step grid: {len(cases) - i} shapes skipped (time budget)", flush=True)
-            break
-        blocks = iter(rng.sample(pool, case.blocks(kv.block_size)))
-        tables = [[next(blocks) for _ in range(-(-(done + n) // kv.block_size))]
-                  for n, done in case.seqs]
-        shape = case.shape()
-        ids = [rng.randrange(model.spec.vocab_size) for _ in range(shape["tokens"])]
-        for _ in range(grid.warmup):
-            run_step(model, kv, graphs, case, ids, tables)
-        times = []
-        for _ in range(grid.repeats):
-            _sync(kv.device)
-            t0 = time.perf_counter()
-            graph = run_step(model, kv, graphs, case, ids, tables)
-            _sync(kv.device)
-            times.append(time.perf_counter() - t0)
-        out.append(StepTiming(case, statistics.median(times), graph))
-        print(f"  {case.kind:<7} seqs {shape['seqs']:>3} tokens {shape['tokens']:>4} context "
-              f"{shape['context']:>6}: {out[-1].seconds * 1e3:8.3f} ms"
-              f"{' (graph)' if graph else ''}", flush=True)
-    return out
 
 
-def step_machine() -> dict[str, object]:
-    """Where the step grid ran, in ``weir.machine.describe()``'s keys (this script imports
-    nothing of weir's), with the device: ``weir calibrate --from-steps`` stamps the profile
-    with it rather than with the machine that fits the log."""
-    import platform
-
-    import torch
-    host = platform.machine()
-    with contextlib.suppress(OSError):
-        host = next((line.split(":", 1)[1].strip() for line in
-                     Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), host)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"cpu": f"{device} (host {host})", "flags": [], "cores": os.cpu_count(),
-            "python": platform.python_version(), "device": device, "torch": torch.__version__}
 
 
-def write_step_log(path: Path, timings: list[StepTiming], model: str) -> None:
-    """Step-log lines as the scheduler writes them (components/scheduler/service.py
-    ``_log_step``), which ``weir calibrate --from-steps`` fits. ``measured_s`` and
-    ``executor_s`` are both the executor's step: no bus round trip is included (see the
-    module docstring)."""
-    where = step_machine()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for t in timings:
-            seconds = round(t.seconds, 7)
-            f.write(json.dumps({**t.case.shape(), "measured_s": seconds, "executor_s": seconds,
-                                "kind": t.case.kind, "graph": t.graph, "model": model,
-                                "machine": where}) + "\n")
-    print(f"  step grid: {len(timings)} steps written to {path}", flush=True)
 
 
 # ---------------------------------------------------------------- entry points
