@@ -119,16 +119,22 @@ RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear, "amx
        "fp32": upcast(F.linear), "fp32_onednn": upcast(onednn_linear)}
 
 
-def run_as_used(role: str, cand: str):
-    """``cand``'s linear as the model calls it for ``role``: the lm_head's logits are
-    float32 (``Linear.float32``: one pass on the AMX tiles, else the linear then the cast),
-    so its candidates are timed with that output, not the model dtype's."""
-    if role != "lm_head":
-        return RUN[cand]
-    if cand == "amx":
-        return amx_linear_f32
+def run_as_used(role: str, cand: str, native_ops: bool = False):
+    """``cand``'s linear as the model calls it for ``role``, so that what follows it is in
+    its time: the lm_head's logits are float32 (``Linear.float32``: one pass on the AMX
+    tiles, else the linear then the cast); with the native elementwise ops, gate_up is
+    followed by SiLU x up (``Linear.silu_mul``: fused into the AMX kernel's pass, else the
+    native op over the [M, 2 x inter] intermediate). Timed as the GEMM alone, gate_up went
+    to oneDNN above 64 rows on the AMX Xeon, where with the SiLU pass the fused kernel is
+    faster at 128-512 rows (a 512-token prefill step: 110 -> 93 ms) and slower at 2048."""
     run = RUN[cand]
-    return lambda x, w, b=None: run(x, w, b).float()
+    if role == "lm_head":
+        return amx_linear_f32 if cand == "amx" else \
+            lambda x, w, b=None: run(x, w, b).float()
+    if role == "gate_up" and native_ops:
+        return (lambda x, w, b=None: cpu_native.amx_silu_mul_linear(x, w)) if cand == "amx" \
+            else lambda x, w, b=None: cpu_native.silu_mul(run(x, w, b))
+    return run
 
 
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -313,7 +319,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         use = [b for b in buckets if b <= max(max_seqs, 1)] if role == "lm_head" else buckets
         if role == "lm_head" and use[-1] < max_seqs:
             use.append(max_seqs)
-        runs = {c: (run_as_used(role, c), tuning.copies_for(w, PREPARE[c]), limit)
+        runs = {c: (run_as_used(role, c, native_ops), tuning.copies_for(w, PREPARE[c]), limit)
                 for c, limit in cands[role].items()}
         timings = tuning.time_linear(runs, k, dtype, use)
         plan.linear[role] = tuning.choose_linear(timings)

@@ -101,6 +101,26 @@ def test_the_amx_gate_up_runs_fused_with_silu_and_changes_no_bit():
     assert torch.equal(got, _logits(model))
 
 
+def test_gate_up_candidates_are_timed_with_the_silu_that_follows_them():
+    """The plan times gate_up as ``Linear.silu_mul`` runs it: with the native elementwise
+    ops, the AMX candidate as its fused pass and every other as the linear then the native
+    SiLU x up; without them, the linear alone. Other roles: the linear alone."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(192, 64, generator=g) * 0.1).to(torch.bfloat16)
+    assert autotune.run_as_used("gate_up", "torch") is autotune.RUN["torch"]
+    assert autotune.run_as_used("down", "torch", True) is autotune.RUN["torch"]
+    if not autotune.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native elementwise ops here")
+    got = autotune.run_as_used("gate_up", "torch", True)(x, w)
+    assert got.shape == (5, 96)
+    assert torch.equal(got, cpu_native.silu_mul(torch.nn.functional.linear(x, w)))
+    if "amx" in _available(torch.bfloat16):
+        packed = autotune.PREPARE["amx"](w)
+        assert torch.equal(autotune.run_as_used("gate_up", "amx", True)(x, packed),
+                           cpu_native.amx_silu_mul_linear(x, packed))
+
+
 def _steps(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_logits`, and the KV cache the two steps wrote."""
     kv = model.new_kv_cache(8, 16)
