@@ -222,6 +222,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+SMALL_DECODE_BATCH = 16                 # up to this many sequences: 2-block partitions
+
+
 def decode_partition_blocks(seqs: int) -> int:
     """The FlashDecoding partition (KV blocks of a program) for a decode batch of ``seqs``.
     Measured on an H200 (``scripts/gpu_check`` [4c], SmolLM2-135M-shaped bf16 steps replayed
@@ -230,9 +233,6 @@ def decode_partition_blocks(seqs: int) -> int:
     to fill the SMs), 8 blocks at 64 and 256 (1.82 and 3.88 ms; 2 blocks 2.26 and 5.47:
     many tiny programs, and a wider merge)."""
     return 2 if seqs <= SMALL_DECODE_BATCH else 8
-
-
-SMALL_DECODE_BATCH = 16
 
 
 class TritonBackend:

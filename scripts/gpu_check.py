@@ -476,15 +476,13 @@ def gpu_main(args) -> int:
                                 args.steps)
         print(f"[4d] A/B: the same decode steps with torch's elementwise ops "
               f"({label} bf16)", flush=True)
-        ab_weights = real[1] if real else random_weights(shape, torch.bfloat16, device)
-        ab = LlamaModel(shape, ab_weights, dtype=torch.bfloat16, device=device,
-                        kv_block_size=16, kernels={"elementwise": "torch"})
-        from components.executor.cuda_graphs import DecodeGraphs
-        ab_graphs = DecodeGraphs(ab, kv, max_model_len=2048, max_batch=64)
-        ab_graphs.capture()
+        ab, _, ab_graphs = build_timed(
+            label + " torch-ew", shape,
+            real[1] if real else random_weights(shape, torch.bfloat16, device),
+            torch.bfloat16, device, 0, 2048, 64, kernels={"elementwise": "torch"}, kv=kv)
         time_decode(None, label + " torch-ew", ab, shape, kv, ab_graphs, [1, 8, 64],
                     args.context, 2, args.steps, budget, 0)
-        del ab, ab_graphs, ab_weights
+        del ab, ab_graphs
         _free(device)
     if args.grid_s > 0:
         print(f"[5] step grid for a cost profile ({label} bf16, at most {args.grid_s:.0f} s)",

@@ -212,14 +212,17 @@ def _free(device) -> None:
 
 
 def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
-                max_batch: int):
+                max_batch: int, kernels: dict[str, str] | None = None, kv=None):
     """(model, KV cache of ``blocks`` 16-token blocks filled with noise, decode graphs up to
-    ``max_batch`` when the backend is graph-safe, else None) for the timing sections."""
+    ``max_batch`` when the backend is graph-safe, else None) for the timing sections;
+    ``kernels`` forces plan choices, and a given ``kv`` is used as it is."""
     from components.executor.model import LlamaModel
-    model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16)
+    model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16,
+                       kernels=kernels)
     print(f"  {label}: backend {model.backend.name}", flush=True)
-    kv = model.new_kv_cache(blocks, 16)
-    kv.data.normal_()
+    if kv is None:
+        kv = model.new_kv_cache(blocks, 16)
+        kv.data.normal_()
     graphs = None
     if getattr(model.backend, "graph_safe", False):
         from components.executor.cuda_graphs import DecodeGraphs

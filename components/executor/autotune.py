@@ -287,6 +287,9 @@ def triton_available() -> bool:
 def _elementwise_forced(choice: str, native_ops: bool, device: torch.device) -> str:
     """A forced ``engine.kernels.elementwise``, or a clear error where it cannot run. Triton
     runs on a GPU, and on the CPU only under ``TRITON_INTERPRET=1`` (the tests' way)."""
+    if choice not in ("native", "triton", "torch"):
+        raise ValueError(f"engine.kernels.elementwise = {choice!r}: 'native', 'triton' or "
+                         f"'torch'")
     if choice == "native" and not native_ops:
         raise ValueError("engine.kernels.elementwise = 'native' cannot run here: the native "
                          "CPU kernels did not build, or the dtype/shape/device is not "
@@ -297,9 +300,6 @@ def _elementwise_forced(choice: str, native_ops: bool, device: torch.device) -> 
     if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("engine.kernels.elementwise = 'triton' runs on a GPU, not the CPU "
                          "(there: 'native' or 'torch')")
-    if choice not in ("native", "triton", "torch"):
-        raise ValueError(f"engine.kernels.elementwise = {choice!r}: 'native', 'triton' or "
-                         f"'torch'")
     return choice
 
 

@@ -65,7 +65,7 @@ class Linear:
         plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
         the [M, 2 x inter] intermediate), else the linear then the elementwise op."""
         cand, w = self.pick(x.shape[0])
-        if cand == "amx" and self.bias is None and ops.native is cpu_native:
+        if cand == "amx" and self.bias is None and ops.fused is cpu_native:
             return self.runs["amx+silu"](x, w)
         return ops.silu_mul(self.runs[cand](x, w, self.bias))
 
@@ -78,12 +78,12 @@ class ElementwiseOps:
     """The elementwise steps, each in one of three forms: fused, one pass per row instead of
     ~28 torch ops per layer, by the CPU's native ops (kernels/csrc/cpu_fused.cpp) or by
     Triton kernels (kernels/triton_fused.py, the GPU's; graph-capturable), both given as
-    ``native`` (a module with ``add_rms_norm``, ``rope_`` and ``silu_mul``); or torch (the
+    ``fused`` (a module with ``add_rms_norm``, ``rope_`` and ``silu_mul``); or torch (the
     CPU when measured faster or without a compiler, and a GPU without Triton)."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 native=None) -> None:
-        self.spec, self.dtype, self.native = spec, dtype, native
+                 fused=None) -> None:
+        self.spec, self.dtype, self.fused = spec, dtype, fused
         d = spec.head_dim
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         freqs = torch.outer(torch.arange(spec.max_position, dtype=torch.float32), inv_freq)
@@ -91,9 +91,9 @@ class ElementwiseOps:
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def rope_tables(self, positions: torch.Tensor):
-        """What :meth:`split_qkv` needs for ``positions`` (None for the native RoPE, which
+        """What :meth:`split_qkv` needs for ``positions`` (None for the fused RoPE, which
         reads the float32 tables itself)."""
-        if self.native is not None:
+        if self.fused is not None:
             return None
         return (self.cos[positions].to(self.dtype)[:, None, :],
                 self.sin[positions].to(self.dtype)[:, None, :])
@@ -113,7 +113,7 @@ class ElementwiseOps:
                  weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The residual stream ``h + delta`` (``delta`` None: ``h``) and its RMSNorm
         scaled by ``weight`` (None: skipped). The native form updates ``h`` in place."""
-        if self.native is None:
+        if self.fused is None:
             if delta is not None:
                 h = h + delta
             return h, None if weight is None else self.rms_norm(h, weight)
@@ -121,7 +121,7 @@ class ElementwiseOps:
             h += delta
             return h, None
         x = torch.empty_like(h)
-        self.native.add_rms_norm(h, delta, weight, x, self.spec.rms_norm_eps)
+        self.fused.add_rms_norm(h, delta, weight, x, self.spec.rms_norm_eps)
         return h, x
 
     def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rope) -> tuple:
@@ -130,17 +130,17 @@ class ElementwiseOps:
         n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
         v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
-        if self.native is None:
+        if self.fused is None:
             cos, sin = rope
             return (self.rope(q.view(-1, s.num_heads, s.head_dim), cos, sin),
                     self.rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin), v)
-        self.native.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
+        self.fused.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
                           self.sin)
         return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim), v)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.silu_mul(gate_up)
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 

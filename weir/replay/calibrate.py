@@ -110,8 +110,8 @@ def from_steps(path: str, out: Path, source: str = "") -> profiles.CostProfile:
     """Fit a step log. The profile's machine is the one the log names where its steps ran
     (``scripts/gpu_check`` writes ``machine`` into each line: its GPU), else this one's."""
     steps = profiles.read_step_log(path)
-    named = [s["machine"] for s in steps if isinstance(s.get("machine"), dict)]
+    named = next((s["machine"] for s in steps if isinstance(s.get("machine"), dict)), None)
     prof = profiles.fit(steps, source=source or f"step log {path}",
-                        machine=named[0] if named else describe())
+                        machine=named or describe())
     profiles.save(prof, out)
     return prof
