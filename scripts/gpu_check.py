@@ -38,28 +38,28 @@ Exit status: 0 all checks passed, 1 a correctness check failed, 3 no CUDA device
 ``--cpu-dry-run`` exercises the same code on the CPU at tiny sizes (Triton under
 TRITON_INTERPRET=1, timing and a 14-shape step grid with the torch backend; the grid is
 written only to an explicit ``--steps-out``). Needs only torch, triton and numpy: nothing
-here imports msgspec, zmq or weir. The timing and the step grid live beside this file
-(``gpu_timing.py``, ``gpu_steps.py``).
+here imports msgspec, zmq or weir. The checks, the timing and the step grid live beside
+this file (``gpu_checks.py``, ``gpu_timing.py``, ``gpu_steps.py``).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "scripts"):     # the repo, and gpu_timing / gpu_steps beside this
+for _path in (ROOT, ROOT / "scripts"):     # the repo, and the gpu_* modules beside this
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from gpu_checks import (check_flash_attn, check_fused_elementwise,  # noqa: E402
+                        check_graphs, check_logit_processing, check_triton)
 from gpu_steps import (GPU_GRID, TINY_GRID, StepCase, StepTiming,  # noqa: E402,F401 (tests)
                        time_step_grid, write_step_log)
-from gpu_timing import (Row, _decode_batch, _eager_decode, _free, build_timed,  # noqa: E402
-                        copy_bandwidth, decode_blocks, format_table, profile_decode,
-                        sweep_decode_partitions, time_decode)
+from gpu_timing import (Row, _free, build_timed, copy_bandwidth, decode_blocks,  # noqa: E402
+                        format_table, profile_decode, sweep_decode_partitions, time_decode)
 
 EXIT_FAILED, EXIT_NO_CUDA = 1, 3
 DEFAULT_GGUF = Path.home() / ".cache/weir/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,288 +92,6 @@ class Report:
         return ok
 
 
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------- kernels against the reference
-
-def _attention_case(*args, **kwargs):
-    """Random q/k/v, caches and metadata (see kernels/testing.py)."""
-    from kernels.testing import random_paged_case
-    return random_paged_case(*args, **kwargs)
-
-
-def _tolerance(dtype) -> float:
-    import torch
-    return 1e-4 if dtype == torch.float32 else 2e-2
-
-
-def _compare_backend(report: Report, label: str, backend, case, dtype) -> None:
-    """Write K/V and attend with ``backend``; the reference is the torch backend in fp32 on
-    the same (rounded) inputs."""
-    import torch
-    from kernels import torch_ref
-    q, k, v, kc, vc, meta = case
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
-    scale = q.shape[-1] ** -0.5
-    want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta, scale)
-    backend.write_kv(kc, vc, k, v, meta)
-    kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-    got = backend.paged_attention(q, kc, vc, meta, scale).float()
-    tol = _tolerance(dtype)
-    err = (got - want).abs().max().item()
-    ok = kv_ok and torch.allclose(got, want, rtol=tol, atol=tol)
-    report.check(label, ok,
-                 f"max|err|={err:.2e} tol={tol:g}" + ("" if kv_ok else " KV WRITE DIFFERS"))
-
-
-def _kernel_cases(rng: random.Random, tiny: bool):
-    """(kind, block_size, kv_heads, group, query_lens, context_lens) for the kernel checks."""
-    out = []
-    for bs in (16,) if tiny else (16, 32):
-        for kvh, group in ((3, 1), (3, 3)) if not tiny else ((2, 1), (1, 3)):
-            top = 100 if tiny else 2000
-            edges = [0, bs - 1, bs, 2 * bs + 1, rng.randrange(top // 4, top // 2),
-                     rng.randrange(top // 2, top - 1)]
-            out.append(("decode", bs, kvh, group, [1] * len(edges), edges))
-            out.append(("prefill", bs, kvh, group, [1, bs + 1, rng.randrange(2, 40)],
-                        [rng.randrange(0, 60), 0, rng.randrange(top // 2, top * 3 // 5)]))
-            out.append(("mixed", bs, kvh, group, [1, 1, rng.randrange(2, 70), 1],
-                        [rng.randrange(0, top), bs - 1, rng.randrange(0, top // 6), 2 * bs]))
-    return out
-
-
-def check_triton(report: Report, device, dtypes, tiny: bool = False) -> None:
-    import torch
-    from kernels import torch_ref
-    from kernels.metadata import AttentionMetadata
-    from kernels.triton_paged import TritonBackend
-    backend = TritonBackend()
-    rng = random.Random(0)
-    for dtype in dtypes:
-        name = str(dtype).replace("torch.", "")
-        for kind, bs, kvh, group, qls, cls in _kernel_cases(rng, tiny):
-            case = _attention_case(rng, device, dtype, bs, kvh, group, qls, cls)
-            _compare_backend(report, f"triton {kind:<7} {name:<8} block {bs} gqa {group} "
-                             f"ctx<={max(cls)}", backend, case, dtype)
-        # decode from static buffers: fixed grid for max_seq_len, padding rows (slot -1)
-        for bs, kvh, group in ((16, 3, 3), (32, 3, 1)):
-            long_ctx = rng.randrange(40, 90) if tiny else rng.randrange(500, 900)
-            contexts = [0, bs - 1, 3 * bs, long_ctx]
-            n, pad, max_len = len(contexts), 3, 128 if tiny else 2048
-            q, k, v, kc, vc, meta = _attention_case(rng, device, dtype, bs, kvh, group,
-                                                    [1] * n, contexts)
-            kc_ref, vc_ref = kc.clone(), vc.clone()
-            torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
-            scale = q.shape[-1] ** -0.5
-            want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta,
-                                             scale)
-            b, width = n + pad, -(-max_len // bs)
-            tables = torch.zeros(b, width, dtype=torch.int32, device=device)
-            tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
-            extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])  # noqa: E731
-            i32 = dict(dtype=torch.int32, device=device)
-            static = AttentionMetadata.for_decode_buffers(
-                positions=torch.tensor(contexts + [0] * pad, device=device),
-                slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)]),
-                seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
-                query_start_loc=torch.arange(b + 1, **i32), block_tables=tables,
-                block_size=bs, max_seq_len=max_len)
-            backend.write_kv(kc, vc, extra(k), extra(v), static)
-            kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
-            got = backend.paged_attention(extra(q), kc, vc, static, scale).float()
-            tol = _tolerance(dtype)
-            ok = kv_ok and torch.allclose(got[:n], want, rtol=tol, atol=tol) \
-                and bool(torch.isfinite(got).all())
-            report.check(f"triton static-decode {name:<8} block {bs} gqa {group} pad {pad}", ok,
-                         f"max|err|={(got[:n] - want).abs().max().item():.2e}"
-                         + ("" if kv_ok else " PAD ROWS WROTE KV"))
-
-
-def check_flash_attn(report: Report, device, tiny: bool = False) -> None:
-    import torch
-    from kernels import get_backend
-    from kernels.flash_attn_backend import FlashAttnBackend, is_installed
-    if not is_installed():
-        print("  flash-attn: skipped: not installed", flush=True)
-        return
-    try:
-        fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
-    except ValueError as e:
-        report.check("flash-attn adapter constructs (block 256, bf16)", False, str(e))
-        return
-    report.check("auto picks flash_attn for block 256 bf16",
-                 get_backend("auto", device, block_size=256, dtype=torch.bfloat16).name
-                 == "flash_attn")
-    report.check("auto falls back to triton for block 16",
-                 get_backend("auto", device, block_size=16, dtype=torch.bfloat16).name == "triton")
-    rng = random.Random(1)
-    for kind, _, kvh, group, qls, cls in _kernel_cases(rng, tiny):
-        case = _attention_case(rng, device, torch.bfloat16, 256, kvh, group, qls, cls)
-        _compare_backend(report, f"flash-attn {kind:<7} bf16 block 256 gqa {group}", fa, case,
-                         torch.bfloat16)
-
-
-# ---------------------------------------------------------------- CUDA graphs against eager
-
-def check_logit_processing(report: Report, device) -> None:
-    """Sampling penalties and logprobs (the executor's torch code, which a GPU runs) on
-    ``device`` against the CPU's own path: the native logprobs kernel where it builds."""
-    import types
-
-    import torch
-    from components.executor.sampling import Logprobs, RowPenalties, apply_penalties
-    g = torch.Generator().manual_seed(7)
-    logits = torch.randn(6, 49152, generator=g) * 3
-    rows = [(r, torch.randint(0, 49152, (200,), generator=g).tolist(), 150,
-             types.SimpleNamespace(presence=0.5, frequency=0.25 * r, repetition=1.0 + 0.1 * r,
-                                   bias=[(r, 5.0), (49151, -3.0)],
-                                   # min_tokens: 50 tokens of output so far, so a ban holds
-                                   # on the even rows (60) and is over on the odd ones (50)
-                                   min_tokens=60 - 10 * (r % 2), stop_ids=[2, 0]))
-            for r in range(6)]
-
-    def run(dev, native: bool):
-        x = logits.to(dev, copy=True)      # (the same tensor on the CPU without copy)
-        lp = Logprobs(x, [0, 2, 5], [3, 0, 5], will_change=True, native=native)
-        apply_penalties(x, [(r, ids, pl, RowPenalties(pen)) for r, ids, pl, pen in rows])
-        return x.cpu(), lp.lse.cpu(), torch.tensor(lp.top[0][2]), lp.top[1]
-
-    want, got = run("cpu", True), run(device, False)
-    banned = want[0].isneginf()                    # min_tokens' bans: -inf on both sides
-    err = max((got[0] - want[0])[~banned].abs().max().item(),
-              (got[1] - want[1]).abs().max().item(), (got[2] - want[2]).abs().max().item())
-    same_bans = torch.equal(got[0].isneginf(), banned) and int(banned.sum()) == 6
-    report.check("penalties and logprobs vs the CPU",
-                 err < 1e-4 and got[3] == want[3] and same_bans,
-                 f"max|err|={err:.1e}, {int(banned.sum())} banned")
-    check_structured_masks(report, device, logits, g)
-
-
-def check_structured_masks(report: Report, device, logits, g) -> None:
-    """Structured output's token masks applied by torch on ``device`` against the CPU's
-    native kernel: a random mask, one allowing EOS alone, one allowing everything."""
-    try:
-        import numpy  # noqa: F401   (the masks are made in numpy arrays)
-        import torch
-        from components.executor.constraints import apply_constraints
-    except ImportError as exc:
-        print(f"  skip structured-output masks: {exc}", flush=True)
-        return
-
-    class Fixed:                     # a language whose mask is given
-        def __init__(self, words):
-            self.words = words
-
-        def fill(self, row) -> None:
-            row[:] = self.words
-
-    words = torch.randint(-2**31, 2**31, (3, 1536), generator=g, dtype=torch.int64).to(
-        torch.int32)
-    words[1] = 0
-    words[1, 0] = 4                  # token 2 (EOS) alone
-    words[2] = -1                    # every token
-    rows = [(r, Fixed(words[j].numpy())) for j, r in enumerate((0, 3, 5))]
-    want = logits.clone()
-    apply_constraints(want, rows, native=True)
-    got = logits.to(device, copy=True)
-    apply_constraints(got, rows, native=False)
-    got, masked = got.cpu(), want.isneginf()
-    ok = torch.equal(got.isneginf(), masked) and torch.equal(got[~masked], want[~masked])
-    report.check("structured-output masks vs the CPU", ok and int(masked[3].sum()) == 49151
-                 and int(masked[5].sum()) == 0, f"{int(masked.sum())} masked")
-
-
-
-
-
-
-def check_graphs(report: Report, label: str, model, max_len: int, max_batch: int,
-                 block_size: int, tol: float, partials=(3, 13, 250), seed: int = 0):
-    """Capture every bucket, then per bucket (and a few padded sizes) compare replayed logits
-    with the eager forward; padded batches must change no KV outside their own slots."""
-    import torch
-    from components.executor.cuda_graphs import DecodeGraphs
-    num_blocks = max_batch * (-(-max_len // block_size) + 2)
-    kv = model.new_kv_cache(num_blocks, block_size)
-    kv.data.normal_()
-    graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max_batch)
-    info = graphs.capture()
-    print(f"  {label}: captured {len(info['buckets'])} buckets in {info['seconds']} s, pool "
-          f"reserved {info['pool_reserved_bytes'] / 2**20:.1f} MiB, allocated "
-          f"{info['pool_allocated_bytes'] / 2**20:.1f} MiB, static buffers "
-          f"{info['static_bytes'] / 2**20:.1f} MiB", flush=True)
-    rng = random.Random(seed)
-    sizes = list(graphs.buckets) + [p for p in partials
-                                    if p <= max_batch and p not in graphs.buckets]
-    worst = 0.0
-    for n in sizes:
-        ids, pos, tables = _decode_batch(rng, n, max_len, block_size, num_blocks,
-                                         model.spec.vocab_size)
-        want = _eager_decode(model, kv, ids, pos, tables)
-        padded = graphs.bucket_for(n) != n
-        before = kv.data[0].clone() if padded else None
-        got = graphs.replay(ids, pos, tables)
-        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-        worst = max(worst, err)
-        ok = err <= tol and bool(torch.isfinite(got).all())
-        detail = f"rel err {err:.2e}"
-        if before is not None:
-            changed = (kv.data[0] != before).flatten(3).any(-1).any(0).flatten()  # per slot
-            real = torch.zeros_like(changed)
-            slots = [t[p // block_size] * block_size + p % block_size
-                     for p, t in zip(pos, tables)]
-            real[torch.tensor(slots, device=real.device)] = True
-            stray = int((changed & ~real).sum())
-            ok = ok and stray == 0
-            detail += f", padded to {graphs.bucket_for(n)}, stray KV writes {stray}"
-        report.check(f"{label} graph == eager, batch {n}", ok, detail)
-    print(f"  {label}: worst relative logits error {worst:.2e} (tol {tol:g})", flush=True)
-    return graphs, kv, info
-
-
-# ---------------------------------------------------------------- timing
-
-
-
-
-
-def check_fused_elementwise(report: Report, label: str, device, shape, weights,
-                            tol: float) -> None:
-    """The model on Triton's fused elementwise ops (the GPU's default plan) against the same
-    weights on torch's ops: eager decode logits of 8 sequences, and the KV they wrote."""
-    import torch
-    from components.executor.model import LlamaModel
-    out = {}
-    for e in ("triton", "torch"):
-        model = LlamaModel(shape, weights, dtype=torch.float32, device=device,
-                           backend="triton", kernels={"elementwise": e})
-        kv = model.new_kv_cache(8 * 15 + 1, 16)
-        kv.data.normal_(generator=torch.Generator(device).manual_seed(3))
-        ids, pos, tables = _decode_batch(random.Random(5), 8, 200, 16, kv.num_blocks,
-                                         shape.vocab_size)
-        out[e] = (_eager_decode(model, kv, ids, pos, tables), kv.data)
-        del model
-    (lt, kt), (lr, kr) = out["triton"], out["torch"]
-    err = ((lt - lr).abs().max() / lr.abs().max().clamp_min(1e-6)).item()
-    kv_err = (kt - kr).abs().max().item()
-    report.check(f"{label} fused elementwise (triton) == torch ops", err <= tol and
-                 kv_err <= tol, f"logits rel err {err:.2e}, KV max|err| {kv_err:.2e} "
-                 f"tol {tol:g}")
-
-
-
-
-
-
-
-
 def _load_gguf(path: Path):
     """(spec, fp32 weights) from a GGUF file, or None when it or the loader is missing."""
     if not path.is_file():
@@ -384,28 +102,6 @@ def _load_gguf(path: Path):
         print(f"  {path.name}: loader unavailable ({e}); random weights instead", flush=True)
         return None
     return load_model(path)
-
-
-
-
-
-
-# ---------------------------------------------------------------- step grid (cost profile)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------- entry points
