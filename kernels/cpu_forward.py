@@ -35,7 +35,7 @@ class StepArgs(ctypes.Structure):
                                        "row_lens", "tables")] + [
         ("table_width", ctypes.c_int64), ("block_size", ctypes.c_int64),
         ("scale", ctypes.c_float), ("eps", ctypes.c_float), ("amx_attention", ctypes.c_int32),
-        ("pad", ctypes.c_int32), ("seconds", ctypes.c_void_p)]
+        ("kv_dtype", ctypes.c_int32), ("seconds", ctypes.c_void_p)]
 
 
 # what weir_forward_layers times into StepArgs.seconds (a float64 tensor of this many)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ref
+from kernels.kv_cache import is_fp8
 from kernels.metadata import AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -35,6 +36,7 @@ _SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}   # the caches' too
 _lib: ctypes.CDLL | None = None
 
 
@@ -100,9 +102,9 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
         f = lib.weir_decode_attention
         f.restype = ctypes.c_int
-        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5
-                      + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+        f.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5
+                      + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                      + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
         lib.weir_amx_supported.restype = ctypes.c_int
         lib.weir_amx_supported.argtypes = []
         s = lib.weir_sample
@@ -136,6 +138,9 @@ def load() -> ctypes.CDLL:
         lib.weir_rope.argtypes = [ctypes.c_int, vp, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
         lib.weir_write_kv.restype = None
         lib.weir_write_kv.argtypes = [vp, vp, i64, vp, vp, i64, vp, i64]
+        lib.weir_write_kv_fp8.restype = ctypes.c_int
+        lib.weir_write_kv_fp8.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, i64, vp, vp, i64,
+                                          vp, i64]
         lib.weir_silu_mul.restype = None
         lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
         lib.weir_forward_layers.restype = ctypes.c_int
@@ -168,9 +173,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Every new token at once, decode and prefill alike: the token at position p attends
     keys 0..p of its sequence (causal), read in place from the blocks. ``q``'s rows may be
     apart (a view into the fused qkv projection); its heads must be packed. ``amx``: the
-    AMX kernel (bf16, block size a multiple of 16, :func:`amx_supported`)."""
-    if q.dtype != k_cache.dtype or q.dtype not in _DTYPES:
-        raise ValueError(f"native attention needs q and cache in one of {list(_DTYPES)}")
+    AMX kernel (bf16, block size a multiple of 16, :func:`amx_supported`). The caches are
+    q's dtype, or fp8 (widened as read)."""
+    if q.dtype not in _DTYPES or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"native attention needs q in one of {list(_DTYPES)} and the cache "
+                         f"in q's dtype or fp8, not {q.dtype} and {k_cache.dtype}")
     if not (q.stride(2) == 1 and q.stride(1) == q.shape[2] and k_cache.is_contiguous()
             and v_cache.is_contiguous()):
         raise ValueError("native attention needs q's heads packed and contiguous caches")
@@ -178,8 +185,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     seqs, row_lens, tables = kernel_rows(meta)
     heads, dim = q.shape[1], q.shape[2]
     rc = load().weir_decode_attention(
-        _DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        seqs.data_ptr(), q.shape[0], tables.data_ptr(), tables.shape[1], row_lens.data_ptr(),
+        _DTYPES[q.dtype], _KV_DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), out.data_ptr(), seqs.data_ptr(), q.shape[0], tables.data_ptr(),
+        tables.shape[1], row_lens.data_ptr(),
         heads, q.stride(0), k_cache.shape[2], dim, k_cache.shape[1], scale,
         torch.get_num_threads(), int(amx))
     if rc != 0:
@@ -207,9 +215,11 @@ def _kernel_rows(token_seq: torch.Tensor, positions: torch.Tensor, meta: Attenti
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """:func:`torch_ref.write_kv` natively: rows of ``k``/``v`` [T, kv_heads, dim] may be
-    views with a row stride (the fused qkv projection); other layouts go through torch."""
+    views with a row stride (the fused qkv projection); other layouts go through torch. An
+    fp8 cache gets the rows rounded as :func:`~kernels.kv_cache.quantize` rounds them."""
     row = k.shape[1] * k.shape[2]
-    if not (k.dtype == v.dtype == k_cache.dtype and k.shape == v.shape
+    fp8 = is_fp8(k_cache.dtype) and k.dtype in _DTYPES
+    if not ((k.dtype == k_cache.dtype or fp8) and k.dtype == v.dtype and k.shape == v.shape
             and k.stride(0) == v.stride(0) and k.stride(1) == k.shape[2] and k.stride(2) == 1
             and v.stride(1) == v.shape[2] and v.stride(2) == 1 and k_cache.is_contiguous()
             and v_cache.is_contiguous() and meta.slot_mapping.dtype == torch.long
@@ -217,6 +227,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return torch_ref.write_kv(k_cache, v_cache, k, v, meta)
     size = k.element_size()
     slots = meta.slot_mapping.contiguous()
+    if fp8:
+        load().weir_write_kv_fp8(_DTYPES[k.dtype], _KV_DTYPES[k_cache.dtype], k.data_ptr(),
+                                 v.data_ptr(), k.stride(0), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), row, slots.data_ptr(), slots.numel())
+        return
     load().weir_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * size, k_cache.data_ptr(),
                          v_cache.data_ptr(), row * size, slots.data_ptr(), slots.numel())
 
@@ -428,11 +443,15 @@ class CpuBackend:
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and q.dtype == k_cache.dtype
+        fp8 = is_fp8(k_cache.dtype)
+        native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and (
+            q.dtype == k_cache.dtype or fp8)
         if not (native and meta.token_seq is not None):
             return torch_ref.paged_attention(q, k_cache, v_cache, meta, scale)
+        # (an fp8 cache: every row reads the stored keys, so a prompt attends the same
+        # rounded keys whether its first chunk is fresh, cached or chunked)
         fresh = self._fresh(meta) if new_kv is not None and self.fresh_prompts == "sdpa" \
-            else None
+            and not fp8 else None
         amx = self.tiles == "amx" and q.dtype == torch.bfloat16 and k_cache.shape[1] % 16 == 0
         if not fresh:
             return paged_attention(q, k_cache, v_cache, meta, scale, amx)

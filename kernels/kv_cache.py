@@ -12,6 +12,36 @@ import torch
 
 MADV_POPULATE_WRITE = 23          # Linux 5.14+
 
+# The cache's element types besides the model's own (kv.dtype): fp8 holds a key or value
+# element in one byte, so a decode step reads half the KV bytes and a pool of the same
+# memory holds twice the tokens, at fp8's precision (E4M3: 3 mantissa bits, up to 448;
+# E5M2: 2 bits, up to 57344). "fp8" is E4M3, as in vLLM.
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``kv.dtype`` ``name``: "auto" is the model's."""
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; have auto, {', '.join(FP8_DTYPES)}")
+    return FP8_DTYPES[name]
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: fp8 rounds to nearest even and saturates at the
+    format's largest finite value (no infinities; NaN stays NaN); other types cast."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    m = FP8_MAX[dtype]
+    return x.float().clamp(-m, m).to(dtype)
+
 
 def populate(t: torch.Tensor) -> str:
     """Fault in every page of a CPU tensor's memory now, so that the first write to each
@@ -110,4 +140,5 @@ class KVCache:
             return
         s = torch.tensor(src, dtype=torch.long, device=self.data.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.data.device)
-        self.data[:, :, d] = self.data[:, :, s]
+        data = self.data.view(torch.uint8) if is_fp8(self.dtype) else self.data
+        data[:, :, d] = data[:, :, s]

@@ -9,16 +9,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_cache import is_fp8, quantize
 from kernels.metadata import AttentionMetadata
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store new keys/values ``[T, kv_heads, head_dim]`` into their slots of one layer's
-    ``[num_blocks, block_size, kv_heads, head_dim]`` caches (in place)."""
+    ``[num_blocks, block_size, kv_heads, head_dim]`` caches (in place), rounded to the
+    cache's type (:func:`~kernels.kv_cache.quantize`)."""
     for cache, new in ((k_cache, k), (v_cache, v)):
         flat = cache.view(-1, *cache.shape[2:])
-        flat.index_copy_(0, meta.slot_mapping, new.to(cache.dtype))
+        new = quantize(new, cache.dtype)
+        if is_fp8(cache.dtype):           # (no index_copy_ for float8 types: their bytes)
+            flat, new = flat.view(torch.uint8), new.view(torch.uint8)
+        flat.index_copy_(0, meta.slot_mapping, new)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

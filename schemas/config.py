@@ -180,6 +180,10 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     watermark: float = 0.01           # fraction of blocks a new sequence's first lease leaves free
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"   # auto: cheaper by estimate
     public_prefixes: tuple[PublicPrefix, ...] = ()
+    # the cache's element type: "auto" is the model's; fp8 (opt-in) stores each key and value
+    # element in one byte (half the bytes a decode step reads, twice the tokens per GB), at
+    # fp8's precision: E4M3 ("fp8" = "fp8_e4m3", as vLLM) or E5M2 (kernels/kv_cache.py)
+    dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128) or (self.block_size % 256 == 0

@@ -36,7 +36,7 @@ from components.executor.model import LlamaModel  # noqa: E402
 from components.executor.runner import ModelRunner  # noqa: E402
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
 from kernels import cpu_forward, tuning  # noqa: E402
-from kernels.kv_cache import populate  # noqa: E402
+from kernels.kv_cache import cache_dtype, populate  # noqa: E402
 from weir import machine  # noqa: E402
 from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
 
@@ -246,6 +246,10 @@ def main() -> None:
                          "logprobs (top 5) on every sequence, and with every sequence held "
                          "to a JSON object (structured output), beside the same steps with "
                          "none of them")
+    ap.add_argument("--kv-dtype", default="auto",
+                    help="the KV cache's element type (auto: the model's; fp8, fp8_e4m3, "
+                         "fp8_e5m2); several, comma-separated, run side by side: one model "
+                         "each, their steps interleaved, and the ratio printed")
     ap.add_argument("--kernels", default="",
                     help="forced choices, e.g. linear=onednn,elementwise=native (default: the "
                          "plan measured on this machine, as the executor uses it)")
@@ -255,9 +259,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     spec, weights = load_model(default_model_path())
     forced = dict(kv.split("=", 1) for kv in args.kernels.split(",") if kv)
-    model = LlamaModel(spec, weights, dtype=dtype, backend=args.backend, kernels=forced,
-                       tuning_cache=cache_dir(), max_seqs=max(256, *[
-                           int(x) for x in args.batches.split(",")]))
+    models = {name: LlamaModel(spec, weights, dtype=dtype, backend=args.backend,
+                               kernels=forced, tuning_cache=cache_dir(),
+                               max_seqs=max(256, *[int(x) for x in args.batches.split(",")]),
+                               kv_dtype=cache_dtype(name, dtype))
+              for name in args.kv_dtype.split(",")}
+    model = next(iter(models.values()))     # the floors, the profile and the breakdown
     del weights
     elem = torch.finfo(dtype).bits // 8
     size = lambda t: t.numel() if isinstance(t, torch.Tensor) else t.shape[0] * t.shape[1]  # noqa: E731
@@ -270,8 +277,10 @@ def main() -> None:
     print(f"machine: {machine.summary_line()}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
           f"context {args.context}, attention backend {model.backend.name}")
-    print(f"kernels ({model.plan.source}): " + ", ".join(
-        f"{k} {v}" for k, v in model.plan.summary().items() if k != "source"))
+    for name, m in models.items():
+        print(f"kv {name} ({str(m.kv_dtype).removeprefix('torch.')}): kernels "
+              f"({m.plan.source}): " + ", ".join(
+                  f"{k} {v}" for k, v in m.plan.summary().items() if k != "source"))
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.dtype} GEMM {rate / 1e9:.0f} GFLOP/s "
           f"({rate_by}, {GEMM_N}^3), "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
@@ -279,21 +288,35 @@ def main() -> None:
     evict = Evict()
     print(f"last-level cache {llc_bytes() >> 20} MiB; gemm floor: the step's GEMMs with the "
           f"weights from memory (the cache evicted), warm: left in the cache")
-    print(f"{'batch':>5} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
+    print(f"{'batch':>5} {'kv':>8} {'ms/step':>9} {'tok/s':>8} {'bw floor ms':>11} {'of bw':>6} "
           f"{'flop floor ms':>13} {'of flops':>8} {'gemm floor ms':>13} {'x gemm':>6} "
           f"{'warm floor ms':>13} {'x warm':>6}")
     for b in [int(x) for x in args.batches.split(",")]:
-        bench = DecodeBench(model, b, args.context)
-        for _ in range(2):
-            bench.decode()
-        ms = statistics.median(bench.decode() for _ in range(args.steps)) * 1e3
-        kv_bytes = b * args.context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
-        bw_floor = (weight_bytes + kv_bytes) / bw * 1e3
+        benches = {name: DecodeBench(m, b, args.context) for name, m in models.items()}
+        times: dict[str, list[float]] = {name: [] for name in benches}
+        for i in range(2 + args.steps):          # interleaved: drift hits each alike
+            for name, bench in benches.items():
+                t = bench.decode()
+                if i >= 2:
+                    times[name].append(t)
+        del benches
         flop_floor = 2 * params * b / rate * 1e3
         gemm, warm = gemm_floor_ms(model, b, evict)
-        print(f"{b:>5} {ms:>9.2f} {b / ms * 1e3:>8.0f} {bw_floor:>11.2f} {bw_floor / ms:>6.0%} "
-              f"{flop_floor:>13.2f} {flop_floor / ms:>8.0%} {gemm:>13.2f} {ms / gemm:>6.2f} "
-              f"{warm:>13.2f} {ms / warm:>6.2f}")
+        for name, m in models.items():
+            ms = statistics.median(times[name]) * 1e3
+            kv_elem = m.kv_dtype.itemsize
+            kv_bytes = b * args.context * spec.num_layers * 2 * spec.num_kv_heads \
+                * spec.head_dim * kv_elem
+            bw_floor = (weight_bytes + kv_bytes) / bw * 1e3
+            print(f"{b:>5} {name:>8} {ms:>9.2f} {b / ms * 1e3:>8.0f} {bw_floor:>11.2f} "
+                  f"{bw_floor / ms:>6.0%} {flop_floor:>13.2f} {flop_floor / ms:>8.0%} "
+                  f"{gemm:>13.2f} {ms / gemm:>6.2f} {warm:>13.2f} {ms / warm:>6.2f}")
+        if len(models) > 1:
+            first = next(iter(times))
+            base = statistics.median(times[first])
+            print(f"{'':>5} " + ", ".join(
+                f"{name}/{first} {statistics.median(t) / base:.3f}"
+                for name, t in times.items() if name != first))
         if b == args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import AttentionMetadata, KVCache, cpu_native, get_backend, tuning
+from kernels.kv_cache import quantize
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:
@@ -180,9 +181,13 @@ def native_ops_possible(spec: ModelSpec, dtype: torch.dtype, device: torch.devic
 def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                  forced: Mapping[str, str] | None = None, attention: str = "auto",
                  cache_dir: Path | None = None, max_tokens: int = 2048,
-                 max_seqs: int = 256, kv_block_size: int | None = None) -> KernelPlan:
+                 max_seqs: int = 256, kv_block_size: int | None = None,
+                 kv_dtype: torch.dtype | None = None) -> KernelPlan:
     """Choose every kernel: forced ones as given, the rest measured (or read from the
-    cache under ``cache_dir``; None: measure, keep nothing)."""
+    cache under ``cache_dir``; None: measure, keep nothing). ``kv_dtype``: the KV cache's
+    element type when it is not the model's (fp8): attention is timed on such a cache, and
+    a fresh prompt's first chunk reads it like any other (no SDPA on the unrounded keys)."""
+    kv_dtype = kv_dtype or dtype
     forced = {k: v for k, v in (forced or {}).items() if v != "auto"}
     shp = shapes(spec)
     cands = {role: linear_candidates(dtype, device, s) for role, s in shp.items()}
@@ -202,8 +207,9 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     machine = {**tuning.machine_info(), "native_ops": native_ops,
                "native_build": cpu_native.build_key() if cpu_native.available() else "",
                "candidates": {r: sorted(c) for r, c in cands.items()}}
-    key = tuning.machine_key(machine, str(dtype).removeprefix("torch."), shp, max_tokens,
-                             max_seqs, kv_block_size or 16)
+    dtypes = str(dtype).removeprefix("torch.") + (
+        "" if kv_dtype == dtype else "+kv:" + str(kv_dtype).removeprefix("torch."))
+    key = tuning.machine_key(machine, dtypes, shp, max_tokens, max_seqs, kv_block_size or 16)
     # a plan with forced parts measures only the rest, and is not cached
     skip = set(forced) | ({"attention"} if attention != "auto" else set())
     path = cache_dir / "tuning" / f"{key}.json" if cache_dir is not None and not skip \
@@ -215,7 +221,7 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
             if plan is None:
                 t0 = time.perf_counter()
                 plan = _measure(spec, dtype, shp, cands, native_ops, max_tokens, max_seqs,
-                                kv_block_size or 16, skip)
+                                kv_block_size or 16, skip, kv_dtype)
                 plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
                 if path is not None:
                     tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
@@ -305,11 +311,13 @@ def _elementwise_forced(choice: str, native_ops: bool, device: torch.device) -> 
 
 def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, int]],
              cands: Mapping[str, Mapping[str, int]], native_ops: bool, max_tokens: int,
-             max_seqs: int, block_size: int, skip: set[str] = frozenset()) -> KernelPlan:
+             max_seqs: int, block_size: int, skip: set[str] = frozenset(),
+             kv_dtype: torch.dtype | None = None) -> KernelPlan:
     """Time what is not in ``skip`` (the forced ops: "linear", "elementwise", "sampling",
     "attention"); a skipped op keeps KernelPlan's default, which :func:`_apply_forced`
     then replaces with the forced choice."""
     g = torch.Generator().manual_seed(0)
+    kv_dtype = kv_dtype or dtype
     plan = KernelPlan(source="measured", layer_loop="native" if native_ops else "python")
     buckets = [b for b in tuning.M_BUCKETS if b < max_tokens] + [max_tokens]
     for role, (n, k) in shp.items():
@@ -328,7 +336,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         del runs, w
     timers = {"elementwise": lambda: _time_elementwise(spec, dtype, g),
               "sampling": lambda: _time_sampling(spec.vocab_size, max_seqs, g),
-              "attention": lambda: _time_attention(spec, dtype, block_size, g)}
+              "attention": lambda: _time_attention(spec, dtype, block_size, g, kv_dtype)}
     for op, timer in timers.items():
         if op in skip or (op != "attention" and not native_ops):
             continue                      # without native ops, torch is all there is
@@ -337,10 +345,10 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
         plan.timings[op] = {c: round(s * 1e6, 1) for c, s in t.items()}
     if "attention_tiles" not in skip and plan.attention == "cpu" \
             and amx_possible(dtype, block_size):
-        t = _time_attention_tiles(spec, dtype, block_size, g)
+        t = _time_attention_tiles(spec, dtype, block_size, g, kv_dtype)
         plan.attention_tiles = tuning.choose_fastest(t)
         plan.timings["attention_tiles"] = {c: round(s * 1e6, 1) for c, s in t.items()}
-    if "fresh_prompts" not in skip and plan.attention == "cpu":
+    if "fresh_prompts" not in skip and plan.attention == "cpu" and kv_dtype == dtype:
         t = _time_fresh_prompts(spec, dtype, block_size, g, plan.attention_tiles)
         plan.fresh_prompts = tuning.choose_fastest(t)
         plan.timings["fresh_prompts"] = {c: round(s * 1e6, 1) for c, s in t.items()}
@@ -348,7 +356,7 @@ def _measure(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[int, i
 
 
 def _time_attention_tiles(spec: ModelSpec, dtype: torch.dtype, block_size: int,
-                          g: torch.Generator) -> dict:
+                          g: torch.Generator, kv_dtype: torch.dtype | None = None) -> dict:
     """The cpu backend's paged kernel, vector against AMX, on one layer: 64 sequences
     decoding at 160 keys of context (over 30 layers' worth of cache, so the keys come from
     memory, as in a step), a 128-token chunk after 32 cached tokens, and 8 fresh 128-token
@@ -356,8 +364,8 @@ def _time_attention_tiles(spec: ModelSpec, dtype: torch.dtype, block_size: int,
     kvh, d, layers = spec.num_kv_heads, spec.head_dim, 30
     seqs, ctx = 64, 160
     per = -(-(ctx + 1) // block_size)
-    kv = KVCache.allocate(layers, seqs * per, block_size, kvh, d, dtype, "cpu")
-    kv.data[0].copy_(torch.randn(kv.data.shape[1:], generator=g).to(dtype))
+    kv = KVCache.allocate(layers, seqs * per, block_size, kvh, d, kv_dtype or dtype, "cpu")
+    kv.data[0].copy_(quantize(torch.randn(kv.data.shape[1:], generator=g), kv.dtype))
     kv.data[1:].copy_(kv.data[0].expand_as(kv.data[1:]))     # the time is not the values'
     tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs)]
     steps = [(AttentionMetadata.build([1] * seqs, [ctx] * seqs, tables, block_size), layers),
@@ -458,14 +466,14 @@ def _time_sampling(vocab: int, rows: int, g: torch.Generator) -> dict:
 
 
 def _time_attention(spec: ModelSpec, dtype: torch.dtype, block_size: int,
-                    g: torch.Generator) -> dict:
+                    g: torch.Generator, kv_dtype: torch.dtype | None = None) -> dict:
     """One layer's attention: 16 sequences decoding at 256 tokens of context, and one
     256-token prompt."""
     seqs, ctx = 16, 256
     per = -(-(ctx + 1) // block_size)
     kv = KVCache.allocate(1, seqs * per + per, block_size, spec.num_kv_heads, spec.head_dim,
-                          dtype, "cpu")
-    kv.data.copy_(torch.randn(kv.data.shape, generator=g).to(dtype))
+                          kv_dtype or dtype, "cpu")
+    kv.data.copy_(quantize(torch.randn(kv.data.shape, generator=g), kv.dtype))
     tables = [list(range(i * per, (i + 1) * per)) for i in range(seqs + 1)]
     steps = [AttentionMetadata.build([1] * seqs, [ctx] * seqs, tables[:seqs], block_size),
              AttentionMetadata.build([ctx], [0], tables[seqs:], block_size)]

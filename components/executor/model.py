@@ -175,21 +175,22 @@ class LlamaModel:
                  backend: AttentionBackend | str = "auto", kv_block_size: int | None = None,
                  kernels: dict[str, str] | None = None, plan: KernelPlan | None = None,
                  tuning_cache: Path | None = None, max_tokens: int = 2048,
-                 max_seqs: int = 256):
+                 max_seqs: int = 256, kv_dtype: torch.dtype | None = None):
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
+        self.kv_dtype = kv_dtype or dtype
         if plan is None:
             plan = autotune.plan_kernels(
                 spec, dtype, self.device, kernels,
                 backend if isinstance(backend, str) else "auto", tuning_cache, max_tokens,
-                max_seqs, kv_block_size)
+                max_seqs, kv_block_size, self.kv_dtype)
         self.plan = plan
         if isinstance(backend, str):
             name = plan.attention if self.device.type == "cpu" else backend
             backend = get_backend(name, self.device, block_size=kv_block_size, dtype=dtype)
         self.backend = backend
         self._new_kv = getattr(backend, "takes_new_kv", False)
-        if hasattr(backend, "fresh_prompts"):
-            backend.fresh_prompts = plan.fresh_prompts
+        if hasattr(backend, "fresh_prompts"):     # (an fp8 cache: every row reads it)
+            backend.fresh_prompts = plan.fresh_prompts if self.kv_dtype == dtype else "native"
         if hasattr(backend, "tiles"):
             backend.tiles = plan.attention_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
@@ -226,14 +227,15 @@ class LlamaModel:
         self.layer_seconds: torch.Tensor | None = None
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        """Allocate a paged KV cache that fits this model, in its dtype and device."""
+        """Allocate a paged KV cache that fits this model, in its KV dtype (the model's,
+        or fp8) and on its device."""
         need = getattr(self.backend, "block_size", None)
         if need is not None and block_size != need:
             raise ValueError(f"the {self.backend.name} backend was built for KV blocks of "
                              f"{need} tokens, not {block_size}")
         s = self.spec
         return KVCache.allocate(s.num_layers, num_blocks, block_size, s.num_kv_heads,
-                                s.head_dim, self.dtype, self.device)
+                                s.head_dim, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
@@ -350,6 +352,7 @@ class LlamaModel:
             seqs=seqs.data_ptr(), row_lens=row_lens.data_ptr(), tables=tables.data_ptr(),
             table_width=tables.shape[1], block_size=block_size, scale=self.scale,
             eps=s.rms_norm_eps, amx_attention=int(amx),
+            kv_dtype=cpu_native._KV_DTYPES[kv.dtype],
             seconds=None if self.layer_seconds is None else self.layer_seconds.data_ptr())
         cpu_forward.forward_layers(layers, step)
         return delta

@@ -21,7 +21,7 @@ from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.tokenizer.structured import ll_tokenizer
 from components.tokenizer.vocab import load_tokenizer
-from kernels.kv_cache import populate
+from kernels.kv_cache import cache_dtype, populate
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
 from weir.model_fetch import cache_dir, resolve_model
 
@@ -66,6 +66,7 @@ class ExecutorService(Component):
         await self.on_torch_thread(self._build)
         eng, kv = self.config.engine, self.config.kv
         log.info("model_loaded", model=self.spec.name, dtype=eng.dtype, device=str(self.device),
+                 kv_dtype=str(self.runner.kv.dtype).removeprefix("torch."),
                  backend=self.runner.model.backend.name, layers=self.spec.num_layers,
                  kv_blocks=kv.num_blocks, host_kv_blocks=kv.num_cpu_blocks,
                  block_bytes=self.runner.block_bytes,
@@ -113,7 +114,8 @@ class ExecutorService(Component):
                                     "layer_loop": k.layer_loop},
                            tuning_cache=cache_dir() if k.cache else None,
                            max_tokens=self.config.scheduler.max_num_batched_tokens,
-                           max_seqs=self.config.scheduler.max_num_seqs)
+                           max_seqs=self.config.scheduler.max_num_seqs,
+                           kv_dtype=cache_dtype(kv.dtype, dtype))
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
         if kv.prefault and device.type == "cpu":
@@ -180,7 +182,8 @@ class ExecutorService(Component):
                 self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks))
 
     def info(self) -> dict[str, str]:
-        return {f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()}
+        return {**{f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()},
+                "kv.dtype": str(self.runner.kv.dtype).removeprefix("torch.")}
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),

@@ -18,9 +18,11 @@
 // With P.V by vdpbf16ps (bf16 probabilities, below), the same 2 Zen 4 cores, 30 layers, A/B in
 // one process: decode 64 x 160 cold 0.97-0.99x, hot (one layer's cache) 0.85-0.94x; prefill
 // 4 x 128 0.89x, 2 x 256 after 1000 0.90x.
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_fp8.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define WEIR_TILED 1
@@ -141,6 +143,43 @@ template <int D> inline void store_row(uint16_t* o, const float* acc, float inv)
     }
 }
 
+// A chunk's key or value rows as the kernel's element type: fp32 and bf16 rows are read in
+// place; fp8 rows (kv.dtype fp8_*) are widened into `stage` (rows `width` elements apart)
+// once per chunk, then every head and query of the tile reads them as bf16 (or fp32) rows.
+template <typename T>
+inline void as_rows(const T* const* raw, int nk, int64_t, T*, const T** rows) {
+    for (int j = 0; j < nk; ++j) rows[j] = raw[j];
+}
+template <typename F> inline void widen_row(const F* src, int64_t n, uint16_t* dst) {
+    for (int64_t d = 0; d < n; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), weir::fp8_bf16_16(src + d));
+}
+template <typename F> inline void widen_row(const F* src, int64_t n, float* dst) {
+    for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, weir::load16(src + d));
+}
+#if defined(__AVX512BF16__)
+// for the bf16 dot products: weir::fp8_scaled_bf16_32 (the kernel rescales)
+template <typename F> inline void widen_row_scaled(const F* src, int64_t n, uint16_t* dst) {
+    for (int64_t d = 0; d < n; d += 32)
+        _mm512_storeu_si512(dst + d, weir::fp8_scaled_bf16_32(src + d));
+}
+#endif
+template <bool Scaled, typename T, typename F, std::enable_if_t<weir::is_fp8<F>, int> = 0>
+inline void as_rows(const F* const* raw, int nk, int64_t width, T* stage, const T** rows) {
+    for (int j = 0; j < nk; ++j) {
+#if defined(__AVX512BF16__)
+        if constexpr (Scaled) widen_row_scaled(raw[j], width, stage + j * width);
+        else
+#endif
+        widen_row(raw[j], width, stage + j * width);
+        rows[j] = stage + j * width;
+    }
+}
+template <bool Scaled, typename T>
+inline void as_rows(const T* const* raw, int nk, int64_t width, T* stage, const T** rows) {
+    as_rows(raw, nk, width, stage, rows);
+}
+
 // P.V by vdpbf16ps (CPUs with AVX512-BF16, bf16 caches): the probabilities rounded to bf16
 // (as Hugging Face's eager attention rounds its softmax to the model's dtype before P.V) and
 // taken two keys at a time, so one vdpbf16ps adds p0 v0 + p1 v1 for 16 elements: the value
@@ -175,23 +214,31 @@ constexpr bool kPairedPV = false;
 // One tile of nrows rows (positions consecutive, lens[r] keys each, increasing) against
 // every kv head of its sequence: query (h, r, g) is qi = (h * nrows + r) * G + g.
 // scores: [kv_heads * kTile * G][lpad]; acc: [kv_heads * kTile * G][D].
-template <typename T, int D, int G>
-void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
+template <typename T, typename KT, int D, int G>
+void attend_tile(const T* q, const KT* k_cache, const KT* v_cache, T* out, int64_t row0,
                  int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
                  int64_t heads, int64_t q_row, int64_t block_size, float scale,
-                 float* scores, int64_t lpad, float* acc, uint16_t* probs) {
-    // probs: [kv_heads * kTile * G][lpad] bf16, used by the paired P.V (bf16 caches)
+                 float* scores, int64_t lpad, float* acc, uint16_t* probs, T* stage) {
+    // probs: [kv_heads * kTile * G][lpad] bf16, used by the paired P.V (bf16 caches);
+    // stage: [16][kv_heads * D], an fp8 cache's chunk widened (as_rows)
     constexpr bool paired = kPairedPV && sizeof(T) == 2;
+    // an fp8 cache on the bf16 dot products: its rows staged scaled by 2^-S, which the
+    // scores' scale and the probabilities undo (weir::fp8_scaled_bf16_32)
+    constexpr bool scaled = paired && weir::is_fp8<KT>;
+    constexpr float rescale = scaled ? weir::fp8_rescale<KT> : 1.0f;
+    const float score_scale = scale * rescale;
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;
     const int nq = static_cast<int>(kv_heads) * nrows * G;
     auto qp = [&](int64_t h, int r, int g) { return q + (row0 + r) * q_row + (h * G + g) * D; };
     const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const T* kp[16];
+    const KT* raw[16];
     int64_t blk = 0, off = 0;
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
-        chunk_rows(k_cache, table, block_size, row_stride, blk, off, nk, kp);
+        chunk_rows(k_cache, table, block_size, row_stride, blk, off, nk, raw);
+        as_rows<scaled>(raw, nk, row_stride, stage, kp);
         // into L2 while this chunk computes: the next chunk's keys, this chunk's values (for
         // the second pass). Measured (batch 64 x 160 keys, 30 layers, bf16): 0.65 ms/layer
         // without, 0.63 with keys to L1, 0.49 with both to L2
@@ -207,7 +254,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
                     __m512 v[16];
                     for (int j = 0; j < 16; ++j)
                         v[j] = j < nk ? dot_partial<D>(qq, kp[j] + h * D) : _mm512_setzero_ps();
-                    const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale));
+                    const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(score_scale));
                     _mm512_storeu_ps(scores + ((h * nrows + r) * G + g) * lpad + t0,
                                      _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s));
                 }
@@ -235,7 +282,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
         for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
 #if defined(__AVX512BF16__)
         if constexpr (paired) {           // normalized, then rounded (the tail lanes are 0)
-            const __m512 scale_by = _mm512_set1_ps(inv[qi]);
+            const __m512 scale_by = _mm512_set1_ps(inv[qi] * rescale);
             for (int64_t t = 0; t < len; t += 16)
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + qi * lpad + t),
                                     weir::bf16_16(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale_by)));
@@ -250,7 +297,8 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
     blk = 0, off = 0;
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
-        chunk_rows(v_cache, table, block_size, row_stride, blk, off, nk, kp);
+        chunk_rows(v_cache, table, block_size, row_stride, blk, off, nk, raw);
+        as_rows<scaled>(raw, nk, row_stride, stage, kp);
         for (int64_t h = 0; h < kv_heads; ++h)
             for (int r = 0; r < nrows; ++r) {
                 if (t0 >= lens[r]) continue;
@@ -432,13 +480,19 @@ inline void dot_query_tile(int i) {
     }
 }
 
-template <int D, int G>
-void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+// 32 value elements as bf16: in place, or an fp8 cache's widened in registers
+inline __m512i bf16_32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+template <typename F, std::enable_if_t<weir::is_fp8<F>, int> = 0>
+inline __m512i bf16_32(const F* p) { return weir::fp8_scaled_bf16_32(p); }
+
+template <int D, int G, typename KT>
+void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
                      uint16_t* out, int64_t row0, int nrows, const int32_t* lens,
                      int64_t kv_heads, const int32_t* table, int64_t heads, int64_t q_row,
                      int64_t block_size, float scale, float* scores, int64_t lpad,
-                     uint32_t* pairs, uint32_t* qb, NextTile& next) {
-    // scores: [lpad][16] fp32; pairs: [lpad / 2][16] bf16 pairs; qb: [hg * D / 32][16][16]
+                     uint32_t* pairs, uint32_t* qb, NextTile& next, uint16_t* stage) {
+    // scores: [lpad][16] fp32; pairs: [lpad / 2][16] bf16 pairs; qb: [hg * D / 32][16][16];
+    // stage: [16][kv_heads * D] bf16, an fp8 cache's 16 key rows widened for the A tiles
     const int64_t L = lens[nrows - 1];
     const int64_t row_stride = kv_heads * D;               // elements between key rows
     const int cph = nrows * G;                             // columns per kv head
@@ -473,7 +527,18 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         if (resident)
             for (int x = 0; x < nqt; ++x) load_query_tile(x, qb + x * 256);
         for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            const uint16_t* kb = k_cache + weir::slot_of(table, block_size, t0) * row_stride + h0 * D;
+            const KT* kc = k_cache + weir::slot_of(table, block_size, t0) * row_stride + h0 * D;
+            const uint16_t* kb;
+            if constexpr (weir::is_fp8<KT>) {
+                // the chunk's 16 rows (one block) widened once, this group's heads only
+                for (int j = 0; j < 16; ++j)
+                    for (int64_t d = 0; d < nh * D; d += 32)
+                        _mm512_storeu_si512(stage + j * row_stride + d,
+                                            bf16_32(kc + j * row_stride + d));
+                kb = stage;
+            } else {
+                kb = kc;
+            }
             if (h0 == 0) {          // the next chunk's keys to L1, this chunk's values to L2
                 prefetch_block_rows<_MM_HINT_T0>(k_cache, table, block_size, row_stride, t0 + 16, L);
                 prefetch_block_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, L);
@@ -494,7 +559,9 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
         }
         // softmax per column over the keys (a key per vector); keys past a column's row
         // (and the chunk's tail past L) are masked out
-        const __m512 sc = _mm512_set1_ps(scale);
+        // (an fp8 cache's keys and values are read scaled by 2^-S: bf16_32)
+        constexpr float rescale = weir::fp8_rescale<KT>;
+        const __m512 sc = _mm512_set1_ps(scale * rescale);
         __m512 m = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < L; ++t) {
             const __mmask16 live = _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(t)), lenv, _CMP_LT_OQ);
@@ -510,7 +577,7 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
             sum = _mm512_add_ps(sum, e);
         }
         const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
-        const __m512 inv = _mm512_maskz_div_ps(any, _mm512_set1_ps(1.0f), sum);
+        const __m512 inv = _mm512_maskz_div_ps(any, _mm512_set1_ps(rescale), sum);
         for (int64_t t = 0; t < L2; t += 2) {
             const __m512i p0 = _mm512_cvtepu16_epi32(weir::bf16_16(
                 _mm512_mul_ps(_mm512_loadu_ps(scores + t * 16), inv)));
@@ -537,13 +604,13 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t*
                         next.lines(per_spot);
                         __m512i x0a, x0b, x1a, x1b;
                         if (t < L) {
-                            const uint16_t* v0 = v_cache + weir::slot_of(table, block_size, t) * row_stride
-                                                 + (h0 + hl) * D + dh * 64;
-                            x0a = _mm512_loadu_si512(v0);
-                            x0b = _mm512_loadu_si512(v0 + 32);
+                            const KT* v0 = v_cache + weir::slot_of(table, block_size, t) * row_stride
+                                           + (h0 + hl) * D + dh * 64;
+                            x0a = bf16_32(v0);
+                            x0b = bf16_32(v0 + 32);
                             if (t + 1 < L) {
-                                x1a = _mm512_loadu_si512(v0 + row_stride);
-                                x1b = _mm512_loadu_si512(v0 + row_stride + 32);
+                                x1a = bf16_32(v0 + row_stride);
+                                x1b = bf16_32(v0 + row_stride + 32);
                             } else {
                                 x1a = x1b = _mm512_setzero_si512();
                             }
@@ -635,6 +702,18 @@ inline void widen_rows(const uint16_t* const* rows, int64_t h, int nk, float* bu
         out[j] = buf + j * D;
     }
 }
+// fp8 rows (kv.dtype fp8_*): by F16C where the CPU has it, else a lookup per element
+template <int D, typename F, std::enable_if_t<weir::is_fp8<F>, int> = 0>
+inline void widen_rows(const F* const* rows, int64_t h, int nk, float* buf, const float** out) {
+    for (int j = 0; j < nk; ++j) {
+#if defined(__F16C__)
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(buf + j * D + d, load8(rows[j] + h * D + d));
+#else
+        for (int d = 0; d < D; ++d) buf[j * D + d] = weir::load(rows[j] + h * D, d);
+#endif
+        out[j] = buf + j * D;
+    }
+}
 
 // The largest divisor of G that is at most 4: queries sharing one value row in registers
 // (SG x 2 accumulators, 2 value vectors and SG broadcasts fit the 16 ymm registers).
@@ -642,8 +721,8 @@ constexpr int value_group(int g) { return g % 4 == 0 ? 4 : g % 3 == 0 ? 3 : g % 
 
 // One tile (see the AVX-512 kernel): scores [nq][lpad], acc [nq][D], qf [nq][D],
 // rowbuf [kChunk][D]; query (h, r, g) is qi = (h * nrows + r) * G + g.
-template <typename T, int D, int G>
-void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row0,
+template <typename T, typename KT, int D, int G>
+void attend_tile(const T* q, const KT* k_cache, const KT* v_cache, T* out, int64_t row0,
                  int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
                  int64_t heads, int64_t q_row, int64_t block_size, float scale,
                  float* scores, int64_t lpad, float* acc, float* qf, float* rowbuf) {
@@ -656,7 +735,7 @@ void attend_tile(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t
         for (int d = 0; d < D; ++d) qf[qi * D + d] = weir::load(src, d) * scale;
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const T* kp[kChunk];
+    const KT* kp[kChunk];
     const float* kf[kChunk];
     int64_t blk = 0, off = 0;
     for (int64_t t0 = 0; t0 < L; t0 += kChunk) {
@@ -763,8 +842,8 @@ using weir::store;
 // One work item: G query heads of one kv head over one sequence's blocks. D and G are
 // compile-time constants, so q, the widened key row and the G accumulators stay in vector
 // registers; each key row is widened once and shared by the G dot products.
-template <typename T, int D, int G>
-void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row, int64_t h,
+template <typename T, typename KT, int D, int G>
+void attend(const T* q, const KT* k_cache, const KT* v_cache, T* out, int64_t row, int64_t h,
             int64_t len, const int32_t* table, int64_t heads, int64_t q_row, int64_t row_stride,
             int64_t block_size, float scale, float* scores) {
     float qf[G][D], acc[G][D], kf[D];
@@ -776,7 +855,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row,
     float maxs[G];
     for (int g = 0; g < G; ++g) maxs[g] = -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
-        const T* kp = k_cache + (static_cast<int64_t>(table[t / block_size]) * block_size
+        const KT* kp = k_cache + (static_cast<int64_t>(table[t / block_size]) * block_size
                                  + t % block_size) * row_stride + h * D;
         for (int d = 0; d < D; ++d) kf[d] = load(kp, d);
         for (int g = 0; g < G; ++g) {
@@ -801,7 +880,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row,
         sums[g] = sum;
     }
     for (int64_t t = 0; t < len; ++t) {
-        const T* vp = v_cache + (static_cast<int64_t>(table[t / block_size]) * block_size
+        const KT* vp = v_cache + (static_cast<int64_t>(table[t / block_size]) * block_size
                                  + t % block_size) * row_stride + h * D;
         for (int d = 0; d < D; ++d) kf[d] = load(vp, d);
         for (int g = 0; g < G; ++g) {
@@ -815,8 +894,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, int64_t row,
     }
 }
 
-template <typename T, int D, int G>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
+template <typename T, typename KT, int D, int G>
+void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
                       const int64_t* seqs, int64_t n, const int32_t* block_tables,
                       int64_t table_width, const int32_t* row_lens, int64_t heads,
                       int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
@@ -852,7 +931,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                         next.v = reinterpret_cast<const char*>(v_cache);
                         next.table = block_tables + seqs[i1] * table_width;
                         next.block_size = block_size;
-                        next.row_bytes = kv_heads * D * static_cast<int64_t>(sizeof(T));
+                        next.row_bytes = kv_heads * D * static_cast<int64_t>(sizeof(KT));
                         next.len = row_lens[starts[tile + num_threads + 1] - 1];
                     }
                     const int nrows = static_cast<int>(starts[tile + 1] - i0);
@@ -862,14 +941,19 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
                     const int64_t hg = std::min<int64_t>(kv_heads, 16 / (nrows * G));
                     // q tiles (hg * D / 32 KB), or P.V's scratch: 4 KB and 16 x D floats
                     const int64_t scratch = std::max<int64_t>(hg * D * 8, 1024 + 16 * D);
-                    buf.resize(static_cast<size_t>(lpad * 16 + lpad / 2 * 16 + scratch + 16));
+                    const int64_t staged = weir::is_fp8<KT> ? 8 * kv_heads * D + 16 : 0;
+                    buf.resize(static_cast<size_t>(lpad * 16 + lpad / 2 * 16 + scratch + 16
+                                                   + staged));
                     float* scores = buf.data();
                     auto* pairs = reinterpret_cast<uint32_t*>(scores + lpad * 16);
                     auto* qb = reinterpret_cast<uint32_t*>(
                         (reinterpret_cast<uintptr_t>(pairs + lpad / 2 * 16) + 63) & ~uintptr_t(63));
+                    auto* stage = reinterpret_cast<uint16_t*>(
+                        (reinterpret_cast<uintptr_t>(qb + scratch) + 63) & ~uintptr_t(63));
                     attend_tile_amx<D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
                                           block_tables + seqs[i0] * table_width, heads, q_row,
-                                          block_size, scale, scores, lpad, pairs, qb, next);
+                                          block_size, scale, scores, lpad, pairs, qb, next,
+                                          stage);
                 }
                 _tile_release();
             }
@@ -896,18 +980,21 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         const int64_t nq = kv_heads * kTile * G;
         thread_local std::vector<float> buf;
 #if defined(__AVX512F__)
-        buf.resize(static_cast<size_t>(nq * (lpad + D + lpad / 2)));   // + bf16 probs
-        attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
-                             block_tables + seqs[i0] * table_width, heads, q_row, block_size, scale,
-                             buf.data(), lpad, buf.data() + nq * lpad,
-                             reinterpret_cast<uint16_t*>(buf.data() + nq * (lpad + D)));
+        // + bf16 probs, + an fp8 chunk widened to T
+        const int64_t staged = weir::is_fp8<KT> ? kChunk * kv_heads * D : 0;
+        buf.resize(static_cast<size_t>(nq * (lpad + D + lpad / 2) + staged));
+        attend_tile<T, KT, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
+                                 block_tables + seqs[i0] * table_width, heads, q_row, block_size,
+                                 scale, buf.data(), lpad, buf.data() + nq * lpad,
+                                 reinterpret_cast<uint16_t*>(buf.data() + nq * (lpad + D)),
+                                 reinterpret_cast<T*>(buf.data() + nq * (lpad + D + lpad / 2)));
 #else
         buf.resize(static_cast<size_t>(nq * (lpad + 2 * D) + kChunk * D));
         float* scratch = buf.data();
-        attend_tile<T, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
-                             block_tables + seqs[i0] * table_width, heads, q_row, block_size, scale,
-                             scratch, lpad, scratch + nq * lpad, scratch + nq * (lpad + D),
-                             scratch + nq * (lpad + 2 * D));
+        attend_tile<T, KT, D, G>(q, k_cache, v_cache, out, i0, nrows, lens, kv_heads,
+                                 block_tables + seqs[i0] * table_width, heads, q_row, block_size,
+                                 scale, scratch, lpad, scratch + nq * lpad,
+                                 scratch + nq * (lpad + D), scratch + nq * (lpad + 2 * D));
 #endif
     }
 #else
@@ -918,7 +1005,7 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
         const int64_t s = seqs[i], len = row_lens[i];
         thread_local std::vector<float> scores;
         scores.resize(static_cast<size_t>(G * len));
-        attend<T, D, G>(q, k_cache, v_cache, out, i, h, len,
+        attend<T, KT, D, G>(q, k_cache, v_cache, out, i, h, len,
                         block_tables + s * table_width, heads, q_row, kv_heads * D, block_size,
                         scale,
                         scores.data());
@@ -927,13 +1014,13 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache, T* out,
 }
 
 // The shapes compiled in: head_dim 64 or 128; 1..8 query heads per kv head.
-template <typename T, int D>
-int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int64_t* seqs,
+template <typename T, typename KT, int D>
+int dispatch_g(int64_t g, const T* q, const KT* k, const KT* v, T* out, const int64_t* seqs,
                int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens, int64_t heads,
                int64_t q_row, int64_t kv_heads, int64_t bs, float scale, int threads,
                bool amx) {
     switch (g) {
-#define WEIR_G(N) case N: decode_attention<T, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
+#define WEIR_G(N) case N: decode_attention<T, KT, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
                                                     q_row, kv_heads, bs, scale, threads, amx); \
                           return 0;
         WEIR_G(1) WEIR_G(2) WEIR_G(3) WEIR_G(4) WEIR_G(5) WEIR_G(6) WEIR_G(7) WEIR_G(8)
@@ -942,18 +1029,38 @@ int dispatch_g(int64_t g, const T* q, const T* k, const T* v, T* out, const int6
     }
 }
 
-template <typename T>
-int dispatch(int64_t dim, int64_t g, const T* q, const T* k, const T* v, T* out,
+template <typename T, typename KT>
+int dispatch(int64_t dim, int64_t g, const T* q, const KT* k, const KT* v, T* out,
              const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens,
              int64_t heads, int64_t q_row, int64_t kv_heads, int64_t bs, float scale,
              int threads, bool amx) {
     if (dim == 64)
-        return dispatch_g<T, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
+        return dispatch_g<T, KT, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
                                  bs, scale, threads, amx);
     if (dim == 128)
-        return dispatch_g<T, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
+        return dispatch_g<T, KT, 128>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
                                   bs, scale, threads, amx);
     return -1;
+}
+
+// One fp8 cache row per new token: 16 elements at a time on AVX-512, else one by one.
+template <typename S, typename F>
+void write_fp8(const S* k, const S* v, int64_t src_stride, F* k_cache, F* v_cache,
+               int64_t row, const int64_t* slots, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        for (int kv = 0; kv < 2; ++kv) {
+            const S* src = (kv == 0 ? k : v) + i * src_stride;
+            F* dst = (kv == 0 ? k_cache : v_cache) + slots[i] * row;
+            int64_t d = 0;
+#if defined(__AVX512F__)
+            for (; d + 16 <= row; d += 16)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                                 weir::fp8_encode16<F>(weir::load16(src + d)));
+#endif
+            for (; d < row; ++d) dst[d].bits = weir::fp8_encode<F>(weir::load(src, d));
+        }
+    }
 }
 
 }  // namespace
@@ -997,31 +1104,67 @@ void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cac
     }
 }
 
-// dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 if the shape is not compiled in
+// weir_write_kv for an fp8 cache (kv_dtype 2 = E4M3, 3 = E5M2): n rows of row_elems float32
+// (dtype 0) or bf16 (dtype 1) elements, src_stride elements apart, rounded to the format
+// (cpu_fp8.h: nearest even, saturated; what torch's clamp + .to(float8) stores). Returns
+// 0, or -1 for a pair of types it does not convert.
+int weir_write_kv_fp8(int dtype, int kv_dtype, const void* k, const void* v,
+                      int64_t src_stride, void* k_cache, void* v_cache, int64_t row_elems,
+                      const int64_t* slots, int64_t n) {
+    auto run = [&](auto st, auto ft) {
+        using S = std::remove_const_t<std::remove_pointer_t<decltype(st)>>;
+        using F = std::remove_pointer_t<decltype(ft)>;
+        write_fp8(static_cast<const S*>(k), static_cast<const S*>(v), src_stride,
+                  static_cast<F*>(k_cache), static_cast<F*>(v_cache), row_elems, slots, n);
+        return 0;
+    };
+    using E4 = weir::fp8_e4m3*;
+    using E5 = weir::fp8_e5m2*;
+    if (dtype == 0 && kv_dtype == 2) return run(static_cast<const float*>(nullptr), E4{});
+    if (dtype == 0 && kv_dtype == 3) return run(static_cast<const float*>(nullptr), E5{});
+    if (dtype == 1 && kv_dtype == 2) return run(static_cast<const uint16_t*>(nullptr), E4{});
+    if (dtype == 1 && kv_dtype == 3) return run(static_cast<const uint16_t*>(nullptr), E5{});
+    return -1;
+}
+
+// dtype: 0 = float32, 1 = bfloat16 (q and out); kv_dtype: the caches', the same, or 2 = fp8
+// E4M3, 3 = fp8 E5M2 (widened as read). Returns 0, or -1 if the shape is not compiled in
 // (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Query row i
 // attends the first row_lens[i] keys of sequence seqs[i]: a token at position p passes
-// p + 1, which makes prefill causal. amx = 1: the AMX kernel (bf16 only, block_size a
+// p + 1, which makes prefill causal. amx = 1: the AMX kernel (bf16 q, block_size a
 // multiple of 16, weir_amx_supported()), else -1.
-int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
-                          void* out, const int64_t* seqs, int64_t n,
+int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_cache,
+                          const void* v_cache, void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
                           const int32_t* row_lens, int64_t heads, int64_t q_row,
                           int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
                           int num_threads, int amx) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
     if (amx && (dtype != 1 || block_size % 16 != 0 || !weir_amx_supported())) return -1;
+    if (kv_dtype != dtype && kv_dtype != 2 && kv_dtype != 3) return -1;
     const int64_t g = heads / kv_heads;
-    if (dtype == 0)
-        return dispatch(dim, g, static_cast<const float*>(q), static_cast<const float*>(k_cache),
-                        static_cast<const float*>(v_cache), static_cast<float*>(out), seqs, n,
+    auto run = [&](auto qt, auto kt) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(qt)>>;
+        using KT = std::remove_const_t<std::remove_pointer_t<decltype(kt)>>;
+        return dispatch(dim, g, static_cast<const T*>(q), static_cast<const KT*>(k_cache),
+                        static_cast<const KT*>(v_cache), static_cast<T*>(out), seqs, n,
                         block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
-                        scale, num_threads, false);
-    if (dtype == 1)
-        return dispatch(dim, g, static_cast<const uint16_t*>(q),
-                        static_cast<const uint16_t*>(k_cache),
-                        static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), seqs,
-                        n, block_tables, table_width, row_lens, heads, q_row, kv_heads,
-                        block_size, scale, num_threads, amx != 0);
+                        scale, num_threads, amx != 0);
+    };
+    using E4 = const weir::fp8_e4m3*;
+    using E5 = const weir::fp8_e5m2*;
+    if (dtype == 0) {
+        using F = const float*;
+        if (kv_dtype == 2) return run(F{}, E4{});
+        if (kv_dtype == 3) return run(F{}, E5{});
+        return run(F{}, F{});
+    }
+    if (dtype == 1) {
+        using B = const uint16_t*;
+        if (kv_dtype == 2) return run(B{}, E4{});
+        if (kv_dtype == 3) return run(B{}, E5{});
+        return run(B{}, B{});
+    }
     return -1;
 }
 

@@ -27,8 +27,11 @@ void weir_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int6
                    int threads);
 void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cache,
                    void* v_cache, int64_t row_bytes, const int64_t* slots, int64_t n);
-int weir_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
-                          void* out, const int64_t* seqs, int64_t n,
+int weir_write_kv_fp8(int dtype, int kv_dtype, const void* k, const void* v,
+                      int64_t src_stride, void* k_cache, void* v_cache, int64_t row_elems,
+                      const int64_t* slots, int64_t n);
+int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_cache,
+                          const void* v_cache, void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
                           const int32_t* row_lens, int64_t heads, int64_t q_row,
                           int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
@@ -75,7 +78,7 @@ struct Step {
     int64_t table_width, block_size;
     float scale, eps;
     int32_t amx_attention;
-    int32_t pad;
+    int32_t kv_dtype;          // the caches': dtype's own, or 2 fp8 E4M3, 3 fp8 E5M2
     // null, or 8 accumulators for weir_forward_layers' parts (bench_step's breakdown): qkv,
     // rope, kv write, attention, o, add+norm, gate_up, down (cpu_forward.LAYER_PARTS)
     double* seconds;
@@ -130,11 +133,16 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
         weir_rope(s.dtype, s.qkv, s.rows, qkv_n, s.heads + s.kv_heads, s.head_dim, s.positions,
                   s.cos, s.sin, s.threads);
         clock.mark(1);
-        weir_write_kv(qkv + n_q * elem, qkv + (n_q + n_kv) * elem,
-                      qkv_n * static_cast<int64_t>(elem), l.k_cache, l.v_cache,
-                      n_kv * static_cast<int64_t>(elem), s.slots, s.rows);
+        if (s.kv_dtype == s.dtype)
+            weir_write_kv(qkv + n_q * elem, qkv + (n_q + n_kv) * elem,
+                          qkv_n * static_cast<int64_t>(elem), l.k_cache, l.v_cache,
+                          n_kv * static_cast<int64_t>(elem), s.slots, s.rows);
+        else if (weir_write_kv_fp8(s.dtype, s.kv_dtype, qkv + n_q * elem,
+                                   qkv + (n_q + n_kv) * elem, qkv_n, l.k_cache, l.v_cache,
+                                   n_kv, s.slots, s.rows) != 0)
+            return bad;
         clock.mark(2);
-        if (weir_decode_attention(s.dtype, s.qkv, l.k_cache, l.v_cache, s.attn, s.seqs, s.rows,
+        if (weir_decode_attention(s.dtype, s.kv_dtype, s.qkv, l.k_cache, l.v_cache, s.attn, s.seqs, s.rows,
                                   s.tables, s.table_width, s.row_lens, s.heads, qkv_n,
                                   s.kv_heads, s.head_dim, s.block_size, s.scale, s.threads,
                                   s.amx_attention) != 0)

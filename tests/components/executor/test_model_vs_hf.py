@@ -11,6 +11,7 @@ from components.executor import autotune
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from kernels import AttentionMetadata, cpu_forward
+from kernels.kv_cache import cache_dtype
 from weir.model_fetch import cache_dir, default_model_path
 
 BLOCK = 16
@@ -18,6 +19,10 @@ BLOCK = 16
 # and MKL GEMMs (their different summation orders compound over 30 layers: one logit of
 # 884k, 4.6 in size, measured 1.2e-4 off)
 ATOL, RTOL = 1e-4, 1e-5
+# an fp8 KV cache's logits against the fp32 model's (cosine similarity; bf16 caches: 0.99)
+# and the share of teacher-forced greedy tokens that are the fp32 model's
+COS_FP8 = {"fp8_e4m3": 0.96, "fp8_e5m2": 0.93}
+SAME_FP8 = {"fp8_e4m3": 0.9, "fp8_e5m2": 0.8}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -207,14 +212,50 @@ def test_bf16_attention_tiles_track_fp32(loaded, hf, tiles):
         outs = list(zip(ref.step(nxt), got.step(nxt)))
 
 
-@pytest.mark.parametrize("linear,dtype", [("amx", torch.bfloat16), ("native", torch.bfloat16),
-                                          ("native", torch.float32)])
-def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear, dtype,
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("tiles", ["vector", "amx"])
+def test_fp8_kv_cache_tracks_fp32(loaded, hf, kv, tiles):
+    """The bf16 model over an fp8 KV cache (each kernel forced, nothing measured): two
+    prompts prefilled in chunks (the second chunk reads the first's rounded keys), then
+    eight batched decode steps teacher-forced with the fp32 model's greedy tokens; every
+    step's logits track the fp32 model's, and its greedy token is mostly the fp32 model's.
+    Measured on SmolLM2 (22 rows): bf16 caches 0.998-1.0 cosine, 22/22 tokens; E4M3 0.975
+    at worst (the torch backend over the same bytes 0.991), 22/22; E5M2 (2 mantissa
+    bits) 0.948 at worst, 19-20/22."""
+    if tiles == "amx" and not autotune.amx_possible(torch.bfloat16, BLOCK):
+        pytest.skip("no AMX attention kernel here")
+    fixed = {"elementwise": "torch", "sampling": "torch", "linear": "torch"}
+    ref = _Runner(LlamaModel(*loaded, backend="torch", kernels=fixed), seed=2)
+    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
+        "attention_tiles": tiles, "fresh_prompts": "native", **fixed},
+        kv_dtype=cache_dtype(kv, torch.bfloat16)), seed=2)
+    assert got.kv.dtype == cache_dtype(kv, torch.bfloat16) and got.kv.data.element_size() == 1
+    tok, _ = hf
+    a, b = (tok(p).input_ids for p in PROMPTS)
+    half = len(b) // 2
+    for chunk in ({0: a[:3], 1: b[:half]}, {0: a[3:], 1: b[half:]}):
+        outs = list(zip(ref.step(chunk), got.step(chunk)))
+    same = rows = 0
+    for _ in range(8):
+        for want, have in outs:
+            assert torch.nn.functional.cosine_similarity(have, want, dim=0) > COS_FP8[kv]
+            same += int(have.argmax()) == int(want.argmax())
+            rows += 1
+        nxt = {s: [int(want.argmax())] for s, (want, _) in enumerate(outs)}
+        outs = list(zip(ref.step(nxt), got.step(nxt)))
+    assert same >= SAME_FP8[kv] * rows, (same, rows)
+
+
+@pytest.mark.parametrize("linear,dtype,kv", [
+    ("amx", torch.bfloat16, "auto"), ("native", torch.bfloat16, "auto"),
+    ("native", torch.float32, "auto"), ("amx", torch.bfloat16, "fp8_e5m2"),
+    ("native", torch.float32, "fp8_e4m3")])
+def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear, dtype, kv,
                                                             monkeypatch):
     """SmolLM2's 30 layers (GQA 9 x 3, head_dim 64) as one native call against the Python
     loop over the same kernels: two prompts prefilled in chunks (the second over cached
     keys), then eight batched greedy decode steps; every step's logits and the KV cache
-    equal to the bit."""
+    equal to the bit (an fp8 cache too: the same rounding on the way in)."""
     if linear not in autotune.linear_candidates(dtype, torch.device("cpu"), (576, 576)) \
             or not autotune.native_ops_possible(loaded[0], dtype, torch.device("cpu")):
         pytest.skip(f"no {linear} linear kernel or native ops here for {dtype}")
@@ -222,7 +263,8 @@ def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear,
     forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
               "fresh_prompts": "native"}
     runs = {loop: _Runner(LlamaModel(*loaded, dtype=dtype, backend="cpu",
-                                     kernels={**forced, "layer_loop": loop}), seed=3)
+                                     kernels={**forced, "layer_loop": loop},
+                                     kv_dtype=cache_dtype(kv, dtype)), seed=3)
             for loop in ("python", "native")}
     calls = []
     real = cpu_forward.forward_layers
