@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import is_fp8, quantize
 from kernels.metadata import AttentionMetadata
 
 
@@ -164,8 +165,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _dense_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x [T, heads, dim]`` in ``dtype`` with each token's heads dense (any row stride)."""
-    x = x.to(dtype)
+    """``x [T, heads, dim]`` in ``dtype`` with each token's heads dense (any row stride);
+    an fp8 cache's rows rounded as :func:`~kernels.kv_cache.quantize` rounds them."""
+    x = quantize(x, dtype) if is_fp8(dtype) else x.to(dtype)
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()

@@ -180,6 +180,19 @@ def gpu_main(args) -> int:
                     args.context, 2, args.steps, budget, 0)
         del ab, ab_graphs
         _free(device)
+    if args.profile and budget.left() > 90:
+        print(f"[4e] A/B: the same graph decode steps over fp8 KV caches ({label} bf16, "
+              f"kv.dtype fp8_e4m3 / fp8_e5m2)", flush=True)
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            tag = label + "-kv-" + str(fp8).replace("torch.float8_", "")
+            ab, ab_kv, ab_graphs = build_timed(
+                tag, shape, real[1] if real else random_weights(shape, torch.bfloat16, device),
+                torch.bfloat16, device, decode_blocks(args.batches, args.context), 2048,
+                max(args.batches), kv_dtype=fp8)
+            rows += time_decode(report, tag, ab, shape, ab_kv, ab_graphs, args.batches,
+                                args.context, 2, args.steps, budget, 45)
+            del ab, ab_kv, ab_graphs
+            _free(device)
     if args.grid_s > 0:
         print(f"[5] step grid for a cost profile ({label} bf16, at most {args.grid_s:.0f} s)",
               flush=True)
@@ -254,7 +267,7 @@ def cpu_dry_run(args) -> int:
     tiny = tiny_shape()
     if importlib.util.find_spec("triton") is not None:
         print("[1] Triton kernels vs torch reference (interpreter)", flush=True)
-        check_triton(report, "cpu", [torch.float32], tiny=True)
+        check_triton(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)
         print("[2] flash-attn adapter", flush=True)
         check_flash_attn(report, "cpu", tiny=True)
         print("[3] static-buffer decode vs eager (no graphs on the CPU)", flush=True)
@@ -268,6 +281,10 @@ def cpu_dry_run(args) -> int:
     model = LlamaModel(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(2 * 3 + 1, 16)
     rows = time_decode(None, "tiny", model, tiny, kv, None, [1, 2], 24, 4, 2, budget, 0)
+    fp8, fp8_kv, _ = build_timed("tiny-kv-e4m3", tiny, random_weights(tiny), torch.float32,
+                                 "cpu", 2 * 3 + 1, 64, 2, kv_dtype=torch.float8_e4m3fn)
+    rows += time_decode(None, "tiny-kv-e4m3", fp8, tiny, fp8_kv, None, [1, 2], 24, 4, 2,
+                        budget, 0)
     if args.profile:
         print("[4b] where a decode step's time goes (torch backend, eager)", flush=True)
         profile_decode("tiny", model, tiny, kv, None, [2], 24, steps=2, top=4)

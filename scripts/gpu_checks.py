@@ -32,13 +32,18 @@ def _compare_backend(report, label: str, backend, case, dtype) -> None:
     scale = q.shape[-1] ** -0.5
     want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta, scale)
     backend.write_kv(kc, vc, k, v, meta)
-    kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    kv_ok = _same_bytes(kc, kc_ref) and _same_bytes(vc, vc_ref)
     got = backend.paged_attention(q, kc, vc, meta, scale).float()
     tol = _tolerance(dtype)
     err = (got - want).abs().max().item()
     ok = kv_ok and torch.allclose(got, want, rtol=tol, atol=tol)
     report.check(label, ok,
                  f"max|err|={err:.2e} tol={tol:g}" + ("" if kv_ok else " KV WRITE DIFFERS"))
+
+
+def _same_bytes(a, b) -> bool:
+    import torch
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _kernel_cases(rng: random.Random, tiny: bool):
@@ -70,6 +75,15 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
             case = _attention_case(rng, device, dtype, bs, kvh, group, qls, cls)
             _compare_backend(report, f"triton {kind:<7} {name:<8} block {bs} gqa {group} "
                              f"ctx<={max(cls)}", backend, case, dtype)
+        if dtype == torch.bfloat16:       # fp8 caches (kv.dtype) under a bf16 model
+            for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for kind, bs, kvh, group, qls, cls in _kernel_cases(rng, tiny)[:3]:
+                    q, k, v, kc, vc, meta = _attention_case(rng, device, dtype, bs, kvh,
+                                                            group, qls, cls)
+                    case = (q, k * 300, v, kc.to(fp8), vc.to(fp8), meta)   # some saturate
+                    _compare_backend(report, f"triton {kind:<7} {name} kv "
+                                     f"{str(fp8).replace('torch.', '')} block {bs} gqa "
+                                     f"{group}", backend, case, dtype)
         # decode from static buffers: fixed grid for max_seq_len, padding rows (slot -1)
         for bs, kvh, group in ((16, 3, 3), (32, 3, 1)):
             long_ctx = rng.randrange(40, 90) if tiny else rng.randrange(500, 900)

@@ -113,7 +113,7 @@ def time_decode(report, label: str, model, shape, kv, graphs, batches,
             break
         ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
                                          shape.vocab_size, context=context)
-        moved = decode_bytes(shape, [context + 1] * b, elem_bytes)
+        moved = decode_bytes(shape, [context + 1] * b, elem_bytes, kv.data.element_size())
         eager_logits = _eager_decode(model, kv, ids, pos, tables)
         ms = time_steps(lambda: _eager_decode(model, kv, ids, pos, tables), kv.device, steps)
         rows.append(Row(label, b, "eager", ms, moved))
@@ -212,17 +212,22 @@ def _free(device) -> None:
 
 
 def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
-                max_batch: int, kernels: dict[str, str] | None = None, kv=None):
+                max_batch: int, kernels: dict[str, str] | None = None, kv=None,
+                kv_dtype=None):
     """(model, KV cache of ``blocks`` 16-token blocks filled with noise, decode graphs up to
     ``max_batch`` when the backend is graph-safe, else None) for the timing sections;
-    ``kernels`` forces plan choices, and a given ``kv`` is used as it is."""
+    ``kernels`` forces plan choices, a given ``kv`` is used as it is, ``kv_dtype`` is the
+    cache's element type (fp8) when it is not the model's."""
+    import torch
     from components.executor.model import LlamaModel
+    from kernels.kv_cache import quantize
     model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16,
-                       kernels=kernels)
+                       kernels=kernels, kv_dtype=kv_dtype)
     print(f"  {label}: backend {model.backend.name}", flush=True)
     if kv is None:
         kv = model.new_kv_cache(blocks, 16)
-        kv.data.normal_()
+        for layer in kv.data:                 # (one layer's noise at a time)
+            layer.copy_(quantize(torch.randn(layer.shape, device=layer.device), kv.dtype))
     graphs = None
     if getattr(model.backend, "graph_safe", False):
         from components.executor.cuda_graphs import DecodeGraphs

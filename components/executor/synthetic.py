@@ -85,7 +85,9 @@ def kv_read_bytes(shape: ModelShape, seq_lens: list[int], elem_bytes: int) -> in
     return sum(seq_lens) * per_token
 
 
-def decode_bytes(shape: ModelShape, seq_lens: list[int], elem_bytes: int) -> int:
-    """Weights + KV read for one decode step over sequences of ``seq_lens`` tokens."""
+def decode_bytes(shape: ModelShape, seq_lens: list[int], elem_bytes: int,
+                 kv_elem_bytes: int | None = None) -> int:
+    """Weights + KV read for one decode step over sequences of ``seq_lens`` tokens (the
+    cache's elements ``kv_elem_bytes`` each, e.g. 1 for fp8; default ``elem_bytes``)."""
     return (weight_bytes(shape, elem_bytes, batch=len(seq_lens))
-            + kv_read_bytes(shape, seq_lens, elem_bytes))
+            + kv_read_bytes(shape, seq_lens, kv_elem_bytes or elem_bytes))

@@ -46,8 +46,12 @@ def test_cpu_dry_run(tmp_path):
     assert "FAIL" not in out and " 0 failed" in out
     if importlib.util.find_spec("triton") is not None:
         assert "ok   triton static-decode" in out and "stray KV writes 0" in out
+        for fp8 in ("float8_e4m3fn", "float8_e5m2"):       # fp8 caches under a bf16 model
+            assert f"ok   triton decode  bfloat16 kv {fp8}" in out
     table = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
     assert [(row[1], row[2]) for row in table] == [("1", "eager"), ("2", "eager")]
+    fp8_rows = [line.split() for line in out.splitlines() if line.startswith("tiny-kv-e4m3 ")]
+    assert [(row[1], row[2]) for row in fp8_rows] == [("1", "eager"), ("2", "eager")]
     for row in table:  # tokens/s == batch / (ms / 1000)
         assert float(row[4]) == pytest.approx(int(row[1]) / float(row[3]) * 1e3, rel=1e-2)
     assert "[5] step grid" in out

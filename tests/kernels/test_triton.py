@@ -21,6 +21,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 
 from kernels import torch_ref  # noqa: E402
+from kernels.kv_cache import quantize  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.testing import random_paged_case  # noqa: E402
 from kernels.triton_paged import paged_attention, write_kv  # noqa: E402
@@ -151,4 +152,23 @@ def test_the_backend_picks_the_decode_partition_by_batch_size():
     want = paged_attention(q, kc, vc, meta, DIM ** -0.5, partition_blocks=16)
     for blocks in (None, 2):
         got = TritonBackend(blocks).paged_attention(q, kc, vc, meta, DIM ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_caches_match_reference(fp8):
+    """kv.dtype fp8: the write stores what the reference stores (the rounded rows, bit for
+    bit), and decode and prefill widen the stored keys and values as they load them."""
+    rng = random.Random(11)
+    for qlens, ctx in (([1, 1, 1], [40, 300, 15]), ([9, 33], [0, 50])):
+        q, k, v, kc, vc, meta = _case(rng, 16, 3, 3, qlens, ctx)
+        kc, vc = quantize(kc, fp8), quantize(vc, fp8)
+        k = k * 300                                  # many elements past E4M3's 448: saturated
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        torch_ref.write_kv(kc_ref, vc_ref, k, v, meta)
+        write_kv(kc, vc, k, v, meta)
+        assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
+        want = torch_ref.paged_attention(q, kc, vc, meta, DIM ** -0.5)
+        got = paged_attention(q, kc, vc, meta, DIM ** -0.5)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
