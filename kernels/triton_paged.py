@@ -23,19 +23,51 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import is_fp8, quantize
 from kernels.metadata import AttentionMetadata
+
+# (mantissa bits, exponent bias, largest finite code) of the fp8 cache formats
+_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 0x7E), torch.float8_e5m2: (2, 15, 0x7B)}
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, SLOTS, row, sk_t, sv_t, ROW_PAD: tl.constexpr):
+def _fp8_code(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
+    """``x`` as fp8 codes (uint8): round to nearest even, saturated, NaN kept; the integer
+    arithmetic of kernels/csrc/cpu_fp8.h, so every backend stores the same bytes as
+    kernels.kv_cache.quantize (the conversion instructions differ in saturation, and
+    Triton's interpreter rounds some carries into the next binade wrong)."""
+    SHIFT: tl.constexpr = 23 - MANT
+    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT) \
+        - ((127 - BIAS) << MANT)
+    af = a.to(tl.float32, bitcast=True)
+    # subnormal: a multiple of the smallest step, rounded to nearest even by the 2^23 trick
+    # (the others, NaN included, go in as 0: no out-of-range cast)
+    small = af < 2.0 ** (1 - BIAS)
+    sub = ((tl.where(small, af, 0.0) * (2.0 ** (BIAS + MANT - 1)) + 8388608.0)
+           - 8388608.0).to(tl.uint32)
+    code = tl.where(small, sub, normal)
+    code = tl.minimum(code, MAX_CODE)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _write_kv_kernel(K, V, KC, VC, SLOTS, row, sk_t, sv_t, ROW_PAD: tl.constexpr,
+                     MANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:  # padding rows of a captured batch have slot -1
         cols = tl.arange(0, ROW_PAD)
         ok = cols < row
-        tl.store(KC + slot * row + cols, tl.load(K + t * sk_t + cols, mask=ok), mask=ok)
-        tl.store(VC + slot * row + cols, tl.load(V + t * sv_t + cols, mask=ok), mask=ok)
+        k = tl.load(K + t * sk_t + cols, mask=ok)
+        v = tl.load(V + t * sv_t + cols, mask=ok)
+        if MANT > 0:  # an fp8 cache (its bytes): rounded as quantize rounds
+            k = _fp8_code(k, MANT, BIAS, MAX_CODE)
+            v = _fp8_code(v, MANT, BIAS, MAX_CODE)
+        tl.store(KC + slot * row + cols, k, mask=ok)
+        tl.store(VC + slot * row + cols, v, mask=ok)
 
 
 @triton.jit
@@ -159,15 +191,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if t == 0:
         return
     row = k.shape[1] * k.shape[2]
-    k, v = _dense_rows(k, k_cache.dtype), _dense_rows(v, v_cache.dtype)
+    # an fp8 cache: rounded in the kernel (no launches around it), stored as bytes
+    fmt = _FP8_FORMATS.get(k_cache.dtype, (0, 0, 0))
+    if fmt[0]:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k, v = _dense_rows(k, k_cache.dtype), _dense_rows(v, v_cache.dtype)
+    k, v = _dense_rows(k, k.dtype), _dense_rows(v, v.dtype)
     _write_kv_kernel[(t,)](k, v, k_cache, v_cache, meta.slot_mapping, row, k.stride(0),
-                           v.stride(0), ROW_PAD=triton.next_power_of_2(row))
+                           v.stride(0), ROW_PAD=triton.next_power_of_2(row), MANT=fmt[0],
+                           BIAS=fmt[1], MAX_CODE=fmt[2])
 
 
 def _dense_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x [T, heads, dim]`` in ``dtype`` with each token's heads dense (any row stride);
-    an fp8 cache's rows rounded as :func:`~kernels.kv_cache.quantize` rounds them."""
-    x = quantize(x, dtype) if is_fp8(dtype) else x.to(dtype)
+    """``x [T, heads, dim]`` in ``dtype`` with each token's heads dense (any row stride)."""
+    x = x.to(dtype)
     if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
     return x.contiguous()
@@ -201,7 +239,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), bt.stride(0))
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # (fp8 caches: q's)
     if all(ql == 1 for ql in meta.query_lens):
         max_blocks = -(-max(c + 1 for c in meta.context_lens) // block_size)
         partition_blocks = max(partition_blocks, -(-max_blocks // MAX_PARTITIONS))

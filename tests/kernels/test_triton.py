@@ -172,3 +172,21 @@ def test_fp8_caches_match_reference(fp8):
         want = torch_ref.paged_attention(q, kc, vc, meta, DIM ** -0.5)
         got = paged_attention(q, kc, vc, meta, DIM ** -0.5)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_fp8_write_rounds_every_edge_as_quantize(fp8, src):
+    """The Triton write's own rounding (integer arithmetic, not the conversion
+    instructions) stores quantize's bytes for every decade, tie, subnormal, saturation and
+    infinity (the edge values of tests/kernels/test_kv_fp8.py)."""
+    from tests.kernels.test_kv_fp8 import _edge_values
+    x = _edge_values(fp8).to(device=DEVICE, dtype=src).view(-1, 3, 64)
+    n = x.shape[0]
+    kc = torch.zeros(n, 1, 3, 64, dtype=fp8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    meta = AttentionMetadata.build([n], [0], [list(range(n))], 1, DEVICE)
+    write_kv(kc, vc, x, -x, meta)
+    want = quantize(x, fp8).view(torch.uint8)
+    assert torch.equal(kc.view(n, 3, 64).view(torch.uint8), want)
+    assert torch.equal(vc.view(n, 3, 64).view(torch.uint8), quantize(-x, fp8).view(torch.uint8))
