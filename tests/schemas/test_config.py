@@ -108,7 +108,7 @@ def test_override_creates_missing_section(tmp_path):
     ("engine", {"dtype": "float16"}, "dtype"),
     ("engine", {"colour": "blue"}, "colour"),
     ("kv", {"block_size": "big"}, "block_size"),
-    ("kv", {"dtype": "int8"}, r"kv\.dtype|dtype"),
+    ("kv", {"dtype": "int8"}, r"kv\.dtype"),
     ("admission", {"max_outstanding": 0}, "admission.max_outstanding must be >= 1"),
     ("admission", {"tenants": [{"name": "a"}, {"name": "a"}]}, "duplicate"),
     ("streamer", {"client_timeout_s": 0}, "streamer.client_timeout_s must be > 0"),
