@@ -11,7 +11,9 @@ import abc
 import math
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import anyio
@@ -124,7 +126,10 @@ class Component(abc.ABC):
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._control, tg.cancel_scope)
-            await self.setup()
+            try:
+                await self.setup()
+            except ValueError as exc:      # the operator's to fix: a clear line, no traceback
+                raise SetupFailed(str(exc)) from exc
             self.state = "ready"
             log.info("ready")
             tg.start_soon(self._heartbeats)
@@ -149,8 +154,31 @@ def _loop_options() -> dict:
     return {"use_uvloop": True}
 
 
-def run(component_cls: type[Component], config: WeirConfig) -> None:
-    """Process entry point: the supervisor handles Ctrl-C for the whole group."""
+class SetupFailed(Exception):
+    """A component could not start for a reason its operator can fix: a ValueError from its
+    setup (the model, the configuration, a forced kernel this machine cannot run)."""
+
+
+def setup_failure_path(run_dir: Path, name: str) -> Path:
+    """Where a component that could not start leaves its reason for the supervisor (beside
+    the config the supervisor wrote for it)."""
+    return run_dir / f"{name}.setup_failed"
+
+
+def _setup_failure(exc: BaseException) -> SetupFailed | None:
+    if isinstance(exc, SetupFailed):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):       # (task groups wrap what they raise)
+        if (found := _setup_failure(inner)) is not None:
+            return found
+    return None
+
+
+def run(component_cls: type[Component], config: WeirConfig, run_dir: Path | None = None) -> None:
+    """Process entry point: the supervisor handles Ctrl-C for the whole group. A setup that
+    fails with a reason the operator can fix (:class:`SetupFailed`) logs that reason as one
+    line, leaves it for the supervisor in ``run_dir`` (:func:`setup_failure_path`) and exits
+    with code 2."""
     from bus import tracing
     from bus.log import configure
 
@@ -161,10 +189,22 @@ def run(component_cls: type[Component], config: WeirConfig) -> None:
         os.nice(nice)       # yield the cores to the executor's OpenMP threads (see config)
     curve.configure(config)          # CURVE on tcp sockets if [security] says so
     comp = component_cls(config)
+    failed = None
     try:
         anyio.run(comp.serve, backend_options=_loop_options())
+    except BaseException as exc:
+        if (failed := _setup_failure(exc)) is None:
+            raise
+        log.error("setup_failed", reason=str(failed))
+        if run_dir is not None:
+            try:
+                setup_failure_path(run_dir, component_cls.name).write_text(str(failed))
+            except OSError:
+                pass
     finally:
         comp.close()
         curve.shutdown()
         context().destroy(linger=0)
         tracing.shutdown()
+    if failed is not None:
+        sys.exit(2)

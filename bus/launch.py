@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
     name, config_path = argv
     die_with_parent()
     config = msgspec.json.decode(Path(config_path).read_bytes(), type=WeirConfig)
-    run(service_class(name), config)
+    run(service_class(name), config, Path(config_path).parent)
     # Stopped cleanly: sockets closed, traces flushed. Python's own teardown (freeing the
     # interpreter's objects one by one: torch's modules, the vocabulary's dicts) took
     # 0.5-1.5 s more per process, and every stop or restart of the engine waited on it.

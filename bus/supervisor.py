@@ -17,6 +17,7 @@ import msgspec
 import structlog
 import zmq
 
+from bus.component import setup_failure_path
 from bus.socket import BusSocket
 from components.streamer.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from schemas.config import COMPONENTS, WeirConfig
@@ -29,6 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class StartupError(RuntimeError):
     pass
+
+
+def find_startup_error(exc: BaseException) -> StartupError | None:
+    """The StartupError in ``exc`` or the exception groups around it (the supervisor's task
+    group wraps what it raises), else None."""
+    if isinstance(exc, StartupError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        if (found := find_startup_error(inner)) is not None:
+            return found
+    return None
 
 
 @dataclass
@@ -80,6 +92,7 @@ class Supervisor:
 
     # -- processes
     def _spawn(self, child: Child) -> None:
+        setup_failure_path(self.config_path.parent, child.name).unlink(missing_ok=True)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         child.proc = subprocess.Popen(
@@ -158,6 +171,10 @@ class Supervisor:
                 await to_streamer.send(self.status())
             for c in self.children.values():
                 if not c.external and not c.alive:
+                    reason = setup_failure_path(self.config_path.parent, c.name)
+                    if reason.is_file():       # it said why (bus.component.SetupFailed)
+                        raise StartupError(f"{c.name} could not start: "
+                                           f"{reason.read_text().strip()}")
                     raise StartupError(f"component {c.name} exited during startup "
                                        f"(code {c.proc.poll() if c.proc else None})")
             if time.monotonic() > deadline:

@@ -190,6 +190,18 @@ class DecodeBench:
         return time.perf_counter() - t0
 
 
+def interleaved(benches: dict[str, "DecodeBench"], steps: int) -> dict[str, list[float]]:
+    """Each bench's decode step, in turns (drift hits each alike): two untimed rounds, then
+    ``steps`` timed ones; seconds per step by name."""
+    times: dict[str, list[float]] = {name: [] for name in benches}
+    for i in range(2 + steps):
+        for name, bench in benches.items():
+            t = bench.decode()
+            if i >= 2:
+                times[name].append(t)
+    return times
+
+
 def time_parts(model: LlamaModel) -> dict[str, float]:
     """Wrap the forward's parts (native kernels, oneDNN GEMMs, metadata, sampling) with
     wall-clock timers; returns the dict they add seconds to. The native calls are invisible
@@ -292,14 +304,8 @@ def main() -> None:
           f"{'flop floor ms':>13} {'of flops':>8} {'gemm floor ms':>13} {'x gemm':>6} "
           f"{'warm floor ms':>13} {'x warm':>6}")
     for b in [int(x) for x in args.batches.split(",")]:
-        benches = {name: DecodeBench(m, b, args.context) for name, m in models.items()}
-        times: dict[str, list[float]] = {name: [] for name in benches}
-        for i in range(2 + args.steps):          # interleaved: drift hits each alike
-            for name, bench in benches.items():
-                t = bench.decode()
-                if i >= 2:
-                    times[name].append(t)
-        del benches
+        times = interleaved({name: DecodeBench(m, b, args.context)
+                             for name, m in models.items()}, args.steps)
         flop_floor = 2 * params * b / rate * 1e3
         gemm, warm = gemm_floor_ms(model, b, evict)
         for name, m in models.items():
@@ -319,6 +325,8 @@ def main() -> None:
                 for name, t in times.items() if name != first))
         if b == args.profile:
             from torch.profiler import ProfilerActivity, profile
+            bench = DecodeBench(model, b, args.context)
+            bench.decode()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     bench.decode()
@@ -331,12 +339,7 @@ def main() -> None:
                    "logprobs": DecodeBench(model, b, args.context, logprobs=5),
                    "structured": DecodeBench(model, b, args.context,
                                              structured=StructuredOutput(json_object=True))}
-        times: dict[str, list[float]] = {name: [] for name in benches}
-        for i in range(2 + args.steps):          # interleaved: drift hits both alike
-            for name, bench in benches.items():
-                t = bench.decode()
-                if i >= 2:
-                    times[name].append(t)
+        times = interleaved(benches, args.steps)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"batch {b}, context {args.context}: {ms['plain']:.2f} ms/step plain, "
               f"{ms['penalized']:.2f} with penalties and a bias on every sequence "

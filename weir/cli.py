@@ -18,7 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bus.log import configure
     import msgspec
 
-    from bus.supervisor import StartupError, Supervisor
+    from bus.supervisor import Supervisor, find_startup_error
     from weir.client import default_endpoint
     from weir.forms import replica_address
     from weir.model_fetch import resolve_model
@@ -48,8 +48,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(Supervisor(config).serve, ready)
-    except StartupError as exc:
-        print(f"weir serve: {exc}", file=sys.stderr)
+    except BaseException as exc:           # (the supervisor's task group wraps it)
+        if (failed := find_startup_error(exc)) is None:
+            raise
+        print(f"weir serve: {failed}", file=sys.stderr)
         return 1
     return 0
 
@@ -62,7 +64,7 @@ def _route(args: argparse.Namespace) -> int:
     from bus.log import configure
     import msgspec
 
-    from bus.supervisor import StartupError, Supervisor
+    from bus.supervisor import Supervisor, find_startup_error
     from weir.client import default_endpoint
     from weir.forms import replica_address
 
@@ -98,8 +100,10 @@ def _route(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(Supervisor(config, components=("router",)).serve, ready)
-    except StartupError as exc:
-        print(f"weir route: {exc}", file=sys.stderr)
+    except BaseException as exc:           # (the supervisor's task group wraps it)
+        if (failed := find_startup_error(exc)) is None:
+            raise
+        print(f"weir route: {failed}", file=sys.stderr)
         return 1
     return 0
 

@@ -2,14 +2,19 @@
 request, drain on SIGTERM, bounded queues, and preemption that keeps outputs exact."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import pytest
 
 from tests.e2e.engine import Engine, wait_for
 from weir import AsyncClient, RequestFailed, RequestRejected
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = """
 [kv]
@@ -198,3 +203,22 @@ def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path)
         assert err.value.retry_after_s >= 1
     finally:
         eng.stop()
+
+
+def test_a_component_that_cannot_start_says_why_in_one_line(tmp_path, model_path):
+    """A setup the operator must fix (here a context longer than the model's) stops
+    `weir serve` with exit code 1 and one line naming the component and the reason, not a
+    traceback; the other components are stopped with it."""
+    cfg = tmp_path / "weir.toml"
+    cfg.write_text("[engine]\nmax_model_len = 20000\n[kv]\nnum_blocks = 2048\n"
+                   "[gateway]\nenabled = false\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WEIR_LOG_LEVEL="warning")
+    proc = subprocess.run([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
+                           "--run-dir", str(tmp_path / "run"),
+                           "--endpoint", f"ipc://{tmp_path}/client.sock"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("weir serve: executor could not start: engine.max_model_len 20000 "
+                           "exceeds the model's context"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -79,10 +79,18 @@ PAGE = ("Chapter {i}. The archive held maps of every river in the valley, drawn 
         "two centuries, with notes on floods, bridges, mills and the families who ran them. ")
 
 
-def test_evicted_prefix_is_demoted_to_the_host_tier_and_promoted_on_a_hit(tmp_path, model_path):
-    eng = Engine(tmp_path, "[engine]\nmax_model_len = 384\n"
-                           "[kv]\nnum_blocks = 24\nnum_cpu_blocks = 16\n")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_evicted_prefix_is_demoted_to_the_host_tier_and_promoted_on_a_hit(tmp_path, model_path,
+                                                                          kv_dtype):
+    """A prefix evicted from the pool goes to the host tier and comes back on a hit, with the
+    same tokens; with an fp8 cache (kv.dtype, a bf16 model) too: its rounded keys travel
+    as bytes, and the executor reports the cache's type."""
+    bf16 = 'dtype = "bfloat16"\n' if kv_dtype != "auto" else ""
+    eng = Engine(tmp_path, f"[engine]\nmax_model_len = 384\n{bf16}"
+                           f'[kv]\nnum_blocks = 24\nnum_cpu_blocks = 16\ndtype = "{kv_dtype}"\n')
     try:
+        want = {"auto": "float32", "fp8_e4m3": "float8_e4m3fn"}[kv_dtype]
+        assert eng.status()["executor"].info["kv.dtype"] == want
         with eng.client() as c:
             def ask(i):
                 return c.generate(PAGE.format(i=i) * 4, max_tokens=2, temperature=0.0,
