@@ -84,11 +84,14 @@ def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> Non
 
 
 def get_backend(name: str = "auto", device: torch.device | str | None = None, *,
-                block_size: int | None = None,
-                dtype: torch.dtype | None = None) -> AttentionBackend:
-    """Return the named backend, built for KV blocks of ``block_size`` tokens in ``dtype``;
-    ``"auto"`` picks the first usable one for ``device`` (see the module docstring)."""
+                block_size: int | None = None, dtype: torch.dtype | None = None,
+                kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Return the named backend, built for KV blocks of ``block_size`` tokens, a model in
+    ``dtype`` and caches in ``kv_dtype`` (None: ``dtype``; fp8, kv.dtype); ``"auto"`` picks
+    the first usable one for ``device`` (see the module docstring)."""
     opts = {"block_size": block_size, "dtype": dtype, "device": device}
+    if kv_dtype is not None and kv_dtype != dtype:
+        opts["kv_dtype"] = kv_dtype
     if name == "auto":
         is_cuda = device is not None and torch.device(device).type == "cuda"
         for candidate in AUTO_ORDER_CUDA if is_cuda else AUTO_ORDER_CPU:

@@ -39,7 +39,8 @@ class FlashAttnBackend:
     name = "flash_attn"
 
     def __init__(self, block_size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None,
+                 kv_dtype: torch.dtype | None = None):
         if block_size is None:
             raise ValueError("the flash_attn backend needs the KV block size "
                              f"(a multiple of {PAGE_MULTIPLE})")
@@ -48,6 +49,9 @@ class FlashAttnBackend:
                              f"to be a multiple of {PAGE_MULTIPLE}; it is {block_size}")
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn runs in float16/bfloat16 only, not {dtype}")
+        if kv_dtype is not None and kv_dtype != (dtype or kv_dtype):
+            raise ValueError(f"this flash-attn adapter reads caches of the model's dtype, not "
+                             f"{kv_dtype} (kv.dtype): the triton backend reads fp8 caches")
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"flash-attn needs a CUDA device, not {device}")
         if not torch.cuda.is_available():

@@ -198,7 +198,8 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
         plan = KernelPlan({r: [(max_tokens, "torch")] for r in ROLES},
                           "triton" if triton_available() else "torch", "torch",
                           get_backend(attention, device, block_size=kv_block_size,
-                                      dtype=dtype).name, source="device", layer_loop="python")
+                                      dtype=dtype, kv_dtype=kv_dtype).name, source="device",
+                          layer_loop="python")
         if "elementwise" in forced:
             plan.elementwise = _elementwise_forced(forced["elementwise"], False, device)
             plan.source = "forced"

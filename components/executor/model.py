@@ -186,7 +186,8 @@ class LlamaModel:
         self.plan = plan
         if isinstance(backend, str):
             name = plan.attention if self.device.type == "cpu" else backend
-            backend = get_backend(name, self.device, block_size=kv_block_size, dtype=dtype)
+            backend = get_backend(name, self.device, block_size=kv_block_size, dtype=dtype,
+                                  kv_dtype=self.kv_dtype)
         self.backend = backend
         self._new_kv = getattr(backend, "takes_new_kv", False)
         if hasattr(backend, "fresh_prompts"):     # (an fp8 cache: every row reads it)

@@ -24,6 +24,15 @@
 #include "cpu_common.h"
 #include "cpu_fp8.h"
 
+// The build compiles this file three times, in parallel (kernels/cpu_native.py), each part
+// instantiating one family of caches: 1 the model's own dtype (and everything that is not
+// a kernel instantiation: the KV writes, the entry point, the AMX probe), 2 fp8 E4M3, 3 fp8
+// E5M2. Unset: all of them in one object.
+#ifndef WEIR_ATTN_PART
+#define WEIR_ATTN_PART 0
+#endif
+#define WEIR_PART(n) (WEIR_ATTN_PART == 0 || WEIR_ATTN_PART == (n))
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define WEIR_TILED 1
 
@@ -647,12 +656,14 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 
 }  // namespace
 
+#if WEIR_PART(1)
 extern "C" int weir_amx_supported() {
     // Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
     static const int ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
     return ok;
 }
-#else
+#endif
+#elif WEIR_PART(1)
 extern "C" int weir_amx_supported() { return 0; }
 #endif
 
@@ -1063,9 +1074,57 @@ void write_fp8(const S* k, const S* v, int64_t src_stride, F* k_cache, F* v_cach
     }
 }
 
+// One family of caches (WEIR_ATTN_PART): q and out of dtype (0 float32, 1 bf16), caches
+// of KT; the arguments of weir_decode_attention.
+template <typename KT>
+int attention_part(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                   void* out, const int64_t* seqs, int64_t n, const int32_t* block_tables,
+                   int64_t table_width, const int32_t* row_lens, int64_t heads, int64_t q_row,
+                   int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
+                   int num_threads, int amx) {
+    const int64_t g = heads / kv_heads;
+    auto run = [&](auto qt) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(qt)>>;
+        using K = std::conditional_t<std::is_void_v<KT>, T, KT>;
+        return dispatch(dim, g, static_cast<const T*>(q), static_cast<const K*>(k_cache),
+                        static_cast<const K*>(v_cache), static_cast<T*>(out), seqs, n,
+                        block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
+                        scale, num_threads, amx != 0);
+    };
+    if (dtype == 0) return run(static_cast<const float*>(nullptr));
+    if (dtype == 1) return run(static_cast<const uint16_t*>(nullptr));
+    return -1;
+}
+
 }  // namespace
 
+#define WEIR_PART_ARGS int dtype, const void* q, const void* k_cache, const void* v_cache, \
+    void* out, const int64_t* seqs, int64_t n, const int32_t* block_tables, \
+    int64_t table_width, const int32_t* row_lens, int64_t heads, int64_t q_row, \
+    int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int num_threads, int amx
+#define WEIR_PART_CALL dtype, q, k_cache, v_cache, out, seqs, n, block_tables, table_width, \
+    row_lens, heads, q_row, kv_heads, dim, block_size, scale, num_threads, amx
+
 extern "C" {
+
+int weir_attention_same(WEIR_PART_ARGS);     // caches of q's dtype (void: T itself)
+int weir_attention_e4m3(WEIR_PART_ARGS);
+int weir_attention_e5m2(WEIR_PART_ARGS);
+#if WEIR_PART(1)
+int weir_attention_same(WEIR_PART_ARGS) { return attention_part<void>(WEIR_PART_CALL); }
+#endif
+#if WEIR_PART(2)
+int weir_attention_e4m3(WEIR_PART_ARGS) {
+    return attention_part<weir::fp8_e4m3>(WEIR_PART_CALL);
+}
+#endif
+#if WEIR_PART(3)
+int weir_attention_e5m2(WEIR_PART_ARGS) {
+    return attention_part<weir::fp8_e5m2>(WEIR_PART_CALL);
+}
+#endif
+
+#if WEIR_PART(1)
 
 // Store n new key and value rows (row_bytes each: all kv heads; source rows src_stride
 // bytes apart, e.g. views into the fused qkv projection) at their cache slots; slot -1 =
@@ -1141,31 +1200,12 @@ int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_
                           int num_threads, int amx) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
     if (amx && (dtype != 1 || block_size % 16 != 0 || !weir_amx_supported())) return -1;
-    if (kv_dtype != dtype && kv_dtype != 2 && kv_dtype != 3) return -1;
-    const int64_t g = heads / kv_heads;
-    auto run = [&](auto qt, auto kt) {
-        using T = std::remove_const_t<std::remove_pointer_t<decltype(qt)>>;
-        using KT = std::remove_const_t<std::remove_pointer_t<decltype(kt)>>;
-        return dispatch(dim, g, static_cast<const T*>(q), static_cast<const KT*>(k_cache),
-                        static_cast<const KT*>(v_cache), static_cast<T*>(out), seqs, n,
-                        block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
-                        scale, num_threads, amx != 0);
-    };
-    using E4 = const weir::fp8_e4m3*;
-    using E5 = const weir::fp8_e5m2*;
-    if (dtype == 0) {
-        using F = const float*;
-        if (kv_dtype == 2) return run(F{}, E4{});
-        if (kv_dtype == 3) return run(F{}, E5{});
-        return run(F{}, F{});
-    }
-    if (dtype == 1) {
-        using B = const uint16_t*;
-        if (kv_dtype == 2) return run(B{}, E4{});
-        if (kv_dtype == 3) return run(B{}, E5{});
-        return run(B{}, B{});
-    }
+    if (dtype != 0 && dtype != 1) return -1;
+    if (kv_dtype == dtype) return weir_attention_same(WEIR_PART_CALL);
+    if (kv_dtype == 2) return weir_attention_e4m3(WEIR_PART_CALL);
+    if (kv_dtype == 3) return weir_attention_e5m2(WEIR_PART_CALL);
     return -1;
 }
+#endif
 
 }

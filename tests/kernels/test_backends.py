@@ -80,3 +80,12 @@ def test_model_checks_the_cache_block_size_against_its_backend():
     with pytest.raises(ValueError, match="blocks of 256 tokens, not 16"):
         model.new_kv_cache(2, 16)
     assert LlamaModel(shape, random_weights(shape), kv_block_size=16).backend.name in ("cpu", "torch")
+
+
+def test_flash_attn_refuses_an_fp8_cache_so_auto_moves_on():
+    """The flash-attn adapter reads caches of the model's dtype: given an fp8 kv.dtype it
+    refuses at construction (get_backend("auto") then tries the next backend) instead of
+    failing inside the first step."""
+    with pytest.raises(ValueError, match="kv.dtype"):
+        FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device="cuda",
+                         kv_dtype=torch.float8_e4m3fn)
