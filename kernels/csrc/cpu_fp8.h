@@ -107,23 +107,30 @@ template <typename F> inline __m256i fp8_bf16_16(const F* p) {
 // whose exponent field is E5M2's own, the value times 2^-112. Its subnormals (below 2^-14)
 // become bf16 denormals, which those instructions read as zero (as they flush products
 // below 2^-126: |q.k| terms below 2^-14).
-// E4M3 by fp16 (its value times 2^-8, subnormals included) and one vcvtne2ps2bf16 for 32
-// (exact: 4 significant bits), without the multiply by 256.
+// E4M3 exactly (S = 0), by integer arithmetic on 16-bit lanes: its normal values are bf16's
+// with the exponent rebiased, its 8 zero-exponent codes come from a table (vpermw); ~7
+// instructions per 32 where fp16 and vcvtne2ps2bf16 took ~10 (with the AMX kernel, compute
+// alone over 30 layers: 8.3 ms by fp16).
 inline __m512i fp8_scaled_bf16_32(const fp8_e5m2* p) {
     const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_and_si512(_mm512_slli_epi16(w, 5), _mm512_set1_epi16(static_cast<short>(0x8fe0)));
 }
 inline __m512i fp8_scaled_bf16_32(const fp8_e4m3* p) {
+    // normal codes by integer arithmetic: magnitude << 4 plus the exponent's rebias (120 << 7);
+    // the 8 codes with a zero exponent (subnormals, and zero) from a table by vpermw
     const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7),
-                                       _mm512_set1_epi16(static_cast<short>(0xbf80)));
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)),
-                                        _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3c00));
+    const __m512i sub_table = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);   // m x 2^-9, m = 7 .. 0
+    const __m512i v = _mm512_mask_permutexvar_epi16(
+        normal, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag, sub_table);
+    return _mm512_or_si512(v, _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x8000))));
 }
 #endif
 template <typename T> constexpr float fp8_rescale = 1.0f;
 template <> constexpr float fp8_rescale<fp8_e5m2> = 0x1p112f;
-template <> constexpr float fp8_rescale<fp8_e4m3> = 256.0f;
 
 // 16 float32 as codes (fp8_encode's arithmetic, 16 lanes)
 template <typename F> inline __m128i fp8_encode16(__m512 x) {
