@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import anyio
 import structlog
@@ -26,6 +26,7 @@ from schemas.config import WeirConfig
 from schemas.wire import (ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop,
                           TenantUsage)
 
+E = TypeVar("E", bound=BaseException)
 log = structlog.get_logger("component")
 
 
@@ -165,11 +166,13 @@ def setup_failure_path(run_dir: Path, name: str) -> Path:
     return run_dir / f"{name}.setup_failed"
 
 
-def _setup_failure(exc: BaseException) -> SetupFailed | None:
-    if isinstance(exc, SetupFailed):
+def find_in_group(exc: BaseException, cls: type[E]) -> E | None:
+    """``exc`` if it is a ``cls``, else the first ``cls`` in the exception groups around it
+    (anyio's task groups wrap what their tasks raise), else None."""
+    if isinstance(exc, cls):
         return exc
-    for inner in getattr(exc, "exceptions", ()):       # (task groups wrap what they raise)
-        if (found := _setup_failure(inner)) is not None:
+    for inner in getattr(exc, "exceptions", ()):
+        if (found := find_in_group(inner, cls)) is not None:
             return found
     return None
 
@@ -193,7 +196,7 @@ def run(component_cls: type[Component], config: WeirConfig, run_dir: Path | None
     try:
         anyio.run(comp.serve, backend_options=_loop_options())
     except BaseException as exc:
-        if (failed := _setup_failure(exc)) is None:
+        if (failed := find_in_group(exc, SetupFailed)) is None:
             raise
         log.error("setup_failed", reason=str(failed))
         if run_dir is not None:

@@ -32,17 +32,6 @@ class StartupError(RuntimeError):
     pass
 
 
-def find_startup_error(exc: BaseException) -> StartupError | None:
-    """The StartupError in ``exc`` or the exception groups around it (the supervisor's task
-    group wraps what it raises), else None."""
-    if isinstance(exc, StartupError):
-        return exc
-    for inner in getattr(exc, "exceptions", ()):
-        if (found := find_startup_error(inner)) is not None:
-            return found
-    return None
-
-
 @dataclass
 class Child:
     """A supervised component: a process we spawned, or (``external``) one started by

@@ -32,12 +32,11 @@ from kernels.kv_cache import is_fp8
 from kernels.metadata import AttentionMetadata
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "cpu_decode_attention.cpp", _CSRC / "cpu_sampling.cpp",
-            _CSRC / "cpu_fused.cpp", _CSRC / "cpu_gemv.cpp", _CSRC / "cpu_forward.cpp"]
 # the objects, compiled in parallel: the attention kernels in three parts, one family of
 # cache types each (its instantiations were 31 s of a one-file build on 2 cores; ~15 s so)
 _UNITS = [(_CSRC / "cpu_decode_attention.cpp", [f"-DWEIR_ATTN_PART={p}"]) for p in (1, 2, 3)] \
-    + [(src, []) for src in _SOURCES[1:]]
+    + [(_CSRC / name, []) for name in ("cpu_sampling.cpp", "cpu_fused.cpp", "cpu_gemv.cpp",
+                                       "cpu_forward.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared",
           "-fPIC"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -49,7 +49,7 @@ class FlashAttnBackend:
                              f"to be a multiple of {PAGE_MULTIPLE}; it is {block_size}")
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn runs in float16/bfloat16 only, not {dtype}")
-        if kv_dtype is not None and kv_dtype != (dtype or kv_dtype):
+        if kv_dtype not in (None, dtype):
             raise ValueError(f"this flash-attn adapter reads caches of the model's dtype, not "
                              f"{kv_dtype} (kv.dtype): the triton backend reads fp8 caches")
         if device is not None and torch.device(device).type != "cuda":

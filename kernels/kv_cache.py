@@ -18,11 +18,14 @@ MADV_POPULATE_WRITE = 23          # Linux 5.14+
 # E5M2: 2 bits, up to 57344). "fp8" is E4M3, as in vLLM.
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# each format's mantissa bits, exponent bias and largest finite code, for the writers'
+# integer rounding (kernels/csrc/cpu_fp8.h, the Triton write); its largest value is
+# torch.finfo's
+FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 0x7E), torch.float8_e5m2: (2, 15, 0x7B)}
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_MAX
+    return dtype in FP8_FORMATS
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -39,7 +42,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     format's largest finite value (no infinities; NaN stays NaN); other types cast."""
     if not is_fp8(dtype):
         return x.to(dtype)
-    m = FP8_MAX[dtype]
+    m = torch.finfo(dtype).max
     return x.float().clamp(-m, m).to(dtype)
 
 

@@ -1,5 +1,6 @@
 """Random paged-attention cases shared by the kernel tests and scripts/gpu_check: caches,
-queries and metadata over shuffled, non-contiguous block tables."""
+queries and metadata over shuffled, non-contiguous block tables, and their decode rows as
+a CUDA graph's static buffers."""
 from __future__ import annotations
 
 import random
@@ -31,3 +32,20 @@ def random_paged_case(rng: random.Random, device, dtype, block_size: int, kv_hea
     q, k, v = make(t, kv_heads * group, dim), make(t, kv_heads, dim), make(t, kv_heads, dim)
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, device)
     return q, k, v, kc, vc, meta
+
+
+def padded_decode_buffers(meta: AttentionMetadata, contexts: list[int], pad: int,
+                          tables: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
+    """``meta``'s decode rows (at ``contexts``) as a CUDA graph replays them
+    (:meth:`AttentionMetadata.for_decode_buffers`): ``pad`` padding rows after them (slot
+    -1, one key), over ``tables`` [rows + pad, width], whose first columns get ``meta``'s
+    block tables (the rest is left as the caller filled it)."""
+    n, device = len(contexts), tables.device
+    tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata.for_decode_buffers(
+        positions=torch.tensor(contexts + [0] * pad, device=device),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)]),
+        seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
+        query_start_loc=torch.arange(n + pad + 1, **i32), block_tables=tables,
+        block_size=meta.block_size, max_seq_len=max_seq_len)

@@ -23,10 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import FP8_FORMATS
 from kernels.metadata import AttentionMetadata
-
-# (mantissa bits, exponent bias, largest finite code) of the fp8 cache formats
-_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 0x7E), torch.float8_e5m2: (2, 15, 0x7B)}
 
 
 @triton.jit
@@ -192,7 +190,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
     row = k.shape[1] * k.shape[2]
     # an fp8 cache: rounded in the kernel (no launches around it), stored as bytes
-    fmt = _FP8_FORMATS.get(k_cache.dtype, (0, 0, 0))
+    fmt = FP8_FORMATS.get(k_cache.dtype, (0, 0, 0))
     if fmt[0]:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:

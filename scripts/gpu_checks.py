@@ -65,7 +65,7 @@ def _kernel_cases(rng: random.Random, tiny: bool):
 def check_triton(report, device, dtypes, tiny: bool = False) -> None:
     import torch
     from kernels import torch_ref
-    from kernels.metadata import AttentionMetadata
+    from kernels.testing import padded_decode_buffers
     from kernels.triton_paged import TritonBackend
     backend = TritonBackend()
     rng = random.Random(0)
@@ -97,16 +97,10 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
             want = torch_ref.paged_attention(q.float(), kc_ref.float(), vc_ref.float(), meta,
                                              scale)
             b, width = n + pad, -(-max_len // bs)
-            tables = torch.zeros(b, width, dtype=torch.int32, device=device)
-            tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+            static = padded_decode_buffers(
+                meta, contexts, pad, torch.zeros(b, width, dtype=torch.int32, device=device),
+                max_len)
             extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])  # noqa: E731
-            i32 = dict(dtype=torch.int32, device=device)
-            static = AttentionMetadata.for_decode_buffers(
-                positions=torch.tensor(contexts + [0] * pad, device=device),
-                slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)]),
-                seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
-                query_start_loc=torch.arange(b + 1, **i32), block_tables=tables,
-                block_size=bs, max_seq_len=max_len)
             backend.write_kv(kc, vc, extra(k), extra(v), static)
             kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
             got = backend.paged_attention(extra(q), kc, vc, static, scale).float()

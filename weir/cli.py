@@ -18,7 +18,8 @@ def _serve(args: argparse.Namespace) -> int:
     from bus.log import configure
     import msgspec
 
-    from bus.supervisor import Supervisor, find_startup_error
+    from bus.component import find_in_group
+    from bus.supervisor import StartupError, Supervisor
     from weir.client import default_endpoint
     from weir.forms import replica_address
     from weir.model_fetch import resolve_model
@@ -49,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         anyio.run(Supervisor(config).serve, ready)
     except BaseException as exc:           # (the supervisor's task group wraps it)
-        if (failed := find_startup_error(exc)) is None:
+        if (failed := find_in_group(exc, StartupError)) is None:
             raise
         print(f"weir serve: {failed}", file=sys.stderr)
         return 1
@@ -64,7 +65,8 @@ def _route(args: argparse.Namespace) -> int:
     from bus.log import configure
     import msgspec
 
-    from bus.supervisor import Supervisor, find_startup_error
+    from bus.component import find_in_group
+    from bus.supervisor import StartupError, Supervisor
     from weir.client import default_endpoint
     from weir.forms import replica_address
 
@@ -101,7 +103,7 @@ def _route(args: argparse.Namespace) -> int:
     try:
         anyio.run(Supervisor(config, components=("router",)).serve, ready)
     except BaseException as exc:           # (the supervisor's task group wraps it)
-        if (failed := find_startup_error(exc)) is None:
+        if (failed := find_in_group(exc, StartupError)) is None:
             raise
         print(f"weir route: {failed}", file=sys.stderr)
         return 1

@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 from kernels import torch_ref  # noqa: E402
 from kernels.kv_cache import quantize  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.testing import random_paged_case  # noqa: E402
+from kernels.testing import padded_decode_buffers, random_paged_case  # noqa: E402
 from kernels.triton_paged import paged_attention, write_kv  # noqa: E402
 
 DIM = 64
@@ -105,18 +105,10 @@ def test_static_decode_buffers_match_reference(block_size, kv_heads, group):
     width = -(-max_seq_len // block_size)
     tables = torch.randint(0, kc.shape[0], (b, width), dtype=torch.int32)  # stale junk
     tables[n:, 0] = 0
-    tables = tables.to(DEVICE)
-    tables[:n, :meta.block_tables.shape[1]] = meta.block_tables
+    static = padded_decode_buffers(meta, contexts, pad, tables.to(DEVICE), max_seq_len)
     g = torch.Generator().manual_seed(3)
     extra = lambda t: torch.cat(  # noqa: E731
         [t, torch.randn(pad, *t.shape[1:], generator=g).to(DEVICE)])
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    static = AttentionMetadata.for_decode_buffers(
-        positions=torch.tensor(contexts + [0] * pad, device=DEVICE),
-        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=DEVICE)]),
-        seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
-        query_start_loc=torch.arange(b + 1, **i32), block_tables=tables,
-        block_size=block_size, max_seq_len=max_seq_len)
     assert static.context_lens == [max_seq_len - 1] * b
     write_kv(kc, vc, extra(k), extra(v), static)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
