@@ -132,6 +132,9 @@ def load() -> ctypes.CDLL:
         lib.weir_gemm_amx_bf16.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
         lib.weir_gemm_amx_bf16_f32.restype = ctypes.c_int
         lib.weir_gemm_amx_bf16_f32.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+        lib.weir_gemm_amx_bf16_argmax.restype = ctypes.c_int
+        lib.weir_gemm_amx_bf16_argmax.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64,
+                                                  ctypes.c_int]
         lib.weir_gemm_amx_bf16_silu_mul.restype = ctypes.c_int
         lib.weir_gemm_amx_bf16_silu_mul.argtypes = [vp, i64, vp, vp, i64, i64, i64,
                                                     ctypes.c_int]
@@ -361,6 +364,32 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor,
     if rc != 0:
         raise ValueError(f"small-batch linear refused {tuple(x.shape)} x {nb * 16}")
     return y
+
+
+def amx_argmax_linear(x: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``argmax(small_batch_linear(x, packed, bias, "amx", torch.float32))`` without the
+    logits: [M] int64, each row's first maximum (greedy decoding's lm_head; 64 x 49k logits
+    are 12.6 MB written, then read again). bf16, and ``amx_linear_fits`` for the weight."""
+    nb = packed.shape[0]
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or packed.dim() != 4 \
+            or (bias is not None and bias.dtype != torch.bfloat16):
+        raise ValueError(f"the AMX argmax linear runs bf16 rows and weights, not {x.dtype} "
+                         f"against {packed.dtype}")
+    if bias is not None:
+        bias = bias.contiguous()
+    rc = load().weir_gemm_amx_bf16_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                          None if bias is None else bias.data_ptr(),
+                                          out.data_ptr(), x.shape[0], nb * 16,
+                                          packed.shape[1] * 2, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"the AMX argmax linear refused {tuple(x.shape)} x {nb * 16}")
+    return out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,18 @@ class Linear:
             return self.runs["amx+f32"](x, w, self.bias)
         return self.runs[cand](x, w, self.bias).float()
 
+    def argmax(self, x: torch.Tensor, native: bool) -> torch.Tensor:
+        """``self.float32(x).argmax(-1)`` (the first maximum, [M] long): on the AMX tiles
+        without the logits (``runs["amx+argmax"]``), else the logits then the argmax (the
+        native one where ``native``)."""
+        cand, w = self.pick(x.shape[0])
+        if cand == "amx":
+            return self.runs["amx+argmax"](x, w, self.bias)
+        logits = self.float32(x)
+        if native and logits.device.type == "cpu":
+            return cpu_native.argmax(logits)
+        return logits.argmax(dim=-1)
+
     def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
         """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the
         plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
@@ -199,6 +211,7 @@ class LlamaModel:
         self.runs = dict(autotune.RUN)
         self.runs["amx+silu"] = cpu_native.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = autotune.amx_linear_f32            # float32 logits (Linear)
+        self.runs["amx+argmax"] = cpu_native.amx_argmax_linear    # greedy tokens (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
         self.embed = put(weights["embed"])
@@ -241,14 +254,16 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor,
-                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
         """Run one step over ``T`` flat tokens and return float32 logits ``[S, vocab]``
         for the rows ``logits_indices`` (e.g. each sequence's last new token).
 
         ``input_ids`` and ``positions`` are ``[T]`` long tensors laid out as in ``meta``;
         new keys/values are written to ``kv`` at ``meta.slot_mapping``. With
         ``logits_out`` (float32 ``[S, vocab]``, e.g. a CUDA graph's static output) the logits
-        are written there and it is returned. With no ``logits_indices`` the step only
+        are written there and it is returned. ``greedy``: each row's greedy token instead,
+        ``[S]`` long, the first maximum of its logits (on the AMX tiles without writing
+        them: :meth:`Linear.argmax`). With no ``logits_indices`` the step only
         fills the KV cache: the lm_head is skipped and the result is empty ``[0, vocab]``.
 
         No host syncs and no branching on tensor values, so with a graph-safe backend and
@@ -279,8 +294,12 @@ class LlamaModel:
             # test, not a value one, so a captured graph is unaffected)
             if logits_out is not None:
                 return logits_out[:0]
+            if greedy:
+                return torch.empty(0, dtype=torch.long, device=self.device)
             return torch.empty(0, s.vocab_size, dtype=torch.float32, device=self.device)
         _, x = ops.add_norm(h[logits_indices].contiguous(), None, self.norm)
+        if greedy:
+            return self.lm_head.argmax(x, self.plan.sampling == "native")
         if logits_out is not None:
             return logits_out.copy_(self.lm_head(x))
         return self.lm_head.float32(x)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from components.executor.constraints import Constraint, Grammars, apply_constraints
-from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
+from components.executor.sampling import (Logprobs, RowPenalties, all_greedy, apply_penalties,
+                                          sample)
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
 
@@ -155,11 +156,23 @@ class ModelRunner:
         prompt_lps: list[PromptChunkLogprobs] = []
         if n == 0:                    # only drops and copies: no forward to run
             return StepResult(plan.step_id, [], [], time.perf_counter_ns() - start)
+        states = [s for _, s, _ in sampled]
+        greedy_tokens = None
         if (self.graphs is not None and len(input_ids) == n == len(rows)
                 and self.graphs.can_replay(n, max(context_lens) + 1)):
             # decode only, one sample each: replay the captured graph of this batch bucket
             logits = self.graphs.replay(input_ids, context_lens, tables)
             self.graph_steps += 1
+        elif sampled and not prompt_rows and self._plain_greedy(states):
+            # every row takes its argmax and nothing reads the logits: the model returns
+            # the tokens (on the AMX tiles without writing the logits)
+            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
+                                           self.kv.device)
+            greedy_tokens = self.model.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=self.kv.device),
+                meta.positions, self.kv, meta,
+                torch.tensor(rows, dtype=torch.long, device=self.kv.device),
+                greedy=True).tolist()
         else:
             meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
                                            self.kv.device)
@@ -173,9 +186,10 @@ class ModelRunner:
                 logits = logits[:len(rows)]
         tokens: list[int] = []
         logprobs: list[SampleLogprobs | None] = []
-        if sampled:                   # a step of middle prefill chunks samples nothing
+        if greedy_tokens is not None:
+            tokens = greedy_tokens
+        elif sampled:                 # a step of middle prefill chunks samples nothing
             # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
-            states = [s for _, s, _ in sampled]
             penalized = [(i, s.token_ids, s.prompt_len, s.penalties)
                          for i, s in enumerate(states) if s.penalties is not None]
             asked = [i for i, s in enumerate(states) if s.logprobs is not None]
@@ -210,6 +224,12 @@ class ModelRunner:
         return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
                           time.perf_counter_ns() - start, logprobs=logprobs,
                           prompt_logprobs=prompt_lps)
+
+    @staticmethod
+    def _plain_greedy(states: list[SeqState]) -> bool:
+        """Every row greedy, and no penalty, logprobs or grammar reads its logits."""
+        return all(s.penalties is None and s.logprobs is None and s.constraint is None
+                   for s in states) and all_greedy([s.temperature for s in states])
 
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list[tuple[int, int, range]]
                          ) -> list[PromptChunkLogprobs]:

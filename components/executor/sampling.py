@@ -329,6 +329,17 @@ class Logprobs:
         return out
 
 
+def drawing(temperature: torch.Tensor) -> torch.Tensor:
+    """Which rows draw (a bool mask) for float32 ``temperature``; the rest are greedy: 0,
+    or a temperature too small for its float32 reciprocal (or NaN), the greedy limit."""
+    return (temperature > 0) & temperature.reciprocal().isfinite()
+
+
+def all_greedy(temperature: list[float]) -> bool:
+    """Whether :func:`sample` would take every row's argmax."""
+    return not bool(drawing(torch.tensor(temperature, dtype=torch.float32)).any())
+
+
 def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
            top_k: list[int], seeds: list[int | None], output_index: list[int],
            native: bool = True) -> torch.Tensor:
@@ -348,7 +359,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     # one row's parameters must never fail the batch (admission validates them, but the
     # executor does not rely on it): a temperature too small for its float32 reciprocal
     # (or NaN) is the greedy limit, and top_k is clamped before it becomes an int64
-    rand = ((temp > 0) & temp.reciprocal().isfinite()).nonzero()[:, 0].tolist()
+    rand = drawing(temp).nonzero()[:, 0].tolist()
     if len(rand) == rows:          # every row draws: no argmax (12.6 MB read at 64 rows)
         out = torch.empty(rows, dtype=torch.long, device=logits.device)
     else:

@@ -217,6 +217,8 @@ void blocks(const Kernel& kernel, const float* x, int64_t ldx, const W* wp,
 //   (weir_gemm_amx_bf16; measured against the vector kernel and oneDNN like every
 //   candidate.)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <omp.h>
+
 #include <vector>
 
 #include "cpu_common.h"
@@ -282,9 +284,14 @@ inline void store_row(uint16_t* y, __m512 v) {
 }
 inline void store_row(float* y, __m512 v) { _mm512_storeu_ps(y, weir::round_bf16(v)); }
 
-template <typename Out>
-int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias, Out* y,
-             int64_t m, int64_t n, int64_t k, int threads) {
+// The tile loop of every AMX linear: each thread a contiguous run of pairs of neighbouring
+// blocks (runs ascending with the thread number), so its weights stream front to back, each
+// pair's once for every row of x. For each 32 rows (or fewer) of x against a pair, calls
+// sink(thread, m0, rows, b, nb, c): the pair's outputs in c [mt][nb][16][16], unrounded,
+// bias not added. x's rows ldx apart (any m: whole_tiles pads a copy).
+template <typename Sink>
+int amx_pairs(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t m, int64_t n,
+              int64_t k, int threads, Sink&& sink) {
     if (n % 16 || k % 32 || m < 0 || !weir_amx_supported()) return -1;
     if (m == 0) return 0;
     const int64_t blocks = n / 16, kp = k / 2, ksteps = k / 32;
@@ -296,17 +303,13 @@ int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t*
     {
         weir::amx_configure();
         alignas(64) float c[4 * 256];
-        // pairs of neighbouring blocks, each thread a contiguous run: its weights stream
-        // front to back, each pair's once for every row of x
+        const int tid = omp_get_thread_num();
         const int64_t pairs = (blocks + 1) / 2;
 #pragma omp for schedule(static)
         for (int64_t pr = 0; pr < pairs; ++pr) {
             const int64_t b = 2 * pr;
             const int nb = b + 1 < blocks ? 2 : 1;
             const uint16_t* wb = wp + b * kp * 32;
-            __m512 bv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            if (bias)
-                for (int q = 0; q < nb; ++q) bv[q] = weir::load16(bias + (b + q) * 16);
             for (int64_t m0 = 0; m0 < mpad; m0 += 32) {
                 const int mt = mpad - m0 >= 32 ? 2 : 1;
                 const uint16_t* a0 = a + m0 * lda;
@@ -315,14 +318,72 @@ int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t*
                 else if (nb == 2) amx_block<1, 2>(a0, lda, wb, kp * 32, ksteps, c);
                 else amx_block<1, 1>(a0, lda, wb, kp * 32, ksteps, c);
                 const int64_t rows = m - m0 < mt * 16 ? m - m0 : mt * 16;
-                for (int64_t r = 0; r < rows; ++r)
-                    for (int q = 0; q < nb; ++q)
-                        store_row(y + (m0 + r) * n + (b + q) * 16, _mm512_add_ps(
-                            _mm512_load_ps(c + ((r / 16) * nb + q) * 256 + (r % 16) * 16),
-                            bv[q]));
+                sink(tid, m0, rows, b, nb, c);
             }
         }
         _tile_release();
+    }
+    return 0;
+}
+
+// output (row r, block b + q) of a pair's tiles c, plus the bias
+inline __m512 pair_out(const float* c, int64_t r, int nb, int q, const uint16_t* bias,
+                       int64_t b) {
+    const __m512 v = _mm512_load_ps(c + ((r / 16) * nb + q) * 256 + (r % 16) * 16);
+    return bias ? _mm512_add_ps(v, weir::load16(bias + (b + q) * 16)) : v;
+}
+
+template <typename Out>
+int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias, Out* y,
+             int64_t m, int64_t n, int64_t k, int threads) {
+    return amx_pairs(x, ldx, wp, m, n, k, threads,
+                     [&](int, int64_t m0, int64_t rows, int64_t b, int nb, const float* c) {
+        for (int64_t r = 0; r < rows; ++r)
+            for (int q = 0; q < nb; ++q)
+                store_row(y + (m0 + r) * n + (b + q) * 16, pair_out(c, r, nb, q, bias, b));
+    });
+}
+
+// Greedy decoding's lm_head: out[r] = the first index of the maximum of row r of the
+// logits gemm_amx<float> would write (each rounded to bf16), without writing them (64 x
+// 49k float32 is 12.6 MB, then read again by an argmax). Each thread keeps, per row, 16
+// lanes of running maxima (lane j: columns 16 i + j, the first block i holding it, by a
+// strict >); the lanes, then the threads (in column order) are reduced to the first
+// maximum, as torch.argmax. NaN logits are not special-cased (a finite model has none).
+int gemm_amx_argmax(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
+                    int64_t* out, int64_t m, int64_t n, int64_t k, int threads) {
+    const int nt = n / 16 > 4 ? threads : 1;
+    std::vector<float> best(static_cast<size_t>(nt * m * 16), -INFINITY);
+    std::vector<int32_t> at(static_cast<size_t>(nt * m * 16), 0);
+    const int rc = amx_pairs(x, ldx, wp, m, n, k, threads,
+                             [&](int tid, int64_t m0, int64_t rows, int64_t b, int nb,
+                                 const float* c) {
+        for (int64_t r = 0; r < rows; ++r) {
+            float* bv = best.data() + (tid * m + m0 + r) * 16;
+            int32_t* bi = at.data() + (tid * m + m0 + r) * 16;
+            __m512 mv = _mm512_loadu_ps(bv);
+            __m512i mi = _mm512_loadu_si512(bi);
+            for (int q = 0; q < nb; ++q) {
+                const __m512 v = weir::round_bf16(pair_out(c, r, nb, q, bias, b));
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);
+                mv = _mm512_mask_mov_ps(mv, gt, v);
+                mi = _mm512_mask_mov_epi32(mi, gt, _mm512_set1_epi32(static_cast<int>(b + q)));
+            }
+            _mm512_storeu_ps(bv, mv);
+            _mm512_storeu_si512(bi, mi);
+        }
+    });
+    if (rc != 0 || m == 0) return rc;
+    for (int64_t r = 0; r < m; ++r) {
+        float top = -INFINITY;
+        int64_t first = 0;
+        for (int tid = 0; tid < nt; ++tid)
+            for (int j = 0; j < 16; ++j) {
+                const float v = best[(tid * m + r) * 16 + j];
+                const int64_t col = static_cast<int64_t>(at[(tid * m + r) * 16 + j]) * 16 + j;
+                if (v > top || (v == top && col < first)) { top = v; first = col; }
+            }
+        out[r] = first;
     }
     return 0;
 }
@@ -404,6 +465,20 @@ int weir_gemm_amx_bf16(const uint16_t* x, int64_t ldx, const uint16_t* wp, const
     return gemm_amx(x, ldx, wp, bias, y, m, n, k, threads);
 #else
     (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)m; (void)n; (void)k; (void)threads;
+    return -1;
+#endif
+}
+
+// weir_gemm_amx_bf16's logits, reduced to each row's greedy token: out [m] int64, the
+// first index of the row's maximum (as torch.argmax of weir_gemm_amx_bf16_f32's output).
+int weir_gemm_amx_bf16_argmax(const uint16_t* x, int64_t ldx, const uint16_t* wp,
+                              const uint16_t* bias, int64_t* out, int64_t m, int64_t n,
+                              int64_t k, int threads) {
+#if defined(WEIR_GEMM_AMX)
+    return gemm_amx_argmax(x, ldx, wp, bias, out, m, n, k, threads);
+#else
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)out; (void)m; (void)n; (void)k;
+    (void)threads;
     return -1;
 #endif
 }

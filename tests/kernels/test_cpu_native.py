@@ -323,6 +323,46 @@ def test_amx_linear_with_float32_output_is_the_cast_to_the_bit(m):
 
 
 @_AMX
+@pytest.mark.parametrize("m", [0, 1, 17, 64, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_argmax_linear_is_the_first_maximum_of_the_logits(m, threads, monkeypatch):
+    """Greedy decoding's lm_head: each row's first maximum of the float32 logits the AMX
+    linear would write (rounded to bf16, so ties are common), bias or not, rows of any
+    count, over 1 and 2 threads (each a run of columns, merged in order). The rows that
+    tie plant a weight row's copy at a later column, a later block, and in the other
+    thread's half: the first one wins."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(m)
+    n, k = 4096, 64
+    w = torch.randn(n, k, generator=g).bfloat16()
+    for src, copies in ((7, (9, 40, 3000)), (2100, (2101, 4095))):
+        for c in copies:
+            w[c] = w[src]
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = cpu_native.pack_small_batch(w)
+    x = torch.randn(m + 1, k, generator=g).bfloat16()[1:]
+    if m > 1:
+        x[0], x[-1] = w[7] * 4, w[2100] * 4        # rows whose maximum ties
+    for bias in (None, b):
+        logits = cpu_native.small_batch_linear(x, packed, bias, tiles="amx",
+                                               out_dtype=torch.float32)
+        got = cpu_native.amx_argmax_linear(x, packed, bias)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+    if m > 1:
+        assert cpu_native.amx_argmax_linear(x, packed)[[0, -1]].tolist() == [7, 2100]
+
+
+@_AMX
+def test_amx_argmax_linear_refuses_what_it_cannot_run():
+    f32 = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="bf16 rows and weights"):
+        cpu_native.amx_argmax_linear(f32[:1], cpu_native.pack_small_batch(f32))
+    packed = cpu_native.pack_small_batch(torch.randn(48, 48).bfloat16())     # k % 32
+    with pytest.raises(ValueError, match="refused"):
+        cpu_native.amx_argmax_linear(torch.randn(2, 48).bfloat16(), packed)
+
+
+@_AMX
 def test_amx_gate_up_with_silu_mul_refuses_what_it_cannot_run():
     f32 = torch.randn(64, 64)
     with pytest.raises(ValueError, match="bf16 gate_up"):

@@ -232,6 +232,33 @@ def test_the_amx_lm_head_writes_float32_logits_and_changes_no_bit():
     assert torch.equal(got, _logits(model))
 
 
+@pytest.mark.parametrize("linear", ["amx", "torch"])
+def test_greedy_forward_returns_the_first_maximum_of_the_logits(linear):
+    """``forward(greedy=True)``: each row's argmax of the logits the same forward returns,
+    on the AMX tiles without writing them (``runs["amx+argmax"]``), else the logits and
+    the argmax."""
+    if linear not in _available(torch.bfloat16):
+        pytest.skip(f"no {linear} linear here")
+    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                       kernels={"linear": linear})
+    fused, calls = model.runs["amx+argmax"], []
+    model.runs["amx+argmax"] = lambda x, w, b: calls.append(x.shape[0]) or fused(x, w, b)
+    kv = model.new_kv_cache(8, 16)
+    for lens, ctx in (([5, 1, 20], [0, 0, 0]), ([1, 3, 1], [5, 1, 20])):
+        meta = AttentionMetadata.build(lens, ctx, [[0, 1], [2, 3], [4, 5]], 16)
+        ids = torch.randint(0, SHAPE.vocab_size, (sum(lens),),
+                            generator=torch.Generator().manual_seed(sum(ctx)))
+        rows = torch.cumsum(torch.tensor(lens), 0) - 1
+        kv_before = kv.data.clone()
+        tokens = model.forward(ids, meta.positions, kv, meta, rows, greedy=True)
+        kv.data.copy_(kv_before)
+        logits = model.forward(ids, meta.positions, kv, meta, rows)
+        assert tokens.dtype == torch.long and torch.equal(tokens, logits.argmax(-1))
+    assert calls == ([3, 3] if linear == "amx" else [])
+    empty = model.forward(ids, meta.positions, kv, meta, rows[:0], greedy=True)
+    assert empty.shape == (0,) and empty.dtype == torch.long
+
+
 def test_the_lm_head_candidates_are_timed_with_float32_logits(monkeypatch):
     """The plan times each lm_head candidate as the model runs it (float32 logits: the AMX
     kernel's own float32 pass, the others' output cast), and every other role as the bare

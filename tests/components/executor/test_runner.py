@@ -113,3 +113,34 @@ def test_the_cpu_pool_is_zeroed_and_costs_no_memory_until_written():
     kv.data[:, :, 7] = 1.0
     assert rss() - before < 64 << 20
     assert kv.data[:, :, 7].eq(1.0).all() and not kv.data[:, :, 8].any()
+
+
+def test_a_greedy_batch_takes_tokens_from_the_model_and_the_same_ones(model, monkeypatch):
+    """Where every row is greedy and nothing else reads the logits, the runner asks the
+    model for the tokens (``forward(greedy=True)``: on the AMX tiles, no logits written);
+    they are the tokens of the logits and the sampler. A row that draws, or asks for
+    logprobs, keeps the logits."""
+    greedy_calls = []
+    forward = model.forward
+
+    def spy(*a, **k):
+        greedy_calls.append(k.get("greedy", False))
+        return forward(*a, **k)
+
+    monkeypatch.setattr(model, "forward", spy)
+    _, fused = _run(model, [16, 24])
+    assert greedy_calls == [False, True, True, True, True, True]   # the middle chunk: no rows
+    monkeypatch.setattr(ModelRunner, "_plain_greedy", staticmethod(lambda states: False))
+    _, want = _run(model, [16, 24])
+    assert fused == want
+    monkeypatch.undo()
+    runner = ModelRunner(model, model.new_kv_cache(8, BLOCK))
+    greedy_calls.clear()
+    monkeypatch.setattr(model, "forward", spy)
+    runner.step(StepPlan(1, [NewSeq(1, list(PROMPT[:8]), 8, 0, [5], 0.0, 1.0, 0, None),
+                             NewSeq(2, list(PROMPT[:8]), 8, 0, [2], 0.7, 1.0, 0, 3),
+                             NewSeq(3, list(PROMPT[:8]), 8, 0, [7], 0.0, 1.0, 0, None,
+                                    logprobs=2)],
+                         [SeqStep(1, 8, [], True), SeqStep(2, 8, [], True)], []))
+    runner.step(StepPlan(2, [], [SeqStep(3, 8, [], True)], []))
+    assert greedy_calls == [False, False]
