@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -74,26 +75,32 @@ class AttentionMetadata:
         for i, (q, c, bt) in enumerate(zip(query_lens, context_lens, block_tables)):
             if len(bt) * block_size < q + c:
                 raise ValueError(f"block table of sequence {i} is too short for {q + c} tokens")
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
-        ctx = torch.tensor(context_lens, dtype=torch.long)
+        # numpy, then one torch view each: a handful of small-array ops at ~1 us, not ~10
+        # (64 decode rows: 121 -> 55 us)
+        q = np.asarray(query_lens, dtype=np.int64)
+        c = np.asarray(context_lens, dtype=np.int64)
         width = max((len(bt) for bt in block_tables), default=0) or 1
-        # padded in Python, one tensor: a row at a time was ~5 us a sequence (0.3 ms at 64)
-        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],
-                             dtype=torch.long).view(n, width)
-        starts = torch.zeros(n + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(n), q_lens)
-        positions = ctx[seq_idx] + torch.arange(len(seq_idx)) - starts[seq_idx]
-        slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        # padded in Python, one array: a row at a time was ~5 us a sequence (0.3 ms at 64)
+        table = np.array([list(bt) + [0] * (width - len(bt)) for bt in block_tables],
+                         dtype=np.int64).reshape(n, width)
+        st = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q, out=st[1:])
+        seq = np.repeat(np.arange(n), q)
+        pos = c[seq] + np.arange(len(seq)) - st[seq]
+        slots = table[seq, pos // block_size] * block_size + pos % block_size
+        q_lens, ctx, starts = torch.from_numpy(q), torch.from_numpy(c), torch.from_numpy(st)
+        seq_idx, positions, table_t = torch.from_numpy(seq), torch.from_numpy(pos), \
+            torch.from_numpy(table)
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return cls(
             token_seq=to(seq_idx),
-            num_tokens=int(starts[-1]), query_lens=list(query_lens),
+            num_tokens=int(st[-1]), query_lens=list(query_lens),
             context_lens=list(context_lens), block_size=block_size,
-            positions=to(positions), slot_mapping=to(slots),
-            seq_lens=to((q_lens + ctx).int()), query_start_loc=to(starts.int()),
-            block_tables=to(table.int()),
-            _group_inputs=(q_lens, ctx, starts, table, block_size, device),
+            positions=to(positions), slot_mapping=to(torch.from_numpy(slots)),
+            seq_lens=to(torch.from_numpy((q + c).astype(np.int32))),
+            query_start_loc=to(torch.from_numpy(st.astype(np.int32))),
+            block_tables=to(torch.from_numpy(table.astype(np.int32))),
+            _group_inputs=(q_lens, ctx, starts, table_t, block_size, device),
         )
 
     @classmethod
