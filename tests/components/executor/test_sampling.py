@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from components.executor.sampling import sample, seed_process_generator
+from components.executor.sampling import all_greedy, drawing, sample, seed_process_generator
 
 V = 49152
 
@@ -46,6 +46,17 @@ def test_the_argmax_runs_only_where_a_row_is_greedy(path, monkeypatch):
     mixed = _sample(x, temperature=[0.8, 0.0, 0.8, 0.8], seeds=[1, 2, 3, 4])
     assert calls and int(mixed[1]) == int(real_t(x[1]))
     assert torch.equal(mixed[[0, 2, 3]], drawn[[0, 2, 3]])      # seeded: batch-independent
+
+
+@pytest.mark.parametrize("t", [0.0, -1.0, 0.7, 2.0, 1e-30, 3e-39, 2.9e-39, 1e-41, 1e-45,
+                               1e-46, math.inf, math.nan, 3e38])
+def test_all_greedy_decides_as_the_sampler(t):
+    """The runner's all-greedy test (numpy) and the sampler's (torch) agree at the edges:
+    0, negative, NaN, and temperatures whose float32 reciprocal overflows (the greedy
+    limit) or flushes to zero; and a batch is greedy only if every row is."""
+    draws = bool(drawing(torch.tensor([t], dtype=torch.float32))[0])
+    assert all_greedy([t]) is not draws
+    assert not all_greedy([t, 0.5]) and all_greedy([0.0, 0.0])
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
