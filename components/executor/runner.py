@@ -163,24 +163,21 @@ class ModelRunner:
             # decode only, one sample each: replay the captured graph of this batch bucket
             logits = self.graphs.replay(input_ids, context_lens, tables)
             self.graph_steps += 1
-        elif sampled and not prompt_rows and self._plain_greedy(states):
-            # every row takes its argmax and nothing reads the logits: the model returns
-            # the tokens (on the AMX tiles without writing the logits)
-            meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
-                                           self.kv.device)
-            greedy_tokens = self.model.forward(
-                torch.tensor(input_ids, dtype=torch.long, device=self.kv.device),
-                meta.positions, self.kv, meta,
-                torch.tensor(rows, dtype=torch.long, device=self.kv.device),
-                greedy=True).tolist()
         else:
             meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size,
                                            self.kv.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.kv.device)
             extra = [i for *_, r in prompt_rows for i in r]
-            logits = self.model.forward(ids, meta.positions, self.kv, meta,
-                                        torch.tensor(rows + extra, dtype=torch.long,
-                                                     device=self.kv.device))
+            # every row takes its argmax and nothing reads the logits: the model returns
+            # the tokens (on the AMX tiles without writing the logits)
+            greedy = bool(sampled) and not extra and self._plain_greedy(states)
+            out = self.model.forward(ids, meta.positions, self.kv, meta,
+                                     torch.tensor(rows + extra, dtype=torch.long,
+                                                  device=self.kv.device), greedy=greedy)
+            if greedy:
+                greedy_tokens = out.tolist()
+            else:
+                logits = out
             if extra:
                 prompt_lps = self._prompt_logprobs(logits[len(rows):], prompt_rows)
                 logits = logits[:len(rows)]
