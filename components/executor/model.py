@@ -27,24 +27,30 @@ class Linear:
     (kernels/tuning.py). ``runs`` maps a candidate to its function; it is the model's, so a
     profiler can wrap one candidate for every weight."""
 
-    __slots__ = ("table", "runs", "bias", "shape")
+    __slots__ = ("table", "greedy_table", "runs", "bias", "shape")
 
     def __init__(self, w: torch.Tensor, table: list[tuple[int, str]],
-                 runs: dict, bias: torch.Tensor | None = None) -> None:
+                 runs: dict, bias: torch.Tensor | None = None,
+                 greedy_table: list[tuple[int, str]] | None = None) -> None:
         self.shape = tuple(w.shape)
         layouts: dict[str, object] = {}            # one copy per layout (amx runs native's)
-        for c in {c for _, c in table}:
+        for c in {c for _, c in table + (greedy_table or [])}:
             if tuning.layout_of(c) not in layouts:
                 layouts[tuning.layout_of(c)] = autotune.PREPARE[c](w)
         self.table = [(m, c, layouts[tuning.layout_of(c)]) for m, c in table]
+        # the lm_head's table for greedy rows (autotune.GREEDY_HEAD; None: the table's)
+        self.greedy_table = None if greedy_table is None else \
+            [(m, c, layouts[tuning.layout_of(c)]) for m, c in greedy_table]
         self.runs, self.bias = runs, bias
 
-    def pick(self, m: int) -> tuple[str, object]:
-        """The candidate the plan runs ``m`` rows with, and the weight in its layout."""
-        for up_to, cand, w in self.table:
+    def pick(self, m: int, greedy: bool = False) -> tuple[str, object]:
+        """The candidate the plan runs ``m`` rows with, and the weight in its layout
+        (``greedy``: for :meth:`argmax`, from the greedy table where there is one)."""
+        table = self.greedy_table if greedy and self.greedy_table else self.table
+        for up_to, cand, w in table:
             if m <= up_to:
                 return cand, w
-        _, cand, w = self.table[-1]
+        _, cand, w = table[-1]
         return cand, w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,13 +67,14 @@ class Linear:
         return self.runs[cand](x, w, self.bias).float()
 
     def argmax(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        """``self.float32(x).argmax(-1)`` (the first maximum, [M] long): on the AMX tiles
+        """Each row's greedy token, [M] long: the first maximum of its float32 logits, by
+        the greedy table's candidate (the plan's own timing of this use): on the AMX tiles
         without the logits (``runs["amx+argmax"]``), else the logits then the argmax (the
         native one where ``native``)."""
-        cand, w = self.pick(x.shape[0])
+        cand, w = self.pick(x.shape[0], greedy=True)
         if cand == "amx":
             return self.runs["amx+argmax"](x, w, self.bias)
-        logits = self.float32(x)
+        logits = self.runs[cand](x, w, self.bias).float()
         if native and logits.device.type == "cpu":
             return cpu_native.argmax(logits)
         return logits.argmax(dim=-1)
@@ -216,7 +223,9 @@ class LlamaModel:
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
         self.embed = put(weights["embed"])
         tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
-        self.lm_head = lin("lm_head", self.embed if tied else put(weights["lm_head"]))
+        self.lm_head = Linear(self.embed if tied else put(weights["lm_head"]),
+                              plan.linear["lm_head"], self.runs,
+                              greedy_table=plan.linear.get(autotune.GREEDY_HEAD))
         self.norm = put(weights["norm"])
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):

@@ -7,9 +7,10 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from components.executor import autotune
-from components.executor.model import LlamaModel
+from components.executor.model import Linear, LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
 from kernels import AttentionMetadata, cpu_forward, cpu_native
 
@@ -275,15 +276,45 @@ def test_the_lm_head_candidates_are_timed_with_float32_logits(monkeypatch):
     shapes = autotune.shapes(SHAPE)
     cands = {role: autotune.linear_candidates(torch.bfloat16, torch.device("cpu"), shape)
              for role, shape in shapes.items()}
-    autotune._measure(SHAPE, torch.bfloat16, shapes, cands, False, 64, 8, 16,
-                      skip={"elementwise", "sampling", "attention", "attention_tiles",
-                            "fresh_prompts"})
-    assert len(timed) == len(shapes)
-    for role, outs in zip(shapes, timed):
-        assert set(outs) == set(cands[role])
+    plan = autotune._measure(SHAPE, torch.bfloat16, shapes, cands, False, 64, 8, 16,
+                             skip={"elementwise", "sampling", "attention", "attention_tiles",
+                                   "fresh_prompts"})
+    roles = [*shapes, autotune.GREEDY_HEAD]     # and the lm_head once more, for greedy rows
+    assert len(timed) == len(roles) and set(plan.linear) == set(roles)
+    for role, outs in zip(roles, timed):
+        assert set(outs) == set(cands.get(role, cands["lm_head"]))
         for cand, (got, bare) in outs.items():
-            want = bare.float() if role == "lm_head" else bare
+            want = {"lm_head": bare.float(),
+                    autotune.GREEDY_HEAD: bare.float().argmax(-1)}.get(role, bare)
             assert got.dtype == want.dtype and torch.equal(got, want), (role, cand)
+
+
+def test_the_greedy_lm_head_runs_its_own_table_and_keeps_one_copy_per_layout():
+    """``Linear.argmax`` runs the greedy table's candidate (the fused AMX pass or another's
+    logits and argmax), the logits the other table's; each layout is held once, shared
+    by both tables, and none is held that neither table runs."""
+    if "amx" not in _available(torch.bfloat16):
+        pytest.skip("no AMX linear here")
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    calls = []
+    runs = dict(autotune.RUN)
+    for name in ("amx", "torch"):
+        runs[name] = lambda *a, name=name: calls.append(name) or autotune.RUN[name](*a)
+    runs["amx+f32"] = lambda *a: calls.append("amx+f32") or autotune.amx_linear_f32(*a)
+    runs["amx+argmax"] = lambda *a: calls.append("amx+argmax") or \
+        cpu_native.amx_argmax_linear(*a)
+    lin = Linear(w, [(4, "torch"), (64, "amx")], runs, greedy_table=[(64, "amx")])
+    assert len({id(wt) for *_, wt in lin.table + lin.greedy_table}) == 2   # torch, native
+    logits = lin.float32(x)
+    tokens = lin.argmax(x, native=True)
+    assert calls == ["amx+f32", "amx+argmax"] and torch.equal(tokens, logits.argmax(-1))
+    calls.clear()
+    lin = Linear(w, [(64, "amx")], runs, greedy_table=[(2, "torch"), (64, "amx")])
+    assert torch.equal(lin.argmax(x[:2], native=False), lin.float32(x[:2]).argmax(-1))
+    assert calls == ["torch", "amx+f32"]
+    assert torch.equal(Linear(w, [(64, "torch")], runs).argmax(x, native=True),
+                       F.linear(x, w).float().argmax(-1))        # no greedy table: the table's
 
 
 def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
