@@ -1,0 +1,304 @@
+// Part of cpu_decode_attention.cpp, included there after its shared helpers (row
+// pointers, prefetch) and before the entry points: the AVX-512 tiled kernel.
+// Not a standalone header: it is compiled only as that file's part, once per build part
+// (WEIR_ATTN_PART).
+#pragma once
+
+// ---- The AVX-512 tiled kernel ------------------------------------------------------------
+// A work item is a tile of up to kTile consecutive rows of one sequence (a prefill chunk's
+// neighbouring positions; a decode row alone) against all its kv heads, so each key and
+// value row — all heads, contiguous — is read from memory once for kTile x H queries.
+// Scores: 16 keys at a time, each q.k a vector of partial sums (bf16 pairs by vdpbf16ps
+// where the CPU has it), then one transpose-reduce turns the 16 vectors into the 16 scores
+// instead of a horizontal sum per dot product.
+#if defined(__AVX512F__)
+
+namespace {
+
+constexpr int kChunk = 16;     // keys per pass step
+
+// out lane j = sum of the lanes of v[j]
+inline __m512 hsum16(const __m512* v) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                    _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                    _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// Partial sums (16 lanes) of the dot product of q and k, D elements.
+template <int D> inline __m512 dot_partial(const float* q, const float* k) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int d = 16; d < D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+    return acc;
+}
+using weir::load16;
+template <int D> inline __m512 dot_partial(const uint16_t* q, const uint16_t* k) {
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d),
+                               (__m512bh)_mm512_loadu_si512(k + d));
+    return acc;
+#else
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(load16(q + d), load16(k + d), acc);
+    return acc;
+#endif
+}
+// A value row as D / 16 float vectors. bf16: each 32-element load split into its even and
+// odd elements (a shift and a mask, where widening 16 at a time costs a load, a widen and
+// a shift each), so the accumulators hold elements in the order 0, 2, .., 30, 1, 3, .., 31
+// of each 32; store_row puts them back in order.
+template <int D> inline void value_row(const float* p, __m512* v) {
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(p + c * 16);
+}
+template <int D> inline void value_row(const uint16_t* p, __m512* v) {
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512i x = _mm512_loadu_si512(p + c * 32);
+        v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        v[2 * c + 1] = _mm512_castsi512_ps(
+            _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+}
+template <int D> inline void store_row(float* o, const float* acc, float inv) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int c = 0; c < D / 16; ++c)
+        _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), s));
+}
+template <int D> inline void store_row(uint16_t* o, const float* acc, float inv) {
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                         15, 31);
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512 even = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32), s);
+        const __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32 + 16), s);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32),
+                            weir::bf16_16(_mm512_permutex2var_ps(even, lo, odd)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32 + 16),
+                            weir::bf16_16(_mm512_permutex2var_ps(even, hi, odd)));
+    }
+}
+
+// A chunk's key or value rows as the kernel's element type: fp32 and bf16 rows are read in
+// place; fp8 rows (kv.dtype fp8_*) are widened into `stage` (rows `width` elements apart)
+// once per chunk, then every head and query of the tile reads them as bf16 (or fp32) rows.
+template <typename T>
+inline void as_rows(const T* const* raw, int nk, int64_t, T*, const T** rows) {
+    for (int j = 0; j < nk; ++j) rows[j] = raw[j];
+}
+template <typename F> inline void widen_row(const F* src, int64_t n, uint16_t* dst) {
+    for (int64_t d = 0; d < n; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), weir::fp8_bf16_16(src + d));
+}
+template <typename F> inline void widen_row(const F* src, int64_t n, float* dst) {
+    for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, weir::load16(src + d));
+}
+#if defined(__AVX512BF16__)
+// for the bf16 dot products: weir::fp8_scaled_bf16_32 (the kernel rescales)
+template <typename F> inline void widen_row_scaled(const F* src, int64_t n, uint16_t* dst) {
+    for (int64_t d = 0; d < n; d += 32)
+        _mm512_storeu_si512(dst + d, weir::fp8_scaled_bf16_32(src + d));
+}
+#endif
+template <bool Scaled, typename T, typename F, std::enable_if_t<weir::is_fp8<F>, int> = 0>
+inline void as_rows(const F* const* raw, int nk, int64_t width, T* stage, const T** rows) {
+    for (int j = 0; j < nk; ++j) {
+#if defined(__AVX512BF16__)
+        if constexpr (Scaled) widen_row_scaled(raw[j], width, stage + j * width);
+        else
+#endif
+        widen_row(raw[j], width, stage + j * width);
+        rows[j] = stage + j * width;
+    }
+}
+template <bool Scaled, typename T>
+inline void as_rows(const T* const* raw, int nk, int64_t width, T* stage, const T** rows) {
+    as_rows(raw, nk, width, stage, rows);
+}
+
+// P.V by vdpbf16ps (CPUs with AVX512-BF16, bf16 caches): the probabilities rounded to bf16
+// (as Hugging Face's eager attention rounds its softmax to the model's dtype before P.V) and
+// taken two keys at a time, so one vdpbf16ps adds p0 v0 + p1 v1 for 16 elements: the value
+// rows of keys j and j + 1 interleaved by vpunpck{l,h}wd, (p0, p1) broadcast as one dword.
+// The accumulators hold elements in unpack order: of each 32, `lo` holds 0-3, 8-11, 16-19,
+// 24-27 and `hi` 4-7, 12-15, 20-23, 28-31; store_pairs puts them back in order.
+#if defined(__AVX512BF16__)
+constexpr bool kPairedPV = true;
+template <int D> inline void value_pair(const uint16_t* p0, const uint16_t* p1, __m512i* v) {
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512i x0 = _mm512_loadu_si512(p0 + c * 32), x1 = _mm512_loadu_si512(p1 + c * 32);
+        v[2 * c] = _mm512_unpacklo_epi16(x0, x1);
+        v[2 * c + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+}
+template <int D> inline void store_pairs(uint16_t* o, const float* acc) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                             30, 31);
+    for (int c = 0; c < D / 32; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + c * 32), hi = _mm512_loadu_ps(acc + c * 32 + 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32),
+                            weir::bf16_16(_mm512_permutex2var_ps(lo, first, hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c * 32 + 16),
+                            weir::bf16_16(_mm512_permutex2var_ps(lo, second, hi)));
+    }
+}
+#else
+constexpr bool kPairedPV = false;
+#endif
+
+// One tile of nrows rows (positions consecutive, lens[r] keys each, increasing) against
+// every kv head of its sequence: query (h, r, g) is qi = (h * nrows + r) * G + g.
+// scores: [kv_heads * kTile * G][lpad]; acc: [kv_heads * kTile * G][D].
+template <typename T, typename KT, int D, int G>
+void attend_tile(const T* q, const KT* k_cache, const KT* v_cache, T* out, int64_t row0,
+                 int nrows, const int32_t* lens, int64_t kv_heads, const int32_t* table,
+                 int64_t heads, int64_t q_row, int64_t block_size, float scale,
+                 float* scores, int64_t lpad, float* acc, uint16_t* probs, T* stage) {
+    // probs: [kv_heads * kTile * G][lpad] bf16, used by the paired P.V (bf16 caches);
+    // stage: [16][kv_heads * D], an fp8 cache's chunk widened (as_rows)
+    constexpr bool paired = kPairedPV && sizeof(T) == 2;
+    // an fp8 cache on the bf16 dot products: its rows staged scaled by 2^-S, which the
+    // scores' scale and the probabilities undo (weir::fp8_scaled_bf16_32)
+    constexpr bool scaled = paired && weir::is_fp8<KT>;
+    constexpr float rescale = scaled ? weir::fp8_rescale<KT> : 1.0f;
+    const float score_scale = scale * rescale;
+    const int64_t L = lens[nrows - 1];
+    const int64_t row_stride = kv_heads * D;
+    const int nq = static_cast<int>(kv_heads) * nrows * G;
+    auto qp = [&](int64_t h, int r, int g) { return q + (row0 + r) * q_row + (h * G + g) * D; };
+    const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const T* kp[16];
+    const KT* raw[16];
+    int64_t blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
+        chunk_rows(k_cache, table, block_size, row_stride, blk, off, nk, raw);
+        as_rows<scaled>(raw, nk, row_stride, stage, kp);
+        // into L2 while this chunk computes: the next chunk's keys, this chunk's values (for
+        // the second pass). Measured (batch 64 x 160 keys, 30 layers, bf16): 0.65 ms/layer
+        // without, 0.63 with keys to L1, 0.49 with both to L2
+        prefetch_rows<_MM_HINT_T1>(k_cache, table, block_size, row_stride, t0 + 16, 16, L);
+        prefetch_rows<_MM_HINT_T1>(v_cache, table, block_size, row_stride, t0, 16, L);
+        for (int r = 0; r < nrows; ++r) {
+            if (t0 >= lens[r]) continue;
+            const __mmask16 live = _mm512_cmp_ps_mask(
+                lane, _mm512_set1_ps(static_cast<float>(lens[r] - t0)), _CMP_LT_OQ);
+            for (int64_t h = 0; h < kv_heads; ++h)
+                for (int g = 0; g < G; ++g) {
+                    const T* qq = qp(h, r, g);
+                    __m512 v[16];
+                    for (int j = 0; j < 16; ++j)
+                        v[j] = j < nk ? dot_partial<D>(qq, kp[j] + h * D) : _mm512_setzero_ps();
+                    const __m512 s = _mm512_mul_ps(hsum16(v), _mm512_set1_ps(score_scale));
+                    _mm512_storeu_ps(scores + ((h * nrows + r) * G + g) * lpad + t0,
+                                     _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), s));
+                }
+        }
+    }
+    // softmax per query over its own keys, 16 at a time: pass 1 wrote every lane of each
+    // 16-key chunk up to the query's length (-inf past it), so a chunk is read whole and
+    // only the last one's tail is masked out of the sum
+    float inv[64 * kTile];                 // kv_heads * G <= 64 (heads <= 64)
+    for (int qi = 0; qi < nq; ++qi) {
+        float* s = scores + qi * lpad;
+        const int64_t len = lens[(qi / G) % nrows];
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 live = len - t >= 16 ? 0xffff : (1u << (len - t)) - 1;
+            const __m512 e = _mm512_maskz_mov_ps(live, weir::exp16(
+                _mm512_sub_ps(_mm512_loadu_ps(s + t), m)));
+            _mm512_storeu_ps(s + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[qi] = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int d = 0; d < D; ++d) acc[qi * D + d] = 0.0f;
+#if defined(__AVX512BF16__)
+        if constexpr (paired) {           // normalized, then rounded (the tail lanes are 0)
+            const __m512 scale_by = _mm512_set1_ps(inv[qi] * rescale);
+            for (int64_t t = 0; t < len; t += 16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + qi * lpad + t),
+                                    weir::bf16_16(_mm512_mul_ps(_mm512_loadu_ps(s + t), scale_by)));
+            inv[qi] = 1.0f;
+        }
+#endif
+    }
+    // values, 16 keys at a time: each head's value row widened in registers and added
+    // into register accumulators for SG queries (same head and row) at a time
+    constexpr int C = D / 16;
+    constexpr int SG = G * C <= 24 ? G : (G % 2 == 0 && (G / 2) * C <= 24 ? G / 2 : 1);
+    blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int nk = L - t0 < 16 ? static_cast<int>(L - t0) : 16;
+        chunk_rows(v_cache, table, block_size, row_stride, blk, off, nk, raw);
+        as_rows<scaled>(raw, nk, row_stride, stage, kp);
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int r = 0; r < nrows; ++r) {
+                if (t0 >= lens[r]) continue;
+                const int kn = lens[r] - t0 < nk ? static_cast<int>(lens[r] - t0) : nk;
+                for (int g0 = 0; g0 < G; g0 += SG) {
+                    const int q0 = static_cast<int>((h * nrows + r) * G + g0);
+                    __m512 a[SG][C];
+                    for (int g = 0; g < SG; ++g)
+                        for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (q0 + g) * D + c * 16);
+#if defined(__AVX512BF16__)
+                    if constexpr (paired) {
+                        // pairs of keys; an odd last key pairs with itself at probability 0
+                        // (its neighbour's lane of probs is a masked 0, or past the chunk)
+                        for (int j = 0; j < kn; j += 2) {
+                            __m512i vv[C];
+                            const T* v0 = kp[j] + h * D;
+                            value_pair<D>(reinterpret_cast<const uint16_t*>(v0),
+                                          reinterpret_cast<const uint16_t*>(
+                                              j + 1 < nk ? kp[j + 1] + h * D : v0), vv);
+                            for (int g = 0; g < SG; ++g) {
+                                int32_t pair;
+                                __builtin_memcpy(&pair, probs + (q0 + g) * lpad + t0 + j, 4);
+                                const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+                                for (int c = 0; c < C; ++c)
+                                    a[g][c] = _mm512_dpbf16_ps(a[g][c], p, (__m512bh)vv[c]);
+                            }
+                        }
+                    } else
+#endif
+                    for (int j = 0; j < kn; ++j) {
+                        __m512 vv[C];
+                        value_row<D>(kp[j] + h * D, vv);
+                        for (int g = 0; g < SG; ++g) {
+                            const __m512 p = _mm512_set1_ps(scores[(q0 + g) * lpad + t0 + j]);
+                            for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(p, vv[c], a[g][c]);
+                        }
+                    }
+                    for (int g = 0; g < SG; ++g)
+                        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (q0 + g) * D + c * 16, a[g][c]);
+                }
+            }
+    }
+    for (int qi = 0; qi < nq; ++qi) {
+        const int64_t h = qi / G / nrows, r = (qi / G) % nrows, g = qi % G;
+        T* o = out + ((row0 + r) * heads + h * G + g) * D;
+#if defined(__AVX512BF16__)
+        if constexpr (paired) {
+            store_pairs<D>(reinterpret_cast<uint16_t*>(o), acc + qi * D);
+            continue;
+        }
+#endif
+        store_row<D>(o, acc + qi * D, inv[qi]);
+    }
+}
+
+}  // namespace
+#endif
