@@ -12,16 +12,10 @@ from schemas.config import ConfigError, load_config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import anyio
-
     from bus import curve
     from bus.log import configure
-    import msgspec
-
-    from bus.component import find_in_group
-    from bus.supervisor import StartupError, Supervisor
+    from bus.supervisor import Supervisor
     from weir.client import default_endpoint
-    from weir.forms import replica_address
     from weir.model_fetch import resolve_model
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-run-")
@@ -47,26 +41,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"weir: ready on {config.topology.client_endpoint}{http} "
               f"(run dir {run_dir})", file=sys.stderr, flush=True)
 
-    try:
-        anyio.run(Supervisor(config).serve, ready)
-    except BaseException as exc:           # (the supervisor's task group wraps it)
-        if (failed := find_in_group(exc, StartupError)) is None:
-            raise
-        print(f"weir serve: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    return _run_supervisor(Supervisor(config).serve, ready, "weir serve")
 
 
 def _route(args: argparse.Namespace) -> int:
     """``weir route``: the router (and an HTTP gateway in front of it) under a supervisor."""
-    import anyio
-
     from bus import curve
     from bus.log import configure
     import msgspec
 
-    from bus.component import find_in_group
-    from bus.supervisor import StartupError, Supervisor
+    from bus.supervisor import Supervisor
     from weir.client import default_endpoint
     from weir.forms import replica_address
 
@@ -100,12 +84,24 @@ def _route(args: argparse.Namespace) -> int:
         print(f"weir: routing on {config.topology.client_endpoint}{http} to {names} "
               f"({config.router.policy})", file=sys.stderr, flush=True)
 
+    return _run_supervisor(Supervisor(config, components=("router",)).serve, ready,
+                           "weir route")
+
+
+def _run_supervisor(serve, ready, prog: str) -> int:
+    """Run a supervisor's ``serve`` until it stops: 0, or 1 with its startup error as one
+    line (the supervisor's task group wraps it in an exception group)."""
+    import anyio
+
+    from bus.component import find_in_group
+    from bus.supervisor import StartupError
+
     try:
-        anyio.run(Supervisor(config, components=("router",)).serve, ready)
-    except BaseException as exc:           # (the supervisor's task group wraps it)
+        anyio.run(serve, ready)
+    except BaseException as exc:
         if (failed := find_in_group(exc, StartupError)) is None:
             raise
-        print(f"weir route: {failed}", file=sys.stderr)
+        print(f"{prog}: {failed}", file=sys.stderr)
         return 1
     return 0
 

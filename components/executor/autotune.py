@@ -139,8 +139,8 @@ def run_as_used(role: str, cand: str, native_ops: bool = False):
     if role == GREEDY_HEAD:
         if cand == "amx":
             return lambda x, w, b=None: cpu_native.amx_argmax_linear(x, w, b)
-        pick = cpu_native.argmax if native_ops else lambda t: t.argmax(dim=-1)
-        return lambda x, w, b=None: pick(run(x, w, b).float())
+        from components.executor.sampling import greedy
+        return lambda x, w, b=None: greedy(run(x, w, b).float(), native_ops)
     if role == "lm_head":
         return amx_linear_f32 if cand == "amx" else \
             lambda x, w, b=None: run(x, w, b).float()

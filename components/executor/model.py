@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from components.executor import autotune
+from components.executor.sampling import greedy
 from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_native,
                      get_backend, tuning)
 from kernels.tuning import KernelPlan
@@ -74,10 +75,7 @@ class Linear:
         cand, w = self.pick(x.shape[0], greedy=True)
         if cand == "amx":
             return self.runs["amx+argmax"](x, w, self.bias)
-        logits = self.runs[cand](x, w, self.bias).float()
-        if native and logits.device.type == "cpu":
-            return cpu_native.argmax(logits)
-        return logits.argmax(dim=-1)
+        return greedy(self.runs[cand](x, w, self.bias).float(), native)
 
     def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
         """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the

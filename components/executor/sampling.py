@@ -336,6 +336,15 @@ def drawing(temperature: torch.Tensor) -> torch.Tensor:
     return (temperature > 0) & temperature.reciprocal().isfinite()
 
 
+def greedy(logits: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """Each row's first maximum, [S] long: the native argmax for float32 CPU rows where
+    ``native`` (the plan's sampling choice), else torch's."""
+    if native and _native is not None and logits.device.type == "cpu" \
+            and logits.dtype == torch.float32:
+        return _native.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def all_greedy(temperature: list[float]) -> bool:
     """Whether :func:`sample` would take every row's argmax (:func:`drawing`'s test in
     numpy: ~10 us where the torch ops took ~0.2 ms in a decode step)."""
@@ -367,8 +376,7 @@ def sample(logits: torch.Tensor, temperature: list[float], top_p: list[float],
     if len(rand) == rows:          # every row draws: no argmax (12.6 MB read at 64 rows)
         out = torch.empty(rows, dtype=torch.long, device=logits.device)
     else:
-        out = (_native.argmax(logits) if native and logits.dtype == torch.float32
-               else logits.argmax(dim=-1))
+        out = greedy(logits, native)
     if not rand:
         return out
     p = torch.tensor([top_p[i] for i in rand], dtype=torch.float32)

@@ -352,7 +352,8 @@ int gemm_amx(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t*
 // maximum, as torch.argmax. NaN logits are not special-cased (a finite model has none).
 int gemm_amx_argmax(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* bias,
                     int64_t* out, int64_t m, int64_t n, int64_t k, int threads) {
-    const int nt = n / 16 > 4 ? threads : 1;
+    // one slot per thread amx_pairs may run (a thread it does not start stays at -inf)
+    const int nt = threads > 1 ? threads : 1;
     std::vector<float> best(static_cast<size_t>(nt * m * 16), -INFINITY);
     std::vector<int32_t> at(static_cast<size_t>(nt * m * 16), 0);
     const int rc = amx_pairs(x, ldx, wp, m, n, k, threads,
