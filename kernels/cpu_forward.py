@@ -1,7 +1,7 @@
 """The decoder layers of a step in one native call (csrc/cpu_forward.cpp): the argument
 structures it reads (``LayerArgs`` per layer, ``StepArgs`` per step), and a chain of linear
 layers in one call for timing (bench_step's GEMM floor). The library is
-:mod:`kernels.cpu_native`'s; :meth:`LlamaModel._native_layers` decides when a step runs
+:mod:`kernels.native_lib`; :meth:`LlamaModel._native_layers` decides when a step runs
 this way."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu_native import _DTYPES, load
+from kernels.native_lib import DTYPES, load
 
 
 class LinearArgs(ctypes.Structure):
@@ -68,7 +68,7 @@ def linear_chain(x: torch.Tensor, weights: list[torch.Tensor], kind: str) -> tor
     y = x.new_empty(x.shape[0], chain[0].n)
     if any(c.n != chain[0].n for c in chain) or x.stride(-1) != 1:
         raise ValueError("a linear chain runs weights of one shape on rows with unit stride")
-    rc = load().weir_linear_chain(ctypes.addressof(chain), len(chain), _DTYPES[x.dtype],
+    rc = load().weir_linear_chain(ctypes.addressof(chain), len(chain), DTYPES[x.dtype],
                                   x.data_ptr(), x.stride(0), y.data_ptr(), x.shape[0],
                                   torch.get_num_threads())
     if rc != 0:

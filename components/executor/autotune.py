@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, KVCache, cpu_native, get_backend, tuning
+from kernels import (AttentionMetadata, KVCache, cpu_linear, cpu_native, get_backend, native_lib,
+                     tuning)
 from kernels.kv_cache import quantize
 from kernels.tuning import KernelPlan
 
@@ -91,16 +92,16 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def native_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
-    return cpu_native.small_batch_linear(x, w, b)
+    return cpu_linear.small_batch_linear(x, w, b)
 
 
 def amx_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
-    return cpu_native.small_batch_linear(x, w, b, tiles="amx")
+    return cpu_linear.small_batch_linear(x, w, b, tiles="amx")
 
 
 def amx_linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
     """``amx_linear(x, w, b).float()`` in one pass (the lm_head's float32 logits)."""
-    return cpu_native.small_batch_linear(x, w, b, tiles="amx", out_dtype=torch.float32)
+    return cpu_linear.small_batch_linear(x, w, b, tiles="amx", out_dtype=torch.float32)
 
 
 def upcast(run):
@@ -113,8 +114,8 @@ def upcast(run):
 
 # how each candidate lays its weights out, and runs them ("amx" runs "native"'s layout:
 # tuning.SHARED_LAYOUT)
-PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_native.pack_small_batch,
-           "amx": cpu_native.pack_small_batch,
+PREPARE = {"torch": lambda w: w, "onednn": onednn_pack, "native": cpu_linear.pack_small_batch,
+           "amx": cpu_linear.pack_small_batch,
            "fp32": lambda w: w.float(), "fp32_onednn": lambda w: onednn_pack(w.float())}
 RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear, "amx": amx_linear,
        "fp32": upcast(F.linear), "fp32_onednn": upcast(onednn_linear)}
@@ -138,14 +139,14 @@ def run_as_used(role: str, cand: str, native_ops: bool = False):
     run = RUN[cand]
     if role == GREEDY_HEAD:
         if cand == "amx":
-            return lambda x, w, b=None: cpu_native.amx_argmax_linear(x, w, b)
+            return lambda x, w, b=None: cpu_linear.amx_argmax_linear(x, w, b)
         from components.executor.sampling import greedy
         return lambda x, w, b=None: greedy(run(x, w, b).float(), native_ops)
     if role == "lm_head":
         return amx_linear_f32 if cand == "amx" else \
             lambda x, w, b=None: run(x, w, b).float()
     if role == "gate_up" and native_ops:
-        return (lambda x, w, b=None: cpu_native.amx_silu_mul_linear(x, w)) if cand == "amx" \
+        return (lambda x, w, b=None: cpu_linear.amx_silu_mul_linear(x, w)) if cand == "amx" \
             else lambda x, w, b=None: cpu_native.silu_mul(run(x, w, b))
     return run
 
@@ -171,10 +172,10 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
         if can_pack(torch.float32):
             out["fp32_onednn"] = 1 << 30
     n, k = shape
-    if (cpu_native.small_batch_fits(dtype, n, k) and cpu_native.available()
-            and cpu_native.small_batch_supported(dtype)):
-        out["native"] = cpu_native.SMALL_BATCH_MAX
-    if cpu_native.amx_linear_fits(dtype, n, k):       # (it checks the library builds)
+    if (cpu_linear.small_batch_fits(dtype, n, k) and native_lib.available()
+            and cpu_linear.small_batch_supported(dtype)):
+        out["native"] = cpu_linear.SMALL_BATCH_MAX
+    if cpu_linear.amx_linear_fits(dtype, n, k):       # (it checks the library builds)
         out["amx"] = 1 << 30                # one pass over the weights for any M
     return out
 
@@ -182,12 +183,12 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
 def amx_possible(dtype: torch.dtype, block_size: int) -> bool:
     """Whether the cpu backend's AMX paged kernel can run: bf16, blocks of a multiple of 16
     keys, and a native build with AMX that this process may use."""
-    return dtype == torch.bfloat16 and block_size % 16 == 0 and cpu_native.amx_supported()
+    return dtype == torch.bfloat16 and block_size % 16 == 0 and native_lib.amx_supported()
 
 
 def native_ops_possible(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and spec.head_dim <= 256 and cpu_native.available())
+            and spec.head_dim <= 256 and native_lib.available())
 
 
 def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -218,7 +219,7 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
         return plan
     native_ops = native_ops_possible(spec, dtype, device)
     machine = {**tuning.machine_info(), "native_ops": native_ops,
-               "native_build": cpu_native.build_key() if cpu_native.available() else "",
+               "native_build": native_lib.build_key() if native_lib.available() else "",
                "candidates": {r: sorted(c) for r, c in cands.items()}}
     dtypes = str(dtype).removeprefix("torch.") + (
         "" if kv_dtype == dtype else "+kv:" + str(kv_dtype).removeprefix("torch."))

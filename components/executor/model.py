@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from components.executor import autotune
 from components.executor.sampling import greedy
-from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_native,
-                     get_backend, tuning)
+from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_linear,
+                     cpu_native, get_backend, native_lib, tuning)
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
@@ -214,9 +214,9 @@ class LlamaModel:
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, fused_ops(plan.elementwise))
         self.runs = dict(autotune.RUN)
-        self.runs["amx+silu"] = cpu_native.amx_silu_mul_linear   # gate_up fused (Linear)
+        self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = autotune.amx_linear_f32            # float32 logits (Linear)
-        self.runs["amx+argmax"] = cpu_native.amx_argmax_linear    # greedy tokens (Linear)
+        self.runs["amx+argmax"] = cpu_linear.amx_argmax_linear    # greedy tokens (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
         self.embed = put(weights["embed"])
@@ -379,7 +379,7 @@ class LlamaModel:
             seqs=seqs.data_ptr(), row_lens=row_lens.data_ptr(), tables=tables.data_ptr(),
             table_width=tables.shape[1], block_size=block_size, scale=self.scale,
             eps=s.rms_norm_eps, amx_attention=int(amx),
-            kv_dtype=cpu_native._KV_DTYPES[kv.dtype],
+            kv_dtype=native_lib.KV_DTYPES[kv.dtype],
             seconds=None if self.layer_seconds is None else self.layer_seconds.data_ptr())
         cpu_forward.forward_layers(layers, step)
         return delta

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels import cpu_native
+from kernels import cpu_native, native_lib
 
 if TYPE_CHECKING:
     from schemas.wire import Penalties, SampleLogprobs
@@ -31,7 +31,7 @@ _MASK64 = (1 << 64) - 1
 # The native CPU sampler (kernels/csrc/cpu_sampling.cpp), or None: no compiler, or
 # WEIR_NATIVE_SAMPLING=0.
 _native = (cpu_native if os.environ.get("WEIR_NATIVE_SAMPLING", "1") != "0"
-           and cpu_native.available() else None)
+           and native_lib.available() else None)
 _process_generator: torch.Generator | None = None
 
 

@@ -40,7 +40,7 @@ int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_
 
 namespace {
 
-// A weight in the small-batch layout (cpu_native.pack_small_batch) and how it runs.
+// A weight in the small-batch layout (cpu_linear.pack_small_batch) and how it runs.
 struct Linear {
     const void* w;
     const void* bias;          // [n] or null

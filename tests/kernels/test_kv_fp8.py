@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import KVCache, cpu_native, get_backend, torch_ref
+from kernels import KVCache, cpu_native, get_backend, native_lib, torch_ref
 from kernels.kv_cache import cache_dtype, is_fp8, quantize
 from kernels.metadata import AttentionMetadata
 from kernels.testing import random_paged_case
@@ -92,7 +92,7 @@ def test_native_attention_over_fp8_cache_matches_reference(fp8, dtype, group, di
     agrees with the float32 reference as closely as over a cache of the model's dtype."""
     rng = random.Random(group * 100 + dim + (7 if fp8 == torch.float8_e5m2 else 0))
     backend = get_backend("cpu", "cpu", dtype=dtype)
-    tiles = ["vector"] + (["amx"] if dtype == torch.bfloat16 and cpu_native.amx_supported()
+    tiles = ["vector"] + (["amx"] if dtype == torch.bfloat16 and native_lib.amx_supported()
                           else [])
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for _ in range(3):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from components.executor import autotune
 from components.executor.model import Linear, LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
-from kernels import AttentionMetadata, cpu_forward, cpu_native
+from kernels import AttentionMetadata, cpu_forward, cpu_linear, cpu_native, native_lib
 
 # head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
 SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=2,
@@ -65,7 +65,7 @@ def test_each_candidate_gives_the_reference_logits(dtype, forced):
     # the fresh-prompt and tile choices belong to the cpu backend: pinned, so that a busy
     # machine's timing of this tiny model (which can pick torch) does not drop them
     cpu_only = {"fresh_prompts", "attention_tiles"} & set(forced)
-    if cpu_only and not cpu_native.available():
+    if cpu_only and not native_lib.available():
         pytest.skip("the cpu attention backend did not build here (no C++ compiler)")
     model = LlamaModel(SHAPE, weights, dtype=dtype, kernels=forced,
                        backend="cpu" if cpu_only else "auto")
@@ -119,7 +119,7 @@ def test_gate_up_candidates_are_timed_with_the_silu_that_follows_them():
     if "amx" in _available(torch.bfloat16):
         packed = autotune.PREPARE["amx"](w)
         assert torch.equal(autotune.run_as_used("gate_up", "amx", True)(x, packed),
-                           cpu_native.amx_silu_mul_linear(x, packed))
+                           cpu_linear.amx_silu_mul_linear(x, packed))
 
 
 def _steps(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,11 +189,11 @@ def test_a_linear_chain_is_its_linears_one_after_another(dtype, kind):
         pytest.skip(f"no {kind} linear kernel here for {dtype}")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 64, generator=g).to(dtype)
-    ws = [cpu_native.pack_small_batch(torch.randn(48, 64, generator=g).to(dtype))
+    ws = [cpu_linear.pack_small_batch(torch.randn(48, 64, generator=g).to(dtype))
           for _ in range(3)]
-    want = cpu_native.small_batch_linear(x, ws[-1], tiles="amx" if kind == "amx" else "vector")
+    want = cpu_linear.small_batch_linear(x, ws[-1], tiles="amx" if kind == "amx" else "vector")
     assert torch.equal(cpu_forward.linear_chain(x, ws, kind), want)
-    other = cpu_native.pack_small_batch(torch.randn(32, 64, generator=g).to(dtype))
+    other = cpu_linear.pack_small_batch(torch.randn(32, 64, generator=g).to(dtype))
     with pytest.raises(ValueError):
         cpu_forward.linear_chain(x, ws + [other], kind)
 
@@ -303,7 +303,7 @@ def test_the_greedy_lm_head_runs_its_own_table_and_keeps_one_copy_per_layout():
         runs[name] = lambda *a, name=name: calls.append(name) or autotune.RUN[name](*a)
     runs["amx+f32"] = lambda *a: calls.append("amx+f32") or autotune.amx_linear_f32(*a)
     runs["amx+argmax"] = lambda *a: calls.append("amx+argmax") or \
-        cpu_native.amx_argmax_linear(*a)
+        cpu_linear.amx_argmax_linear(*a)
     lin = Linear(w, [(4, "torch"), (64, "amx")], runs, greedy_table=[(64, "amx")])
     assert len({id(wt) for *_, wt in lin.table + lin.greedy_table}) == 2   # torch, native
     logits = lin.float32(x)
@@ -382,25 +382,25 @@ def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
     monkeypatch.setattr(autotune.tuning, "machine_info", real)
-    if cpu_native.available():         # new native kernels (an upgrade): measured again
-        monkeypatch.setattr(cpu_native, "build_key", lambda: "another build")
+    if native_lib.available():         # new native kernels (an upgrade): measured again
+        monkeypatch.setattr(native_lib, "build_key", lambda: "another build")
         rebuilt = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
         assert rebuilt.plan.source == "measured" and rebuilt.plan.key != first.plan.key
 
 
 def test_the_native_build_key_follows_the_kernel_sources(tmp_path, monkeypatch):
-    if not cpu_native.available():
+    if not native_lib.available():
         pytest.skip("no native kernels here")
-    key = cpu_native.build_key()
+    key = native_lib.build_key()
     src = tmp_path / "csrc"
     src.mkdir()
-    for f in cpu_native._CSRC.iterdir():
+    for f in native_lib._CSRC.iterdir():
         (src / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setattr(cpu_native, "_CSRC", src)
-    assert cpu_native.build_key() == key
+    monkeypatch.setattr(native_lib, "_CSRC", src)
+    assert native_lib.build_key() == key
     gemv = src / "cpu_gemv.cpp"
     gemv.write_bytes(gemv.read_bytes() + b"\n")
-    assert cpu_native.build_key() != key
+    assert native_lib.build_key() != key
 
 
 def test_executors_started_together_measure_once(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
-from kernels import cpu_native
+from kernels import cpu_linear, native_lib
 from schemas.wire import NewSeq, SeqStep, StepPlan
 
 # head_dim 64: the native attention kernel's shapes; vocab a multiple of 16, so the
@@ -21,7 +21,7 @@ BLOCKS = [5, 2, 7, 1]                      # 40 prompt + 4 decode tokens, non-co
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def model(request):
-    native = cpu_native.available() and cpu_native.small_batch_supported(request.param)
+    native = native_lib.available() and cpu_linear.small_batch_supported(request.param)
     m = LlamaModel(SHAPE, random_weights(SHAPE, seed=7), dtype=request.param,
                    kernels={"linear": "native"} if native else None)
     if native:      # the lm_head through the small-batch kernel: the path that failed

@@ -234,8 +234,8 @@ def test_native_candidates_hold_every_survivor(spread):
     nucleus's end, so a survivor left out of the candidates moves it (u = 1 itself picks
     where a float32 sum stops growing, as torch's cumsum does); u = 0.5 checks the middle. A flat row's nucleus boundary may move a few places with float32 sums over
     ~40k tokens; top-k alone has no such boundary and must match to float32's resolution."""
-    from kernels import cpu_native
-    if not cpu_native.available():
+    from kernels import cpu_native, native_lib
+    if not native_lib.available():
         pytest.skip("native sampler unavailable")
     g = torch.Generator().manual_seed(17)
     params = [(50, 1.0), (0, 0.9), (0, 0.5), (1000, 1.0), (40, 0.95), (7, 1.0), (300, 0.9)]
@@ -316,8 +316,8 @@ def test_the_native_plain_draw_lands_where_the_float64_inverse_cdf_does():
     token in the block it crosses in; against a float64 cumulative sum the token it picks
     holds the target to within 1e-5 of the total (float32's error over ~49k tokens; the
     tokens around a boundary can be many and light, so an index distance says little)."""
-    from kernels import cpu_native
-    if not cpu_native.available():
+    from kernels import cpu_native, native_lib
+    if not native_lib.available():
         pytest.skip("native sampler unavailable")
     g = torch.Generator().manual_seed(5)
     rows = 200
