@@ -116,7 +116,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_model_len: int = 2048
     attention_backend: Literal["auto", "cpu", "torch", "triton", "flash_attn"] = "auto"
-    num_threads: int = 0
+    num_threads: int = 0       # 0: the cores this process may use (weir.machine.usable_cores)
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA
     # which kernels run on the CPU: "auto" = measured on this machine at startup (cached per

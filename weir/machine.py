@@ -3,6 +3,7 @@ kernels care about, cores, and library versions. Every benchmark and cost profil
 a number without its machine is not comparable."""
 from __future__ import annotations
 
+import math
 import os
 import platform
 from pathlib import Path
@@ -22,8 +23,76 @@ def describe() -> dict[str, object]:
         elif line.startswith("flags") and not flags:
             have = set(line.split(":", 1)[1].split())
             flags = [f for f in FLAGS if f in have]
-    return {"cpu": model, "flags": flags, "cores": len(os.sched_getaffinity(0)),
+    return {"cpu": model, "flags": flags, "cores": usable_cores(),
             "python": platform.python_version()}
+
+
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """The cores this process may keep busy: its CPU affinity (``taskset``, a cpuset, docker
+    ``--cpuset-cpus``), capped by its cgroup's CPU quota rounded up (docker ``--cpus``, a
+    Kubernetes CPU limit: the affinity still lists every core of the node there). One OpenMP
+    thread per core of the node under a 4-core quota spends the quota in a fraction of each
+    period and then stalls until the next. At least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                          # not Linux
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota - 1e-9)))
+    return max(1, cores)
+
+
+def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup"),
+              proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """This process's CPU quota in cores (quota / period), the tightest along its cgroup's
+    path up to the root: cgroup v2's ``cpu.max`` ("max" = none), or v1's
+    ``cpu.cfs_quota_us`` (-1 = none) over ``cpu.cfs_period_us`` under the cpu controller's
+    mount. None where there is none or it cannot be read. In a container the path named in
+    ``proc_cgroup`` may be the host's, which the container's mount does not have: the walk
+    up reaches the mount's root, the container's own cgroup."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    best: float | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":                       # v2: "0::/path"
+            dirs, read = [cgroup_root], _quota_v2
+        elif "cpu" in controllers.split(","):       # v1: "4:cpu,cpuacct:/path"
+            dirs = [cgroup_root / name for name in (controllers, "cpu", "cpu,cpuacct")]
+            read = _quota_v1
+        else:
+            continue
+        for mount in dict.fromkeys(dirs):           # each mount once, in order
+            rel = Path(path.lstrip("/"))
+            for d in [mount / rel, *(mount / p for p in rel.parents)]:
+                q = read(d)
+                if q is not None and (best is None or q < best):
+                    best = q
+    return best
+
+
+def _quota_v2(d: Path) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _quota_v1(d: Path) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def summary_line(info: dict[str, object] | None = None) -> str:

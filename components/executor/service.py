@@ -23,6 +23,7 @@ from components.tokenizer.structured import ll_tokenizer
 from components.tokenizer.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
+from weir.machine import usable_cores
 from weir.model_fetch import cache_dir, resolve_model
 
 log = structlog.get_logger("executor")
@@ -87,7 +88,7 @@ class ExecutorService(Component):
 
     def _build(self) -> None:
         eng, kv = self.config.engine, self.config.kv
-        torch.set_num_threads(eng.num_threads or os.cpu_count() or 1)
+        torch.set_num_threads(eng.num_threads or usable_cores())
         t0 = time.perf_counter()
         path = resolve_model(eng.model)
         spec, weights = load_model(path)
@@ -104,7 +105,7 @@ class ExecutorService(Component):
         # beside the forward pass where it leaves cores free
         grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(path), spec.vocab_size),
                             overlap=device.type == "cuda"
-                            or torch.get_num_threads() < (os.cpu_count() or 1))
+                            or torch.get_num_threads() < usable_cores())
         k = eng.kernels
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,
@@ -183,6 +184,7 @@ class ExecutorService(Component):
 
     def info(self) -> dict[str, str]:
         return {**{f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()},
+                "kernel.threads": str(torch.get_num_threads()),   # what the plan was timed on
                 "kv.dtype": str(self.runner.kv.dtype).removeprefix("torch.")}
 
     def stats(self) -> dict[str, float]:

@@ -17,7 +17,6 @@ to its result arriving.
 step's measured times, for the service's span and step log) placed where it happened."""
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import msgspec
@@ -32,6 +31,7 @@ from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
                           StepPlan, StepResult, StopRequest, TokenBatch)
+from weir.machine import usable_cores
 
 log = structlog.get_logger("scheduler")
 
@@ -67,15 +67,15 @@ class Send(NamedTuple):
 
 def async_depth(config: WeirConfig, cores: int | None = None) -> int:
     """``scheduler.async_depth``, with 0 (auto) resolved: overlap only when the executor's
-    torch threads leave a core of this machine free. Planning beside a forward that uses
-    every core preempts one of its OpenMP threads, and the whole parallel region waits for
-    it: on 2 cores, 64 x 128/64 bf16 at rate inf, depth 2 gave 391 output tok/s against 411
-    at depth 1 (medians of 3; executor busy 10.2 s against 9.4 s for the same 68 steps)."""
+    torch threads leave free a core of those this process may use (``usable_cores``).
+    Planning beside a forward that uses every core preempts one of its OpenMP threads, and
+    the whole parallel region waits for it: on 2 cores, 64 x 128/64 bf16 at rate inf, depth
+    2 gave 391 output tok/s against 411 at depth 1 (medians of 3; executor busy 10.2 s
+    against 9.4 s for the same 68 steps)."""
     if config.scheduler.async_depth:
         return config.scheduler.async_depth
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else os.cpu_count() or 1
+        cores = usable_cores()
     threads = config.engine.num_threads or cores
     return 2 if threads < cores else 1
 

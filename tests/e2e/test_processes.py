@@ -8,6 +8,7 @@ import time
 from kernels import tuning
 from schemas.config import COMPONENTS
 from tests.e2e.engine import ROOT
+from weir.machine import usable_cores
 
 
 def test_seven_distinct_live_processes(engine):
@@ -33,6 +34,7 @@ def test_seven_distinct_live_processes(engine):
     assert status["admission"]["queued"] == 0 and status["admission"]["outstanding"] == 0
     kernels = status["kernels"]                  # the executor's plan, and how it was made
     assert kernels["source"] in ("measured", "cached")
+    assert kernels["threads"] == str(usable_cores())    # num_threads 0: each core it may use
     assert kernels["attention"] in ("cpu", "torch") and kernels["sampling"] in ("native", "torch")
     for role in ("qkv", "o", "gate_up", "down", "lm_head"):
         *bounded, last = kernels[f"linear.{role}"].split()   # e.g. "native<=4 onednn"
