@@ -27,21 +27,49 @@ def describe() -> dict[str, object]:
             "python": platform.python_version()}
 
 
-def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"),
-                 proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
-    """The cores this process may keep busy: its CPU affinity (``taskset``, a cpuset, docker
-    ``--cpuset-cpus``), capped by its cgroup's CPU quota rounded up (docker ``--cpus``, a
-    Kubernetes CPU limit: the affinity still lists every core of the node there). One OpenMP
-    thread per core of the node under a 4-core quota spends the quota in a fraction of each
-    period and then stalls until the next. At least 1."""
+def _affinity() -> set[int]:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:                          # not Linux
-        cores = os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def _capped(n: int, cgroup_root: Path, proc_cgroup: Path) -> int:
     quota = cpu_quota(cgroup_root, proc_cgroup)
     if quota is not None:
-        cores = min(cores, max(1, math.ceil(quota - 1e-9)))
-    return max(1, cores)
+        n = min(n, max(1, math.ceil(quota - 1e-9)))
+    return max(1, n)
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """The logical CPUs this process may keep busy: its CPU affinity (``taskset``, a cpuset,
+    docker ``--cpuset-cpus``, ``numactl --cpunodebind``), capped by its cgroup's CPU quota
+    rounded up (docker ``--cpus``, a Kubernetes CPU limit: the affinity still lists every CPU
+    of the node there). At least 1."""
+    return _capped(len(_affinity()), cgroup_root, proc_cgroup)
+
+
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 proc_cgroup: Path = Path("/proc/self/cgroup"),
+                 sys_cpu: Path = Path("/sys/devices/system/cpu"),
+                 cpus: set[int] | None = None) -> int:
+    """The physical cores among those CPUs (SMT siblings counted once), capped by the same
+    quota: the executor's default thread count. One OpenMP thread per CPU of the node under
+    a 4-CPU quota spends the quota in a fraction of each period and then stalls until the
+    next; two threads on one core's SMT siblings share its vector and tile units. Where
+    the topology cannot be read, every CPU counts as a core."""
+    cpus = _affinity() if cpus is None else cpus
+    cores: set[tuple[str, ...]] = set()
+    for c in cpus:
+        topo = sys_cpu / f"cpu{c}" / "topology"
+        try:
+            cores.add(tuple((topo / name).read_text().strip()
+                            for name in ("physical_package_id", "die_id", "core_id")
+                            if name != "die_id" or (topo / name).exists()))
+        except OSError:
+            cores.add(("cpu", str(c)))
+    return _capped(len(cores), cgroup_root, proc_cgroup)
 
 
 def cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup"),

@@ -23,7 +23,7 @@ from components.tokenizer.structured import ll_tokenizer
 from components.tokenizer.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
-from weir.machine import usable_cores
+from weir.machine import usable_cores, usable_cpus
 from weir.model_fetch import cache_dir, resolve_model
 
 log = structlog.get_logger("executor")
@@ -105,7 +105,7 @@ class ExecutorService(Component):
         # beside the forward pass where it leaves cores free
         grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(path), spec.vocab_size),
                             overlap=device.type == "cuda"
-                            or torch.get_num_threads() < usable_cores())
+                            or torch.get_num_threads() < usable_cpus())
         k = eng.kernels
         model = LlamaModel(spec, weights, dtype=dtype, device=device,
                            backend=eng.attention_backend, kv_block_size=kv.block_size,

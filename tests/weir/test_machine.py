@@ -1,5 +1,6 @@
-"""The cores a Weir process may keep busy (``weir.machine.usable_cores``): its affinity,
-capped by a cgroup CPU quota read from fake cgroup trees laid out as Linux mounts them."""
+"""The CPUs and cores a Weir process may keep busy (``weir.machine.usable_cpus`` and
+``usable_cores``): its affinity, its SMT siblings counted once for cores, capped by a cgroup
+CPU quota; read from fake cgroup and sysfs trees laid out as Linux mounts them."""
 import os
 from pathlib import Path
 
@@ -61,17 +62,45 @@ def test_unreadable_or_garbled_is_no_quota(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity")
-def test_usable_cores_is_the_affinity_capped_by_the_quota_rounded_up(tmp_path):
+def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_up(tmp_path):
     affinity = len(os.sched_getaffinity(0))
-    none = machine.usable_cores(tmp_path / "absent", tmp_path / "absent_proc")
+    none = machine.usable_cpus(tmp_path / "absent", tmp_path / "absent_proc")
     assert none == affinity
-    root, pc = _tree(tmp_path, "0::/\n", {"cpu.max": "50000 100000\n"})      # half a core
-    assert machine.usable_cores(root, pc) == 1
+    root, pc = _tree(tmp_path, "0::/\n", {"cpu.max": "50000 100000\n"})      # half a CPU
+    assert machine.usable_cpus(root, pc) == 1
     root, pc = _tree(tmp_path / "big", "0::/\n", {"cpu.max": "6400000 100000\n"})
-    assert machine.usable_cores(root, pc) == affinity                        # 64 > affinity
+    assert machine.usable_cpus(root, pc) == affinity                         # 64 > affinity
     if affinity >= 2:
         root, pc = _tree(tmp_path / "frac", "0::/\n", {"cpu.max": "110000 100000\n"})
-        assert machine.usable_cores(root, pc) == 2                           # 1.1 -> 2
+        assert machine.usable_cpus(root, pc) == 2                            # 1.1 -> 2
+
+
+def _topology(tmp_path: Path, cpus: dict[int, tuple[int, int]]) -> Path:
+    """cpu -> (package, core id), as /sys/devices/system/cpu/cpuN/topology has them."""
+    sys_cpu = tmp_path / "sys_cpu"
+    for cpu, (package, core) in cpus.items():
+        topo = sys_cpu / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text(f"{package}\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    return sys_cpu
+
+
+def test_usable_cores_counts_smt_siblings_once_and_packages_apart(tmp_path):
+    # two packages of two cores, each with two SMT siblings: cpu n and n + 4 share a core
+    sys_cpu = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1),
+                                   4: (0, 0), 5: (0, 1), 6: (1, 0), 7: (1, 1)})
+    none = (tmp_path / "absent", tmp_path / "absent_proc")
+
+    def cores(cpus):
+        return machine.usable_cores(*none, sys_cpu=sys_cpu, cpus=set(cpus))
+    assert cores(range(8)) == 4
+    assert cores({0, 4}) == 1                      # one core's two siblings
+    assert cores({0, 2}) == 2                      # core 0 of each package
+    assert cores({0, 1, 4, 5}) == 2                # numactl --cpunodebind=0
+    assert cores({0, 9}) == 2                      # cpu 9 has no topology: it counts alone
+    root, pc = _tree(tmp_path, "0::/\n", {"cpu.max": "300000 100000\n"})
+    assert machine.usable_cores(root, pc, sys_cpu=sys_cpu, cpus=set(range(8))) == 3
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
@@ -80,7 +109,7 @@ def test_usable_cores_follows_the_affinity_mask():
     before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(before)})
-        assert machine.usable_cores() == 1
+        assert machine.usable_cpus() == machine.usable_cores() == 1
         assert machine.describe()["cores"] == 1
     finally:
         os.sched_setaffinity(0, before)

@@ -425,8 +425,10 @@ def test_auto_depth_overlaps_only_when_the_executor_leaves_a_core_free():
         return WeirConfig(Topology(run_dir="/nonexistent"),
                           engine=EngineConfig(num_threads=threads),
                           scheduler=SchedulerConfig(async_depth=depth))
-    assert async_depth(cfg(0), cores=2) == 1          # the executor takes every core
-    assert async_depth(cfg(2), cores=2) == 1
-    assert async_depth(cfg(7), cores=8) == 2          # one core left for planning
-    assert async_depth(cfg(0, depth=2), cores=2) == 2  # as configured
-    assert async_depth(cfg(7, depth=1), cores=8) == 1
+    assert async_depth(cfg(0), cpus=2, cores=2) == 1   # the executor takes every core
+    assert async_depth(cfg(2), cpus=2, cores=2) == 1
+    assert async_depth(cfg(7), cpus=8, cores=8) == 2   # one core left for planning
+    assert async_depth(cfg(0), cpus=16, cores=8) == 2  # SMT: a thread per core, siblings free
+    assert async_depth(cfg(16), cpus=16, cores=8) == 1
+    assert async_depth(cfg(0, depth=2), cpus=2, cores=2) == 2  # as configured
+    assert async_depth(cfg(7, depth=1), cpus=8, cores=8) == 1
