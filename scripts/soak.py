@@ -40,11 +40,6 @@ RSS_SLACK_KB = 8 * 1024
 FD_MARGIN = 4              # ... and hold 4 more file descriptors
 
 
-def cpu_model() -> str:
-    """The CPU's model name and the vector extensions that matter to the executor."""
-    return summary_line()
-
-
 def sample(pids: dict[str, int]) -> dict[str, tuple[int, int]]:
     """(RSS in KiB, open fds) of each process."""
     out = {}
@@ -157,7 +152,7 @@ def main() -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(SDK_KINDS) - set(HTTP_KINDS):
         ap.error(f"unknown kinds: {', '.join(sorted(unknown))}")
-    print(f"cpu: {cpu_model()}, {os.cpu_count()} cores; "
+    print(f"cpu: {summary_line()}; "
           f"{args.requests} requests in waves of {args.wave}, {args.dtype}")
     run_dir = Path(tempfile.mkdtemp(prefix="weir-soak-"))
     # a small KV pool and host tier: every block is written within the first waves (the
