@@ -46,8 +46,6 @@ from pathlib import Path
 
 import torch
 
-from weir.machine import usable_cores
-
 VERSION = 14                     # bump when candidates, the timing method or the choice change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
@@ -74,8 +72,11 @@ def machine_info() -> dict[str, object]:
             model = line.split(":", 1)[1].strip()
         elif line.startswith("flags") and not flags:
             flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    return {"cpu": model, "flags": flags, "cores": usable_cores(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    # the CPUs it may run on; the threads the plan was timed with are their own entry (the
+    # GPU machine's python3 runs this without weir's package: weir.machine is not imported)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "flags": flags, "cores": cores, "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def machine_key(machine: Mapping[str, object], dtype: str,
