@@ -171,6 +171,9 @@ class PublicPrefix(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     num_blocks: int = 2048
+    # the pool in GiB instead (0: num_blocks sets it): the blocks that fit, by the model's
+    # shape and the cache's element type (weir.kv_sizing), so fp8 holds twice the tokens
+    memory_gib: float = 0.0
     grow_blocks: int = 2
     enable_prefix_cache: bool = True
     num_cpu_blocks: int = 1024        # the executor's host-memory tier (swap + demoted prefixes)
@@ -191,6 +194,7 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "kv.block_size must be 8..128 (a power of 2) or a multiple of 256 up to 1024 "
                  "(flash-attn's paged KV)")
         _require(self.num_blocks >= 2, "kv.num_blocks must be >= 2")
+        _require(0 <= self.memory_gib < float("inf"), "kv.memory_gib must be >= 0 and finite")
         _require(self.grow_blocks >= 1, "kv.grow_blocks must be >= 1")
         _require(self.num_cpu_blocks >= 0, "kv.num_cpu_blocks must be >= 0")
         _require(0 <= self.watermark < 0.5, "kv.watermark must be in [0, 0.5)")
@@ -483,7 +487,9 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        _require(self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
+        # a pool given in GiB is checked where its blocks are known (weir.kv_sizing.sized)
+        _require(self.kv.memory_gib > 0
+                 or self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
                  "engine.max_model_len exceeds the KV pool (kv.num_blocks * kv.block_size)")
 
 

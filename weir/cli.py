@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from schemas.config import ConfigError, load_config
+from weir.kv_sizing import sized
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,9 +26,10 @@ def _serve(args: argparse.Namespace) -> int:
             topology={"run_dir": run_dir, "client_endpoint": args.endpoint or default_endpoint()},
             engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "device": args.device},
-            kv={"num_blocks": args.num_blocks},
+            kv={"num_blocks": args.num_blocks, "memory_gib": args.kv_memory_gib},
             scheduler={"step_log": args.step_log},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
+        config = sized(config)
     except ConfigError as exc:
         print(f"weir serve: {exc}", file=sys.stderr)
         return 2
@@ -132,7 +134,7 @@ def _hash_key(args: argparse.Namespace) -> int:
 
 def _config_or_exit(args: argparse.Namespace):
     try:
-        return load_config(args.config)
+        return sized(load_config(args.config))
     except ConfigError as exc:
         sys.exit(f"weir {args.command}: {exc}")
 
@@ -378,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the executor runs (auto: the first GPU if any)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    s.add_argument("--kv-memory-gib", type=float, default=None,
+                   help="the KV pool in GiB instead: the blocks that fit (kv.memory_gib)")
     s.add_argument("--run-dir", default=None, help="directory for ipc sockets")
     s.add_argument("--step-log", default=None,
                    help="append each step's shape and time to this JSONL (weir calibrate)")

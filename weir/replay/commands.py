@@ -146,6 +146,7 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
 # ---------------------------------------------------------------------------- simulate
 def simulate_cmd(args) -> int:
     from schemas.config import load_config
+    from weir.kv_sizing import sized
     from weir.replay import profile as profiles
     from weir.replay.sim import Simulator, fast_block_hashes
     from weir.replay.synth import PromptSynth, load_tokenizer
@@ -161,7 +162,7 @@ def simulate_cmd(args) -> int:
     runs = []
     args.config_slos = {}
     for path in args.config or [None]:
-        cfg = load_config(path, topology={"run_dir": "/nonexistent"})
+        cfg = sized(load_config(path, topology={"run_dir": "/nonexistent"}))
         for cls in cfg.admission.classes:      # SLOs from the configs' service classes
             if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None:
                 args.config_slos.setdefault(cls.name, Slo(

@@ -1,0 +1,78 @@
+"""The KV pool sized in bytes (``kv.memory_gib``, ``weir serve --kv-memory-gib``), as vLLM's
+CPU build takes ``VLLM_CPU_KVCACHE_SPACE``: the number of blocks that fit, from the model's
+shape and the cache's element type, so an fp8 cache holds twice the tokens of a bf16 one in
+the same memory. Every process that reads a config file resolves it the same way (the
+model's header gives the same shape), before any component sees ``kv.num_blocks``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+
+from schemas.config import ConfigError, WeirConfig
+
+GIB = 1 << 30
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class KvShape(NamedTuple):
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def kv_shape(model: Path) -> KvShape:
+    """Layers, KV heads and head dim of a GGUF file (its header only) or a Hugging Face
+    directory (its config.json)."""
+    if model.is_dir():
+        cfg = json.loads((model / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        return KvShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads,
+                       cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    from weir.gguf_header import read_header
+    meta = read_header(model, string_arrays=False).meta
+    arch = meta.get("general.architecture", "llama")
+    heads = meta[f"{arch}.attention.head_count"]
+    return KvShape(meta[f"{arch}.block_count"],
+                   meta.get(f"{arch}.attention.head_count_kv") or heads,
+                   meta.get(f"{arch}.attention.key_length")
+                   or meta[f"{arch}.embedding_length"] // heads)
+
+
+def block_bytes(shape: KvShape, block_size: int, element_bytes: int) -> int:
+    """One block of every layer's keys and values."""
+    return 2 * shape.layers * block_size * shape.kv_heads * shape.head_dim * element_bytes
+
+
+def element_bytes(config: WeirConfig) -> int:
+    """The cache's element: one byte for fp8, else the model's dtype."""
+    return 1 if config.kv.dtype.startswith("fp8") else _ELEMENT_BYTES[config.engine.dtype]
+
+
+def sized(config: WeirConfig, shape: KvShape | None = None) -> WeirConfig:
+    """``config`` with ``kv.num_blocks`` set to what ``kv.memory_gib`` holds (unchanged when
+    it is 0). ``shape``: the model's (default: read from ``engine.model``). Raises
+    ConfigError when the memory holds fewer than 2 blocks or less than max_model_len."""
+    kv = config.kv
+    if kv.memory_gib <= 0:
+        return config
+    if shape is None:
+        from weir.model_fetch import resolve_model
+        try:
+            shape = kv_shape(resolve_model(config.engine.model))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"kv.memory_gib: cannot read the model's shape: {exc}") from exc
+    per_block = block_bytes(shape, kv.block_size, element_bytes(config))
+    blocks = int(kv.memory_gib * GIB) // per_block
+    if blocks < 2:
+        raise ConfigError(f"kv.memory_gib {kv.memory_gib} holds {blocks} blocks of "
+                          f"{per_block} bytes; at least 2 are needed")
+    if blocks * kv.block_size < config.engine.max_model_len:
+        raise ConfigError(f"engine.max_model_len {config.engine.max_model_len} exceeds the KV "
+                          f"pool: kv.memory_gib {kv.memory_gib} holds {blocks} blocks of "
+                          f"{kv.block_size} tokens")
+    raw = msgspec.to_builtins(config)
+    raw["kv"]["num_blocks"] = blocks
+    return msgspec.convert(raw, WeirConfig)
