@@ -177,6 +177,7 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grow_blocks: int = 2
     enable_prefix_cache: bool = True
     num_cpu_blocks: int = 1024        # the executor's host-memory tier (swap + demoted prefixes)
+    cpu_memory_gib: float = 0.0       # the host tier in GiB instead (0: num_cpu_blocks)
     # fault the CPU pool's pages in at startup (~0.2 s a GB): steps then pay no first-touch
     # page faults, and the executor holds the whole pool from the start (as vLLM does)
     prefault: bool = True
@@ -195,6 +196,8 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "(flash-attn's paged KV)")
         _require(self.num_blocks >= 2, "kv.num_blocks must be >= 2")
         _require(0 <= self.memory_gib < float("inf"), "kv.memory_gib must be >= 0 and finite")
+        _require(0 <= self.cpu_memory_gib < float("inf"),
+                 "kv.cpu_memory_gib must be >= 0 and finite")
         _require(self.grow_blocks >= 1, "kv.grow_blocks must be >= 1")
         _require(self.num_cpu_blocks >= 0, "kv.num_cpu_blocks must be >= 0")
         _require(0 <= self.watermark < 0.5, "kv.watermark must be in [0, 0.5)")

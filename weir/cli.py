@@ -26,7 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
             topology={"run_dir": run_dir, "client_endpoint": args.endpoint or default_endpoint()},
             engine={"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
                     "device": args.device},
-            kv={"num_blocks": args.num_blocks, "memory_gib": args.kv_memory_gib},
+            kv={"num_blocks": args.num_blocks, "memory_gib": args.kv_memory_gib,
+                "cpu_memory_gib": args.kv_cpu_memory_gib},
             scheduler={"step_log": args.step_log},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
         config = sized(config)
@@ -382,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     s.add_argument("--kv-memory-gib", type=float, default=None,
                    help="the KV pool in GiB instead: the blocks that fit (kv.memory_gib)")
+    s.add_argument("--kv-cpu-memory-gib", type=float, default=None,
+                   help="the host-memory KV tier in GiB (kv.cpu_memory_gib; vLLM's swap space)")
     s.add_argument("--run-dir", default=None, help="directory for ipc sockets")
     s.add_argument("--step-log", default=None,
                    help="append each step's shape and time to this JSONL (weir calibrate)")

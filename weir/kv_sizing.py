@@ -1,7 +1,8 @@
 """The KV pool sized in bytes (``kv.memory_gib``, ``weir serve --kv-memory-gib``), as vLLM's
-CPU build takes ``VLLM_CPU_KVCACHE_SPACE``: the number of blocks that fit, from the model's
-shape and the cache's element type, so an fp8 cache holds twice the tokens of a bf16 one in
-the same memory. Every process that reads a config file resolves it the same way (the
+CPU build takes ``VLLM_CPU_KVCACHE_SPACE``, and its host tier (``kv.cpu_memory_gib``, as
+vLLM's ``swap_space``): the number of blocks that fit, from the model's shape and the
+cache's element type, so an fp8 cache holds twice the tokens of a bf16 one in the same
+memory. Every process that reads a config file resolves it the same way (the
 model's header gives the same shape), before any component sees ``kv.num_blocks``."""
 from __future__ import annotations
 
@@ -52,11 +53,13 @@ def element_bytes(config: WeirConfig) -> int:
 
 
 def sized(config: WeirConfig, shape: KvShape | None = None) -> WeirConfig:
-    """``config`` with ``kv.num_blocks`` set to what ``kv.memory_gib`` holds (unchanged when
-    it is 0). ``shape``: the model's (default: read from ``engine.model``). Raises
-    ConfigError when the memory holds fewer than 2 blocks or less than max_model_len."""
+    """``config`` with ``kv.num_blocks`` set to what ``kv.memory_gib`` holds and
+    ``kv.num_cpu_blocks`` to what ``kv.cpu_memory_gib`` holds (each unchanged when 0).
+    ``shape``: the model's (default: read from ``engine.model``). Raises ConfigError when
+    the pool holds fewer than 2 blocks or less than max_model_len, or the config is then
+    invalid (swap preemption with a host tier of no blocks)."""
     kv = config.kv
-    if kv.memory_gib <= 0:
+    if kv.memory_gib <= 0 and kv.cpu_memory_gib <= 0:
         return config
     if shape is None:
         from weir.model_fetch import resolve_model
@@ -65,14 +68,20 @@ def sized(config: WeirConfig, shape: KvShape | None = None) -> WeirConfig:
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"kv.memory_gib: cannot read the model's shape: {exc}") from exc
     per_block = block_bytes(shape, kv.block_size, element_bytes(config))
-    blocks = int(kv.memory_gib * GIB) // per_block
-    if blocks < 2:
-        raise ConfigError(f"kv.memory_gib {kv.memory_gib} holds {blocks} blocks of "
-                          f"{per_block} bytes; at least 2 are needed")
-    if blocks * kv.block_size < config.engine.max_model_len:
-        raise ConfigError(f"engine.max_model_len {config.engine.max_model_len} exceeds the KV "
-                          f"pool: kv.memory_gib {kv.memory_gib} holds {blocks} blocks of "
-                          f"{kv.block_size} tokens")
     raw = msgspec.to_builtins(config)
-    raw["kv"]["num_blocks"] = blocks
-    return msgspec.convert(raw, WeirConfig)
+    if kv.memory_gib > 0:
+        blocks = int(kv.memory_gib * GIB) // per_block
+        if blocks < 2:
+            raise ConfigError(f"kv.memory_gib {kv.memory_gib} holds {blocks} blocks of "
+                              f"{per_block} bytes; at least 2 are needed")
+        if blocks * kv.block_size < config.engine.max_model_len:
+            raise ConfigError(f"engine.max_model_len {config.engine.max_model_len} exceeds "
+                              f"the KV pool: kv.memory_gib {kv.memory_gib} holds {blocks} "
+                              f"blocks of {kv.block_size} tokens")
+        raw["kv"]["num_blocks"] = blocks
+    if kv.cpu_memory_gib > 0:
+        raw["kv"]["num_cpu_blocks"] = int(kv.cpu_memory_gib * GIB) // per_block
+    try:
+        return msgspec.convert(raw, WeirConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config once the KV pool is sized: {exc}") from exc

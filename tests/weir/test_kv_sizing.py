@@ -99,3 +99,20 @@ def test_an_unreadable_model_is_a_config_error(tmp_path):
                       engine={"model": str(tmp_path / "absent.gguf")}, kv={"memory_gib": 1.0})
     with pytest.raises(ConfigError, match="cannot read the model's shape"):
         sized(cfg)
+
+
+def test_the_host_tier_in_gib(tmp_path):
+    def cfg(**kv):
+        return load_config(None, topology={"run_dir": str(tmp_path)},
+                           engine={"dtype": "bfloat16"}, kv=kv)
+    both = sized(cfg(memory_gib=1.0, cpu_memory_gib=0.5), SMOL)
+    assert (both.kv.num_blocks, both.kv.num_cpu_blocks) == (2912, 1456)
+    host = sized(cfg(num_blocks=300, cpu_memory_gib=2.0), SMOL)       # the pool by blocks
+    assert (host.kv.num_blocks, host.kv.num_cpu_blocks) == (300, 5825)
+    fp8 = sized(cfg(cpu_memory_gib=0.5, dtype="fp8_e5m2"), SMOL)
+    assert fp8.kv.num_cpu_blocks == 2912 and fp8.kv.num_blocks == 2048
+    assert sized(cfg(cpu_memory_gib=0.0001), SMOL).kv.num_cpu_blocks == 0    # no host tier
+    with pytest.raises(ConfigError, match="swap"):         # swap preemption needs the tier
+        sized(cfg(cpu_memory_gib=0.0001, preemption_mode="swap"), SMOL)
+    with pytest.raises(ConfigError, match="cpu_memory_gib must be >= 0"):
+        cfg(cpu_memory_gib=float("nan"))
