@@ -49,3 +49,23 @@ def padded_decode_buffers(meta: AttentionMetadata, contexts: list[int], pad: int
         seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, **i32)]),
         query_start_loc=torch.arange(n + pad + 1, **i32), block_tables=tables,
         block_size=meta.block_size, max_seq_len=max_seq_len)
+
+
+def plain_draw_miss(sample, rows: int = 200, vocab: int = 49152, temperature: float = 0.7,
+                    seed: int = 5) -> float:
+    """How far the sampler's plain inverse-CDF draws (no top-k, top-p or seed) land from
+    where a float64 cumulative sum puts them, as a fraction of the row's total mass: 0 when
+    each chosen token's interval of the running mass holds u of the total. `sample` takes
+    (logits, temperatures, top_k, top_p, u), as :func:`kernels.cpu_native.sample`. An index
+    distance says little: the tokens around a boundary can be many and light."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    u = torch.rand(rows, generator=g)
+    got = sample(x, torch.full((rows,), temperature), torch.zeros(rows, dtype=torch.int64),
+                 torch.ones(rows), u)
+    e = torch.exp(((x - x.max(1, keepdim=True).values) / temperature).double())
+    c = e.cumsum(1)
+    total, target = c[:, -1], u.double() * c[:, -1]
+    hi = c.gather(1, got[:, None])[:, 0]
+    lo = hi - e.gather(1, got[:, None])[:, 0]
+    return (torch.clamp(torch.maximum(lo - target, target - hi), min=0) / total).max().item()

@@ -87,7 +87,8 @@ def test_portable_kernel_matches_reference(build):
     tiled kernel, and both small-batch linears on AVX2) and without AVX2 (the portable
     attention; no small-batch linear). The cases cover decode rows, prefill
     tiles after a cached prefix, lengths off the 8- and 16-key chunks, and every G the
-    model zoo has (1: MHA, 3: SmolLM2, 4, 8) at head_dim 64 and 128."""
+    model zoo has (1: MHA, 3: SmolLM2, 4, 8) at head_dim 64 and 128; and the sampler's
+    plain draw lands where a float64 inverse CDF does (each build has its own exp and scan)."""
     code = (
         "import random, torch\n"
         "from kernels import get_backend, torch_ref\n"
@@ -123,6 +124,9 @@ def test_portable_kernel_matches_reference(build):
         "lse, vals, ids = cpu_native.logprobs(x, 4)\n"
         "assert (lse - torch.logsumexp(x, -1)).abs().max() < 1e-4, 'logprobs lse'\n"
         "assert torch.equal(vals, x.topk(4, -1).values), 'logprobs top'\n"
+        "from kernels.testing import plain_draw_miss\n"
+        "miss = plain_draw_miss(cpu_native.sample, rows=40)\n"
+        "assert miss <= 1e-6, ('plain draw', miss)\n"
         "print('ok')\n")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,

@@ -312,23 +312,14 @@ def test_the_plans_torch_choice_runs_the_torch_path(monkeypatch):
 
 def test_the_native_plain_draw_lands_where_the_float64_inverse_cdf_does():
     """No top-k, no top-p, no seed: the draw at u is the token whose interval of the
-    running mass holds u of the total. The native sampler sums 16 at a time, then token by
-    token in the block it crosses in; against a float64 cumulative sum the token it picks
-    holds the target to within 1e-5 of the total (float32's error over ~49k tokens; the
-    tokens around a boundary can be many and light, so an index distance says little)."""
+    running mass holds u of the total. The native sampler sums a vector at a time into a
+    double, then token by token in the block it crosses in; against a float64 cumulative sum
+    the token it picks holds the target to within 1e-6 of the total. (A float running sum
+    missed by 1.6e-5 on an AVX2 EPYC, where the scan was one float add per token; the AVX2
+    and scalar builds are checked on any machine in test_portable_kernel_matches_reference.)"""
     from kernels import cpu_native, native_lib
+    from kernels.testing import plain_draw_miss
     if not native_lib.available():
         pytest.skip("native sampler unavailable")
-    g = torch.Generator().manual_seed(5)
-    rows = 200
-    x = torch.randn(rows, V, generator=g) * 3
-    u = torch.rand(rows, generator=g)
-    got = cpu_native.sample(x, torch.full((rows,), 0.7), torch.zeros(rows, dtype=torch.int64),
-                            torch.ones(rows), u)
-    e = torch.exp(((x - x.max(1, keepdim=True).values) / 0.7).double())
-    c = e.cumsum(1)
-    total, target = c[:, -1], u.double() * c[:, -1]
-    hi = c.gather(1, got[:, None])[:, 0]
-    lo = hi - e.gather(1, got[:, None])[:, 0]
-    off = torch.clamp(torch.maximum(lo - target, target - hi), min=0) / total
-    assert off.max() <= 1e-5, off.max()
+    miss = plain_draw_miss(cpu_native.sample)
+    assert miss <= 1e-6, miss
