@@ -268,25 +268,45 @@ def time_call(fn: Callable[[], object]) -> float:
 STREAM_BYTES = 64 << 20          # weights rotated through per candidate (see time_linear)
 
 
+# A candidate this much slower than the bucket's best, at calls this long, in two buckets in
+# a row, is not timed at larger ones: on an AVX2 EPYC torch's own bf16 GEMM runs 7-10x
+# behind the native and fp32 kernels, and its calls at 64-2048 rows were ~15 s of a ~25 s
+# plan. A fixed cost per call could make a candidate lose by 3x at small M and win later,
+# so only calls of a millisecond or more count: there the GEMM, not a fixed cost, is the time.
+PRUNE_RATIO = 3.0
+PRUNE_MIN_S = 1e-3
+
+
 def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int,
-                dtype: torch.dtype, buckets: Sequence[int]) -> dict[str, dict[int, float]]:
+                dtype: torch.dtype, buckets: Sequence[int],
+                timer: Callable[[Mapping[str, Callable[[], object]]], dict[str, float]]
+                | None = None) -> dict[str, dict[int, float]]:
     """``candidates``: name -> (fn(x, weight), copies of the weight in that layout, largest
-    M it runs). Times each at every bucket it can run; returns seconds per candidate and
-    bucket. Each call takes the next copy: in a real step every weight is used once and 30
-    layers of others pass through the caches before it comes round again, so a weight that
-    stays in L2 between calls would favour the kernels that compute most per byte."""
+    M it runs). Times each at every bucket it can run (``buckets`` ascending); returns seconds
+    per candidate and bucket. Each call takes the next copy: in a real step every weight is
+    used once and 30 layers of others pass through the caches before it comes round again,
+    so a weight that stays in L2 between calls would favour the kernels that compute most
+    per byte. A candidate left behind (PRUNE_RATIO, PRUNE_MIN_S) has no times above the
+    bucket where it was dropped, as one that cannot run them: it cannot win them either.
+    ``timer``: :func:`time_interleaved` (tests inject their own)."""
+    timer = timer or time_interleaved
     g = torch.Generator().manual_seed(0)
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
+    behind = {c: 0 for c in candidates}           # buckets in a row lost by PRUNE_RATIO
     for m in buckets:
         x = torch.randn(m, k, generator=g).to(dtype)
         fns = {}
         for name, (fn, copies, max_m) in candidates.items():
-            if m <= max_m:
+            if m <= max_m and behind[name] < 2:
                 turn = iter(range(1 << 62))
                 fns[name] = (lambda fn=fn, copies=copies, turn=turn:
                              fn(x, copies[next(turn) % len(copies)]))
-        for name, t in time_interleaved(fns).items():
+        times = timer(fns)
+        best = min(times.values(), default=0.0)
+        for name, t in times.items():
             out[name][m] = t
+            far = t >= PRUNE_MIN_S and t >= PRUNE_RATIO * best
+            behind[name] = behind[name] + 1 if far else 0
     return out
 
 

@@ -133,3 +133,43 @@ def test_noise_does_not_fragment_the_table():
     t = table(native=[1.0, 3.0, 9.0, None], onednn=[2.0, 1.0, 1.0, 4.0],
               torch=[3.0, 1.2, 0.98, 4.4])
     assert choose_linear(t, margin=0.0) == [(1, "native"), (512, "onednn")]
+
+
+def _timed(table_s):
+    """A timer for tuning.time_linear that returns ``table_s[name][m]`` for each candidate it
+    is handed, and records which it was handed at each bucket."""
+    asked = []
+
+    def timer(fns):
+        m = len(asked)
+        asked.append(sorted(fns))
+        return {name: table_s[name][m] for name in fns}
+    return timer, asked
+
+
+def test_a_candidate_far_behind_in_two_buckets_in_a_row_is_not_timed_above_them():
+    import torch
+    buckets = [1, 8, 64, 512, 2048]
+    ms = 1e-3
+    table_s = {"native": [0.1 * ms, 0.5 * ms, 2 * ms, 9 * ms, 30 * ms],
+               # far behind at 1 and 8 too, but those calls are short: a fixed cost, kept
+               "torch": [0.9 * ms, 0.9 * ms, 7 * ms, 40 * ms, 999],
+               # 3x behind once (64), then close again: kept everywhere
+               "fp32": [0.2 * ms, 0.6 * ms, 6 * ms, 10 * ms, 31 * ms]}
+    timer, asked = _timed(table_s)
+    noop = (lambda x, w: None, [None], 1 << 30)
+    out = tuning.time_linear({c: noop for c in table_s}, 4, torch.float32, buckets, timer)
+    assert asked == [["fp32", "native", "torch"]] * 4 + [["fp32", "native"]]
+    assert sorted(out["torch"]) == [1, 8, 64, 512] and sorted(out["fp32"]) == buckets
+    # the dropped candidate cannot win where it was not timed; the table is the same
+    assert choose_linear(out) == choose_linear({**out, "torch": {**out["torch"], 2048: 999}})
+
+
+def test_no_candidate_is_dropped_for_losing_only_short_calls_or_by_less_than_the_ratio():
+    import torch
+    buckets = [1, 8, 64]
+    table_s = {"native": [1e-5, 1e-4, 1e-3], "torch": [9e-4, 9e-4, 2.9e-3]}
+    timer, asked = _timed(table_s)
+    noop = (lambda x, w: None, [None], 1 << 30)
+    out = tuning.time_linear({c: noop for c in table_s}, 4, torch.float32, buckets, timer)
+    assert asked == [["native", "torch"]] * 3 and sorted(out["torch"]) == buckets
