@@ -268,13 +268,15 @@ def time_call(fn: Callable[[], object]) -> float:
 STREAM_BYTES = 64 << 20          # weights rotated through per candidate (see time_linear)
 
 
-# A candidate this much slower than the bucket's best, at calls this long, in two buckets in
-# a row, is not timed at larger ones: on an AVX2 EPYC torch's own bf16 GEMM runs 7-10x
-# behind the native and fp32 kernels, and its calls at 64-2048 rows were ~15 s of a ~25 s
-# plan. A fixed cost per call could make a candidate lose by 3x at small M and win later,
-# so only calls of a millisecond or more count: there the GEMM, not a fixed cost, is the time.
+# A candidate this much slower than the bucket's best, at calls this long, in PRUNE_BUCKETS
+# buckets in a row, is not timed at larger ones: on a 2-core AVX2 EPYC torch's own bf16 GEMM
+# runs 7-10x behind the native and fp32 kernels, and its calls up to 2048 rows were ~30 s of
+# a 43-44 s bf16 plan (15-16 s without them, the same choices). A fixed cost per call could
+# make a candidate lose by 3x at small M and win later, so only calls of a millisecond or
+# more count: there the GEMM, not a fixed cost, is the time.
 PRUNE_RATIO = 3.0
 PRUNE_MIN_S = 1e-3
+PRUNE_BUCKETS = 2
 
 
 def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int,
@@ -286,8 +288,9 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
     per candidate and bucket. Each call takes the next copy: in a real step every weight is
     used once and 30 layers of others pass through the caches before it comes round again,
     so a weight that stays in L2 between calls would favour the kernels that compute most
-    per byte. A candidate left behind (PRUNE_RATIO, PRUNE_MIN_S) has no times above the
-    bucket where it was dropped, as one that cannot run them: it cannot win them either.
+    per byte. A candidate left behind (PRUNE_RATIO, PRUNE_MIN_S, PRUNE_BUCKETS) has no
+    times above the bucket where it was dropped, as one that cannot run them: it cannot win
+    them either.
     ``timer``: :func:`time_interleaved` (tests inject their own)."""
     timer = timer or time_interleaved
     g = torch.Generator().manual_seed(0)
@@ -297,7 +300,7 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
         x = torch.randn(m, k, generator=g).to(dtype)
         fns = {}
         for name, (fn, copies, max_m) in candidates.items():
-            if m <= max_m and behind[name] < 2:
+            if m <= max_m and behind[name] < PRUNE_BUCKETS:
                 turn = iter(range(1 << 62))
                 fns[name] = (lambda fn=fn, copies=copies, turn=turn:
                              fn(x, copies[next(turn) % len(copies)]))
