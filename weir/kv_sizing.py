@@ -24,22 +24,31 @@ class KvShape(NamedTuple):
     head_dim: int
 
 
+def gguf_attention(meta: dict) -> tuple[int, KvShape]:
+    """(attention heads, the KV shape) from a GGUF file's metadata, as the loader reads them."""
+    arch = meta.get("general.architecture", "llama")
+    heads = meta[f"{arch}.attention.head_count"]
+    return heads, KvShape(meta[f"{arch}.block_count"],
+                          meta.get(f"{arch}.attention.head_count_kv") or heads,
+                          meta.get(f"{arch}.attention.key_length")
+                          or meta[f"{arch}.embedding_length"] // heads)
+
+
+def hf_attention(cfg: dict) -> tuple[int, KvShape]:
+    """(attention heads, the KV shape) from a Hugging Face config.json, as the loader reads
+    them."""
+    heads = cfg["num_attention_heads"]
+    return heads, KvShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads,
+                          cfg.get("head_dim") or cfg["hidden_size"] // heads)
+
+
 def kv_shape(model: Path) -> KvShape:
     """Layers, KV heads and head dim of a GGUF file (its header only) or a Hugging Face
     directory (its config.json)."""
     if model.is_dir():
-        cfg = json.loads((model / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        return KvShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads,
-                       cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return hf_attention(json.loads((model / "config.json").read_text()))[1]
     from weir.gguf_header import read_header
-    meta = read_header(model, string_arrays=False).meta
-    arch = meta.get("general.architecture", "llama")
-    heads = meta[f"{arch}.attention.head_count"]
-    return KvShape(meta[f"{arch}.block_count"],
-                   meta.get(f"{arch}.attention.head_count_kv") or heads,
-                   meta.get(f"{arch}.attention.key_length")
-                   or meta[f"{arch}.embedding_length"] // heads)
+    return gguf_attention(read_header(model, string_arrays=False).meta)[1]
 
 
 def block_bytes(shape: KvShape, block_size: int, element_bytes: int) -> int:

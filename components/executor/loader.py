@@ -28,6 +28,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from schemas.model import ModelSpec
 from weir.gguf_header import read_header
+from weir.kv_sizing import gguf_attention, hf_attention
 
 _LAYER_KEYS = {
     "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
@@ -120,10 +121,8 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if a("rope.scaling.type", "none") not in ("none", None):
         raise ValueError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported")
-    n_head = a("attention.head_count")
-    n_kv = a("attention.head_count_kv") or n_head
-    hidden = a("embedding_length")
-    head_dim = a("attention.key_length", hidden // n_head)
+    n_head, shape = gguf_attention(meta)
+    n_kv, head_dim, hidden = shape.kv_heads, shape.head_dim, a("embedding_length")
     if a("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings are not supported")
     data = torch.from_numpy(mm)
@@ -144,7 +143,7 @@ def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
            if f"tokenizer.ggml.{k}_token_id" in meta]
     spec = ModelSpec(
         name=re.sub(r"\.(I?Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.I),
-        num_layers=a("block_count"), hidden_size=hidden,
+        num_layers=shape.layers, hidden_size=hidden,
         intermediate_size=a("feed_forward_length"), num_heads=n_head, num_kv_heads=n_kv,
         head_dim=head_dim,
         vocab_size=a("vocab_size", weights["embed"].shape[0]),
@@ -185,12 +184,11 @@ def _load_hf_dir(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     for src in (cfg, json.loads(gen.read_text()) if gen.exists() else {}):
         e = src.get("eos_token_id")
         eos += [e] if isinstance(e, int) else list(e or [])
-    n_head = cfg["num_attention_heads"]
+    n_head, shape = hf_attention(cfg)
     spec = ModelSpec(
-        name=path.name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        name=path.name, num_layers=shape.layers, hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_heads=n_head,
-        num_kv_heads=cfg.get("num_key_value_heads") or n_head,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+        num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
         vocab_size=cfg["vocab_size"],
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
