@@ -329,17 +329,29 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     served_model_name: str = ""
     api_keys: tuple[ApiKey, ...] = ()
     max_body_bytes: int = 4 << 20             # larger request bodies get 413
-    read_timeout_s: float = 10.0              # headers, then body: else 408 / closed
+    read_timeout_s: float = 10.0              # from a request's first byte: headers, then body
+    # A connection that has sent nothing is closed after first_byte_timeout_s (a client
+    # opens one to send a request at once; TLS ends in front of the gateway), or after
+    # keepalive_timeout_s when it is kept alive between requests (uvicorn's 5 s, what it had)
+    first_byte_timeout_s: float = 2.0
+    keepalive_timeout_s: float = 5.0
     stream_stall_timeout_s: float = 30.0      # a client not reading an SSE stream: cancelled
-    max_connections: int = 2048               # more concurrent connections get 503
+    max_connections: int = 2048               # at it idle connections are shed, then 503
+    # Connections one client address may hold (loopback exempt; 0: no cap): past it the new
+    # one is closed. 256 is twice what the engine runs at once (scheduler.max_num_seqs), so
+    # one client gains nothing past it, and it takes 8 addresses to fill max_connections
+    max_connections_per_peer: int = 256
     send_buffer_bytes: int = 262144           # kernel send buffer per connection (0: autotune)
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "gateway.port must be a TCP port")
         _require(self.max_body_bytes >= 1024, "gateway.max_body_bytes must be >= 1024")
-        _require(self.read_timeout_s > 0 and self.stream_stall_timeout_s > 0,
+        _require(min(self.read_timeout_s, self.stream_stall_timeout_s,
+                     self.first_byte_timeout_s, self.keepalive_timeout_s) > 0,
                  "gateway timeouts must be > 0")
         _require(self.max_connections >= 1, "gateway.max_connections must be >= 1")
+        _require(self.max_connections_per_peer >= 0,
+                 "gateway.max_connections_per_peer must be >= 0 (0: no cap)")
 
 
 class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,7 +1,7 @@
 """Fuzz a running Weir gateway over raw HTTP/1.1 with Hypothesis-generated requests.
 
     python scripts/fuzz_http.py --url http://127.0.0.1:8000 --key sk-... [--examples 2000]
-                                [--seed 1] [--read-timeout 10]
+                                [--seed 1] [--timeout 30] [--idle-flood 3000]
 
 Every request goes on its own TCP connection, written byte for byte (so malformed request
 lines, headers and framing reach the server as sent). Requests are drawn from:
@@ -17,6 +17,12 @@ lines, headers and framing reach the server as sent). Requests are drawn from:
   a 100 KiB header; other methods and paths, HTTP/1.0 and garbage versions;
 - framing: Content-Length, chunked, none, too short, too long (abandoned), split writes,
   requests abandoned half-way.
+
+With ``--idle-flood N``, first: N connections that send nothing (every third asks for
+/health first and then idles, kept alive), held while a completion must still be answered
+200 (with N past the gateway's ``max_connections`` it was a 503 until the read timeout
+closed them), after which the gateway must close every one of them itself within
+``--timeout``.
 
 It checks every answer: no 5xx except a documented 503 (``overloaded`` / ``draining`` from
 admission, or uvicorn's ``max_connections`` limit), no hang (each request must be answered
@@ -445,17 +451,57 @@ def judge(req: Req, out: Outcome) -> str | None:
     return None
 
 
-def greedy(host: str, port: int, key: str, timeout: float) -> str:
+def greedy_request(key: str) -> Req:
     body = _j({"prompt": "The capital of France is", "max_tokens": 12,
                "temperature": 0})
-    req = Req(headers=[(b"Host", b"x"), (b"Content-Type", b"application/json"),
-                       (b"Authorization", f"Bearer {key}".encode())], body=body)
+    return Req(headers=[(b"Host", b"x"), (b"Content-Type", b"application/json"),
+                        (b"Authorization", f"Bearer {key}".encode())], body=body)
+
+
+def greedy(host: str, port: int, key: str, timeout: float) -> str:
+    req = greedy_request(key)
     for _ in range(20):
         out = exchange(host, port, req, timeout)
         if out.status == 200:
             return json.loads(out.body)["choices"][0]["text"]
         time.sleep(0.5)                   # overloaded by what the fuzz left running: wait
     raise AssertionError(f"greedy request failed: {out}")
+
+
+def idle_flood(host: str, port: int, key: str, n: int, timeout: float) -> list[str]:
+    """``n`` connections that send nothing (every third sends ``GET /health`` first, and
+    idles kept alive after its answer) while one completion is sent: it must be answered
+    200, and then the gateway must close every idle connection itself within ``timeout``.
+    The failures, if any."""
+    failures: list[str] = []
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            sock = socket.create_connection((host, port), timeout=timeout)
+            if i % 3 == 0:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(sock)
+        out = exchange(host, port, greedy_request(key), timeout)
+        if out.status != 200:
+            failures.append(f"a completion beside {n} idle connections: {out.kind} "
+                            f"{out.status} {out.body[:200]!r}")
+        deadline = time.monotonic() + timeout
+        for i, sock in enumerate(socks):
+            try:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                while sock.recv(1 << 16):          # a kept-alive one's /health answer first
+                    pass
+            except socket.timeout:
+                failures.append(f"idle connection {i} of {n} still open after {timeout:g}s")
+                break
+            except ConnectionResetError:
+                pass
+    except OSError as exc:
+        failures.append(f"idle flood of {n}: {exc!r} after {len(socks)} connections")
+    finally:
+        for sock in socks:
+            sock.close()
+    return failures
 
 
 def ready(host: str, port: int, timeout: float) -> bool:
@@ -465,8 +511,10 @@ def ready(host: str, port: int, timeout: float) -> bool:
 
 
 def run(url: str, key: str, examples: int, seed: int, timeout: float = 30.0,
-        explicit: bool = True, log=print, mix: dict[str, float] = FULL_MIX) -> Report:
-    """Fuzz the gateway at ``url``; returns the report (``failures`` empty on success)."""
+        explicit: bool = True, log=print, mix: dict[str, float] = FULL_MIX,
+        flood: int = 0) -> Report:
+    """Fuzz the gateway at ``url``, after an idle flood of ``flood`` connections (0:
+    none); returns the report (``failures`` empty on success)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     report = Report()
@@ -488,6 +536,12 @@ def run(url: str, key: str, examples: int, seed: int, timeout: float = 30.0,
         if report.sent % 250 == 0:
             log(f"  {report.summary()}")
 
+    if flood:
+        t1 = time.monotonic()
+        for why in idle_flood(host, port, key, flood, timeout):
+            report.failures.append(why)
+            log(f"FAIL {why}")
+        log(f"idle flood of {flood}: {time.monotonic() - t1:.1f}s")
     if explicit:
         for req in explicit_cases(key):
             one(req)
@@ -523,10 +577,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a request may take before it counts as a hang")
     ap.add_argument("--light", action="store_true",
                     help="fewer requests that reach the model (the test suite's mix)")
+    ap.add_argument("--idle-flood", type=int, default=0, metavar="N",
+                    help="first hold N idle connections (past the gateway's max_connections: "
+                         "2048 by default) while a completion must be served")
     args = ap.parse_args(argv)
     print(f"fuzzing {args.url} with {args.examples} requests, seed {args.seed}")
+    if args.idle_flood:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = args.idle_flood + 64
+        if soft < want and (hard == resource.RLIM_INFINITY or hard >= want):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     report = run(args.url, args.key, args.examples, args.seed, args.timeout,
-                 mix=LIGHT_MIX if args.light else FULL_MIX)
+                 mix=LIGHT_MIX if args.light else FULL_MIX, flood=args.idle_flood)
     print(report.summary())
     for failure in report.failures[:50]:
         print("FAIL", failure)

@@ -1,17 +1,10 @@
-"""HTTP hardening for the gateway: what a client may send and how long it may take.
+"""HTTP hardening for the gateway, in the app: what a client may send and how long it may
+take. (What a connection may do before its request reaches the app is ``protocol.py``'s.)
 
-Two layers, because uvicorn offers no header timeout and no way to bound a blocked write:
-
-- :func:`guarded_protocol` subclasses uvicorn's HTTP protocol (httptools, else h11). A
-  connection must deliver a request's headers within ``read_timeout_s`` of opening (or of
-  its previous response ending) and in at most ``MAX_HEADER_BYTES``; else it gets 408 / 431
-  and is closed. A connection whose send buffer stays full (the client stopped reading)
-  for ``stall_timeout_s`` is aborted — ``close()`` would wait forever to flush — which the
-  app sees as a disconnect, so its request is cancelled in the engine.
-- In the app: :func:`check_content_type` (415), :func:`read_body` (413 as soon as
-  Content-Length or the bytes read pass ``max_body_bytes``; 408 if the body does not arrive
-  within ``read_timeout_s``), and :class:`GuardedStreamingResponse`, whose every ``send``
-  is bounded by ``stall_timeout_s`` (by one timer per response where the server offers an
+- :func:`check_content_type` (415), :func:`read_body` (413 as soon as Content-Length or the
+  bytes read pass ``max_body_bytes``; 408 if the body does not arrive within
+  ``read_timeout_s``), and :class:`GuardedStreamingResponse`, whose every ``send`` is
+  bounded by ``stall_timeout_s`` (by one timer per response where the server offers an
   abort, else a cancel scope per send: it works under any ASGI server), and which closes
   its body iterator deterministically, so the stream's ``finally`` cancels the engine
   request.
@@ -19,7 +12,6 @@ Two layers, because uvicorn offers no header timeout and no way to bound a block
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, Callable
 
 import anyio
@@ -31,7 +23,6 @@ from components.gateway.openai_api import ApiError
 
 log = structlog.get_logger("gateway")
 
-MAX_HEADER_BYTES = 64 << 10
 ABORT_EXTENSION = "weir.abort"          # scope["extensions"][...]: abort the connection now
 
 
@@ -168,123 +159,3 @@ class GuardedStreamingResponse(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await anyio.sleep(0)              # let an abort's connection_lost run
-
-
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-_TOO_LARGE_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                  b"content-type: application/json\r\nconnection: close\r\n"
-                  b"content-length: %d\r\n\r\n%s")
-
-
-def _raw(template: bytes, message: str, code: str) -> bytes:
-    body = (b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, '
-            b'"code": "%s"}}' % (message.encode(), code.encode()))
-    return template % (len(body), body)
-
-
-def guarded_protocol(read_timeout_s: float, stall_timeout_s: float,
-                     max_header_bytes: int = MAX_HEADER_BYTES,
-                     base: type[asyncio.Protocol] | None = None,
-                     send_buffer_bytes: int = 0) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol class with a header deadline, a header size cap and a
-    write-stall abort (see the module docstring). Pass it as ``uvicorn.Config(http=...)``.
-    ``send_buffer_bytes`` (0: the defaults, the kernel's autotuned up to megabytes) bounds
-    what the kernel and the event loop each hold for a client that is not reading, so its
-    stall shows sooner."""
-    if base is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base   # noqa: N813
-
-    class GuardedProtocol(base):                                     # type: ignore[misc, valid-type]
-        _header_timer: asyncio.TimerHandle | None = None
-        _stall_timer: asyncio.TimerHandle | None = None
-        _armed_cycle: Any = None
-        _header_bytes = 0              # bytes received while waiting for a head
-
-        # -- headers: a deadline from connection (or previous response) to a complete head
-        def _arm_headers(self) -> None:
-            self._disarm_headers()
-            self._armed_cycle = self.cycle
-            self._header_bytes = 0
-            self._header_timer = self.loop.call_later(read_timeout_s, self._header_timeout)
-
-        def _disarm_headers(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
-            if self._header_bytes:               # a request was begun and not finished
-                self.transport.write(_raw(_TIMEOUT_408, "request headers did not arrive "
-                                          f"within {read_timeout_s:g}s", "request_timeout"))
-            self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            sock = transport.get_extra_info("socket")
-            if send_buffer_bytes:        # the kernel's buffer, and the event loop's above it
-                if sock is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
-                transport.set_write_buffer_limits(high=send_buffer_bytes)
-            self._arm_headers()
-
-        def data_received(self, data: bytes) -> None:
-            waiting = self._header_timer is not None
-            if waiting:
-                before = self._header_bytes
-                self._header_bytes += len(data)
-                end = data.find(b"\r\n\r\n")             # a head ends in this chunk
-                if end >= 0 and before + end > max_header_bytes:
-                    self._disarm_headers()
-                    return self._send_431()
-            super().data_received(data)
-            if not waiting or self.transport.is_closing():
-                return
-            if self.cycle is not self._armed_cycle:          # a request's head is complete
-                self._disarm_headers()
-                scope = self.cycle.scope
-                scope.setdefault("extensions", {})[ABORT_EXTENSION] = self.transport.abort
-            elif self._header_bytes > max_header_bytes:
-                self._disarm_headers()
-                self._send_431()
-
-        def _send_431(self) -> None:
-            self.transport.write(_raw(_TOO_LARGE_431, "request headers are over "
-                                      f"{max_header_bytes} bytes", "headers_too_large"))
-            self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and (self.cycle is None
-                                                    or self.cycle.response_complete):
-                self._arm_headers()                  # idle: the next head has a deadline
-
-        # -- writes: a client that stops reading is cut off after stall_timeout_s
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._stall_timer is None:
-                self._stall_timer = self.loop.call_later(stall_timeout_s, self._stalled)
-
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
-
-        def _stalled(self) -> None:
-            self._stall_timer = None
-            log.warning("http_write_stalled", stall_timeout_s=stall_timeout_s)
-            self.transport.abort()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_headers()
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
-            super().connection_lost(exc)
-
-    GuardedProtocol.__name__ = f"Guarded{base.__name__}"
-    return GuardedProtocol

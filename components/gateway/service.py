@@ -11,7 +11,7 @@ import uvicorn
 from bus.component import Component
 from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
-from components.gateway.http import guarded_protocol
+from components.gateway.protocol import guarded_protocol
 from components.streamer.identity import load_service_key
 from weir.client import AsyncClient
 from weir.model_fetch import resolve_model
@@ -54,12 +54,11 @@ class GatewayService(Component):
             server = _Server(uvicorn.Config(
                 build_app(self.gw), host=gw.host, port=gw.port, log_level="warning",
                 access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                # headers within read_timeout_s and 64 KiB, a send buffer that does not
-                # drain for stream_stall_timeout_s aborts the connection; past
-                # max_connections new requests get 503
-                http=guarded_protocol(gw.read_timeout_s, gw.stream_stall_timeout_s,
-                                      send_buffer_bytes=gw.send_buffer_bytes),
-                limit_concurrency=gw.max_connections))
+                # a first byte within first_byte_timeout_s, headers within read_timeout_s
+                # of it and 64 KiB, a send buffer that does not drain for
+                # stream_stall_timeout_s aborts the connection; at max_connections idle
+                # connections are shed, then new requests get 503
+                http=guarded_protocol(gw), limit_concurrency=gw.max_connections))
             log.info("http_listening", host=gw.host, port=gw.port, model=self.model)
             await server.serve()
 

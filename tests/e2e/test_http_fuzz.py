@@ -1,8 +1,10 @@
 """The HTTP half of the issue's fuzz test, short and seeded: scripts/fuzz_http.py's
 generated requests (wrong types, huge values, 20 MB bodies, bad unicode, deep JSON, wrong
-content types, bad headers and framing) against the real engine's gateway. No 5xx but a
-documented 503, no process dies or restarts, nothing leaks, and a greedy request returns the
-same text afterwards. ``python scripts/fuzz_http.py --examples 2000`` is the long run."""
+content types, bad headers and framing) against the real engine's gateway, after an idle
+flood past its connection cap (a completion must still be served, and every idle
+connection closed by the gateway). No 5xx but a documented 503, no process dies or
+restarts, nothing leaks, and a greedy request returns the same text afterwards.
+``python scripts/fuzz_http.py --examples 2000 --idle-flood 3000`` is the long run."""
 import importlib.util
 import sys
 
@@ -13,6 +15,8 @@ from tests.e2e.engine import ROOT
 
 EXAMPLES = 200
 SEED = 20261130
+MAX_CONNECTIONS = 64
+FLOOD = 100                # idle connections: past MAX_CONNECTIONS
 
 
 def _fuzz_http():
@@ -25,7 +29,9 @@ def _fuzz_http():
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, model_path):
-    eng = start_gateway(tmp_path_factory, "read_timeout_s = 1.0\nstream_stall_timeout_s = 5.0\n")
+    eng = start_gateway(tmp_path_factory, "read_timeout_s = 1.0\nstream_stall_timeout_s = 5.0\n"
+                        f"max_connections = {MAX_CONNECTIONS}\nfirst_byte_timeout_s = 1.0\n"
+                        "keepalive_timeout_s = 1.0\n")
     yield eng
     eng.stop()
 
@@ -35,7 +41,7 @@ def test_http_fuzz(gw):
     fuzz = _fuzz_http()
     before = gw.status()
     report = fuzz.run(gw.base_url, GATEWAY_KEY, EXAMPLES, SEED, timeout=30, log=print,
-                      mix=fuzz.LIGHT_MIX)
+                      mix=fuzz.LIGHT_MIX, flood=FLOOD)
     assert not report.failures, "\n".join(report.failures[:20])
     assert report.sent >= EXAMPLES
     assert report.statuses[200] >= 10 and report.statuses[400] >= 50     # it reached the engine

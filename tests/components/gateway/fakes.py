@@ -11,7 +11,7 @@ import uvicorn
 
 from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
-from components.gateway.http import guarded_protocol
+from components.gateway.protocol import guarded_protocol
 from components.gateway.service import _Server
 from schemas.client import Accepted, ComponentStatus, StatusReport, TextDelta, Usage
 from schemas.config import GatewayConfig
@@ -95,28 +95,31 @@ class FakeClient:
 
 
 class Gateway:
-    def __init__(self, port: int, client: FakeClient) -> None:
-        self.port, self.client = port, client
+    def __init__(self, port: int, client: FakeClient, protocol: type) -> None:
+        self.port, self.client, self.protocol = port, client, protocol
         self.url = f"http://127.0.0.1:{port}"
 
 
 @contextlib.asynccontextmanager
 async def serve(client: FakeClient, keys: tuple = (), max_model_len: int = 2048, **cfg: Any):
-    """Run the gateway app under uvicorn with the guarded protocol on a free port."""
+    """Run the gateway app under uvicorn with the guarded protocol on a free port of
+    ``host`` (loopback by default)."""
+    cfg.setdefault("send_buffer_bytes", 0)        # the kernel's and the loop's own defaults
     config = GatewayConfig(**cfg)
     state = GatewayState(client, Authenticator(keys), "m", config, max_model_len)
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((config.host, 0))
+    protocol = guarded_protocol(config)
     server = _Server(uvicorn.Config(
         build_app(state), log_level="critical", access_log=False, lifespan="off",
-        http=guarded_protocol(config.read_timeout_s, config.stream_stall_timeout_s),
+        http=protocol,
         limit_concurrency=config.max_connections, timeout_graceful_shutdown=1))
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: server.serve(sockets=[sock]))
         while not server.started:
             await anyio.sleep(0.01)
         try:
-            yield Gateway(sock.getsockname()[1], client)
+            yield Gateway(sock.getsockname()[1], client, protocol)
         finally:
             server.should_exit = True
             server.force_exit = True
