@@ -266,6 +266,12 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     reason: str
 
 
+# A ``Failed`` reason's prefix, then ": " and llguidance's message: the request's structured
+# output went past llguidance's limits on the text it met. The request's own language,
+# not the engine: a retry fails the same way.
+STRUCTURED_OUTPUT_ERROR = "structured_output_error"
+
+
 class TenantUsage(msgspec.Struct, frozen=True):
     """One tenant's use of the engine, as the scheduler counts it."""
 

@@ -183,6 +183,10 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     # empty when none did
     logprobs: list[SampleLogprobs | None] = []
     prompt_logprobs: list[PromptChunkLogprobs] = []     # prompt_logprobs' rows of this step
+    # (seq_id, why) for each sequence whose structured output failed in this step: its
+    # language went past llguidance's limits on the text it met (``a{1000}{1000}`` after a
+    # token). The scheduler fails its request; its sample here is not emitted.
+    structured_errors: list[tuple[int, str]] = []
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):

@@ -66,12 +66,22 @@ class Constraint:
         from then on (with ``ignore_eos`` the sequence samples EOS until ``max_tokens``)."""
         self.matcher.consume_token(token)
 
+    def error(self) -> str | None:
+        """Why the matcher is in its error state, or None: its language went past
+        llguidance's limits on the tokens it met (``a{1000}{1000}`` on its first token), or
+        it is one the tokenizer should have refused; never a sampled token, which the mask
+        allowed. The first line of llguidance's message: the lines after it quote the
+        output."""
+        m = self.matcher
+        if not m.is_error():
+            return None
+        return (m.get_error().strip().splitlines() or ["llguidance error"])[0][:200]
+
     def fill(self, row: np.ndarray) -> None:
         """The tokens allowed next as bits into ``row``, an int32 array (token ``t`` is
-        bit ``t % 32`` of word ``t // 32``). A matcher in its error state (its language
-        past llguidance's limits on the tokens it met, or one the tokenizer should have
-        refused; never a sampled token, which the mask allowed) allows EOS alone, so the
-        sequence ends instead of drawing from an empty row."""
+        bit ``t % 32`` of word ``t // 32``). A matcher in its error state (``error()``)
+        allows EOS alone, so the row draws from no empty set while the scheduler, told by
+        the step's result, fails the request."""
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
@@ -121,7 +131,7 @@ class Grammars:
 
         vocab = self._vocab.result()
         # the tokenizer refuses what fails here before it runs; if one did, the matcher's
-        # error state ends the sequence (the log names no part of it: a schema is the
+        # error state fails the request (the log names no part of it: a schema is the
         # user's)
         try:
             fresh = LLMatcher(vocab, grammar_of(so), log_level=0, limits=limits())

@@ -213,14 +213,17 @@ class ModelRunner:
                 logprobs = lps.finish(tokens, len(sampled))
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
-        for (_, s, k), tok in zip(sampled, tokens):
+        errors: list[tuple[int, str]] = []          # structured output past its limits
+        for (sid, s, k), tok in zip(sampled, tokens):
             if k == 0:
                 s.token_ids.append(tok)
                 if s.constraint is not None:
                     s.constraint.advance(tok)
+                    if (why := s.constraint.error()) is not None:
+                        errors.append((sid, why))
         return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
                           time.perf_counter_ns() - start, logprobs=logprobs,
-                          prompt_logprobs=prompt_lps)
+                          prompt_logprobs=prompt_lps, structured_errors=errors)
 
     @staticmethod
     def _plain_greedy(states: list[SeqState]) -> bool:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bus import tracing
-from schemas.client import StatusReport
+from schemas.client import STRUCTURED_OUTPUT_ERROR, StatusReport
 from schemas.config import GatewayConfig
 from components.gateway.auth import Authenticator
 from components.gateway.batch import StreamGroup
@@ -99,6 +99,20 @@ def _from_rejection(exc: RequestRejected) -> ApiError:
     kind = {429: "rate_limit_exceeded", 503: "service_unavailable", 403: "permission_error"}
     return ApiError(status, exc.message, kind.get(status, "invalid_request_error"),
                     code=exc.reason, retry_after=exc.retry_after_s if status in (429, 503) else None)
+
+
+def _from_failure(exc: RequestFailed | RequestCancelled) -> ApiError:
+    """A request the engine could not finish: 500, but 400 where its structured output went
+    past llguidance's limits while it ran. That is the request's own language, as a
+    language refused up front is: a retry fails the same way, and OpenAI's SDKs retry a 5xx
+    (twice by default), never a 400."""
+    reason = getattr(exc, "reason", "")
+    if isinstance(exc, RequestFailed) and reason.startswith(STRUCTURED_OUTPUT_ERROR):
+        why = reason[len(STRUCTURED_OUTPUT_ERROR):].lstrip(": ")
+        return ApiError(400, "the structured output's language went past the grammar "
+                             f"engine's limits while generating: {why}",
+                        code=STRUCTURED_OUTPUT_ERROR)
+    return ApiError(500, f"request failed: {exc}", "server_error")
 
 
 def _granted(res: Completion) -> dict[str, Any]:
@@ -238,7 +252,7 @@ def build_app(state: GatewayState) -> Starlette:
                         await stream.abandon()
                 if isinstance(exc, RequestRejected):
                     raise _from_rejection(exc) from None
-                raise ApiError(500, f"request failed: {exc}", "server_error") from None
+                raise _from_failure(exc) from None
             if gone:
                 return await _client_gone(stream, events, echo_id)
         except ApiError as err:
@@ -311,7 +325,7 @@ def build_app(state: GatewayState) -> Starlette:
                 with anyio.CancelScope(shield=True):
                     await stream.abandon()
             err = _from_rejection(exc) if isinstance(exc, RequestRejected) else \
-                ApiError(500, f"request failed: {exc}", "server_error")
+                _from_failure(exc)
             state.metrics.error(f"http_{err.status}" if isinstance(exc, RequestRejected)
                                 else "failed")
             return _error_response(err, headers["x-request-id"])
@@ -364,7 +378,7 @@ def build_app(state: GatewayState) -> Starlette:
                     with anyio.CancelScope(shield=True):
                         await stream.abandon()
                 state.metrics.error("failed")
-                yield frame(ApiError(500, f"request failed: {exc}", "server_error").body())
+                yield frame(_from_failure(exc).body())
                 done = True
                 return
             res = stream.result

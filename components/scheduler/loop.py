@@ -27,6 +27,7 @@ from components.scheduler.core import Outcome, Preemption, SchedulerCore, Urgenc
 from components.scheduler.cost_model import StepShape, plan_shape
 from components.scheduler.load import released_outputs, released_ttft
 from components.scheduler.usage import UsageStats
+from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
@@ -147,7 +148,29 @@ class SchedulerLoop:
         sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
                                               res.elapsed_ns / 1e9, res.step_id)))
         self.usage.sampled(core, res.seq_ids)
-        return core.on_result(res, now_ns)
+        failed = self._fail_structured(res.structured_errors, sends)
+        out = core.on_result(res, now_ns)
+        out.released += failed.released
+        out.forget += failed.forget
+        return out
+
+    def _fail_structured(self, errors: list[tuple[int, str]], sends: list[Send]) -> Outcome:
+        """Fail the requests whose structured output went past llguidance's limits (every
+        choice: one of them cannot be finished), before the step's samples are taken, so
+        theirs is not emitted. Without this the executor's EOS-only mask ended them
+        ``stop`` with text outside their language."""
+        out = Outcome()
+        for seq_id, why in errors:
+            seq = self.core.by_seq.get(seq_id)
+            if seq is None or seq.ended or seq.request_id not in self.core.by_request:
+                continue                        # ended since (an earlier step's error)
+            log.warning("structured_output_failed", request_id=seq.request_id)
+            cancelled = self.core.cancel(seq.request_id)
+            out.released += cancelled.released
+            out.forget += cancelled.forget
+            sends.append(Send("streamer", EventBatch(
+                [Failed(seq.request_id, f"{STRUCTURED_OUTPUT_ERROR}: {why}")])))
+        return out
 
     def peer_restarted(self, name: str, now_ns: int, mono_ns: int) -> list[Send]:
         sends: list[Send] = []

@@ -80,8 +80,9 @@ def check(so: StructuredOutput, tok: llguidance.LLTokenizer) -> str | None:
     """Why ``so``'s language cannot be used with this vocabulary, or None: a schema
     llguidance does not accept, a regex or grammar that does not parse. What passes can
     still reach its parser's limits (``limits()``) later, on the tokens it meets
-    (``a{1000}{1000}`` after its first few): the executor's matcher is then in its error
-    state and the sequence ends there (``Constraint.fill``)."""
+    (``a{1000}{1000}`` after its first): the request then fails ``structured_output_error``
+    with llguidance's reason (``Constraint.error``). Which path a language takes is the
+    model's to choose, so no probe here could rule that out."""
     from llguidance import LLMatcher
 
     try:

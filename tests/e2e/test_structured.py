@@ -2,7 +2,8 @@
 ``response_format`` through the official `openai` client (chat, streamed, n > 1), vLLM's
 ``guided_*`` and ``structured_outputs``, the SDK's ``structured=`` and ``weir generate``.
 Every answer that ends by EOS is a whole sentence of its language; a language that does
-not parse is a 400 with the parser's reason; KV comes back."""
+not parse is a 400 with the parser's reason, and one past llguidance's limits while
+generating fails with its reason; KV comes back."""
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import pytest
 
 from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL
 from tests.e2e.engine import ROOT
+from weir.errors import RequestFailed
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -135,6 +137,29 @@ def test_a_language_that_does_not_parse_is_a_400_and_costs_nothing(gw, oai, extr
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=extra)
     assert words in str(err.value)
+    ok = oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0,
+                                extra_body={"guided_choice": ["a", "b"]})
+    assert ok.choices[0].text in ("a", "b")
+    gw.wait_kv_free(timeout=2.0)
+
+
+def test_a_language_past_its_limits_while_generating_fails_with_its_reason(gw, oai):
+    """``a{1000}{1000}`` passes validation, then reaches llguidance's limits on its first
+    token. It ended ``stop`` with text outside its language; now the request fails with
+    llguidance's reason: a 400 (an SDK must not retry it), an error frame in a stream,
+    ``RequestFailed`` in Weir's SDK; the requests beside it are untouched, KV comes back."""
+    extra = {"guided_regex": "a{1000}{1000}"}
+    why = "lexer error: too many expressions constructed"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="a", max_tokens=8, extra_body=extra)
+    assert err.value.code == "structured_output_error" and why in str(err.value)
+    with pytest.raises(openai.APIError) as err:
+        list(oai.completions.create(model=MODEL, prompt="a", max_tokens=8, stream=True,
+                                    extra_body=extra))
+    assert why in str(err.value)
+    with gw.client() as c, pytest.raises(RequestFailed) as failed:
+        c.generate("a", max_tokens=8, structured={"regex": "a{1000}{1000}"})
+    assert failed.value.reason == f"structured_output_error: {why}"
     ok = oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0,
                                 extra_body={"guided_choice": ["a", "b"]})
     assert ok.choices[0].text in ("a", "b")

@@ -19,7 +19,7 @@ from components.executor.constraints import Constraint, Grammars, apply_constrai
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
-from components.tokenizer.structured import grammar_of, ll_tokenizer
+from components.tokenizer.structured import check, grammar_of, ll_tokenizer
 from components.tokenizer.vocab import load_tokenizer
 from schemas.wire import NewSeq, SeqStep, StepPlan, StructuredOutput
 
@@ -231,17 +231,30 @@ def test_a_matcher_in_error_allows_eos_alone(vocab, bundle):
     assert bits.nonzero()[0].tolist() == [EOS]
 
 
-def test_a_language_past_its_limits_ends_the_sequence(model, vocab, bundle):
-    """``a{1000}{1000}`` parses, then reaches the lexer's limits on its first tokens: the
-    sequence ends there, by EOS, instead of stalling every step or failing the batch."""
+def test_a_language_past_its_limits_is_named_in_its_steps_result(model, vocab, bundle):
+    """``a{1000}{1000}`` passes the tokenizer's check, then reaches the lexer's limits on
+    its first token. That step's result names the sequence and llguidance's reason (the
+    scheduler fails its request; it ended ``stop`` with text outside its language before),
+    its row allows EOS alone from then on (never an empty row), and the row beside it runs
+    on untouched."""
     so = StructuredOutput(regex="a{1000}{1000}")
-    assert grammar_of(so) and Grammars(lambda: vocab).constraint(so, []).matcher.is_error() \
-        is False
+    assert check(so, vocab) is None
+    runner = _runner(model, vocab)
     seqs = {1: _new(1, [500 + i for i in range(20)], so), 2: _new(2, [700] * 20, None)}
-    out = _decode(_runner(model, vocab), seqs, max_steps=12)
-    assert out[1][-1] == EOS and len(out[1]) < 12
-    assert set(bundle.decode(out[1][:-1])) <= {"a"}
-    assert len(out[2]) == 12                  # the row beside it ran on
+    first = runner.step(StepPlan(1, list(seqs.values()),
+                                 [SeqStep(sid, 20, [], True) for sid in seqs], []))
+    why = "lexer error: too many expressions constructed"
+    assert first.structured_errors == [(1, why)]
+    assert set(bundle.decode([first.token_ids[0]])) == {"a"}
+    alone = _decode(_runner(model, vocab), {2: _new(2, [700] * 20, None)}, max_steps=4)
+    out = {1: [first.token_ids[0]], 2: [first.token_ids[1]]}
+    for step in range(2, 5):
+        res = runner.step(StepPlan(step, [], [SeqStep(sid, 1, [], True) for sid in seqs], []))
+        assert res.structured_errors == [(1, why)]
+        for sid, tok in zip(res.seq_ids, res.token_ids):
+            out[sid].append(tok)
+    assert out[1][1:] == [EOS] * 3
+    assert out[2] == alone[2]
 
 
 def test_a_stopped_language_ignores_what_follows(vocab, bundle):

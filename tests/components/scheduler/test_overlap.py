@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 
 from components.kv_manager.ops import apply_ops
@@ -16,9 +17,9 @@ from components.scheduler.loop import STEP_DONE, SchedulerLoop
 from components.scheduler.sequence import InFlight, Seq, State
 from components.tokenizer.hashing import block_hashes
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
-from schemas.wire import (Admitted, AllocRequest, DetokParams, EventBatch, ForkRequest, FreeRequest, KvGrants,
-                          KvOps, Released, SamplingParams, SeqStep, StepPlan, StepResult,
-                          SwapOutRequest, TokenOut, Usage)
+from schemas.wire import (Admitted, AllocRequest, DetokParams, EventBatch, Failed, ForkRequest,
+                          FreeRequest, KvGrants, KvOps, Released, SamplingParams, SeqStep,
+                          StepPlan, StepResult, SwapOutRequest, TokenBatch, TokenOut, Usage)
 
 BS = 8
 EPOCH = 1
@@ -376,6 +377,33 @@ def test_a_failed_step_fails_everything_and_the_other_step_in_flight_is_ignored(
     assert any(isinstance(m, Released) and m.request_ids == ["a"] for _, m in sends)
     assert loop.core.in_flight == {} and loop.steps == {}
     assert loop.handle(result(plans[1], {1: 5}), 2, 2) == []     # no StepDone, nothing
+
+
+def test_structured_output_past_its_limits_fails_that_request_alone():
+    """The executor says a's language failed in step 1: a ends ``failed`` with the reason,
+    its sample there is not emitted, its blocks and admission's count are released; b
+    runs on; step 2 (planned with a) is taken, and a's error in it changes nothing."""
+    loop, pool = loop_of(2)
+    plans, _ = deliver(loop, pool, admitted("a", 10), 0.0)
+    more, _ = deliver(loop, pool, admitted("b", 10, base=300), 0.5)
+    plans += more
+    a = loop.core.by_request["a"].seq_id
+    first = plans[0]
+    why = "lexer error: too many expressions constructed"
+    res = result(first, {a: 7})
+    sends = loop.handle(msgspec.structs.replace(res, structured_errors=[(a, why)]), 1, 1)
+    failed = [e for _, m in sends if isinstance(m, EventBatch) for e in m.events]
+    assert failed == [Failed("a", f"structured_output_error: {why}")]
+    assert [m.request_ids for _, m in sends if isinstance(m, Released)] == [["a"]]
+    assert not [t for _, m in sends if isinstance(m, TokenBatch) for t in m.tokens
+                if t.request_id == "a"]
+    assert "a" not in loop.core.by_request and "b" in loop.core.by_request
+    assert [f.seq_id for _, m in sends if isinstance(m, KvOps) for f in m.frees] == [a]
+    second = next(p for p in plans if p.step_id == 2)
+    res = result(second, {st.seq_id: 8 for st in second.steps if st.sample})
+    sends = loop.handle(msgspec.structs.replace(res, structured_errors=[(a, why)]), 2, 2)
+    assert not [m for _, m in sends if isinstance(m, EventBatch)]      # one terminal only
+    assert "b" in loop.core.by_request
 
 
 def test_a_result_out_of_order_fails_everything():
