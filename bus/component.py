@@ -21,6 +21,7 @@ import structlog
 import zmq
 
 from bus import curve
+from bus.pulse import Pulse
 from bus.socket import BusSocket, context
 from schemas.config import WeirConfig
 from schemas.wire import (ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop,
@@ -102,6 +103,7 @@ class Component(abc.ABC):
         cfg = self.config.supervisor
         gate = NewsGate(cfg.heartbeat_keepalive_s)
         while True:
+            self._pulse.tick()               # the loop ran: what the pulse thread reports
             stats = {"malformed": self._malformed(), **self.stats()}
             beat = ComponentHeartbeat(self.name, os.getpid(), self.state, stats,
                                       self.tenant_usage(), self.info())
@@ -125,6 +127,9 @@ class Component(abc.ABC):
                     await self.peer_restarted(name)
 
     async def serve(self) -> None:
+        self._pulse = Pulse(self.name, self.topology.heartbeats(),
+                            self.config.supervisor.heartbeat_keepalive_s)
+        self._pulse.start()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._control, tg.cancel_scope)
             try:
@@ -138,6 +143,8 @@ class Component(abc.ABC):
             tg.cancel_scope.cancel()
 
     def close(self) -> None:
+        if hasattr(self, "_pulse"):
+            self._pulse.stop()
         for sock in self._sockets:
             sock.close()
 

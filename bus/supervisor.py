@@ -1,5 +1,13 @@
 """The supervisor: starts each component as its own OS process, watches heartbeats,
 restarts by policy, relays cluster status to the streamer, and drains on SIGTERM.
+
+Liveness is the pulse thread's, not the event loop's (bus/pulse.py): a process whose loop
+is stalled but computing is left alone; one that is silent, or whose loop waits on nothing
+while it idles, is killed and restarted. A component given up on (dead past
+``max_restarts``, or by a restart policy that does not restart it) ends the whole engine:
+the supervisor drains what can still finish and exits with ``EXIT_GIVEN_UP`` (3), so a
+process manager (Kubernetes, systemd, compose's restart policy) starts it afresh, where a
+living shell around a dead streamer answered ``/health`` 200 for ever.
 """
 from __future__ import annotations
 
@@ -18,14 +26,16 @@ import structlog
 import zmq
 
 from bus.component import setup_failure_path
+from bus.pulse import PulseTrack, verdict
 from bus.socket import BusSocket
 from components.streamer.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from schemas.config import COMPONENTS, WeirConfig
-from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentStatus, Drain,
-                          PeerRestarted, Stop, SupervisorMsg)
+from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentPulse, ComponentStatus,
+                          Drain, PeerRestarted, Stop, SupervisorMsg)
 
 log = structlog.get_logger("supervisor")
 ROOT = Path(__file__).resolve().parent.parent
+EXIT_GIVEN_UP = 3           # `weir serve` exits with it when a component was given up on
 
 
 class StartupError(RuntimeError):
@@ -48,11 +58,14 @@ class Child:
     stats: dict[str, float] = field(default_factory=dict)
     tenants: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    pulse: PulseTrack = field(default_factory=PulseTrack)
+    stalled: bool = False               # its loop is stalled while it works (logged once)
 
     @property
     def alive(self) -> bool:
         if self.external:
-            return self.last_beat > 0 and time.monotonic() - self.last_beat < self.timeout_s
+            heard = max(self.last_beat, self.pulse.at)
+            return heard > 0 and time.monotonic() - heard < self.timeout_s
         return self.proc is not None and self.proc.poll() is None
 
 
@@ -68,6 +81,7 @@ class Supervisor:
                          for name in components}
         self.draining = False
         self.stopping = False
+        self.given_up: list[str] = []     # components left dead: the engine exits
         self._changed = True              # since the status last went to the streamer
         # the gateway's credential towards the streamer (components/streamer/identity.py):
         # inherited by the children this supervisor spawns; compose sets it for every service
@@ -90,13 +104,16 @@ class Supervisor:
         child.pid = child.proc.pid
         child.state = "starting"
         child.last_beat = time.monotonic()
+        child.pulse, child.stalled = PulseTrack(), False
         log.info("spawned", child=child.name, child_pid=child.proc.pid)
 
     def status(self) -> ClusterStatus:
         now = time.monotonic()
         return ClusterStatus(tuple(
             ComponentStatus(c.name, c.pid, c.alive, c.state, c.restarts,
-                            round(now - c.last_beat, 3), c.stats, c.tenants, c.info)
+                            round(now - c.last_beat, 3),
+                            {**c.stats, "loop_stalled_s": round(c.pulse.stalled_s(now), 3)}
+                            if c.stalled else c.stats, c.tenants, c.info)
             for c in self.children.values()), self.draining)
 
     # -- loops
@@ -117,6 +134,11 @@ class Supervisor:
                         child.tenants = tenants
                         child.info = info
                         child.last_beat = time.monotonic()
+                case ComponentPulse(name=name, pid=pid, loop_age_s=age, cpu_s=cpu):
+                    child = self.children.get(name)
+                    if child and (child.external or child.pid == pid):
+                        child.pulse.heard(time.monotonic(), age, cpu,
+                                          3 * self.config.supervisor.heartbeat_interval_s)
 
     async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:
         cfg = self.config.supervisor
@@ -127,12 +149,20 @@ class Supervisor:
             for child in self.children.values():
                 if child.external or child.state == "dead":
                     continue
+                judged = "ok" if child.state == "starting" else \
+                    verdict(child.pulse, child.last_beat, now, cfg.heartbeat_timeout_s)
+                if (judged == "stalled") != child.stalled:
+                    child.stalled, self._changed = judged == "stalled", True
+                    if child.stalled:
+                        log.warning("component_stalled", child=child.name,
+                                    loop_stalled_s=round(child.pulse.stalled_s(now), 1))
                 dead = not child.alive
-                silent = child.state != "starting" and now - child.last_beat > cfg.heartbeat_timeout_s
+                silent = judged in ("silent", "hung")
                 if not (dead or silent) or self.stopping:
                     continue
                 code = child.proc.poll() if child.proc else None
-                log.error("component_down", child=child.name, exit_code=code, silent=silent)
+                log.error("component_down", child=child.name, exit_code=code, silent=silent,
+                          verdict=judged)
                 if silent and child.alive:
                     child.proc.kill()
                     child.proc.wait()
@@ -143,6 +173,14 @@ class Supervisor:
                     await control.send(PeerRestarted(child.name))
                 else:
                     child.state = "dead"
+                    if not self.draining:
+                        log.error("component_given_up", child=child.name,
+                                  restarts=child.restarts, exit_code=code)
+                        self.given_up.append(child.name)
+                        self._give_up.set()
+                        # what it held is lost: the streamer fails those requests now,
+                        # instead of at the drain's deadline
+                        await control.send(PeerRestarted(child.name))
                 self._changed = True
             # the streamer's copy of the status: at once when it changed, else as a keepalive
             if self._changed or now - sent_at >= cfg.heartbeat_keepalive_s:
@@ -201,10 +239,25 @@ class Supervisor:
                 c.proc.wait()
         log.info("stopped")
 
-    async def serve(self, on_ready=None) -> None:
-        """Run until SIGTERM/SIGINT, then drain and stop."""
+    async def _signals(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Wait for SIGTERM/SIGINT. The handler is in place before the ready line: a
+        SIGTERM sent the moment a caller reads it drains and stops, where the default
+        action killed us (and by PDEATHSIG every component) on the spot."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                log.info("signal", signal=signal.Signals(signum).name)
+                break
+        self._give_up.set()
+
+    async def serve(self, on_ready=None) -> int:
+        """Run until SIGTERM/SIGINT, or until a component is given up on; then drain and
+        stop. Returns the exit status: 0, or ``EXIT_GIVEN_UP``."""
+        self._give_up = anyio.Event()
         topo = self.config.topology
-        beats = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg).bind(topo.heartbeats(bind=True))
+        beats = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg,
+                          max_msg_size=self.config.bus.max_message_bytes).bind(
+            topo.heartbeats(bind=True))
         control = BusSocket(zmq.PUB, "supervisor.control").bind(topo.control(bind=True))
         to_streamer = BusSocket(zmq.PUSH, "supervisor.to_streamer").connect(topo.inbox("streamer"))
         try:
@@ -222,17 +275,16 @@ class Supervisor:
                 await to_streamer.send(self.status())     # status is never empty once ready
                 await anyio.sleep(0.05)
                 tg.start_soon(self._watch, control, to_streamer)
-                # the handler before the ready line: a SIGTERM sent the moment a caller reads
-                # it drains and stops, where the default action killed us (and by PDEATHSIG
-                # every component) on the spot
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    if on_ready is not None:
-                        on_ready(self)
-                    async for signum in signals:
-                        log.info("signal", signal=signal.Signals(signum).name)
-                        break
+                await tg.start(self._signals)
+                if on_ready is not None:
+                    on_ready(self)
+                await self._give_up.wait()           # a signal, or a component given up on
                 await self.drain_and_stop(control)
                 tg.cancel_scope.cancel()
         finally:
             for sock in (beats, control, to_streamer):
                 sock.close()
+        if self.given_up:
+            log.error("exiting", given_up=self.given_up, exit_code=EXIT_GIVEN_UP)
+            return EXIT_GIVEN_UP
+        return 0

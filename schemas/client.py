@@ -15,6 +15,8 @@ RejectReason = Literal[
     # deadline-aware admission (components/admission/policy.py)
     "deadline_unmeetable", "deadline_expired", "queue_full", "tenant_token_budget",
     "tenant_kv_budget", "class_not_allowed",
+    # an idempotency key already names a different request (prompt or parameters)
+    "idempotency_key_reused",
 ]
 
 

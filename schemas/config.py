@@ -299,11 +299,18 @@ class StreamerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     drain_timeout_s: float = 30.0     # then what still runs fails with drain_timeout
     max_clients_requests: int = 4096
     idempotency_ttl_s: float = 600.0  # how long a finished idempotent result is kept
+    # finished idempotent results together, in MiB of their recorded events (the oldest go
+    # first past it), and the most one result may hold to be kept at all (an 8k-token echo
+    # with top-20 logprobs records ~25 MB: past the cap, its retry runs again)
+    idempotency_max_mib: float = 256.0
+    idempotency_entry_max_mib: float = 8.0
 
     def __post_init__(self) -> None:
         _require(self.client_timeout_s > 0, "streamer.client_timeout_s must be > 0")
         _require(self.drain_timeout_s > 0, "streamer.drain_timeout_s must be > 0")
         _require(self.idempotency_ttl_s >= 0, "streamer.idempotency_ttl_s must be >= 0")
+        _require(0 <= self.idempotency_entry_max_mib <= self.idempotency_max_mib,
+                 "streamer.idempotency_entry_max_mib must be in [0, idempotency_max_mib]")
 
 
 class ApiKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

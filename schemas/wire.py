@@ -455,7 +455,17 @@ class ComponentHeartbeat(msgspec.Struct, tag="component_heartbeat", frozen=True)
     info: dict[str, str] = {}           # fixed facts (the executor's kernel plan)
 
 
-SupervisorMsg = Union[ComponentHeartbeat]
+class ComponentPulse(msgspec.Struct, tag="component_pulse", frozen=True):
+    """From a component's pulse thread, whatever its event loop is doing (bus/pulse.py):
+    how long ago the loop last ticked, and the CPU seconds the process has used."""
+
+    name: str
+    pid: int
+    loop_age_s: float
+    cpu_s: float
+
+
+SupervisorMsg = Union[ComponentHeartbeat, ComponentPulse]
 
 
 class Drain(msgspec.Struct, tag="drain", frozen=True):

@@ -92,21 +92,25 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _run_supervisor(serve, ready, prog: str) -> int:
-    """Run a supervisor's ``serve`` until it stops: 0, or 1 with its startup error as one
-    line (the supervisor's task group wraps it in an exception group)."""
+    """Run a supervisor's ``serve`` until it stops: its status (0, or 3 when a component
+    was given up on: bus.supervisor.EXIT_GIVEN_UP), or 1 with its startup error as one line
+    (the supervisor's task group wraps it in an exception group)."""
     import anyio
 
     from bus.component import find_in_group
     from bus.supervisor import StartupError
 
     try:
-        anyio.run(serve, ready)
+        code = anyio.run(serve, ready)
     except BaseException as exc:
         if (failed := find_in_group(exc, StartupError)) is None:
             raise
         print(f"{prog}: {failed}", file=sys.stderr)
         return 1
-    return 0
+    if code:
+        print(f"{prog}: a component stayed down past supervisor.max_restarts; exiting "
+              f"{code} so that its process manager starts it again", file=sys.stderr)
+    return code or 0
 
 
 def _env_int(name: str) -> int | None:
@@ -160,8 +164,7 @@ def _supervise(args: argparse.Namespace) -> int:
     config = _config_or_exit(args)
     configure("supervisor", config.log_level)
     curve.configure(config)
-    anyio.run(Supervisor(config, spawn=False).serve, None)
-    return 0
+    return anyio.run(Supervisor(config, spawn=False).serve, None) or 0
 
 
 def _keys(args: argparse.Namespace) -> int:

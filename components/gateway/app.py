@@ -41,7 +41,9 @@ from weir.errors import RequestCancelled, RequestFailed, RequestRejected, Reques
 _REJECT_STATUS = {"tenant_over_budget": 429, "tenant_token_budget": 429,
                   "tenant_kv_budget": 429, "overloaded": 503, "draining": 503,
                   "queue_full": 503, "deadline_unmeetable": 503, "deadline_expired": 503,
-                  "unknown_tenant": 403, "class_not_allowed": 403}
+                  "unknown_tenant": 403, "class_not_allowed": 403,
+                  # the IETF Idempotency-Key draft: a key reused with another payload
+                  "idempotency_key_reused": 422}
 _json = msgspec.json.Encoder()
 _SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")     # echoed only if printable ASCII
 _TRACER = trace.get_tracer("weir.gateway")
@@ -59,6 +61,8 @@ class GatewayState:
         self.draining = False
         self._ready_at = -1.0               # monotonic time of the last engine check
         self._engine_ready = False
+        self._dead: list[str] = []          # components the engine reports given up on
+        self._answered_at = time.monotonic()   # the engine last answered a status query
 
     async def engine_ready(self, max_age_s: float = 1.0) -> bool:
         """Whether every component of the engine reports ready (the gateway comes up
@@ -67,11 +71,27 @@ class GatewayState:
         now = time.monotonic()
         if now - self._ready_at >= max_age_s:
             try:
-                self._engine_ready = all_ready(await self.client.status(timeout=2.0))
+                report = await self.client.status(timeout=2.0)
+                self._engine_ready = all_ready(report)
+                self._dead = [c.name for c in report.components if c.state == "dead"]
+                self._answered_at = now
             except RequestTimeout:
                 self._engine_ready = False
             self._ready_at = now
         return self._engine_ready
+
+    async def engine_dead(self, unreachable_s: float = 30.0) -> str | None:
+        """Why this engine will not serve again without a restart, or None: a component
+        it gave up on (past ``supervisor.max_restarts``), or no answer to a status query
+        for ``unreachable_s`` (its client-facing process is gone). ``/health`` fails on
+        it, so a liveness probe restarts the pod; a restart in progress (seconds) is not
+        death."""
+        await self.engine_ready()
+        if self._dead:
+            return f"engine components given up on: {', '.join(self._dead)}"
+        if time.monotonic() - self._answered_at > unreachable_s:
+            return f"the engine has not answered for {unreachable_s:g} s"
+        return None
 
 
 def all_ready(report: StatusReport) -> bool:
@@ -157,6 +177,8 @@ def build_app(state: GatewayState) -> Starlette:
             {"id": state.model, "object": "model", "created": 0, "owned_by": "weir"}]})
 
     async def health(request: Request) -> Response:
+        if (why := await state.engine_dead()) is not None:
+            return JSONResponse({"status": "dead", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:

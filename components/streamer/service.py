@@ -31,7 +31,7 @@ from bus.component import Component
 from bus.socket import MalformedFrame
 from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
-from components.streamer.idempotency import IdempotencyTable, rename
+from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from components.streamer.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer.slo import RequestClock, SloStats, generated_tokens
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
@@ -97,12 +97,16 @@ class StreamerService(Component):
         self.draining = False
         self.drain_deadline: float | None = None
         self.keys = Keyring(self.config.gateway.api_keys)
-        self.idempotency = IdempotencyTable(self.config.streamer.idempotency_ttl_s)
+        sc = self.config.streamer
+        self.idempotency = IdempotencyTable(
+            sc.idempotency_ttl_s, max_bytes=int(sc.idempotency_max_mib * 2**20),
+            max_entry_bytes=int(sc.idempotency_entry_max_mib * 2**20))
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
         self.slo = SloStats(self.config.admission.service_classes())
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
-                       "unauthenticated": 0, "idempotent_attached": 0, "retries": 0}
+                       "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
+                       "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0}
         self.clients = self.socket(zmq.ROUTER, "clients", ClientMsg).bind(
             self.topology.client_endpoint)
         self.inbox_sock = self.inbox(StreamerMsg)
@@ -126,6 +130,10 @@ class StreamerService(Component):
 
     async def _client_loop(self) -> None:
         while True:
+            # a receive with frames queued completes without giving the loop up: a flood of
+            # client frames would run here back to back while every stream's events and
+            # this process's heartbeats wait. One message, then the others' turn.
+            await anyio.lowlevel.checkpoint()
             msg = await self.clients.recv(on_malformed=self._reply_malformed)
             who = msg.identity
             self.last_seen[who] = time.monotonic()
@@ -152,10 +160,14 @@ class StreamerService(Component):
         if isinstance(identity, Refusal):
             self.counts["unauthenticated"] += 1
             log.warning("unauthenticated", request_id=rid[:64])
-            return await self._terminal_to(who, Rejected(rid, "unauthenticated", identity.message))
+            return await self._terminal_to(who, Rejected(rid[:256], "unauthenticated",
+                                                         identity.message))
         tenant = identity.tenant
         self.counts["retries"] += sub.attempt > 0          # every retry, refused again or not
-        if sub.idempotency_key and rid not in self.active and await self._attach(who, sub, tenant):
+        # an idempotent retry is checked as any Submit is before it may attach: a malformed
+        # one, or one past the engine-wide stream cap, is refused, not replayed
+        invalid = self._check_valid(sub)
+        if invalid is None and sub.idempotency_key and await self._attach(who, sub, tenant):
             return
         span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
                                   kind=trace.SpanKind.SERVER, attributes={
@@ -170,14 +182,14 @@ class StreamerService(Component):
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
             req.completion = []
-        if (rejected := self._check_submit(sub, tenant)) is not None:
+        if (rejected := invalid or self._check_capacity(sub, tenant)) is not None:
             req.end("rejected", rejected.reason)
             return await self._terminal_to(who, rejected)
         self.active[rid] = req
         self.per_tenant[tenant] += 1
         self.counts["submitted"] += 1
         if sub.idempotency_key:
-            self.idempotency.start(tenant, sub.idempotency_key, rid)
+            self.idempotency.start(tenant, sub.idempotency_key, rid, request_digest(sub))
             req.idempotent = True
         req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
                                  req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
@@ -187,26 +199,36 @@ class StreamerService(Component):
 
     async def _attach(self, who: bytes, sub: Submit, tenant: str) -> bool:
         """A retry of an idempotent request: replay what it has produced to this client
-        (under this client's request id) and subscribe it to the rest."""
-        events = self.idempotency.attach(tenant, sub.idempotency_key, who, sub.request_id,
-                                         time.monotonic())
-        if events is None:
+        (under this client's request id; compacted, at most ``n + 2`` events, in one frame
+        to a client that takes ``Events``) and subscribe it to the rest. A key reused for
+        another request, a request with ``max_subscribers`` retries attached already, or a
+        tenant past its rate of attaches is refused. Attaching during a drain is allowed:
+        it adds no engine work, and ends with the request the drain waits for anyway."""
+        now = time.monotonic()
+        got = self.idempotency.attach(tenant, sub.idempotency_key, who, sub.request_id, now,
+                                      request_digest(sub))
+        if got is None:
             return False
+        rid = sub.request_id
+        if isinstance(got, Refused):
+            self.counts[f"idempotent_{got.kind}"] += 1
+            await self._terminal_to(who, Rejected(
+                rid, "idempotency_key_reused" if got.kind == "reused" else "overloaded",
+                got.message, None if got.kind == "reused" else 1.0))
+            return True
         self.counts["idempotent_attached"] += 1
-        for event in events:
-            await self.clients.send(event, to=who)
+        if sub.batch_events and len(got) > 1:
+            await self.clients.send(Events(got), to=who)
+        else:
+            for event in got:
+                await self.clients.send(event, to=who)
         return True
 
-    def _check_submit(self, sub: Submit, tenant: str) -> Rejected | None:
-        """Refusals at the edge, before anything is spent: every limit that can be checked
-        without tokenizing, so a bad value never reaches a batch, and the caps admission
-        would certainly refuse (this streamer's open requests are a superset of what
-        admission holds), so a burst past them is refused in microseconds instead of
-        queueing behind the tokenizer."""
+    def _check_valid(self, sub: Submit) -> Rejected | None:
+        """What every Submit must pass, a new request or an idempotent retry: a well-formed
+        request (every bound of ``check_submit``, checked before any work proportional to
+        its size), and room under the engine-wide cap on open streams."""
         rid = sub.request_id
-        if self.draining:
-            return Rejected(rid, "draining", "the server is draining",
-                            self.config.streamer.drain_timeout_s)
         if not rid or len(rid) > 256 or rid in self.active:
             return Rejected(rid[:256], "invalid_request",
                             "request_id is empty, longer than 256 characters or already in use")
@@ -217,6 +239,17 @@ class StreamerService(Component):
             return Rejected(rid, bad[0], bad[1])
         if len(self.active) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
+        return None
+
+    def _check_capacity(self, sub: Submit, tenant: str) -> Rejected | None:
+        """Refusals of new engine work at the edge, before anything is spent (the request
+        is valid: ``_check_valid``): a drain, and the caps admission would certainly refuse
+        (this streamer's open requests are a superset of what admission holds), so a burst
+        past them is refused in microseconds instead of queueing behind the tokenizer."""
+        rid = sub.request_id
+        if self.draining:
+            return Rejected(rid, "draining", "the server is draining",
+                            self.config.streamer.drain_timeout_s)
         now, engine_cap = time.monotonic(), self.config.admission.max_outstanding
         if len(self.active) >= engine_cap:
             return Rejected(rid, "overloaded", f"the engine holds {engine_cap} requests, its cap",
@@ -248,6 +281,8 @@ class StreamerService(Component):
     def _pop(self, rid: str) -> Active:
         req = self.active.pop(rid)
         self.per_tenant[req.tenant] -= 1
+        if not self.per_tenant[req.tenant]:     # an open endpoint's claimed names: no trail
+            del self.per_tenant[req.tenant]
         self.ends.ended(time.monotonic())
         return req
 
@@ -279,6 +314,7 @@ class StreamerService(Component):
             await anyio.sleep(tick if self.active or self.drain_deadline is not None
                               else idle_tick)
             now = time.monotonic()
+            self.idempotency.expire(now)
             if self.drain_deadline is not None and now >= self.drain_deadline and self.active:
                 for rid in list(self.active):
                     await self._end(rid, Failed(rid, "drain_timeout: the server shut down "
@@ -394,4 +430,6 @@ class StreamerService(Component):
     def stats(self) -> dict[str, float]:
         return {"active_requests": len(self.active), "clients": len(self.last_seen),
                 "idempotency_entries": len(self.idempotency),
+                "idempotency_bytes": self.idempotency.finished_bytes,
+                "idempotency_too_large": self.idempotency.too_large,
                 **{f"requests.{k}": v for k, v in self.counts.items()}, **self.slo.stats()}
