@@ -57,8 +57,13 @@ class Component(abc.ABC):
         self._sockets: list[BusSocket] = []
 
     # -- for subclasses
-    def socket(self, kind: int, name: str, accepts=None) -> BusSocket:
-        sock = BusSocket(kind, f"{self.name}.{name}", accepts)
+    def socket(self, kind: int, name: str, accepts=None,
+               max_msg_size: int | None = None) -> BusSocket:
+        """A socket of this process. Frames it receives are bounded by ``max_msg_size``
+        bytes, by default the bus's bound for internal messages (``[bus]
+        max_message_mib``); a client endpoint passes what a legal request can be."""
+        sock = BusSocket(kind, f"{self.name}.{name}", accepts,
+                         max_msg_size=max_msg_size or self.config.bus.max_message_bytes)
         self._sockets.append(sock)
         return sock
 

@@ -55,15 +55,25 @@ class BusSocket(Generic[T]):
 
     ``accepts`` is the union this socket decodes (None for send-only sockets).
     ROUTER sockets carry the peer identity in ``Received.identity`` and take ``to=`` on send.
+
+    ``max_msg_size`` (bytes) is ZeroMQ's ``MAXMSGSIZE``: a frame larger than it is never
+    read into memory, and ZeroMQ drops the connection of the peer that sent it (it reads
+    the size first, then closes; the peer's socket reconnects on its own, as a new peer,
+    so a ROUTER sees a new identity). Nothing is received and no reply can be sent: the
+    bound must lie above every message a legal peer can send, and it limits only what
+    this socket receives, never what it sends.
     """
 
-    def __init__(self, kind: int, name: str, accepts: Any = None, *, hwm: int = 100_000) -> None:
+    def __init__(self, kind: int, name: str, accepts: Any = None, *, hwm: int = 100_000,
+                 max_msg_size: int | None = None) -> None:
         self.name = name
         self.kind = kind
         self._sock = context().socket(kind)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
+        if max_msg_size is not None:
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
         if kind == zmq.SUB:
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.codec: Codec[T] | None = Codec(accepts) if accepts is not None else None

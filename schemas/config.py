@@ -425,6 +425,33 @@ class SecurityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "is on")
 
 
+class BusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ZeroMQ bus between components. ``max_message_mib`` bounds one message on every
+    internal socket (ZeroMQ's MAXMSGSIZE, ``bus/socket.py``): past it a frame is dropped
+    unread and its sender's connection reset, so a peer on the bus (reachable over tcp
+    when CURVE is off) cannot make a process hold an arbitrary frame. The client endpoints
+    have a bound of their own, what a legal request can be
+    (``components/admission/frames.py``).
+
+    The bound must lie above every legal message. The largest is the detokenizer's
+    EventBatch: one step's events, and a request's first delta carries its prompt logprobs.
+    Measured: an 8191-token echo at top-20 (SmolLM2's tokens, 6.8 bytes each on average)
+    is 3.4 MiB in one delta (16.4 MiB were every token the vocabulary's longest, 81 bytes).
+    A step that ends the prefill of 128 such prompts at once (max_num_seqs' default) sends
+    440 MiB. Next come the KV events snapshot (~50 bytes per cached block: 20 MB for a
+    400k-block pool) and a StepPlan's block tables (a few MB). Hence 512 MiB: raise it
+    for longer contexts with many sequences asking for prompt logprobs at once."""
+
+    max_message_mib: int = 512
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_message_mib <= 4096, "bus.max_message_mib must be in 1..4096")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mib << 20
+
+
 class ReplicaSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One Weir engine behind the router: its client endpoint, and the address its
     kv_manager publishes prefix-cache events on (``topology.kv_events_endpoint`` there)."""
@@ -506,6 +533,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     telemetry: TelemetryConfig = TelemetryConfig()
     security: SecurityConfig = SecurityConfig()
     router: RouterConfig = RouterConfig()
+    bus: BusConfig = BusConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

@@ -6,10 +6,18 @@ generates exactly what it did before.
     .venv/bin/python scripts/fuzz_bus.py --messages 300 --seed 7 --sockets client,executor
 
 Sockets (addresses from the run's Topology): the streamer's client ROUTER (a DEALER sends),
-every component's PULL inbox and the supervisor's heartbeat PULL (PUSH sends). The two PUB
-sockets (control, kv_events) take no input from a peer; their unions are covered by
-tests/bus/test_fuzz_codec.py. Frames come from ``FrameGen`` (tests/bus/fuzz_frames.py):
-random bytes, deep nesting, wrong types and well-typed messages with extreme values.
+every component's PULL inbox and the supervisor's heartbeat PULL (PUSH sends), and a
+router's client ROUTER (``router``: a `weir route` started in front of the engine, its one
+replica). The two PUB sockets (control, kv_events) take no input from a peer; their unions
+are covered by tests/bus/test_fuzz_codec.py. Frames come from ``FrameGen``
+(tests/bus/fuzz_frames.py): random bytes, deep nesting, wrong types and well-typed messages
+with extreme values.
+
+Every socket first gets frames past its size bound (ZeroMQ's MAXMSGSIZE: for the client
+endpoints ``client_frame_limit``, what a legal request can be; for the rest ``[bus]
+max_message_mib``, 4 MiB here): one byte past it and the 16 MB prompt of issue 43. The
+bound holds if the socket closes the fuzzer's connection at once, before reading a byte
+of it (a frame that was read would not do that); the fuzzer then reconnects and goes on.
 
 Forged but well-typed messages on internal sockets (a StepPlan, a PeerRestarted-like
 reset, a KvHello) may legitimately fail in-flight requests. The criteria are: every
@@ -40,16 +48,25 @@ import zmq  # noqa: E402
 from schemas.config import COMPONENTS, WeirConfig  # noqa: E402
 from schemas.wire import (AdmissionMsg, ClientMsg, DetokenizerMsg, ExecutorMsg,  # noqa: E402
                           KvMsg, SchedulerMsg, StreamerMsg, SupervisorMsg, TokenizerMsg)
-from bus.codec import Codec  # noqa: E402
+from zmq.utils.monitor import recv_monitor_message  # noqa: E402
+
+from bus.codec import Codec, encode  # noqa: E402
+from components.admission.frames import client_frame_limit  # noqa: E402
+from schemas.client import Submit  # noqa: E402
 from tests.bus.fuzz_frames import FrameGen  # noqa: E402
+from tests.e2e.conftest import free_port  # noqa: E402
 from tests.e2e.engine import Engine  # noqa: E402
+from tests.e2e.router import Router  # noqa: E402
 
 UNIONS = {"client": ClientMsg, "tokenizer": TokenizerMsg, "admission": AdmissionMsg,
           "scheduler": SchedulerMsg, "kv_manager": KvMsg, "executor": ExecutorMsg,
           "detokenizer": DetokenizerMsg, "streamer": StreamerMsg,
-          "supervisor": SupervisorMsg}
+          "supervisor": SupervisorMsg, "router": ClientMsg}
 ORDER = ("client", "streamer", "tokenizer", "admission", "detokenizer", "scheduler",
-         "kv_manager", "executor", "supervisor")
+         "kv_manager", "executor", "supervisor", "router")
+CLIENT_SOCKETS = ("client", "router")
+# the issue's 16 MB prompt with no credentials (D2, D4): a frame no legal request can be
+ISSUE_PROMPT = "lorem ipsum dolor sit amet " * 600_000
 # long enough for two full KV blocks, so the warm probe reads the prefix cache
 PROBE = ("The river rose through the night, and by morning the old stone weir at the edge of "
          "the village held back a lake that reached the church steps. The miller said")
@@ -71,14 +88,24 @@ max_num_seqs = 32
 tenants = [{ name = "default" }, { name = "acme" }, %s]
 [supervisor]
 max_restarts = 1000
+[bus]
+max_message_mib = 4
 [gateway]
 enabled = false
 """ % ", ".join(f'{{ name = "{t}" }}' for t in PROBE_TENANTS)
+# `weir route` in front of the engine (the router's own config: the replica's model shape)
+ROUTER_CONFIG = """
+[engine]
+max_model_len = 512
+[supervisor]
+max_restarts = 1000
+"""
 
 
 @dataclass
 class Report:
     sent: dict[str, int] = field(default_factory=dict)
+    oversized: dict[str, int] = field(default_factory=dict)     # dropped unread, each
     malformed: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
@@ -91,13 +118,24 @@ class Report:
         self.failures.append(msg)
 
 
-def target(config: WeirConfig, name: str) -> tuple[str, int]:
+def target(config: WeirConfig, name: str, router: Router | None = None) -> tuple[str, int]:
     t = config.topology
     if name == "client":
         return t.client_connect, zmq.DEALER
+    if name == "router":
+        assert router is not None
+        return router.endpoint, zmq.DEALER
     if name == "supervisor":
         return t.heartbeats(), zmq.PUSH
     return t.inbox(name), zmq.PUSH
+
+
+def frame_bound(config: WeirConfig, name: str) -> int:
+    """The size past which socket ``name`` drops a frame unread (the router's config has
+    the engine's max_model_len)."""
+    if name in CLIENT_SOCKETS:
+        return client_frame_limit(config.engine.max_model_len)
+    return config.bus.max_message_bytes
 
 
 def probe(engine, tenant: str, timeout: float = 60.0) -> str:
@@ -153,10 +191,11 @@ def status(engine, timeout: float) -> dict:
 
 class Watch:
     """Component liveness across the run: restarts are counted against the last look, so
-    one crash is reported once and the sweep goes on (the fuzz config allows many)."""
+    one crash is reported once and the sweep goes on (the fuzz config allows many).
+    ``names``: the components watched (a router's endpoint lists "router")."""
 
-    def __init__(self, engine, report: Report) -> None:
-        self.engine, self.report = engine, report
+    def __init__(self, engine, report: Report, names: tuple[str, ...] = COMPONENTS) -> None:
+        self.engine, self.report, self.names = engine, report, names
         self.restarts: dict[str, int] = {}
         self.total_restarts = 0
 
@@ -171,13 +210,13 @@ class Watch:
             except Exception as exc:
                 self.report.fail(f"{where}: status did not answer ({type(exc).__name__}: {exc})")
                 return False
-            if set(COMPONENTS) <= set(comps):
+            if set(self.names) <= set(comps):
                 break
             # a forged ClusterStatus (the streamer's inbox takes one from anyone who can
             # reach it) answers until the supervisor's next relay
             print(f"  {where}: status lists {sorted(comps)}; asking again", flush=True)
         bad = {}
-        for name in COMPONENTS:
+        for name in self.names:
             x = comps.get(name)
             if x is None:
                 bad[name] = "missing"
@@ -199,8 +238,8 @@ class Watch:
             try:
                 comps = status(self.engine, 2.0)
                 if all(comps.get(n) and comps[n].alive and comps[n].state == "ready"
-                       for n in COMPONENTS):
-                    for n in COMPONENTS:
+                       for n in self.names):
+                    for n in self.names:
                         self.restarts[n] = comps[n].restarts
                     return
             except Exception:
@@ -226,28 +265,69 @@ def dump(engine, name: str, recent, log_mark: int) -> None:
           flush=True)
 
 
+def connection_event(monitor, want: int, timeout_s: float = 10.0) -> bool:
+    """Whether the fuzzer's connection reports ``want`` (connected, disconnected) in time."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not monitor.poll(int(left * 1000) + 1):
+            return False
+        if recv_monitor_message(monitor)["event"] == want:
+            return True
+    return False
+
+
+def oversized(sock, monitor, name: str, bound: int, report: Report) -> None:
+    """Frames past the socket's bound: undecodable bytes one past it, then (at a client
+    endpoint) the issue's 16 MB prompt, well-typed, or (elsewhere) four times the bound.
+    Each must cost the fuzzer its connection at once: ZeroMQ read the size and closed it,
+    never the frame. The fuzzer's socket reconnects before the sweep goes on."""
+    frames = [b"\xc1" * (bound + 1),
+              encode(Submit("issue-43", ISSUE_PROMPT)) if name in CLIENT_SOCKETS
+              else b"\xc1" * (4 * bound)]
+    for frame in frames:
+        assert len(frame) > bound
+        sock.send(frame)
+        if not connection_event(monitor, zmq.EVENT_DISCONNECTED):
+            report.fail(f"{name}: a frame of {len(frame)} bytes, past its bound of {bound}, "
+                        f"was taken (the connection stayed open 10 s)")
+            return
+        report.oversized[name] = report.oversized.get(name, 0) + 1
+        if not connection_event(monitor, zmq.EVENT_CONNECTED):
+            report.fail(f"{name}: no reconnection within 10 s after an oversized frame")
+            return
+
+
 def fuzz_socket(engine, config: WeirConfig, name: str, n: int, seed: int, big: int,
                 report: Report, watch: Watch, baseline: str, forge: str = "all",
-                probe_after: bool = True) -> None:
-    """Send ``n`` frames to socket ``name``. ``forge="client"``: internal sockets get only
-    frames their codec rejects (no well-typed forgeries), the client socket everything."""
-    address, kind = target(config, name)
+                probe_after: bool = True, router: Router | None = None) -> None:
+    """Send ``n`` frames to socket ``name`` (after its oversized ones). ``forge="client"``:
+    internal sockets get only frames their codec rejects (no well-typed forgeries), the
+    client endpoints everything. ``router``: the `weir route` whose endpoint is
+    ``name="router"``; ``watch`` then watches it."""
+    address, kind = target(config, name, router)
+    server = router if name == "router" else engine      # answers status and the probe
     union = UNIONS[name]
     gen = FrameGen(random.Random(f"{seed}:{name}"), big=big)
     codec = Codec(union)
-    only_malformed = forge == "client" and name != "client"
+    only_malformed = forge == "client" and name not in CLIENT_SOCKETS
     ctx = zmq.Context.instance()
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 30_000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 20)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(address)
     recent: collections.deque[bytes] = collections.deque(maxlen=200)
-    log_mark = engine.log_path.stat().st_size
-    before = status(engine, 10.0)
+    log_mark = server.log_path.stat().st_size
+    before = status(server, 10.0)
     start = time.monotonic()
     sent = 0
     try:
-        if name == "client":        # the frame from the reliability issue goes first
+        if not connection_event(monitor, zmq.EVENT_CONNECTED):
+            report.fail(f"{name}: could not connect to {address} within 10 s")
+        else:
+            oversized(sock, monitor, name, frame_bound(config, name), report)
+        if name in CLIENT_SOCKETS:  # the frame from the reliability issue goes first
             sock.send(b"\x91" * 100_000 + b"\xc0")
             sent += 1
         while sent < n:
@@ -268,27 +348,29 @@ def fuzz_socket(engine, config: WeirConfig, name: str, n: int, seed: int, big: i
                 report.fail(f"{name}: the socket stopped taking frames after {sent} (30 s)")
                 break
             sent += 1
-            if kind == zmq.DEALER:                   # read (and drop) the streamer's replies
+            if kind == zmq.DEALER:                   # read (and drop) the server's replies
                 while sock.poll(0):
                     sock.recv_multipart()
             if sent % 1000 == 0 and not watch.check(f"{name} after {sent}"):
-                dump(engine, name, recent, log_mark)
-                log_mark = engine.log_path.stat().st_size
+                dump(server, name, recent, log_mark)
+                log_mark = server.log_path.stat().st_size
         report.sent[name] = sent
         report.rejected[name] = codec.malformed
         report.seconds[name] = round(time.monotonic() - start, 1)
         if not watch.check(f"{name} after {sent}"):
-            dump(engine, name, recent, log_mark)
+            dump(server, name, recent, log_mark)
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
     if probe_after:      # a fresh tenant: a cold prefix cache, so the answer is computed now
         tenant = PROBE_TENANTS[2 + ORDER.index(name)]
-        serves(engine, baseline, tenant, f"{name}: after the fuzz", report)
+        serves(server, baseline, tenant, f"{name}: after the fuzz", report)
     comp = "streamer" if name == "client" else name
-    if comp in COMPONENTS:          # the component's own count (on heartbeats, so it lags)
+    if comp in watch.names:         # the component's own count (on heartbeats, so it lags)
         deadline = time.monotonic() + 10
         while True:
-            after = status(engine, 10.0)
+            after = status(server, 10.0)
             counted = (after[comp].stats.get("malformed", 0)
                        - before[comp].stats.get("malformed", 0))
             if counted >= codec.malformed or time.monotonic() > deadline:
@@ -305,19 +387,31 @@ def run(messages: int, seed: int, sockets: list[str], run_dir: Path, big: int,
         probe_each: bool = True) -> Report:
     report = Report()
     t0 = time.monotonic()
-    engine = live_engine(run_dir, CONFIG, mem_gb, log_level)
+    kv_events = f"tcp://127.0.0.1:{free_port()}"         # the router's view of its cache
+    engine = live_engine(run_dir, CONFIG + f'[topology]\nkv_events_endpoint = "{kv_events}"\n',
+                         mem_gb, log_level)
+    engine.kv_events = kv_events
+    router = None
     print(f"engine ready in {time.monotonic() - t0:.1f}s", flush=True)
     try:
         config = msgspec.json.decode((run_dir / "config.json").read_bytes(), type=WeirConfig)
         watch = Watch(engine, report)
+        router_watch = None
+        if "router" in sockets:
+            t0 = time.monotonic()
+            router = Router(run_dir / "router", {"engine": engine}, ROUTER_CONFIG)
+            router_watch = Watch(router, report, ("router",))
+            print(f"router ready in {time.monotonic() - t0:.1f}s", flush=True)
         t0 = time.monotonic()
         baseline = probe(engine, PROBE_TENANTS[0])
         print(f"baseline {baseline!r} in {time.monotonic() - t0:.1f}s", flush=True)
-        if not watch.check("before the fuzz"):
+        if not watch.check("before the fuzz") or \
+                (router_watch is not None and not router_watch.check("before the fuzz")):
             return report
         for name in sockets:
-            fuzz_socket(engine, config, name, messages, seed, big, report, watch, baseline,
-                        forge, probe_each)
+            fuzz_socket(engine, config, name, messages, seed, big, report,
+                        router_watch if name == "router" else watch, baseline, forge,
+                        probe_each, router)
         # the engine still serves, identically: a cold prefix cache (a fresh tenant), then
         # the prefix cached before the fuzz
         t0 = time.monotonic()
@@ -332,9 +426,14 @@ def run(messages: int, seed: int, sockets: list[str], run_dir: Path, big: int,
         else:
             report.failures += warm.failures
         watch.check("after the fuzz")
+        if router_watch is not None:
+            router_watch.check("after the fuzz")
         print(f"final probes and checks in {time.monotonic() - t0:.1f}s", flush=True)
-        report.restarts = watch.total_restarts
+        report.restarts = watch.total_restarts + (router_watch.total_restarts
+                                                  if router_watch is not None else 0)
     finally:
+        if router is not None:
+            router.stop()
         engine.stop()
     return report
 
@@ -364,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.messages, args.seed, sockets, run_dir, args.big, args.mem_gb,
                  forge=args.forge)
     print(f"\n{sum(report.sent.values())} frames to {len(report.sent)} sockets in "
-          f"{time.monotonic() - t0:.0f}s (run dir {run_dir})")
+          f"{time.monotonic() - t0:.0f}s (run dir {run_dir}); "
+          f"{sum(report.oversized.values())} oversized ones dropped unread")
     if report.failures:
         print(f"{len(report.failures)} failure(s):")
         for f in report.failures:

@@ -43,7 +43,9 @@ any work is done on it. The limits and why:
 - ``tools``: at most ``MAX_TOOLS`` (128), each named by 1-64 letters, digits, ``_`` or
   ``-`` (OpenAI's rule), no two alike; their text counts toward the prompt's size.
 - ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
-- ``request_id``, ``idempotency_key``, ``tenant``: at most ``MAX_ID_CHARS`` (256).
+- ``request_id``, ``idempotency_key``, ``tenant``, ``service_class``, ``session_id``: at
+  most ``MAX_ID_CHARS`` (256). ``api_key``: at most ``MAX_API_KEY_CHARS`` (4096: a JWT fits;
+  no configured key is longer than its holder can send).
 - Prompt size, before tokenizing: ``prompt_token_ids`` at most ``max_model_len - 1`` ids;
   text (a prompt, or all messages' roles and contents together) at most
   ``CHARS_PER_TOKEN_BOUND`` (32) characters per token of the context window
@@ -51,7 +53,12 @@ any work is done on it. The limits and why:
   ``max_prompt_chars``. A BPE token averages 3-5 characters of text; 32 per token of the
   whole window leaves room for whitespace- or symbol-heavy text, and anything longer could
   not have fit the context window as tokens, so it is refused as ``prompt_too_long``
-  without reaching the tokenizer.
+  without reaching the tokenizer. ``messages`` and their ``tool_calls`` together: at most
+  ``max_model_len`` (a template renders each as at least one token), and a tool call's
+  ``tool_call_id`` counts toward the characters, so an empty message is not free.
+
+Every field is bounded, so a legal ``Submit`` has a largest encoding:
+:func:`client_frame_limit` (``frames.py``), the frame bound of the client sockets.
 """
 from __future__ import annotations
 
@@ -75,6 +82,7 @@ MAX_LOGPROBS = 20
 MAX_REPETITION_PENALTY = 100.0
 LOGIT_BIAS_LIMIT = 100.0
 MAX_ID_CHARS = 256
+MAX_API_KEY_CHARS = 4096
 CHARS_PER_TOKEN_BOUND = 32
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
@@ -197,13 +205,18 @@ def _field(m: Any, name: str) -> Any:
     return m.get(name) if isinstance(m, dict) else getattr(m, name, None)
 
 
-def _message_chars(messages: Iterable[Any]) -> int:
+def _message_chars(messages: list[Any]) -> int:
     total = 0
     for m in messages:
-        total += len(_field(m, "role") or "") + len(_field(m, "content") or "")
+        total += sum(len(_field(m, k) or "") for k in ("role", "content", "tool_call_id"))
         for call in _field(m, "tool_calls") or ():
             total += sum(len(_field(call, k) or "") for k in ("id", "name", "arguments"))
     return total
+
+
+def _message_items(messages: list[Any]) -> int:
+    """The messages and their tool calls, counted without reading their text."""
+    return len(messages) + sum(len(_field(m, "tool_calls") or ()) for m in messages)
 
 
 def check_tools(tools: Iterable[Any]) -> str | None:
@@ -244,6 +257,10 @@ def check_prompt_size(prompt: str | None, messages: Iterable[Any] | None,
         messages = list(messages)
         if not messages:
             return "invalid_request", "messages is empty"
+        if len(messages) > max_model_len or _message_items(messages) > max_model_len:
+            return "prompt_too_long", (
+                f"the prompt has more than {max_model_len} messages and tool calls; each is "
+                f"at least one token of a context window of {max_model_len} tokens")
         chars += _message_chars(messages)
     chars += sum(len(_field(t, k) or "") for t in tools
                  for k in ("name", "description", "parameters"))
@@ -261,10 +278,13 @@ def check_submit(sub: Any, max_model_len: int,
     with the size bounds checked before anything is iterated.
 
     The streamer calls it for every Submit; the gateway for every HTTP request."""
-    for name in ("request_id", "idempotency_key", "tenant", "service_class"):
+    for name in ("request_id", "idempotency_key", "tenant", "service_class", "session_id"):
         value = getattr(sub, name, None)
         if value is not None and len(value) > MAX_ID_CHARS:
             return "invalid_request", f"{name} must be at most {MAX_ID_CHARS} characters"
+    api_key = getattr(sub, "api_key", None)
+    if api_key is not None and len(api_key) > MAX_API_KEY_CHARS:
+        return "invalid_request", f"api_key must be at most {MAX_API_KEY_CHARS} characters"
     if not _is_int(sub.priority) or not INT64_MIN <= sub.priority <= INT64_MAX:
         return "invalid_request", "priority must be an integer that fits in 64 bits"
     deadline = sub.deadline_ms

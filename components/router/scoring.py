@@ -18,7 +18,7 @@ that replica is healthy and would meet the deadline, and moves, recorded, when n
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from schemas.config import RouterWeights
@@ -112,17 +112,18 @@ class _Session:
 @dataclass
 class SessionTable:
     """session id → its replica, forgotten after ``ttl_s`` idle or past ``max_sessions``
-    (the least recently used first)."""
+    (the least recently used first). The router keeps a second one keyed by (tenant,
+    idempotency key): where a retry must go."""
 
     ttl_s: float = 900.0
     max_sessions: int = 100_000
-    _sessions: OrderedDict[str, _Session] = field(default_factory=OrderedDict)
+    _sessions: OrderedDict[Hashable, _Session] = field(default_factory=OrderedDict)
     moves: int = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def get(self, session_id: str, now_s: float) -> str | None:
+    def get(self, session_id: Hashable, now_s: float) -> str | None:
         s = self._sessions.get(session_id)
         if s is None or now_s - s.last_s > self.ttl_s:
             return None
@@ -150,18 +151,23 @@ class SessionTable:
         self._remember(session_id, decision.replica, now_s)
         return decision
 
-    def _remember(self, session_id: str, replica: str, now_s: float) -> None:
+    def _remember(self, session_id: Hashable, replica: str, now_s: float) -> None:
         self._sessions[session_id] = _Session(replica, now_s)
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
+        self.expire(now_s)
+
+    def expire(self, now_s: float) -> None:
+        """Forget the sessions idle past ``ttl_s``: the least recently used come first, so
+        this stops at the first one still kept (the router calls it every tick)."""
         while self._sessions:
             oldest = next(iter(self._sessions.values()))
             if now_s - oldest.last_s <= self.ttl_s:
                 break
             self._sessions.popitem(last=False)
 
-    def assign(self, session_id: str, replica: str, now_s: float) -> None:
+    def assign(self, session_id: Hashable, replica: str, now_s: float) -> None:
         """The session's request went to ``replica`` (a reroute after a rejection): it
         lives there now (a move, if it lived elsewhere)."""
         current = self.get(session_id, now_s)

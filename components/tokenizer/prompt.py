@@ -106,9 +106,12 @@ class PromptHasher:
 
 
 def _json_or_text(text: str | None):
+    """JSON text parsed, or (not JSON) the text as it is. JSON nested deeper than Python's
+    recursion limit is text too: ``json.loads`` raises RecursionError on it, which crashed
+    the tokenizer (and the router) on one tool whose parameters were 100,000 ``[``."""
     try:
         return json.loads(text) if text else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -38,8 +38,12 @@ class TokenizerBundle:
         """Token ids for text; special-token strings in text become their ids.
 
         BOS is prepended only when the model asks for it and text does not already start with it.
+        A batch of one, since ``encode_batch`` releases the GIL and ``encode`` does not
+        (tokenizers 0.23): on a worker thread (the router's long prompts) it leaves the event
+        loop running. The same ids, at the same cost (measured 36 us vs 37 us at 10 words,
+        4.5 ms both at 2000); 420K characters held another thread off 222 ms, now 2 ms.
         """
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids

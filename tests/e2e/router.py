@@ -23,7 +23,9 @@ def start_replica(run_dir: Path, toml: str, wait: bool = True) -> Engine:
 
 class Router:
     def __init__(self, run_dir: Path, replicas: dict[str, Engine], toml: str = "",
-                 policy: str = "cache_aware", http_port: int | None = None) -> None:
+                 policy: str = "cache_aware", http_port: int | None = None,
+                 gateway_extra: str = "") -> None:
+        """``gateway_extra``: more ``[gateway]`` TOML lines (``api_keys``: the router's)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
@@ -31,7 +33,7 @@ class Router:
         cfg = run_dir / "router.toml"
         self.base_url = f"http://127.0.0.1:{http_port}" if http_port else None
         cfg.write_text(toml + (f"\n[gateway]\nport = {http_port}\n" if http_port
-                               else "\n[gateway]\nenabled = false\n"))
+                               else "\n[gateway]\nenabled = false\n") + gateway_extra)
         args = [sys.executable, "-m", "weir.cli", "route", "--config", str(cfg), "--run-dir",
                 str(run_dir), "--endpoint", self.endpoint, "--policy", policy]
         for name, eng in replicas.items():

@@ -1,8 +1,10 @@
 """A short, seeded run of the live bus fuzzer (scripts/fuzz_bus.py): 300 hostile frames at
-the client endpoint (well-typed ones included: what any client can send) and 300
-undecodable frames at every other socket a peer can reach. No process may die or
-restart, status must answer, and the engine must then give the same greedy text as
-before, from a cold and from a warm prefix cache.
+the client endpoints, the engine's and a router's in front of it (well-typed ones
+included: what any client can send), and 300 undecodable frames at every other socket a
+peer can reach; before them, two frames past each socket's size bound, which must be
+dropped unread (issue 43, D4). No process may die or restart, status must answer, and
+the engine must then give the same greedy text as before, from a cold and from a warm
+prefix cache.
 
 Well-typed forgeries at internal sockets (`--forge all`, the script's default) are a
 longer, manual run: they can legitimately fail requests and write KV, and the components'
@@ -20,7 +22,7 @@ fuzz_bus = sys.modules.setdefault("fuzz_bus", importlib.util.module_from_spec(sp
 spec.loader.exec_module(fuzz_bus)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_live_fuzz_short(tmp_path, model_path):
     start = time.monotonic()
     report = fuzz_bus.run(messages=300, seed=1, sockets=list(fuzz_bus.ORDER), run_dir=tmp_path,
@@ -28,6 +30,7 @@ def test_live_fuzz_short(tmp_path, model_path):
     assert report.failures == [], report.failures
     assert report.restarts == 0
     assert report.sent == {name: 300 for name in fuzz_bus.ORDER}
+    assert report.oversized == {name: 2 for name in fuzz_bus.ORDER}    # each bound held
     # the frames really arrived: each component counted its undecodable ones
     for name in fuzz_bus.ORDER:
         if name != "supervisor":

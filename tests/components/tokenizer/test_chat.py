@@ -186,3 +186,18 @@ def test_calls_reach_a_template_that_does_not_read_them_as_text():
     assert ('<|im_start|>assistant\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
             '<|im_end|>\n<|im_start|>tool\n18 C, sunny<|im_end|>') in text
     assert "The weather in a city" not in text          # tools are the template's to show
+
+
+@pytest.mark.parametrize("template", [None, TOOL_TEMPLATE], ids=["smollm2", "reads_tools"])
+def test_json_nested_past_the_recursion_limit_is_text_not_a_crash(template):
+    """A tool's parameters and a call's arguments are parsed for the template; 100,000
+    ``[`` (legal: 100,000 characters, within the prompt's budget) raised RecursionError
+    out of the tokenizer process and the router. Now they are text, as other non-JSON."""
+    from schemas.client import ChatMessage, Tool, ToolCall
+
+    p = _hasher(template)
+    deep = "[" * 100_000
+    for messages, tools in (((ChatMessage("user", "hi"),), (Tool("f", parameters=deep),)),
+                            ((ChatMessage("assistant", "", (ToolCall("c1", "f", deep),)),), ())):
+        ids = p.tokenize(None, messages, None, tools=tools)
+        assert isinstance(ids, list), ids           # rendered (the text, where shown)
