@@ -98,9 +98,10 @@ def test_compose_router_profile():
         assert (weir_toml.endpoint_port(rep.endpoint), weir_toml.endpoint_port(rep.kv_events),
                 weir_toml.endpoint_host(rep.kv_events)) == (zmq, events, name)
         assert f"tcp://127.0.0.1:{zmq}" in svc["healthcheck"]["test"]
-        # the router hashes prefixes as the replicas' kv_managers do
-        assert (cfg.engine.model, cfg.kv.block_size) == (router_cfg.engine.model,
-                                                         router_cfg.kv.block_size)
+        # the router hashes prefixes as the replicas' kv_managers do, and refuses (and
+        # bounds its client frames by) what their context window could not hold
+        assert (cfg.engine.model, cfg.kv.block_size, cfg.engine.max_model_len) == \
+            (router_cfg.engine.model, router_cfg.kv.block_size, router_cfg.engine.max_model_len)
         assert cfg.gateway.host == "0.0.0.0"
         for c in (cfg, router_cfg):
             assert c.security.curve and c.security.curve_keys_dir == _mounted(svc, "deploy/keys")

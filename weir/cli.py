@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     ro = sub.add_parser("route", help="one endpoint in front of several engines: cache-aware "
                                       "routing with sticky sessions and failover")
     ro.add_argument("--config", default=None, help="a TOML config ([router] and the "
-                    "replicas' model, kv.block_size, tenants and classes)")
+                    "replicas' model, max_model_len, kv.block_size, tenants and classes)")
     ro.add_argument("--replica", action="append", default=[],
                     metavar="NAME=ENDPOINT[,KV_EVENTS]",
                     help="an engine's client endpoint and its KV events address (repeat)")

@@ -286,9 +286,10 @@ def consistency_problems(objects: list[dict]) -> list[str]:
             if (weir_toml.endpoint_port(rep.endpoint),
                     weir_toml.endpoint_port(rep.kv_events)) != (zmq, events):
                 problems.append(f"router: replica {rep.name} on other ports than it serves")
-            if (rcfg.engine.model, rcfg.kv.block_size) != (cfg.engine.model, cfg.kv.block_size):
-                problems.append(f"router: engine.model / kv.block_size differ from "
-                                f"{rep.name}'s")
+            if (rcfg.engine.model, rcfg.kv.block_size, rcfg.engine.max_model_len) != \
+                    (cfg.engine.model, cfg.kv.block_size, cfg.engine.max_model_len):
+                problems.append(f"router: engine.model / kv.block_size / max_model_len "
+                                f"differ from {rep.name}'s")
         for host in sorted(set(expected) - set(listed)):
             problems.append(f"router: replica pod {host} is not in its list")
     return problems
@@ -310,7 +311,7 @@ def _router_toml(objects: list[dict]) -> tuple[dict, str]:
     ("selector", "Service/weir-router selects 0 workloads"),
     ("probe_port", "readinessProbe port metrics is no container port"),
     ("config_key", "subPath weir.toml is no key"),
-    ("model", "engine.model / kv.block_size differ"),
+    ("model", "engine.model / kv.block_size / max_model_len differ"),
     ("kv_port", "on other ports than it serves"),
 ])
 def test_consistency_check_catches_breakage(breakage, reported):
