@@ -29,6 +29,7 @@ from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
+from components.admission.frames import client_frame_limit
 from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
@@ -107,7 +108,10 @@ class StreamerService(Component):
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
                        "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0}
-        self.clients = self.socket(zmq.ROUTER, "clients", ClientMsg).bind(
+        # a frame past what a legal Submit can be is never read (its sender is dropped)
+        self.clients = self.socket(
+            zmq.ROUTER, "clients", ClientMsg,
+            max_msg_size=client_frame_limit(self.config.engine.max_model_len)).bind(
             self.topology.client_endpoint)
         self.inbox_sock = self.inbox(StreamerMsg)
         self.to_tokenizer = self.push_to("tokenizer")
@@ -159,7 +163,9 @@ class StreamerService(Component):
         identity = self.keys.identify(sub.api_key, sub.tenant)
         if isinstance(identity, Refusal):
             self.counts["unauthenticated"] += 1
-            log.warning("unauthenticated", request_id=rid[:64])
+            n = self.counts["unauthenticated"]
+            if n <= 20 or n % 1000 == 0:       # a flood must not become one of log lines
+                log.warning("unauthenticated", request_id=rid[:64], count=n)
             return await self._terminal_to(who, Rejected(rid[:256], "unauthenticated",
                                                          identity.message))
         tenant = identity.tenant

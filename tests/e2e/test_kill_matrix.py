@@ -147,3 +147,45 @@ def test_kill_9_under_load(eng, component):
     back = _wait_serving(eng, component, pid)
     print(f"kill {component}: serving again {back:.2f}s later")
     eng.wait_kv_free(timeout=10.0)
+
+
+def test_a_component_left_dead_past_max_restarts_ends_weir_serve_with_status_3(tmp_path):
+    """D3 (issue 43): with max_restarts spent, the supervisor gives the component up: the
+    requests it held fail at once, /health stops answering 200, and `weir serve` drains
+    and exits 3 so that its process manager (a pod's restart policy) starts it again."""
+    eng = Engine(tmp_path, CONFIG.replace("max_restarts = 10", "max_restarts = 0"),
+                 http_port=free_port())
+    try:
+        pid = eng.status()["detokenizer"].pid
+        health: list[int] = []
+
+        async def main():
+            async with eng.async_client() as c, \
+                    httpx.AsyncClient(base_url=eng.base_url, timeout=2) as http:
+                stream = await c.stream("Story: once upon a time", max_tokens=400,
+                                        temperature=0.0, ignore_eos=True)
+                async for _ in stream:
+                    break                                  # it runs
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                with pytest.raises(RequestFailed):
+                    async for _ in stream:
+                        pass
+                failed_in = time.monotonic() - killed
+                while eng.proc.poll() is None:
+                    assert time.monotonic() - killed < 60, "weir serve did not exit"
+                    try:
+                        health.append((await http.get("/health")).status_code)
+                    except httpx.TransportError:
+                        health.append(0)                   # the gateway is gone
+                    await anyio.sleep(0.05)
+                return failed_in
+
+        failed_in = anyio.run(main)
+        assert eng.proc.wait(timeout=10) == 3
+        assert failed_in < FAIL_WITHIN_S
+        assert 200 not in health[-1:], health            # never healthy at the end
+        assert set(health) <= {200, 503, 0}
+        assert b"component_given_up" in eng.log_path.read_bytes()
+    finally:
+        eng.stop()

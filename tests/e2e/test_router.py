@@ -7,6 +7,7 @@ session's context: placing each session where its context is (cache-aware) is wh
 the prefix cache useful; round robin makes every replica hold every session."""
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -424,3 +425,57 @@ def test_replicas_are_added_and_retired_while_the_router_runs(replicas, tmp_path
                 engine.change_replicas(remove=["r0"])
     finally:
         router.stop()
+
+
+def test_kill_9_of_the_router_process_under_load(router, replicas):
+    """The kill matrix's router row: kill -9 of the router component (not its supervisor)
+    under 8 streams. Every client ends, failed, within 10 s (it sees a new router
+    instance); the supervisor starts the router again and it routes; every replica frees
+    what the dead router's requests held (their client went silent: reaped)."""
+    from weir.errors import RequestFailed
+
+    with router.client() as c:
+        pid = next(x.pid for x in c.status().components if x.name == "router")
+    out: dict[int, str] = {}
+    started: set[int] = set()
+
+    async def stream(i):
+        async with router.async_client() as c:
+            try:
+                s = await c.stream(f"Story {i}: once upon a time", max_tokens=200,
+                                   temperature=0.0, ignore_eos=True, tenant="acme")
+                async for _ in s:
+                    started.add(i)
+                out[i] = "finished"
+            except RequestFailed:
+                out[i] = "failed"
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(stream, i)
+            deadline = time.monotonic() + 60
+            while len(started) < 8:
+                assert time.monotonic() < deadline and not out, (started, out)
+                await anyio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while len(out) < 8:
+                assert time.monotonic() - killed < 20, f"clients hung: {out}"
+                await anyio.sleep(0.05)
+            return time.monotonic() - killed
+
+    ended_in = anyio.run(main)
+    print(f"\nkill router: {sorted(set(out.values()))}, all ended {ended_in:.2f}s after")
+    assert set(out.values()) == {"failed"} and ended_in < 10.0
+    deadline = time.monotonic() + 60                  # respawned, and routing again
+    while True:
+        try:
+            with router.client(max_retries=0) as c:
+                if c.generate("Back?", max_tokens=2, tenant="acme", timeout=10).usage:
+                    break
+        except Exception:
+            assert time.monotonic() < deadline, "the router did not come back"
+            time.sleep(0.2)
+    for eng in replicas.values():
+        eng.wait_kv_free(timeout=30)

@@ -68,7 +68,8 @@ class FakeClient:
                  delay: float = 0.0, first_delay: float = 0.0,
                  tenants: dict | None = None, accepted: Accepted | None = None,
                  reject: RequestRejected | None = None, reject_from: int = 0,
-                 reject_after: float | None = None) -> None:
+                 reject_after: float | None = None, states: dict | None = None) -> None:
+        self.states = states or {}                # component -> its state, else "ready"
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.accepted, self.reject = accepted, reject     # for every stream it opens
         self.reject_from = reject_from                    # ... from this one on
@@ -89,9 +90,10 @@ class FakeClient:
         return s
 
     async def status(self, timeout: float = 5.0) -> StatusReport:
-        return StatusReport("q", tuple(ComponentStatus(name, 1, True, "ready", 0, 0.0, stats,
-                                                       self.tenants.get(name, {}))
-                                       for name, stats in self.stats.items()))
+        return StatusReport("q", tuple(ComponentStatus(
+            name, 1, self.states.get(name, "ready") != "dead",
+            self.states.get(name, "ready"), 0, 0.0, stats, self.tenants.get(name, {}))
+            for name, stats in self.stats.items()))
 
 
 class Gateway:

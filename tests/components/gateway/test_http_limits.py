@@ -216,3 +216,20 @@ async def test_a_streamed_request_still_works_end_to_end():
         r = await http.post(gw.url + "/v1/completions", content=body, headers=JSON)
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         assert r.text.count('"text":"ab"') == 5
+
+
+async def test_health_fails_once_the_engine_reports_a_component_given_up_on():
+    """Liveness (issue 43, D3): a component the supervisor gave up on makes /health 503,
+    so a liveness probe restarts the pod; /ready says 503 as well."""
+    client = FakeClient(stats={"streamer": {}, "executor": {}})
+    async with serve(client) as gw:
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(gw.url + "/health")).status_code == 200
+            client.states["executor"] = "dead"
+            deadline = time.monotonic() + 5          # the engine's status is cached 1 s
+            while (r := await http.get(gw.url + "/health")).status_code == 200:
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.05)
+            assert r.status_code == 503 and r.json()["status"] == "dead"
+            assert "executor" in r.json()["reason"]
+            assert (await http.get(gw.url + "/ready")).status_code == 503
