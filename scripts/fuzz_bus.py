@@ -19,6 +19,11 @@ max_message_mib``, 4 MiB here): one byte past it and the 16 MB prompt of issue 4
 bound holds if the socket closes the fuzzer's connection at once, before reading a byte
 of it (a frame that was read would not do that); the fuzzer then reconnects and goes on.
 
+At each client endpoint, after its frames, an *attach flood* (``--attach-flood N``, issue
+43's D1): one keyed request runs to its end, then N Submits under its idempotency key
+come from a raw socket as fast as it can send. Each must be answered (its replay, or a
+refusal) and every component must stay up with 0 restarts.
+
 Forged but well-typed messages on internal sockets (a StepPlan, a PeerRestarted-like
 reset, a KvHello) may legitimately fail in-flight requests. The criteria are: every
 component alive with 0 restarts, status answering, and after the fuzz a greedy request
@@ -112,6 +117,7 @@ class Report:
     seconds: dict[str, float] = field(default_factory=dict)
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
+    attached: dict[str, int] = field(default_factory=dict)     # attach-flood answers
 
     def fail(self, msg: str) -> None:
         print(f"FAIL: {msg}", flush=True)
@@ -382,9 +388,45 @@ def fuzz_socket(engine, config: WeirConfig, name: str, n: int, seed: int, big: i
           f"{report.malformed.get(name, '?')} malformed", flush=True)
 
 
+def attach_flood(server, config: WeirConfig, name: str, n: int, report: Report,
+                 watch: "Watch", router: Router | None = None) -> None:
+    """Issue 43, D1: a finished keyed request, then ``n`` Submits under its key from a raw
+    DEALER, sent as fast as it can. Every one must be answered (a replay ending
+    ``finished``, or a refusal), and nothing may die or restart."""
+    from schemas.client import Finished, Rejected, SamplingParams, ServerMsg
+
+    address, _ = target(config, name, router)
+    key = f"flood-{name}"
+    with server.client() as c:
+        c.generate("Tell me a story:", max_tokens=64, ignore_eos=True, temperature=0.0,
+                   idempotency_key=key, tenant="acme")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+        sock.setsockopt(opt, 0)
+    sock.connect(address)
+    replies, answered, start = Codec(ServerMsg), 0, time.monotonic()
+    try:
+        for i in range(n):
+            sock.send(encode(Submit(f"attach-{i}", "Tell me a story:", tenant="acme",
+                                    params=SamplingParams(max_tokens=64, temperature=0.0,
+                                                          ignore_eos=True),
+                                    api_key=getattr(server, "service_key", None),
+                                    idempotency_key=key)))
+        while answered < n and sock.poll(30_000):
+            answered += isinstance(replies.decode(sock.recv()).body, (Finished, Rejected))
+    finally:
+        sock.close(0)
+    report.attached[name] = answered
+    if answered < n:
+        report.fail(f"{name}: {n - answered} of {n} attaching Submits never answered")
+    watch.check(f"{name} after an attach flood of {n}")
+    print(f"{name:12s} attach flood: {answered} of {n} answered in "
+          f"{time.monotonic() - start:.1f}s", flush=True)
+
+
 def run(messages: int, seed: int, sockets: list[str], run_dir: Path, big: int,
         mem_gb: float = 8.0, log_level: str = "warning", forge: str = "all",
-        probe_each: bool = True) -> Report:
+        probe_each: bool = True, attach: int = 0) -> Report:
     report = Report()
     t0 = time.monotonic()
     kv_events = f"tcp://127.0.0.1:{free_port()}"         # the router's view of its cache
@@ -412,6 +454,9 @@ def run(messages: int, seed: int, sockets: list[str], run_dir: Path, big: int,
             fuzz_socket(engine, config, name, messages, seed, big, report,
                         router_watch if name == "router" else watch, baseline, forge,
                         probe_each, router)
+            if attach and name in CLIENT_SOCKETS:
+                attach_flood(router if name == "router" else engine, config, name, attach,
+                             report, router_watch if name == "router" else watch, router)
         # the engine still serves, identically: a cold prefix cache (a fresh tenant), then
         # the prefix cached before the fuzz
         t0 = time.monotonic()
@@ -451,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forge", choices=["all", "client"], default="all",
                    help="who gets well-typed forged messages: every socket, or only the "
                         "client endpoint (internal sockets then get only undecodable frames)")
+    p.add_argument("--attach-flood", type=int, default=10_000,
+                   help="Submits under one idempotency key at each client endpoint (0: none)")
     p.add_argument("--run-dir", default=None)
     args = p.parse_args(argv)
     sockets = [s for s in args.sockets.split(",") if s]
@@ -461,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     report = run(args.messages, args.seed, sockets, run_dir, args.big, args.mem_gb,
-                 forge=args.forge)
+                 forge=args.forge, attach=args.attach_flood)
     print(f"\n{sum(report.sent.values())} frames to {len(report.sent)} sockets in "
           f"{time.monotonic() - t0:.0f}s (run dir {run_dir}); "
           f"{sum(report.oversized.values())} oversized ones dropped unread")
