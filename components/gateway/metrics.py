@@ -144,6 +144,8 @@ class _EngineCollector:
         yield kvb
         yield vtc
         yield from self._request_families(streamer)
+        if "router" in self.stats:
+            yield from self._router_families(self.stats["router"])
 
     def _batch_histogram(self, sched: dict[str, float]) -> HistogramMetricFamily:
         h = HistogramMetricFamily("weir:batch_size", "Sequences per scheduler step.",
@@ -154,6 +156,35 @@ class _EngineCollector:
         h.add_metric([self.model], [(str(int(le)), v) for le, v in buckets] + [("+Inf", count)],
                      sum_value=sched.get("batch_size.sum", 0))
         return h
+
+    def _router_families(self, router: dict[str, float]):
+        """A gateway in front of `weir route`: the router's decisions by reason (prefix,
+        load, session, idempotent, rerouted, round_robin, ...), its reroutes by the replica's
+        rejection, and each replica's health and losses."""
+        dec = CounterMetricFamily("weir:router_decisions", "Requests routed, by the reason "
+                                  "the replica was chosen.", labels=["model_name", "reason"])
+        rerouted = CounterMetricFamily("weir:router_reroutes", "Requests sent on to another "
+                                       "replica after a rejection for load, by replica and "
+                                       "the rejection's reason.",
+                                       labels=["model_name", "replica", "reason"])
+        healthy = GaugeMetricFamily("weir:router_replica_healthy", "1 while the router hears "
+                                    "the replica.", labels=["model_name", "replica"])
+        lost = CounterMetricFamily("weir:router_replica_lost", "Times the replica went silent "
+                                   "or restarted (its open requests failed).",
+                                   labels=["model_name", "replica"])
+        for key, value in sorted(router.items()):
+            parts = key.split(".")
+            if key.startswith("requests.reason."):
+                dec.add_metric([self.model, key[len("requests.reason."):]], value)
+            elif parts[0] == "replica" and len(parts) >= 3:
+                name, field = ".".join(parts[1:-1]), parts[-1]
+                if len(parts) >= 4 and parts[-2] == "rerouted":
+                    rerouted.add_metric([self.model, ".".join(parts[1:-2]), parts[-1]], value)
+                elif field == "healthy":
+                    healthy.add_metric([self.model, name], value)
+                elif field == "lost":
+                    lost.add_metric([self.model, name], value)
+        yield from (dec, rerouted, healthy, lost)
 
     def _request_families(self, streamer: dict[str, float]):
         """SLO outcomes, degraded requests and latency histograms by service class, from

@@ -102,3 +102,26 @@ def test_the_gateway_histograms_say_they_are_http_only():
     assert ("# HELP weir:time_to_first_token_seconds Time to first token of HTTP requests "
             "only") in text
     assert "(all traffic: weir:request_e2e_seconds)" in text
+
+
+def test_a_gateway_in_front_of_a_router_exports_its_decisions_by_reason():
+    m = GatewayMetrics("m")
+    m.engine.stats = {"router": {
+        "requests.reason.prefix": 7, "requests.reason.load": 3, "requests.rerouted": 2,
+        "replica.r0.healthy": 1, "replica.r0.lost": 0, "replica.r0.rerouted.overloaded": 2,
+        "replica.r1.healthy": 0, "replica.r1.lost": 1, "replica.r1.index_gaps": 4}}
+    assert _samples(m, "weir:router_decisions") == {
+        ("weir:router_decisions_total", ("reason", "load")): 3.0,
+        ("weir:router_decisions_total", ("reason", "prefix")): 7.0}
+    assert _samples(m, "weir:router_reroutes") == {
+        ("weir:router_reroutes_total", ("reason", "overloaded"), ("replica", "r0")): 2.0}
+    assert _samples(m, "weir:router_replica_healthy") == {
+        ("weir:router_replica_healthy", ("replica", "r0")): 1.0,
+        ("weir:router_replica_healthy", ("replica", "r1")): 0.0}
+    assert _samples(m, "weir:router_replica_lost") == {
+        ("weir:router_replica_lost_total", ("replica", "r0")): 0.0,
+        ("weir:router_replica_lost_total", ("replica", "r1")): 1.0}
+
+
+def test_an_engine_behind_no_router_exports_no_router_families():
+    assert _samples(_engine({}), "weir:router_decisions") == {}
