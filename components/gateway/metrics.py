@@ -187,8 +187,8 @@ class _EngineCollector:
         yield from (dec, rerouted, healthy, lost)
 
     def _request_families(self, streamer: dict[str, float]):
-        """SLO outcomes, degraded requests and latency histograms by service class, from
-        the streamer's counts of every finished request (components/streamer/slo.py)."""
+        """SLO outcomes, goodput, degraded requests and latency histograms by service class,
+        from the streamer's counts of every request (components/streamer/slo.py)."""
         slo = CounterMetricFamily("weir:slo_requests", "Finished requests that met or missed "
                                   "their objective, by service class and kind (ttft: the "
                                   "request's deadline_ms, else its class's ttft_slo_ms; tpot: "
@@ -197,6 +197,33 @@ class _EngineCollector:
         degraded = CounterMetricFamily("weir:degraded_requests", "Finished requests whose "
                                        "max_tokens admission lowered, by service class.",
                                        labels=["model_name", "class"])
+        good = CounterMetricFamily("weir:goodput_requests", "Requests that finished within "
+                                   "their SLO, by service class: a first token within the "
+                                   "request's deadline_ms (else its class's ttft_slo_ms) and "
+                                   "TPOT within the class's tpot_slo_ms, where it has them. "
+                                   "With weir:slo_missed_requests, every request that ended "
+                                   "is counted once. All traffic, SDK and HTTP.",
+                                   labels=["model_name", "class"])
+        good_tokens = CounterMetricFamily("weir:goodput_tokens", "Generated tokens (every "
+                                          "choice's) of the requests in "
+                                          "weir:goodput_requests, by service class.",
+                                          labels=["model_name", "class"])
+        missed = CounterMetricFamily("weir:slo_missed_requests", "Requests that ended outside "
+                                     "their SLO, by service class and reason: ttft, tpot or "
+                                     "both (finished late; no first token at all is ttft), "
+                                     "rejected (refused for load or budget), expired "
+                                     "(deadline_expired, queued or admitted), failed, "
+                                     "cancelled. A refusal of a request that could not be "
+                                     "served as asked (invalid_request, prompt_too_long, "
+                                     "unknown_tenant, class_not_allowed, unauthenticated, "
+                                     "idempotency_key_reused, structured_output_error) counts "
+                                     "in neither. All traffic, SDK and HTTP.",
+                                     labels=["model_name", "class", "reason"])
+        missed_tokens = CounterMetricFamily("weir:slo_missed_tokens", "Generated tokens of "
+                                            "finished requests that missed their SLO (reason "
+                                            "ttft, tpot or both), by service class.",
+                                            labels=["model_name", "class"])
+        goodput = {"requests": good, "tokens": good_tokens, "missed_tokens": missed_tokens}
         hists: dict[tuple[str, str], dict] = {}       # (kind, class) -> le, sum, count
         for key, value in sorted(streamer.items()):
             head, _, rest = key.partition(".")
@@ -205,7 +232,14 @@ class _EngineCollector:
                 slo.add_metric([self.model, cls, kind, outcome], value)
             elif head == "degraded":
                 degraded.add_metric([self.model, rest], value)
-            elif head in ("ttft_ms", "tpot_ms", "e2e_ms"):      # the streamer counts in ms
+            elif head == "goodput":
+                field, _, cls = rest.partition(".")
+                if field == "missed":
+                    reason, _, cls = cls.partition(".")
+                    missed.add_metric([self.model, cls, reason], value)
+                elif field in goodput:
+                    goodput[field].add_metric([self.model, cls], value)
+            elif head.endswith("_ms") and head[:-3] in _REQUEST_HISTOGRAMS:   # ms, here s
                 field, _, rest = rest.partition(".")
                 edge, cls = rest.split(".", 1) if field == "le" else ("", rest)
                 parts = hists.setdefault((head[:-3], cls), {"le": []})
@@ -213,8 +247,7 @@ class _EngineCollector:
                     parts["le"].append((int(edge), value))
                 else:
                     parts[field] = value
-        yield slo
-        yield degraded
+        yield from (slo, degraded, good, good_tokens, missed, missed_tokens)
         for kind, doc in _REQUEST_HISTOGRAMS.items():
             h = HistogramMetricFamily(f"weir:request_{kind}_seconds", doc,
                                       labels=["model_name", "class"])
@@ -226,12 +259,23 @@ class _EngineCollector:
             yield h
 
 
+_ALL = " All traffic, SDK and HTTP."
 _REQUEST_HISTOGRAMS = {
     "ttft": "Time to first token, by service class, as the streamer sees it (arrival to the "
-            "first delta it forwards). All traffic, SDK and HTTP.",
-    "tpot": "Time per output token after the first, by service class (the longest choice's). "
-            "All traffic, SDK and HTTP.",
-    "e2e": "Arrival to finish of finished requests, by service class. All traffic, SDK and HTTP.",
+            "first delta it forwards)." + _ALL,
+    "tpot": "Time per output token after the first, by service class (the longest choice's)."
+            + _ALL,
+    "itl": "Gaps between a request's consecutive output deltas (choice 0's; one per engine "
+           "step that gave it tokens), by service class, as the streamer forwards them." + _ALL,
+    "e2e": "Arrival to finish of finished requests, by service class." + _ALL,
+    "queue": "Arrival to first scheduled (tokenizing, admission's queue and the scheduler's), "
+             "by service class, from the scheduler's timing of finished requests." + _ALL,
+    "admission_queue": "Time held in admission's queue (part of weir:request_queue_seconds), "
+                       "by service class, of every admitted request." + _ALL,
+    "prefill": "First scheduled to first token, by service class, from the scheduler's "
+               "timing of finished requests." + _ALL,
+    "decode": "First token to finish, by service class, from the scheduler's timing of "
+              "finished requests." + _ALL,
 }
 
 
@@ -259,31 +303,40 @@ class GatewayMetrics:
                               "HTTP requests only, as the gateway sees it (all traffic: "
                               "weir:request_ttft_seconds).", m, buckets=_LATENCY, registry=r)
         self.itl = Histogram("weir:inter_token_latency_seconds", "Time between output tokens "
-                             "of HTTP requests only (all traffic: weir:request_tpot_seconds).",
+                             "of HTTP requests only (all traffic: weir:request_itl_seconds).",
                              m, buckets=_ITL, registry=r)
         self.queue = Histogram("weir:request_queue_time_seconds", "Time from arrival to first "
-                               "scheduling, HTTP requests only.", m, buckets=_LATENCY,
+                               "scheduling, HTTP requests only (all traffic: "
+                               "weir:request_queue_seconds).", m, buckets=_LATENCY,
                                registry=r)
         self.e2e = Histogram("weir:e2e_request_latency_seconds", "End-to-end latency of HTTP "
                              "requests only (all traffic: weir:request_e2e_seconds).",
                              m, buckets=_LATENCY, registry=r)
         self.prefill = Histogram("weir:request_prefill_time_seconds", "First scheduled to "
-                                 "first token, HTTP requests only.", m, buckets=_LATENCY,
+                                 "first token, HTTP requests only (all traffic: "
+                                 "weir:request_prefill_seconds).", m, buckets=_LATENCY,
                                  registry=r)
         self.decode = Histogram("weir:request_decode_time_seconds", "First token to finish, "
-                                "HTTP requests only.", m, buckets=_LATENCY, registry=r)
-        self.success = Counter("weir:request_success", "Finished requests by reason.",
+                                "HTTP requests only (all traffic: "
+                                "weir:request_decode_seconds).", m, buckets=_LATENCY, registry=r)
+        self.success = Counter("weir:request_success", "Finished HTTP requests by reason "
+                               "(all traffic: weir:goodput_requests plus "
+                               "weir:slo_missed_requests of reason ttft, tpot or both).",
                                m + ["finished_reason"], registry=r)
-        self.errors = Counter("weir:request_errors", "Requests that ended without finishing, "
-                              "by kind (rejected:<reason>, cancelled, failed, http_<status>).",
+        self.errors = Counter("weir:request_errors", "HTTP requests that ended without "
+                              "finishing, by kind (rejected:<reason>, cancelled, failed, "
+                              "http_<status>).",
                               m + ["kind"], registry=r)
         self.structured = Counter("weir:structured_output_requests", "HTTP requests held to "
                                   "a language, by kind (json, json_object, regex, choice, "
                                   "grammar; a tool_choice's is json).", m + ["kind"],
                                   registry=r)
-        self.prompt_tokens = Counter("weir:prompt_tokens", "Prompt tokens processed.", m, registry=r)
-        self.generation_tokens = Counter("weir:generation_tokens", "Tokens generated.", m,
-                                         registry=r)
+        self.prompt_tokens = Counter("weir:prompt_tokens", "Prompt tokens of finished HTTP "
+                                     "requests.", m, registry=r)
+        self.generation_tokens = Counter("weir:generation_tokens", "Tokens generated for "
+                                         "finished HTTP requests (all traffic: "
+                                         "weir:goodput_tokens plus weir:slo_missed_tokens).",
+                                         m, registry=r)
         self.engine = _EngineCollector(model)
         r.register(self.engine)
 

@@ -34,7 +34,7 @@ from components.admission.retry import DrainRate
 from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from components.streamer.identity import Identity, Keyring, Refusal, visible_status
-from components.streamer.slo import RequestClock, SloStats, generated_tokens
+from components.streamer.slo import RequestClock, SloStats
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
                           EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           Rejected, ServerHeartbeat, StatusQuery, StatusReport,
@@ -103,7 +103,7 @@ class StreamerService(Component):
             sc.idempotency_ttl_s, max_bytes=int(sc.idempotency_max_mib * 2**20),
             max_entry_bytes=int(sc.idempotency_entry_max_mib * 2**20))
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
-        self.slo = SloStats(self.config.admission.service_classes())
+        self.slo = SloStats.for_config(self.config.admission)
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
@@ -182,14 +182,16 @@ class StreamerService(Component):
             "gen_ai.request.max_tokens": p.max_tokens if p.max_tokens is not None else -1,
             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
             "gen_ai.request.top_k": p.top_k})
-        req = Active(who, tenant, time.time_ns(), RequestClock(time.monotonic(), sub.deadline_ms),
-                     span, batched=sub.batch_events)
+        clock = RequestClock(time.monotonic(), sub.deadline_ms,
+                             self.slo.class_of(tenant, sub.service_class))
+        req = Active(who, tenant, time.time_ns(), clock, span, batched=sub.batch_events)
         if self.config.telemetry.record_content:          # off by default: text stays out
             span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
                                msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
             req.completion = []
         if (rejected := invalid or self._check_capacity(sub, tenant)) is not None:
             req.end("rejected", rejected.reason)
+            self.slo.ended(clock, rejected, clock.started)
             return await self._terminal_to(who, rejected)
         self.active[rid] = req
         self.per_tenant[tenant] += 1
@@ -281,6 +283,7 @@ class StreamerService(Component):
         terminal = type(event).__name__.lower()
         req.end(terminal, event.reason)
         self.counts[terminal] += 1
+        self.slo.ended(req.clock, event, time.monotonic())
         await self._deliver(rid, req, event, terminal=True)
         await self.to_tokenizer.send(CancelRequest(rid, event.reason))
 
@@ -370,9 +373,9 @@ class StreamerService(Component):
             return
         if isinstance(event, Accepted):
             req.pending = None
-            req.clock.service_class, req.clock.degraded = event.service_class, event.degraded
+            self.slo.accepted(req.clock, event)
         if isinstance(event, TextDelta):
-            req.clock.token(time.monotonic())
+            req.clock.token(time.monotonic(), event.index)
         if isinstance(event, TextDelta) and req.completion is not None:
             req.completion.append(event.text)
         if isinstance(event, TextDelta) and req.delivery is None:
@@ -382,8 +385,7 @@ class StreamerService(Component):
             self._pop(rid)
             kind = type(event).__name__.lower()
             self.counts[kind] += 1
-            if isinstance(event, Finished):
-                self.slo.finished(req.clock, time.monotonic(), generated_tokens(event))
+            self.slo.ended(req.clock, event, time.monotonic())
             req.end(kind, getattr(event, "finish_reason", None)
                     or getattr(event, "reason", ""), getattr(event, "usage", None))
         await self._deliver(rid, req, event, terminal, out)

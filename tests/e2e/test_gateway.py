@@ -378,7 +378,12 @@ def test_metrics_parse_and_move(gw, oai):
 
 
 ENGINE_WIDE = ("weir:request_ttft_seconds_count", "weir:request_tpot_seconds_count",
-               "weir:request_e2e_seconds_count", "weir:slo_requests_total")
+               "weir:request_e2e_seconds_count", "weir:slo_requests_total",
+               "weir:request_queue_seconds_count", "weir:request_prefill_seconds_count",
+               "weir:request_decode_seconds_count", "weir:request_admission_queue_seconds_count")
+GOODPUT = ("weir:goodput_requests_total", "weir:slo_missed_requests_total",
+           "weir:goodput_tokens_total", "weir:slo_missed_tokens_total",
+           "weir:request_itl_seconds_count")
 
 
 def _settled_metrics(gw, names=ENGINE_WIDE, timeout: float = 10.0) -> dict[str, float]:
@@ -401,16 +406,23 @@ def _settled_metrics(gw, names=ENGINE_WIDE, timeout: float = 10.0) -> dict[str, 
 def test_engine_wide_latency_and_slo_metrics_count_sdk_traffic(gw):
     """A request over the SDK never touches HTTP: the gateway's own histograms stay still,
     the streamer's (class ``default``, TTFT against the request's own deadline) move."""
-    before = _settled_metrics(gw)
+    before = _settled_metrics(gw, ENGINE_WIDE + GOODPUT)
     met = gw.stats("streamer").get("slo.ttft.met.default", 0)
     with gw.client() as c:
         done = c.generate("Count with me: one, two, three,", max_tokens=4, temperature=0,
                           ignore_eos=True, deadline_ms=60_000)
     assert done.usage.completion_tokens == 4
     gw.wait_stat("streamer", "slo.ttft.met.default", met + 1, timeout=2.0)
-    after = _settled_metrics(gw)
+    after = _settled_metrics(gw, ENGINE_WIDE + GOODPUT)
     for name in ENGINE_WIDE:
         assert after[name] == before.get(name, 0) + 1, name
+    moved = {name: after.get(name, 0) - before.get(name, 0) for name in GOODPUT}
+    # counted once, good or missed (whichever, its 4 tokens with it); 3 gaps between 4 deltas
+    good = moved["weir:goodput_requests_total"]
+    assert good + moved["weir:slo_missed_requests_total"] == 1, moved
+    assert moved["weir:goodput_tokens_total"] == 4 * good, moved
+    assert moved["weir:slo_missed_tokens_total"] == 4 * (1 - good), moved
+    assert moved["weir:request_itl_seconds_count"] == 3, moved
     for name in ("weir:e2e_request_latency_seconds_count",      # (none yet, run alone)
                  "weir:time_to_first_token_seconds_count"):
         assert after.get(name, 0) == before.get(name, 0), name

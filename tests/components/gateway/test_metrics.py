@@ -1,10 +1,11 @@
 """The engine-wide request metrics the gateway renders from the streamer's counts: SLO
-outcomes and degraded requests by class, and latency histograms of all traffic, read back
-through prometheus_client's own parser."""
+outcomes, goodput and degraded requests by class, and latency histograms of all traffic, read
+back through prometheus_client's own parser."""
 from prometheus_client.parser import text_string_to_metric_families
 
 from components.gateway.metrics import GatewayMetrics
-from components.streamer.slo import LATENCY_EDGES_MS, RequestClock, SloStats
+from components.streamer.slo import LATENCY_EDGES_MS, MISSED, RequestClock, SloStats
+from schemas.client import Accepted, Cancelled, Finished, Rejected, RequestTiming, Usage
 from schemas.config import ServiceClass
 
 CLASSES = {"interactive": ServiceClass("interactive", ttft_slo_ms=250, tpot_slo_ms=62.5),
@@ -27,13 +28,13 @@ def _streamer() -> dict[str, float]:
     s = SloStats(CLASSES)
     first = RequestClock(0.0, None, "interactive")
     first.token(0.25)
-    s.finished(first, 0.75, tokens=9)                   # TTFT 250 ms, TPOT 62.5 ms: met
+    s.ended(first, Finished("a", "stop", Usage(3, 9)), 0.75)   # TTFT 250, TPOT 62.5 ms: met
     late = RequestClock(0.0, None, "interactive")
     late.token(0.5)
-    s.finished(late, 1.0, tokens=2)                     # 500 ms, 500 ms: missed
+    s.ended(late, Finished("b", "stop", Usage(3, 2)), 1.0)     # 500 ms, 500 ms: missed
     cut = RequestClock(0.0, None, "batch", degraded=True)
     cut.token(2.0)
-    s.finished(cut, 2.0, tokens=1)
+    s.ended(cut, Finished("c", "length", Usage(3, 1)), 2.0)
     return {"requests.finished": 3, "active_requests": 0, **s.stats()}
 
 
@@ -79,7 +80,7 @@ def test_a_class_name_with_dots_keeps_its_dots():
     s = SloStats({"tier.1": ServiceClass("tier.1", ttft_slo_ms=100)})
     c = RequestClock(0.0, None, "tier.1", degraded=True)
     c.token(0.05)
-    s.finished(c, 0.1, tokens=2)
+    s.ended(c, Finished("d", "stop", Usage(3, 2)), 0.1)
     m = _engine(s.stats())
     assert _samples(m, "weir:slo_requests")[
         "weir:slo_requests_total", ("class", "tier.1"), ("kind", "ttft"), ("outcome", "met")] == 1
@@ -102,6 +103,75 @@ def test_the_gateway_histograms_say_they_are_http_only():
     assert ("# HELP weir:time_to_first_token_seconds Time to first token of HTTP requests "
             "only") in text
     assert "(all traffic: weir:request_e2e_seconds)" in text
+
+
+def test_goodput_and_misses_by_class_and_reason_add_up_to_every_request_that_ended():
+    s = SloStats(CLASSES)
+    # first token at, finished at, tokens: met; both late (500 ms TTFT and TPOT); batch met
+    for cls, first, end, tokens in (("interactive", 0.25, 0.25, 9), ("interactive", 0.5, 1.0, 2),
+                                    ("batch", 2.0, 2.05, 2)):
+        c = RequestClock(0.0, None, cls)
+        c.token(first)
+        s.ended(c, Finished("r", "stop", Usage(3, tokens)), end)
+    for event in (Rejected("e", "overloaded", "", 1.0), Rejected("f", "deadline_expired", ""),
+                  Cancelled("g", "client"), Rejected("h", "invalid_request", "")):
+        s.ended(RequestClock(0.0, None, "interactive"), event, 0.1)
+    m = _engine(s.stats())
+    good = _samples(m, "weir:goodput_requests")
+    assert good == {("weir:goodput_requests_total", ("class", "batch")): 1,
+                    ("weir:goodput_requests_total", ("class", "interactive")): 1}
+    assert _samples(m, "weir:goodput_tokens") == {
+        ("weir:goodput_tokens_total", ("class", "batch")): 2,
+        ("weir:goodput_tokens_total", ("class", "interactive")): 9}
+    missed = _samples(m, "weir:slo_missed_requests")
+    assert len(missed) == 2 * len(MISSED)              # every class and reason from the start
+    assert {k[2][1]: v for k, v in missed.items() if v and k[1] == ("class", "interactive")} \
+        == {"both": 1, "rejected": 1, "expired": 1, "cancelled": 1}
+    assert not any(v for k, v in missed.items() if k[1] == ("class", "batch"))
+    assert _samples(m, "weir:slo_missed_tokens") == {
+        ("weir:slo_missed_tokens_total", ("class", "batch")): 0,
+        ("weir:slo_missed_tokens_total", ("class", "interactive")): 2}
+    # the invalid request is in neither: 6 of the 7 that ended are counted, each once
+    assert sum(good.values()) + sum(missed.values()) == 6
+
+
+def test_queue_prefill_decode_itl_and_admission_queue_histograms_by_class_in_seconds():
+    s = SloStats(CLASSES)
+    c = RequestClock(0.0, None)
+    s.accepted(c, Accepted("a", 3, service_class="batch", queued_s=0.07))
+    for t in (0.3, 0.317, 0.336):                    # gaps of 17 and 19 ms
+        c.token(t)
+    s.ended(c, Finished("a", "stop", Usage(3, 3),
+                        timing=RequestTiming(queue_s=0.09, prefill_s=0.2, decode_s=0.03)), 0.336)
+    m = _engine(s.stats())
+    for kind, le_below, le_at, total in (("queue", "0.08", "0.1", 0.09),
+                                         ("admission_queue", "0.06", "0.08", 0.07),
+                                         ("prefill", "0.1", "0.25", 0.2),
+                                         ("decode", "0.02", "0.04", 0.03),
+                                         ("itl", "0.015", "0.02", 0.036)):
+        name = f"weir:request_{kind}_seconds"
+        got = _samples(m, name)
+        cls = ("class", "batch")
+        assert got[f"{name}_bucket", cls, ("le", le_below)] == 0, kind
+        assert got[f"{name}_bucket", cls, ("le", le_at)] == (2 if kind == "itl" else 1), kind
+        assert got[f"{name}_count", cls] == (2 if kind == "itl" else 1), kind
+        assert abs(got[f"{name}_sum", cls] - total) < 1e-9, kind
+        assert not any(k[1] == ("class", "interactive") for k in got)
+
+
+def test_each_http_only_histogram_names_its_all_traffic_twin():
+    text = GatewayMetrics("m").render().decode()
+    for http, every in (("inter_token_latency_seconds", "request_itl_seconds"),
+                        ("request_queue_time_seconds", "request_queue_seconds"),
+                        ("request_prefill_time_seconds", "request_prefill_seconds"),
+                        ("request_decode_time_seconds", "request_decode_seconds")):
+        help_line = next(line for line in text.splitlines()
+                         if line.startswith(f"# HELP weir:{http} "))
+        assert "HTTP requests only" in help_line and f"(all traffic: weir:{every})" in help_line
+        assert f"# TYPE weir:{every} histogram" in text
+    assert "# HELP weir:request_queue_seconds " in text and \
+        "All traffic, SDK and HTTP." in next(line for line in text.splitlines()
+                                            if line.startswith("# HELP weir:request_queue_seconds"))
 
 
 def test_a_gateway_in_front_of_a_router_exports_its_decisions_by_reason():
