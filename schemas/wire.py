@@ -123,11 +123,33 @@ class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
     ttft_s: dict[str, float] = {}        # arrival → first token, as the engine saw it
 
 
-class Holding(msgspec.Struct, tag="holding", frozen=True, gc=False):
-    """The scheduler's requests and their tenants, sent to a restarted admission so its
-    outstanding counts start from what is really held, not from zero."""
+class HeldRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Admission's ledger entry for one admitted request: what its ledger added when it
+    admitted it, and what ``Released`` subtracts. Admission hands it to the scheduler with
+    the request (``Admitted.held``), and the scheduler hands it back in ``Holding``.
 
-    requests: list[tuple[str, str]]
+    ``kv_blocks`` is admission's reservation (uncached prompt + n x expected output, from
+    its estimate; 0 under ``fcfs``), not the blocks the sequences hold now. The ledger checks
+    budgets against reservations: a request mid-prefill holds a few blocks, one preempted
+    or swapped out none, and prefix-shared blocks belong to no one request, so a ledger
+    rebuilt from live counts would admit past ``kv_blocks`` budgets and the pool and
+    leave the growth to preemption. The reservation also makes the restarted ledger
+    equal to the one that was lost."""
+
+    request_id: str
+    tenant: str
+    service_class: str
+    n: int
+    kv_blocks: int
+    predicted_ttft_s: float | None = None   # the backlog model's TTFT at admission (its bias)
+
+
+class Holding(msgspec.Struct, tag="holding", frozen=True, gc=False):
+    """The scheduler's requests, sent to a restarted admission so its ledger (outstanding
+    counts, running sequences, reserved KV blocks, by tenant and class) starts from what
+    is really held, exactly as the lost one had it, not from zero."""
+
+    requests: list[HeldRequest]
 
 
 class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
@@ -143,7 +165,10 @@ AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad, CacheAns
 # ---------------------------------------------------------------- scheduler inbox
 
 class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
-    """A tokenized request that admission accepted; the scheduler now holds it."""
+    """A tokenized request that admission accepted; the scheduler now holds it, and keeps
+    ``held`` (admission's ledger entry for it) to hand back if admission restarts."""
+
+    held: HeldRequest | None = None
 
 
 class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):

@@ -52,7 +52,7 @@ from components.admission.ttft import TtftModel
 from components.admission.validate import check_length, check_params
 from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
-from schemas.wire import Rejected, Tokenized
+from schemas.wire import HeldRequest, Rejected, Tokenized
 
 
 ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
@@ -94,17 +94,6 @@ def effective_deadline_ms(d: Decision) -> int | None:
     return None if ms is None else round(ms)
 
 
-@dataclass
-class _Held:
-    """An admitted request, as the ledger counts it."""
-
-    tenant: str
-    service_class: str
-    kv_blocks: int
-    seqs: int
-    predicted_s: float | None = None     # its TTFT as predicted when it was admitted
-
-
 class AdmissionPolicy:
     def __init__(self, config: WeirConfig) -> None:
         self.config = config
@@ -114,7 +103,7 @@ class AdmissionPolicy:
         self.classes: dict[str, ServiceClass] = adm.service_classes()
         self.outstanding: dict[str, str] = {}          # request_id -> tenant (admitted)
         self.per_tenant: Counter[str] = Counter()
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, HeldRequest] = {}         # the ledger's entries (see _hold)
         self.reserved_blocks = 0
         self.tenant_blocks: Counter[str] = Counter()
         self.tenant_seqs: Counter[str] = Counter()
@@ -372,15 +361,10 @@ class AdmissionPolicy:
     # ------------------------------------------------------------------ ledger
     def _admit(self, req: Tokenized, decision: Decision, now: float) -> None:
         rid, tenant = req.request_id, req.tenant
-        self.outstanding[rid] = tenant
-        self.per_tenant[tenant] += 1
         seqs = req.params.n
         blocks = decision.estimate.kv_blocks if self.kind == "deadline" else 0
-        self.held[rid] = _Held(tenant, decision.service_class, blocks, seqs,
-                               decision.estimate.scheduler_ttft_s)
-        self.reserved_blocks += blocks
-        self.tenant_blocks[tenant] += blocks
-        self.tenant_seqs[tenant] += seqs
+        self._hold(HeldRequest(rid, tenant, decision.service_class, seqs, blocks,
+                               decision.estimate.scheduler_ttft_s))
         self.ttft.admitted(rid, tenant, decision.estimate.uncached_tokens,
                            decision.estimate.scheduler_ttft_s)
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
@@ -389,14 +373,14 @@ class AdmissionPolicy:
             bucket.take(decision.estimate.uncached_tokens
                         + seqs * decision.estimate.expected_output, now)
 
-    def admitted(self, request_id: str, tenant: str) -> None:
-        """Count a request admitted elsewhere (a restarted admission learning what the
-        scheduler holds)."""
-        if request_id not in self.outstanding:
-            self.outstanding[request_id] = tenant
-            self.per_tenant[tenant] += 1
-            self.held[request_id] = _Held(tenant, "", 0, 1)
-            self.tenant_seqs[tenant] += 1
+    def _hold(self, entry: HeldRequest) -> None:
+        """Count an admitted request in the ledger; ``released`` subtracts this entry."""
+        self.outstanding[entry.request_id] = entry.tenant
+        self.per_tenant[entry.tenant] += 1
+        self.held[entry.request_id] = entry
+        self.reserved_blocks += entry.kv_blocks
+        self.tenant_blocks[entry.tenant] += entry.kv_blocks
+        self.tenant_seqs[entry.tenant] += entry.n
 
     def released(self, request_ids: list[str], now: float,
                  output_tokens: dict[str, int] | None = None,
@@ -413,16 +397,24 @@ class AdmissionPolicy:
             held = self.held.pop(rid)
             self.reserved_blocks -= held.kv_blocks
             self.tenant_blocks[tenant] -= held.kv_blocks
-            self.tenant_seqs[tenant] -= held.seqs
+            self.tenant_seqs[tenant] -= held.n
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(tenant, held.service_class,
-                                     output_tokens[rid] // max(held.seqs, 1))
-            self.ttft.ended(rid, now, ttft_s.get(rid) if ttft_s else None, held.predicted_s)
+                                     output_tokens[rid] // max(held.n, 1))
+            self.ttft.ended(rid, now, ttft_s.get(rid) if ttft_s else None,
+                            held.predicted_ttft_s)
 
-    def holding(self, held: list[tuple[str, str]]) -> None:
-        """After a restart of admission: resume the counts of what the scheduler holds."""
-        for rid, tenant in held:
-            self.admitted(rid, tenant)
+    def holding(self, held: list[HeldRequest]) -> None:
+        """After a restart of admission: the scheduler's requests, each with the entry this
+        ledger made when it admitted it (``Admitted.held``), counted again as it was, so
+        budgets, running caps and each ``Released`` come out as if nothing restarted. A
+        request already here keeps its entry: the streamer replayed it first and it was
+        decided again, and its ``Released`` subtracts that one. Their prefill is not
+        added to the TTFT model's unreported tokens: the scheduler's load reports count
+        it; nor charged to VTC or the token buckets, which were charged once already."""
+        for entry in held:
+            if entry.request_id not in self.outstanding:
+                self._hold(entry)
 
     def forget_all(self) -> None:
         """The scheduler restarted and dropped everything it held."""
@@ -531,4 +523,25 @@ class AdmissionPolicy:
         out.update({f"rejections.{reason}.{cls}": v
                     for (reason, cls), v in self.rejections.items()})
         out.update({f"queue_depth.{cls}": v for cls, v in self.queue_depth.items()})
+        out.update(self.ledger_stats())
+        return out
+
+    def ledger_stats(self) -> dict[str, float]:
+        """The ledger by tenant (``ledger.outstanding|kv_blocks|seqs.<tenant>``) and by
+        class (``ledger.class_outstanding|class_kv_blocks.<class>``). A tenant or class
+        with nothing held is left out, so an idle engine reports none and a count that
+        went wrong (negative) shows."""
+        out: dict[str, float] = {}
+        for tenant in self.per_tenant.keys() | self.tenant_blocks.keys() | \
+                self.tenant_seqs.keys():
+            counts = (self.per_tenant[tenant], self.tenant_blocks[tenant],
+                      self.tenant_seqs[tenant])
+            if any(counts):
+                for key, v in zip(("outstanding", "kv_blocks", "seqs"), counts):
+                    out[f"ledger.{key}.{tenant}"] = v
+        by_class: Counter[str] = Counter()
+        for entry in self.held.values():
+            by_class[f"ledger.class_outstanding.{entry.service_class}"] += 1
+            by_class[f"ledger.class_kv_blocks.{entry.service_class}"] += entry.kv_blocks
+        out.update(by_class)
         return out

@@ -113,8 +113,8 @@ class AdmissionService(Component):
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
             req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
             req.public_scope, req.public_blocks, d.service_class,
-            self.policy.classes[d.service_class].tpot_slo_ms, int(queued_s * 1e9)),
-            traceparent=traceparent)
+            self.policy.classes[d.service_class].tpot_slo_ms, int(queued_s * 1e9),
+            held=self.policy.held.get(req.request_id)), traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
             d.max_tokens, d.kind == DEGRADE, round(queued_s, 4))]))
@@ -207,7 +207,7 @@ class AdmissionService(Component):
                     self.policy.ttft.on_load(load, time.monotonic())
                     if self.policy.queued:
                         await self._drain_queue()
-                case Holding(requests=held):          # after our restart: resume the counts
+                case Holding(requests=held):          # after our restart: resume the ledger
                     self.policy.holding(held)
                 case Released(request_ids=ids, output_tokens=outputs, ttft_s=ttft):
                     self.policy.released(ids, time.monotonic(), outputs, ttft)

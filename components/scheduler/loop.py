@@ -30,8 +30,8 @@ from components.scheduler.usage import UsageStats
 from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
-                          ForgetRequest, Holding, KvGrants, KvHello, KvManagerUp, Released,
-                          StepPlan, StepResult, StopRequest, TokenBatch)
+                          ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
+                          Released, StepPlan, StepResult, StopRequest, TokenBatch)
 from weir.machine import usable_cores, usable_cpus
 
 log = structlog.get_logger("scheduler")
@@ -178,9 +178,12 @@ class SchedulerLoop:
         # waits for their tokens
         if name in ("executor", "streamer"):
             self._emit(self._fail_all(sends, kv_lost=False), sends, now_ns, mono_ns)
-        elif name == "admission":                 # it lost its counts: here is what we hold
+        elif name == "admission":                 # it lost its ledger: here is what we hold
+            # each request's entry as admission made it (Admitted.held); one admitted
+            # without (the simulator's, a test's) counts its tenant and n, no blocks
             sends.append(Send("admission", Holding(
-                [(rid, seq.tenant) for rid, seq in self.core.by_request.items()])))
+                [seq.held or HeldRequest(rid, seq.tenant, "", seq.params.n, 0)
+                 for rid, seq in self.core.by_request.items()])))
         return sends
 
     def _fail_all(self, sends: list[Send], kv_lost: bool,

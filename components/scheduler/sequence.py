@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from schemas.wire import SampleLogprobs, SamplingParams
+from schemas.wire import HeldRequest, SampleLogprobs, SamplingParams
 
 
 class State(enum.Enum):
@@ -151,6 +151,7 @@ class Seq:
     tpot_slo_s: float | None = None  # its class's time-per-output-token objective
     public_scope: str = ""
     public_blocks: int = 0
+    held: HeldRequest | None = None  # admission's ledger entry (the request's first seq only)
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
     group: list["Seq"] = field(default_factory=list)   # every choice of the request
