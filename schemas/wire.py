@@ -101,18 +101,26 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     """The scheduler's view of its backlog, sent to admission a few times a second so
     admission can predict time to first token. ``queued_prefill_tokens`` counts every
     tenant's waiting prefill and the running sequences' remaining prefill; ``tenants`` splits
-    it by tenant (empty from a scheduler that predates it)."""
+    it by tenant (empty from a scheduler that predates it).
+
+    Prefill is priced in two parts: its tokens at ``prefill_tokens_per_s`` (a full chunk's
+    rate, attention aside) and its attention at ``attention_s_per_pair`` per pair (query
+    row × key it sees: a prompt of ``P`` new tokens after ``C`` cached has ``P·C +
+    P(P+1)/2``), so a long context is not priced at a rate measured at zero context.
+    ``queued_prefill_pairs`` are the backlog's pairs."""
 
     running: int
     waiting: int
     queued_prefill_tokens: int
-    prefill_tokens_per_s: float      # 0 until the step cost model has data
+    prefill_tokens_per_s: float      # 0 until the step cost model has a prior or data
     decode_step_s: float
     tenants: dict[str, TenantBacklog] = {}
     # arrival → now of each request still without its first token (at most AWAITING_MAX,
     # the longest waiting first): admission sees an overrun prediction while it happens,
     # not a first token later
     awaiting_first_s: dict[str, float] = {}
+    attention_s_per_pair: float = 0.0
+    queued_prefill_pairs: int = 0
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
@@ -239,12 +247,27 @@ class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):
     free_cpu_blocks: int = -1
 
 
+class StepSample(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A step's shape (the step-cost model's features: tokens computed, KV positions read
+    by its rows, sequences, attention pairs) and the seconds it took."""
+
+    tokens: int
+    context: int
+    seqs: int
+    pairs: int
+    seconds: float
+
+
 class ExecutorReady(msgspec.Struct, tag="executor_ready", frozen=True):
-    """The executor is up: what a KV block costs to move to and from its host tier."""
+    """The executor is up: what a KV block costs to move to and from its host tier, and
+    the steps it timed at startup (measured once per machine and cached, as the kernel
+    plan is; empty where it timed none), which the scheduler's step-cost model starts
+    from, so admission predicts TTFT from the first request."""
 
     block_bytes: int
     copy_bytes_per_s: float          # measured at startup, device -> host -> device average
     num_cpu_blocks: int
+    step_costs: list[StepSample] = []
 
 
 class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):

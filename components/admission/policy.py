@@ -146,7 +146,8 @@ class AdmissionPolicy:
         if isinstance(cls, str):
             return False
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
-        raw = self.ttft.predicted_s(max(len(req.prompt_token_ids) - cached, 0), req.tenant)
+        prompt = len(req.prompt_token_ids)
+        raw = self.ttft.predicted_s(max(prompt - cached, 0), req.tenant, min(cached, prompt))
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
@@ -259,7 +260,7 @@ class AdmissionPolicy:
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
-        raw = self.ttft.predicted_s(uncached, req.tenant)
+        raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
                         None if raw is None else raw + self.ttft.bias_s, deadline, raw)
 
@@ -366,7 +367,8 @@ class AdmissionPolicy:
         self._hold(HeldRequest(rid, tenant, decision.service_class, seqs, blocks,
                                decision.estimate.scheduler_ttft_s))
         self.ttft.admitted(rid, tenant, decision.estimate.uncached_tokens,
-                           decision.estimate.scheduler_ttft_s)
+                           decision.estimate.scheduler_ttft_s,
+                           len(req.prompt_token_ids) - decision.estimate.uncached_tokens)
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):

@@ -7,6 +7,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from components.scheduler.cost_model import row_pairs
 from components.scheduler.fairness import VirtualCounters
 from schemas.config import WeirConfig
 from schemas.wire import SchedulerLoad
@@ -30,8 +31,9 @@ class _Recent:
 
 
 class TtftModel:
-    """``predicted_s`` is the backlog model's TTFT (None until the scheduler has measured
-    its rates); ``bias_s`` is what admission adds to it. The policy tells it what it
+    """``predicted_s`` is the backlog model's TTFT (None until the scheduler's first report:
+    its rates come from the executor's startup measurement, then from measured steps);
+    ``bias_s`` is what admission adds to it. The policy tells it what it
     admits (``admitted``), what ends (``ended``, ``observed``) and every scheduler report
     (``on_load``)."""
 
@@ -41,6 +43,7 @@ class TtftModel:
         self.vtc = vtc                        # the tenants' weights, as the scheduler's VTC
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
+        self.unreported_pairs = 0         # its attention pairs
         self._unreported: Counter[str] = Counter()      # the same, by tenant
         self.learned_s = 0.0              # observed − predicted TTFT, smoothed (``observed``)
         self.floor_s = 0.0                # a lower bound of recent misses (``on_load``)
@@ -54,22 +57,40 @@ class TtftModel:
         requests are overrunning their predictions by more."""
         return max(self.learned_s, self.floor_s)
 
-    def predicted_s(self, uncached_tokens: int, tenant: str | None = None) -> float | None:
+    def predicted_s(self, uncached_tokens: int, tenant: str | None = None,
+                    cached_tokens: int = 0) -> float | None:
         """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
-        request of ``tenant`` starts) plus this prompt's uncached tokens, at the measured
-        prefill rate, plus one decode step for the current batch; None while the scheduler
-        has not measured enough steps."""
+        request of ``tenant`` starts) plus this prompt's uncached tokens, at the reported
+        prefill rate, plus one decode step for the current batch, plus the attention of
+        all that prefill: the prompt's own pairs (its ``uncached_tokens`` after its
+        ``cached_tokens``) and the backlog's, in proportion to the share of it ahead. None
+        while the scheduler has no rates (before its first report)."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        ahead = self.prefill_ahead(tenant) + uncached_tokens
+        before = self.prefill_ahead(tenant)
+        ahead = before + uncached_tokens
         # each step decodes every running sequence and prefills what is left of the budget:
         # a prefill token costs its own time plus its share of the step's decode work
         per_step = max(self.budget - load.running, 1)
         step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
         steps = ahead / per_step
-        return steps * step_s if steps >= 1 else \
+        base = steps * step_s if steps >= 1 else \
             ahead / load.prefill_tokens_per_s + load.decode_step_s
+        if load.attention_s_per_pair <= 0:
+            return base
+        return base + load.attention_s_per_pair * (
+            self.pairs_ahead(before) + row_pairs(uncached_tokens, cached_tokens))
+
+    def pairs_ahead(self, tokens: int) -> float:
+        """The attention pairs of ``tokens`` of the backlog (reported and unreported): all
+        of its pairs for all of it, else its pairs per token (the backlog's prompts are
+        not split by position in the report)."""
+        total = self.load.queued_prefill_tokens + self.unreported_tokens
+        if total <= 0 or tokens <= 0:
+            return 0.0
+        pairs = self.load.queued_prefill_pairs + self.unreported_pairs
+        return pairs if tokens >= total else pairs * tokens / total
 
     def prefill_ahead(self, tenant: str | None) -> int:
         """The prefill the scheduler computes before a new request of ``tenant`` starts. It
@@ -151,6 +172,7 @@ class TtftModel:
                    and not load.awaiting_first_s and self.unreported_tokens == 0)
         self.load = load
         self.unreported_tokens = 0
+        self.unreported_pairs = 0
         self._unreported.clear()
         if drained:
             for rid in [r for r, e in self._recent.items() if e.known_at is not None]:
@@ -172,11 +194,13 @@ class TtftModel:
         self._observed = False
 
     def admitted(self, request_id: str, tenant: str, uncached_tokens: int,
-                 predicted_s: float | None) -> None:
+                 predicted_s: float | None, cached_tokens: int = 0) -> None:
         """A request admitted with ``predicted_s`` (the backlog model's TTFT, None before
-        the rates are measured): its prefill is ahead of later requests until the next
-        report counts it, and its miss counts toward the floor."""
+        the rates are measured): its prefill (``uncached_tokens`` after ``cached_tokens``)
+        is ahead of later requests until the next report counts it, and its miss counts
+        toward the floor."""
         self.unreported_tokens += uncached_tokens
+        self.unreported_pairs += row_pairs(uncached_tokens, cached_tokens)
         self._unreported[tenant] += uncached_tokens
         if predicted_s is None:
             return

@@ -19,6 +19,7 @@ from components.executor.constraints import Grammars
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
+from components.executor.step_costs import step_costs
 from components.tokenizer.structured import ll_tokenizer
 from components.tokenizer.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
@@ -79,7 +80,7 @@ class ExecutorService(Component):
         self.inbox_sock = self.inbox(ExecutorMsg)
         self.to_scheduler = self.push_to("scheduler")
         await self.to_scheduler.send(ExecutorReady(self.runner.block_bytes, self.bandwidth,
-                                                   kv.num_cpu_blocks))
+                                                   kv.num_cpu_blocks, self.step_costs))
         self.steps = 0
         self.busy_ns = 0
 
@@ -146,6 +147,15 @@ class ExecutorService(Component):
         # ready once the vocabulary is: its build holds the GIL, which the first steps need
         if (failed := grammars.settle()) is not None:
             log.error("structured_output_unavailable", error=repr(failed)[:200])
+        # the steps the scheduler's cost model starts from: before any KV exists, as the
+        # bandwidth, and after the vocabulary (once per machine: cached)
+        sched = self.config.scheduler
+        self.step_costs, how, seconds = step_costs(
+            self.runner, model, sched.max_num_batched_tokens, eng.max_model_len,
+            sched.max_num_seqs, cache_dir() if k.cache else None)
+        log.info("step_costs", how=how, seconds=seconds, steps=len(self.step_costs),
+                 ms={f"{s.seqs}x{s.tokens}@{s.context}": round(s.seconds * 1e3, 2)
+                     for s in self.step_costs})
         self.trimmed = trim_heap()
         self.load_s = round(time.perf_counter() - t0, 2)
 
@@ -180,7 +190,8 @@ class ExecutorService(Component):
         if name == "scheduler":                   # a new scheduler needs the copy costs
             await self.on_torch_thread(self.runner.seqs.clear)     # and has none of these
             await self.to_scheduler.send(ExecutorReady(
-                self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks))
+                self.runner.block_bytes, self.bandwidth, self.config.kv.num_cpu_blocks,
+                self.step_costs))
 
     def info(self) -> dict[str, str]:
         return {**{f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()},

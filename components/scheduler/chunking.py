@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import (StepCostModel, StepShape, decode_shape, joined,
+                                             prefill_shape)
 
 MIN_CHUNK = 16            # prefill tokens a step may always take, so prompts still progress
 _PROBE = 256              # tokens over which the marginal cost of prefill is measured
@@ -35,8 +36,14 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
         return StepBudget(full, "no_tpot_slo")
     tightest = min(slos)
     n, ctx = len(decoding), sum(s.num_tokens for s in decoding)
-    base = cost.predict(n, ctx, n + 1)
-    marginal = (cost.predict(n + _PROBE, ctx + _PROBE, n + 1) - base) / _PROBE
+    decodes = joined(decode_shape(n, ctx), StepShape(0, 0, 1, 0))   # and a prefilling row
+    done = prefill_context(core)
+
+    def with_chunk(tokens: int) -> StepShape:
+        return joined(decode_shape(n, ctx), prefill_shape(tokens, done))
+
+    base = cost.predict(decodes)
+    marginal = (cost.predict(with_chunk(_PROBE)) - base) / _PROBE
     mean = cost.mean_per_token() if base <= 0 or marginal <= 0 else 0.0
     if mean <= 0 and (base <= 0 or marginal <= 0):
         return StepBudget(full, "cost_unknown", tightest)
@@ -57,6 +64,16 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
     room = int((limit - base) / marginal)
     tokens = min(full, n + max(room, MIN_CHUNK))
     if tokens >= full:
-        return StepBudget(full, "full", tightest, cost.predict(full, ctx + full - n, n + 1))
-    return StepBudget(tokens, "tpot_slo", tightest,
-                      cost.predict(tokens, ctx + tokens - n, n + 1))
+        return StepBudget(full, "full", tightest, cost.predict(with_chunk(full - n)))
+    return StepBudget(tokens, "tpot_slo", tightest, cost.predict(with_chunk(tokens - n)))
+
+
+def prefill_context(core: SchedulerCore) -> int:
+    """Where the step's prefill chunk starts: the computed context of the first running
+    sequence still prefilling, else 0 (a new prompt; its cached prefix is not known
+    before its lease). A chunk deep in a long prompt costs more per token: its attention
+    reads everything before it."""
+    for s in core.running:
+        if s.remaining > 1:
+            return s.num_computed
+    return 0

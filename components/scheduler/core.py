@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Callable
 
 from components.admission.estimate import TokenBucket
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import StepCostModel, StepShape, prefill_shape
 from components.scheduler.fairness import VirtualCounters
 from components.scheduler.kv_requests import KvRequests
 from components.scheduler.output import Outcome, Output
@@ -48,7 +48,7 @@ from components.scheduler.preemption import Preemption, Preempting, UrgencyDecis
 from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
 from schemas.wire import (Admitted, AllocRequest, BlockCopy, ForkRequest, FreeRequest, KvOps,
-                          SwapOutRequest)
+                          StepSample, SwapOutRequest)
 
 __all__ = ["Outcome", "Preemption", "SchedulerCore", "UrgencyDecision"]
 
@@ -89,7 +89,7 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self.copy_bytes_per_s = 0.0
         self.cost = StepCostModel()             # learned from measured steps (loop.py)
         self.recompute_s: Callable[[int], float] = \
-            lambda tokens: self.cost.predict(tokens, tokens, 1)   # prefill estimate
+            lambda tokens: self.cost.predict(prefill_shape(tokens))   # prefill estimate
         self.preemptions = 0
         self.preemptions_by_kind: Counter[str] = Counter()
         self.preemption_reasons: Counter[str] = Counter()
@@ -170,9 +170,14 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                 self._finish(s, out)
         return out
 
-    def on_executor(self, block_bytes: int, copy_bytes_per_s: float) -> None:
-        """The executor reported what moving a block to and from its host tier costs."""
+    def on_executor(self, block_bytes: int, copy_bytes_per_s: float,
+                    step_costs: Sequence[StepSample] = ()) -> None:
+        """The executor reported what moving a block to and from its host tier costs, and
+        the steps it timed at startup: the step-cost model starts from their fit (the steps
+        this scheduler measures then refine it)."""
         self.block_bytes, self.copy_bytes_per_s = block_bytes, copy_bytes_per_s
+        self.cost.prior_from((StepShape(s.tokens, s.context, s.seqs, s.pairs), s.seconds)
+                             for s in step_costs)
 
     def reset(self, kv_lost: bool) -> Outcome:
         """A peer lost its state (executor or kv_manager restarted), or a step failed: drop

@@ -1,17 +1,35 @@
 """The step-cost model: predicts a step's time from its shape, learned from measured steps.
 
-time ≈ a + b · batch_tokens + c · context_tokens + d · num_seqs, fitted by least squares over
-a sliding window of recent steps. Until it has seen enough distinct steps it predicts from
-the average time per token. Pure and synchronous.
+time ≈ c0 + c1·tokens + c2·pairs + c3·seqs + c4·context (``FEATURES``, the order of the
+simulator's cost profiles). ``pairs`` (query rows × the keys each sees) is attention's cost:
+quadratic in a fresh prompt's length, and a chunk at a long context reads all of it, so a
+long-context prefill costs far more per token than one at zero context. ``context`` is the
+KV positions read per row (a decode's cost grows with it).
+
+Fitted by least squares over a sliding window of recent steps. Until it has seen enough
+distinct steps it predicts from its prior, scaled by how the steps it saw compare with it,
+or without a prior from the average time per token. The prior is a fit of the steps the
+executor measured at startup (``ExecutorReady.step_costs``): with it the model predicts
+from the first request on, and a live window that cannot tell two features apart (decode
+steps alone: pairs == context, tokens == seqs) keeps the prior's split of them instead of
+an arbitrary one. Pure and synchronous.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from schemas.wire import StepPlan
+
+FEATURES = ("const", "tokens", "pairs", "seqs", "context")
+# how much the prior weighs in a live fit, in steps: each coefficient's departure from the
+# prior costs as much as this many steps mispredicted by it (see ``_refit``). Against the
+# first 8 steps it steadies a fit of five features; against a full window of 256 it moves
+# a well-measured prediction by under 1%
+PRIOR_STEPS = 1.0
 
 
 class StepShape(NamedTuple):
@@ -23,6 +41,34 @@ class StepShape(NamedTuple):
     seqs: int
     pairs: int
 
+    def row(self) -> tuple[float, float, float, float, float]:
+        """The features, in ``FEATURES`` order."""
+        return (1.0, float(self.tokens), float(self.pairs), float(self.seqs),
+                float(self.context))
+
+
+def row_pairs(num_tokens: int, done: int) -> int:
+    """Attention pairs of a row computing ``num_tokens`` after ``done`` positions: the
+    query at position ``p`` sees ``p + 1`` keys."""
+    return num_tokens * done + num_tokens * (num_tokens + 1) // 2
+
+
+def prefill_shape(tokens: int, done: int = 0) -> StepShape:
+    """One sequence computing ``tokens`` prompt tokens after ``done`` already computed
+    (cached, or earlier chunks)."""
+    return StepShape(tokens, done + tokens, 1, row_pairs(tokens, done))
+
+
+def decode_shape(seqs: int, context: int) -> StepShape:
+    """``seqs`` sequences decoding one token each, reading ``context`` KV positions in all
+    (the new tokens' included): each row's query sees its whole context."""
+    return StepShape(seqs, context, seqs, context)
+
+
+def joined(*shapes: StepShape) -> StepShape:
+    """One step doing all of ``shapes``."""
+    return StepShape(*(sum(s[i] for s in shapes) for i in range(4)))
+
 
 def plan_shape(plan: StepPlan, num_computed: Callable[[int], int]) -> StepShape:
     """The shape of ``plan``; ``num_computed(seq_id)`` is each sequence's progress before it."""
@@ -31,27 +77,73 @@ def plan_shape(plan: StepPlan, num_computed: Callable[[int], int]) -> StepShape:
         done = num_computed(st.seq_id)
         tokens += st.num_tokens
         context += done + st.num_tokens
-        pairs += st.num_tokens * done + st.num_tokens * (st.num_tokens + 1) // 2
+        pairs += row_pairs(st.num_tokens, done)
     return StepShape(tokens, context, len(plan.steps), pairs)
 
 
+def fit_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> list[float]:
+    """Coefficients, every one >= 0 (a step never gets cheaper with more work), fitted by
+    least squares on *relative* error, so a 10 ms decode step counts as much as a 500 ms
+    prefill; by active set: fit, drop the most negative coefficient's feature, refit."""
+    x, y = np.asarray(rows, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    xw, yw = x / y[:, None], np.ones_like(y)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol = np.linalg.lstsq(xw[:, active], yw, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
+
+
 class StepCostModel:
-    def __init__(self, window: int = 256, min_samples: int = 8) -> None:
-        self._x: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+    def __init__(self, window: int = 256, min_samples: int = 8,
+                 prior: Sequence[float] | None = None) -> None:
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._coef: list[float] = []
         self._ratios: deque[float] = deque(maxlen=64)     # measured / predicted, recent steps
         self._dirty = False
         self.min_samples = min_samples
+        self.prior: list[float] | None = None
+        self._prior_scale = np.zeros(len(FEATURES))
+        if prior is not None:
+            self.set_prior(prior)
 
-    def observe(self, batch_tokens: int, context_tokens: int, num_seqs: int, seconds: float) -> None:
-        if len(self._y) >= self.min_samples:   # how the step compares with what was predicted
-            predicted = self.predict(batch_tokens, context_tokens, num_seqs)
+    def set_prior(self, coef: Sequence[float],
+                  shapes: Sequence[StepShape] = ()) -> None:
+        """Start from ``coef`` (seconds per unit of each of ``FEATURES``), fitted to steps
+        of ``shapes`` (what it knows about: see ``_refit``)."""
+        if len(coef) != len(FEATURES):
+            raise ValueError(f"a prior needs {len(FEATURES)} coefficients, got {len(coef)}")
+        self.prior = [float(c) for c in coef]
+        x = np.array([s.row() for s in shapes]) if shapes else np.zeros((1, len(FEATURES)))
+        self._prior_scale = np.sqrt((x * x).mean(axis=0))
+        self._dirty = True
+
+    def prior_from(self, samples: Iterable[tuple[StepShape, float]]) -> bool:
+        """Start from a fit of measured ``(shape, seconds)`` steps (the executor's startup
+        probe); False, and no prior, when they are too few to fit every feature."""
+        good = [(shape, s) for shape, s in samples if s > 0 and shape.tokens > 0]
+        if len(good) < len(FEATURES):
+            return False
+        self.set_prior(fit_relative([shape.row() for shape, _ in good], [s for _, s in good]),
+                       [shape for shape, _ in good])
+        return True
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if self._fitted():                   # how the step compares with what was predicted
+            predicted = self.predict(shape)
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
-        self._x.append((1.0, float(batch_tokens), float(context_tokens), float(num_seqs)))
+        self._x.append(shape.row())
         self._y.append(seconds)
         self._dirty = True
+
+    def _fitted(self) -> bool:
+        return len(self._y) >= self.min_samples
 
     def slowdown(self, q: float = 0.9) -> float:
         """How much slower than predicted recent steps ran, at quantile ``q`` (at least 1):
@@ -68,16 +160,62 @@ class StepCostModel:
         tokens = sum(x[1] for x in self._x)
         return sum(self._y) / tokens if tokens else 0.0
 
-    def predict(self, batch_tokens: int, context_tokens: int, num_seqs: int) -> float:
-        """Predicted seconds for a step; 0.0 before any observation."""
-        if not self._y:
-            return 0.0
-        if len(self._y) < self.min_samples:
+    def predict(self, shape: StepShape) -> float:
+        """Predicted seconds for a step: 0.0 before any observation and without a prior."""
+        coef = self._current()
+        if coef is None:
+            if not self._y:
+                return 0.0
             per_token = sum(self._y) / max(sum(x[1] for x in self._x), 1.0)
-            return per_token * batch_tokens
+            return per_token * shape.tokens
+        c0, c1, c2, c3, c4 = coef           # plain floats: predict runs per lease request
+        return max(c0 + c1 * shape.tokens + c2 * shape.pairs + c3 * shape.seqs
+                   + c4 * shape.context, 0.0)
+
+    def pair_s(self) -> float:
+        """Attention's seconds per pair as the model prices it now (0 when it cannot, and
+        never below 0)."""
+        coef = self._current()
+        return max(coef[2], 0.0) if coef is not None else 0.0
+
+    def _current(self) -> list[float] | None:
+        """The coefficients predictions use now; None while the model predicts from the
+        time per token (no prior, too few steps) or not at all."""
+        if self.prior is None and not self._fitted():
+            return None
+        if not self._y:
+            return self.prior
         if self._dirty:
-            x, y = np.array(self._x), np.array(self._y)
-            self._coef = [float(c) for c in np.linalg.lstsq(x, y, rcond=None)[0]]
-            self._dirty = False
-        a, b, c, d = self._coef             # plain floats: predict runs per lease request
-        return max(a + b * batch_tokens + c * context_tokens + d * num_seqs, 0.0)
+            self._refit()
+        return self._coef
+
+    def _refit(self) -> None:
+        """Without a prior: least squares over the window. With one, fewer than
+        ``min_samples`` steps scale it (measured ÷ predicted, summed over the steps seen);
+        more fit ``coef = prior + delta``, each delta's square weighed ``PRIOR_STEPS`` ×
+        the mean square of its feature over the window, or over the prior's own steps
+        where larger: a direction the window pins down follows the window, one it cannot
+        tell (a feature it never varies, or two it only sees move together, or a feature
+        it sees only small: the window's short prompts say little about a long prompt's
+        attention) stays at the prior."""
+        x, y = np.array(self._x), np.array(self._y)
+        self._dirty = False
+        # each feature in units of its own size over the window (pairs run to millions,
+        # the constant is 1): the solve is well conditioned
+        scale = np.sqrt((x * x).mean(axis=0))
+        scale[scale == 0] = 1.0
+        if self.prior is None:
+            self._coef = [float(c) for c in np.linalg.lstsq(x / scale, y, rcond=None)[0]
+                          / scale]
+            return
+        p = np.array(self.prior)
+        if not self._fitted():
+            expected = float((x @ p).sum())
+            ratio = float(y.sum()) / expected if expected > 0 else 1.0
+            self._coef = [float(c) for c in p * ratio]
+            return
+        held = np.maximum(scale, self._prior_scale)
+        a = np.vstack([x / held, np.sqrt(PRIOR_STEPS) * np.eye(len(p))])
+        b = np.concatenate([y - x @ p, np.zeros(len(p))])
+        delta = np.linalg.lstsq(a, b, rcond=None)[0] / held
+        self._coef = [float(c) for c in p + delta]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import heapq
 
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import (StepCostModel, decode_shape, prefill_shape,
+                                             row_pairs)
 from schemas.wire import SchedulerLoad, TenantBacklog
 
 LOAD_INTERVAL_S = 0.1
@@ -33,8 +34,10 @@ def released_ttft(out: Outcome) -> dict[str, float]:
 
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                 now_ns: int | None = None) -> SchedulerLoad:
-    """The backlog (waiting prefill, and what running sequences have left to prefill), the
-    measured rates, and per tenant its virtual counter and both parts of the backlog, so
+    """The backlog (waiting prefill, and what running sequences have left to prefill, in
+    tokens and in attention pairs), the cost model's rates (a full chunk's tokens at zero
+    context, attention priced apart per pair, and a decode step of the running batch), and
+    per tenant its virtual counter and both parts of the backlog, so
     admission can tell which of it the fair order computes before a tenant's next request.
     With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
     first token has waited since it arrived."""
@@ -43,8 +46,10 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     timed = now_ns is not None
     first: list[tuple[int, str]] = []       # (arrival, request) without a first token
     waiting: dict[str, int] = {}
+    pairs = 0
     for s in core.waiting:
         waiting[s.tenant] = waiting.get(s.tenant, 0) + s.remaining
+        pairs += row_pairs(s.remaining, s.num_computed)
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
     running: dict[str, int] = {}
@@ -54,6 +59,7 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
         left = s.remaining
         if left > 1:
             running[s.tenant] = running.get(s.tenant, 0) + left
+            pairs += row_pairs(left, s.num_computed)
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
     # backlogged: the tenants with work waiting, those the core does not lift on a new
@@ -61,11 +67,12 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     tenants = {t: TenantBacklog(core.vtc.of(t), t in waiting, waiting.get(t, 0),
                                 running.get(t, 0))
                for t in set(core.vtc.counters) | set(waiting) | set(running)}
-    chunk_s = cost.predict(budget, 0, 1)
+    chunk_s = cost.predict(prefill_shape(budget)._replace(pairs=0))
     n_running = len(core.running)
-    decode_s = cost.predict(n_running or 1, context, n_running or 1)
+    decode_s = cost.predict(decode_shape(n_running or 1, context))
     awaiting = {rid: max(now_ns - arrival, 0) / 1e9
                 for arrival, rid in heapq.nsmallest(AWAITING_MAX, first)}
     return SchedulerLoad(n_running, len(core.waiting),
                          sum(waiting.values()) + sum(running.values()),
-                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting)
+                         budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting,
+                         cost.pair_s() if chunk_s > 0 else 0.0, pairs)

@@ -115,8 +115,9 @@ class SchedulerLoop:
                 out = core.stop(rid, index)
             case CancelRequest(request_id=rid):
                 out = core.cancel(rid)
-            case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw):
-                core.on_executor(block_bytes, bw)
+            case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw,
+                               step_costs=step_costs):
+                core.on_executor(block_bytes, bw, step_costs)
             case KvManagerUp(instance=instance):
                 if self.kv_instance is not None and instance != self.kv_instance:
                     log.error("kv_manager_restarted")
@@ -144,7 +145,7 @@ class SchedulerLoop:
         step = self.steps.pop(res.step_id)
         measured = (mono_ns - started) / 1e9
         self.last_step_s = measured
-        core.cost.observe(*step.shape[:3], measured)
+        core.cost.observe(step.shape, measured)
         sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
                                               res.elapsed_ns / 1e9, res.step_id)))
         self.usage.sampled(core, res.seq_ids)
@@ -227,7 +228,7 @@ class SchedulerLoop:
             starts = {st.seq_id: seq.planned - st.num_tokens for st, seq in zip(plan.steps, seqs)}
             shape = plan_shape(plan, starts.__getitem__)
             self.steps[plan.step_id] = PlannedStep(
-                mono_ns, shape, core.cost.predict(*shape[:3]), budget,
+                mono_ns, shape, core.cost.predict(shape), budget,
                 [(seq.request_id, starts[seq.seq_id], seq.prompt_len) for seq in seqs], before,
                 core.last_preempted, core.last_urgency)
             self.usage.planned(core, plan)

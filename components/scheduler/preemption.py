@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from components.scheduler.cost_model import decode_shape, prefill_shape
 from components.scheduler.kv_requests import TENANT_BUDGET
 from components.scheduler.output import in_running
 from components.scheduler.sequence import Event, Seq, State
@@ -136,7 +137,8 @@ class Preempting:
         if not self.urgency or not now_ns or not self.running:
             return
         running = len(self.running)
-        decode_s = self.cost.predict(running, sum(s.num_tokens for s in self.running), running)
+        decode_s = self.cost.predict(decode_shape(running,
+                                                  sum(s.num_tokens for s in self.running)))
         if decode_s <= 0:
             return                                   # nothing measured yet
         slots_full = running >= self.cfg.max_num_seqs
@@ -149,7 +151,7 @@ class Preempting:
                        and s.state in (State.RUNNING, State.STALLED)]
             if not blocked or not victims:
                 continue
-            prefill_s = self.cost.predict(u.remaining, u.remaining, 1)
+            prefill_s = self.cost.predict(prefill_shape(u.remaining, u.num_computed))
             # waiting, it starts when a running sequence ends: at the latest, when the one
             # closest to its max_tokens gets there (EOS may come sooner)
             wait_s = decode_s * max(min(self._tokens_left(s) for s in self.running), 0)

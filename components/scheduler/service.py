@@ -60,8 +60,13 @@ class SchedulerService(Component):
                 self.trace.admitted(body.request_id, msg.envelope.traceparent)
             elif isinstance(body, ExecutorReady):
                 log.info("executor_ready", block_bytes=body.block_bytes,
-                         copy_gb_per_s=round(body.copy_bytes_per_s / 1e9, 2))
+                         copy_gb_per_s=round(body.copy_bytes_per_s / 1e9, 2),
+                         step_costs=len(body.step_costs))
             await self._send(self.loop.handle(body, time.time_ns(), time.perf_counter_ns()))
+            if isinstance(body, ExecutorReady):   # admission's rates now, not in 100 ms
+                await self.peers["admission"].send(load_report(
+                    self.core, self.core.cost, self.config.scheduler.max_num_batched_tokens,
+                    time.time_ns()))
 
     async def peer_restarted(self, name: str) -> None:
         await self._send(self.loop.peer_restarted(name, time.time_ns(), time.perf_counter_ns()))

@@ -153,10 +153,16 @@ def simulate_cmd(args) -> int:
 
     requests, scaling = load_scaled(args)
     prof_path = Path(args.profile) if args.profile else profiles.default_path()
+    reference = False
     if not prof_path.exists():
-        print(f"weir simulate: no cost profile at {prof_path}; run `weir calibrate` first "
-              f"(or pass --profile)", file=sys.stderr)
-        return 2
+        if args.profile:
+            print(f"weir simulate: no cost profile at {prof_path}", file=sys.stderr)
+            return 2
+        # a new machine: the shipped profile, until `weir calibrate` measures this one
+        reference, local, prof_path = True, prof_path, profiles.reference_path()
+        print(f"weir simulate: no local cost profile at {local}; using the shipped "
+              f"reference profile ({prof_path.name}): its step times are another "
+              f"machine's, so run `weir calibrate` to measure this one", file=sys.stderr)
     prof = profiles.load(prof_path)
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
     runs = []
@@ -176,7 +182,8 @@ def simulate_cmd(args) -> int:
               f"{run.meta['sim_wall_s']:.2f} s", file=sys.stderr)
         runs.append(run)
     out = _out_dir(args)
-    print(f"profile: {prof.describe()}")
+    print(f"profile: {'the shipped reference profile, ' if reference else ''}{prof_path}: "
+          f"{prof.describe()}")
     print(f"profile machine: {prof.machine.get('cpu', '?')} {prof.machine.get('flags', '')}")
     print(write_outputs(runs, args, out))
     print(f"wrote {out}/")
@@ -261,7 +268,10 @@ def add_commands(sub) -> None:
     add_trace_args(s)
     s.add_argument("--config", action="append", default=[],
                    help="a Weir TOML config; repeat to compare side by side")
-    s.add_argument("--profile", default=None, help="a cost profile from `weir calibrate`")
+    s.add_argument("--profile", default=None,
+                   help="a cost profile from `weir calibrate` (default: this machine's, "
+                        "~/.cache/weir/profiles/local.json, else the shipped reference "
+                        "profile)")
     s.set_defaults(func=_guard(simulate_cmd, "simulate"))
 
     c = sub.add_parser("calibrate", help="measure step costs on a local engine and write "

@@ -20,9 +20,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from components.scheduler.cost_model import StepShape
-
-FEATURES = ("const", "tokens", "pairs", "seqs", "context")
+from components.scheduler.cost_model import FEATURES, StepShape, fit_relative
 
 
 class ProfileError(ValueError):
@@ -54,21 +52,6 @@ def _row(sample: dict) -> list[float]:
     return [1.0, sample["tokens"], sample["pairs"], sample["seqs"], sample["context"]]
 
 
-def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error with every coefficient >= 0, by active set: fit,
-    drop the most negative coefficient's feature, refit."""
-    xw, yw = x / y[:, None], np.ones_like(y)
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol = np.linalg.lstsq(xw[:, active], yw, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return coef
-
-
 def fit(samples: list[dict], *, source: str = "", machine: dict | None = None,
         engine: dict | None = None) -> CostProfile:
     """Fit, then refit without the steps the first fit misses by more than 3× its median
@@ -79,11 +62,11 @@ def fit(samples: list[dict], *, source: str = "", machine: dict | None = None,
                            f"got {len(good)}")
     x = np.array([_row(s) for s in good], dtype=np.float64)
     y = np.array([s["measured_s"] for s in good], dtype=np.float64)
-    coef = _nnls(x, y)
+    coef = np.array(fit_relative(x, y))
     rel = np.abs(x @ coef - y) / y
     keep = rel <= max(3 * float(np.median(rel)), 0.05)
     if keep.sum() >= len(FEATURES) * 2 and not keep.all():
-        coef = _nnls(x[keep], y[keep])
+        coef = np.array(fit_relative(x[keep], y[keep]))
     rel = np.abs(x @ coef - y) / y
     return CostProfile(coef=[float(c) for c in coef], samples=len(good),
                        median_rel_error=float(np.median(rel)),
@@ -133,3 +116,10 @@ def default_path() -> Path:
     """Where ``weir calibrate`` writes, and ``weir simulate`` looks, by default."""
     base = Path.home() / ".cache" / "weir" / "profiles"
     return base / "local.json"
+
+
+def reference_path() -> Path:
+    """The calibrated profile shipped with Weir (``weir calibrate`` on a 2-core Intel Xeon
+    with AMX, the default model, float32, bus round trips included): what ``weir simulate``
+    runs on until this machine has a profile of its own."""
+    return Path(__file__).resolve().parent / "profiles" / "reference-cpu.json"

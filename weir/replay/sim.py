@@ -258,7 +258,7 @@ class Simulator:
         result, shape = self._step
         self._step = None
         self._idle_since = self.now             # until the next step starts (_pump, at once)
-        self.cost.observe(shape.tokens, shape.context, shape.seqs, result.elapsed_ns / _NS)
+        self.cost.observe(shape, result.elapsed_ns / _NS)
         self._emit(self.core.on_result(result, self.now))
 
     # ------------------------------------------------------------------ outputs

@@ -19,6 +19,45 @@ def test_predicted_ttft_from_the_schedulers_rates():
 
 
 
+def test_predicted_ttft_prices_the_prompts_context():
+    """Prefill at the reported rate (attention aside) plus attention per pair: the same
+    1000 new tokens cost 0.5 s of attention fresh and 7.5 s after 7000 cached tokens. At
+    a rate measured at zero context (the report before the attention term) both were
+    1.05 s."""
+    p = policy()
+    p.ttft.load = SchedulerLoad(0, 0, 0, 1000.0, 0.05, attention_s_per_pair=1e-6)
+    assert p.ttft.predicted_s(1000) == pytest.approx(1.05 + 1000 * 1001 / 2 * 1e-6)
+    assert p.ttft.predicted_s(1000, cached_tokens=7000) == pytest.approx(
+        1.05 + (1000 * 7000 + 1000 * 1001 / 2) * 1e-6)                  # 8.5505 s
+    p.ttft.load = SchedulerLoad(0, 0, 0, 1000.0, 0.05)          # a scheduler without it
+    assert p.ttft.predicted_s(1000, cached_tokens=7000) == pytest.approx(1.05)
+
+
+def test_the_backlogs_attention_is_ahead_in_proportion():
+    """The backlog's pairs (3000 tokens of prompts with 4.5 M pairs), and what was admitted
+    since the report (500 tokens after 1000 cached: 625,250 pairs), are ahead in full
+    under FCFS; under VTC the share of the backlog ahead brings its share of the pairs."""
+    budget = 2048
+    load = SchedulerLoad(0, 2, 3000, 1000.0, 0.05, {
+        "a": TenantBacklog(900.0, True, 3000, 0), "b": TenantBacklog(100.0)},
+        attention_s_per_pair=1e-6, queued_prefill_pairs=4_500_000)
+    fcfs = policy(fairness="fcfs")
+    fcfs.ttft.on_load(load)
+    fcfs.ttft.admitted("x", "a", 500, None, cached_tokens=1000)
+    ahead = 3000 + 500 + 100
+    linear = ahead / budget * (0.05 + budget / 1000.0)
+    assert fcfs.ttft.predicted_s(100, "b") == pytest.approx(
+        linear + (4_500_000 + 625_250 + 5050) * 1e-6)
+    vtc = policy()
+    vtc.ttft.on_load(load)
+    # b (lifted to a's 900) is tied with a: none of a's waiting prompts is ahead of it
+    assert vtc.ttft.prefill_ahead("b") == 0
+    assert vtc.ttft.predicted_s(100, "b") == pytest.approx(0.1 + 0.05 + 5050 * 1e-6)
+    assert vtc.ttft.pairs_ahead(1500) == pytest.approx(4_500_000 / 2)
+    vtc.ttft.on_load(load)                       # a report: nothing unreported any more
+    assert vtc.ttft.unreported_pairs == 0
+
+
 def test_observed_ttft_teaches_a_bias_that_fades():
     p = policy()
     p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))

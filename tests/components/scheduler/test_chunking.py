@@ -7,7 +7,7 @@ import pytest
 
 from components.scheduler.chunking import MIN_CHUNK, step_budget
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import StepCostModel, StepShape, decode_shape
 from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, load_config
 from schemas.wire import SamplingParams
@@ -17,13 +17,15 @@ from weir.replay.synth import TokenSynth
 from weir.replay.types import Scaling, TraceRequest
 
 
-def cost_model(a=0.01, b=0.001, c=0.0, d=0.0) -> StepCostModel:
-    """A cost model that has seen exactly t = a + b·tokens + c·context + d·seqs."""
+def cost_model(a=0.01, b=0.001, c=0.0, d=0.0, e=0.0) -> StepCostModel:
+    """A cost model that has seen exactly t = a + b·tokens + c·context + d·seqs + e·pairs."""
     m = StepCostModel()
-    for tokens, ctx, seqs in [(1, 10, 1), (8, 90, 8), (64, 700, 3), (256, 300, 2),
-                              (512, 2000, 9), (30, 30, 1), (100, 5000, 40), (2048, 2048, 1),
-                              (17, 170, 17)]:
-        m.observe(tokens, ctx, seqs, a + b * tokens + c * ctx + d * seqs)
+    for tokens, ctx, seqs, pairs in [(1, 10, 1, 10), (8, 90, 8, 90), (64, 700, 3, 20000),
+                                     (256, 300, 2, 33000), (512, 2000, 9, 250000),
+                                     (30, 30, 1, 465), (100, 5000, 40, 9000),
+                                     (2048, 2048, 1, 2098176), (17, 170, 17, 170)]:
+        m.observe(StepShape(tokens, ctx, seqs, pairs),
+                  a + b * tokens + c * ctx + d * seqs + e * pairs)
     return m
 
 
@@ -71,8 +73,8 @@ def test_a_fit_that_prices_the_decodes_at_nothing_falls_back_to_the_mean_cost():
     for tokens, ctx, seqs in [(30, 300, 30), (40, 400, 40), (64, 700, 3), (256, 300, 2),
                               (512, 2000, 9), (36, 360, 36), (100, 5000, 40), (2048, 2048, 1),
                               (48, 480, 48)]:
-        m.observe(tokens, ctx, seqs, -0.05 + 0.002 * tokens)
-    assert min(m._y) > 0 and m.predict(4, 44, 5) == 0.0
+        m.observe(StepShape(tokens, ctx, seqs, ctx), -0.05 + 0.002 * tokens)
+    assert min(m._y) > 0 and m.predict(StepShape(4, 44, 5, 44)) == 0.0
     mean = m.mean_per_token()
     assert mean > 0
     b = step_budget(core_with(4, 0.5), m, 2048)
@@ -112,7 +114,7 @@ def test_a_fit_that_cannot_tell_the_token_cost_still_caps_the_budget():
     falling back to the full budget (a multi-second step right when a burst arrives)."""
     cost = StepCostModel()
     for ctx in range(200, 1000, 50):
-        cost.observe(16, ctx, 16, 0.080 + 1e-5 * ctx)     # 16 decodes, ~5 ms a token
+        cost.observe(decode_shape(16, ctx), 0.080 + 1e-5 * ctx)   # 16 decodes, ~5 ms a token
     b = step_budget(core_with(16, 0.3), cost, 2048)
     assert b.reason == "tpot_slo" and 16 < b.tokens < 2048, b
 
@@ -123,7 +125,8 @@ def test_steps_slower_than_predicted_shrink_the_budget():
     exact = cost_model()
     slow = cost_model()
     for tokens in range(20, 60):                 # measured 25% over the fit's prediction
-        slow.observe(tokens, tokens * 10, 4, 1.25 * (0.01 + 0.001 * tokens))
+        slow.observe(StepShape(tokens, tokens * 10, 4, tokens * 10),
+                     1.25 * (0.01 + 0.001 * tokens))
     assert exact.slowdown() == 1.0 and slow.slowdown() > 1.1   # (the fit partly follows)
     core = core_with(8, 0.2)
     fast_budget, slow_budget = step_budget(core, exact, 2048), step_budget(core, slow, 2048)

@@ -1,19 +1,138 @@
+"""The step-cost model (components/scheduler/cost_model.py), exact: shapes, the attention
+term, the fit, and the prior it starts from (the executor's startup steps)."""
 import pytest
 
-from components.scheduler.cost_model import StepCostModel
+from components.scheduler.cost_model import (PRIOR_STEPS, StepCostModel, StepShape,
+                                             decode_shape, fit_relative, joined, plan_shape,
+                                             prefill_shape, row_pairs)
+from schemas.wire import SeqStep, StepPlan
+
+# seconds: 20 ms a step, 0.5 ms a token, 1 µs an attention pair, 0.2 ms a sequence, 2 µs a
+# KV position read; shapes seen live (prefill chunks at several contexts, decode batches)
+TRUTH = [0.020, 0.0005, 1e-6, 0.0002, 2e-6]
+SEEN = [prefill_shape(n, done) for n in (32, 256, 1024) for done in (0, 2048, 6144)] + \
+       [decode_shape(b, b * ctx) for b in (1, 8, 32) for ctx in (128, 1024, 4096)]
 
 
-def test_learns_a_linear_cost_exactly():
+def truth(shape: StepShape, coef=TRUTH) -> float:
+    return sum(c * f for c, f in zip(coef, shape.row()))
+
+
+def test_shapes_count_the_attention_pairs():
+    # a fresh 4-token prompt: its queries see 1, 2, 3, 4 keys
+    assert prefill_shape(4) == StepShape(4, 4, 1, 10)
+    # 4 more after 100 computed: 101 + 102 + 103 + 104
+    assert prefill_shape(4, 100) == StepShape(4, 104, 1, 410) and row_pairs(4, 100) == 410
+    assert decode_shape(3, 300) == StepShape(3, 300, 3, 300)
+    assert joined(decode_shape(3, 300), prefill_shape(4, 100)) == StepShape(7, 404, 4, 710)
+    plan = StepPlan(1, [], [SeqStep(1, 4, [], False), SeqStep(2, 1, [], True)], [])
+    assert plan_shape(plan, {1: 100, 2: 299}.__getitem__) == StepShape(5, 404, 2, 710)
+
+
+def test_learns_the_attention_term_exactly():
     m = StepCostModel()
-    assert m.predict(10, 100, 1) == 0.0
-    truth = lambda t, c, s: 0.005 + 0.0004 * t + 0.00001 * c + 0.0002 * s  # noqa: E731
-    shapes = [(t, c, s) for t in (1, 8, 64, 256) for c in (16, 300, 2000) for s in (1, 4, 16)]
-    for t, c, s in shapes:
-        m.observe(t, c, s, truth(t, c, s))
-    assert m.predict(128, 1000, 8) == pytest.approx(truth(128, 1000, 8), rel=1e-6)
+    assert m.predict(prefill_shape(512)) == 0.0 and m.pair_s() == 0.0
+    for shape in SEEN:
+        m.observe(shape, truth(shape))
+    # a 512-token chunk after 7000 cached: 3.72 s of attention in 4.01 s
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(4.006552, rel=1e-6)
+    assert m.pair_s() == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_without_the_term_long_context_prefill_is_under_predicted():
+    """The same steps fitted without pairs (the model before it had them): its prediction
+    of that chunk at 7000 tokens of context is under half the time it takes."""
+    m = StepCostModel()
+    for shape in SEEN:
+        m.observe(shape._replace(pairs=0), truth(shape))
+    old = m.predict(prefill_shape(512, 7000)._replace(pairs=0))
+    assert old == pytest.approx(1.94509, rel=1e-5) and old < 0.5 * 4.006552
 
 
 def test_few_samples_use_time_per_token():
     m = StepCostModel(min_samples=8)
-    m.observe(100, 0, 1, 0.2)
-    assert m.predict(50, 0, 1) == pytest.approx(0.1)
+    m.observe(prefill_shape(100), 0.2)
+    assert m.predict(prefill_shape(50)) == pytest.approx(0.1)
+
+
+def test_a_prior_predicts_before_any_step():
+    m = StepCostModel(prior=TRUTH)
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(4.006552, rel=1e-9)
+    assert m.pair_s() == 1e-6
+
+
+def test_first_steps_scale_the_prior():
+    """Fewer than min_samples steps, each 1.5x what the prior predicts (the bus round trip
+    its executor-side timings leave out): every prediction is 1.5x the prior's."""
+    m = StepCostModel(prior=TRUTH, min_samples=8)
+    m.observe(prefill_shape(256), 1.5 * truth(prefill_shape(256)))
+    m.observe(decode_shape(8, 8000), 1.5 * truth(decode_shape(8, 8000)))
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(1.5 * 4.006552, rel=1e-9)
+    assert m.pair_s() == pytest.approx(1.5e-6, rel=1e-9)
+
+
+def test_a_window_that_cannot_tell_attention_keeps_the_prior():
+    """Live decode steps alone (pairs == context, tokens == seqs): the window cannot split
+    a context position's cost between the two features. Without a prior the fit splits it
+    evenly, and prices a long prefill's attention at half the decode's per-position cost;
+    with the prior it keeps the prior's split and learns what the steps show: here decode
+    runs 5 ms slower than the prior said, which moves the constant."""
+    decodes = [decode_shape(b, b * ctx) for b in (1, 4, 16, 64) for ctx in (100, 900, 3000)]
+    prior = StepCostModel(prior=TRUTH)
+    plain = StepCostModel()
+    for shape in decodes:
+        prior.observe(shape, truth(shape) + 0.005)
+        plain.observe(shape, truth(shape) + 0.005)
+    assert plain.pair_s() == pytest.approx(1.5e-6, rel=1e-6)    # (1 + 2 µs) / 2: a guess
+    assert plain.predict(prefill_shape(512, 7000)) == pytest.approx(5.78881, rel=1e-6)
+    assert prior.pair_s() == pytest.approx(1e-6, rel=0.02)
+    assert prior.predict(decode_shape(16, 16 * 900)) == pytest.approx(
+        truth(decode_shape(16, 16 * 900)) + 0.005, rel=0.01)
+    assert prior.predict(prefill_shape(512, 7000)) == pytest.approx(4.006552 + 0.005, rel=0.02)
+
+
+def test_steps_that_tell_everything_override_the_prior():
+    """A prior 2x off in every coefficient, then a full window of every kind of step: the
+    fit follows the window (the prior weighs as PRIOR_STEPS step against its 252)."""
+    m = StepCostModel(prior=[2 * c for c in TRUTH])
+    for shape in SEEN * 14:
+        m.observe(shape, truth(shape))
+    assert PRIOR_STEPS == 1.0
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(4.006552, rel=0.01)
+    assert m.predict(decode_shape(8, 8000)) == pytest.approx(
+        truth(decode_shape(8, 8000)), rel=0.01)
+    assert m.pair_s() == pytest.approx(1e-6, rel=0.01)
+
+
+def test_short_prompts_do_not_reprice_a_long_prompts_attention():
+    """A live window of short prompts and decodes that costs 10 µs a pair among them (at
+    their size an overhead per prompt looks like that) against the startup steps' 1 µs,
+    measured up to 7000 positions of context. The prior's hold on a coefficient is weighed
+    over its own steps' shapes too: the long prompt stays priced by the startup steps.
+    Held only over the window's shapes (a prior given as bare coefficients), the short
+    prompts' price wins, and the long prompt is predicted at 6x its cost."""
+    live = [0.020, 0.0005, 1e-5, 0.0002, 2e-6]
+    window = [prefill_shape(n) for n in (16, 32, 48, 64)] * 3 + \
+        [decode_shape(b, b * c) for b in (1, 4, 8) for c in (40, 200)]
+    probed, bare = StepCostModel(), StepCostModel(prior=TRUTH)
+    assert probed.prior_from((s, truth(s)) for s in SEEN[::2])
+    for shape in window:
+        probed.observe(shape, truth(shape, live))
+        bare.observe(shape, truth(shape, live))
+    assert probed.predict(prefill_shape(512, 7000)) == pytest.approx(4.006552, rel=0.01)
+    assert probed.pair_s() == pytest.approx(1e-6, rel=0.01)
+    assert bare.predict(prefill_shape(512, 7000)) > 6 * 4.006552
+
+
+def test_a_prior_from_measured_steps():
+    """The executor's startup steps, fitted on relative error with no coefficient below 0:
+    exact on exact timings."""
+    steps = [(s, truth(s)) for s in SEEN[::2]]
+    m = StepCostModel()
+    assert m.prior_from(steps)
+    assert m.prior == pytest.approx(TRUTH, rel=1e-6)
+    assert fit_relative([s.row() for s, _ in steps], [t for _, t in steps]) == \
+        pytest.approx(TRUTH, rel=1e-6)
+    assert not StepCostModel().prior_from(steps[:4])        # too few to fit five features
+    with pytest.raises(ValueError):
+        StepCostModel(prior=[0.1, 0.2])

@@ -6,8 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 
 from bus.codec import Codec, encode
+from components.scheduler.cost_model import StepCostModel
 from components.scheduler.fairness import VirtualCounters
 from components.scheduler.load import load_report
 from schemas.wire import AdmissionMsg, SchedulerLoad, TenantBacklog
@@ -16,7 +18,11 @@ from schemas.wire import AdmissionMsg, SchedulerLoad, TenantBacklog
 def seq(tenant: str, remaining: int, num_tokens: int = 0, rid: str = "",
         arrival_ns: int = 0, first_token_ns: int = 0) -> SimpleNamespace:
     return SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens,
-                           request_id=rid, arrival_ns=arrival_ns, first_token_ns=first_token_ns)
+                           num_computed=max(num_tokens - remaining, 0), request_id=rid,
+                           arrival_ns=arrival_ns, first_token_ns=first_token_ns)
+
+
+FLAT = StepCostModel(prior=[0.5, 0.0, 0.0, 0.0, 0.0])     # every step 0.5 s
 
 
 def test_load_report_splits_the_backlog_by_tenant():
@@ -28,12 +34,29 @@ def test_load_report_splits_the_backlog_by_tenant():
         waiting=[seq("a", 300), seq("b", 40), seq("a", 500)],
         running=[seq("a", 200, 400), seq("b", 1, 90)],   # a mid-prefill, b decoding
         vtc=vtc, _backlogged_tenants=lambda: {"a", "b"})
-    cost = SimpleNamespace(predict=lambda tokens, context, seqs: 0.5)
-    assert load_report(core, cost, 1000) == SchedulerLoad(
+    assert load_report(core, FLAT, 1000) == SchedulerLoad(
         2, 3, 300 + 40 + 500 + 200, 2000.0, 0.5, {
             "a": TenantBacklog(900.0, True, 800, 200),
             "b": TenantBacklog(50.0, True, 40, 0),
-            "c": TenantBacklog(10.0, False, 0, 0)})
+            "c": TenantBacklog(10.0, False, 0, 0)},
+        # 300·301/2 + 40·41/2 + 500·501/2, and a's 200 left after 200 computed
+        queued_prefill_pairs=45150 + 820 + 125250 + (200 * 200 + 20100))
+
+
+def test_load_report_prices_prefill_tokens_and_attention_apart():
+    """A full chunk's rate without its attention (1000 tokens: 20 ms + 1000 x 0.5 ms), the
+    attention per pair (1 µs), a decode step of the running batch (2 sequences reading
+    400 + 90 positions: 20 ms + 2 x (0.5 + 0.2) ms + 490 x (1 + 2) µs), and the pairs of
+    the prefill the running sequence has left (200 after 200: 200·200 + 200·201/2)."""
+    core = SimpleNamespace(waiting=[], running=[seq("a", 200, 400), seq("b", 1, 90)],
+                           vtc=VirtualCounters({}), _backlogged_tenants=set)
+    cost = StepCostModel(prior=[0.020, 0.0005, 1e-6, 0.0002, 2e-6])
+    load = load_report(core, cost, 1000)
+    assert load.prefill_tokens_per_s == pytest.approx(1000 / (0.020 + 0.5 + 0.0002 + 0.002))
+    assert load.attention_s_per_pair == 1e-6
+    assert load.decode_step_s == pytest.approx(0.020 + 2 * 0.0007 + 490 * 3e-6)
+    assert load.queued_prefill_tokens == 200
+    assert load.queued_prefill_pairs == 200 * 200 + 200 * 201 // 2
 
 
 def test_load_report_lists_how_long_requests_without_a_first_token_have_waited():
@@ -44,9 +67,8 @@ def test_load_report_lists_how_long_requests_without_a_first_token_have_waited()
         running=[seq("a", 200, 400, rid="prefilling", arrival_ns=1_000_000_000),
                  seq("a", 1, 90, rid="decoding", arrival_ns=0, first_token_ns=500)],
         vtc=VirtualCounters({}), _backlogged_tenants=set)
-    cost = SimpleNamespace(predict=lambda tokens, context, seqs: 0.5)
-    assert load_report(core, cost, 1000).awaiting_first_s == {}      # no clock: not listed
-    assert load_report(core, cost, 1000, 3_250_000_000).awaiting_first_s == {
+    assert load_report(core, FLAT, 1000).awaiting_first_s == {}      # no clock: not listed
+    assert load_report(core, FLAT, 1000, 3_250_000_000).awaiting_first_s == {
         "prefilling": 2.25, "w": 1.25}
 
 

@@ -9,6 +9,7 @@ import pytest
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
+from components.scheduler.cost_model import StepShape
 from components.scheduler.sequence import (TRANSITIONS, Event, IllegalTransition, Seq, State)
 from components.tokenizer.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
@@ -235,7 +236,8 @@ def urgent_setup(deadline_ms: float, victim_tokens: int):
     core.recompute_s = lambda tokens: tokens * 1e-3       # 1 ms a token
     for tokens, ctx, seqs in itertools.product((2, 16, 64), (100, 1000), (1, 2)):
         # the cost model learns: 4 ms + 1 ms a token + 10 us a context token + 1 ms a seq
-        core.cost.observe(tokens, ctx, seqs, 0.004 + 1e-3 * tokens + 1e-5 * ctx + 1e-3 * seqs)
+        core.cost.observe(StepShape(tokens, ctx, seqs, tokens * ctx),
+                          0.004 + 1e-3 * tokens + 1e-5 * ctx + 1e-3 * seqs)
     core.add(req("b1", "batch", victim_tokens, priority=1, max_tokens=500, arrival_ns=0))
     core.add(req("b2", "batch", victim_tokens, priority=1, max_tokens=500, arrival_ns=1))
     for _ in range(20):

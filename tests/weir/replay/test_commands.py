@@ -55,11 +55,34 @@ def test_a_bad_row_stops_the_run_naming_file_and_line(tmp_path, capsys):
     assert "t.jsonl:6:" in capsys.readouterr().err
 
 
-def test_simulate_without_a_profile_says_what_to_run(tmp_path, capsys, monkeypatch):
+def test_simulate_with_a_missing_profile_named_stops(tmp_path, capsys):
     trace, _, a, _ = _setup(tmp_path)
     rc = main(["simulate", str(trace), "--profile", str(tmp_path / "missing.json")])
     assert rc == 2
-    assert "weir calibrate" in capsys.readouterr().err
+    assert "missing.json" in capsys.readouterr().err
+
+
+def test_simulate_on_a_new_machine_runs_on_the_reference_profile(tmp_path, model_path, capsys,
+                                                                monkeypatch):
+    """No ``weir calibrate`` run here (no ~/.cache/weir/profiles/local.json): it runs on
+    the shipped reference profile, says so, and says how to measure this machine; once a
+    local profile exists, that one."""
+    trace, prof, a, _ = _setup(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert not profiles.default_path().exists()
+    args = ["simulate", str(trace), "--config", str(a), "--model", str(model_path),
+            "--length-scale", "0.125", "--time-scale", "0.01", "--no-plots"]
+    assert main(args + ["--out", str(tmp_path / "ref")]) == 0
+    out = capsys.readouterr()
+    assert "no local cost profile" in out.err and "weir calibrate" in out.err
+    assert f"profile: the shipped reference profile, {profiles.reference_path()}" in out.out
+    summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summary[0]["arrived"] == 5
+    profiles.save(profiles.load(prof), profiles.default_path())     # `weir calibrate` ran
+    assert main(args + ["--out", str(tmp_path / "local")]) == 0
+    out = capsys.readouterr()
+    assert "reference" not in out.err + out.out
+    assert f"profile: {profiles.default_path()}" in out.out
 
 
 def test_calibrate_from_a_step_log(tmp_path, capsys):

@@ -1,0 +1,190 @@
+"""The steps the executor times at startup, for the scheduler's step-cost model to start
+from (``ExecutorReady.step_costs``): with them admission predicts TTFT from the first
+request after a start or a restart, instead of passing every deadline check until the
+scheduler has measured steps of its own.
+
+A handful of real steps through the runner, at shapes that tell the model's features apart
+(``components/scheduler/cost_model.py``): fresh prompt chunks of three sizes (the fixed and
+per-token costs, and attention's quadratic), a short chunk at two long contexts (attention
+per key read), and decode batches (the per-sequence and per-position costs). Each is run
+once to warm up (oneDNN builds a primitive per new shape, first-touch page faults), then
+``REPS`` rounds of all of them; each shape's least time is kept. Before any KV exists (as
+the copy bandwidth is measured), and after the structured-output vocabulary is built (its
+build holds the GIL: steps timed beside it took ~2 s each, whatever their size): the
+probe's sequences write the first blocks of the pool and are forgotten.
+
+Measured once per machine and cached under ``<cache>/step_costs/<key>.json``, as the kernel
+plan is (:mod:`kernels.tuning`: executors started together measure one at a time under the
+same file lock, and the file is replaced atomically). The key hashes what a step's time
+depends on: the machine (CPU model, flags, cores, threads, torch; the GPU's name), the
+model's shape, the dtypes, the attention backend and kernel plan chosen, and the probe's
+shapes (clipped to the engine's budget, context, sequences and pool). ``engine.kernels.cache
+= false`` measures at each start, as for the kernel plan; so does a measurement whose steps
+did not grow with their work (``scales_with_work``: a stalled, busy machine).
+
+Timed in the executor, a step leaves out the bus round trip and the scheduler's planning
+that the scheduler's own samples include; the scheduler's model scales its prior by its
+first measured steps, then fits them (``StepCostModel``).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kernels import tuning
+from schemas.wire import NewSeq, SeqStep, StepPlan, StepSample
+
+VERSION = 2                 # bump when the shapes or the timing change
+REPS = 3
+PROBE_SEQ = 1 << 40                 # seq ids above any the scheduler hands out
+
+
+class Probe(NamedTuple):
+    """``rows`` sequences each computing ``tokens`` after ``done`` positions."""
+
+    rows: int
+    tokens: int
+    done: int
+
+
+def probe_shapes(budget: int, max_len: int, max_seqs: int, num_blocks: int,
+                 block_size: int) -> list[Probe]:
+    """The probe, clipped to what the engine can run: fresh chunks of 16, 128 and 256
+    tokens; 32 tokens after a quarter of, and after, a long context (4096, or the longest
+    that fits); one decode, and a batch of 16 at 512."""
+
+    def fits(p: Probe) -> bool:
+        shared = p.done // block_size
+        own = -(-(p.done + p.tokens) // block_size) - shared
+        return (p.rows <= max_seqs and p.rows * p.tokens <= budget
+                and p.done + p.tokens <= max_len and shared + p.rows * own <= num_blocks)
+
+    long = max(min(4096, max_len - 32, (num_blocks - 4) * block_size), 0)
+    batch = min(16, max_seqs)
+    shapes = [Probe(1, 16, 0), Probe(1, 128, 0), Probe(1, 256, 0),
+              Probe(1, 32, long // 4), Probe(1, 32, long),
+              Probe(1, 1, 255), Probe(batch, 1, 511)]
+    out: list[Probe] = []
+    for p in shapes:
+        p = p._replace(done=max(min(p.done, max_len - p.tokens), 0))
+        while not fits(p) and p.tokens > 1:           # a small engine: a smaller chunk
+            p = p._replace(tokens=p.tokens // 2)
+        if fits(p) and p not in out:
+            out.append(p)
+    return out
+
+
+def sample_of(p: Probe, seconds: float) -> StepSample:
+    pairs = p.rows * (p.tokens * p.done + p.tokens * (p.tokens + 1) // 2)
+    return StepSample(p.rows * p.tokens, p.rows * (p.done + p.tokens), p.rows, pairs, seconds)
+
+
+def probe_plan(p: Probe, step_id: int, block_size: int, vocab: int) -> StepPlan:
+    """One step of ``p``: its rows share the blocks before their own writes (as prefix
+    hits do), each writes its own, and each samples its last row greedily."""
+    shared = p.done // block_size
+    own = -(-(p.done + p.tokens) // block_size) - shared
+    ids = [(1000 + 7 * i) % vocab for i in range(p.done + p.tokens)]
+    new_seqs, steps = [], []
+    for r in range(p.rows):
+        sid = PROBE_SEQ + step_id * 1024 + r
+        blocks = list(range(shared)) + list(range(shared + r * own, shared + (r + 1) * own))
+        new_seqs.append(NewSeq(sid, ids, len(ids), p.done, blocks, 0.0, 1.0, 0, None))
+        steps.append(SeqStep(sid, p.tokens, [], True))
+    return StepPlan(step_id, new_seqs, steps, [])
+
+
+def measure(runner, shapes: list[Probe], vocab: int, reps: int = REPS) -> list[StepSample]:
+    """Each shape's least time over ``reps`` rounds after one call to warm up, every shape
+    once per round: a burst of load from another process slows a round's shapes alike
+    instead of all of one shape's. The least, as the kernel plan's timings: other processes
+    only ever add time (the scheduler's live steps then say how much they add now)."""
+    step_id = 0
+
+    def run(p: Probe) -> float:
+        nonlocal step_id
+        step_id += 1
+        result = runner.step(probe_plan(p, step_id, runner.block_size, vocab))
+        runner.seqs.clear()
+        return result.elapsed_ns / 1e9
+
+    for p in shapes:
+        run(p)
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(reps):
+        for i, p in enumerate(shapes):
+            times[i].append(run(p))
+    return [sample_of(p, min(t)) for p, t in zip(shapes, times)]
+
+
+def cache_key(model, runner, shapes: list[Probe]) -> str:
+    machine = tuning.machine_info()
+    if runner.kv.device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(runner.kv.device)
+    spec = model.spec
+    blob = json.dumps({
+        "v": VERSION, "machine": machine,
+        "model": [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_heads,
+                  spec.num_kv_heads, spec.head_dim, spec.vocab_size],
+        "dtype": str(model.dtype), "kv": str(runner.kv.dtype), "block": runner.block_size,
+        "backend": model.backend.name, "plan": model.plan.summary() if model.plan else {},
+        "graphs": runner.graphs is not None, "shapes": [list(p) for p in shapes]},
+        sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _cached(path: Path | None, key: str) -> list[StepSample] | None:
+    data = tuning.load_cached(path) if path is not None else None
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None
+    try:
+        return [StepSample(*row) for row in data["steps"]]
+    except (KeyError, TypeError):
+        return None
+
+
+def step_costs(runner, model, budget: int, max_len: int, max_seqs: int,
+               cache_dir: Path | None) -> tuple[list[StepSample], str, float]:
+    """The probe's samples, how they were had ("cached" or "measured") and the seconds
+    measuring took (0 when cached). ``cache_dir`` None: measure, keep nothing."""
+    shapes = probe_shapes(budget, max_len, max_seqs, runner.num_blocks, runner.block_size)
+    if not shapes:
+        return [], "none", 0.0
+    key = cache_key(model, runner, shapes)
+    path = cache_dir / "step_costs" / f"{key}.json" if cache_dir is not None else None
+    if (got := _cached(path, key)) is not None:
+        return got, "cached", 0.0
+    with tuning.measuring(path) if path is not None else contextlib.nullcontext():
+        if (got := _cached(path, key)) is not None:        # another executor measured
+            return got, "cached", 0.0
+        t0 = time.perf_counter()
+        samples = measure(runner, shapes, model.spec.vocab_size)
+        seconds = round(time.perf_counter() - t0, 2)
+        if not scales_with_work(samples):
+            return samples, "measured, stalled: not kept", seconds
+        if path is not None:
+            tuning.store(path, {"key": key, "seconds": seconds,
+                                "steps": [[s.tokens, s.context, s.seqs, s.pairs, s.seconds]
+                                          for s in samples]})
+    return samples, "measured", seconds
+
+
+def scales_with_work(samples: list[StepSample]) -> bool:
+    """Whether the largest fresh chunk took at least twice the smallest, where it is 8x
+    the work or more. On a CPU busy with other processes every step can take the same
+    ~2 s whatever its size (16 tokens 1.7 s, 256 tokens 2.1 s, on two shared cores: each
+    OpenMP barrier waits for a descheduled thread), which is the neighbours' cost, not
+    this machine's: such a measurement serves this start and is not kept. (A small model
+    on a GPU fails it too, its steps bound by launches: measured again at each start,
+    which costs a GPU little.)"""
+    fresh = sorted((s for s in samples if s.seqs == 1 and s.context == s.tokens),
+                   key=lambda s: s.tokens)
+    if len(fresh) < 2 or fresh[-1].tokens < 8 * fresh[0].tokens:
+        return True
+    return fresh[-1].seconds >= 2 * fresh[0].seconds
