@@ -142,6 +142,7 @@ class Component(abc.ABC):
             except ValueError as exc:      # the operator's to fix: a clear line, no traceback
                 raise SetupFailed(str(exc)) from exc
             self.state = "ready"
+            self._pulse.tick()             # the loop is its own again (setup held it)
             log.info("ready")
             tg.start_soon(self._heartbeats)
             await self.run()

@@ -126,6 +126,11 @@ class Supervisor:
                     if child and (child.external or child.pid == pid):
                         if child.external and child.pid not in (0, pid):
                             child.restarts += 1
+                        if child.state == "starting" and state != "starting":
+                            # pulses sent during setup carry its age as the loop's: judge
+                            # the loop from its first pulse after it (a setup that waited
+                            # on the kernel plan's lock must not read as a hung loop)
+                            child.pulse = PulseTrack()
                         news = (pid, state, stats, tenants, info)
                         if news != (child.pid, child.state, child.stats, child.tenants,
                                     child.info):
