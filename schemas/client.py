@@ -190,6 +190,9 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     max_tokens: int | None = None       # the cap it runs with (lowered when degraded)
     degraded: bool = False              # admission lowered max_tokens to meet the deadline
     queued_s: float = 0.0               # time held in admission's queue before it started
+    # with no first token this long after arrival, the engine ends it deadline_expired
+    # (its class drops late work); None: it is served however late
+    expires_ms: int | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

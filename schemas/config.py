@@ -223,6 +223,11 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     may_degrade: bool = False          # admission may lower max_tokens to fit a budget
     min_max_tokens: int = 1            # ... never below this
     max_tokens: int | None = None      # the cap for a request asking more (or none)
+    # a request of this class whose TTFT deadline (its own, else ttft_slo_ms) passes before
+    # its first token: "drop" ends it deadline_expired wherever it is (admission's queue,
+    # the scheduler's, mid-prefill: its client has given up, the engine should too), "keep"
+    # serves it late (batch work, whose value outlives the deadline). Deadline policy only.
+    late: Literal["drop", "keep"] = "drop"
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "admission.classes: a class needs a name")
@@ -233,7 +238,25 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"class {self.name}: max_tokens must be >= min_max_tokens")
 
 
-DEFAULT_CLASS = ServiceClass("default")      # what a config that names no classes runs
+DEFAULT_CLASS = ServiceClass("default")      # what a config with ``classes = []`` runs
+
+# The classes a config that names none runs (the SLO-first default): a request that names
+# no class and no deadline runs as its tenant's default, the first, ``interactive``.
+# - interactive: a first token within 3 s and then a token every 300 ms at worst (the
+#   targets the trace comparisons are scored at: aiperf's goodput with TTFT <= 3 s and
+#   ITL <= 300 ms); never queued in admission (a request that cannot start in time is
+#   refused at once with Retry-After, not answered late), and dropped if its first token
+#   has not come by its deadline.
+# - batch: no latency target; waits up to a minute in admission's queue, gaining one
+#   priority unit a minute there, may be degraded (max_tokens lowered) to fit, and is
+#   served however late. A client asks for it with service_class "batch" (X-Weir-Class).
+# docs/ARCHITECTURE.md ("SLO-first defaults") gives the measurements behind the numbers.
+DEFAULT_CLASSES = (
+    ServiceClass("interactive", priority=0, ttft_slo_ms=3000.0, tpot_slo_ms=300.0,
+                 late="drop"),
+    ServiceClass("batch", priority=1, max_queue_ms=60_000.0, aging_per_s=1 / 60,
+                 may_degrade=True, late="keep"),
+)
 
 
 class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -257,14 +280,16 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    policy: Literal["fcfs", "deadline"] = "fcfs"   # see components/admission/policy.py
+    # see components/admission/policy.py; "fcfs" (accept whatever the caps allow) is the
+    # baseline the replay and simulator compare against
+    policy: Literal["fcfs", "deadline"] = "deadline"
     max_outstanding: int = 512
     max_queued: int = 256              # requests held in admission's queue, all tenants
     output_percentile: float = 90.0    # expected output: this percentile of recent outputs
     kv_safety: float = 0.1             # margin on the expected output's KV reservation
     ttft_headroom: float = 0.2         # accept only if the predicted TTFT is within the
                                        # deadline less this fraction (prediction error)
-    classes: tuple[ServiceClass, ...] = ()
+    classes: tuple[ServiceClass, ...] = DEFAULT_CLASSES    # [] : one class, "default", no SLO
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
 
     def __post_init__(self) -> None:
@@ -283,6 +308,21 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _require(not bad, f"tenant {t.name}: unknown class {bad[0] if bad else ''!r}")
             _require(not (t.classes and t.default_class) or t.default_class in t.classes,
                      f"tenant {t.name}: default_class is not one of its classes")
+
+    def describe(self) -> str:
+        """The policy and the classes in force, one line (the startup log, ``weir status``):
+        what a client gets without reading the config reference."""
+        parts = []
+        for c in self.service_classes().values():
+            terms = [f"TTFT {c.ttft_slo_ms:g} ms" if c.ttft_slo_ms else "",
+                     f"TPOT {c.tpot_slo_ms:g} ms" if c.tpot_slo_ms else "",
+                     f"queues {c.max_queue_ms / 1e3:g} s" if c.max_queue_ms else "no queue",
+                     "degradable" if c.may_degrade else "",
+                     f"{c.late}s late work" if c.ttft_slo_ms else ""]
+            parts.append(f"{c.name} ({', '.join(t for t in terms if t)})")
+        defaults = sorted({self.allowed_classes(t)[0] for t in self.tenants})
+        return (f"{self.policy}; classes {'; '.join(parts)}; "
+                f"default class {', '.join(defaults)}")
 
     def service_classes(self) -> dict[str, ServiceClass]:
         return {c.name: c for c in self.classes} or {DEFAULT_CLASS.name: DEFAULT_CLASS}

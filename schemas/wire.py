@@ -177,6 +177,9 @@ class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
     ``held`` (admission's ledger entry for it) to hand back if admission restarts."""
 
     held: HeldRequest | None = None
+    # its class drops it, deadline_expired, if its TTFT deadline passes before its first
+    # token (waiting or mid-prefill); else it is served late (a batch class's choice)
+    drop_late: bool = False
 
 
 class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):

@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(sup: Supervisor) -> None:
         http = (f", http://{config.gateway.host}:{config.gateway.port}/v1"
                 if config.gateway.enabled else "")
+        print(f"weir: admission {config.admission.describe()}", file=sys.stderr)
         print(f"weir: ready on {config.topology.client_endpoint}{http} "
               f"(run dir {run_dir})", file=sys.stderr, flush=True)
 
@@ -315,6 +316,9 @@ def _status(args: argparse.Namespace) -> int:
                "prefix_query_tokens": int(kv.get("prefix_query_tokens", 0)),
                "prefix_hit_tokens": int(kv.get("prefix_hit_tokens", 0)),
                "below_watermark": bool(kv.get("below_watermark", 0))},
+        # admission's policy and the service classes in force
+        "policy": (comps["admission"].info.get("admission")
+                   if "admission" in comps else None),
         # the executor's kernel plan: what runs each operation, and how it was chosen
         "kernels": {k.split(".", 1)[1]: v for k, v in (
             comps["executor"].info if "executor" in comps else {}).items()
@@ -348,6 +352,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
     s = out["scheduler"]
     a = out["admission"]
+    if out["policy"]:
+        print(f"policy       {out['policy']}")
     print(f"admission    outstanding {a['outstanding']} queued {a['queued']} reserved_kv_blocks "
           f"{a['reserved_kv_blocks']}" + "".join(f" rejected[{k}] {v}"
                                                  for k, v in sorted(a["rejections"].items())))

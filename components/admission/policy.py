@@ -72,7 +72,7 @@ class Estimate:
     expected_output: int
     kv_blocks: int
     predicted_ttft_s: float | None       # None until the scheduler has measured its rates
-    deadline_ms: float | None            # the request's own, else its class's TTFT SLO
+    deadline_ms: float | None            # the request's own, else its class's (see deadline_ms)
     scheduler_ttft_s: float | None = None   # the backlog part alone, before the learned bias
 
 
@@ -119,6 +119,13 @@ class AdmissionPolicy:
         self.block_size = kv.block_size
         self.kv_capacity = kv.num_blocks - kv.watermark_blocks
 
+    def drops_late(self, d: Decision) -> bool:
+        """Whether the engine ends this admitted request ``deadline_expired`` if its TTFT
+        deadline passes before its first token: under the deadline policy, when it has a
+        deadline and its class's ``late`` is ``drop``."""
+        return self.kind == "deadline" and d.estimate.deadline_ms is not None \
+            and self.classes[d.service_class].late == "drop"
+
     # ------------------------------------------------------------------ decision
     def decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         """Decide for ``req`` (``cached``: prompt tokens the pool already holds). An
@@ -145,9 +152,10 @@ class AdmissionPolicy:
         cls = self._grant_class(tenant, req.service_class)
         if isinstance(cls, str):
             return False
-        deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
         prompt = len(req.prompt_token_ids)
-        raw = self.ttft.predicted_s(max(prompt - cached, 0), req.tenant, min(cached, prompt))
+        uncached, done = max(prompt - cached, 0), min(cached, prompt)
+        deadline = self.deadline_ms(req, cls, uncached, done)
+        raw = self.ttft.predicted_s(uncached, req.tenant, done)
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
@@ -259,10 +267,28 @@ class AdmissionPolicy:
         room = max(self.config.engine.max_model_len - prompt, 1)
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
-        deadline = req.deadline_ms if req.deadline_ms is not None else cls.ttft_slo_ms
+        deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
         raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
                         None if raw is None else raw + self.ttft.bias_s, deadline, raw)
+
+    def deadline_ms(self, req: Tokenized, cls: ServiceClass, uncached: int,
+                    cached: int) -> float | None:
+        """The request's TTFT deadline: its own ``deadline_ms`` as the client set it; else
+        its class's ``ttft_slo_ms``, stretched for a prompt whose own prefill on this
+        machine (``TtftModel.alone_s``, nothing ahead of it) takes more than half of it, to
+        that prefill plus half the target. A class's target is what interactive work may
+        wait; a prompt is never refused for its size alone (8k tokens on two CPU cores take
+        longer than a 3 s target with nothing else running), and it still may not wait
+        longer than a short one could."""
+        if req.deadline_ms is not None:
+            return req.deadline_ms
+        if cls.ttft_slo_ms is None:
+            return None
+        alone = self.ttft.alone_s(uncached, cached)
+        if alone is None:
+            return cls.ttft_slo_ms
+        return max(cls.ttft_slo_ms, cls.ttft_slo_ms / 2 + alone * 1e3)
 
     def _blocks(self, uncached: int, output: int, n: int) -> int:
         grow = output * (1 + self.config.admission.kv_safety)

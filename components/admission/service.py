@@ -59,7 +59,8 @@ class AdmissionService(Component):
             "weir.admission.predicted_ttft_ms": round(est.predicted_ttft_s * 1e3, 2)
             if est.predicted_ttft_s is not None else -1.0,
             "weir.admission.ttft_bias_ms": round(policy.ttft.bias_s * 1e3, 2),
-            "weir.admission.deadline_ms": est.deadline_ms if est.deadline_ms is not None else -1,
+            "weir.admission.deadline_ms": round(est.deadline_ms) if est.deadline_ms is not None
+            else -1,
             "weir.admission.queue_position": policy.queue_position(req.request_id),
             "weir.admission.queued": policy.queued,
             "weir.tenant.outstanding": policy.per_tenant[req.tenant],
@@ -107,6 +108,7 @@ class AdmissionService(Component):
     async def _start(self, req: Tokenized, d: Decision, traceparent: str | None,
                      cached: int | None, queued_s: float) -> None:
         params = req.params
+        drop = self.policy.drops_late(d)
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         await self.to_scheduler.send(Admitted(
@@ -114,10 +116,11 @@ class AdmissionService(Component):
             req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
             req.public_scope, req.public_blocks, d.service_class,
             self.policy.classes[d.service_class].tpot_slo_ms, int(queued_s * 1e9),
-            held=self.policy.held.get(req.request_id)), traceparent=traceparent)
+            held=self.policy.held.get(req.request_id), drop_late=drop), traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
-            d.max_tokens, d.kind == DEGRADE, round(queued_s, 4))]))
+            d.max_tokens, d.kind == DEGRADE, round(queued_s, 4),
+            effective_deadline_ms(d) if drop else None)]))
 
     async def _drain_queue(self) -> None:
         """Release what now fits, expire what waited too long."""
@@ -217,6 +220,9 @@ class AdmissionService(Component):
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held
             self.policy.forget_all()
+
+    def info(self) -> dict[str, str]:
+        return {"admission": self.config.admission.describe()}
 
     def stats(self) -> dict[str, float]:
         return self.policy.stats()

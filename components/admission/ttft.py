@@ -82,6 +82,15 @@ class TtftModel:
         return base + load.attention_s_per_pair * (
             self.pairs_ahead(before) + row_pairs(uncached_tokens, cached_tokens))
 
+    def alone_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float | None:
+        """This prompt's own prefill on an idle engine, at the reported rates (its tokens
+        and its attention pairs, nothing ahead of it); None before the first report."""
+        load = self.load
+        if load.prefill_tokens_per_s <= 0:
+            return None
+        return uncached_tokens / load.prefill_tokens_per_s + max(
+            load.attention_s_per_pair, 0.0) * row_pairs(uncached_tokens, cached_tokens)
+
     def pairs_ahead(self, tokens: int) -> float:
         """The attention pairs of ``tokens`` of the backlog (reported and unreported): all
         of its pairs for all of it, else its pairs per token (the backlog's prompts are

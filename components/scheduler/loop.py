@@ -17,6 +17,7 @@ to its result arriving.
 step's measured times, for the service's span and step log) placed where it happened."""
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 import msgspec
@@ -31,7 +32,7 @@ from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
-                          Released, StepPlan, StepResult, StopRequest, TokenBatch)
+                          Rejected, Released, StepPlan, StepResult, StopRequest, TokenBatch)
 from weir.machine import usable_cores, usable_cpus
 
 log = structlog.get_logger("scheduler")
@@ -93,6 +94,10 @@ class SchedulerLoop:
         self.steps: dict[int, PlannedStep] = {}  # the steps in flight, oldest first
         self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
+        # (deadline, request id) of admitted requests their class drops when late: a heap,
+        # so each step looks only at the ones due (no scan of the queue on the step path)
+        self.late: list[tuple[int, str]] = []
+        self.dropped_late = 0
 
     def hello(self) -> KvHello:
         return KvHello(self.core.epoch)
@@ -105,7 +110,9 @@ class SchedulerLoop:
         match body:
             case Admitted() as req:
                 if req.request_id not in core.by_request:       # a replay may repeat it
-                    core.add(req, now_ns)
+                    seq = core.add(req, now_ns)
+                    if req.drop_late and seq.deadline_ns:
+                        heapq.heappush(self.late, (seq.deadline_ns, req.request_id))
             case StepResult() as res:
                 out = self._on_result(res, sends, now_ns, mono_ns)
             case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):
@@ -124,8 +131,40 @@ class SchedulerLoop:
                     out = self._fail_all(sends, kv_lost=True)
                     sends.append(Send("kv_manager", self.hello()))
                 self.kv_instance = instance
+        if self.late and self.late[0][0] <= now_ns:
+            dropped = self._drop_late(now_ns, sends)
+            out.released += dropped.released
+            out.forget += dropped.forget
         self._emit(out, sends, now_ns, mono_ns)
         return sends
+
+    def _drop_late(self, now_ns: int, sends: list[Send]) -> Outcome:
+        """End ``deadline_expired`` each request whose class drops late work and whose TTFT
+        deadline passed before its first token: waiting, or mid-prefill. Its KV goes back
+        at once and no step planned from here computes for it (one already in flight may:
+        its sample is discarded). Serving it would only spend the engine on an answer its
+        client no longer waits for (the first seed: "serving doomed work is worse")."""
+        out, expired = Outcome(), []
+        while self.late and self.late[0][0] <= now_ns:
+            due_ns, rid = heapq.heappop(self.late)
+            seq = self.core.by_request.get(rid)
+            if seq is None or seq.ended or any(s.first_token_ns for s in seq.group):
+                continue                        # ended, or its first token came in time
+            where = "mid-prefill" if seq.num_computed else "before prefill"
+            late_ms = (now_ns - seq.arrival_ns) / 1e6
+            log.info("deadline_dropped", request_id=rid, where=where,
+                     late_ms=round((now_ns - due_ns) / 1e6, 1))
+            cancelled = self.core.cancel(rid)
+            out.released += cancelled.released
+            out.forget += cancelled.forget
+            self.dropped_late += 1
+            expired.append(Rejected(
+                rid, "deadline_expired",
+                f"no first token within its deadline of {(due_ns - seq.arrival_ns) / 1e6:.0f} "
+                f"ms (dropped {where}, {late_ms:.0f} ms after arrival)"))
+        if expired:
+            sends.append(Send("streamer", EventBatch(expired)))
+        return out
 
     def _on_result(self, res: StepResult, sends: list[Send], now_ns: int,
                    mono_ns: int) -> Outcome:

@@ -12,6 +12,7 @@ its deadline (``drain_timeout``).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # accepted live in these components' state, so they fail; requests not yet accepted are
 # sent again (they are only NewRequests in flight through stateless steps).
 _HOLDS_ACCEPTED = ("scheduler", "kv_manager", "executor", "detokenizer")
+# The scheduler drops a request whose class drops late work at its deadline; this streamer
+# does too, this much later, so that a lost message (a restart, a dropped frame) cannot
+# leave its client waiting past it
+LATE_GRACE_S = 1.0
 _REPLAYS = ("tokenizer", "admission", "scheduler")
 
 
@@ -103,11 +108,13 @@ class StreamerService(Component):
             sc.idempotency_ttl_s, max_bytes=int(sc.idempotency_max_mib * 2**20),
             max_entry_bytes=int(sc.idempotency_entry_max_mib * 2**20))
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
+        self.expiry: list[tuple[float, str]] = []   # (due, request id): a heap (Accepted)
         self.slo = SloStats.for_config(self.config.admission)
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
-                       "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0}
+                       "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0,
+                       "deadline_expired": 0}
         # a frame past what a legal Submit can be is never read (its sender is dropped)
         self.clients = self.socket(
             zmq.ROUTER, "clients", ClientMsg,
@@ -324,6 +331,7 @@ class StreamerService(Component):
                               else idle_tick)
             now = time.monotonic()
             self.idempotency.expire(now)
+            await self._expire_late(now)
             if self.drain_deadline is not None and now >= self.drain_deadline and self.active:
                 for rid in list(self.active):
                     await self._end(rid, Failed(rid, "drain_timeout: the server shut down "
@@ -344,6 +352,19 @@ class StreamerService(Component):
                 await self._cancel(rid, "client disconnected")
             for who in gone:
                 del self.last_seen[who]
+
+    async def _expire_late(self, now: float) -> None:
+        """End ``deadline_expired`` the requests whose class drops late work and that have
+        no first token ``LATE_GRACE_S`` past their deadline (the scheduler's drop, or its
+        message, was lost); the engine is told to stop. Looks only at the ones due."""
+        while self.expiry and self.expiry[0][0] <= now:
+            _, rid = heapq.heappop(self.expiry)
+            req = self.active.get(rid)
+            if req is None or req.clock.first_token is not None:
+                continue
+            self.counts["deadline_expired"] += 1
+            await self._end(rid, Rejected(rid, "deadline_expired", "no first token within "
+                                          "its deadline; the engine did not end it in time"))
 
     # ------------------------------------------------------------------ engine
     async def _engine_loop(self) -> None:
@@ -374,6 +395,9 @@ class StreamerService(Component):
         if isinstance(event, Accepted):
             req.pending = None
             self.slo.accepted(req.clock, event)
+            if event.expires_ms is not None:
+                heapq.heappush(self.expiry, (req.clock.started + event.expires_ms / 1e3
+                                             + LATE_GRACE_S, rid))
         if isinstance(event, TextDelta):
             req.clock.token(time.monotonic(), event.index)
         if isinstance(event, TextDelta) and req.completion is not None:

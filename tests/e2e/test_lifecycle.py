@@ -25,6 +25,9 @@ max_model_len = 1024
 max_num_batched_tokens = 128
 [admission]
 max_outstanding = 24
+# the FCFS baseline: these tests drive the scheduler past what the pool holds (preemption)
+# and the engine past its cap; the default deadline policy reserves KV and refuses first
+policy = "fcfs"
 """
 
 
@@ -190,6 +193,9 @@ def test_sigterm_the_moment_it_is_ready_still_drains_and_exits_cleanly(tmp_path,
 
 
 def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path):
+    """Given up on (max_restarts 0), the component ends the engine (issue 43, D3): a request
+    meanwhile is refused at once, with the reason and a Retry-After (``overloaded`` naming
+    the component, or ``draining`` once the supervisor drains), and `weir serve` exits 3."""
     eng = Engine(tmp_path, SMALL + "[supervisor]\nmax_restarts = 0\n")
     try:
         pid = eng.status()["detokenizer"].pid
@@ -199,8 +205,10 @@ def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path)
         with eng.client(timeout=10, max_retries=0) as c:
             with pytest.raises(RequestRejected) as err:
                 c.generate("Hello?", max_tokens=4)
-        assert err.value.reason == "overloaded" and "detokenizer" in err.value.message
+        assert (err.value.reason == "overloaded" and "detokenizer" in err.value.message) \
+            or err.value.reason == "draining", err.value
         assert err.value.retry_after_s >= 1
+        assert eng.proc.wait(timeout=60) == 3
     finally:
         eng.stop()
 

@@ -1,9 +1,12 @@
-"""Overload, live, scaled to this CPU (policy "deadline", one interactive class).
+"""Overload, live, on the default configuration a new user gets (issue 44: SLO-first
+defaults, policy "deadline" with the ``interactive`` class: TTFT 3 s, TPOT 300 ms, never
+queued, late work dropped), scaled to this CPU.
 
 1. Capacity: the rate of completions within the SLO when far more is offered.
 2. At capacity for 10 s: the SLO-meeting completions per second (goodput).
 3. At 3x capacity for 30 s: rejections return fast (p99 < 50 ms), at least 95% of the
-   accepted requests meet their TTFT SLO, and goodput is at least 80% of goodput at capacity.
+   accepted requests meet their TTFT SLO, and in every 4-second window (by send time) at
+   least 90% do; goodput is at least 80% of goodput at capacity.
 4. After the burst, TTFT is back to normal within 5 s.
 
 What made 3 hold: the TTFT prediction counts what admission let in since the scheduler's
@@ -20,19 +23,18 @@ import warnings
 import anyio
 import pytest
 
+from schemas.config import DEFAULT_CLASSES
 from tests.e2e.engine import Engine
 from weir.errors import RequestRejected
 
 pytestmark = pytest.mark.slow
 
-SLO_MS = 2000
-CONFIG = f"""
+SLO_MS = DEFAULT_CLASSES[0].ttft_slo_ms          # the default class's, which requests get
+CONFIG = """
 [engine]
 max_model_len = 1024
-[admission]
-policy = "deadline"
-classes = [{{ name = "interactive", priority = 0, ttft_slo_ms = {SLO_MS}, tpot_slo_ms = 1000 }}]
-"""
+"""                                               # nothing about admission: the defaults
+WINDOW_S = 4.0
 PROMPT, OUTPUT = 96, 8
 
 
@@ -55,11 +57,21 @@ class Phase:
         self.reasons: list[str] = []
         self.engine: list[float] = []        # the engine's own arrival → first token
         self.missed: list[tuple[float, float]] = []   # (sent, after the phase's start; TTFT)
+        self.sent: list[float] = []          # accepted and completed: sent at, in the phase
 
     @property
     def met(self) -> int:
         """Accepted and completed within the SLO."""
         return len(self.ttft) - len(self.missed)
+
+    def worst_window(self, seconds: float) -> tuple[float, int]:
+        """The lowest share of the accepted that met the SLO in any ``seconds``-long window
+        of send times (and how many were accepted in it): misses that cluster in time (the
+        second seed's oscillation) show here, where a whole-run share averages them out."""
+        windows: dict[int, list[bool]] = {}
+        for sent, ttft in zip(self.sent, self.ttft):
+            windows.setdefault(int(sent // seconds), []).append(ttft * 1e3 <= SLO_MS)
+        return min(((sum(w) / len(w), len(w)) for w in windows.values()), default=(1.0, 0))
 
 
 async def offer(c, rate: float, seconds: float, seed: int) -> Phase:
@@ -77,6 +89,7 @@ async def offer(c, rate: float, seconds: float, seed: int) -> Phase:
             phase.reasons.append(err.reason)
             return
         phase.ttft.append(r.ttft_ms / 1e3)
+        phase.sent.append(t0 - start)
         if r.ttft_ms > SLO_MS:
             phase.missed.append((round(t0 - start, 2), round(r.ttft_ms / 1e3, 2)))
         if r.timing is not None:
@@ -128,6 +141,7 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
               f"(p99 {p99(burst.rejected) * 1e3 if burst.rejected else 0:.1f} ms, "
               f"{sorted(set(burst.reasons))}); baseline TTFT {baseline * 1e3:.0f} ms; "
               f"recovered after {recovered}; missed at 3x (sent s, TTFT s): {burst.missed}; "
+              f"worst {WINDOW_S:g} s window at 3x {burst.worst_window(WINDOW_S)}; "
               f"3x TTFT p50 {statistics.median(burst.ttft) if burst.ttft else 0:.3f} s "
               f"(engine's own {statistics.median(burst.engine) if burst.engine else 0:.3f} s)")
     checks = {
@@ -137,6 +151,8 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
         and p99(burst.rejected) < 0.050,
         "at capacity >= 95% meet the SLO": at_cap.met >= 0.95 * len(at_cap.ttft),
         "at 3x >= 95% of the accepted meet the SLO": burst.met >= 0.95 * len(burst.ttft),
+        f"at 3x >= 90% meet it in every {WINDOW_S:g} s window":
+            burst.worst_window(WINDOW_S)[0] >= 0.90,
         "goodput at 3x >= 80% of it at capacity": burst.met / 30.0 >= 0.8 * at_cap.met / 10.0,
         "TTFT normal within 5 s after": recovered is not None and recovered <= 5.0,
     }

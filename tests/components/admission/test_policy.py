@@ -96,6 +96,24 @@ def test_deadline_unmeetable_rejects_at_once_with_retry_after():
     assert own.kind == ACCEPT
 
 
+def test_a_prompt_is_never_refused_for_its_own_size_only_for_the_wait():
+    """A class target below what the prompt alone takes here is stretched to that prefill
+    plus half the target (interactive: 1000 ms; 1000 prompt tokens/s, nothing ahead)."""
+    p = policy(num_blocks=4096)
+    p.ttft.load = SchedulerLoad(0, 0, 0, 1000.0, 0.05)
+    short = p.decide(req("short", prompt=100, max_tokens=8, cls="interactive"), 0, 0.0)
+    assert short.estimate.deadline_ms == 1000          # 0.1 s alone: the class's target
+    long = p.decide(req("long", prompt=900, max_tokens=8, cls="interactive"), 0, 0.0)
+    assert long.estimate.deadline_ms == pytest.approx(500 + 900)
+    assert long.kind == ACCEPT                          # 0.95 s predicted, 1.12 s allowed
+    p.ttft.load = SchedulerLoad(4, 2, 2000, 1000.0, 0.05)   # now 2 s of prefill is ahead
+    behind = p.decide(req("behind", prompt=900, max_tokens=8, cls="interactive"), 0, 0.0)
+    assert (behind.kind, behind.reason) == (REJECT, "deadline_unmeetable")
+    own = p.decide(req("own", prompt=900, max_tokens=8, cls="interactive", deadline=800),
+                   0, 0.0)
+    assert own.estimate.deadline_ms == 800              # a client's own deadline is its own
+
+
 def test_reservation_decides_accept_then_queue():
     p = policy(num_blocks=10)
     first = p.decide(req("1", prompt=64, max_tokens=64), 0, 0.0)      # 8 blocks
@@ -250,11 +268,12 @@ def test_a_queued_request_that_fits_only_degraded_starts_degraded():
 
 
 def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
-    """Interactive: 1000 ms less 20% headroom. 1000 prefill tokens/s, 50 ms a decode step:
-    a 900-token prompt predicts 0.95 s uncached, 0.15 s with 800 tokens cached."""
+    """Interactive: 1000 ms less 20% headroom (a 900-token prompt's, alone 0.9 s here:
+    1400 ms). 1000 prefill tokens/s, 50 ms a decode step, 300 tokens ahead: a 900-token
+    prompt predicts 1.25 s uncached, 0.45 s with 800 tokens cached."""
     p = policy(num_blocks=1000)
     assert not p.beyond_deadline(req(prompt=900), 800)      # unknown rates: nothing to say
-    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    p.ttft.on_load(SchedulerLoad(0, 0, 300, 1000.0, 0.05))
     assert p.beyond_deadline(req(prompt=900), 0)
     assert not p.beyond_deadline(req(prompt=900), 800)      # its cached prefix might save it
     assert not p.beyond_deadline(req(prompt=900, cls="batch"), 0)         # no TTFT deadline

@@ -81,7 +81,7 @@ def vtc_runs():
     requests = backlogged_tenants(VTC_REQUESTS, VTC_RATE, VTC_TENANTS, seed=1)
     tenants = [{"name": u, "weight": w} for u, w in VTC_WEIGHTS.items()]
     runs = {fair: simulate(requests, scheduler={"fairness": fair},
-                           admission={"policy": "fcfs", "tenants": tenants})
+                           admission={"policy": "fcfs", "classes": [], "tenants": tenants})
             for fair in ("vtc", "fcfs")}
     return requests, runs, {fair: gap(run) for fair, run in runs.items()}
 
@@ -165,7 +165,8 @@ def test_a_tenant_with_work_running_does_not_bank_credit():
     rows.sort()
     requests = [TraceRequest(index=i, arrival_s=t, input_tokens=p, output_tokens=o, tenant=u)
                 for i, (t, u, p, o) in enumerate(rows)]
-    run = simulate(requests, admission={"policy": "fcfs", "max_outstanding": 100_000,
+    run = simulate(requests, admission={"policy": "fcfs", "classes": [],
+                                        "max_outstanding": 100_000,
                                         "tenants": [{"name": u, "max_outstanding": 100_000}
                                                     for u in "AB"]})
     budget = load_config(None, topology={"run_dir": "/nonexistent"}) \
