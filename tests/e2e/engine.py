@@ -25,6 +25,17 @@ def wait_for(probe, timeout: float = 10.0, what: str = "the condition", interval
     return got
 
 
+async def gaps_of(stream, gaps: list[float]) -> None:
+    """Read ``stream`` to its end, appending to ``gaps`` the seconds between its events
+    (a neighbour's stream, whose largest gap says whether a flood elsewhere froze it)."""
+    last = None
+    async for _ in stream:
+        now = time.monotonic()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+
+
 class Engine:
     def __init__(self, run_dir: Path, config_toml: str = "", extra_args: tuple[str, ...] = (),
                  http_port: int | None = None, gateway_extra: str = "",

@@ -41,9 +41,13 @@ async def _run_all(engine: Engine) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, model_path):
+    # the FCFS baseline: it lets in more than the tiny pool holds, which is what preemption
+    # is for (the default deadline policy reserves KV and refuses what does not fit)
     base = """
 [engine]
 max_model_len = 512
+[admission]
+policy = "fcfs"
 [scheduler]
 max_num_seqs = 16
 max_num_batched_tokens = 128

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import free_port
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, gaps_of
 from weir import AsyncClient, RequestCancelled, RequestFailed, RequestRejected
 
 ACME, OPS = "sk-acme-1", "sk-ops-1"
@@ -178,12 +178,7 @@ def test_an_idempotent_attach_flood_neither_starves_other_tenants_nor_kills_the_
             while not stop.is_set():
                 stream = await c.stream(f"Neighbour {i} counts:", max_tokens=64,
                                         temperature=0.0, ignore_eos=True, tenant="globex")
-                last = None
-                async for _ in stream:
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
+                await gaps_of(stream, gaps)
 
     async def main():
         stop = anyio.Event()

@@ -31,7 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 from bus.codec import Codec, encode
 from components.admission.frames import client_frame_limit
 from schemas.client import Cancel, Cancelled, Rejected, ServerMsg, Submit
-from tests.e2e.engine import side_by_side
+from tests.e2e.engine import gaps_of, side_by_side
 from tests.e2e.router import Router, start_replica
 
 ACME = "acme-secret-key"
@@ -116,12 +116,7 @@ def test_unauthenticated_and_oversized_prompts_cost_the_router_nothing(router):
             while not stop.is_set():
                 stream = await c.stream(f"Neighbour {i} counts slowly:", max_tokens=200,
                                         temperature=0.0, ignore_eos=True, timeout=60)
-                last = None
-                async for _ in stream:
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
+                await gaps_of(stream, gaps)
 
     async def main() -> None:
         raw = Raw(router.endpoint)
