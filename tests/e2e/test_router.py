@@ -427,11 +427,21 @@ def test_replicas_are_added_and_retired_while_the_router_runs(replicas, tmp_path
         router.stop()
 
 
-def test_kill_9_of_the_router_process_under_load(router, replicas):
+def test_kill_9_of_the_router_process_under_load(replicas, tmp_path):
     """The kill matrix's router row: kill -9 of the router component (not its supervisor)
     under 8 streams. Every client ends, failed, within 10 s (it sees a new router
     instance); the supervisor starts the router again and it routes; every replica frees
-    what the dead router's requests held (their client went silent: reaped)."""
+    what the dead router's requests held (their client went silent: reaped). Its own
+    router, over the replicas still alive (the failover test kills one)."""
+    live = {name: eng for name, eng in replicas.items() if eng.proc.poll() is None}
+    router = Router(tmp_path / "router", live, REPLICA_TOML)
+    try:
+        _kill_the_router_under_load(router, live)
+    finally:
+        router.stop()
+
+
+def _kill_the_router_under_load(router: Router, replicas: dict) -> None:
     from weir.errors import RequestFailed
 
     with router.client() as c:
