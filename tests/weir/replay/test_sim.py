@@ -20,7 +20,7 @@ FLAT = CostProfile(coef=[STEP_S, 0.0, 0.0, 0.0, 0.0])          # every step 10 m
 
 def config(**sections):
     """A config for the simulator's own mechanics: the FCFS baseline with one class and no
-    objective, unless a test names its admission (the SLO-first defaults would drop or refuse
+    objective, unless a test names its admission (the SLO-first classes would drop or refuse
     the requests these tests follow)."""
     sections.setdefault("admission", {"policy": "fcfs", "classes": []})
     return load_config(None, topology={"run_dir": "/nonexistent"}, **sections)
