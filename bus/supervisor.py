@@ -182,7 +182,7 @@ class Supervisor:
                         log.error("component_given_up", child=child.name,
                                   restarts=child.restarts, exit_code=code)
                         self.given_up.append(child.name)
-                        self._give_up.set()
+                        self._stop.set()
                         # what it held is lost: the streamer fails those requests now,
                         # instead of at the drain's deadline
                         await control.send(PeerRestarted(child.name))
@@ -253,12 +253,12 @@ class Supervisor:
             async for signum in signals:
                 log.info("signal", signal=signal.Signals(signum).name)
                 break
-        self._give_up.set()
+        self._stop.set()
 
     async def serve(self, on_ready=None) -> int:
         """Run until SIGTERM/SIGINT, or until a component is given up on; then drain and
         stop. Returns the exit status: 0, or ``EXIT_GIVEN_UP``."""
-        self._give_up = anyio.Event()
+        self._stop = anyio.Event()
         topo = self.config.topology
         beats = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg,
                           max_msg_size=self.config.bus.max_message_bytes).bind(
@@ -283,7 +283,7 @@ class Supervisor:
                 await tg.start(self._signals)
                 if on_ready is not None:
                     on_ready(self)
-                await self._give_up.wait()           # a signal, or a component given up on
+                await self._stop.wait()              # a signal, or a component given up on
                 await self.drain_and_stop(control)
                 tg.cancel_scope.cancel()
         finally:

@@ -180,7 +180,8 @@ class StreamerService(Component):
         # an idempotent retry is checked as any Submit is before it may attach: a malformed
         # one, or one past the engine-wide stream cap, is refused, not replayed
         invalid = self._check_valid(sub)
-        if invalid is None and sub.idempotency_key and await self._attach(who, sub, tenant):
+        digest = request_digest(sub) if invalid is None and sub.idempotency_key else b""
+        if digest and await self._attach(who, sub, tenant, digest):
             return
         span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
                                   kind=trace.SpanKind.SERVER, attributes={
@@ -204,7 +205,7 @@ class StreamerService(Component):
         self.per_tenant[tenant] += 1
         self.counts["submitted"] += 1
         if sub.idempotency_key:
-            self.idempotency.start(tenant, sub.idempotency_key, rid, request_digest(sub))
+            self.idempotency.start(tenant, sub.idempotency_key, rid, digest)
             req.idempotent = True
         req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
                                  req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
@@ -212,7 +213,7 @@ class StreamerService(Component):
         req.traceparent = tracing.traceparent_of(span)
         await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
 
-    async def _attach(self, who: bytes, sub: Submit, tenant: str) -> bool:
+    async def _attach(self, who: bytes, sub: Submit, tenant: str, digest: bytes) -> bool:
         """A retry of an idempotent request: replay what it has produced to this client
         (under this client's request id; compacted, at most ``n + 2`` events, in one frame
         to a client that takes ``Events``) and subscribe it to the rest. A key reused for
@@ -221,7 +222,7 @@ class StreamerService(Component):
         it adds no engine work, and ends with the request the drain waits for anyway."""
         now = time.monotonic()
         got = self.idempotency.attach(tenant, sub.idempotency_key, who, sub.request_id, now,
-                                      request_digest(sub))
+                                      digest)
         if got is None:
             return False
         rid = sub.request_id
