@@ -180,6 +180,10 @@ class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
     # its class drops it, deadline_expired, if its TTFT deadline passes before its first
     # token (waiting or mid-prefill); else it is served late (a batch class's choice)
     drop_late: bool = False
+    # its class's aging_per_s: the scheduler ranks it ``priority`` less a unit per
+    # 1/aging_per_s seconds since arrival (as admission's queue ages it), so waiting batch
+    # work comes to rank with, then ahead of, interactive work (0: never ages)
+    aging_per_s: float = 0.0
 
 
 class StopRequest(msgspec.Struct, tag="stop_request", frozen=True):

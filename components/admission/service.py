@@ -109,14 +109,15 @@ class AdmissionService(Component):
                      cached: int | None, queued_s: float) -> None:
         params = req.params
         drop = self.policy.drops_late(d)
+        cls = self.policy.classes[d.service_class]
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         await self.to_scheduler.send(Admitted(
             req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
             req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
-            req.public_scope, req.public_blocks, d.service_class,
-            self.policy.classes[d.service_class].tpot_slo_ms, int(queued_s * 1e9),
-            held=self.policy.held.get(req.request_id), drop_late=drop), traceparent=traceparent)
+            req.public_scope, req.public_blocks, d.service_class, cls.tpot_slo_ms,
+            int(queued_s * 1e9), held=self.policy.held.get(req.request_id), drop_late=drop,
+            aging_per_s=cls.aging_per_s), traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
             d.max_tokens, d.kind == DEGRADE, round(queued_s, 4),

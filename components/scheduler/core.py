@@ -126,7 +126,7 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
                   len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
                   req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
-                  deadline_ns=deadline_ns,
+                  aging_per_s=req.aging_per_s, deadline_ns=deadline_ns,
                   tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
                   public_scope=req.public_scope, public_blocks=req.public_blocks,
                   held=req.held,
@@ -136,11 +136,15 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         self.by_request[seq.request_id] = seq
         self.by_seq[seq.seq_id] = seq
         backlogged = self._backlogged_tenants()
+        # lifted, or of a more important class than work already waiting, it may start
+        # before others: put it in its place before leases are asked
+        reorder = self.fair and (seq.tenant not in backlogged
+                                 or any(s.priority > seq.priority for s in self.waiting))
         self.waiting.append(seq)
         if seq.tenant not in backlogged:
             self.vtc.backlogged(seq.tenant, backlogged)
-            if self.fair:
-                self._fair_order(req.arrival_ns)   # lifted, it may start before others
+        if reorder:
+            self._fair_order(now_ns or req.arrival_ns)
         self._lease_waiting()                 # ask its lease now, not when the next step is planned
         return seq
 

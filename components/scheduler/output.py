@@ -89,9 +89,10 @@ class Output:
                     num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
                     first_scheduled_ns=parent.first_scheduled_ns,
                     ingress_ns=parent.ingress_ns, index=index,
-                    priority=parent.priority, deadline_ns=parent.deadline_ns,
-                    tpot_slo_s=parent.tpot_slo_s, public_scope=parent.public_scope,
-                    public_blocks=parent.public_blocks, forked=True, group=parent.group)
+                    priority=parent.priority, aging_per_s=parent.aging_per_s,
+                    deadline_ns=parent.deadline_ns, tpot_slo_s=parent.tpot_slo_s,
+                    public_scope=parent.public_scope, public_blocks=parent.public_blocks,
+                    forked=True, group=parent.group)
         parent.group.append(child)
         self.by_seq[child.seq_id] = child
         self.running.append(child)

@@ -2,7 +2,8 @@
 new work from the waiting queue under the step's token budget.
 
 New work starts in fair order (``fairness = "vtc"``): sequences coming back from
-preemption first, then by the tenant's virtual token counter, then arrival. The queue is
+preemption first, then by class (aged priority, ``Seq.aged_priority``), then within a class
+by the tenant's virtual token counter, then arrival (``_fair_order``). The queue is
 head-of-line: a sequence that is not ready (its lease not granted yet, or refused because
 the pool is full) holds back those behind it, so a large request is not starved by small
 ones. A tenant at its own KV budget or running cap holds back only itself.
@@ -63,20 +64,21 @@ class Planning:
                     and seq.may_plan_ahead(max_len)):
                 chosen.append((seq, 1))
                 budget -= 1
-        # chunked prefill of running sequences; under VTC, those of tenants served more than
-        # the tenant at the head of the queue go after its new work (a flood's long prompts
-        # in progress do not hold back a lighter tenant's next request)
+        # chunked prefill of running sequences; under VTC, those that rank after the head of
+        # the queue (a less important class, or the same class of a tenant served more) go
+        # after its new work (a flood's long prompts in progress do not hold back a lighter
+        # tenant's next request, nor batch prompts an interactive one)
         prefilling = [s for s in self.running if s.todo > 1 and s.may_plan_ahead(max_len)]
         later: list[Seq] = []
         if self.fair and self.waiting and prefilling:
-            head = self.vtc.of(self.waiting[0].tenant)
-            later = [s for s in prefilling if self.vtc.of(s.tenant) > head]
-            prefilling = [s for s in prefilling if self.vtc.of(s.tenant) <= head]
+            head = self._rank(self.waiting[0], now_ns)
+            later = [s for s in prefilling if self._rank(s, now_ns) > head]
+            prefilling = [s for s in prefilling if self._rank(s, now_ns) <= head]
         budget = self._prefill_chunks(prefilling, budget, chosen)
         claimed = self.running_slots()
         leased = self._leased_slots(claimed)
         over: list[set[str]] = []
-        share = self._step_shares(budget, claimed)
+        share = self._step_shares(budget, claimed, now_ns)
         taken: Counter[str] = Counter()               # new-work tokens per tenant this step
         started: list[int] = []                       # new work's places in chosen
         for seq in list(self.waiting):                # new work, in fair order
@@ -148,15 +150,22 @@ class Planning:
             return seq.tenant in over[0]
         return False
 
-    def _step_shares(self: SchedulerCore, budget: int,
-                     claimed: Counter[str]) -> dict[str, int] | None:
-        """Under VTC, tenants with new work ready whose counters are within one request of
-        the least served (the cost of that tenant's next prompt) are tied: each first gets
-        its weighted share of what the step has left for new prompts, and what the shares
-        leave then goes to the prompts started, in order. Without this, whichever tied
-        tenant sorts first takes the whole step with one long prompt, and a tied tenant's
-        short prompt waits a step more for its first token. Tenants served more than that
-        wait, as VTC has them. None: nobody is tied (or fcfs)."""
+    def _rank(self: SchedulerCore, seq: Seq, now_ns: int) -> tuple[int, float]:
+        """Where ``seq``'s work stands in the fair order: its class (aged), then its
+        tenant's counter."""
+        return seq.aged_priority(now_ns), self.vtc.of(seq.tenant)
+
+    def _step_shares(self: SchedulerCore, budget: int, claimed: Counter[str],
+                     now_ns: int = 0) -> dict[str, int] | None:
+        """Under VTC, tenants with new work ready whose first ready request is of the most
+        important class among those (aged, as ``_fair_order`` ranks them) and whose counters
+        are within one request of the least served of them (the cost of that tenant's next
+        prompt) are tied: each first gets its weighted share of what the step has left for
+        new prompts, and what the shares leave then goes to the prompts started, in order.
+        Without this, whichever tied tenant sorts first takes the whole step with one long
+        prompt, and a tied tenant's short prompt waits a step more for its first token.
+        Tenants served more than that, or whose work is of a less important class, wait,
+        as the fair order has them. None: nobody is tied (or fcfs)."""
         if not self.fair:
             return None
         heads: dict[str, Seq] = {}
@@ -164,6 +173,10 @@ class Planning:
             if (s.state is State.READY and s.tenant not in heads
                     and not self._at_running_cap(s, claimed)):
                 heads[s.tenant] = s
+        if len(heads) < 2:
+            return None
+        best = min(s.aged_priority(now_ns) for s in heads.values())
+        heads = {t: s for t, s in heads.items() if s.aged_priority(now_ns) == best}
         if len(heads) < 2:
             return None
         least = min(heads, key=self.vtc.of)
@@ -188,12 +201,26 @@ class Planning:
     def _fair_order(self: SchedulerCore, now_ns: int) -> None:
         """Put the waiting queue in the order its work will start, so that leases are asked
         in that order too: sequences rescued by urgency, then those back from preemption
-        (they hold work, and ran before), then fresh ones, each pick from the tenant that
-        is least served at that point (within its token rate first; ``fairness = "fcfs"``:
-        arrival order); within a tenant, the more important class first (admission has
-        aged its priority), then the earlier deadline, then arrival. Each pick charges its tenant its prompt, as starting it will, so one
-        tenant does not take a whole step of new prompts because it was least served when
-        the step began, and a tenant arriving with the lowest counter is asked for first."""
+        (they hold work, and ran before; among them the more important class first), then
+        fresh ones.
+
+        Fresh work is picked one request at a time. Under VTC the pick is the head of the
+        tenant that ranks first by: its head's class (``Seq.aged_priority`` at ``now_ns``:
+        the class's priority less the whole units its ``aging_per_s`` has earned since
+        arrival), then within that class a tenant within its token rate before one past
+        it, then the least served (its virtual counter), then arrival. So an interactive
+        request of a heavily served tenant starts before a barely served tenant's batch
+        work, VTC orders tenants within a class, and batch work that has waited long enough
+        ranks with, then ahead of, new interactive work: it cannot starve. Under ``fairness
+        = "fcfs"`` (ordered here only when tenants have token rates) classes do not cross
+        tenants: within token rate first, then arrival. Within a tenant: aged class, then
+        the earlier deadline, then arrival.
+
+        Each pick charges its tenant its prompt, as starting it will, so one tenant does not
+        take a whole step of new prompts because it was least served when the step began,
+        and a tenant arriving with the lowest counter is asked for first. The order is made
+        afresh at every plan (one sort per tenant, a heap over tenants), so aging moves a
+        request as soon as the next step; nothing from the last order is kept."""
         if len(self.waiting) < 2:
             return
         head, fresh = [], {}
@@ -202,21 +229,25 @@ class Planning:
                 head.append(seq)
             else:
                 fresh.setdefault(seq.tenant, deque()).append(seq)
-        head.sort(key=lambda s: not s.rescued)          # stable: rescued first
-        for queue in fresh.values():    # within a tenant: class, deadline, arrival
+        head.sort(key=lambda s: (not s.rescued, s.aged_priority(now_ns)))  # stable
+        for tenant, queue in fresh.items():    # within a tenant: class, deadline, arrival
             if len(queue) > 1:
-                queue = sorted(queue, key=lambda s: (s.priority, s.deadline_ns or _NEVER,
-                                                     s.arrival_ns, s.seq_id))
-                fresh[queue[0].tenant] = deque(queue)
+                fresh[tenant] = deque(sorted(queue, key=lambda s: (
+                    s.aged_priority(now_ns), s.deadline_ns or _NEVER, s.arrival_ns, s.seq_id)))
         now_s = now_ns / 1e9
+
+        def pick(tenant: str, seq: Seq, over: bool, counter: float) -> tuple:
+            level = seq.aged_priority(now_ns) if self.fair else 0
+            return level, over, counter, seq.arrival_ns, seq.seq_id, tenant
+
         picks = []
         for tenant, queue in fresh.items():
             counter = self.vtc.of(tenant) if self.fair else 0.0
-            heapq.heappush(picks, (self.over_rate(tenant, now_s), counter,
-                                   queue[0].arrival_ns, queue[0].seq_id, tenant))
+            picks.append(pick(tenant, queue[0], self.over_rate(tenant, now_s), counter))
+        heapq.heapify(picks)
         order = head
         while picks:
-            over, counter, _, _, tenant = heapq.heappop(picks)
+            _, over, counter, _, _, tenant = heapq.heappop(picks)
             queue = fresh[tenant]
             seq = queue.popleft()
             order.append(seq)
@@ -224,8 +255,7 @@ class Planning:
                 if self.fair:
                     counter += (max(seq.prompt_len - seq.num_computed, 0) * self.vtc.w_in
                                 / self.vtc.weight(tenant))
-                heapq.heappush(picks, (over, counter, queue[0].arrival_ns, queue[0].seq_id,
-                                       tenant))
+                heapq.heappush(picks, pick(tenant, queue[0], over, counter))
         self.waiting = deque(order)
 
     def _plan(self: SchedulerCore, chosen: list[tuple[Seq, int]], now_ns: int) -> StepPlan:

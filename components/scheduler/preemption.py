@@ -24,7 +24,15 @@ Urgency: a waiting request that is blocked (no KV, or no free running slot) and 
 its TTFT deadline waiting for a slot may preempt one running sequence of a lower class. It
 does so only when the step-cost model says the intervention (redoing the victim's work) costs
 less than the lateness it avoids, and when starting now would meet the deadline. Every such
-decision, taken or not, is kept in ``last_urgency`` with both estimates (the step span)."""
+decision, taken or not, is kept in ``last_urgency`` with both estimates (the step span).
+
+Aging is not importance. Victims and urgency compare the class's own ``priority`` (as
+admitted), never ``Seq.aged_priority``: aging is there so that waiting batch work gets to
+start (planning.py's fair order), and once started it is still batch work. A batch sequence
+that aged to rank with interactive work is preempted before an interactive one, and an
+interactive request about to miss its deadline may still preempt it. Preempted, it goes
+back ahead of all fresh work in the queue (it holds work), so the wait it aged through is
+not lost."""
 from __future__ import annotations
 
 import math
@@ -111,7 +119,8 @@ class Preempting:
         return None
 
     def victim_key(self: SchedulerCore):
-        """Sort key of running sequences; the largest is preempted first."""
+        """Sort key of running sequences; the largest is preempted first. Priority is the
+        class's, not aged (the module docstring)."""
         held = self.held_blocks()
         over = self.over_share()
 

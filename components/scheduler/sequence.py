@@ -146,7 +146,8 @@ class Seq:
     ingress_ns: int = 0             # arrival → the engine's queues, less admission's queue
     first_token_ns: int = 0
     index: int = 0                 # which of the request's n choices
-    priority: int = 0              # lower is more important
+    priority: int = 0              # lower is more important (its class's, as admitted)
+    aging_per_s: float = 0.0       # priority units its class gains per second waited
     deadline_ns: int = 0           # first token due by then (wall clock); 0: none
     tpot_slo_s: float | None = None  # its class's time-per-output-token objective
     public_scope: str = ""
@@ -172,6 +173,15 @@ class Seq:
             taken.add((self.state, event))
         self.state = nxt
         return nxt
+
+    def aged_priority(self, now_ns: int) -> int:
+        """The class it ranks with at ``now_ns``: its priority less the whole units its
+        class's ``aging_per_s`` has earned since arrival (admission's aging, continued; a
+        batch request, priority 1 aging 1/60, ranks with interactive work, 0, after 60 s
+        and ahead of it after 120 s). Its priority while ``now_ns`` is 0 (unknown)."""
+        if not self.aging_per_s or now_ns <= self.arrival_ns:
+            return self.priority
+        return self.priority - int(self.aging_per_s * ((now_ns - self.arrival_ns) / 1e9))
 
     @property
     def ended(self) -> bool:

@@ -174,11 +174,12 @@ class Simulator:
         params = tok.params
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
+        cls = self.policy.classes[d.service_class]
         self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
                                tok.block_hashes, params, tok.arrival_ns, (),
                                effective_deadline_ms(d),
-                               d.priority, "", 0, d.service_class,
-                               self.policy.classes[d.service_class].tpot_slo_ms))
+                               d.priority, "", 0, d.service_class, cls.tpot_slo_ms,
+                               aging_per_s=cls.aging_per_s))
 
     def _drain_queue(self) -> None:
         """Admission's queue: expire what waited too long, release what now fits."""

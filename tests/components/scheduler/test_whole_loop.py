@@ -91,6 +91,7 @@ class Cluster:
         self.inbox = {"from_kv": deque(), "from_executor": deque(), "from_client": deque()}
         self.kv_slots: dict[tuple[int, int], tuple[str, int]] = {}
         self.ex_seqs: dict[int, dict] = {}
+        self.announced: set[int] = set()       # seq ids a plan has introduced (new_seqs)
         self.tenant_of: dict[int, str] = {}
         self.request_of: dict[int, str] = {}
         self.requests: dict[str, dict] = {}
@@ -187,8 +188,12 @@ class Cluster:
                 else:
                     self.kv_slots.pop((c.dst, slot), None)
         for n in plan.new_seqs:
-            # a prompt owed its logprobs is computed whole, never read from the cache
-            assert n.prompt_logprobs is None or n.num_computed == 0, f"seed {self.seed}"
+            # a prompt owed its logprobs is computed whole, never read from the cache; one
+            # back from the host tier (a swap keeps its seq id) resumes on its own KV, its
+            # logprobs so far already taken
+            assert (n.prompt_logprobs is None or n.num_computed == 0
+                    or n.seq_id in self.announced), f"seed {self.seed}"
+            self.announced.add(n.seq_id)
             self.ex_seqs[n.seq_id] = dict(tokens=list(n.token_ids), done=n.num_computed,
                                           blocks=list(n.block_ids), tenant=self.tenant_of[n.seq_id],
                                           prompt_len=n.prompt_len, prompt_lp=n.prompt_logprobs,
