@@ -293,9 +293,16 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                        # deadline less this fraction (prediction error)
     classes: tuple[ServiceClass, ...] = ()    # none: one class, "default", no SLO
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
+    # the decode horizon (components/admission/live.py): admit a decoding sequence only
+    # while the decode step predicted with it stays within the tightest running class's
+    # TPOT SLO less tpot_headroom, and none while a running class's measured TPOT is over
+    # its SLO; false: only the KV and TTFT checks
+    decode_horizon: bool = True
+    tpot_headroom: float = 0.2
 
     def __post_init__(self) -> None:
         _require(self.max_outstanding >= 1, "admission.max_outstanding must be >= 1")
+        _require(0 <= self.tpot_headroom < 1, "admission.tpot_headroom must be in [0, 1)")
         _require(self.max_queued >= 0, "admission.max_queued must be >= 0")
         _require(0 < self.output_percentile <= 100, "admission.output_percentile in (0, 100]")
         _require(self.kv_safety >= 0, "admission.kv_safety must be >= 0")

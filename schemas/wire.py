@@ -97,6 +97,16 @@ class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):
     running_prefill_tokens: int = 0  # what its running sequences have left to prefill
 
 
+class DecodeRates(msgspec.Struct, frozen=True, array_like=True):
+    """The step-cost model's price of a decode step, linear in its shape: ``base_s +
+    per_seq_s × sequences + per_context_s × KV positions read``, so admission can
+    extrapolate the step to a batch it has not run."""
+
+    base_s: float
+    per_seq_s: float
+    per_context_s: float
+
+
 class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     """The scheduler's view of its backlog, sent to admission a few times a second so
     admission can predict time to first token. ``queued_prefill_tokens`` counts every
@@ -107,7 +117,18 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     rate, attention aside) and its attention at ``attention_s_per_pair`` per pair (query
     row × key it sees: a prompt of ``P`` new tokens after ``C`` cached has ``P·C +
     P(P+1)/2``), so a long context is not priced at a rate measured at zero context.
-    ``queued_prefill_pairs`` are the backlog's pairs."""
+    ``queued_prefill_pairs`` are the backlog's pairs.
+
+    The live engine, for admission's KV room and decode horizon (every field has a
+    default, so a report from a scheduler that predates them decodes, and admission then
+    checks neither): the pool as the kv_manager last reported it (``kv_free_blocks``:
+    what a lease can take now, evictable blocks included; ``kv_evictable_blocks``: of
+    those, the cached prefixes no sequence references, reclaimed on demand; -1: not
+    reported yet), the running batch's context (``running_context``: KV positions a decode
+    step of it reads), the cost model's ``decode_rates``, and what the decode steps of the
+    last few seconds measured: their mean time (``decode_measured_s``), measured ÷
+    predicted over them (``decode_error``), and per class the mean time of the steps its
+    decoding sequences were in (``tpot_s``: its streams' time per output token)."""
 
     running: int
     waiting: int
@@ -121,6 +142,13 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     awaiting_first_s: dict[str, float] = {}
     attention_s_per_pair: float = 0.0
     queued_prefill_pairs: int = 0
+    kv_free_blocks: int = -1
+    kv_evictable_blocks: int = -1
+    running_context: int = 0
+    decode_rates: DecodeRates | None = None      # None: the cost model has no rates yet
+    decode_measured_s: float = 0.0               # 0: no decode step in the window
+    decode_error: float = 1.0
+    tpot_s: dict[str, float] = {}
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
@@ -249,9 +277,16 @@ class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=F
 
 
 class KvGrants(msgspec.Struct, tag="kv_grants", frozen=True, gc=False):
+    """The answers to one ``KvOps`` (none for one of frees only, which still gets this
+    reply, so the pool's counts reach the scheduler when sequences end), and the pool after
+    it: ``free_blocks`` (a lease can take them; evictable ones included),
+    ``evictable_blocks`` (of those, cached prefixes no sequence references), host-tier
+    ``free_cpu_blocks``; -1: not said."""
+
     grants: list[KvGrant]
     free_blocks: int = -1
     free_cpu_blocks: int = -1
+    evictable_blocks: int = -1
 
 
 class StepSample(msgspec.Struct, frozen=True, array_like=True, gc=False):

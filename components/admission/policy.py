@@ -28,36 +28,48 @@ Policies (``admission.policy``):
                arrival) as capacity frees; one held by its own tenant's caps does not
                hold back other tenants' requests
   reject       with one reason: ``deadline_unmeetable``, ``tenant_token_budget``,
-               ``tenant_kv_budget``, ``queue_full``, ``overloaded``,
-               ``tenant_over_budget``, ``class_not_allowed``, or a validity reason
+               ``tenant_kv_budget``, ``queue_full``, ``overloaded``, ``kv_pressure``
+               (the live pool has no room for it), ``tpot_slo_at_risk`` (the decode
+               horizon), ``tenant_over_budget``, ``class_not_allowed``, or a validity
+               reason
   ===========  ===================================================================
 
   A queued request past its deadline or ``max_queue_ms`` ends ``deadline_expired``.
 
 KV reservation: an admitted request holds ``ceil((uncached prompt + n × expected output ×
 (1 + kv_safety)) / block_size)`` blocks of the pool (less the watermark) until it is
-released; a request starts only when its reservation fits, so growth past it is the
-exception preemption handles.
+released; a request starts only when its reservation fits, both the ledger's room and the
+live pool's (the kv_manager's free blocks less what the ledger still owes: ``live.py``), so
+growth past it is the exception preemption handles.
+
+Decode horizon (``live.py``): a request starts only when the decode step predicted with its
+``n`` sequences keeps the tightest running TPOT target (less ``tpot_headroom``), and while
+no running class's measured TPOT is over its target.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from components.admission.estimate import OutputStats, TokenBucket
+from components.admission.live import Horizon, LiveEngine
 from components.admission.queue import AdmissionQueue, Queued
 from components.admission.retry import DrainRate
 from components.admission.ttft import TtftModel
 from components.admission.validate import check_length, check_params
 from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
-from schemas.wire import HeldRequest, Rejected, Tokenized
+from schemas.wire import HeldRequest, Rejected, SchedulerLoad, Tokenized
 
 
 ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
 # what holds a request for its own tenant's caps, not the engine's capacity
 _TENANT_BLOCKERS = frozenset({"tenant_cap", "tenant_running", "tenant_kv"})
+# what a lower max_tokens can make fit
+_KV_BLOCKERS = frozenset({"kv", "tenant_kv", "kv_pressure"})
+# the reason a request held by the engine is rejected with, when its class does not queue
+_REJECTED_FOR = {"kv_pressure": "kv_pressure", "tpot": "tpot_slo_at_risk"}
 
 
 def headroom_pct(kept: float) -> str:
@@ -74,6 +86,8 @@ class Estimate:
     predicted_ttft_s: float | None       # None until the scheduler has measured its rates
     deadline_ms: float | None            # the request's own, else its class's (see deadline_ms)
     scheduler_ttft_s: float | None = None   # the backlog part alone, before the learned bias
+    decode_context: int = 0              # KV positions each of its sequences reads decoding
+    decode_step_s: float | None = None   # the decode step predicted with it (the horizon)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,7 @@ class AdmissionPolicy:
         self.reserved_blocks = 0
         self.tenant_blocks: Counter[str] = Counter()
         self.tenant_seqs: Counter[str] = Counter()
+        self.class_seqs: Counter[str] = Counter()      # admitted sequences by class
         self.releases = DrainRate()
         self.decisions: Counter[tuple[str, str]] = Counter()     # (kind, class) -> count
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
@@ -115,6 +130,7 @@ class AdmissionPolicy:
         self.vtc = VirtualCounters({t.name: t.weight for t in adm.tenants})   # queue order
         self.queue = AdmissionQueue(self.vtc)
         self.ttft = TtftModel(config, self.vtc)
+        self.live = LiveEngine(config)                 # the pool and the decode horizon
         kv = config.kv
         self.block_size = kv.block_size
         self.kv_capacity = kv.num_blocks - kv.watermark_blocks
@@ -125,6 +141,13 @@ class AdmissionPolicy:
         deadline and its class's ``late`` is ``drop``."""
         return self.kind == "deadline" and d.estimate.deadline_ms is not None \
             and self.classes[d.service_class].late == "drop"
+
+    def on_load(self, load: SchedulerLoad, now: float | None = None) -> str:
+        """The scheduler's load report (every 100 ms): the TTFT model's backlog and rates,
+        and the live pool and decode batch. Returns the ledger cross-check's verdict (""
+        when it agrees or cannot tell: ``LiveEngine.check``)."""
+        self.ttft.on_load(load, now)
+        return self.live.check(load, len(self.outstanding))
 
     # ------------------------------------------------------------------ decision
     def decide(self, req: Tokenized, cached: int, now: float) -> Decision:
@@ -225,19 +248,24 @@ class AdmissionPolicy:
                                 f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms; deadline "
                                 f"{est.deadline_ms:.0f} ms less {headroom_pct(headroom)} headroom",
                                 retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
-        blocker = self._blocker(req.tenant, tenant, est.kv_blocks, seqs)
+        blocker = self._blocker(req.tenant, tenant, est, seqs, cls.name)
         if blocker is None and self._behind_queue(req.tenant, base["priority"], est, now):
             blocker = "queue"                  # fits, but must not jump those waiting
         if blocker is None:
             return Decision(ACCEPT, "fits", **base)
-        if cls.may_degrade and blocker in ("kv", "tenant_kv"):
+        if cls.may_degrade and blocker in _KV_BLOCKERS:
             room = self._room(req.tenant, tenant)
             fit = self._degraded_tokens(req, est, room, cls)
             if fit is not None:
-                return self._degrade(req, cls, fit, base, "kv_capacity", now)
+                degraded = self._degrade(req, cls, fit, base, "kv_pressure"
+                                         if blocker == "kv_pressure" else "kv_capacity", now)
+                if degraded.kind == DEGRADE:
+                    return degraded
         if cls.max_queue_ms <= 0:
-            reason = "tenant_over_budget" if blocker.startswith("tenant") else "overloaded"
-            return self._reject(req, reason, f"no capacity now ({blocker}) and class "
+            reason = "tenant_over_budget" if blocker.startswith("tenant") else \
+                _REJECTED_FOR.get(blocker, "overloaded")
+            why = self._why(blocker, est, cls.name, seqs)
+            return self._reject(req, reason, f"no capacity now ({why}) and class "
                                 f"{cls.name!r} does not queue", retry=1, now=now, **base)
         if len(self.queue) >= self.config.admission.max_queued or \
                 self.queue.count(req.tenant) >= tenant.max_queued:
@@ -269,8 +297,18 @@ class AdmissionPolicy:
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
         raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached)
+        context = prompt + expected // 2           # each choice's mean over its decode
+        horizon = self._horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
-                        None if raw is None else raw + self.ttft.bias_s, deadline, raw)
+                        None if raw is None else raw + self.ttft.bias_s, deadline, raw,
+                        context, horizon.step_s if horizon is not None else None)
+
+    def _horizon(self, cls: str, n: int, context: int) -> Horizon | None:
+        """The decode horizon of ``n`` more sequences of ``cls`` (``LiveEngine.horizon``);
+        checked under the deadline policy only."""
+        if self.kind != "deadline":
+            return None
+        return self.live.horizon(cls, n, context, self.class_seqs)
 
     def deadline_ms(self, req: Tokenized, cls: ServiceClass, uncached: int,
                     cached: int) -> float | None:
@@ -297,12 +335,19 @@ class AdmissionPolicy:
     # ------------------------------------------------------------------ capacity
     def _room(self, name: str, tenant: TenantConfig) -> int:
         room = self.kv_capacity - self.reserved_blocks
+        live = self.live.kv_room(self.reserved_blocks)
+        if live is not None:
+            room = min(room, live)
         if tenant.kv_blocks:
             room = min(room, tenant.kv_blocks - self.tenant_blocks[name])
         return room
 
-    def _blocker(self, name: str, tenant: TenantConfig, blocks: int, seqs: int) -> str | None:
-        """What keeps a request of ``blocks`` and ``seqs`` from starting now, or None."""
+    def _blocker(self, name: str, tenant: TenantConfig, est: Estimate, seqs: int,
+                 cls: str) -> str | None:
+        """What keeps a request of class ``cls`` with estimate ``est`` and ``seqs``
+        sequences from starting now, or None. The decode horizon (``tpot``) comes before
+        the KV checks: a lower max_tokens does not shorten a step."""
+        blocks = est.kv_blocks
         if len(self.outstanding) >= self.config.admission.max_outstanding:
             return "engine_cap"
         if self.per_tenant[name] >= tenant.max_outstanding:
@@ -311,9 +356,25 @@ class AdmissionPolicy:
             return "tenant_running"
         if tenant.kv_blocks and self.tenant_blocks[name] + blocks > tenant.kv_blocks:
             return "tenant_kv"
+        horizon = self._horizon(cls, seqs, est.decode_context)
+        if horizon is not None and horizon.at_risk:
+            return "tpot"
         if self.reserved_blocks + blocks > self.kv_capacity:
             return "kv"
+        live = self.live.kv_room(self.reserved_blocks)
+        if live is not None and blocks > live:
+            return "kv_pressure"
         return None
+
+    def _why(self, blocker: str, est: Estimate, cls: str, seqs: int) -> str:
+        """What holds a request, for its rejection's message."""
+        if blocker == "kv_pressure":
+            return (f"it needs {est.kv_blocks} KV blocks; the pool has "
+                    f"{self.live.load.kv_free_blocks} free, "
+                    f"{self.live.kv_room(self.reserved_blocks)} of them neither owed to "
+                    f"admitted requests nor the watermark")
+        horizon = self._horizon(cls, seqs, est.decode_context) if blocker == "tpot" else None
+        return horizon.why(self.live.load) if horizon is not None else blocker
 
     def _behind_queue(self, tenant: str, priority: int, est: Estimate, now: float) -> bool:
         """Is a queued request that waits for the engine's capacity ahead of this one (which
@@ -330,7 +391,8 @@ class AdmissionPolicy:
             if item.req.tenant in capped:
                 continue
             blocker = self._blocker(item.req.tenant, self.tenants[item.req.tenant],
-                                    item.decision.estimate.kv_blocks, item.req.params.n)
+                                    item.decision.estimate, item.req.params.n,
+                                    item.decision.service_class)
             if blocker in _TENANT_BLOCKERS:
                 capped.add(item.req.tenant)
             elif blocker is not None:
@@ -359,12 +421,13 @@ class AdmissionPolicy:
         est: Estimate = base["estimate"]
         blocks = self._blocks(est.uncached_tokens, max_tokens, req.params.n)
         tenant = self.tenants[req.tenant]
-        if self._blocker(req.tenant, tenant, blocks, req.params.n) is not None:
+        degraded = replace(est, expected_output=max_tokens, kv_blocks=blocks,
+                           decode_context=est.decode_context - est.expected_output // 2
+                           + max_tokens // 2)
+        if self._blocker(req.tenant, tenant, degraded, req.params.n, cls.name) is not None:
             return self._reject(req, "overloaded", "no capacity even degraded", retry=1,
                                 now=now, **base)
-        est = Estimate(est.uncached_tokens, max_tokens, blocks, est.predicted_ttft_s,
-                       est.deadline_ms, est.scheduler_ttft_s)
-        return Decision(DEGRADE, why, cls.name, base["priority"], max_tokens, est)
+        return Decision(DEGRADE, why, cls.name, base["priority"], max_tokens, degraded)
 
     def _bucket(self, tenant: TenantConfig, now: float) -> TokenBucket | None:
         if tenant.token_rate <= 0:
@@ -397,6 +460,7 @@ class AdmissionPolicy:
                            len(req.prompt_token_ids) - decision.estimate.uncached_tokens)
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
+        self.live.admitted_since += 1
         if self.kind == "deadline" and (bucket := self._bucket(self.tenants[tenant], now)):
             bucket.take(decision.estimate.uncached_tokens
                         + seqs * decision.estimate.expected_output, now)
@@ -409,6 +473,7 @@ class AdmissionPolicy:
         self.reserved_blocks += entry.kv_blocks
         self.tenant_blocks[entry.tenant] += entry.kv_blocks
         self.tenant_seqs[entry.tenant] += entry.n
+        self.class_seqs[entry.service_class] += entry.n
 
     def released(self, request_ids: list[str], now: float,
                  output_tokens: dict[str, int] | None = None,
@@ -426,6 +491,7 @@ class AdmissionPolicy:
             self.reserved_blocks -= held.kv_blocks
             self.tenant_blocks[tenant] -= held.kv_blocks
             self.tenant_seqs[tenant] -= held.n
+            self.class_seqs[held.service_class] -= held.n
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(tenant, held.service_class,
                                      output_tokens[rid] // max(held.n, 1))
@@ -452,6 +518,7 @@ class AdmissionPolicy:
         self.reserved_blocks = 0
         self.tenant_blocks.clear()
         self.tenant_seqs.clear()
+        self.class_seqs.clear()
         self.ttft.forget_all()
 
     # ------------------------------------------------------------------ queue
@@ -518,12 +585,13 @@ class AdmissionPolicy:
         est = item.decision.estimate
         decision = Decision(ACCEPT, "released", item.decision.service_class,
                             item.decision.priority, item.decision.max_tokens, est)
-        blocker = self._blocker(item.req.tenant, tenant, est.kv_blocks, item.req.params.n)
+        blocker = self._blocker(item.req.tenant, tenant, est, item.req.params.n,
+                                item.decision.service_class)
         if blocker is None:
             return decision, None
         # a class that may degrade starts with a lower max_tokens once that fits
         cls = self.classes[item.decision.service_class]
-        if not (cls.may_degrade and blocker in ("kv", "tenant_kv")):
+        if not (cls.may_degrade and blocker in _KV_BLOCKERS):
             return None, blocker
         fit = self._degraded_tokens(item.req, est, self._room(item.req.tenant, tenant), cls)
         if fit is None:
@@ -552,6 +620,28 @@ class AdmissionPolicy:
                     for (reason, cls), v in self.rejections.items()})
         out.update({f"queue_depth.{cls}": v for cls, v in self.queue_depth.items()})
         out.update(self.ledger_stats())
+        out.update(self.live_stats())
+        return out
+
+    def live_stats(self) -> dict[str, float]:
+        """The live engine as admission sees it: the pool's free and evictable blocks, the
+        room a reservation has by it, the blocks it holds beyond the ledger's reservations
+        and the cross-check's mismatches (``live.py``); the decode batch's measured step,
+        each class's live TPOT and the knee (the batch the tightest running TPOT target
+        allows; -1 without rates)."""
+        live, load = self.live, self.live.load
+        out: dict[str, float] = {"kv.crosscheck_mismatches": live.mismatches}
+        if load.kv_free_blocks >= 0:
+            out["kv.live_free_blocks"] = load.kv_free_blocks
+            out["kv.live_evictable_blocks"] = load.kv_evictable_blocks
+            out["kv.live_room_blocks"] = live.kv_room(self.reserved_blocks)
+            out["kv.unreserved_blocks"] = live.unreserved_blocks(self.reserved_blocks)
+        if self.kind == "deadline" and live.enabled:
+            knee = live.knee(self.class_seqs)
+            out["horizon.knee_seqs"] = knee if knee is not None else -1
+        out["horizon.decode_measured_ms"] = round(load.decode_measured_s * 1e3, 2)
+        out["horizon.decode_error"] = round(load.decode_error, 3)
+        out.update({f"horizon.tpot_ms.{c}": round(v * 1e3, 2) for c, v in load.tpot_s.items()})
         return out
 
     def ledger_stats(self) -> dict[str, float]:

@@ -77,6 +77,28 @@ class AdmissionService(Component):
                 policy.ttft.load.prefill_tokens_per_s, 1),
             "weir.scheduler.decode_step_ms": round(policy.ttft.load.decode_step_s * 1e3, 2),
             "weir.admission.unreported_prefill_tokens": policy.ttft.unreported_tokens,
+            **self._live_attributes(d),
+        }
+
+    def _live_attributes(self, d: Decision) -> dict:
+        """The live engine the decision saw (``live.py``): the pool's counts and the room a
+        reservation had by it (-1: not reported yet), and the decode horizon: the step
+        predicted with the request (-1: not checked), the measured decode step, and the
+        measured TPOT of each class running."""
+        policy, live = self.policy, self.policy.live
+        load, room = live.load, live.kv_room(policy.reserved_blocks)
+        step = d.estimate.decode_step_s
+        return {
+            "weir.kv.free_blocks": load.kv_free_blocks,
+            "weir.kv.evictable_blocks": load.kv_evictable_blocks,
+            "weir.admission.kv_live_room_blocks": room if room is not None else -1,
+            "weir.admission.predicted_decode_step_ms":
+                round(step * 1e3, 2) if step is not None else -1.0,
+            "weir.scheduler.decode_measured_ms": round(load.decode_measured_s * 1e3, 2),
+            "weir.scheduler.running_seqs": load.running,
+            "weir.admission.admitted_seqs": sum(policy.class_seqs.values()),
+            **{f"weir.scheduler.tpot_ms.{c}": round(v * 1e3, 2)
+               for c, v in load.tpot_s.items()},
         }
 
     async def _admit(self, req: Tokenized, traceparent: str | None, cached: int | None,
@@ -208,7 +230,11 @@ class AdmissionService(Component):
                     if cancel.request_id in self.policy.outstanding:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
-                    self.policy.ttft.on_load(load, time.monotonic())
+                    if verdict := self.policy.on_load(load, time.monotonic()):
+                        log.warning("admission_ledger_mismatch", verdict=verdict,
+                                    outstanding=len(self.policy.outstanding),
+                                    reserved_kv_blocks=self.policy.reserved_blocks,
+                                    pool_used_blocks=self.policy.live.used_blocks)
                     if self.policy.queued:
                         await self._drain_queue()
                 case Holding(requests=held):          # after our restart: resume the ledger

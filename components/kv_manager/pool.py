@@ -160,6 +160,12 @@ class BlockPool:
         return self._tiers[GPU].free
 
     @property
+    def num_evictable(self) -> int:
+        """Of ``num_free``, the main-tier blocks that hold a cached prefix no sequence
+        references (taken, the oldest first, only when no plain block is left)."""
+        return len(self._tiers[GPU].cached)
+
+    @property
     def num_cpu_free(self) -> int:
         return self._tiers[CPU].free
 

@@ -94,9 +94,13 @@ class KvManagerService(Component):
         match body:
             case KvOps() as ops:
                 grants = self.handle(ops)
-                if grants:
+                if grants or (ops.frees and ops.epoch == self.epoch):
+                    # frees alone are answered too: the scheduler's load report carries the
+                    # pool's counts to admission, and a pool that drained without a later
+                    # allocation would read full there
                     await self.to_scheduler.send(KvGrants(grants, self.pool.num_free,
-                                                          self.pool.num_cpu_free))
+                                                          self.pool.num_cpu_free,
+                                                          self.pool.num_evictable))
                 await self._publish()
             case CacheQuery() as q:
                 cached = self.pool.cached_tokens(q.scope, q.block_hashes, q.token_ids,

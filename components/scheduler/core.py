@@ -129,7 +129,7 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                   aging_per_s=req.aging_per_s, deadline_ns=deadline_ns,
                   tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
                   public_scope=req.public_scope, public_blocks=req.public_blocks,
-                  held=req.held,
+                  held=req.held, service_class=req.service_class or "",
                   prompt_lps=None if req.params.prompt_logprobs is None else [],
                   ingress_ns=max(now_ns - req.arrival_ns - req.queued_ns, 0) if now_ns else 0)
         seq.group.append(seq)

@@ -178,6 +178,19 @@ class StepCostModel:
         coef = self._current()
         return max(coef[2], 0.0) if coef is not None else 0.0
 
+    def decode_rates(self) -> tuple[float, float, float] | None:
+        """A decode step's price as the model has it now, ``(base, per sequence, per KV
+        position read)`` in seconds: a decode row's token and sequence terms together, and
+        its attention and context terms together (``decode_shape``: tokens == sequences,
+        pairs == context; a window of decode steps tells only these sums apart, so they are
+        what it knows best). Without coefficients yet, the window's mean time per token
+        per sequence; None before any step or prior."""
+        coef = self._current()
+        if coef is None:
+            per_token = self.mean_per_token()
+            return (0.0, per_token, 0.0) if per_token > 0 else None
+        return (coef[0], coef[1] + coef[3], coef[2] + coef[4])
+
     def _current(self) -> list[float] | None:
         """The coefficients predictions use now; None while the model predicts from the
         time per token (no prior, too few steps) or not at all."""

@@ -1,14 +1,18 @@
 """What the scheduler reports to admission a few times a second: its backlog, and the rates
-the step-cost model measured, so admission can predict time to first token. Shared by the
-scheduler service and the replay simulator."""
+the step-cost model measured, so admission can predict time to first token; the pool's free
+and evictable blocks and what the decode steps measured, so it can reserve against the live
+pool and keep the running streams within their TPOT. Shared by the scheduler service and
+the replay simulator."""
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import (StepCostModel, decode_shape, prefill_shape,
                                              row_pairs)
-from schemas.wire import SchedulerLoad, TenantBacklog
+from components.scheduler.decode_window import DecodeWindow
+from schemas.wire import DecodeRates, SchedulerLoad, TenantBacklog
 
 LOAD_INTERVAL_S = 0.1
 AWAITING_MAX = 256          # requests listed by age in a report (the oldest)
@@ -32,15 +36,24 @@ def released_ttft(out: Outcome) -> dict[str, float]:
             and t.request_id in out.released}
 
 
+class PoolCounts(NamedTuple):
+    """The kv_manager's pool as it last said (``KvGrants``); -1: not said yet."""
+
+    free_blocks: int = -1
+    evictable_blocks: int = -1
+
+
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
-                now_ns: int | None = None) -> SchedulerLoad:
+                now_ns: int | None = None, window: DecodeWindow | None = None,
+                pool: PoolCounts = PoolCounts()) -> SchedulerLoad:
     """The backlog (waiting prefill, and what running sequences have left to prefill, in
     tokens and in attention pairs), the cost model's rates (a full chunk's tokens at zero
-    context, attention priced apart per pair, and a decode step of the running batch), and
-    per tenant its virtual counter and both parts of the backlog, so
+    context, attention priced apart per pair, and a decode step of the running batch, and
+    its decode rates), and per tenant its virtual counter and both parts of the backlog, so
     admission can tell which of it the fair order computes before a tenant's next request.
     With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
-    first token has waited since it arrived."""
+    first token has waited since it arrived. With ``window``: what the decode steps of its
+    last seconds measured (expired to ``now_ns``). ``pool``: the kv_manager's counts."""
     # one pass over each queue (a deep queue is when admission needs this most, and the
     # replay simulator builds one every 0.1 s of virtual time)
     timed = now_ns is not None
@@ -72,7 +85,15 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     decode_s = cost.predict(decode_shape(n_running or 1, context))
     awaiting = {rid: max(now_ns - arrival, 0) / 1e9
                 for arrival, rid in heapq.nsmallest(AWAITING_MAX, first)}
+    rates = cost.decode_rates()
+    if window is not None and now_ns is not None:
+        window.expire(now_ns)
     return SchedulerLoad(n_running, len(core.waiting),
                          sum(waiting.values()) + sum(running.values()),
                          budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting,
-                         cost.pair_s() if chunk_s > 0 else 0.0, pairs)
+                         cost.pair_s() if chunk_s > 0 else 0.0, pairs,
+                         pool.free_blocks, pool.evictable_blocks, context,
+                         DecodeRates(*rates) if rates is not None else None,
+                         window.measured_s() if window else 0.0,
+                         window.error() if window else 1.0,
+                         window.tpot_s() if window else {})

@@ -26,13 +26,15 @@ import structlog
 from components.scheduler.chunking import StepBudget, step_budget
 from components.scheduler.core import Outcome, Preemption, SchedulerCore, UrgencyDecision
 from components.scheduler.cost_model import StepShape, plan_shape
-from components.scheduler.load import released_outputs, released_ttft
+from components.scheduler.decode_window import DecodeWindow, decode_classes
+from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft
 from components.scheduler.usage import UsageStats
 from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
-                          Rejected, Released, StepPlan, StepResult, StopRequest, TokenBatch)
+                          Rejected, Released, SchedulerLoad, StepPlan, StepResult, StopRequest,
+                          TokenBatch)
 from weir.machine import usable_cores, usable_cpus
 
 log = structlog.get_logger("scheduler")
@@ -60,6 +62,7 @@ class PlannedStep(NamedTuple):
     in_flight_before: int      # steps already in flight when it was planned
     preempted: list[Preemption]
     urgency: list[UrgencyDecision]
+    decode_classes: frozenset[str] = frozenset()   # the classes of the sequences it decodes
 
 
 class Send(NamedTuple):
@@ -91,6 +94,8 @@ class SchedulerLoop:
         self.usage = UsageStats()
         self.kv_instance: int | None = None
         self.free_blocks = -1                   # as the kv_manager last said
+        self.evictable_blocks = -1
+        self.decodes = DecodeWindow()           # the last seconds' decode steps (load report)
         self.steps: dict[int, PlannedStep] = {}  # the steps in flight, oldest first
         self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
@@ -101,6 +106,12 @@ class SchedulerLoop:
 
     def hello(self) -> KvHello:
         return KvHello(self.core.epoch)
+
+    def load(self, now_ns: int) -> SchedulerLoad:
+        """The load report to admission at wall-clock ``now_ns`` (load.py)."""
+        return load_report(self.core, self.core.cost, self.cfg.max_num_batched_tokens,
+                           now_ns, self.decodes,
+                           PoolCounts(self.free_blocks, self.evictable_blocks))
 
     # ------------------------------------------------------------------ inputs
     def handle(self, body: object, now_ns: int, mono_ns: int) -> list[Send]:
@@ -115,8 +126,9 @@ class SchedulerLoop:
                         heapq.heappush(self.late, (seq.deadline_ns, req.request_id))
             case StepResult() as res:
                 out = self._on_result(res, sends, now_ns, mono_ns)
-            case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu):
-                self.free_blocks = free
+            case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu,
+                          evictable_blocks=evictable):
+                self.free_blocks, self.evictable_blocks = free, evictable
                 core.on_grants(grants, free_cpu)
             case StopRequest(request_id=rid, index=index):
                 out = core.stop(rid, index)
@@ -185,6 +197,7 @@ class SchedulerLoop:
         measured = (mono_ns - started) / 1e9
         self.last_step_s = measured
         core.cost.observe(step.shape, measured)
+        self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes)
         sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
                                               res.elapsed_ns / 1e9, res.step_id)))
         self.usage.sampled(core, res.seq_ids)
@@ -269,6 +282,9 @@ class SchedulerLoop:
             self.steps[plan.step_id] = PlannedStep(
                 mono_ns, shape, core.cost.predict(shape), budget,
                 [(seq.request_id, starts[seq.seq_id], seq.prompt_len) for seq in seqs], before,
-                core.last_preempted, core.last_urgency)
+                core.last_preempted, core.last_urgency, decode_classes(
+                    (st.num_tokens, starts[st.seq_id], seq.prompt_len,
+                     (seq.group[0] if seq.group else seq).service_class)
+                    for st, seq in zip(plan.steps, seqs)))
             self.usage.planned(core, plan)
         return plan

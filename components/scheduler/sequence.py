@@ -153,6 +153,7 @@ class Seq:
     public_scope: str = ""
     public_blocks: int = 0
     held: HeldRequest | None = None  # admission's ledger entry (the request's first seq only)
+    service_class: str = ""        # as admitted (the request's first seq; its forks read it)
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
     group: list["Seq"] = field(default_factory=list)   # every choice of the request

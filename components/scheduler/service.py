@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from bus.component import Component
-from components.scheduler.load import LOAD_INTERVAL_S, load_report
+from components.scheduler.load import LOAD_INTERVAL_S
 from components.scheduler.loop import SchedulerLoop, Send, StepDone
 from components.scheduler.sequence import ON_HOST
 from components.scheduler.step_trace import StepTracer
@@ -46,11 +46,9 @@ class SchedulerService(Component):
 
     async def _report_load(self) -> None:
         """Tell admission about the backlog, so it can predict time to first token."""
-        budget = self.config.scheduler.max_num_batched_tokens
         while True:
             await anyio.sleep(LOAD_INTERVAL_S)
-            await self.peers["admission"].send(load_report(self.core, self.core.cost, budget,
-                                                           time.time_ns()))
+            await self.peers["admission"].send(self.loop.load(time.time_ns()))
 
     async def _serve(self) -> None:
         while True:
@@ -64,9 +62,7 @@ class SchedulerService(Component):
                          step_costs=len(body.step_costs))
             await self._send(self.loop.handle(body, time.time_ns(), time.perf_counter_ns()))
             if isinstance(body, ExecutorReady):   # admission's rates now, not in 100 ms
-                await self.peers["admission"].send(load_report(
-                    self.core, self.core.cost, self.config.scheduler.max_num_batched_tokens,
-                    time.time_ns()))
+                await self.peers["admission"].send(self.loop.load(time.time_ns()))
 
     async def peer_restarted(self, name: str) -> None:
         await self._send(self.loop.peer_restarted(name, time.time_ns(), time.perf_counter_ns()))

@@ -32,8 +32,9 @@ from components.kv_manager.service import tenant_budgets
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import plan_shape
-from components.scheduler.load import (LOAD_INTERVAL_S, load_report, released_outputs,
-                                       released_ttft)
+from components.scheduler.decode_window import DecodeWindow, decode_classes
+from components.scheduler.load import (LOAD_INTERVAL_S, PoolCounts, load_report,
+                                       released_outputs, released_ttft)
 from schemas.config import WeirConfig
 from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
 from weir.replay.profile import CostProfile
@@ -64,13 +65,14 @@ class Simulator:
                               kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False,
                               tenant_blocks=tenant_budgets(config.admission))
         self.cost = self.core.cost                   # the scheduler's own, learning as live
+        self.decodes = DecodeWindow()                # its decode steps, for the load report
         self.timeline_points = timeline_points
         self.records: dict[str, RequestRecord] = {}
         self.last_token_ns: dict[str, int] = {}
         self.now = 0
         self._events: list[tuple[int, int, int, object]] = []
         self._order = 0
-        self._step: tuple[StepResult, object] | None = None
+        self._step: tuple[StepResult, object, float, frozenset[str]] | None = None
         self._load_tick = -1
         self.timeline: list[TimelinePoint] = []
         self.busy_ns = 0                             # virtual time with a step in flight
@@ -199,9 +201,10 @@ class Simulator:
         tick = self.now - self.now % _LOAD_NS
         if tick != self._load_tick:
             self._load_tick = tick
-            self.policy.ttft.on_load(load_report(self.core, self.cost,
-                                                 self.config.scheduler.max_num_batched_tokens,
-                                                 self.now), self.now / _NS)
+            self.policy.on_load(load_report(
+                self.core, self.cost, self.config.scheduler.max_num_batched_tokens, self.now,
+                self.decodes, PoolCounts(self.pool.num_free, self.pool.num_evictable)),
+                self.now / _NS)
 
     # ------------------------------------------------------------------ scheduler + kv
     def _settle_kv(self) -> bool:
@@ -237,13 +240,17 @@ class Simulator:
         by_seq = self.core.by_seq
         shape = plan_shape(plan, lambda seq_id: by_seq[seq_id].num_computed)
         seconds = max(self.profile.predict(shape), 1e-6)
+        rows = [(st.num_tokens, by_seq[st.seq_id]) for st in plan.steps]
+        classes = decode_classes((tokens, seq.num_computed, seq.prompt_len,
+                                  (seq.group[0] if seq.group else seq).service_class)
+                                 for tokens, seq in rows)
         seq_ids: list[int] = []
         for st in plan.steps:
             if st.sample:
                 seq_ids.extend([st.seq_id] * st.num_samples)
         ns = round(seconds * _NS)
         self._step = (StepResult(plan.step_id, seq_ids, [SAMPLED_TOKEN] * len(seq_ids), ns),
-                      shape)
+                      shape, self.cost.predict(shape), classes)
         self._close_idle(self.now)
         self.busy_ns += ns
         self.max_step_ns = max(self.max_step_ns, ns)
@@ -256,10 +263,11 @@ class Simulator:
         self._idle_since = None
 
     def _finish_step(self) -> None:
-        result, shape = self._step
+        result, shape, predicted, classes = self._step
         self._step = None
         self._idle_since = self.now             # until the next step starts (_pump, at once)
         self.cost.observe(shape, result.elapsed_ns / _NS)
+        self.decodes.step(self.now, result.elapsed_ns / _NS, predicted, classes)
         self._emit(self.core.on_result(result, self.now))
 
     # ------------------------------------------------------------------ outputs

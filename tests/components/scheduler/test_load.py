@@ -12,7 +12,7 @@ from bus.codec import Codec, encode
 from components.scheduler.cost_model import StepCostModel
 from components.scheduler.fairness import VirtualCounters
 from components.scheduler.load import load_report
-from schemas.wire import AdmissionMsg, SchedulerLoad, TenantBacklog
+from schemas.wire import AdmissionMsg, DecodeRates, SchedulerLoad, TenantBacklog
 
 
 def seq(tenant: str, remaining: int, num_tokens: int = 0, rid: str = "",
@@ -40,7 +40,8 @@ def test_load_report_splits_the_backlog_by_tenant():
             "b": TenantBacklog(50.0, True, 40, 0),
             "c": TenantBacklog(10.0, False, 0, 0)},
         # 300·301/2 + 40·41/2 + 500·501/2, and a's 200 left after 200 computed
-        queued_prefill_pairs=45150 + 820 + 125250 + (200 * 200 + 20100))
+        queued_prefill_pairs=45150 + 820 + 125250 + (200 * 200 + 20100),
+        running_context=400 + 90, decode_rates=DecodeRates(0.5, 0.0, 0.0))
 
 
 def test_load_report_prices_prefill_tokens_and_attention_apart():
