@@ -15,6 +15,9 @@ RejectReason = Literal[
     # deadline-aware admission (components/admission/policy.py)
     "deadline_unmeetable", "deadline_expired", "queue_full", "tenant_token_budget",
     "tenant_kv_budget", "class_not_allowed",
+    # admission against the live engine (components/admission/live.py): the pool has no
+    # room for it, or one more decoding sequence would put the running streams past TPOT
+    "kv_pressure", "tpot_slo_at_risk",
     # an idempotency key already names a different request (prompt or parameters)
     "idempotency_key_reused",
 ]

@@ -67,7 +67,8 @@ def _ensure_tracing() -> None:
 
 
 _RETRYABLE = ("overloaded", "tenant_over_budget", "queue_full",   # load: worth another
-              "tenant_token_budget")                              # try after Retry-After
+              "tenant_token_budget", "kv_pressure",               # try after Retry-After
+              "tpot_slo_at_risk")
 
 
 def _entry(e: TokenLogprob) -> dict[str, Any]:

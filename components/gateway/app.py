@@ -41,6 +41,7 @@ from weir.errors import RequestCancelled, RequestFailed, RequestRejected, Reques
 _REJECT_STATUS = {"tenant_over_budget": 429, "tenant_token_budget": 429,
                   "tenant_kv_budget": 429, "overloaded": 503, "draining": 503,
                   "queue_full": 503, "deadline_unmeetable": 503, "deadline_expired": 503,
+                  "kv_pressure": 503, "tpot_slo_at_risk": 503,
                   "unknown_tenant": 403, "class_not_allowed": 403,
                   # the IETF Idempotency-Key draft: a key reused with another payload
                   "idempotency_key_reused": 422}

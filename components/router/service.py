@@ -26,7 +26,7 @@ worker thread (the tokenizer releases the GIL): a legal 256K-character prompt ta
 a healthy replica lost and its reaper cancelled healthy clients.
 
 A rejection for load (admission's ``overloaded``, ``deadline_unmeetable``, ``queue_full``,
-``draining``) before the request was accepted is admission's ``route`` decision: the router
+``kv_pressure``, ``tpot_slo_at_risk``, ``draining``) before the request was accepted is admission's ``route`` decision: the router
 sends the request to the next replica, with what is left of its deadline. A replica silent
 for ``heartbeat_timeout_s`` (or one that restarted) is out: each request open on it ends
 ``failed`` and new requests go elsewhere. Each decision is a ``router.route`` span with the
@@ -68,7 +68,8 @@ log = structlog.get_logger("router")
 _TRACER = trace.get_tracer("weir.router")
 TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # rejections that say "not here, not now", not "never": another replica may take it
-REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining"})
+REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining",
+                     "kv_pressure", "tpot_slo_at_risk"})
 _LOAD_QUERY = "router-load"         # a load query's id: this, ':', when it was sent (ns)
 
 

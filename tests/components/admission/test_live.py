@@ -13,7 +13,7 @@ import pytest
 from components.admission.live import Horizon, knee
 from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
 from schemas.config import SLO_CLASSES, load_config
-from schemas.wire import DecodeRates, HeldRequest, SchedulerLoad
+from schemas.wire import DecodeRates, EventBatch, HeldRequest, SchedulerLoad
 from tests.components.admission.policies import req
 
 BS = 16
@@ -109,6 +109,14 @@ def test_worked_decision_with_healthy_streams_the_pool_alone_refuses_or_degrades
     d = p.decide(req("long-batch", cls="batch", **LONG), 0, 1.0)
     assert (d.kind, d.reason, d.max_tokens) == (DEGRADE, "kv_pressure", 160)   # 50 x 16 − 640
     assert p.held["long-batch"].kv_blocks == 50
+
+
+def test_the_new_reasons_cross_the_wire():
+    for tpot_s, reason in ((0.420, "tpot_slo_at_risk"), (0.150, "kv_pressure")):
+        rejected = worked(tpot_s).decide(req("long", **LONG), 0, 1.0).rejected
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(EventBatch([rejected])),
+                                      type=EventBatch)
+        assert wire.events == [rejected] and rejected.reason == reason
 
 
 def test_worked_decision_control_a_roomy_pool_and_healthy_streams_accept_it():
