@@ -627,8 +627,8 @@ class AdmissionPolicy:
         """The live engine as admission sees it: the pool's free and evictable blocks, the
         room a reservation has by it, the blocks it holds beyond the ledger's reservations
         and the cross-check's mismatches (``live.py``); the decode batch's measured step,
-        each class's live TPOT and the knee (the batch the tightest running TPOT target
-        allows; -1 without rates)."""
+        each class's live TPOT, the cost model's decode rates and the knee (the batch the
+        tightest running TPOT target allows; -1 without rates)."""
         live, load = self.live, self.live.load
         out: dict[str, float] = {"kv.crosscheck_mismatches": live.mismatches}
         if load.kv_free_blocks >= 0:
@@ -639,6 +639,10 @@ class AdmissionPolicy:
         if self.kind == "deadline" and live.enabled:
             knee = live.knee(self.class_seqs)
             out["horizon.knee_seqs"] = knee if knee is not None else -1
+        if (rates := load.decode_rates) is not None:
+            out["horizon.decode_base_ms"] = round(rates.base_s * 1e3, 3)
+            out["horizon.decode_per_seq_ms"] = round(rates.per_seq_s * 1e3, 4)
+            out["horizon.decode_per_position_us"] = round(rates.per_context_s * 1e6, 4)
         out["horizon.decode_measured_ms"] = round(load.decode_measured_s * 1e3, 2)
         out["horizon.decode_error"] = round(load.decode_error, 3)
         out.update({f"horizon.tpot_ms.{c}": round(v * 1e3, 2) for c, v in load.tpot_s.items()})

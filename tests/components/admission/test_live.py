@@ -206,6 +206,18 @@ def test_a_lone_request_past_the_knee_by_its_own_n():
     assert (d.kind, d.reason) == (REJECT, "tpot_slo_at_risk")
 
 
+def test_the_stats_show_the_rates_the_knee_and_the_live_steps():
+    p = policy()
+    at_knee(p, 20, running_context=20 * 500, decode_measured_s=0.1, decode_error=1.25,
+            tpot_s={"interactive": 0.1})
+    stats = p.live_stats()
+    assert {k: v for k, v in stats.items() if k.startswith("horizon.")} == {
+        "horizon.knee_seqs": 43,                 # (240 / 1.25 − 20) / 4
+        "horizon.decode_base_ms": 20.0, "horizon.decode_per_seq_ms": 4.0,
+        "horizon.decode_per_position_us": 0.0, "horizon.decode_measured_ms": 100.0,
+        "horizon.decode_error": 1.25, "horizon.tpot_ms.interactive": 100.0}
+
+
 def test_admitted_sequences_not_running_yet_count_and_so_does_context():
     p = policy()
     running(p, 50)
