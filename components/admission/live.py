@@ -38,7 +38,9 @@ decode steps (``decode_error``), and holds the request (queue, or reject
 running and the request's own, less ``admission.tpot_headroom``. The batch counted is the
 ledger's (every admitted sequence, running or about to; the scheduler's report when it
 counts more), at most ``scheduler.max_num_seqs``, each new sequence reading the request's
-prompt plus half its expected output. Admission also admits no decoding sequence while a
+prompt plus half its expected output. An idle engine (nothing admitted, nothing running)
+checks nothing: no stream is slowed, and the first request's steps are what correct rates
+learned on a machine that was slowed for a while. Admission also admits no decoding sequence while a
 running class's measured TPOT (``SchedulerLoad.tpot_s``) is over its target: the streams
 are already late (the first seed's worked decision: "if free KV were 5 percent and stream
 latency already broken, reject or degrade before doing expensive prefill"). With no rates
@@ -156,6 +158,11 @@ class LiveEngine:
         when nothing is checked (off, no decode rates yet, no TPOT target in play)."""
         load, rates = self.load, self.load.decode_rates
         if not self.enabled or rates is None:
+            return None
+        if load.running == 0 and not any(admitted.values()):
+            # an idle engine: no stream for it to slow, and waiting does not make its own
+            # step shorter; its steps are also what corrects a model that learned its rates
+            # on a machine slowed for a while (refusing here would keep them stale for good)
             return None
         running = [c for c, k in admitted.items() if k > 0 and c in self.targets]
         in_play = running + ([cls] if cls in self.targets else [])

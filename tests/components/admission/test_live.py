@@ -197,13 +197,19 @@ def test_accept_below_the_knee_reject_above_n_counting_n(before, n, kind):
     assert p.live_stats()["horizon.knee_seqs"] == 55
 
 
-def test_a_lone_request_past_the_knee_by_its_own_n():
+def test_n_counts_n_beside_a_running_stream_and_an_idle_engine_checks_nothing():
     p = policy()
     p.on_load(report(decode_rates=DecodeRates(0.020, 0.050, 0.0)))   # knee: 4 sequences
-    assert p.decide(req("four", prompt=16, max_tokens=16, n=4), 0, 1.0).kind == ACCEPT
-    p.released(["four"], 1.0)
-    d = p.decide(req("five", prompt=16, max_tokens=16, n=5), 0, 1.0)
+    assert p.decide(req("one", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("three", prompt=16, max_tokens=16, n=3), 0, 1.0).kind == ACCEPT
+    p.released(["three"], 1.0)
+    d = p.decide(req("four", prompt=16, max_tokens=16, n=4), 0, 1.0)    # 1 + 4 > 4
     assert (d.kind, d.reason) == (REJECT, "tpot_slo_at_risk")
+    # alone, even past the knee by its own n: no stream to slow, and waiting would not
+    # make its steps shorter (its steps are also what correct rates learned on a machine
+    # slowed for a while: refusing every request on an idle engine kept them stale)
+    p.released(["one"], 1.0)
+    assert p.decide(req("five", prompt=16, max_tokens=16, n=5), 0, 1.0).kind == ACCEPT
 
 
 def test_the_stats_show_the_rates_the_knee_and_the_live_steps():
