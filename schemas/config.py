@@ -240,10 +240,9 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 DEFAULT_CLASS = ServiceClass("default")      # what a config that names no classes runs
 
-# The SLO-first classes (issue 44's intended default; not yet the default: see
-# docs/ARCHITECTURE.md, "SLO-first classes"): ``classes`` set to these with ``policy =
-# "deadline"``. A request that names no class and no deadline runs as its tenant's default,
-# the first, ``interactive``.
+# The SLO-first classes, what a config that names none runs (with ``policy = "deadline"``,
+# the default): a request that names no class and no deadline runs as its tenant's
+# default, the first, ``interactive``.
 # - interactive: a first token within 3 s and then a token every 300 ms at worst (the
 #   targets the trace comparisons are scored at: aiperf's goodput with TTFT <= 3 s and
 #   ITL <= 300 ms); never queued in admission (a request that cannot start in time is
@@ -284,14 +283,14 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # see components/admission/policy.py; "fcfs" (accept whatever the caps allow) is the
     # baseline the replay and simulator compare against
-    policy: Literal["fcfs", "deadline"] = "fcfs"
+    policy: Literal["fcfs", "deadline"] = "deadline"
     max_outstanding: int = 512
     max_queued: int = 256              # requests held in admission's queue, all tenants
     output_percentile: float = 90.0    # expected output: this percentile of recent outputs
     kv_safety: float = 0.1             # margin on the expected output's KV reservation
     ttft_headroom: float = 0.2         # accept only if the predicted TTFT is within the
                                        # deadline less this fraction (prediction error)
-    classes: tuple[ServiceClass, ...] = ()    # none: one class, "default", no SLO
+    classes: tuple[ServiceClass, ...] = SLO_CLASSES   # [] : one class, "default", no SLO
     tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
     # the decode horizon (components/admission/live.py): admit a decoding sequence only
     # while the decode step predicted with it stays within the tightest running class's

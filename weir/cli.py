@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
             kv={"num_blocks": args.num_blocks, "memory_gib": args.kv_memory_gib,
                 "cpu_memory_gib": args.kv_cpu_memory_gib},
             scheduler={"step_log": args.step_log},
+            admission={"policy": args.admission_policy},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")})
         config = sized(config)
     except ConfigError as exc:
@@ -399,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append each step's shape and time to this JSONL (weir calibrate)")
     s.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible gateway port (default $WEIR_HTTP_PORT or 8000)")
+    s.add_argument("--admission-policy", choices=["deadline", "fcfs"], default=None,
+                   help="admission.policy: deadline (the default: SLO classes, refuse what "
+                        "cannot start in time) or fcfs (the baseline: accept under the caps)")
     s.set_defaults(func=_serve)
 
     ro = sub.add_parser("route", help="one endpoint in front of several engines: cache-aware "

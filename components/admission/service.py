@@ -59,7 +59,11 @@ class AdmissionService(Component):
             "weir.admission.predicted_ttft_ms": round(est.predicted_ttft_s * 1e3, 2)
             if est.predicted_ttft_s is not None else -1.0,
             "weir.admission.ttft_bias_ms": round(policy.ttft.bias_s * 1e3, 2),
+            # the deadline decided on (the request's own, else its class's), and the
+            # client's own alone (what a replay of this traffic sends again)
             "weir.admission.deadline_ms": round(est.deadline_ms) if est.deadline_ms is not None
+            else -1,
+            "weir.request.deadline_ms": round(req.deadline_ms) if req.deadline_ms is not None
             else -1,
             "weir.admission.queue_position": policy.queue_position(req.request_id),
             "weir.admission.queued": policy.queued,

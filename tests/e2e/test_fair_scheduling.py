@@ -96,6 +96,9 @@ num_blocks = 512
 fairness = "{fairness}"
 max_num_seqs = {slots}
 [admission]
+# the scheduler's fairness alone: admission lets every request in (the default deadline
+# policy would refuse A's flood past its running cap, which its class does not queue)
+policy = "fcfs"
 max_outstanding = 256
 tenants = [{{ name = "A", weight = 1.0, kv_blocks = {kv}, max_running = {cap} }}, {{ name = "B", weight = 2.0 }}]
 """

@@ -1,13 +1,16 @@
-"""Overload, live, under the SLO-first interactive class (policy "deadline"; TTFT 3 s,
-TPOT 300 ms, never queued, late work dropped: ``schemas.config.SLO_CLASSES``), scaled
-to this CPU.
+"""Overload, live, as a new user meets it: ``weir serve`` with no config (the SLO-first
+defaults: policy "deadline", the default class ``interactive``, TTFT 3 s, TPOT 300 ms,
+never queued, late work dropped: ``schemas.config.SLO_CLASSES``), driven over the
+OpenAI-compatible HTTP gateway with streamed completions, scaled to this CPU.
 
 1. Capacity: the rate of completions within the SLO when far more is offered.
 2. At capacity for 10 s: the SLO-meeting completions per second (goodput).
-3. At 3x capacity for 30 s: rejections return fast (p99 < 50 ms), at least 95% of the
-   accepted requests meet their TTFT SLO; goodput is at least 80% of goodput at capacity.
-   The worst 4-second window (by send time) is reported, not yet asserted: issue 44 asks
-   for 90% in each, and one run here had a window under it (212 of 217 met overall).
+3. At 3x capacity for 30 s: refusals (429/503 with Retry-After) return fast (p99 < 50
+   ms); at least 95% of the accepted requests meet their TTFT SLO, and at least 90% in
+   every 4-second window by send time (misses that cluster in time are the second seed's
+   oscillation); goodput is at least 80% of goodput at capacity. A request the engine
+   accepted and then dropped for its deadline (a 503 ``deadline_expired``: the interactive
+   class never queues, so only a late drop ends so) counts as accepted and missed.
 4. After the burst, TTFT is back to normal within 5 s.
 
 What made 3 hold: the TTFT prediction counts what admission let in since the scheduler's
@@ -16,29 +19,24 @@ accepted met the SLO: on two cores most of a request's wait at 3x is in the proc
 the scheduler, which the backlog model cannot see."""
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import time
 import warnings
 
 import anyio
+import httpx
 import pytest
 
 from schemas.config import SLO_CLASSES
+from tests.e2e.conftest import free_port
 from tests.e2e.engine import Engine
-from weir.errors import RequestRejected
 
 pytestmark = pytest.mark.slow
 
-INTERACTIVE = SLO_CLASSES[0]                 # the SLO-first interactive class
-SLO_MS, TPOT_MS = INTERACTIVE.ttft_slo_ms, INTERACTIVE.tpot_slo_ms
-CONFIG = f"""
-[engine]
-max_model_len = 1024
-[admission]
-policy = "deadline"
-classes = [{{ name = "interactive", ttft_slo_ms = {SLO_MS:g}, tpot_slo_ms = {TPOT_MS:g} }}]
-"""
+INTERACTIVE = SLO_CLASSES[0]                 # the default class of a config that names none
+SLO_MS = INTERACTIVE.ttft_slo_ms
 WINDOW_S = 4.0
 PROMPT, OUTPUT = 96, 8
 
@@ -48,57 +46,87 @@ class RetriedScenario(UserWarning):
     shows it, with the first attempt's report, even where the retry passed)."""
 
 
+def default_engine(run_dir) -> Engine:
+    """``weir serve`` as shipped: no config beyond the gateway's port."""
+    return Engine(run_dir, "", http_port=free_port())
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, model_path):
-    e = Engine(tmp_path_factory.mktemp("overload"), CONFIG)
+    e = default_engine(tmp_path_factory.mktemp("overload"))
     yield e
     e.stop()
 
 
 class Phase:
     def __init__(self) -> None:
-        self.ttft: list[float] = []          # accepted and completed: seconds
-        self.rejected: list[float] = []      # seconds to the rejection
+        self.ttft: list[float] = []          # accepted: seconds (inf: dropped late)
+        self.rejected: list[float] = []      # seconds to the refusal
         self.reasons: list[str] = []
-        self.engine: list[float] = []        # the engine's own arrival → first token
+        self.no_retry_after: int = 0         # refusals without a Retry-After header
         self.missed: list[tuple[float, float]] = []   # (sent, after the phase's start; TTFT)
-        self.sent: list[float] = []          # accepted and completed: sent at, in the phase
+        self.sent: list[float] = []          # accepted: sent at, in the phase
+        self.dropped = 0                     # accepted, then ended deadline_expired
 
     @property
     def met(self) -> int:
-        """Accepted and completed within the SLO."""
+        """Accepted and answered within the SLO."""
         return len(self.ttft) - len(self.missed)
 
     def worst_window(self, seconds: float) -> tuple[float, int]:
         """The lowest share of the accepted that met the SLO in any ``seconds``-long window
-        of send times (and how many were accepted in it): misses that cluster in time (the
-        second seed's oscillation) show here, where a whole-run share averages them out."""
+        of send times (and how many were accepted in it)."""
         windows: dict[int, list[bool]] = {}
         for sent, ttft in zip(self.sent, self.ttft):
             windows.setdefault(int(sent // seconds), []).append(ttft * 1e3 <= SLO_MS)
         return min(((sum(w) / len(w), len(w)) for w in windows.values()), default=(1.0, 0))
 
 
-async def offer(c, rate: float, seconds: float, seed: int) -> Phase:
+async def first_token(http: httpx.AsyncClient, ids: list[int]) -> tuple[int, str, bool]:
+    """Send one streamed completion; return at its first text chunk (or its refusal): the
+    status, the refusal's code (or ""), and whether a refusal carried Retry-After. The
+    rest of the stream is read to its end, as a client would."""
+    body = {"model": "default", "prompt": ids, "max_tokens": OUTPUT, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            err = json.loads(await r.aread()).get("error", {})
+            return r.status_code, str(err.get("code") or err.get("type")), \
+                "retry-after" in r.headers
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return 200, str(chunk["error"].get("code")), False
+                break
+        async for _ in r.aiter_lines():
+            pass
+        return 200, "", False
+
+
+async def offer(http: httpx.AsyncClient, rate: float, seconds: float, seed: int) -> Phase:
     """Open loop at ``rate`` requests/s for ``seconds``."""
     phase, rng = Phase(), random.Random(seed)
 
     async def one(i: int) -> None:
         ids = [rng.randrange(1000, 40000) for _ in range(PROMPT)]
         t0 = time.perf_counter()
-        try:
-            r = await c.generate(prompt_token_ids=ids, max_tokens=OUTPUT, ignore_eos=True,
-                                 temperature=0.0)
-        except RequestRejected as err:
-            phase.rejected.append(time.perf_counter() - t0)
-            phase.reasons.append(err.reason)
-            return
-        phase.ttft.append(r.ttft_ms / 1e3)
+        status, code, retry_after = await first_token(http, ids)
+        took = time.perf_counter() - t0
+        if status != 200 or code:
+            if code == "deadline_expired":       # admitted, then dropped past its deadline
+                phase.dropped += 1
+                took = float("inf")
+            else:
+                assert status in (429, 503), (status, code)
+                phase.rejected.append(took)
+                phase.reasons.append(code)
+                phase.no_retry_after += not retry_after
+                return
+        phase.ttft.append(took)
         phase.sent.append(t0 - start)
-        if r.ttft_ms > SLO_MS:
-            phase.missed.append((round(t0 - start, 2), round(r.ttft_ms / 1e3, 2)))
-        if r.timing is not None:
-            phase.engine.append(r.timing.queue_s + r.timing.prefill_s)
+        if took * 1e3 > SLO_MS:
+            phase.missed.append((round(t0 - start, 2), round(took, 2)))
 
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -128,9 +156,8 @@ async def scenario(c) -> tuple[float, Phase, Phase, float, float | None]:
     end = time.perf_counter()
     while time.perf_counter() - end < 10.0:                     # probe until normal
         t0 = time.perf_counter()
-        r = await c.generate(prompt_token_ids=[1000 + i for i in range(PROMPT)],
-                             max_tokens=OUTPUT, ignore_eos=True, temperature=0.0)
-        if r.ttft_ms / 1e3 <= 1.5 * baseline + 0.1:
+        status, code, _ = await first_token(c, [1000 + i for i in range(PROMPT)])
+        if status == 200 and not code and time.perf_counter() - t0 <= 1.5 * baseline + 0.1:
             recovered_after = t0 - end
             break
         await anyio.sleep(0.25)
@@ -147,8 +174,9 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
               f"{sorted(set(burst.reasons))}); baseline TTFT {baseline * 1e3:.0f} ms; "
               f"recovered after {recovered}; missed at 3x (sent s, TTFT s): {burst.missed}; "
               f"worst {WINDOW_S:g} s window at 3x {burst.worst_window(WINDOW_S)}; "
-              f"3x TTFT p50 {statistics.median(burst.ttft) if burst.ttft else 0:.3f} s "
-              f"(engine's own {statistics.median(burst.engine) if burst.engine else 0:.3f} s)")
+              f"3x TTFT p50 {statistics.median(burst.ttft) if burst.ttft else 0:.3f} s; "
+              f"dropped late at 3x {burst.dropped}; refusals without Retry-After "
+              f"{burst.no_retry_after}")
     checks = {
         "capacity > 0.5 req/s": capacity > 0.5,
         "the burst is refused in part": bool(burst.rejected),
@@ -156,6 +184,8 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
         and p99(burst.rejected) < 0.050,
         "at capacity >= 95% meet the SLO": at_cap.met >= 0.95 * len(at_cap.ttft),
         "at 3x >= 95% of the accepted meet the SLO": burst.met >= 0.95 * len(burst.ttft),
+        "at 3x >= 90% in every 4 s window": burst.worst_window(WINDOW_S)[0] >= 0.90,
+        "every refusal carries Retry-After": burst.no_retry_after == 0,
 
         "goodput at 3x >= 80% of it at capacity": burst.met / 30.0 >= 0.8 * at_cap.met / 10.0,
         "TTFT normal within 5 s after": recovered is not None and recovered <= 5.0,
@@ -178,7 +208,9 @@ def test_overload_at_3x_capacity(engine, tmp_path_factory):
     (met/6 s on nine floods, three fresh engines: 7.7-15.2 req/s; one fresh second run also
     drew 2.83; at 14.83 the 10 s at "capacity" was overload, 87 of 102 met)."""
     async def attempt_on(eng):
-        async with eng.async_client(max_retries=0) as c:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=eng.base_url, timeout=120,
+                                     limits=limits) as c:
             return judge(*await scenario(c))
 
     report, broken = anyio.run(attempt_on, engine)
@@ -188,7 +220,7 @@ def test_overload_at_3x_capacity(engine, tmp_path_factory):
         warnings.warn(f"overload attempt 1 broke: {'; '.join(broken)}: {report}",
                       RetriedScenario, stacklevel=1)
         engine.stop()                # its processes would share the two cores with the next
-        fresh = Engine(tmp_path_factory.mktemp("overload-again"), CONFIG)
+        fresh = default_engine(tmp_path_factory.mktemp("overload-again"))
         try:
             report, broken = anyio.run(attempt_on, fresh)
         finally:

@@ -28,9 +28,14 @@ pytestmark = pytest.mark.slow
 TRACE = Path(__file__).resolve().parents[1] / "weir" / "replay" / "data" / \
     "mooncake_conversation_head.jsonl"
 SCALING = Scaling(length=1 / 64, time=2.0, block_size=512, seed=3)
+# fcfs admission, as `weir calibrate` runs its engine: the calibration workload (decode
+# batches of 32 at once) measures steps, and the default deadline policy would refuse most
+# of it; the simulator then runs the same policy as the live engine
 CONFIG = """
 [engine]
 max_model_len = 1024
+[admission]
+policy = "fcfs"
 [scheduler]
 max_num_batched_tokens = 256
 max_num_seqs = 32

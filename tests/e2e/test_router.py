@@ -33,6 +33,10 @@ num_threads = 1
 [scheduler]
 max_num_batched_tokens = 256
 [admission]
+# routing alone: the replicas admit under their caps (fcfs), so where a request runs and
+# how long it waits are the router's doing, not a deadline policy refusing work on a
+# 64-block, one-thread replica
+policy = "fcfs"
 max_outstanding = 40
 tenants = [{ name = "default" }, { name = "acme" }, { name = "globex" }, { name = "initech" }]
 """

@@ -77,7 +77,11 @@ def test_one_request_is_one_whole_trace(traced):
     decide = next(s for s in mine if s["name"] == "admission.decide")["attributes"]
     assert decide["weir.admission.decision"] == "accept" and decide["weir.tenant"] == "default"
     assert decide["gen_ai.request.max_tokens"] == 6
-    assert decide["weir.admission.deadline_ms"] == -1 and "weir.admission.predicted_ttft_ms" in decide
+    # no deadline of its own: it runs on its class's (the default interactive, 3 s)
+    assert decide["weir.service_class"] == "interactive"
+    assert decide["weir.request.deadline_ms"] == -1
+    assert decide["weir.admission.deadline_ms"] == 3000
+    assert "weir.admission.predicted_ttft_ms" in decide
     # the scheduler's step spans live on the engine trace and link to this request
     steps = [s for s in spans if s["name"] == "scheduler.step"
              and any(link["span_id"] == root["span_id"] for link in s["links"])]

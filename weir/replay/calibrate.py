@@ -90,7 +90,10 @@ def calibrate(config: str | None, out: Path, *, model: str | None = None,
     steps = Path(tempfile.mkdtemp(prefix="weir-calibrate-")) / "steps.jsonl"
     log("starting a local engine ...")
     started = time.monotonic()
-    with LocalEngine(config, extra_args=("--step-log", str(steps), *extra_args)) as engine:
+    # fcfs admission: the workload measures steps (decode batches up to max_num_seqs, past
+    # the pool and any class's SLO), not the policy, which would refuse most of it
+    with LocalEngine(config, extra_args=("--step-log", str(steps), "--admission-policy",
+                                         "fcfs", *extra_args)) as engine:
         anyio.run(_workload, engine.endpoint, engine.service_key,
                   cfg.scheduler.max_num_batched_tokens, cfg.engine.max_model_len,
                   cfg.scheduler.max_num_seqs, quick, log)

@@ -370,7 +370,10 @@ def _decision(attrs: dict) -> dict:
     fields = {"input_tokens": _count(attrs["gen_ai.usage.input_tokens"],
                                      "admission.decide span's gen_ai.usage.input_tokens"),
               "max_tokens": optional("gen_ai.request.max_tokens", 1),
-              "deadline_ms": optional("weir.admission.deadline_ms", 0)}
+              # the client's own deadline; an export from before it was recorded apart has
+              # only the one decided on (the class's, where the request set none)
+              "deadline_ms": optional("weir.request.deadline_ms" if "weir.request.deadline_ms"
+                                      in attrs else "weir.admission.deadline_ms", 0)}
     for key, field in (("weir.tenant", "tenant"), ("weir.service_class", "service_class")):
         if key in attrs:
             fields[field] = _text(attrs[key], f"admission.decide span's {key}")

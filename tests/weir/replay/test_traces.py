@@ -238,10 +238,10 @@ async def test_span_export_written_by_the_engines_own_tracing(tmp_path, monkeypa
     provider.shutdown()
     assert load_trace(out) == [
         TraceRequest(index=0, arrival_s=0.0, input_tokens=11, output_tokens=32,
-                     tenant="default", service_class="default", deadline_ms=250,
+                     tenant="default", service_class="interactive", deadline_ms=250,
                      max_tokens=32, source=f"{out}:2"),
         TraceRequest(index=1, arrival_s=1.25, input_tokens=5, output_tokens=2,
-                     tenant="default", service_class="default", max_tokens=16,
+                     tenant="default", service_class="interactive", max_tokens=16,
                      source=f"{out}:1")]
 
 
