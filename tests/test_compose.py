@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from schemas.config import COMPONENTS, load_config
+from schemas.config import COMPONENTS, SLO_CLASSES, load_config
 from tests.deploy import weir_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,9 @@ def test_compose_topology_config_is_tcp_and_traced():
     assert t.client_connect == "tcp://streamer:7450"
     assert cfg.telemetry.exporter == "otlp" and "otel-collector" in cfg.telemetry.otlp_endpoint
     assert cfg.gateway.host == "0.0.0.0"
+    # the stack ships the SLO-first defaults, as weir serve with no config does
+    assert cfg.admission == load_config(topology={"run_dir": "/tmp"}).admission
+    assert cfg.admission.policy == "deadline" and cfg.admission.classes == SLO_CLASSES
 
 
 def _mounted(svc: dict, host_path: str) -> str:

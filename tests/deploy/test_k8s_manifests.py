@@ -13,6 +13,7 @@ import kubernetes_validate  # the test extra (pyproject.toml): bundles the schem
 import pytest
 import yaml
 
+from schemas.config import SLO_CLASSES
 from tests.deploy import weir_toml
 from tests.deploy.kustomize import render, render_kubectl, render_py
 
@@ -355,6 +356,8 @@ def test_configs_match_between_router_and_replicas(rendered):
     assert replica.kv.block_size == router.kv.block_size
     assert router.router.policy == "cache_aware"
     assert replica.security.curve and router.security.curve
+    # the replicas run the SLO-first defaults (deadline admission, SLO_CLASSES)
+    assert replica.admission.policy == "deadline" and replica.admission.classes == SLO_CLASSES
     if name == "overlays/gpu":
         assert (replica.engine.device, replica.engine.dtype) == ("cuda", "bfloat16")
     else:
