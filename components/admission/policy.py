@@ -52,6 +52,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from components.admission.estimate import OutputStats, TokenBucket
 from components.admission.live import Horizon, LiveEngine
 from components.admission.queue import AdmissionQueue, Queued
@@ -60,7 +62,7 @@ from components.admission.ttft import TtftModel
 from components.admission.validate import check_length, check_params
 from components.scheduler.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
-from schemas.wire import HeldRequest, Rejected, SchedulerLoad, Tokenized
+from schemas.wire import Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized
 
 
 ACCEPT, DEGRADE, QUEUE, REJECT = "accept", "degrade", "queue", "reject"
@@ -141,6 +143,21 @@ class AdmissionPolicy:
         deadline and its class's ``late`` is ``drop``."""
         return self.kind == "deadline" and d.estimate.deadline_ms is not None \
             and self.classes[d.service_class].late == "drop"
+
+    def admitted(self, req: Tokenized, d: Decision, queued_s: float = 0.0) -> Admitted:
+        """What the scheduler gets for ``req``, admitted as ``d`` after ``queued_s`` in the
+        queue: its cap, the deadline decided on, its class's TPOT target, aging and late
+        rule, and its ledger entry. The admission service and the replay simulator both
+        send this, so the simulated scheduler drops and ages what the live one does."""
+        params = req.params
+        if d.max_tokens != params.max_tokens:
+            params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
+        cls = self.classes[d.service_class]
+        return Admitted(req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
+                        params, req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d),
+                        d.priority, req.public_scope, req.public_blocks, d.service_class,
+                        cls.tpot_slo_ms, int(queued_s * 1e9), held=self.held.get(req.request_id),
+                        drop_late=self.drops_late(d), aging_per_s=cls.aging_per_s)
 
     def on_load(self, load: SchedulerLoad, now: float | None = None) -> str:
         """The scheduler's load report (every 100 ms): the TTFT model's backlog and rates,

@@ -6,17 +6,14 @@ from __future__ import annotations
 import time
 
 import anyio
-import msgspec
 import structlog
 from opentelemetry import trace
 
 from bus import tracing
 from bus.component import Component
-from components.admission.policy import (DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision,
-                                         effective_deadline_ms)
-from schemas.wire import (Accepted, AdmissionMsg, Admitted, CacheAnswer, CacheQuery,
-                          CancelRequest, EventBatch, Holding, Released, SchedulerLoad,
-                          Tokenized)
+from components.admission.policy import DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision
+from schemas.wire import (Accepted, AdmissionMsg, CacheAnswer, CacheQuery, CancelRequest,
+                          EventBatch, Holding, Released, SchedulerLoad, Tokenized)
 
 log = structlog.get_logger("admission")
 _TRACER = trace.get_tracer("weir.admission")
@@ -133,21 +130,12 @@ class AdmissionService(Component):
 
     async def _start(self, req: Tokenized, d: Decision, traceparent: str | None,
                      cached: int | None, queued_s: float) -> None:
-        params = req.params
-        drop = self.policy.drops_late(d)
-        cls = self.policy.classes[d.service_class]
-        if d.max_tokens != params.max_tokens:
-            params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
-        await self.to_scheduler.send(Admitted(
-            req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes, params,
-            req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d), d.priority,
-            req.public_scope, req.public_blocks, d.service_class, cls.tpot_slo_ms,
-            int(queued_s * 1e9), held=self.policy.held.get(req.request_id), drop_late=drop,
-            aging_per_s=cls.aging_per_s), traceparent=traceparent)
+        admitted = self.policy.admitted(req, d, queued_s)
+        await self.to_scheduler.send(admitted, traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
             d.max_tokens, d.kind == DEGRADE, round(queued_s, 4),
-            effective_deadline_ms(d) if drop else None)]))
+            admitted.deadline_ms if admitted.drop_late else None)]))
 
     async def _drain_queue(self) -> None:
         """Release what now fits, expire what waited too long."""

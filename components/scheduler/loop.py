@@ -17,7 +17,6 @@ to its result arriving.
 step's measured times, for the service's span and step log) placed where it happened."""
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple
 
 import msgspec
@@ -27,13 +26,14 @@ from components.scheduler.chunking import StepBudget, step_budget
 from components.scheduler.core import Outcome, Preemption, SchedulerCore, UrgencyDecision
 from components.scheduler.cost_model import StepShape, plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
+from components.scheduler.late import LateDrops
 from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft
 from components.scheduler.usage import UsageStats
 from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
 from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
                           ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
-                          Rejected, Released, SchedulerLoad, StepPlan, StepResult, StopRequest,
+                          Released, SchedulerLoad, StepPlan, StepResult, StopRequest,
                           TokenBatch)
 from weir.machine import usable_cores, usable_cpus
 
@@ -99,10 +99,11 @@ class SchedulerLoop:
         self.steps: dict[int, PlannedStep] = {}  # the steps in flight, oldest first
         self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
-        # (deadline, request id) of admitted requests their class drops when late: a heap,
-        # so each step looks only at the ones due (no scan of the queue on the step path)
-        self.late: list[tuple[int, str]] = []
-        self.dropped_late = 0
+        self.late = LateDrops()                 # admitted work its class drops when late
+
+    @property
+    def dropped_late(self) -> int:
+        return self.late.dropped
 
     def hello(self) -> KvHello:
         return KvHello(self.core.epoch)
@@ -121,9 +122,7 @@ class SchedulerLoop:
         match body:
             case Admitted() as req:
                 if req.request_id not in core.by_request:       # a replay may repeat it
-                    seq = core.add(req, now_ns)
-                    if req.drop_late and seq.deadline_ns:
-                        heapq.heappush(self.late, (seq.deadline_ns, req.request_id))
+                    self.late.watch(req, core.add(req, now_ns))
             case StepResult() as res:
                 out = self._on_result(res, sends, now_ns, mono_ns)
             case KvGrants(grants=grants, free_blocks=free, free_cpu_blocks=free_cpu,
@@ -143,7 +142,7 @@ class SchedulerLoop:
                     out = self._fail_all(sends, kv_lost=True)
                     sends.append(Send("kv_manager", self.hello()))
                 self.kv_instance = instance
-        if self.late and self.late[0][0] <= now_ns:
+        if self.late.due(now_ns):
             dropped = self._drop_late(now_ns, sends)
             out.released += dropped.released
             out.forget += dropped.forget
@@ -151,31 +150,14 @@ class SchedulerLoop:
         return sends
 
     def _drop_late(self, now_ns: int, sends: list[Send]) -> Outcome:
-        """End ``deadline_expired`` each request whose class drops late work and whose TTFT
-        deadline passed before its first token: waiting, or mid-prefill. Its KV goes back
-        at once and no step planned from here computes for it (one already in flight may:
-        its sample is discarded). Serving it would only spend the engine on an answer its
-        client no longer waits for (the first seed: "serving doomed work is worse")."""
-        out, expired = Outcome(), []
-        while self.late and self.late[0][0] <= now_ns:
-            due_ns, rid = heapq.heappop(self.late)
-            seq = self.core.by_request.get(rid)
-            if seq is None or seq.ended or any(s.first_token_ns for s in seq.group):
-                continue                        # ended, or its first token came in time
-            where = "mid-prefill" if seq.num_computed else "before prefill"
-            late_ms = (now_ns - seq.arrival_ns) / 1e6
-            log.info("deadline_dropped", request_id=rid, where=where,
-                     late_ms=round((now_ns - due_ns) / 1e6, 1))
-            cancelled = self.core.cancel(rid)
-            out.released += cancelled.released
-            out.forget += cancelled.forget
-            self.dropped_late += 1
-            expired.append(Rejected(
-                rid, "deadline_expired",
-                f"no first token within its deadline of {(due_ns - seq.arrival_ns) / 1e6:.0f} "
-                f"ms (dropped {where}, {late_ms:.0f} ms after arrival)"))
-        if expired:
-            sends.append(Send("streamer", EventBatch(expired)))
+        """End ``deadline_expired`` the late work due by ``now_ns`` (late.py); the streamer
+        tells its clients."""
+        out, dropped = self.late.drop(self.core, now_ns)
+        for d in dropped:
+            log.info("deadline_dropped", request_id=d.rejected.request_id, where=d.where,
+                     late_ms=round(d.overdue_ms, 1))
+        if dropped:
+            sends.append(Send("streamer", EventBatch([d.rejected for d in dropped])))
         return out
 
     def _on_result(self, res: StepResult, sends: list[Send], now_ns: int,

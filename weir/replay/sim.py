@@ -5,15 +5,19 @@ Admission is the production ``AdmissionPolicy``, scheduling the production
 ``apply_ops``). Only the executor is simulated: a step takes the time the cost profile
 predicts for its shape, and samples a fixed token. The processes' messages are delivered at
 once, in the order the services send them: admission asks the pool what is cached, decides,
-hands the request to the core; the core's KV ops are applied and their grants returned
-before it plans again; the scheduler's load report reaches admission every 100 ms, as live.
+hands the request to the core (the message the admission service sends); the core's KV ops
+are applied and their grants returned before it plans again; after each message the
+scheduler would get, its late work is dropped as the scheduler loop drops it
+(``components.scheduler.late``); the scheduler's load report reaches admission every
+100 ms, as live.
 
 Deterministic: the same trace, config, profile and seed give the same records.
 
 Besides the records, a run's ``meta`` says how the engine spent the virtual time: ``busy_s``
 (a step in flight), ``idle_intervals`` (``(start_s, end_s)`` with none: nothing could run) and
-``max_step_s`` (the longest step), ``max_step_seqs`` (the most sequences in one step), and
-carries the config's tenant ``weights``.
+``max_step_s`` (the longest step), ``max_step_seqs`` (the most sequences in one step),
+``deadline_dropped`` (late work the scheduler dropped), and carries the config's tenant
+``weights``.
 """
 from __future__ import annotations
 
@@ -22,10 +26,7 @@ import time
 import zlib
 from typing import Callable
 
-import msgspec
-
-from components.admission.policy import (QUEUE, REJECT, AdmissionPolicy, Decision,
-                                         effective_deadline_ms)
+from components.admission.policy import QUEUE, REJECT, AdmissionPolicy, Decision
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import tenant_budgets
@@ -33,10 +34,11 @@ from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
+from components.scheduler.late import LateDrops
 from components.scheduler.load import (LOAD_INTERVAL_S, PoolCounts, load_report,
                                        released_outputs, released_ttft)
 from schemas.config import WeirConfig
-from schemas.wire import Admitted, SamplingParams, StepPlan, StepResult, Tokenized
+from schemas.wire import SamplingParams, StepPlan, StepResult, Tokenized
 from weir.replay.profile import CostProfile
 from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord, RunResult,
                                Scaling, TimelinePoint, TraceRequest)
@@ -66,6 +68,7 @@ class Simulator:
                               tenant_blocks=tenant_budgets(config.admission))
         self.cost = self.core.cost                   # the scheduler's own, learning as live
         self.decodes = DecodeWindow()                # its decode steps, for the load report
+        self.late = LateDrops()                      # the scheduler's late drop, as live
         self.timeline_points = timeline_points
         self.records: dict[str, RequestRecord] = {}
         self.last_token_ns: dict[str, int] = {}
@@ -107,7 +110,8 @@ class Simulator:
                     if seq is not None and seq.first_scheduled_ns:   # started, no token yet
                         self.records[data].queue_s = max(
                             seq.first_scheduled_ns - seq.arrival_ns, 0) / _NS
-                    self._emit(self.core.cancel(data), cancelled=True)
+                    self._emit(self.core.cancel(data), CANCELLED)
+                    self._drop_late()
             elif kind == _SAMPLE:
                 self._drain_queue()                      # admission's 20 ms tick, coarser
                 self._sample()
@@ -128,6 +132,7 @@ class Simulator:
             scaling=scaling, duration_s=max(ends, default=0.0) - first,
             meta={"wasted_tokens": self.core.wasted_tokens,
                   "preemptions": self.core.preemptions, "steps": self.core.steps,
+                  "deadline_dropped": self.late.dropped,
                   "profile": self.profile.describe(), "machine": self.profile.machine,
                   "policy": self.config.admission.policy,
                   "weights": {t.name: t.weight for t in self.config.admission.tenants},
@@ -170,18 +175,28 @@ class Simulator:
         elif d.kind != QUEUE:
             self._start(tok, d)
 
-    def _start(self, tok: Tokenized, d: Decision) -> None:
-        """Hand an admitted request to the scheduler, as the admission service does. Its
-        queue time (arrival → first scheduled) comes with its first token."""
-        params = tok.params
-        if d.max_tokens != params.max_tokens:
-            params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
-        cls = self.policy.classes[d.service_class]
-        self.core.add(Admitted(tok.request_id, tok.tenant, tok.prompt_token_ids,
-                               tok.block_hashes, params, tok.arrival_ns, (),
-                               effective_deadline_ms(d),
-                               d.priority, "", 0, d.service_class, cls.tpot_slo_ms,
-                               aging_per_s=cls.aging_per_s))
+    def _start(self, tok: Tokenized, d: Decision, waited_s: float = 0.0) -> None:
+        """Hand an admitted request to the scheduler: the message the admission service
+        sends (``AdmissionPolicy.admitted``), taken in as the scheduler loop takes it.
+        Its queue time (arrival → first scheduled) comes with its first token."""
+        req = self.policy.admitted(tok, d, waited_s)
+        self.late.watch(req, self.core.add(req))
+        self._drop_late()
+
+    def _drop_late(self) -> None:
+        """After each message the scheduler would get (an admitted request, a step's
+        result, a cancel), end its late work as the scheduler loop does (late.py): a
+        request whose class drops late work and that has no first token by its deadline
+        ends ``deadline_expired``, its KV freed and nothing planned for it again. Its
+        record is what a live replay records of a ``Rejected`` after ``Accepted``: a
+        rejection with that reason, ended when it was dropped."""
+        if not self.late.due(self.now):
+            return
+        out, dropped = self.late.drop(self.core, self.now)
+        self._emit(out, REJECTED)
+        for d in dropped:
+            rec = self.records[d.rejected.request_id]
+            rec.decision, rec.reason = "reject", d.rejected.reason
 
     def _drain_queue(self) -> None:
         """Admission's queue: expire what waited too long, release what now fits."""
@@ -192,8 +207,8 @@ class Simulator:
             rec = self.records[rej.request_id]
             rec.terminal, rec.reason, rec.decision = REJECTED, rej.reason, "reject"
             rec.e2e_s = now_s - rec.sent_s
-        for tok, d, _waited in self.policy.release(now_s):
-            self._start(tok, d)
+        for tok, d, waited in self.policy.release(now_s):
+            self._start(tok, d, waited)
 
     def _refresh_load(self) -> None:
         """Admission sees the scheduler's load report of the last 100 ms tick, as live; it
@@ -269,9 +284,12 @@ class Simulator:
         self.cost.observe(shape, result.elapsed_ns / _NS)
         self.decodes.step(self.now, result.elapsed_ns / _NS, predicted, classes)
         self._emit(self.core.on_result(result, self.now))
+        self._drop_late()
 
     # ------------------------------------------------------------------ outputs
-    def _emit(self, out: Outcome, cancelled: bool = False) -> None:
+    def _emit(self, out: Outcome, terminal: str = COMPLETED) -> None:
+        """Deliver what the core produced: tokens to their records; the released ones end
+        ``terminal`` and go back to admission's ledger."""
         now_s = self.now / _NS
         for item in out.tokens:
             rec = self.records[item.request_id]
@@ -291,7 +309,7 @@ class Simulator:
                 rec.cached_tokens = item.usage.cached_tokens if item.usage else 0
         for rid in out.released:
             rec = self.records[rid]
-            rec.terminal = CANCELLED if cancelled else COMPLETED
+            rec.terminal = terminal
             rec.e2e_s = now_s - rec.sent_s
             self.last_token_ns.pop(rid, None)
         if out.released:

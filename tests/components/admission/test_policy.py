@@ -195,6 +195,27 @@ def test_running_cap_counts_n():
     assert p.decide(req("3", n=1), 0, 0.0).kind == ACCEPT
 
 
+def test_the_admitted_message_carries_what_the_scheduler_acts_on():
+    """What the admission service and the simulator both hand the scheduler: the cap
+    decided on, the deadline (the class's where the client set none), the class's aging,
+    its late rule, the ledger entry and the time queued."""
+    p = policy(tenants=[{"name": "a", "kv_blocks": 4}])
+    inter = req("i", prompt=10, max_tokens=8)
+    msg = p.admitted(inter, p.decide(inter, 0, 0.0), 0.25)
+    assert (msg.service_class, msg.priority, msg.deadline_ms, msg.drop_late,
+            msg.aging_per_s) == ("interactive", 0, 1000, True, 0.0)
+    assert msg.held == p.held["i"] and msg.queued_ns == 250_000_000
+    assert msg.params.max_tokens == 8 and msg.prompt_token_ids == inter.prompt_token_ids
+    batch = req("b", prompt=10, max_tokens=64, cls="batch")
+    d = p.decide(batch, 0, 0.0)
+    msg = p.admitted(batch, d, 0.0)
+    assert (d.kind, msg.params.max_tokens) == (DEGRADE, 22)      # what 2 blocks left hold
+    assert (msg.deadline_ms, msg.drop_late, msg.aging_per_s) == (None, False, 1.0)
+    own = req("own", prompt=10, max_tokens=8, deadline=200)
+    fcfs = policy("fcfs")
+    assert not fcfs.admitted(own, fcfs.decide(own, 0, 0.0)).drop_late    # fcfs drops nothing
+
+
 # ------------------------------------------------------------------ queue order and expiry
 def test_queue_order_priority_then_deadline_with_aging():
     p = policy(num_blocks=4)

@@ -10,9 +10,10 @@ from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
 from schemas.config import load_config
 from weir.replay.profile import CostProfile
+from weir.replay.report import summarize
 from weir.replay.sim import Simulator, fast_block_hashes
 from weir.replay.synth import TokenSynth
-from weir.replay.types import CANCELLED, COMPLETED, REJECTED, Scaling, TraceRequest
+from weir.replay.types import CANCELLED, COMPLETED, REJECTED, Scaling, Slo, TraceRequest
 
 STEP_S = 0.010
 FLAT = CostProfile(coef=[STEP_S, 0.0, 0.0, 0.0, 0.0])          # every step 10 ms
@@ -149,3 +150,66 @@ def test_busy_and_idle_time_cover_the_run():
     idle = run.meta["idle_intervals"]
     assert idle[:2] == [pytest.approx((0.0, 1.0)), pytest.approx((1.0 + 5 * STEP_S, 2.0))]
     assert all(end > start for start, end in idle)
+
+
+# ------------------------------------------------------------------ late work dropped
+class Recording(Simulator):
+    """A simulator that keeps every plan with the virtual time it started, and each
+    admitted request's sequence id."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plans: list[tuple[float, object]] = []
+        self.seq_ids: dict[str, int] = {}
+
+    def _start(self, tok, d, waited_s=0.0) -> None:
+        super()._start(tok, d, waited_s)
+        self.seq_ids[tok.request_id] = self.core.by_request[tok.request_id].seq_id
+
+    def _start_step(self, plan) -> None:
+        self.plans.append((self.now / 1e9, plan))
+        super()._start_step(plan)
+
+
+@pytest.mark.parametrize("late", ["drop", "keep"])
+def test_a_late_request_behind_a_backlog_is_dropped_as_live(late):
+    """The SLO-first engine (deadline admission), scheduling in arrival order, 64 tokens a
+    10 ms step: four batch prompts of 1,400 tokens (5,600: 87.5 steps), then an
+    interactive one of 1,000 with its own 1 s deadline, all at once (before the first
+    load report: admission has no rates, so nothing is refused). It starts at 0.875 s
+    and is mid-prefill at its deadline: the scheduler's late drop ends it
+    ``deadline_expired`` at the first step result past it, exactly 1 s, and no step
+    planned from then computes for it. The live replay records that Rejected after
+    Accepted as a rejection with its reason, ended when it came; so does the simulator.
+    A class that keeps late work is served late instead."""
+    classes = [{"name": "interactive", "priority": 0, "ttft_slo_ms": 3000.0, "late": late},
+               {"name": "batch", "priority": 1, "max_queue_ms": 60_000.0, "late": "keep"}]
+    cfg = config(admission={"policy": "deadline", "classes": classes},
+                 scheduler={"fairness": "fcfs", "chunking": "fixed",
+                            "max_num_batched_tokens": 64},
+                 kv={"num_blocks": 1024}, engine={"max_model_len": 4096})
+    trace = [req(i, 0.0, n_in=1400, n_out=1, service_class="batch") for i in range(4)]
+    trace.append(req(4, 0.0, n_in=1000, n_out=4, deadline_ms=1000))
+    synth = TokenSynth(range(1000, 5000), 32, seed=7)
+    sim = Recording(cfg, FLAT, label="t", tokens=synth.tokens,
+                    hashes=fast_block_hashes(cfg.kv.block_size))
+    run = sim.run(trace, Scaling(block_size=32))
+    *backlog, rec = run.records
+    assert all(r.terminal == COMPLETED for r in backlog)
+    late_seq = sim.seq_ids["r4"]
+    computed = [(t, st.num_tokens) for t, plan in sim.plans for st in plan.steps
+                if st.seq_id == late_seq]
+    assert computed[0] == (pytest.approx(0.87), 32)         # what the backlog left of a step
+    if late == "keep":
+        assert rec.terminal == COMPLETED and rec.ttft_s > 1.0
+        assert sum(n for _, n in computed) == 1000 + 3
+        assert run.meta["deadline_dropped"] == 0
+        return
+    assert (rec.terminal, rec.reason, rec.decision) == (REJECTED, "deadline_expired", "reject")
+    assert rec.e2e_s == pytest.approx(1.0) and rec.ttft_s is None and rec.output_tokens == 0
+    assert all(t < 1.0 for t, _ in computed)               # nothing planned past its deadline
+    assert sum(n for _, n in computed) == 32 + 12 * 64     # dropped mid-prefill
+    assert run.meta["deadline_dropped"] == 1
+    assert sim.policy.outstanding == {}                    # admission's ledger let it go
+    summary = summarize(run, {}, Slo(ttft_ms=3000.0, tpot_ms=300.0))
+    assert (summary.completed, summary.rejected) == (4, 1)
