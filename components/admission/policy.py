@@ -23,10 +23,10 @@ Policies (``admission.policy``):
   degrade      it fits only with a lower ``max_tokens`` (>= the class's
                ``min_max_tokens``) and its class allows that
   queue        it does not fit now, its class may wait (``max_queue_ms``), and the
-               queues have room; released in order (across tenants the least served
-               first; within one, class priority with aging, then deadline, then
-               arrival) as capacity frees; one held by its own tenant's caps does not
-               hold back other tenants' requests
+               queues have room; released in the scheduler's order (across tenants
+               class first, aged, then the least served; within a tenant class,
+               deadline, arrival: ``queue.py``) as capacity frees; one held by its
+               own tenant's caps does not hold back other tenants' requests
   reject       with one reason: ``deadline_unmeetable``, ``tenant_token_budget``,
                ``tenant_kv_budget``, ``queue_full``, ``overloaded``, ``kv_pressure``
                (the live pool has no room for it), ``tpot_slo_at_risk`` (the decode
@@ -400,11 +400,8 @@ class AdmissionPolicy:
         if not self.queue:
             return False
         deadline_at = now + est.deadline_ms / 1e3 if est.deadline_ms is not None else math.inf
-        order = self.queue.order(tenant, priority, deadline_at, now)
         capped: set[str] = set()
-        for item in self.queue.in_order(now):
-            if item.order[:4] > order:
-                return False                 # it and the rest come after this request
+        for item in self.queue.ahead_of(tenant, priority, deadline_at, now):
             if item.req.tenant in capped:
                 continue
             blocker = self._blocker(item.req.tenant, self.tenants[item.req.tenant],
@@ -541,7 +538,9 @@ class AdmissionPolicy:
     # ------------------------------------------------------------------ queue
     def _enqueue(self, req: Tokenized, decision: Decision, now: float) -> None:
         cls = self.classes[decision.service_class]
-        self.queue.add(req, decision, cls.aging_per_s, now, self._deadline_at(decision, now))
+        est = decision.estimate
+        self.queue.add(req, decision, cls.aging_per_s, now, self._deadline_at(decision, now),
+                       (est.uncached_tokens, req.params.n * est.expected_output))
 
     def _deadline_at(self, decision: Decision, queued_at: float) -> float:
         """When a queued request expires: its TTFT deadline (from arrival) or its class's

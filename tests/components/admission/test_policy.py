@@ -226,9 +226,12 @@ def test_queue_order_priority_then_deadline_with_aging():
     p.queue.in_order(0.2)
     # interactive (priority 0) before batch (10); within it, the earlier deadline first
     assert [p.queue_position(r) for r in ("early", "late", "batch")] == [0, 1, 2]
-    # after 10.5 s of aging at 1/s, batch (10 - 10.5 < 0) is ahead of the interactive ones;
-    # (they would have expired by then; aging is checked on the order alone here)
+    # aging earns whole units, as the scheduler's: after 10.5 s at 1/s batch ranks with
+    # the interactive ones (10 - 10 = 0), after their deadlines; after 11 s (10 - 11 < 0)
+    # it is ahead of them (they would have expired by then; the order alone is checked)
     p.queue.in_order(10.5)
+    assert p.queue_position("batch") == 2
+    p.queue.in_order(11.0)
     assert p.queue_position("batch") == 0
 
 
@@ -322,6 +325,27 @@ def test_queue_releases_the_least_served_tenant_first():
         ((tok, _, _),) = p.release(1.0 + t)
         order.append(running := tok.request_id)
     assert order == ["a0", "b0", "a1", "a2"]
+
+
+def test_class_first_across_tenants_as_the_scheduler_orders():
+    """a was served more (192 against b's 96), and b's batch request waits for the pool.
+    An interactive request of a that fits starts at once: it ranks before b's batch work
+    (class first), so it does not queue behind it as VTC-first order had it. One that
+    does not fit queues ahead of b's batch, and is released first."""
+    p = policy(num_blocks=10)
+    assert p.decide(req("a_run", "a", prompt=64, max_tokens=64), 0, 0.0).kind == ACCEPT
+    p.released(["a_run"], 0.1)
+    assert p.decide(req("b_run", "b"), 0, 0.2).kind == ACCEPT                  # 4 blocks
+    assert p.decide(req("b_big", "b", cls="batch", prompt=90, max_tokens=64), 0,
+                    0.3).reason == "waiting_for_kv"                             # 10 blocks
+    assert (p.vtc.of("a"), p.vtc.of("b")) == (192, 96)
+    assert p.decide(req("a1", "a", prompt=16, max_tokens=16), 0, 0.4).reason == "fits"
+    assert p.decide(req("a2", "a", prompt=64, max_tokens=32), 0,
+                    0.45).reason == "waiting_for_kv"                            # 6 blocks
+    p.queue.in_order(0.45)
+    assert [p.queue_position(r) for r in ("a2", "b_big")] == [0, 1]
+    p.released(["b_run", "a1"], 0.5)
+    assert [tok.request_id for tok, *_ in p.release(0.5)] == ["a2"]   # b_big: 6 + 10 > 10
 
 
 # ------------------------------------------------------------------ release past a tenant's cap
