@@ -89,12 +89,23 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
 
 
 class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):
-    """One tenant in the scheduler's load report: where VTC would put its next request."""
+    """One tenant in the scheduler's load report: where its work stands in the order new
+    work starts (class first, then VTC within a class: ``planning._fair_order``).
+
+    The split by class keys each part by the class it ranks with at the report (its
+    priority, aged: ``Seq.aged_priority``). ``resumed_prefill_tokens`` is the part of the
+    waiting prefill back from preemption (or rescued by urgency), which starts before any
+    fresh work; ``queued_by_class`` splits the rest, ``running_by_class`` the prefill its
+    running sequences have left. A scheduler that predates the split sends neither (they
+    decode empty, and admission then ranks the tenant's work as one class)."""
 
     counter: float                   # its virtual counter (weighted service received)
     backlogged: bool = False         # counted as backlogged: a new request is not lifted
     queued_prefill_tokens: int = 0   # what its waiting sequences still need computed
     running_prefill_tokens: int = 0  # what its running sequences have left to prefill
+    resumed_prefill_tokens: int = 0
+    queued_by_class: dict[int, int] = {}
+    running_by_class: dict[int, int] = {}
 
 
 class DecodeRates(msgspec.Struct, frozen=True, array_like=True):
@@ -149,6 +160,7 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     decode_measured_s: float = 0.0               # 0: no decode step in the window
     decode_error: float = 1.0
     tpot_s: dict[str, float] = {}
+    decode_steps: int = -1                       # decode steps in the window (-1: not said)
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):

@@ -38,12 +38,16 @@ decode steps (``decode_error``), and holds the request (queue, or reject
 running and the request's own, less ``admission.tpot_headroom``. The batch counted is the
 ledger's (every admitted sequence, running or about to; the scheduler's report when it
 counts more), at most ``scheduler.max_num_seqs``, each new sequence reading the request's
-prompt plus half its expected output. An idle engine (nothing admitted, nothing running)
+prompt plus half its expected output. It waits for ``MIN_DECODE_STEPS`` decode steps in
+the report's window, so that the rates are scaled by what was measured. An idle engine (nothing admitted, nothing running)
 checks nothing: no stream is slowed, and the first request's steps are what correct rates
 learned on a machine that was slowed for a while. Admission also admits no decoding sequence while a
-running class's measured TPOT (``SchedulerLoad.tpot_s``) is over its target: the streams
-are already late (the first seed's worked decision: "if free KV were 5 percent and stream
-latency already broken, reject or degrade before doing expensive prefill"). With no rates
+running class's measured TPOT (``SchedulerLoad.tpot_s``) is over its target and the pool
+is nearly full (free blocks less the watermark under ``LATE_KV_SHARE`` of it): the first
+seed's worked decision, "if free KV were 5 percent and stream latency already broken,
+reject or degrade before doing expensive prefill". Both, not either: late streams with room
+in the pool are the scheduler's to fix (slack chunking caps the prefill beside them), and a
+single long step (a prompt's chunk under fixed chunking) would otherwise refuse all work. With no rates
 yet, or no TPOT target in play, nothing is checked.
 """
 from __future__ import annotations
@@ -56,6 +60,14 @@ from schemas.config import WeirConfig
 from schemas.wire import DecodeRates, SchedulerLoad
 
 _EPS = 1e-9            # a step at the limit, give or take float rounding, is within it
+# decode steps the report's window must hold before the horizon is checked: fewer, and its
+# measured ÷ predicted is not known (the scheduler's window takes the model as is then), so
+# the rates are the cost model's alone, which right after a start are its startup fit
+# scaled by its first steps (slow ones: the first steps of a fresh process measured 20x)
+MIN_DECODE_STEPS = 4
+# the worked decision's "free KV at 5 percent": streams already late refuse new decoding
+# work only while the pool's free blocks (less the watermark) are under this share of it
+LATE_KV_SHARE = 0.10
 
 
 def decode_step_s(rates: DecodeRates, seqs: int, context: int, error: float = 1.0) -> float:
@@ -82,6 +94,9 @@ class Horizon:
     limit_s: float         # the tightest TPOT target in play, less tpot_headroom
     tightest: str          # whose target that is
     late: str = ""         # a running class whose measured TPOT is over its target already
+    seqs: int = 0          # the decoding sequences the step was predicted for
+    context: int = 0       # ... and the KV positions they read
+    error: float = 1.0     # the measured ÷ predicted it was scaled by
 
     @property
     def at_risk(self) -> bool:
@@ -91,8 +106,10 @@ class Horizon:
         if self.late:
             return (f"class {self.late!r} streams are late: measured TPOT "
                     f"{load.tpot_s[self.late] * 1e3:.0f} ms over its SLO")
-        return (f"the decode step with it would be {self.step_s * 1e3:.0f} ms, past "
-                f"{self.limit_s * 1e3:.0f} ms (class {self.tightest!r} TPOT SLO less headroom)")
+        return (f"the decode step with it would be {self.step_s * 1e3:.0f} ms ({self.seqs} "
+                f"sequences reading {self.context} positions, x{self.error:.2f} as measured), "
+                f"past {self.limit_s * 1e3:.0f} ms (class {self.tightest!r} TPOT SLO less "
+                f"headroom)")
 
 
 class LiveEngine:
@@ -159,6 +176,8 @@ class LiveEngine:
         load, rates = self.load, self.load.decode_rates
         if not self.enabled or rates is None:
             return None
+        if 0 <= load.decode_steps < MIN_DECODE_STEPS:
+            return None
         if load.running == 0 and not any(admitted.values()):
             # an idle engine: no stream for it to slow, and waiting does not make its own
             # step shorter; its steps are also what corrects a model that learned its rates
@@ -169,11 +188,14 @@ class LiveEngine:
         if not in_play:
             return None
         tightest = min(in_play, key=self.targets.__getitem__)
-        late = next((c for c in running if load.tpot_s.get(c, 0.0) > self.targets[c]), "")
+        tight = 0 <= load.kv_free_blocks - self.watermark < LATE_KV_SHARE * self.num_blocks
+        late = next((c for c in running if load.tpot_s.get(c, 0.0) > self.targets[c]),
+                    "") if tight else ""
         seqs = min(max(sum(admitted.values()), load.running) + n, self.max_num_seqs)
         ctx = load.running_context + max(seqs - load.running, 0) * context
         return Horizon(decode_step_s(rates, seqs, ctx, load.decode_error),
-                       self.targets[tightest] * (1 - self.headroom), tightest, late)
+                       self.targets[tightest] * (1 - self.headroom), tightest, late, seqs,
+                       ctx, load.decode_error)
 
     def knee(self, admitted: Mapping[str, int]) -> int | None:
         """The batch the tightest running TPOT target allows (all configured targets' while

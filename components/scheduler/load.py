@@ -96,4 +96,5 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                          DecodeRates(*rates) if rates is not None else None,
                          window.measured_s() if window else 0.0,
                          window.error() if window else 1.0,
-                         window.tpot_s() if window else {})
+                         window.tpot_s() if window else {},
+                         window.steps if window else -1)

@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pytest
 
-from components.admission.live import Horizon, knee
+from components.admission.live import MIN_DECODE_STEPS, Horizon, knee
 from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
 from schemas.config import SLO_CLASSES, load_config
 from schemas.wire import DecodeRates, EventBatch, HeldRequest, SchedulerLoad
@@ -111,6 +111,28 @@ def test_worked_decision_with_healthy_streams_the_pool_alone_refuses_or_degrades
     assert p.held["long-batch"].kv_blocks == 50
 
 
+def test_late_streams_with_room_in_the_pool_are_the_schedulers_to_fix():
+    """Both halves of the worked decision, not either: streams over their TPOT with the pool
+    roomy (a long prefill step beside them, under fixed chunking) do not refuse work."""
+    p = worked(tpot_s=0.420)
+    p.on_load(report(running=40, running_context=40 * 1000, decode_rates=RATES,
+                     kv_free_blocks=500, tpot_s={"interactive": 0.420}))
+    assert p.decide(req("long", **LONG), 0, 1.0).kind == ACCEPT
+
+
+def test_the_horizon_waits_for_measured_decode_steps():
+    """Rates a fresh scheduler scaled by its first, slow steps are not extrapolated: below
+    MIN_DECODE_STEPS decode steps in the report's window nothing is checked (an engine's
+    first request of two sequences was refused for a 937 ms step: the startup fit scaled
+    by a first step 20x its prediction)."""
+    slow = DecodeRates(0.900, 0.004, 0.0)
+    for steps, kind in ((0, ACCEPT), (MIN_DECODE_STEPS - 1, ACCEPT), (MIN_DECODE_STEPS, REJECT)):
+        p = policy()
+        running(p, 1)
+        p.on_load(report(running=1, decode_rates=slow, decode_steps=steps))
+        assert p.decide(req("new", prompt=16, max_tokens=16), 0, 1.0).kind == kind, steps
+
+
 def test_the_new_reasons_cross_the_wire():
     for tpot_s, reason in ((0.420, "tpot_slo_at_risk"), (0.150, "kv_pressure")):
         rejected = worked(tpot_s).decide(req("long", **LONG), 0, 1.0).rejected
@@ -193,7 +215,8 @@ def test_accept_below_the_knee_reject_above_n_counting_n(before, n, kind):
     assert d.kind == kind
     if kind == REJECT:
         assert d.reason == "tpot_slo_at_risk" and d.rejected.retry_after_s > 0
-        assert f"would be {(20 + 4 * (before + n))} ms, past 240 ms" in d.rejected.message
+        assert f"would be {(20 + 4 * (before + n))} ms ({before + n} sequences" in \
+            d.rejected.message and "past 240 ms" in d.rejected.message
     assert p.live_stats()["horizon.knee_seqs"] == 55
 
 
