@@ -195,7 +195,8 @@ class AdmissionPolicy:
         prompt = len(req.prompt_token_ids)
         uncached, done = max(prompt - cached, 0), min(cached, prompt)
         deadline = self.deadline_ms(req, cls, uncached, done)
-        raw = self.ttft.predicted_s(uncached, req.tenant, done)
+        raw = self.ttft.predicted_s(uncached, req.tenant, done,
+                                    max(cls.priority, req.priority))
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
@@ -313,7 +314,8 @@ class AdmissionPolicy:
         cap = min(max_tokens, room) if max_tokens is not None else room
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
-        raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached)
+        raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached,
+                                    max(cls.priority, req.priority))
         context = prompt + expected // 2           # each choice's mean over its decode
         horizon = self._horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
@@ -471,7 +473,8 @@ class AdmissionPolicy:
                                decision.estimate.scheduler_ttft_s))
         self.ttft.admitted(rid, tenant, decision.estimate.uncached_tokens,
                            decision.estimate.scheduler_ttft_s,
-                           len(req.prompt_token_ids) - decision.estimate.uncached_tokens)
+                           len(req.prompt_token_ids) - decision.estimate.uncached_tokens,
+                           decision.priority)
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
         self.live.admitted_since += 1

@@ -44,7 +44,7 @@ class TtftModel:
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
         self.unreported_pairs = 0         # its attention pairs
-        self._unreported: Counter[str] = Counter()      # the same, by tenant
+        self._unreported: Counter[tuple[str, int]] = Counter()   # the same, by tenant and class
         self.learned_s = 0.0              # observed − predicted TTFT, smoothed (``observed``)
         self.floor_s = 0.0                # a lower bound of recent misses (``on_load``)
         self._recent: dict[str, _Recent] = {}           # the last RECENT admitted
@@ -58,9 +58,10 @@ class TtftModel:
         return max(self.learned_s, self.floor_s)
 
     def predicted_s(self, uncached_tokens: int, tenant: str | None = None,
-                    cached_tokens: int = 0) -> float | None:
+                    cached_tokens: int = 0, priority: int | None = None) -> float | None:
         """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
-        request of ``tenant`` starts) plus this prompt's uncached tokens, at the reported
+        request of ``tenant`` and class ``priority`` starts) plus this prompt's uncached
+        tokens, at the reported
         prefill rate, plus one decode step for the current batch, plus the attention of
         all that prefill: the prompt's own pairs (its ``uncached_tokens`` after its
         ``cached_tokens``) and the backlog's, in proportion to the share of it ahead. None
@@ -68,7 +69,7 @@ class TtftModel:
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        before = self.prefill_ahead(tenant)
+        before = self.prefill_ahead(tenant, priority)
         ahead = before + uncached_tokens
         # each step decodes every running sequence and prefills what is left of the budget:
         # a prefill token costs its own time plus its share of the step's decode work
@@ -101,59 +102,95 @@ class TtftModel:
         pairs = self.load.queued_prefill_pairs + self.unreported_pairs
         return pairs if tokens >= total else pairs * tokens / total
 
-    def prefill_ahead(self, tenant: str | None) -> int:
-        """The prefill the scheduler computes before a new request of ``tenant`` starts. It
-        includes what admission let in since the scheduler's last report, which that report
-        could not count (as waiting, at its tenant).
+    def prefill_ahead(self, tenant: str | None, priority: int | None = None) -> int:
+        """The prefill the scheduler computes before a new request of ``tenant`` whose
+        class has ``priority`` starts. It includes what admission let in since the
+        scheduler's last report, which that report could not count (as waiting, at its
+        tenant and class).
 
         ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
         split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
-        in order. ``"vtc"``: new work starts from the tenant with the lowest virtual
-        counter, each start charges its prompt to its tenant (÷ its weight), a tenant the
-        scheduler does not count as backlogged (VTC: nothing waiting) is lifted to the
-        lowest counter among those it does, and the prompts in progress of tenants served
-        more than the head of the queue go after its new work. Let ``T`` be where the
-        tenant's counter stands when this request is picked: its counter (lifted) plus its
-        own waiting prefill ÷ its weight. Ahead of the request are the tenant's own waiting
-        prefill (its work starts in arrival order), the prompts in progress of every
-        tenant with a counter ``c_u <= T``, and of each other waiting tenant what VTC starts
-        before its counter reaches ``T``: ``(T − c_u) × w_u`` tokens, at most all it waits
-        with. A tenant tied with ``T`` (as a light tenant lifted to a flood's counter is)
-        puts nothing ahead: the scheduler splits the step's new prompts between tied
-        tenants. Counting every waiting tenant with ``c_u <= T`` in full would price that
-        light tenant behind the whole flood.
+        in order. ``"vtc"``: the scheduler's order (``planning._fair_order``). Work back
+        from preemption starts first: all of it is ahead. Fresh work starts by class first:
+        every tenant's work of a more important class (aged, as the report ranks it) is
+        ahead, none of a less important one. Within the request's class, VTC: new work
+        starts from the tenant with the lowest virtual counter, each start charges its
+        prompt to its tenant (÷ its weight), and a tenant the scheduler does not count as
+        backlogged (VTC: nothing waiting) is lifted to the lowest counter among those it
+        does. Let ``T`` be where the tenant's counter stands when this request is picked:
+        its counter (lifted) plus its own waiting prefill of this class or a more
+        important one ÷ its weight. Ahead of the request are that own prefill (a tenant's
+        work starts in class order, then arrival), and of each other tenant ``u`` of this
+        class what VTC starts before its counter reaches ``T``: ``(T − c_u) × w_u`` tokens,
+        at most all it waits with, ``c_u`` counting its more important work, which starts
+        first and charges it. A tenant tied with ``T`` (as a light tenant lifted to a
+        flood's counter is) puts nothing ahead: the scheduler splits the step's new prompts
+        between tied tenants. Counting every waiting tenant with ``c_u <= T`` in full would
+        price that light tenant behind the whole flood.
+
+        Prompts in progress rank as new work does, by (class, counter): while this request
+        heads the queue, those of a more important class, and those of its class whose
+        tenant's counter is ``<= T``, are computed before it each step; the others go after
+        its new work. So a batch flood, waiting or in progress, puts nothing ahead of an
+        interactive request until it has aged into the interactive class.
+
+        Without ``priority``, or for a tenant the report does not split by class (an older
+        scheduler), the work is ranked as one class with the request's.
 
         An estimate: it leaves out the output charges that move the counters while requests
-        wait, the token rates (a tenant past its rate starts after the others), sequences
-        back from preemption (they start first), the rounding to whole requests and the
-        changes since the report (up to 100 ms old)."""
+        wait, the token rates (a tenant past its rate starts after the others), aging while
+        the request waits, the rounding to whole requests, the steps already planned and
+        the changes since the report (up to 100 ms old)."""
         load = self.load
         fifo = load.queued_prefill_tokens + self.unreported_tokens
         if tenant is None or self.fairness != "vtc" or (load.waiting and not load.tenants):
             return fifo
         backlog = load.tenants
-        waiting = {u: b.queued_prefill_tokens for u, b in backlog.items()}
-        for u, n in self._unreported.items():
-            waiting[u] = waiting.get(u, 0) + n
-        backlogged = {u for u, b in backlog.items() if b.backlogged} | set(self._unreported)
+        p = 0 if priority is None else priority
+        waiting: dict[str, dict[int, int]] = {}
+        running: dict[str, dict[int, int]] = {}
+        resumed = 0
+        for u, b in backlog.items():
+            fresh = b.queued_prefill_tokens - b.resumed_prefill_tokens
+            split = priority is not None and sum(b.queued_by_class.values()) == fresh \
+                and sum(b.running_by_class.values()) == b.running_prefill_tokens
+            waiting[u] = dict(b.queued_by_class) if split else {p: fresh}
+            running[u] = b.running_by_class if split else {p: b.running_prefill_tokens}
+            resumed += b.resumed_prefill_tokens
+        for (u, level), n in self._unreported.items():
+            level = p if priority is None else level
+            waiting.setdefault(u, {})
+            waiting[u][level] = waiting[u].get(level, 0) + n
+        backlogged = {u for u, b in backlog.items() if b.backlogged} | \
+            {u for u, _ in self._unreported}
 
         def counter(u: str) -> float:
             b = backlog.get(u)
             return b.counter if b is not None else 0.0
 
+        w_in = self.vtc.w_in
         at = counter(tenant)
         if tenant not in backlogged:           # lifted when it becomes backlogged
             at = max(at, min((counter(u) for u in backlogged), default=at))
-        own = waiting.get(tenant, 0)
-        at += own * self.vtc.w_in / self.vtc.weight(tenant)
+        own = sum(n for level, n in waiting.get(tenant, {}).items() if level <= p)
+        at += own * w_in / self.vtc.weight(tenant)
         # a report's split covers its whole backlog; anything it did not attribute counts
         ahead = max(load.queued_prefill_tokens - sum(b.queued_prefill_tokens
                                                      + b.running_prefill_tokens
                                                      for b in backlog.values()), 0)
-        ahead += own + sum(b.running_prefill_tokens for u, b in backlog.items()
-                           if b.counter <= at)
-        others = sum(min(n, (at - counter(u)) * self.vtc.weight(u) / self.vtc.w_in)
-                     for u, n in waiting.items() if u != tenant and counter(u) < at)
+        ahead += resumed + own
+        others = 0.0
+        for u, levels in waiting.items():
+            if u == tenant:
+                continue
+            before = sum(n for level, n in levels.items() if level < p)
+            ahead += before
+            c_u = counter(u) + before * w_in / self.vtc.weight(u)
+            if levels.get(p, 0) and c_u < at:
+                others += min(levels[p], (at - c_u) * self.vtc.weight(u) / w_in)
+        for u, levels in running.items():
+            served = counter(u) <= at
+            ahead += sum(n for level, n in levels.items() if level < p or (level == p and served))
         return ahead + math.ceil(others)
 
     def on_load(self, load: SchedulerLoad, now: float | None = None) -> None:
@@ -203,14 +240,14 @@ class TtftModel:
         self._observed = False
 
     def admitted(self, request_id: str, tenant: str, uncached_tokens: int,
-                 predicted_s: float | None, cached_tokens: int = 0) -> None:
-        """A request admitted with ``predicted_s`` (the backlog model's TTFT, None before
-        the rates are measured): its prefill (``uncached_tokens`` after ``cached_tokens``)
-        is ahead of later requests until the next report counts it, and its miss counts
-        toward the floor."""
+                 predicted_s: float | None, cached_tokens: int = 0, priority: int = 0) -> None:
+        """A request of class ``priority`` admitted with ``predicted_s`` (the backlog
+        model's TTFT, None before the rates are measured): its prefill (``uncached_tokens``
+        after ``cached_tokens``) is ahead of later requests its class ranks before until
+        the next report counts it, and its miss counts toward the floor."""
         self.unreported_tokens += uncached_tokens
         self.unreported_pairs += row_pairs(uncached_tokens, cached_tokens)
-        self._unreported[tenant] += uncached_tokens
+        self._unreported[tenant, priority] += uncached_tokens
         if predicted_s is None:
             return
         self._recent[request_id] = _Recent(predicted_s)

@@ -49,8 +49,10 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     """The backlog (waiting prefill, and what running sequences have left to prefill, in
     tokens and in attention pairs), the cost model's rates (a full chunk's tokens at zero
     context, attention priced apart per pair, and a decode step of the running batch, and
-    its decode rates), and per tenant its virtual counter and both parts of the backlog, so
-    admission can tell which of it the fair order computes before a tenant's next request.
+    its decode rates), and per tenant its virtual counter and both parts of the backlog,
+    each split by the class it ranks with (aged at ``now_ns``; as admitted without it) and
+    the waiting part back from preemption apart, so admission can tell which of it the
+    fair order computes before a new request of a given tenant and class.
     With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
     first token has waited since it arrived. With ``window``: what the decode steps of its
     last seconds measured (expired to ``now_ns``). ``pool``: the kv_manager's counts."""
@@ -58,27 +60,42 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     # replay simulator builds one every 0.1 s of virtual time)
     timed = now_ns is not None
     first: list[tuple[int, str]] = []       # (arrival, request) without a first token
+    clock = now_ns or 0
     waiting: dict[str, int] = {}
+    resumed: dict[str, int] = {}
+    waiting_by: dict[str, dict[int, int]] = {}  # tenant -> aged class -> fresh prefill
     pairs = 0
     for s in core.waiting:
-        waiting[s.tenant] = waiting.get(s.tenant, 0) + s.remaining
-        pairs += row_pairs(s.remaining, s.num_computed)
+        left = s.remaining
+        waiting[s.tenant] = waiting.get(s.tenant, 0) + left
+        if s.resumes:
+            resumed[s.tenant] = resumed.get(s.tenant, 0) + left
+        else:
+            by = waiting_by.setdefault(s.tenant, {})
+            level = s.aged_priority(clock)
+            by[level] = by.get(level, 0) + left
+        pairs += row_pairs(left, s.num_computed)
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
     running: dict[str, int] = {}
+    running_by: dict[str, dict[int, int]] = {}
     context = 0
     for s in core.running:
         context += s.num_tokens
         left = s.remaining
         if left > 1:
             running[s.tenant] = running.get(s.tenant, 0) + left
+            by = running_by.setdefault(s.tenant, {})
+            level = s.aged_priority(clock)
+            by[level] = by.get(level, 0) + left
             pairs += row_pairs(left, s.num_computed)
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
     # backlogged: the tenants with work waiting, those the core does not lift on a new
     # request (core._backlogged_tenants(), without a second pass over the queue)
     tenants = {t: TenantBacklog(core.vtc.of(t), t in waiting, waiting.get(t, 0),
-                                running.get(t, 0))
+                                running.get(t, 0), resumed.get(t, 0), waiting_by.get(t, {}),
+                                running_by.get(t, {}))
                for t in set(core.vtc.counters) | set(waiting) | set(running)}
     chunk_s = cost.predict(prefill_shape(budget)._replace(pairs=0))
     n_running = len(core.running)

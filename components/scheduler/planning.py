@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from components.scheduler.kv_requests import TENANT_BUDGET
-from components.scheduler.sequence import ON_HOST, Event, InFlight, Seq, State
+from components.scheduler.sequence import Event, InFlight, Seq, State
 from schemas.wire import NewSeq, Penalties, SamplingParams, SeqStep, StepPlan
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class Planning:
             return
         head, fresh = [], {}
         for seq in self.waiting:
-            if seq.rescued or seq.preemptions or seq.state in ON_HOST:
+            if seq.resumes:
                 head.append(seq)
             else:
                 fresh.setdefault(seq.tenant, deque()).append(seq)

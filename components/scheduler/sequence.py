@@ -185,6 +185,12 @@ class Seq:
         return self.priority - int(self.aging_per_s * ((now_ns - self.arrival_ns) / 1e9))
 
     @property
+    def resumes(self) -> bool:
+        """Rescued by urgency, or back from preemption: it starts before any fresh work
+        (``planning._fair_order``)."""
+        return self.rescued or bool(self.preemptions) or self.state in ON_HOST
+
+    @property
     def ended(self) -> bool:
         return self.state in ENDED
 

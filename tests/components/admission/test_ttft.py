@@ -1,14 +1,17 @@
 """Admission's TTFT model (components/admission/ttft.py), exact, as the policy drives it:
 the backlog model from the scheduler's rates, the prefill ahead of a tenant's request under
-VTC and FCFS, and the learned bias with its floor."""
+VTC and FCFS and in the class-first order, and the learned bias with its floor."""
 from __future__ import annotations
 
 import msgspec
 import pytest
 
 from components.admission.policy import ACCEPT
+from components.scheduler.load import load_report
 from schemas.wire import SchedulerLoad, TenantBacklog
 from tests.components.admission.policies import policy, req
+from tests.components.scheduler.test_class_priority import S, admitted, core_of, run
+from tests.components.scheduler.test_states import Kv
 
 
 def test_predicted_ttft_from_the_schedulers_rates():
@@ -233,6 +236,106 @@ def test_a_light_tenant_is_not_refused_behind_anothers_flood():
                                                         "b": TenantBacklog(100.0, True)})
     assert decide("vtc", backlogged) == ("fits", pytest.approx(100 / 10_000.0 + 0.01))
 
+
+
+# ------------------------------------------------------------------ TTFT under class-first order
+# CLASSES: interactive 0, batch 10. b floods batch: 20,000 tokens waiting, 64 back from
+# preemption, a 1,000-token prompt in progress, at counter 100 (served least). a
+# (counter 15,000) has 300 interactive tokens waiting and 200 in progress; c (4,800)
+# 500 interactive waiting.
+CLASS_LOAD = SchedulerLoad(3, 9, 300 + 200 + 20_064 + 1000 + 500, 10_000.0, 0.01, {
+    "a": TenantBacklog(15_000.0, True, 300, 200, 0, {0: 300}, {0: 200}),
+    "b": TenantBacklog(100.0, True, 20_064, 1000, 64, {10: 20_000}, {10: 1000}),
+    "c": TenantBacklog(4800.0, True, 500, 0, 0, {0: 500})})
+CLASS_TENANTS = [{"name": t} for t in "abcd"]
+
+
+@pytest.mark.parametrize("tenant, priority, ahead", [
+    # interactive of a: T = 15,300 (its own 300). Ahead: b's 64 back from preemption, its
+    # own 300, c's 500 (4,800 < T) and its own prompt in progress; none of b's batch,
+    # waiting or in progress, though b is served far less
+    ("a", 0, 64 + 300 + 500 + 200),
+    # as one class (no class given): b's batch ranks by VTC, (T − 100) of its waiting
+    # and all of its prompt in progress ahead
+    ("a", None, 64 + 300 + 500 + 200 + 15_200 + 1000),
+    # batch of b: every interactive token is ahead, and b's own batch before it
+    ("b", 10, 64 + 300 + 500 + 200 + 20_000 + 1000),
+    # interactive of d, new (lifted to b's 100): a's and c's interactive work and a's
+    # prompt in progress are served more and go after it; only b's resumed work is ahead
+    ("d", 0, 64),
+])
+def test_prefill_ahead_is_what_the_class_first_order_computes_first(tenant, priority, ahead):
+    p = policy()
+    p.ttft.on_load(CLASS_LOAD)
+    assert p.ttft.prefill_ahead(tenant, priority) == ahead
+
+
+def test_an_interactive_request_is_not_priced_behind_another_tenants_batch_flood():
+    """a's 100-token interactive request waits for the 1,064 tokens the order puts ahead
+    (one step: 1,164 of 2,045 tokens at 10,000/s, plus a decode step) and fits its 1 s
+    deadline. Priced as one class, as a report without the class split is, it would wait
+    behind 17,200 tokens (8.5 steps of 0.2145 s with its own) and be refused."""
+    p = policy()
+    p.ttft.on_load(CLASS_LOAD)
+    d = p.decide(req("a1", "a", prompt=100), 0, 0.0)
+    assert (d.kind, d.reason) == (ACCEPT, "fits")
+    assert d.estimate.scheduler_ttft_s == pytest.approx(1164 / 10_000 + 0.01)
+    old = policy()
+    old.ttft.on_load(msgspec.structs.replace(CLASS_LOAD, tenants={
+        u: TenantBacklog(b.counter, b.backlogged, b.queued_prefill_tokens,
+                         b.running_prefill_tokens) for u, b in CLASS_LOAD.tenants.items()}))
+    d = old.decide(req("a1", "a", prompt=100), 0, 0.0)
+    assert d.reason == "deadline_unmeetable"
+    assert d.estimate.scheduler_ttft_s == pytest.approx(17_300 / 2045 * (0.01 + 2045 / 10_000))
+
+
+def test_a_prompt_in_progress_aged_into_the_class_is_ahead_as_the_scheduler_ranks_it():
+    """b's batch prompt in progress, aged to class 0 by the report's clock, ranks with a's
+    interactive request, and b is served less: the scheduler computes its chunks first."""
+    p = policy()
+    p.ttft.on_load(msgspec.structs.replace(CLASS_LOAD, tenants={
+        **CLASS_LOAD.tenants,
+        "b": TenantBacklog(100.0, True, 20_064, 1000, 64, {10: 20_000}, {0: 1000})}))
+    assert p.ttft.prefill_ahead("a", 0) == 1064 + 1000
+
+
+def test_work_admitted_since_the_report_is_ranked_by_its_class():
+    p = policy(tenants=CLASS_TENANTS)
+    p.ttft.on_load(CLASS_LOAD)
+    assert p.decide(req("b1", "b", prompt=400, cls="batch"), 0, 0.0).kind == ACCEPT
+    assert p.ttft.prefill_ahead("a", 0) == 1064                  # b's batch: after it
+    assert p.decide(req("c1", "c", prompt=100), 0, 0.0).kind == ACCEPT
+    assert p.ttft.prefill_ahead("a", 0) == 1064 + 100            # c's interactive: ahead
+    assert p.ttft.prefill_ahead("b", 10) == 22_064 + 400 + 100   # b's own, and c's
+
+
+def test_the_prediction_counts_what_the_real_scheduler_computes_first():
+    """The production scheduler, 64 tokens a step: b (served least) has a 200-token batch
+    prompt in progress and three more waiting; c (500) and a (1,000) each an interactive
+    prompt waiting. Its load report, read by admission, puts 64 tokens ahead of a new
+    interactive request of a: c's 24 and a's own 40. The scheduler then computes exactly
+    those before it (the next step is theirs; the one after starts it, b's batch taking
+    what it leaves); ranked as one class, b's batch would be counted ahead too."""
+    core, kv = core_of(max_num_seqs=8, budget=64), Kv(256)
+    core.add(admitted("b-run", "b", batch=True, prompt=200))
+    kv.settle(core)
+    assert run(core, kv, 1) == [("b-run", 64)]
+    for i in range(3):
+        core.add(admitted(f"b{i}", "b", batch=True, prompt=200, at_s=1))
+    core.vtc.charge("a", 1000)
+    core.vtc.charge("c", 500)
+    core.add(admitted("a0", "a", prompt=40, at_s=2))
+    core.add(admitted("c0", "c", prompt=24, at_s=2))
+    kv.settle(core)
+    p = policy(tenants=CLASS_TENANTS)
+    p.ttft.on_load(load_report(core, core.cost, 64, 2 * S))
+    assert p.ttft.prefill_ahead("a", 0) == 24 + 40
+    assert p.ttft.prefill_ahead("a") == 24 + 40 + 600 + 136     # as one class
+    core.add(admitted("a-new", "a", prompt=40, at_s=2))
+    kv.settle(core)
+    rows = run(core, kv, 2)
+    assert rows == [("c0", 24), ("a0", 40)]
+    assert run(core, kv, 2.1) == [("a-new", 40), ("b0", 24)]
 
 
 def test_the_bias_follows_the_high_misses_not_their_mean():

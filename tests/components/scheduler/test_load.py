@@ -1,6 +1,8 @@
 """The scheduler's load report to admission: the backlog, and per tenant its virtual counter
-and its waiting and in-progress prefill, so admission can price a request where VTC would
-start it; and its wire form, which still decodes from a scheduler that predates the split."""
+and its waiting and in-progress prefill, each split by the class it ranks with (aged) and
+the waiting part back from preemption apart, so admission can price a request where the
+fair order would start it; and its wire form, which still decodes from a scheduler that
+predates either split."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,14 +14,19 @@ from bus.codec import Codec, encode
 from components.scheduler.cost_model import StepCostModel
 from components.scheduler.fairness import VirtualCounters
 from components.scheduler.load import load_report
+from components.scheduler.sequence import Seq
 from schemas.wire import AdmissionMsg, DecodeRates, SchedulerLoad, TenantBacklog
 
 
 def seq(tenant: str, remaining: int, num_tokens: int = 0, rid: str = "",
-        arrival_ns: int = 0, first_token_ns: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens,
-                           num_computed=max(num_tokens - remaining, 0), request_id=rid,
-                           arrival_ns=arrival_ns, first_token_ns=first_token_ns)
+        arrival_ns: int = 0, first_token_ns: int = 0, priority: int = 0,
+        aging_per_s: float = 0.0, resumes: bool = False) -> SimpleNamespace:
+    s = SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens,
+                        num_computed=max(num_tokens - remaining, 0), request_id=rid,
+                        arrival_ns=arrival_ns, first_token_ns=first_token_ns,
+                        priority=priority, aging_per_s=aging_per_s, resumes=resumes)
+    s.aged_priority = lambda now_ns: Seq.aged_priority(s, now_ns)
+    return s
 
 
 FLAT = StepCostModel(prior=[0.5, 0.0, 0.0, 0.0, 0.0])     # every step 0.5 s
@@ -36,12 +43,33 @@ def test_load_report_splits_the_backlog_by_tenant():
         vtc=vtc, _backlogged_tenants=lambda: {"a", "b"})
     assert load_report(core, FLAT, 1000) == SchedulerLoad(
         2, 3, 300 + 40 + 500 + 200, 2000.0, 0.5, {
-            "a": TenantBacklog(900.0, True, 800, 200),
-            "b": TenantBacklog(50.0, True, 40, 0),
+            "a": TenantBacklog(900.0, True, 800, 200, 0, {0: 800}, {0: 200}),
+            "b": TenantBacklog(50.0, True, 40, 0, 0, {0: 40}),
             "c": TenantBacklog(10.0, False, 0, 0)},
         # 300·301/2 + 40·41/2 + 500·501/2, and a's 200 left after 200 computed
         queued_prefill_pairs=45150 + 820 + 125250 + (200 * 200 + 20100),
         running_context=400 + 90, decode_rates=DecodeRates(0.5, 0.0, 0.0))
+
+
+def test_load_report_splits_each_tenants_backlog_by_the_class_it_ranks_with():
+    """At 90 s: a's batch (priority 1, a unit a minute) waiting since 0 ranks as class 0,
+    its batch from 40 s still as 1, its interactive prompt in progress as 0 and its batch
+    in progress since 40 s as 1; b's sequence back from preemption is counted apart (it
+    starts before any fresh work), its fresh batch by class."""
+    S = 1_000_000_000
+    core = SimpleNamespace(
+        waiting=[seq("a", 300, priority=1, aging_per_s=1 / 60),
+                 seq("a", 500, priority=1, aging_per_s=1 / 60, arrival_ns=40 * S),
+                 seq("b", 64, priority=1, resumes=True),
+                 seq("b", 100, priority=1, aging_per_s=1 / 60, arrival_ns=80 * S)],
+        running=[seq("a", 200, 400), seq("a", 700, 900, priority=1, aging_per_s=1 / 60,
+                                           arrival_ns=40 * S)],
+        vtc=VirtualCounters({}), _backlogged_tenants=lambda: {"a", "b"})
+    load = load_report(core, FLAT, 1000, 90 * S)
+    assert load.tenants == {"a": TenantBacklog(0.0, True, 800, 900, 0, {0: 300, 1: 500},
+                                               {0: 200, 1: 700}),
+                            "b": TenantBacklog(0.0, True, 164, 0, 64, {1: 100})}
+    assert load_report(core, FLAT, 1000).tenants["a"].queued_by_class == {1: 800}  # no clock
 
 
 def test_load_report_prices_prefill_tokens_and_attention_apart():
@@ -87,3 +115,20 @@ def test_a_load_report_without_tenants_still_decodes():
     new = SchedulerLoad(1, 2, 300, 1000.0, 0.05, {"a": TenantBacklog(5.5, True, 300, 200)})
     assert codec.decode(encode(new)).body == new
     assert codec.malformed == 0
+
+
+def test_a_tenant_backlog_without_the_class_split_still_decodes_and_the_other_way():
+    class OldBacklog(msgspec.Struct, frozen=True, array_like=True):
+        counter: float
+        backlogged: bool = False
+        queued_prefill_tokens: int = 0
+        running_prefill_tokens: int = 0
+
+    new = TenantBacklog(5.5, True, 300, 200, 64, {0: 36, 1: 200}, {1: 200})
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(OldBacklog(5.5, True, 300, 200)),
+                                  type=TenantBacklog) == TenantBacklog(5.5, True, 300, 200)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldBacklog) == \
+        OldBacklog(5.5, True, 300, 200)                  # an older admission reads the totals
+    codec = Codec(AdmissionMsg)
+    load = SchedulerLoad(1, 2, 500, 1000.0, 0.05, {"a": new})
+    assert codec.decode(encode(load)).body == load and codec.malformed == 0
