@@ -160,7 +160,7 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     decode_measured_s: float = 0.0               # 0: no decode step in the window
     decode_error: float = 1.0
     tpot_s: dict[str, float] = {}
-    decode_steps: int = -1                       # decode steps in the window (-1: not said)
+    decode_steps: int = -1    # decode-only steps in the window, decode_error's (-1: not said)
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):

@@ -21,20 +21,32 @@ MIN_ERROR_STEPS = 4        # fewer decode steps in the window: the cost model is
 class DecodeWindow:
     def __init__(self, window_s: float = LIVE_WINDOW_S) -> None:
         self.window_ns = round(window_s * 1e9)
-        self._steps: deque[tuple[int, float, float, frozenset[str]]] = deque()
+        self._steps: deque[tuple[int, float, float, frozenset[str], bool]] = deque()
         self._measured = 0.0
         self._predicted = 0.0
+        # the same over the steps that decoded only (no prefill row beside): what the error
+        # is taken from, as the decode horizon predicts a decode-only step; a step with a
+        # prefill chunk carries costs the model prices less well (a prompt's logprobs over
+        # the vocabulary, a grammar's first mask), and a few of them read as the whole
+        # batch running 7x slow
+        self._pure = 0
+        self._pure_measured = 0.0
+        self._pure_predicted = 0.0
         self._by_class: dict[str, tuple[float, int]] = {}   # class -> (seconds, steps)
 
     def step(self, now_ns: int, measured_s: float, predicted_s: float,
-             classes: frozenset[str]) -> None:
+             classes: frozenset[str], pure: bool = True) -> None:
         """A step ended at ``now_ns`` that decoded sequences of ``classes`` (none: it
-        decoded nothing, and is not kept)."""
+        decoded nothing, and is not kept); ``pure``: it decoded only, no prefill beside."""
         if not classes:
             return
-        self._steps.append((now_ns, measured_s, predicted_s, classes))
+        self._steps.append((now_ns, measured_s, predicted_s, classes, pure))
         self._measured += measured_s
         self._predicted += predicted_s
+        if pure:
+            self._pure += 1
+            self._pure_measured += measured_s
+            self._pure_predicted += predicted_s
         for c in classes:
             seconds, steps = self._by_class.get(c, (0.0, 0))
             self._by_class[c] = (seconds + measured_s, steps + 1)
@@ -44,9 +56,13 @@ class DecodeWindow:
         """Forget the steps that ended ``LIVE_WINDOW_S`` or more before ``now_ns``."""
         horizon = now_ns - self.window_ns
         while self._steps and self._steps[0][0] <= horizon:
-            _, measured, predicted, classes = self._steps.popleft()
+            _, measured, predicted, classes, pure = self._steps.popleft()
             self._measured -= measured
             self._predicted -= predicted
+            if pure:
+                self._pure -= 1
+                self._pure_measured -= measured
+                self._pure_predicted -= predicted
             for c in classes:
                 seconds, steps = self._by_class[c]
                 if steps == 1:
@@ -55,21 +71,28 @@ class DecodeWindow:
                     self._by_class[c] = (seconds - measured, steps - 1)
         if not self._steps:                  # no drift of the running sums past an idle spell
             self._measured = self._predicted = 0.0
+        if not self._pure:
+            self._pure_measured = self._pure_predicted = 0.0
 
     @property
     def steps(self) -> int:
         return len(self._steps)
+
+    @property
+    def pure_steps(self) -> int:
+        """The window's decode-only steps: what ``error`` is measured on."""
+        return self._pure
 
     def measured_s(self) -> float:
         """The mean measured time of the window's decode steps; 0.0 with none."""
         return self._measured / len(self._steps) if self._steps else 0.0
 
     def error(self) -> float:
-        """Measured ÷ predicted over the window's decode steps; 1.0 with fewer than
+        """Measured ÷ predicted over the window's decode-only steps; 1.0 with fewer than
         ``MIN_ERROR_STEPS`` of them or nothing predicted."""
-        if len(self._steps) < MIN_ERROR_STEPS or self._predicted <= 0:
+        if self._pure < MIN_ERROR_STEPS or self._pure_predicted <= 0:
             return 1.0
-        return self._measured / self._predicted
+        return self._pure_measured / self._pure_predicted
 
     def tpot_s(self) -> dict[str, float]:
         """Per class, the mean time of the steps that decoded its sequences."""

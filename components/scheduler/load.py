@@ -114,4 +114,4 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                          window.measured_s() if window else 0.0,
                          window.error() if window else 1.0,
                          window.tpot_s() if window else {},
-                         window.steps if window else -1)
+                         window.pure_steps if window else -1)

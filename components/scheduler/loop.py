@@ -179,7 +179,8 @@ class SchedulerLoop:
         measured = (mono_ns - started) / 1e9
         self.last_step_s = measured
         core.cost.observe(step.shape, measured)
-        self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes)
+        self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes,
+                          pure=step.shape.tokens == step.shape.seqs)
         sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
                                               res.elapsed_ns / 1e9, res.step_id)))
         self.usage.sampled(core, res.seq_ids)

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from schemas.config import SLO_CLASSES
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import GATEWAY_MODEL, free_port
 from tests.e2e.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -86,20 +86,21 @@ async def first_token(http: httpx.AsyncClient, ids: list[int]) -> tuple[int, str
     """Send one streamed completion; return at its first text chunk (or its refusal): the
     status, the refusal's code (or ""), and whether a refusal carried Retry-After. The
     rest of the stream is read to its end, as a client would."""
-    body = {"model": "default", "prompt": ids, "max_tokens": OUTPUT, "temperature": 0.0,
+    body = {"model": GATEWAY_MODEL, "prompt": ids, "max_tokens": OUTPUT, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             err = json.loads(await r.aread()).get("error", {})
             return r.status_code, str(err.get("code") or err.get("type")), \
                 "retry-after" in r.headers
-        async for line in r.aiter_lines():
+        lines = r.aiter_lines()
+        async for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return 200, str(chunk["error"].get("code")), False
                 break
-        async for _ in r.aiter_lines():
+        async for _ in lines:
             pass
         return 200, "", False
 

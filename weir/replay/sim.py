@@ -282,7 +282,8 @@ class Simulator:
         self._step = None
         self._idle_since = self.now             # until the next step starts (_pump, at once)
         self.cost.observe(shape, result.elapsed_ns / _NS)
-        self.decodes.step(self.now, result.elapsed_ns / _NS, predicted, classes)
+        self.decodes.step(self.now, result.elapsed_ns / _NS, predicted, classes,
+                          pure=shape.tokens == shape.seqs)
         self._emit(self.core.on_result(result, self.now))
         self._drop_late()
 

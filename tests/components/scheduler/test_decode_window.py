@@ -40,6 +40,24 @@ def test_each_class_sees_the_mean_of_the_steps_it_decoded_in():
     assert w.error() == pytest.approx(1.25)              # every step ran 1.25x its prediction
 
 
+def test_the_error_is_taken_from_decode_only_steps():
+    """Steps with a prefill chunk beside the decodes count for each class's TPOT (its
+    streams wait for them) but not for measured ÷ predicted: four of them at 7x (a prompt's
+    logprobs, priced as plain prefill) read as every decode step running 7x slow."""
+    w = DecodeWindow(window_s=2.0)
+    for i in range(4):
+        w.step(i, 0.70, 0.10, frozenset({"interactive"}), pure=False)
+    assert (w.error(), w.pure_steps, w.steps) == (1.0, 0, 4)
+    for i in range(4):
+        w.step(10 + i, 0.11, 0.10, frozenset({"interactive"}))
+    assert w.error() == pytest.approx(1.1) and w.pure_steps == 4
+    assert w.tpot_s() == pytest.approx({"interactive": (4 * 0.70 + 4 * 0.11) / 8})
+    w.expire(2 * S + 5)                      # the mixed steps go first, then the rest
+    assert (w.pure_steps, w.steps) == (4, 4)
+    w.expire(2 * S + 20)
+    assert (w.pure_steps, w.steps, w.error()) == (0, 0, 1.0)
+
+
 def test_an_idle_spell_empties_the_window():
     w = DecodeWindow(window_s=2.0)
     for i in range(5):
