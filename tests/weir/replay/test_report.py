@@ -11,8 +11,9 @@ from weir.replay.fairness import (ADMIT, ARRIVE, LEAVE, SERVE, Event, backlog_en
                                   backlog_span,
                                   backlog_intervals, max_backlogged_gap, overlap_s,
                                   service_events, time_grid)
-from weir.replay.report import (Summary, met_slo, pcts, percentile, read_records, render_table,
-                                summarize, write_records, write_summary_json)
+from weir.replay.report import (Summary, Window, met_slo, pcts, percentile, read_records,
+                                render_table, summarize, worst_window, write_records,
+                                write_summary_json)
 from weir.replay.types import (CANCELLED, FAILED, REJECTED, RequestRecord, RunResult, Scaling,
                                Slo)
 
@@ -80,6 +81,25 @@ def test_tpot_at_the_bound_meets_and_a_microsecond_over_misses():
     assert not met_slo(over, Slo(200, 100))
     assert met_slo(_rec(0, ttft_s=0.2, e2e_s=9.0, output_tokens=1), SLO)  # one token: no TPOT
     assert not met_slo(_rec(0, ttft_s=0.2 + 2e-6, e2e_s=0.2, output_tokens=1), SLO)
+
+
+def test_worst_window_by_send_time_counts_a_late_drop_as_accepted_and_not_a_refusal():
+    recs = [_done(0), _done(1), _done(2, ttft=0.3), _done(3),             # 0-4 s: 3 of 4
+            _done(4), _rec(5, decision="reject", terminal=REJECTED, reason="overload"),
+            _rec(6, decision="reject", terminal=REJECTED, reason="deadline_expired"),
+            _done(7, service_class="chat"),                                # 4-8 s: 2 of 3
+            _done(8), _done(9)]                                            # 8-12 s: 2 of 2
+    assert worst_window(recs, {}, SLO) == Window(4.0, accepted=3, met=2)
+    # a tighter class's SLO is the one its requests are held to
+    assert worst_window(recs, {"chat": Slo(50, 50)}, SLO) == Window(4.0, accepted=3, met=1)
+    # equal shares: the earliest window
+    assert worst_window([_done(1, ttft=0.3), _done(5, ttft=0.3)], {}, SLO) == Window(0.0, 1, 0)
+    assert worst_window([_rec(0, decision="reject", terminal=REJECTED, reason="overload")],
+                        {}, SLO) is None
+    s = summarize(RunResult(label="a", mode="live", records=recs, duration_s=12.0), {}, SLO)
+    assert s.worst_window == Window(4.0, 3, 2)
+    table = render_table([s])
+    assert _cells(table, "worst 4 s window (% of accepted in SLO)") == ["66.7% (2/3) at 4-8 s"]
 
 
 def test_percentiles_interpolate_between_closest_ranks():
