@@ -74,7 +74,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", default=None,
                     help="results directory (default .bench/replay-<time> in the repository)")
-    ap.set_defaults(format="auto", slo_class=[])        # what load_scaled / write_outputs read
+    # what load_scaled / write_outputs read: no class or tenant drawn, so each engine gives
+    # every request its default (Weir's: the tenant's default class, interactive)
+    ap.set_defaults(format="auto", slo_class=[], class_mix=None, tenant_mix=None)
     return ap.parse_args()
 
 
