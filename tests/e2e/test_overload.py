@@ -20,6 +20,7 @@ the scheduler, which the backlog model cannot see."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import time
@@ -67,6 +68,7 @@ class Phase:
         self.missed: list[tuple[float, float]] = []   # (sent, after the phase's start; TTFT)
         self.sent: list[float] = []          # accepted: sent at, in the phase
         self.dropped = 0                     # accepted, then ended deadline_expired
+        self.views: dict[str, float | None] = {}   # the engine's own mean TTFTs (ttft_sums)
 
     @property
     def met(self) -> int:
@@ -82,27 +84,31 @@ class Phase:
         return min(((sum(w) / len(w), len(w)) for w in windows.values()), default=(1.0, 0))
 
 
-async def first_token(http: httpx.AsyncClient, ids: list[int]) -> tuple[int, str, bool]:
-    """Send one streamed completion; return at its first text chunk (or its refusal): the
-    status, the refusal's code (or ""), and whether a refusal carried Retry-After. The
-    rest of the stream is read to its end, as a client would."""
+async def first_token(http: httpx.AsyncClient, ids: list[int]) -> tuple[int, str, bool, float]:
+    """Send one streamed completion: the status, the refusal's code (or ""), whether a
+    refusal carried Retry-After, and the seconds to its first text chunk (or to its
+    refusal). The rest of the stream is read to its end, as a client would, after the
+    time is taken."""
     body = {"model": GATEWAY_MODEL, "prompt": ids, "max_tokens": OUTPUT, "temperature": 0.0,
             "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             err = json.loads(await r.aread()).get("error", {})
             return r.status_code, str(err.get("code") or err.get("type")), \
-                "retry-after" in r.headers
+                "retry-after" in r.headers, time.perf_counter() - t0
+        took, code = math.inf, ""
         lines = r.aiter_lines()
         async for line in lines:
             if line.startswith("data: ") and line != "data: [DONE]":
+                took = time.perf_counter() - t0
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return 200, str(chunk["error"].get("code")), False
+                    code = str(chunk["error"].get("code"))
                 break
         async for _ in lines:
             pass
-        return 200, "", False
+        return 200, code, False, took
 
 
 async def offer(http: httpx.AsyncClient, rate: float, seconds: float, seed: int) -> Phase:
@@ -112,8 +118,7 @@ async def offer(http: httpx.AsyncClient, rate: float, seconds: float, seed: int)
     async def one(i: int) -> None:
         ids = [rng.randrange(1000, 40000) for _ in range(PROMPT)]
         t0 = time.perf_counter()
-        status, code, retry_after = await first_token(http, ids)
-        took = time.perf_counter() - t0
+        status, code, retry_after, took = await first_token(http, ids)
         if status != 200 or code:
             if code == "deadline_expired":       # admitted, then dropped past its deadline
                 phase.dropped += 1
@@ -139,6 +144,28 @@ async def offer(http: httpx.AsyncClient, rate: float, seconds: float, seed: int)
     return phase
 
 
+async def ttft_sums(http: httpx.AsyncClient) -> dict[str, tuple[float, float]]:
+    """(count, sum) of the engine's TTFT histograms: the streamer's, from the engine's
+    arrival to the first token it sent (weir:request_ttft_seconds), and the gateway's, from
+    its handler's start to the first event (weir:time_to_first_token_seconds). Beside the
+    client's TTFT they say where an accepted request's time went."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        if family.name in ("weir:request_ttft_seconds", "weir:time_to_first_token_seconds"):
+            count = sum(x.value for x in family.samples if x.name.endswith("_count"))
+            total = sum(x.value for x in family.samples if x.name.endswith("_sum"))
+            out[family.name] = (count, total)
+    return out
+
+
+def mean_between(before: dict, after: dict, name: str) -> float | None:
+    (c0, s0), (c1, s1) = before.get(name, (0, 0)), after.get(name, (0, 0))
+    return (s1 - s0) / (c1 - c0) if c1 > c0 else None
+
+
 def p99(values: list[float]) -> float:
     return sorted(values)[min(len(values) - 1, int(len(values) * 0.99))]
 
@@ -152,13 +179,16 @@ async def scenario(c) -> tuple[float, Phase, Phase, float, float | None]:
     at_capacity = await offer(c, capacity, 10.0, 2)
     await anyio.sleep(3.0)
     baseline = statistics.median(at_capacity.ttft)
+    before = await ttft_sums(c)
     burst = await offer(c, 3 * capacity, 30.0, 3)
+    after = await ttft_sums(c)
+    burst.views = {name.split(":")[1]: mean_between(before, after, name) for name in after}
     recovered_after = None
     end = time.perf_counter()
     while time.perf_counter() - end < 10.0:                     # probe until normal
         t0 = time.perf_counter()
-        status, code, _ = await first_token(c, [1000 + i for i in range(PROMPT)])
-        if status == 200 and not code and time.perf_counter() - t0 <= 1.5 * baseline + 0.1:
+        status, code, _, took = await first_token(c, [1000 + i for i in range(PROMPT)])
+        if status == 200 and not code and took <= 1.5 * baseline + 0.1:
             recovered_after = t0 - end
             break
         await anyio.sleep(0.25)
@@ -177,7 +207,9 @@ def judge(capacity: float, at_cap: Phase, burst: Phase, baseline: float,
               f"worst {WINDOW_S:g} s window at 3x {burst.worst_window(WINDOW_S)}; "
               f"3x TTFT p50 {statistics.median(burst.ttft) if burst.ttft else 0:.3f} s; "
               f"dropped late at 3x {burst.dropped}; refusals without Retry-After "
-              f"{burst.no_retry_after}")
+              f"{burst.no_retry_after}; 3x mean TTFT client "
+              f"{statistics.mean(t for t in burst.ttft if t < math.inf) if burst.ttft else 0:.3f}"
+              f" s, engine's views {burst.views}")
     checks = {
         "capacity > 0.5 req/s": capacity > 0.5,
         "the burst is refused in part": bool(burst.rejected),
