@@ -8,7 +8,9 @@ from typing import Literal, Union
 
 import msgspec
 
-FinishReason = Literal["stop", "length"]
+# "deadline": the request's end-to-end deadline passed while it was decoding; its output so
+# far is what it got (like "length", cut short; see Submit.e2e_deadline_ms)
+FinishReason = Literal["stop", "length", "deadline"]
 RejectReason = Literal[
     "invalid_request", "unknown_tenant", "prompt_too_long", "overloaded", "tenant_over_budget",
     "draining", "unauthenticated",
@@ -126,6 +128,10 @@ class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=Tr
     tools: tuple[Tool, ...] = ()        # chat: functions the template may show the model
     batch_events: bool = False          # this client takes ``Events``: a step's events for
                                         # its requests arrive in one frame, not one each
+    # end-to-end deadline, from arrival: past it the request ends wherever it is (finish
+    # reason "deadline" with its output so far, or deadline_expired before a first token).
+    # Its class's e2e_slo_ms bounds it: a client may tighten its class's bound, not loosen it
+    e2e_deadline_ms: int | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=True):
@@ -196,6 +202,9 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     # with no first token this long after arrival, the engine ends it deadline_expired
     # (its class drops late work); None: it is served however late
     expires_ms: int | None = None
+    # the end-to-end deadline in force (the client's, clamped to its class's e2e_slo_ms):
+    # this long after arrival the engine ends it wherever it is; None: no bound
+    e2e_deadline_ms: int | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

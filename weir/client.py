@@ -435,13 +435,19 @@ class AsyncClient:
                      deadline_ms: int | None = None, priority: int = 0,
                      service_class: str | None = None, idempotency_key: str | None = None,
                      traceparent: str | None = None, session_id: str | None = None,
-                     tools: list[dict | Tool] | None = None, **params: Any) -> Stream:
+                     tools: list[dict | Tool] | None = None, e2e_deadline_ms: int | None = None,
+                     **params: Any) -> Stream:
         """Submit a request and return its Stream. Give one of ``prompt`` (text),
         ``prompt_token_ids`` or ``messages`` (chat); ``params`` are SamplingParams fields
         (``n`` > 1 asks for parallel samples that share the prompt's KV). ``priority``:
-        lower is more important when the engine must preempt. ``service_class``: the
-        admission class to run under (None: the tenant's default); a tenant may ask for
-        its default or a lower class, and a higher one is rejected (``class_not_allowed``).
+        lower is more important when the engine must preempt. ``deadline_ms``: the first
+        token's deadline, from arrival. ``e2e_deadline_ms``: the whole request's, from
+        arrival (its class's ``e2e_slo_ms`` bounds it: a client may only tighten that); past
+        it the request ends wherever it is, as a Completion with ``finish_reason``
+        ``"deadline"`` and the output so far, or ``deadline_expired`` (RequestRejected)
+        before a first token. ``service_class``: the admission class to run under (None: the
+        tenant's default); a tenant may ask for its default or a lower class, and a higher
+        one is rejected (``class_not_allowed``).
         What was granted is on the Completion (``service_class``, ``max_tokens``,
         ``degraded``, ``queued_s``). ``idempotency_key``: a retry with the same key (same
         tenant) attaches to the first request's stream, or gets its finished result,
@@ -466,7 +472,8 @@ class AsyncClient:
         sub = Submit(rid, prompt, msgs, prompt_token_ids, SamplingParams(**params),
                      tenant or self.tenant, deadline_ms, priority, self.api_key, idempotency_key,
                      service_class=service_class, session_id=session_id,
-                     tools=tuple(tool(t) for t in tools or ()), batch_events=True)
+                     tools=tuple(tool(t) for t in tools or ()), batch_events=True,
+                     e2e_deadline_ms=e2e_deadline_ms)
         recv = self._open(rid)
         timeout = timeout if timeout is not None else self.timeout
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -36,6 +36,11 @@ Policies (``admission.policy``):
 
   A queued request past its deadline or ``max_queue_ms`` ends ``deadline_expired``.
 
+End-to-end bound (either policy): a request runs under the tighter of its own
+``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (``Admitted.e2e_deadline_ms``; the
+scheduler ends it there, ``late.py``). Under ``deadline`` it also bounds the first token:
+a predicted TTFT past it is ``deadline_unmeetable``, and a queued request expires at it.
+
 KV reservation: an admitted request holds ``ceil((uncached prompt + n × expected output ×
 (1 + kv_safety)) / block_size)`` blocks of the pool (less the watermark) until it is
 released; a request starts only when its reservation fits, both the ledger's room and the
@@ -90,6 +95,7 @@ class Estimate:
     scheduler_ttft_s: float | None = None   # the backlog part alone, before the learned bias
     decode_context: int = 0              # KV positions each of its sequences reads decoding
     decode_step_s: float | None = None   # the decode step predicted with it (the horizon)
+    e2e_deadline_ms: float | None = None # the end-to-end bound in force (see e2e_deadline_ms)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,22 @@ def effective_deadline_ms(d: Decision) -> int | None:
     else its class's ``ttft_slo_ms`` (urgency preemption reads it)."""
     ms = d.estimate.deadline_ms
     return None if ms is None else round(ms)
+
+
+def e2e_deadline_ms(req: Tokenized, cls: ServiceClass) -> float | None:
+    """The end-to-end bound a request runs under: the tighter of its own
+    ``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (a client may tighten its class's
+    bound, never loosen it); None when neither sets one. Either policy: the scheduler ends
+    the request there (late.py)."""
+    bounds = [b for b in (req.e2e_deadline_ms, cls.e2e_slo_ms) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def first_token_bound_ms(est: Estimate) -> float | None:
+    """By when the first token must come for the request to be of use: its TTFT deadline,
+    or its end-to-end bound if that is sooner (past it the request ends with nothing)."""
+    bounds = [b for b in (est.deadline_ms, est.e2e_deadline_ms) if b is not None]
+    return min(bounds) if bounds else None
 
 
 class AdmissionPolicy:
@@ -153,11 +175,14 @@ class AdmissionPolicy:
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         cls = self.classes[d.service_class]
+        e2e = d.estimate.e2e_deadline_ms
         return Admitted(req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
                         params, req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d),
                         d.priority, req.public_scope, req.public_blocks, d.service_class,
-                        cls.tpot_slo_ms, int(queued_s * 1e9), held=self.held.get(req.request_id),
-                        drop_late=self.drops_late(d), aging_per_s=cls.aging_per_s)
+                        cls.tpot_slo_ms, int(queued_s * 1e9),
+                        e2e_deadline_ms=None if e2e is None else max(round(e2e), 1),
+                        held=self.held.get(req.request_id), drop_late=self.drops_late(d),
+                        aging_per_s=cls.aging_per_s)
 
     def on_load(self, load: SchedulerLoad, now: float | None = None) -> str:
         """The scheduler's load report (every 100 ms): the TTFT model's backlog and rates,
@@ -260,12 +285,14 @@ class AdmissionPolicy:
                                     retry_s=bucket.wait_s(cost, now), **base)
             return self._degrade(req, cls, fit, base, "tenant_token_budget", now)
         headroom = 1.0 - self.config.admission.ttft_headroom
-        if est.deadline_ms is not None and est.predicted_ttft_s is not None \
-                and est.predicted_ttft_s * 1e3 > est.deadline_ms * headroom:
+        bound = first_token_bound_ms(est)
+        if bound is not None and est.predicted_ttft_s is not None \
+                and est.predicted_ttft_s * 1e3 > bound * headroom:
+            which = "deadline" if bound == est.deadline_ms else "end-to-end deadline"
             return self._reject(req, "deadline_unmeetable",
-                                f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms; deadline "
-                                f"{est.deadline_ms:.0f} ms less {headroom_pct(headroom)} headroom",
-                                retry_s=est.predicted_ttft_s - est.deadline_ms / 1e3, **base)
+                                f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms; {which} "
+                                f"{bound:.0f} ms less {headroom_pct(headroom)} headroom",
+                                retry_s=est.predicted_ttft_s - bound / 1e3, **base)
         blocker = self._blocker(req.tenant, tenant, est, seqs, cls.name)
         if blocker is None and self._behind_queue(req.tenant, base["priority"], est, now):
             blocker = "queue"                  # fits, but must not jump those waiting
@@ -320,7 +347,8 @@ class AdmissionPolicy:
         horizon = self._horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
                         None if raw is None else raw + self.ttft.bias_s, deadline, raw,
-                        context, horizon.step_s if horizon is not None else None)
+                        context, horizon.step_s if horizon is not None else None,
+                        e2e_deadline_ms(req, cls))
 
     def _horizon(self, cls: str, n: int, context: int) -> Horizon | None:
         """The decode horizon of ``n`` more sequences of ``cls`` (``LiveEngine.horizon``);
@@ -546,12 +574,13 @@ class AdmissionPolicy:
                        (est.uncached_tokens, req.params.n * est.expected_output))
 
     def _deadline_at(self, decision: Decision, queued_at: float) -> float:
-        """When a queued request expires: its TTFT deadline (from arrival) or its class's
-        max_queue_ms (from queueing), whichever comes first."""
+        """When a queued request expires: its TTFT deadline or end-to-end bound (from
+        arrival) or its class's max_queue_ms (from queueing), whichever comes first."""
         cls = self.classes[decision.service_class]
         limits = [queued_at + cls.max_queue_ms / 1e3]
-        if decision.estimate.deadline_ms is not None:     # queued moments after arrival
-            limits.append(queued_at + decision.estimate.deadline_ms / 1e3)
+        bound = first_token_bound_ms(decision.estimate)
+        if bound is not None:                             # queued moments after arrival
+            limits.append(queued_at + bound / 1e3)
         return min(limits)
 
     def queue_position(self, request_id: str) -> int:

@@ -42,7 +42,8 @@ any work is done on it. The limits and why:
   schema, regex, grammar) the tokenizer checks, with the model's vocabulary.
 - ``tools``: at most ``MAX_TOOLS`` (128), each named by 1-64 letters, digits, ``_`` or
   ``-`` (OpenAI's rule), no two alike; their text counts toward the prompt's size.
-- ``priority``, ``deadline_ms``: fit a signed 64-bit integer (``deadline_ms`` >= 0).
+- ``priority``, ``deadline_ms``, ``e2e_deadline_ms``: fit a signed 64-bit integer
+  (``deadline_ms`` >= 0, ``e2e_deadline_ms`` >= 1).
 - ``request_id``, ``idempotency_key``, ``tenant``, ``service_class``, ``session_id``: at
   most ``MAX_ID_CHARS`` (256). ``api_key``: at most ``MAX_API_KEY_CHARS`` (4096: a JWT fits;
   no configured key is longer than its holder can send).
@@ -290,6 +291,9 @@ def check_submit(sub: Any, max_model_len: int,
     deadline = sub.deadline_ms
     if deadline is not None and (not _is_int(deadline) or not 0 <= deadline <= INT64_MAX):
         return "invalid_request", "deadline_ms must be >= 0 and fit in 64 bits"
+    e2e = getattr(sub, "e2e_deadline_ms", None)
+    if e2e is not None and (not _is_int(e2e) or not 1 <= e2e <= INT64_MAX):
+        return "invalid_request", "e2e_deadline_ms must be >= 1 and fit in 64 bits"
     if (why := check_params(sub.params)) is not None:
         return "invalid_request", why
     p = sub.params

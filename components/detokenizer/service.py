@@ -122,8 +122,9 @@ class DetokenizerService(Component):
             elif item.finish_reason is not None:
                 text += detok.flush()
                 reason = "stop" if detok.stopped else item.finish_reason
-            events.append(TextDelta(rid, text, tuple(item.token_ids), index,
-                                    self.logprobs(item), self.prompt(item)))
+            if item.token_ids or text:      # a "deadline" end brings no token: no empty delta
+                events.append(TextDelta(rid, text, tuple(item.token_ids), index,
+                                        self.logprobs(item), self.prompt(item)))
             if reason is None:
                 continue
             del stream.detoks[index]

@@ -137,8 +137,10 @@ def _from_failure(exc: RequestFailed | RequestCancelled) -> ApiError:
 
 
 def _granted(res: Completion) -> dict[str, Any]:
-    """The usage's ``weir`` object: what admission granted the finished request."""
-    return weir_usage(res.service_class, res.degraded, res.max_tokens, res.queued_s)
+    """The usage's ``weir`` object: what admission granted the finished request, and
+    whether its end-to-end deadline cut it short."""
+    return weir_usage(res.service_class, res.degraded, res.max_tokens, res.queued_s,
+                      any(c.finish_reason == "deadline" for c in res.choices))
 
 
 async def _unless_disconnected(request: Request, work) -> tuple[bool, Any]:

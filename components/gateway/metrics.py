@@ -211,7 +211,8 @@ class _EngineCollector:
         missed = CounterMetricFamily("weir:slo_missed_requests", "Requests that ended outside "
                                      "their SLO, by service class and reason: ttft, tpot or "
                                      "both (finished late; no first token at all is ttft), "
-                                     "rejected (refused for load or budget), expired "
+                                     "deadline (finished at its end-to-end deadline, cut "
+                                     "short), rejected (refused for load or budget), expired "
                                      "(deadline_expired, queued or admitted), failed, "
                                      "cancelled. A refusal of a request that could not be "
                                      "served as asked (invalid_request, prompt_too_long, "
@@ -221,7 +222,7 @@ class _EngineCollector:
                                      labels=["model_name", "class", "reason"])
         missed_tokens = CounterMetricFamily("weir:slo_missed_tokens", "Generated tokens of "
                                             "finished requests that missed their SLO (reason "
-                                            "ttft, tpot or both), by service class.",
+                                            "ttft, tpot, both or deadline), by service class.",
                                             labels=["model_name", "class"])
         goodput = {"requests": good, "tokens": good_tokens, "missed_tokens": missed_tokens}
         hists: dict[tuple[str, str], dict] = {}       # (kind, class) -> le, sum, count
@@ -321,7 +322,8 @@ class GatewayMetrics:
                                 "weir:request_decode_seconds).", m, buckets=_LATENCY, registry=r)
         self.success = Counter("weir:request_success", "Finished HTTP requests by reason "
                                "(all traffic: weir:goodput_requests plus "
-                               "weir:slo_missed_requests of reason ttft, tpot or both).",
+                               "weir:slo_missed_requests of reason ttft, tpot, both or "
+                               "deadline).",
                                m + ["finished_reason"], registry=r)
         self.errors = Counter("weir:request_errors", "HTTP requests that ended without "
                               "finishing, by kind (rejected:<reason>, cancelled, failed, "

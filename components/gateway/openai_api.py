@@ -90,6 +90,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     best_of: int | None = None
     priority: int = 0               # vLLM's extension: lower is more important
     service_class: str | None = None    # Weir's: the admission class (see class_of)
+    # Weir's: the end-to-end deadline from arrival (Submit.e2e_deadline_ms); past it the
+    # answer so far comes back with finish_reason "length" (the engine's "deadline")
+    e2e_deadline_ms: int | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields; one of them (structured_of)
     response_format: ResponseFormat | None = None
@@ -213,6 +216,8 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
         params["priority"] = req.priority
     if (service_class := class_of(req, class_header)) is not None:
         params["service_class"] = service_class
+    if req.e2e_deadline_ms is not None:
+        params["e2e_deadline_ms"] = req.e2e_deadline_ms
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens"):
         if (value := getattr(req, name)) is not None:
@@ -273,7 +278,8 @@ def validate_kwargs(kwargs: dict[str, Any], max_model_len: int,
     params = SamplingParams(**{k: v for k, v in kwargs.items() if k in _PARAMS})
     sub = Submit("gateway", kwargs.get("prompt"), kwargs.get("messages"),
                  kwargs.get("prompt_token_ids"), params, priority=kwargs.get("priority", 0),
-                 service_class=kwargs.get("service_class"), tools=kwargs.get("tools", ()))
+                 service_class=kwargs.get("service_class"), tools=kwargs.get("tools", ()),
+                 e2e_deadline_ms=kwargs.get("e2e_deadline_ms"))
     if (bad := check_submit(sub, max_model_len, max_prompt_chars)) is not None:
         raise ApiError(400, bad[1], code=bad[0])
 

@@ -22,10 +22,21 @@ def usage_dict(u: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def weir_usage(service_class: str, degraded: bool, max_tokens: int | None,
-               queued_s: float) -> dict[str, Any]:
-    """The ``weir`` object in a response's usage: what admission granted the request."""
-    return {"service_class": service_class, "degraded": degraded, "max_tokens": max_tokens,
-            "queued_ms": round(queued_s * 1e3, 1)}
+               queued_s: float, deadline: bool = False) -> dict[str, Any]:
+    """The ``weir`` object in a response's usage: what admission granted the request, and
+    (``deadline``, only when set) that its end-to-end deadline cut it short."""
+    out = {"service_class": service_class, "degraded": degraded, "max_tokens": max_tokens,
+           "queued_ms": round(queued_s * 1e3, 1)}
+    if deadline:
+        out["deadline"] = True
+    return out
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """A finish reason as OpenAI names them: the engine's ``deadline`` (cut short at the
+    request's end-to-end deadline) is ``length`` (cut short), since OpenAI clients parse
+    the reason as one of theirs; the usage's ``weir`` object says ``deadline``."""
+    return "length" if reason == "deadline" else reason
 
 
 def degraded_headers(degraded: bool, max_tokens: int | None) -> dict[str, str]:
@@ -152,7 +163,8 @@ class Shaper:
         index; ``weir`` (``weir_usage``) goes into ``usage``."""
         out = []
         for index, (text, finish_reason, logprobs) in enumerate(choices):
-            text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
+            text, lp, finish_reason = self._echoed(index, text, logprobs,
+                                                   openai_finish_reason(finish_reason))
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 calls = None if self.tools is None else calls_of(self.tools, text)
@@ -176,7 +188,8 @@ class Shaper:
         request's prompt_logprobs (its first delta's)."""
         if prompt is not None:
             self.prompts[index // self.n] = prompt
-        text, lp, finish_reason = self._echoed(index, text, logprobs, finish_reason)
+        text, lp, finish_reason = self._echoed(index, text, logprobs,
+                                               openai_finish_reason(finish_reason))
         if self.chat:
             delta: dict[str, Any] = {}
             if first:

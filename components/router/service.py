@@ -358,10 +358,11 @@ class RouterService(Component):
         # this router relays events one by one: a replica must not batch them for it
         sub = msgspec.structs.replace(f.submit, batch_events=False) \
             if f.submit.batch_events else f.submit
-        if f.tried[1:]:                   # a second try: what is left of its deadline
-            left = None if sub.deadline_ms is None else \
-                max(int(sub.deadline_ms - (now - f.arrival) * 1e3), 1)
-            sub = msgspec.structs.replace(sub, deadline_ms=left)
+        if f.tried[1:]:                   # a second try: what is left of its deadlines
+            def left(ms: int | None) -> int | None:
+                return None if ms is None else max(int(ms - (now - f.arrival) * 1e3), 1)
+            sub = msgspec.structs.replace(sub, deadline_ms=left(sub.deadline_ms),
+                                          e2e_deadline_ms=left(sub.e2e_deadline_ms))
         await r.sock.send(sub, traceparent=upstream_tp)
 
     def _decide(self, f: Flight, ranked: list[Score], now: float) -> Decision | None:

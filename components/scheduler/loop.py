@@ -99,11 +99,15 @@ class SchedulerLoop:
         self.steps: dict[int, PlannedStep] = {}  # the steps in flight, oldest first
         self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
-        self.late = LateDrops()                 # admitted work its class drops when late
+        self.late = LateDrops()                 # admitted work past its TTFT or e2e bound
 
     @property
     def dropped_late(self) -> int:
         return self.late.dropped
+
+    @property
+    def finished_at_deadline(self) -> int:
+        return self.late.finished
 
     def hello(self) -> KvHello:
         return KvHello(self.core.epoch)
@@ -144,20 +148,23 @@ class SchedulerLoop:
                 self.kv_instance = instance
         if self.late.due(now_ns):
             dropped = self._drop_late(now_ns, sends)
+            out.tokens += dropped.tokens
             out.released += dropped.released
             out.forget += dropped.forget
         self._emit(out, sends, now_ns, mono_ns)
         return sends
 
     def _drop_late(self, now_ns: int, sends: list[Send]) -> Outcome:
-        """End ``deadline_expired`` the late work due by ``now_ns`` (late.py); the streamer
-        tells its clients."""
+        """End the late work due by ``now_ns`` (late.py): ``deadline_expired``, which the
+        streamer tells its clients, or (decoding at its end-to-end bound) finish reason
+        ``deadline``, whose last outputs go to the detokenizer with the rest."""
         out, dropped = self.late.drop(self.core, now_ns)
         for d in dropped:
-            log.info("deadline_dropped", request_id=d.rejected.request_id, where=d.where,
+            log.info("deadline_dropped" if d.rejected else "deadline_finished",
+                     request_id=d.request_id, where=d.where, bound=d.bound,
                      late_ms=round(d.overdue_ms, 1))
-        if dropped:
-            sends.append(Send("streamer", EventBatch([d.rejected for d in dropped])))
+        if rejected := [d.rejected for d in dropped if d.rejected is not None]:
+            sends.append(Send("streamer", EventBatch(rejected)))
         return out
 
     def _on_result(self, res: StepResult, sends: list[Send], now_ns: int,

@@ -122,16 +122,25 @@ class Output:
             out.tokens.append(TokenOut(seq.request_id, [token], params, index=seq.index,
                                        logprobs=None if lp is None else [lp], prompt=prompt))
             return
-        usage = Usage(seq.prompt_len, seq.num_output, seq.cached_tokens)
-        queue_ns = max(seq.first_scheduled_ns - seq.arrival_ns, 0)
-        timing = RequestTiming(queue_ns / 1e9,
-                               max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
-                               max(now_ns - seq.first_token_ns, 0) / 1e9,
-                               sum(s.preemptions for s in seq.group),
-                               min(seq.ingress_ns, queue_ns) / 1e9)
+        usage, timing = _ending(seq, now_ns)
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
                                    seq.index, None if lp is None else [lp], prompt))
         self._finish(seq, out)
+
+    def end_at_deadline(self: SchedulerCore, request_id: str, now_ns: int) -> Outcome:
+        """End a request that has streamed tokens at its end-to-end deadline: each choice
+        still open finishes ``deadline`` with no new token, its usage and timing as a
+        ``length`` finish carries them, and its lease is freed at once (a sample still in
+        flight for it is discarded)."""
+        seq = self.by_request.get(request_id)
+        out = Outcome()
+        for s in list(seq.group) if seq is not None else ():
+            if not s.ended:
+                usage, timing = _ending(s, now_ns)
+                out.tokens.append(TokenOut(s.request_id, [], None, "deadline", usage, timing,
+                                           s.index))
+                self._finish(s, out)
+        return out
 
     def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:
         p = seq.params
@@ -168,3 +177,14 @@ class Output:
 
 def in_running(seq: Seq) -> bool:
     return seq.state in IN_RUNNING_SET
+
+
+def _ending(seq: Seq, now_ns: int) -> tuple[Usage, RequestTiming]:
+    """A choice's usage and timing as its last output carries them."""
+    queue_ns = max(seq.first_scheduled_ns - seq.arrival_ns, 0)
+    return (Usage(seq.prompt_len, seq.num_output, seq.cached_tokens),
+            RequestTiming(queue_ns / 1e9,
+                          max(seq.first_token_ns - seq.first_scheduled_ns, 0) / 1e9,
+                          max(now_ns - seq.first_token_ns, 0) / 1e9,
+                          sum(s.preemptions for s in seq.group),
+                          min(seq.ingress_ns, queue_ns) / 1e9))

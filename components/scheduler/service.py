@@ -113,6 +113,7 @@ class SchedulerService(Component):
                 "swapped_seqs": sum(s.state in ON_HOST for s in c.waiting),
                 "last_step_ms": round(self.loop.last_step_s * 1e3, 3),
                 "deadline_dropped": self.loop.dropped_late,
+                "deadline_finished": self.loop.finished_at_deadline,
                 **self.loop.usage.stats(c)}
 
     def tenant_usage(self) -> dict[str, TenantUsage]:

@@ -36,8 +36,8 @@ from components.admission.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from components.streamer.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer.slo import RequestClock, SloStats
-from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ClientMsg, ClusterStatus,
-                          EventBatch, Failed, Finished, Heartbeat, NewRequest,
+from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ChoiceEnd, ClientMsg,
+                          ClusterStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
                           Rejected, ServerHeartbeat, StatusQuery, StatusReport,
                           StreamerMsg, Submit, TextDelta, Usage)
 from schemas.client import ChangeReplicas, Events, ReplicasChanged, malformed_reply
@@ -49,9 +49,9 @@ TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # accepted live in these components' state, so they fail; requests not yet accepted are
 # sent again (they are only NewRequests in flight through stateless steps).
 _HOLDS_ACCEPTED = ("scheduler", "kv_manager", "executor", "detokenizer")
-# The scheduler drops a request whose class drops late work at its deadline; this streamer
-# does too, this much later, so that a lost message (a restart, a dropped frame) cannot
-# leave its client waiting past it
+# The scheduler drops a request whose class drops late work at its deadline, and ends one
+# at its end-to-end bound; this streamer does too, this much later, so that a lost message
+# (a restart, a dropped frame) cannot leave its client waiting past it
 LATE_GRACE_S = 1.0
 _REPLAYS = ("tokenizer", "admission", "scheduler")
 
@@ -69,6 +69,10 @@ class Active:
     traceparent: str | None = None
     idempotent: bool = False
     batched: bool = False            # its client takes Events (Submit.batch_events)
+    # with an end-to-end bound (Accepted.e2e_deadline_ms): what the client has had, so the
+    # backstop can finish it "deadline" with its usage (output tokens by choice)
+    accepted: Accepted | None = None
+    choice_tokens: Counter | None = None
 
     def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
         attrs = {"weir.terminal": terminal, "weir.reason": reason}
@@ -86,6 +90,16 @@ class Active:
             attrs["gen_ai.completion"] = "".join(self.completion)
         self.span.set_attributes(attrs)
         self.span.end()
+
+
+def cut_at_deadline(rid: str, accepted: Accepted | None, choice_tokens: Counter) -> Finished:
+    """The ``Finished`` the streamer ends a request with at its end-to-end bound when the
+    engine's end did not come: every choice finish reason ``deadline``, the usage what the
+    client was streamed."""
+    prompt, cached = (accepted.prompt_tokens, accepted.cached_tokens) if accepted else (0, 0)
+    ends = tuple(ChoiceEnd(i, "deadline", n) for i, n in sorted(choice_tokens.items()))
+    return Finished(rid, "deadline", Usage(prompt, sum(choice_tokens.values()), cached),
+                    choices=ends)
 
 
 class StreamerService(Component):
@@ -108,13 +122,14 @@ class StreamerService(Component):
             sc.idempotency_ttl_s, max_bytes=int(sc.idempotency_max_mib * 2**20),
             max_entry_bytes=int(sc.idempotency_entry_max_mib * 2**20))
         self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
-        self.expiry: list[tuple[float, str]] = []   # (due, request id): a heap (Accepted)
+        # (due, request id, end-to-end?): a heap, from Accepted's expires_ms, e2e_deadline_ms
+        self.expiry: list[tuple[float, str, bool]] = []
         self.slo = SloStats.for_config(self.config.admission)
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
                        "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
                        "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0,
-                       "deadline_expired": 0}
+                       "deadline_expired": 0, "deadline_finished": 0}
         # a frame past what a legal Submit can be is never read (its sender is dropped)
         self.clients = self.socket(
             zmq.ROUTER, "clients", ClientMsg,
@@ -209,7 +224,8 @@ class StreamerService(Component):
             req.idempotent = True
         req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
                                  req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
-                                 sub.priority, sub.service_class, sub.tools)
+                                 sub.priority, sub.service_class, sub.tools,
+                                 sub.e2e_deadline_ms)
         req.traceparent = tracing.traceparent_of(span)
         await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
 
@@ -289,11 +305,12 @@ class StreamerService(Component):
         on the request (the cancel follows the request's own path)."""
         req = self._pop(rid)
         terminal = type(event).__name__.lower()
-        req.end(terminal, event.reason)
+        reason = event.finish_reason if isinstance(event, Finished) else event.reason
+        req.end(terminal, reason, getattr(event, "usage", None))
         self.counts[terminal] += 1
         self.slo.ended(req.clock, event, time.monotonic())
         await self._deliver(rid, req, event, terminal=True)
-        await self.to_tokenizer.send(CancelRequest(rid, event.reason))
+        await self.to_tokenizer.send(CancelRequest(rid, reason))
 
     def _pop(self, rid: str) -> Active:
         req = self.active.pop(rid)
@@ -355,17 +372,24 @@ class StreamerService(Component):
                 del self.last_seen[who]
 
     async def _expire_late(self, now: float) -> None:
-        """End ``deadline_expired`` the requests whose class drops late work and that have
-        no first token ``LATE_GRACE_S`` past their deadline (the scheduler's drop, or its
-        message, was lost); the engine is told to stop. Looks only at the ones due."""
+        """End the requests the scheduler should have ended ``LATE_GRACE_S`` ago (its end,
+        or its message, was lost): ``deadline_expired`` one whose class drops late work
+        with no first token by its deadline, or one with none by its end-to-end bound;
+        finish reason ``deadline``, with the usage it streamed, one with tokens at its
+        end-to-end bound. The engine is told to stop. Looks only at the ones due."""
         while self.expiry and self.expiry[0][0] <= now:
-            _, rid = heapq.heappop(self.expiry)
+            _, rid, whole = heapq.heappop(self.expiry)
             req = self.active.get(rid)
-            if req is None or req.clock.first_token is not None:
+            if req is None or (req.clock.first_token is not None and not whole):
                 continue
-            self.counts["deadline_expired"] += 1
-            await self._end(rid, Rejected(rid, "deadline_expired", "no first token within "
-                                          "its deadline; the engine did not end it in time"))
+            if req.clock.first_token is None:
+                self.counts["deadline_expired"] += 1
+                await self._end(rid, Rejected(rid, "deadline_expired", "no first token within "
+                                              f"its {'end-to-end ' if whole else ''}deadline; "
+                                              "the engine did not end it in time"))
+                continue
+            self.counts["deadline_finished"] += 1
+            await self._end(rid, cut_at_deadline(rid, req.accepted, req.choice_tokens))
 
     # ------------------------------------------------------------------ engine
     async def _engine_loop(self) -> None:
@@ -394,13 +418,20 @@ class StreamerService(Component):
                 await self._cancel_orphan(rid)
             return
         if isinstance(event, Accepted):
-            req.pending = None
             self.slo.accepted(req.clock, event)
             if event.expires_ms is not None:
                 heapq.heappush(self.expiry, (req.clock.started + event.expires_ms / 1e3
-                                             + LATE_GRACE_S, rid))
+                                             + LATE_GRACE_S, rid, False))
+            if event.e2e_deadline_ms is not None:
+                n = req.pending.params.n if req.pending is not None else 1
+                req.accepted, req.choice_tokens = event, Counter(dict.fromkeys(range(n), 0))
+                heapq.heappush(self.expiry, (req.clock.started + event.e2e_deadline_ms / 1e3
+                                             + LATE_GRACE_S, rid, True))
+            req.pending = None
         if isinstance(event, TextDelta):
             req.clock.token(time.monotonic(), event.index)
+            if req.choice_tokens is not None:
+                req.choice_tokens[event.index] += len(event.token_ids)
         if isinstance(event, TextDelta) and req.completion is not None:
             req.completion.append(event.text)
         if isinstance(event, TextDelta) and req.delivery is None:

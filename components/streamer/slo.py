@@ -12,8 +12,10 @@ bisect per delta. Queue, prefill and decode are the scheduler's (``RequestTiming
 
 Goodput: every request that ends, whatever ended it, is counted once, either as *good*
 (finished, its first token within its TTFT objective, its TPOT within its class's) or as
-*missed*, by reason: ``ttft``, ``tpot``, ``both``, ``rejected`` (refused for load or
-budget), ``expired`` (``deadline_expired``, wherever it was), ``failed``, ``cancelled``.
+*missed*, by reason: ``ttft``, ``tpot``, ``both``, ``deadline`` (finished at its
+end-to-end bound, its output cut short: finish reason ``deadline``), ``rejected`` (refused
+for load or budget), ``expired`` (``deadline_expired``, wherever it was: no first token by
+its TTFT deadline or its end-to-end bound), ``failed``, ``cancelled``.
 A request with no objective that finishes is good; one that never got a first token is a
 TTFT miss, as ``weir replay`` counts it. Refusals of a request that could never be served
 as asked (``NOT_SERVABLE``) count on neither side: they are the client's error, not the
@@ -29,7 +31,7 @@ becomes a label.
 - ``degraded.<class>``: finished requests admission had degraded.
 - ``goodput.requests.<class>``, ``goodput.tokens.<class>`` (every choice's generated
   tokens), ``goodput.missed.<reason>.<class>``, ``goodput.missed_tokens.<class>`` (tokens
-  of finished requests that missed).
+  of finished requests that missed, ``deadline`` ones included).
 - ``<kind>_ms.le.<edge>.<class>`` cumulative bucket counts (edges are whole
   milliseconds), ``<kind>_ms.sum.<class>`` (milliseconds) and ``<kind>_ms.count.<class>``,
   for each kind of ``EDGES_MS``.
@@ -54,7 +56,7 @@ TPOT_EDGES_MS = (5, 10, 15, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 400, 500
 EDGES_MS = {"ttft": LATENCY_EDGES_MS, "tpot": TPOT_EDGES_MS, "e2e": LATENCY_EDGES_MS,
             "itl": TPOT_EDGES_MS, "queue": LATENCY_EDGES_MS, "prefill": LATENCY_EDGES_MS,
             "decode": LATENCY_EDGES_MS, "admission_queue": LATENCY_EDGES_MS}
-MISSED = ("ttft", "tpot", "both", "rejected", "expired", "failed", "cancelled")
+MISSED = ("ttft", "tpot", "both", "deadline", "rejected", "expired", "failed", "cancelled")
 # refusals of what could never be served as asked: counted neither good nor missed
 NOT_SERVABLE = frozenset({"invalid_request", "unknown_tenant", "prompt_too_long",
                           "unauthenticated", "class_not_allowed", "idempotency_key_reused"})
@@ -180,8 +182,9 @@ class SloStats:
                 self._observe("tpot", name, tpot_ms)
                 tpot_late = self._outcome("tpot", name, tpot_ms,
                                           cls.tpot_slo_ms if cls is not None else None)
-        if ttft_late or tpot_late:
-            missed = "both" if ttft_late and tpot_late else "ttft" if ttft_late else "tpot"
+        if event.finish_reason == "deadline" or ttft_late or tpot_late:
+            missed = "deadline" if event.finish_reason == "deadline" else \
+                "both" if ttft_late and tpot_late else "ttft" if ttft_late else "tpot"
             self.outcomes[f"goodput.missed.{missed}.{name}"] += 1
             self.outcomes[f"goodput.missed_tokens.{name}"] += event.usage.completion_tokens
         else:

@@ -16,8 +16,8 @@ Deterministic: the same trace, config, profile and seed give the same records.
 Besides the records, a run's ``meta`` says how the engine spent the virtual time: ``busy_s``
 (a step in flight), ``idle_intervals`` (``(start_s, end_s)`` with none: nothing could run) and
 ``max_step_s`` (the longest step), ``max_step_seqs`` (the most sequences in one step),
-``deadline_dropped`` (late work the scheduler dropped), and carries the config's tenant
-``weights``.
+``deadline_dropped`` (late work the scheduler dropped), ``deadline_finished`` (requests it
+ended decoding at their end-to-end bound), and carries the config's tenant ``weights``.
 """
 from __future__ import annotations
 
@@ -133,6 +133,7 @@ class Simulator:
             meta={"wasted_tokens": self.core.wasted_tokens,
                   "preemptions": self.core.preemptions, "steps": self.core.steps,
                   "deadline_dropped": self.late.dropped,
+                  "deadline_finished": self.late.finished,
                   "profile": self.profile.describe(), "machine": self.profile.machine,
                   "policy": self.config.admission.policy,
                   "weights": {t.name: t.weight for t in self.config.admission.tenants},
@@ -186,17 +187,22 @@ class Simulator:
     def _drop_late(self) -> None:
         """After each message the scheduler would get (an admitted request, a step's
         result, a cancel), end its late work as the scheduler loop does (late.py): a
-        request whose class drops late work and that has no first token by its deadline
-        ends ``deadline_expired``, its KV freed and nothing planned for it again. Its
-        record is what a live replay records of a ``Rejected`` after ``Accepted``: a
-        rejection with that reason, ended when it was dropped."""
+        request whose class drops late work and that has no first token by its deadline,
+        or any with none by its end-to-end bound, ends ``deadline_expired``, its KV freed
+        and nothing planned for it again. Its record is what a live replay records of a
+        ``Rejected`` after ``Accepted``: a rejection with that reason, ended when it was
+        dropped. One decoding at its end-to-end bound completes, finish reason
+        ``deadline``."""
         if not self.late.due(self.now):
             return
         out, dropped = self.late.drop(self.core, self.now)
         self._emit(out, REJECTED)
         for d in dropped:
-            rec = self.records[d.rejected.request_id]
-            rec.decision, rec.reason = "reject", d.rejected.reason
+            rec = self.records[d.request_id]
+            if d.rejected is None:
+                rec.terminal = COMPLETED
+            else:
+                rec.decision, rec.reason = "reject", d.rejected.reason
 
     def _drain_queue(self) -> None:
         """Admission's queue: expire what waited too long, release what now fits."""
@@ -294,7 +300,7 @@ class Simulator:
         now_s = self.now / _NS
         for item in out.tokens:
             rec = self.records[item.request_id]
-            if item.index == 0:
+            if item.index == 0 and item.token_ids:     # (a "deadline" end brings none)
                 last = self.last_token_ns.get(item.request_id)
                 if last is None:
                     rec.ttft_s = now_s - rec.sent_s

@@ -127,6 +127,9 @@ def test_check_submit_for_the_streamer():
     assert check_submit(sub(priority=-(2**63)), L) is None
     assert "deadline_ms" in check_submit(sub(deadline_ms=-1), L)[1]
     assert check_submit(sub(deadline_ms=2**63), L)[0] == "invalid_request"
+    assert "e2e_deadline_ms must be >= 1" in check_submit(sub(e2e_deadline_ms=0), L)[1]
+    assert check_submit(sub(e2e_deadline_ms=2**63), L)[0] == "invalid_request"
+    assert check_submit(sub(e2e_deadline_ms=1), L) is None
     long_id = Submit("r" * 257, prompt="hi")
     assert "request_id" in check_submit(long_id, L)[1]
 

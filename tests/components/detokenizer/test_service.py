@@ -2,7 +2,8 @@
 corrupt message carries them) are dropped instead of crashing the process."""
 from components.detokenizer.service import DetokenizerService
 from components.tokenizer.vocab import load_tokenizer
-from schemas.wire import DetokParams, Finished, SampleLogprobs, TextDelta, TokenBatch, TokenOut
+from schemas.wire import (ChoiceEnd, DetokParams, Finished, SampleLogprobs, TextDelta, TokenBatch,
+                          TokenOut, Usage)
 from weir.model_fetch import default_model_path
 
 
@@ -39,3 +40,22 @@ def test_prompt_logprobs_name_the_prompt_and_its_tokens():
     bad = TokenOut("q", [11], DetokParams((), True, 2, 0), prompt=([5, 2**40], entries[:1]))
     (delta,) = svc.process(TokenBatch([bad]))[0]
     assert delta.prompt is None and delta.token_ids == (11,)
+
+
+def test_a_deadline_end_finishes_each_choice_with_no_empty_delta():
+    """The scheduler ends a decoding request at its end-to-end deadline with a last output
+    per open choice that brings no token: no empty delta goes out, and the request's one
+    ``Finished`` says ``deadline`` with the tokens each choice streamed."""
+    svc = _service()
+    ids = svc.bundle.encode("Hello there")
+    params = DetokParams((), True, 5, 1, 0.0, None, 2)
+    first, _ = svc.process(TokenBatch([TokenOut("r", ids[:1], params),
+                                       TokenOut("r", ids[1:], params, index=1)]))
+    assert [type(e) for e in first] == [TextDelta, TextDelta]
+    events, _ = svc.process(TokenBatch([
+        TokenOut("r", [], None, "deadline", Usage(5, 1, 1), index=0),
+        TokenOut("r", [], None, "deadline", Usage(5, len(ids) - 1, 1), index=1)]))
+    assert events == [Finished("r", "deadline", Usage(5, len(ids), 1), "", 0.0, None,
+                               (ChoiceEnd(0, "deadline", 1),
+                                ChoiceEnd(1, "deadline", len(ids) - 1)))]
+    assert not svc.streams

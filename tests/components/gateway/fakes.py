@@ -20,14 +20,16 @@ from weir.errors import RequestRejected
 
 
 class FakeStream:
-    """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes; or,
-    with ``reject``, raises it where the engine's rejection would surface. ``accepted``
-    is what admission granted, known (as with the SDK) before the first delta."""
+    """Yields ``deltas`` TextDeltas of ``text`` as fast as it is read, then finishes
+    (``finish_reason``); or, with ``reject``, raises it where the engine's rejection would
+    surface. ``accepted`` is what admission granted, known (as with the SDK) before the
+    first delta."""
 
     def __init__(self, rid: str, deltas: int, text: str, delay: float = 0.0,
                  accepted: Accepted | None = None,
-                 reject: RequestRejected | None = None) -> None:
+                 reject: RequestRejected | None = None, finish_reason: str = "length") -> None:
         self.request_id, self.deltas, self.text, self.delay = rid, deltas, text, delay
+        self.finish_reason = finish_reason
         self.granted = accepted or Accepted(rid, 3, 0, "default", 16)
         self.reject = reject
         self.cancelled = anyio.Event()
@@ -49,8 +51,9 @@ class FakeStream:
                 yield TextDelta(self.request_id, self.text, (1,), 0)
             text = self.text * self.deltas
             self.result = Completion(
-                self.request_id, text, [1] * self.deltas, "length", Usage(3, self.deltas),
-                None, 0.0, choices=[Choice(0, text, [1] * self.deltas, "length")],
+                self.request_id, text, [1] * self.deltas, self.finish_reason,
+                Usage(3, self.deltas), None, 0.0,
+                choices=[Choice(0, text, [1] * self.deltas, self.finish_reason)],
                 service_class=acc.service_class, degraded=acc.degraded,
                 max_tokens=acc.max_tokens, queued_s=acc.queued_s)
         finally:
@@ -68,13 +71,15 @@ class FakeClient:
                  delay: float = 0.0, first_delay: float = 0.0,
                  tenants: dict | None = None, accepted: Accepted | None = None,
                  reject: RequestRejected | None = None, reject_from: int = 0,
-                 reject_after: float | None = None, states: dict | None = None) -> None:
+                 reject_after: float | None = None, states: dict | None = None,
+                 finish_reason: str = "length") -> None:
         self.states = states or {}                # component -> its state, else "ready"
         self.deltas, self.text, self.delay, self.first_delay = deltas, text, delay, first_delay
         self.accepted, self.reject = accepted, reject     # for every stream it opens
         self.reject_from = reject_from                    # ... from this one on
         self.reject_after = reject_after                  # seconds to a refusal (first_delay)
         self.stats = stats or {}
+        self.finish_reason = finish_reason        # how every stream ends
         self.tenants = tenants or {}              # component -> {tenant: TenantUsage}
         self.submitted: list[dict[str, Any]] = []
         self.streams: list[FakeStream] = []
@@ -82,7 +87,8 @@ class FakeClient:
     async def stream(self, request_id: str, tenant: str, **kwargs: Any) -> FakeStream:
         self.submitted.append({"tenant": tenant, **kwargs})
         s = FakeStream(request_id, self.deltas, self.text, self.delay, self.accepted,
-                       self.reject if len(self.streams) >= self.reject_from else None)
+                       self.reject if len(self.streams) >= self.reject_from else None,
+                       self.finish_reason)
         s.first_delay = self.first_delay
         if s.reject is not None and self.reject_after is not None:
             s.first_delay = self.reject_after

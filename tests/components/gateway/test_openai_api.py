@@ -7,7 +7,7 @@ from components.gateway.auth import Authenticator, hash_key
 from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
                                            class_of, parse, submit_batch, validate_kwargs)
 from components.gateway.shaping import (Shaper, chat_logprobs, completion_logprobs,
-                                        degraded_headers, weir_usage)
+                                        degraded_headers, openai_finish_reason, weir_usage)
 from schemas.client import PromptLogprobs, StructuredOutput, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
@@ -348,3 +348,32 @@ def test_admission_grant_shapes():
     assert Shaper(False, "r", M).full([("a", "stop", None)], u, weir)["usage"]["weir"] == weir
     assert Shaper(True, "r", M).usage_chunk(u, weir)["usage"]["weir"] == weir
     assert "weir" not in Shaper(True, "r", M).usage_chunk(u)["usage"]
+
+
+def test_the_end_to_end_deadline_reaches_the_engine_and_is_checked():
+    assert kwargs(b'{"prompt": "x", "e2e_deadline_ms": 2500}')["e2e_deadline_ms"] == 2500
+    chat = b'{"messages": [{"role": "user", "content": "x"}], "e2e_deadline_ms": 900}'
+    assert kwargs(chat, ChatCompletionRequest)["e2e_deadline_ms"] == 900
+    assert "e2e_deadline_ms" not in kwargs(b'{"prompt": "x"}')
+    validate_kwargs(kwargs(b'{"prompt": "x", "e2e_deadline_ms": 1}'), 2048)
+    with pytest.raises(ApiError) as err:
+        validate_kwargs(kwargs(b'{"prompt": "x", "e2e_deadline_ms": 0}'), 2048)
+    assert err.value.status == 400 and "e2e_deadline_ms must be >= 1" in err.value.message
+
+
+def test_a_deadline_finish_is_length_to_openai_clients_and_deadline_in_usage():
+    """OpenAI clients parse finish_reason as one of theirs: the engine's ``deadline`` (cut
+    short at the end-to-end deadline) goes out as ``length``; the usage's ``weir`` object
+    says ``deadline``."""
+    assert [openai_finish_reason(r) for r in ("deadline", "length", "stop", None)] == \
+        ["length", "length", "stop", None]
+    u = Usage(5, 3)
+    for chat in (False, True):
+        body = Shaper(chat, "r", M).full([("ab", "deadline", None), ("c", "stop", None)], u)
+        assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+        chunk = Shaper(chat, "r", M).chunk(None if chat else "", "deadline")
+        assert chunk["choices"][0]["finish_reason"] == "length"
+    weir = weir_usage("interactive", False, 16, 0.0, deadline=True)
+    assert weir == {"service_class": "interactive", "degraded": False, "max_tokens": 16,
+                    "queued_ms": 0.0, "deadline": True}
+    assert "deadline" not in weir_usage("interactive", False, 16, 0.0)

@@ -83,6 +83,28 @@ async def test_an_undegraded_request_has_no_degrade_headers():
                                              "max_tokens": 16, "queued_ms": 0.0}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_cut_at_its_end_to_end_deadline_finishes_length_over_http(stream):
+    """The bound reaches the engine; its ``deadline`` finish is ``length`` in the OpenAI
+    body (what OpenAI clients parse) and ``deadline`` in the usage's ``weir`` object."""
+    granted = Accepted("r", 3, 0, "interactive", 64, False, 0.0, e2e_deadline_ms=400)
+    client = FakeClient(deltas=2, accepted=granted, finish_reason="deadline")
+    body = b'{"prompt": "hi", "max_tokens": 64, "e2e_deadline_ms": 400' + \
+        (USAGE if stream else b"}")
+    async with serve(client) as gw, httpx.AsyncClient() as http:
+        r = await http.post(gw.url + "/v1/completions", headers=JSON, content=body)
+    assert r.status_code == 200 and client.submitted[0]["e2e_deadline_ms"] == 400
+    if stream:
+        frames = sse_frames(r.text)
+        assert [f["choices"][0]["finish_reason"] for f in frames[:-1]] == \
+            [None, None, "length"]
+        usage = frames[-1]["usage"]
+    else:
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 2 and usage["weir"]["deadline"] is True
+
+
 @pytest.mark.parametrize("reason, retry_after_s, status, retry_header", [
     ("tenant_token_budget", 2.2, 429, "3"),
     ("tenant_kv_budget", None, 429, None),

@@ -38,7 +38,7 @@ def test_configured_objectives_and_classes_start_at_zero():
         "slo.tpot.met.interactive": 0, "slo.tpot.missed.interactive": 0,
         "slo.tpot.met.batch": 0, "slo.tpot.missed.batch": 0,
         "degraded.interactive": 0, "degraded.batch": 0, **goodput}
-    assert len(goodput) == 2 * 10
+    assert len(goodput) == 2 * 11
 
 
 def test_ttft_and_tpot_are_met_or_missed_per_class_objective():
@@ -146,6 +146,19 @@ def test_goodput_tokens_are_every_choices_and_a_class_without_objectives_is_all_
     assert goodput(s, "batch") == {"requests": 1, "tokens": 12, "missed.tpot": 1,
                                    "missed_tokens": 3}
     assert goodput(s, "default") == {"requests": 1, "tokens": 4}
+
+
+def test_a_finish_at_the_end_to_end_deadline_is_missed_deadline_with_its_tokens():
+    """Cut short at its end-to-end bound: missed for reason ``deadline``, its tokens missed
+    tokens, even with its first token and TPOT within their objectives (both still
+    counted met)."""
+    s = SloStats(CLASSES)
+    cut = Finished("r", "deadline", Usage(3, 6), choices=(ChoiceEnd(0, "deadline", 6),))
+    s.ended(clock(first=0.1), cut, 10.1 + 5 * 0.05)              # TTFT 100 ms, TPOT 50 ms
+    assert goodput(s) == {"missed.deadline": 1, "missed_tokens": 6}
+    out = s.stats()
+    assert out["slo.ttft.met.interactive"] == 1 and out["slo.tpot.met.interactive"] == 1
+    assert out["e2e_ms.count.interactive"] == 1
 
 
 def test_every_other_end_is_missed_by_reason_except_the_requests_own_errors():

@@ -213,3 +213,18 @@ def test_a_late_request_behind_a_backlog_is_dropped_as_live(late):
     assert sim.policy.outstanding == {}                    # admission's ledger let it go
     summary = summarize(run, {}, Slo(ttft_ms=3000.0, tpot_ms=300.0))
     assert (summary.completed, summary.rejected) == (4, 1)
+
+
+def test_a_class_end_to_end_bound_ends_a_long_answer_as_live():
+    """A class bounding the whole request at 100 ms (either policy; fcfs here), 10 ms
+    steps: the first token at 10 ms, one a step after, and at 100 ms, its tenth token's
+    step, the scheduler's late heap finishes it ``deadline`` with those ten: a completed
+    request, its ledger entry let go."""
+    cfg = config(admission={"policy": "fcfs",
+                            "classes": [{"name": "default", "e2e_slo_ms": 100.0}]})
+    sim, run = simulate([req(0, 0.0, n_out=50)], cfg)
+    (rec,) = run.records
+    assert (rec.terminal, rec.finish_reason, rec.output_tokens) == (COMPLETED, "deadline", 10)
+    assert rec.e2e_s == pytest.approx(0.1) and rec.itl_s == pytest.approx([STEP_S] * 9)
+    assert (run.meta["deadline_finished"], run.meta["deadline_dropped"]) == (1, 0)
+    assert sim.policy.outstanding == {} and not sim.core.by_request
