@@ -165,6 +165,10 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     decode_error: float = 1.0
     tpot_s: dict[str, float] = {}
     decode_steps: int = -1    # decode-only steps in the window, decode_error's (-1: not said)
+    # the tokens a step may take now: stall-free chunking's cap beside the decoding streams
+    # (0: the configured max_num_batched_tokens). Prefill ahead of a new prompt moves at
+    # this many tokens a step, not the whole budget, while streams decode beside it
+    prefill_budget: int = 0
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):

@@ -71,9 +71,11 @@ class TtftModel:
             return None
         before = self.prefill_ahead(tenant, priority)
         ahead = before + uncached_tokens
-        # each step decodes every running sequence and prefills what is left of the budget:
+        # each step decodes every running sequence and prefills what is left of the budget
+        # (stall-free chunking's, while streams decode: ``SchedulerLoad.prefill_budget``):
         # a prefill token costs its own time plus its share of the step's decode work
-        per_step = max(self.budget - load.running, 1)
+        budget = load.prefill_budget if 0 < load.prefill_budget < self.budget else self.budget
+        per_step = max(budget - load.running, 1)
         step_s = load.decode_step_s + per_step / load.prefill_tokens_per_s
         steps = ahead / per_step
         base = steps * step_s if steps >= 1 else \

@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 from typing import NamedTuple
 
+from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
 from components.scheduler.cost_model import (StepCostModel, decode_shape, prefill_shape,
                                              row_pairs)
@@ -45,7 +46,7 @@ class PoolCounts(NamedTuple):
 
 def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                 now_ns: int | None = None, window: DecodeWindow | None = None,
-                pool: PoolCounts = PoolCounts()) -> SchedulerLoad:
+                pool: PoolCounts = PoolCounts(), slack: bool = False) -> SchedulerLoad:
     """The backlog (waiting prefill, and what running sequences have left to prefill, in
     tokens and in attention pairs), the cost model's rates (a full chunk's tokens at zero
     context, attention priced apart per pair, and a decode step of the running batch, and
@@ -55,7 +56,10 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
     fair order computes before a new request of a given tenant and class.
     With ``now_ns`` (wall clock, as arrivals are stamped): how long each request without a
     first token has waited since it arrived. With ``window``: what the decode steps of its
-    last seconds measured (expired to ``now_ns``). ``pool``: the kv_manager's counts."""
+    last seconds measured (expired to ``now_ns``). ``pool``: the kv_manager's counts.
+    ``slack``: the scheduler chunks stall-free, so the report carries the step's prefill
+    budget beside the decoding streams (chunking.step_budget), which a burst of new prompts
+    waits behind at that pace."""
     # one pass over each queue (a deep queue is when admission needs this most, and the
     # replay simulator builds one every 0.1 s of virtual time)
     timed = now_ns is not None
@@ -114,4 +118,5 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                          window.measured_s() if window else 0.0,
                          window.error() if window else 1.0,
                          window.tpot_s() if window else {},
-                         window.pure_steps if window else -1)
+                         window.pure_steps if window else -1,
+                         step_budget(core, cost, budget).tokens if slack else 0)

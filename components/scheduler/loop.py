@@ -116,7 +116,8 @@ class SchedulerLoop:
         """The load report to admission at wall-clock ``now_ns`` (load.py)."""
         return load_report(self.core, self.core.cost, self.cfg.max_num_batched_tokens,
                            now_ns, self.decodes,
-                           PoolCounts(self.free_blocks, self.evictable_blocks))
+                           PoolCounts(self.free_blocks, self.evictable_blocks),
+                           slack=self.cfg.chunking == "slack")
 
     # ------------------------------------------------------------------ inputs
     def handle(self, body: object, now_ns: int, mono_ns: int) -> list[Send]:

@@ -224,7 +224,8 @@ class Simulator:
             self._load_tick = tick
             self.policy.on_load(load_report(
                 self.core, self.cost, self.config.scheduler.max_num_batched_tokens, self.now,
-                self.decodes, PoolCounts(self.pool.num_free, self.pool.num_evictable)),
+                self.decodes, PoolCounts(self.pool.num_free, self.pool.num_evictable),
+                slack=self.config.scheduler.chunking == "slack"),
                 self.now / _NS)
 
     # ------------------------------------------------------------------ scheduler + kv

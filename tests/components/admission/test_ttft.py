@@ -22,6 +22,21 @@ def test_predicted_ttft_from_the_schedulers_rates():
 
 
 
+def test_prefill_ahead_moves_at_the_stall_free_budget_while_streams_decode():
+    """Slack chunking caps a step's prefill beside decoding streams (the report's
+    prefill_budget): the backlog then takes steps of that many tokens, each with the decode
+    work, not the whole budget's. At a burst's onset this is what was missing: accepted
+    requests landed at 3.0-3.2 s against a 3 s target, predicted under 2.4 s."""
+    p = policy()
+    p.ttft.load = SchedulerLoad(4, 2, 900, 1000.0, 0.05, prefill_budget=104)
+    # 1,000 tokens at 100 a step: 10 steps of 0.05 s decode + 0.1 s prefill
+    assert p.ttft.predicted_s(100) == pytest.approx(10 * (0.05 + 100 / 1000))
+    # an older report (0), or a cap at the configured budget: the whole budget, as before
+    for budget in (0, 2048, 4096):
+        p.ttft.load = SchedulerLoad(4, 2, 900, 1000.0, 0.05, prefill_budget=budget)
+        assert p.ttft.predicted_s(100) == pytest.approx((900 + 100) / 1000 + 0.05)
+
+
 def test_predicted_ttft_prices_the_prompts_context():
     """Prefill at the reported rate (attention aside) plus attention per pair: the same
     1000 new tokens cost 0.5 s of attention fresh and 7.5 s after 7000 cached tokens. At
