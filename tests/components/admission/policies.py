@@ -30,3 +30,28 @@ def req(rid="r", tenant="a", prompt=32, max_tokens=32, cls=None, n=1, deadline=N
         priority=0):
     return Tokenized(rid, tenant, list(range(prompt)), [], SamplingParams(max_tokens=max_tokens,
                      n=n), 0, (), deadline, priority, service_class=cls)
+
+
+def traced_service(monkeypatch, policy: AdmissionPolicy):
+    """The admission service around ``policy``, its spans kept in memory and what it sends
+    (to the streamer and the scheduler alike) appended to a list: ``(service, exporter,
+    sent)``; drive it with ``anyio.run(service._admit, request, None, cached)``."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from components.admission import service
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(service, "_TRACER", provider.get_tracer("test"))
+    svc = service.AdmissionService(policy.config)
+    svc.policy, sent = policy, []
+
+    class Sink:
+        async def send(self, msg, traceparent=None):
+            sent.append(msg)
+
+    svc.to_streamer = svc.to_scheduler = Sink()
+    return svc, exporter, sent

@@ -9,11 +9,10 @@ import anyio
 import msgspec
 import pytest
 
-from components.admission import service
 from components.admission.policy import ACCEPT, QUEUE, REJECT
 from schemas.config import SLO_CLASSES, AdmissionConfig, ConfigError, ServiceClass
 from schemas.wire import Accepted, Admitted, SchedulerLoad
-from tests.components.admission.policies import CLASSES, policy, req
+from tests.components.admission.policies import CLASSES, policy, req, traced_service
 
 BOUNDED = [{**CLASSES[0], "e2e_slo_ms": 5000}, CLASSES[1], CLASSES[2]]
 
@@ -60,23 +59,7 @@ def test_a_queued_request_expires_at_its_bound():
 
 
 def test_the_bound_is_on_the_decision_span_and_in_accepted(monkeypatch):
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(service, "_TRACER", provider.get_tracer("test"))
-    p = policy(classes=BOUNDED)
-    svc = service.AdmissionService(p.config)
-    svc.policy, sent = p, []
-
-    class Sink:
-        async def send(self, msg, traceparent=None):
-            sent.append(msg)
-
-    svc.to_streamer = svc.to_scheduler = Sink()
+    svc, exporter, sent = traced_service(monkeypatch, policy(classes=BOUNDED))
     anyio.run(svc._admit, bounded("loose", e2e=9000), None, 0)
     anyio.run(svc._admit, bounded("none"), None, 0)
     loose, none = (s.attributes for s in exporter.get_finished_spans())

@@ -14,7 +14,7 @@ from components.admission.live import MIN_DECODE_STEPS, Horizon, knee
 from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
 from schemas.config import SLO_CLASSES, load_config
 from schemas.wire import DecodeRates, EventBatch, HeldRequest, SchedulerLoad
-from tests.components.admission.policies import req
+from tests.components.admission.policies import req, traced_service
 
 BS = 16
 # a decode step: 20 ms + 4 ms a sequence (+ 1 µs per KV position where a test says so);
@@ -152,25 +152,7 @@ def test_worked_decision_control_a_roomy_pool_and_healthy_streams_accept_it():
 
 
 def test_the_reason_and_the_live_engine_are_on_the_decision_span(monkeypatch):
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from components.admission import service
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(service, "_TRACER", provider.get_tracer("test"))
-    p = worked(tpot_s=0.420)
-    svc = service.AdmissionService(p.config)
-    svc.policy, sent = p, []
-
-    class Sink:
-        async def send(self, msg, traceparent=None):
-            sent.append(msg)
-
-    svc.to_streamer = svc.to_scheduler = Sink()
+    svc, exporter, sent = traced_service(monkeypatch, worked(tpot_s=0.420))
     anyio.run(svc._admit, req("long", **LONG), None, 0)
     span, = exporter.get_finished_spans()
     attrs = span.attributes
