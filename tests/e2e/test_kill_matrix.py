@@ -23,7 +23,15 @@ from tests.e2e.conftest import free_port
 from tests.e2e.engine import Engine
 from weir import RequestFailed
 
+# Restart policy alone: admission runs fcfs with no classes, so that every one of the 16
+# streams is admitted whatever the machine's speed. Under the default deadline policy a
+# slow or contended machine refuses some of them at once for their TPOT target (HTTP 503,
+# the SDK retrying after Retry-After), correctly, and the kill would not land on 16 running
+# streams (CI, 2026-12-05: the streamer's and the gateway's rounds).
 CONFIG = """
+[admission]
+policy = "fcfs"
+classes = []
 [kv]
 num_blocks = 1024
 [engine]
@@ -74,6 +82,7 @@ async def _http_stream(http, i, started, out):
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 out[("http", i)] = f"http_{r.status_code}"
+                out[("http_body", i)] = (await r.aread())[:300]
                 return
             state = "eof"
             async for line in r.aiter_lines():
@@ -147,6 +156,9 @@ def test_kill_9_under_load(eng, component):
     back = _wait_serving(eng, component, pid)
     print(f"kill {component}: serving again {back:.2f}s later")
     eng.wait_kv_free(timeout=10.0)
+    # admission's ledger is back to empty too: nothing it counted against a dead component
+    eng.wait_stat("admission", "outstanding", 0.0, timeout=10.0)
+    eng.wait_stat("admission", "reserved_kv_blocks", 0.0, timeout=10.0)
 
 
 def test_a_component_left_dead_past_max_restarts_ends_weir_serve_with_status_3(tmp_path):
