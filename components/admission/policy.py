@@ -116,6 +116,12 @@ def effective_deadline_ms(d: Decision) -> int | None:
     return None if ms is None else round(ms)
 
 
+def due_ns(req: Tokenized, deadline_ms: float | None) -> int:
+    """When the request's first token is due, on the wall clock of its arrival (as the
+    scheduler orders a tenant's waiting work: ``SchedulerCore.add``); 0 with no deadline."""
+    return 0 if deadline_ms is None else req.arrival_ns + int(round(deadline_ms) * 1e6)
+
+
 def e2e_deadline_ms(req: Tokenized, cls: ServiceClass) -> float | None:
     """The end-to-end bound a request runs under: the tighter of its own
     ``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (a client may tighten its class's
@@ -221,7 +227,7 @@ class AdmissionPolicy:
         uncached, done = max(prompt - cached, 0), min(cached, prompt)
         deadline = self.deadline_ms(req, cls, uncached, done)
         raw = self.ttft.predicted_s(uncached, req.tenant, done,
-                                    max(cls.priority, req.priority))
+                                    max(cls.priority, req.priority), due_ns(req, deadline))
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
@@ -342,7 +348,7 @@ class AdmissionPolicy:
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
         raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached,
-                                    max(cls.priority, req.priority))
+                                    max(cls.priority, req.priority), due_ns(req, deadline))
         context = prompt + expected // 2           # each choice's mean over its decode
         horizon = self._horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected, self._blocks(uncached, expected, req.params.n),
@@ -502,7 +508,7 @@ class AdmissionPolicy:
         self.ttft.admitted(rid, tenant, decision.estimate.uncached_tokens,
                            decision.estimate.scheduler_ttft_s,
                            len(req.prompt_token_ids) - decision.estimate.uncached_tokens,
-                           decision.priority)
+                           decision.priority, due_ns(req, decision.estimate.deadline_ms))
         self.vtc.charge(tenant, decision.estimate.uncached_tokens,
                         seqs * decision.estimate.expected_output)
         self.live.admitted_since += 1

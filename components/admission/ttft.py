@@ -18,6 +18,7 @@ BIAS_UP, BIAS_DOWN = 0.2, 0.02
 # a request still without its first token counting with what it has overrun so far; a miss
 # known for RECENT_S seconds no longer counts (it describes what has passed)
 RECENT, RECENT_MIN, RECENT_S = 20, 10, 3.0
+_NEVER = 1 << 62        # no deadline sorts after every deadline (the scheduler's order)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class TtftModel:
         self.unreported_tokens = 0        # prefill admitted since the scheduler's last report
         self.unreported_pairs = 0         # its attention pairs
         self._unreported: Counter[tuple[str, int]] = Counter()   # the same, by tenant and class
+        # ... and each such prompt with its TTFT deadline (wall-clock ns, 0: none), in the
+        # order the scheduler starts a tenant's work of one class: the earlier deadline first
+        self._unreported_due: list[tuple[str, int, int, int]] = []   # tenant, class, due, tokens
         self.learned_s = 0.0              # observed − predicted TTFT, smoothed (``observed``)
         self.floor_s = 0.0                # a lower bound of recent misses (``on_load``)
         self._recent: dict[str, _Recent] = {}           # the last RECENT admitted
@@ -58,9 +62,11 @@ class TtftModel:
         return max(self.learned_s, self.floor_s)
 
     def predicted_s(self, uncached_tokens: int, tenant: str | None = None,
-                    cached_tokens: int = 0, priority: int | None = None) -> float | None:
+                    cached_tokens: int = 0, priority: int | None = None,
+                    deadline_ns: int = 0) -> float | None:
         """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
-        request of ``tenant`` and class ``priority`` starts) plus this prompt's uncached
+        request of ``tenant`` and class ``priority``, due by ``deadline_ns``, starts) plus
+        this prompt's uncached
         tokens, at the reported
         prefill rate, plus one decode step for the current batch, plus the attention of
         all that prefill: the prompt's own pairs (its ``uncached_tokens`` after its
@@ -69,7 +75,7 @@ class TtftModel:
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        before = self.prefill_ahead(tenant, priority)
+        before = self.prefill_ahead(tenant, priority, deadline_ns)
         ahead = before + uncached_tokens
         # each step decodes every running sequence and prefills what is left of the budget
         # (stall-free chunking's, while streams decode: ``SchedulerLoad.prefill_budget``):
@@ -104,11 +110,17 @@ class TtftModel:
         pairs = self.load.queued_prefill_pairs + self.unreported_pairs
         return pairs if tokens >= total else pairs * tokens / total
 
-    def prefill_ahead(self, tenant: str | None, priority: int | None = None) -> int:
+    def prefill_ahead(self, tenant: str | None, priority: int | None = None,
+                      deadline_ns: int = 0) -> int:
         """The prefill the scheduler computes before a new request of ``tenant`` whose
-        class has ``priority`` starts. It includes what admission let in since the
-        scheduler's last report, which that report could not count (as waiting, at its
-        tenant and class).
+        class has ``priority`` and whose first token is due by ``deadline_ns`` (wall clock,
+        0: none) starts. It includes what admission let in since the scheduler's last
+        report, which that report could not count (as waiting, at its tenant and class).
+        Of the tenant's own such prompts of the request's class, those due later than it
+        are not ahead: the scheduler starts a tenant's work of one class earliest deadline
+        first (``planning._fair_order``), so a long prompt admitted with a stretched
+        deadline a moment before a burst of short ones starts after them. (Its reported
+        waiting work is counted whole: the report does not split it by deadline.)
 
         ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
         split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
@@ -163,6 +175,11 @@ class TtftModel:
             level = p if priority is None else level
             waiting.setdefault(u, {})
             waiting[u][level] = waiting[u].get(level, 0) + n
+        if deadline_ns and priority is not None:
+            later = sum(n for u, level, due, n in self._unreported_due
+                        if u == tenant and level == p and (due or _NEVER) > deadline_ns)
+            if later:
+                waiting[tenant][p] -= later
         backlogged = {u for u, b in backlog.items() if b.backlogged} | \
             {u for u, _ in self._unreported}
 
@@ -222,6 +239,7 @@ class TtftModel:
         self.unreported_tokens = 0
         self.unreported_pairs = 0
         self._unreported.clear()
+        self._unreported_due.clear()
         if drained:
             for rid in [r for r, e in self._recent.items() if e.known_at is not None]:
                 del self._recent[rid]
@@ -242,14 +260,17 @@ class TtftModel:
         self._observed = False
 
     def admitted(self, request_id: str, tenant: str, uncached_tokens: int,
-                 predicted_s: float | None, cached_tokens: int = 0, priority: int = 0) -> None:
-        """A request of class ``priority`` admitted with ``predicted_s`` (the backlog
-        model's TTFT, None before the rates are measured): its prefill (``uncached_tokens``
-        after ``cached_tokens``) is ahead of later requests its class ranks before until
-        the next report counts it, and its miss counts toward the floor."""
+                 predicted_s: float | None, cached_tokens: int = 0, priority: int = 0,
+                 deadline_ns: int = 0) -> None:
+        """A request of class ``priority``, due by ``deadline_ns`` (0: none), admitted with
+        ``predicted_s`` (the backlog model's TTFT, None before the rates are measured): its
+        prefill (``uncached_tokens`` after ``cached_tokens``) is ahead of later requests its
+        class ranks before (of its own tenant's, those due no earlier) until the next
+        report counts it, and its miss counts toward the floor."""
         self.unreported_tokens += uncached_tokens
         self.unreported_pairs += row_pairs(uncached_tokens, cached_tokens)
         self._unreported[tenant, priority] += uncached_tokens
+        self._unreported_due.append((tenant, priority, deadline_ns, uncached_tokens))
         if predicted_s is None:
             return
         self._recent[request_id] = _Recent(predicted_s)

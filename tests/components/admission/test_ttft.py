@@ -353,6 +353,35 @@ def test_the_prediction_counts_what_the_real_scheduler_computes_first():
     assert run(core, kv, 2.1) == [("a-new", 40), ("b0", 24)]
 
 
+def test_a_tenants_own_prompt_due_later_is_not_ahead_of_its_burst():
+    """A burst of one tenant's interactive prompts (1 s TTFT): its 900-token prompt alone
+    takes 0.9 s at 1,000 tokens/s, over half the target, so its deadline stretches to
+    1.4 s. A 200-token prompt arriving with it is due at 1 s, and the scheduler starts a
+    tenant's work of one class earliest deadline first: the long prompt is not ahead of
+    it (0.25 s predicted, accepted). Counted ahead in arrival order, as the work admitted
+    since the report was, it was 1.15 s and refused. A prompt due after the long one
+    still counts it; so does another tenant's request (VTC, not deadlines, orders
+    tenants)."""
+    p = policy(num_blocks=200)
+    p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
+    long = p.decide(req("long", "a", prompt=900, max_tokens=8), 0, 0.0)
+    assert (long.kind, long.estimate.deadline_ms) == (ACCEPT, pytest.approx(1400))
+    short = p.decide(req("short", "a", prompt=200, max_tokens=8), 0, 0.0)
+    assert (short.kind, short.reason) == (ACCEPT, "fits")
+    assert short.estimate.scheduler_ttft_s == pytest.approx(0.2 + 0.05)
+    assert p.ttft.prefill_ahead("a", 0, 1_500_000_000) == 900 + 200     # due after both
+    assert p.ttft.prefill_ahead("a", 0) == 900 + 200                     # no deadline
+    assert p.ttft.prefill_ahead("b", 0, 1_000_000_000) == 0              # b: lifted, tied
+    p.ttft.on_load(SchedulerLoad(0, 2, 1100, 1000.0, 0.05))              # reported: whole
+    assert p.ttft.prefill_ahead("a", 0, 1_000_000_000) == 1100
+    # the scheduler's order: the short prompt's chunk first, then the long one's
+    core, kv = core_of(max_num_seqs=8, budget=64), Kv(256)
+    core.add(admitted("long", "a", prompt=200, deadline_ms=1400))
+    core.add(admitted("short", "a", prompt=40, deadline_ms=1000))
+    kv.settle(core)
+    assert run(core, kv, 0.01) == [("short", 40), ("long", 24)]
+
+
 def test_the_bias_follows_the_high_misses_not_their_mean():
     # misses of 0 and 0.5 s in turn: their mean is 0.25 s, but admitting on the mean would
     # let half the requests miss; the bias settles near the upper tail instead
