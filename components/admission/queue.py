@@ -20,6 +20,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from components.admission.decision import Decision
 from components.scheduler.fairness import VirtualCounters
 from schemas.wire import Tokenized
 
@@ -28,7 +29,7 @@ from schemas.wire import Tokenized
 class Queued:
     request_id: str
     req: Tokenized
-    decision: object                  # the policy's Decision (kind QUEUE)
+    decision: Decision                # the policy's decision (kind QUEUE)
     queued_at: float
     deadline_at: float                # when it expires
     aging_per_s: float                # its class's priority gain per second
@@ -62,7 +63,7 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, req: Tokenized, decision, aging_per_s: float, now: float,
+    def add(self, req: Tokenized, decision: Decision, aging_per_s: float, now: float,
             deadline_at: float, charge: tuple[int, int] = (0, 0)) -> Queued:
         # queued here makes a tenant backlogged (admitted work alone does not)
         waiting = {q.tenant for q in self._items.values()}

@@ -11,7 +11,8 @@ from opentelemetry import trace
 
 from bus import tracing
 from bus.component import Component
-from components.admission.policy import DEGRADE, QUEUE, REJECT, AdmissionPolicy, Decision
+from components.admission.decision import Decision, Kind
+from components.admission.policy import AdmissionPolicy
 from schemas.wire import (Accepted, AdmissionMsg, CacheAnswer, CacheQuery, CancelRequest,
                           EventBatch, Holding, Released, SchedulerLoad, Tokenized)
 
@@ -35,9 +36,9 @@ class AdmissionService(Component):
         self.to_kv = self.push_to("kv_manager")
 
     def _decision_attributes(self, req: Tokenized, d: Decision, cached: int | None) -> dict:
-        policy, est = self.policy, d.estimate
+        policy, ledger, est = self.policy, self.policy.ledger, d.estimate
         tenant = policy.tenants.get(req.tenant)
-        bucket = policy._buckets.get(req.tenant)
+        bucket = policy.token_bucket(req.tenant)
         return {
             "weir.request_id": req.request_id,
             "weir.tenant": req.tenant, "weir.service_class": d.service_class,
@@ -70,15 +71,15 @@ class AdmissionService(Component):
             if req.e2e_deadline_ms is not None else -1,
             "weir.admission.queue_position": policy.queue_position(req.request_id),
             "weir.admission.queued": policy.queued,
-            "weir.tenant.outstanding": policy.per_tenant[req.tenant],
+            "weir.tenant.outstanding": ledger.tenant_requests(req.tenant),
             "weir.tenant.max_outstanding": tenant.max_outstanding if tenant else 0,
-            "weir.tenant.kv_blocks_reserved": policy.tenant_blocks[req.tenant],
+            "weir.tenant.kv_blocks_reserved": ledger.tenant_blocks(req.tenant),
             "weir.tenant.kv_blocks_budget": tenant.kv_blocks if tenant else 0,
-            "weir.tenant.running_seqs": policy.tenant_seqs[req.tenant],
+            "weir.tenant.running_seqs": ledger.tenant_seqs(req.tenant),
             "weir.tenant.token_bucket": round(bucket.level, 1) if bucket else -1.0,
-            "weir.engine.outstanding": len(policy.outstanding),
+            "weir.engine.outstanding": len(ledger),
             "weir.engine.max_outstanding": self.config.admission.max_outstanding,
-            "weir.engine.kv_blocks_reserved": policy.reserved_blocks,
+            "weir.engine.kv_blocks_reserved": ledger.reserved_blocks,
             "weir.scheduler.queued_prefill_tokens": policy.ttft.load.queued_prefill_tokens,
             "weir.scheduler.prefill_tokens_per_s": round(
                 policy.ttft.load.prefill_tokens_per_s, 1),
@@ -92,8 +93,8 @@ class AdmissionService(Component):
         reservation had by it (-1: not reported yet), and the decode horizon: the step
         predicted with the request (-1: not checked), the measured decode step, and the
         measured TPOT of each class running."""
-        policy, live = self.policy, self.policy.live
-        load, room = live.load, live.kv_room(policy.reserved_blocks)
+        ledger, live = self.policy.ledger, self.policy.live
+        load, room = live.load, live.kv_room(ledger.reserved_blocks)
         step = d.estimate.decode_step_s
         return {
             "weir.kv.free_blocks": load.kv_free_blocks,
@@ -103,7 +104,7 @@ class AdmissionService(Component):
                 round(step * 1e3, 2) if step is not None else -1.0,
             "weir.scheduler.decode_measured_ms": round(load.decode_measured_s * 1e3, 2),
             "weir.scheduler.running_seqs": load.running,
-            "weir.admission.admitted_seqs": sum(policy.class_seqs.values()),
+            "weir.admission.admitted_seqs": sum(ledger.class_seqs.values()),
             **{f"weir.scheduler.tpot_ms.{c}": round(v * 1e3, 2)
                for c, v in load.tpot_s.items()},
         }
@@ -126,9 +127,9 @@ class AdmissionService(Component):
                 attributes=attributes):
             log.info("admission", request_id=req.request_id, decision=d.kind, reason=d.reason,
                      service_class=d.service_class)
-        if d.kind == REJECT:
+        if d.kind == Kind.REJECT:
             await self.to_streamer.send(EventBatch([d.rejected]))
-        elif d.kind == QUEUE:
+        elif d.kind == Kind.QUEUE:
             self.traceparents[req.request_id] = (traceparent, cached)
             self._wake_queue.set()
         else:
@@ -140,7 +141,7 @@ class AdmissionService(Component):
         await self.to_scheduler.send(admitted, traceparent=traceparent)
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
-            d.max_tokens, d.kind == DEGRADE, round(queued_s, 4),
+            d.max_tokens, d.kind == Kind.DEGRADE, round(queued_s, 4),
             admitted.deadline_ms if admitted.drop_late else None,
             admitted.e2e_deadline_ms)]))
 
@@ -198,7 +199,7 @@ class AdmissionService(Component):
             msg = await self.inbox_sock.recv()
             match msg.body:
                 case Tokenized() as req if (req.request_id in self.pending
-                                            or req.request_id in self.policy.outstanding
+                                            or req.request_id in self.policy.ledger
                                             or req.request_id in self.traceparents):
                     pass             # the streamer replayed it after a restart: already here
                 case Tokenized() as req:
@@ -226,13 +227,13 @@ class AdmissionService(Component):
                     if self.policy.cancel(cancel.request_id):
                         self.traceparents.pop(cancel.request_id, None)
                         continue                      # queued here: gone, the engine never saw it
-                    if cancel.request_id in self.policy.outstanding:
+                    if cancel.request_id in self.policy.ledger:
                         await self.to_scheduler.send(cancel)
                 case SchedulerLoad() as load:
                     if verdict := self.policy.on_load(load, time.monotonic()):
                         log.warning("admission_ledger_mismatch", verdict=verdict,
-                                    outstanding=len(self.policy.outstanding),
-                                    reserved_kv_blocks=self.policy.reserved_blocks,
+                                    outstanding=len(self.policy.ledger),
+                                    reserved_kv_blocks=self.policy.ledger.reserved_blocks,
                                     pool_used_blocks=self.policy.live.used_blocks)
                     if self.policy.queued:
                         await self._drain_queue()

@@ -26,7 +26,8 @@ import time
 import zlib
 from typing import Callable
 
-from components.admission.policy import QUEUE, REJECT, AdmissionPolicy, Decision
+from components.admission.decision import Decision, Kind
+from components.admission.policy import AdmissionPolicy
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import tenant_budgets
@@ -171,9 +172,9 @@ class Simulator:
         rec.service_class = d.service_class or rec.service_class
         if req.cancel_after_s is not None:
             self._push(self.now + round(req.cancel_after_s * _NS), _CANCEL, rid)
-        if d.kind == REJECT:
+        if d.kind == Kind.REJECT:
             rec.terminal, rec.e2e_s = REJECTED, 0.0
-        elif d.kind != QUEUE:
+        elif d.kind != Kind.QUEUE:
             self._start(tok, d)
 
     def _start(self, tok: Tokenized, d: Decision, waited_s: float = 0.0) -> None:

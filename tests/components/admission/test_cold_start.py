@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from components.admission.policy import ACCEPT, REJECT, AdmissionPolicy
+from components.admission.decision import Kind
+from components.admission.policy import AdmissionPolicy
 from components.scheduler.cost_model import StepShape, decode_shape, prefill_shape
 from components.scheduler.load import load_report
 from components.scheduler.loop import SchedulerLoop
@@ -66,7 +67,7 @@ def test_the_first_burst_is_predicted_from_the_executors_startup_steps():
     predicted = [d.estimate.predicted_ttft_s for d in decisions]
     assert predicted[:4] == pytest.approx([(k + 1) * per_prompt + 0.0115 for k in range(4)],
                                           rel=1e-6)
-    assert [d.kind for d in decisions] == [ACCEPT] * 3 + [REJECT] * 17
+    assert [d.kind for d in decisions] == [Kind.ACCEPT] * 3 + [Kind.REJECT] * 17
     assert {d.reason for d in decisions[3:]} == {"deadline_unmeetable"}
     assert predicted[3:] == pytest.approx([4 * per_prompt + 0.0115] * 17, rel=1e-6)
     assert predicted[3] * 1e3 > 0.8 * SLO_MS >= predicted[2] * 1e3
@@ -77,4 +78,4 @@ def test_without_startup_steps_the_burst_is_accepted_blind():
     scheduler measured its own, so no prediction and every deadline check passed."""
     loop, report, decisions = burst([])
     assert report.prefill_tokens_per_s == 0.0
-    assert all(d.kind == ACCEPT and d.estimate.predicted_ttft_s is None for d in decisions)
+    assert all(d.kind == Kind.ACCEPT and d.estimate.predicted_ttft_s is None for d in decisions)

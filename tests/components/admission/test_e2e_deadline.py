@@ -9,7 +9,7 @@ import anyio
 import msgspec
 import pytest
 
-from components.admission.policy import ACCEPT, QUEUE, REJECT
+from components.admission.decision import Kind
 from schemas.config import SLO_CLASSES, AdmissionConfig, ConfigError, ServiceClass
 from schemas.wire import Accepted, Admitted, SchedulerLoad
 from tests.components.admission.policies import CLASSES, policy, req, traced_service
@@ -34,7 +34,7 @@ def test_the_bound_is_the_tighter_of_the_clients_and_its_classs(class_ms, client
         p = policy(kind, classes=classes)
         r = bounded(e2e=client_ms)
         d = p.decide(r, 0, 0.0)
-        assert d.kind == ACCEPT and d.estimate.e2e_deadline_ms == expect
+        assert d.kind == Kind.ACCEPT and d.estimate.e2e_deadline_ms == expect
         assert p.admitted(r, d).e2e_deadline_ms == expect
 
 
@@ -42,17 +42,17 @@ def test_a_first_token_predicted_past_the_bound_is_refused_at_once():
     p = policy()
     p.ttft.load = SchedulerLoad(4, 2, 4000, 1000.0, 0.05)    # 4 s of prefill queued
     d = p.decide(bounded("short", e2e=3000, cls="batch"), 0, 0.0)   # batch: no TTFT target
-    assert (d.kind, d.reason) == (REJECT, "deadline_unmeetable")
+    assert (d.kind, d.reason) == (Kind.REJECT, "deadline_unmeetable")
     assert "end-to-end deadline 3000 ms" in d.rejected.message
     assert d.rejected.retry_after_s == pytest.approx(4.082 - 3.0, abs=0.1)
-    assert p.decide(bounded("long", e2e=10_000, cls="batch"), 0, 0.0).kind == ACCEPT
+    assert p.decide(bounded("long", e2e=10_000, cls="batch"), 0, 0.0).kind == Kind.ACCEPT
 
 
 def test_a_queued_request_expires_at_its_bound():
     p = policy(num_blocks=4)
     p.decide(req("fill", prompt=32, max_tokens=32), 0, 0.0)          # the pool is full
     d = p.decide(bounded("q", e2e=300, cls="batch", prompt=32, max_tokens=32), 0, 0.0)
-    assert d.kind == QUEUE                                            # max_queue_ms 60 s
+    assert d.kind == Kind.QUEUE                                            # max_queue_ms 60 s
     assert p.expire(0.29) == []
     (gone,) = p.expire(0.3)
     assert (gone.request_id, gone.reason) == ("q", "deadline_expired")

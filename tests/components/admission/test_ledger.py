@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from components.admission.policy import ACCEPT, DEGRADE, QUEUE
+from components.admission.decision import Kind
 from components.scheduler.loop import SchedulerLoop
 from schemas.wire import Admitted, AdmissionMsg, HeldRequest, Holding, SchedulerLoad
 from tests.components.admission.policies import policy, req
@@ -16,11 +16,16 @@ LOAD = SchedulerLoad(1, 0, 200, 1000.0, 0.02)    # measured rates: predictions a
 
 
 def ledger(p) -> tuple:
-    """Everything the ledger counts, zero counters dropped (a Counter keeps a key at 0)."""
-    def nonzero(c):
-        return {k: v for k, v in c.items() if v}
-    return (dict(p.outstanding), nonzero(p.per_tenant), dict(p.held), p.reserved_blocks,
-            nonzero(p.tenant_blocks), nonzero(p.tenant_seqs), p.ledger_stats())
+    """Everything the ledger counts: its entries, reserved blocks, each tenant's requests,
+    blocks and sequences, the sequences by class (zero counts dropped) and its stats."""
+    led = p.ledger
+    return (dict(led.entries), led.reserved_blocks,
+            {t: (led.tenant_requests(t), led.tenant_blocks(t), led.tenant_seqs(t))
+             for t in ("a", "b")},
+            {c: k for c, k in led.class_seqs.items() if k}, led.stats())
+
+
+EMPTY = ({}, 0, {"a": (0, 0, 0), "b": (0, 0, 0)}, {}, {})
 
 
 def restarted(held_by: SchedulerLoop):
@@ -52,18 +57,18 @@ def admit_four():
         params = msgspec.structs.replace(r.params, max_tokens=d.max_tokens)
         loop.handle(Admitted(r.request_id, r.tenant, r.prompt_token_ids, r.block_hashes,
                              params, 1, service_class=d.service_class,
-                             held=p.held[r.request_id]), 0, 0)
-    assert kinds == [ACCEPT, ACCEPT, DEGRADE, ACCEPT]
+                             held=p.ledger.entry(r.request_id)), 0, 0)
+    assert kinds == [Kind.ACCEPT, Kind.ACCEPT, Kind.DEGRADE, Kind.ACCEPT]
     return p, loop
 
 
 def test_a_restarted_ledger_equals_the_one_that_admitted():
     p, loop = admit_four()
-    assert (p.reserved_blocks, p.tenant_blocks["a"], p.tenant_seqs["a"],
-            p.tenant_seqs["b"]) == (25, 20, 4, 3)
+    assert (p.ledger.reserved_blocks, p.ledger.tenant_blocks("a"), p.ledger.tenant_seqs("a"),
+            p.ledger.tenant_seqs("b")) == (25, 20, 4, 3)
     fresh = restarted(loop)
     assert ledger(fresh) == ledger(p)
-    assert fresh.ledger_stats() == {
+    assert fresh.ledger.stats() == {
         "ledger.outstanding.a": 3, "ledger.kv_blocks.a": 20, "ledger.seqs.a": 4,
         "ledger.outstanding.b": 1, "ledger.kv_blocks.b": 5, "ledger.seqs.b": 3,
         "ledger.class_outstanding.interactive": 2, "ledger.class_kv_blocks.interactive": 11,
@@ -73,7 +78,7 @@ def test_a_restarted_ledger_equals_the_one_that_admitted():
     # and its KV budget (20 of 20), not the one-sequence, no-block count it used to get
     for who in (p, fresh):
         d = who.decide(req("next", "a", prompt=16, max_tokens=16), 0, 0.0)
-        assert (d.kind, d.reason) == (QUEUE, "waiting_for_tenant_running")
+        assert (d.kind, d.reason) == (Kind.QUEUE, "waiting_for_tenant_running")
         assert who.cancel("next")
 
 
@@ -84,11 +89,9 @@ def test_released_after_a_restart_returns_the_ledger_to_zero_exactly():
     ttft = {rid: 0.5 for rid in ids}
     for who in (p, fresh):
         who.released(ids[:2], 1.0, {}, ttft)
-        assert who.reserved_blocks == 13 and who.tenant_seqs["a"] == 1
+        assert who.ledger.reserved_blocks == 13 and who.ledger.tenant_seqs("a") == 1
         who.released(ids[2:] + ids, 2.0, {}, ttft)       # a repeat subtracts nothing
-        assert ledger(who) == ({}, {}, {}, 0, {}, {}, {})
-        assert min(list(who.per_tenant.values()) + list(who.tenant_blocks.values())
-                   + list(who.tenant_seqs.values())) == 0
+        assert ledger(who) == EMPTY                      # every count exactly 0, none below
     # each entry's predicted TTFT came back with it: the restart learned the same bias
     assert fresh.ttft.learned_s == p.ttft.learned_s > 0
 
@@ -100,12 +103,13 @@ def test_a_request_replayed_before_the_holding_keeps_its_new_entry():
     fresh = policy(tenants=TENANTS)
     fresh.ttft.on_load(LOAD)
     assert fresh.decide(req("r3", "a", prompt=32, max_tokens=40, cls="batch"), 0, 0.0).kind \
-        == ACCEPT                                          # 5 blocks, not the 8 it had
+        == Kind.ACCEPT                                          # 5 blocks, not the 8 it had
     (_, holding), = loop.peer_restarted("admission", 0, 0)
     fresh.holding(holding.requests)
-    assert fresh.held["r3"].kv_blocks == 5 and fresh.reserved_blocks == 25 - 8 + 5
+    assert fresh.ledger.entry("r3").kv_blocks == 5
+    assert fresh.ledger.reserved_blocks == 25 - 8 + 5
     fresh.released(["r1", "r2", "r3", "r4"], 1.0)
-    assert ledger(fresh) == ({}, {}, {}, 0, {}, {}, {})
+    assert ledger(fresh) == EMPTY
 
 
 def test_a_request_admitted_without_an_entry_counts_its_tenant_and_n():

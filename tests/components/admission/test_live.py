@@ -10,8 +10,9 @@ import anyio
 import msgspec
 import pytest
 
+from components.admission.decision import Kind
 from components.admission.live import MIN_DECODE_STEPS, Horizon, knee
-from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT, AdmissionPolicy
+from components.admission.policy import AdmissionPolicy
 from schemas.config import SLO_CLASSES, load_config
 from schemas.wire import DecodeRates, EventBatch, HeldRequest, SchedulerLoad
 from tests.components.admission.policies import req, traced_service
@@ -49,18 +50,18 @@ def running(p: AdmissionPolicy, seqs: int, blocks: int = 0, cls: str = "interact
 def test_the_live_room_is_the_ledgers_while_the_pool_holds_no_more_than_reserved():
     p = policy()
     running(p, 4, blocks=300)
-    assert p.live.kv_room(p.reserved_blocks) is None       # nothing reported: the ledger
+    assert p.live.kv_room(p.ledger.reserved_blocks) is None       # nothing reported: the ledger
     p.on_load(report(running=4, kv_free_blocks=800))        # 200 used of 300 reserved
-    assert p.live.kv_room(p.reserved_blocks) == 700 == p.kv_capacity - p.reserved_blocks
+    assert p.live.kv_room(p.ledger.reserved_blocks) == 700 == p.capacity.kv_capacity - p.ledger.reserved_blocks
     p.on_load(report(running=4, kv_free_blocks=200))        # 800 used: prefix hits, growth
-    assert p.live.kv_room(p.reserved_blocks) == 200
+    assert p.live.kv_room(p.ledger.reserved_blocks) == 200
     assert p.live_stats()["kv.unreserved_blocks"] == 500
 
 
 def test_the_watermark_is_kept_by_the_live_room_too():
     p = policy(watermark=0.01)                              # 10 blocks
     p.on_load(report(kv_free_blocks=50, kv_evictable_blocks=20))
-    assert p.live.kv_room(0) == 40 and p.kv_capacity == 990
+    assert p.live.kv_room(0) == 40 and p.capacity.kv_capacity == 990
 
 
 # ------------------------------------------------------------------ the worked decision
@@ -83,32 +84,32 @@ LONG = dict(prompt=640, max_tokens=512)
 def test_worked_decision_slow_streams_and_a_full_pool_reject_a_long_prompt_before_prefill():
     p = worked(tpot_s=0.420)
     d = p.decide(req("long", **LONG), 0, 1.0)
-    assert (d.kind, d.reason) == (REJECT, "tpot_slo_at_risk")
+    assert (d.kind, d.reason) == (Kind.REJECT, "tpot_slo_at_risk")
     assert "'interactive' streams are late: measured TPOT 420 ms" in d.rejected.message
     assert d.rejected.retry_after_s == 2.0                  # one release at 0.5/s, nothing seen
-    assert "long" not in p.held and p.queued == 0           # no KV, no prefill spent on it
-    assert p.reserved_blocks == 300
+    assert "long" not in p.ledger and p.queued == 0           # no KV, no prefill spent on it
+    assert p.ledger.reserved_blocks == 300
 
 
 def test_worked_decision_a_batch_request_waits_for_the_streams_to_recover():
     p = worked(tpot_s=0.420)
     d = p.decide(req("long", cls="batch", **LONG), 0, 1.0)
-    assert (d.kind, d.reason) == (QUEUE, "waiting_for_tpot")
+    assert (d.kind, d.reason) == (Kind.QUEUE, "waiting_for_tpot")
     assert p.release(1.1) == []
     p.on_load(report(running=40, running_context=40 * 1000, decode_rates=RATES,
                      kv_free_blocks=500, tpot_s={"interactive": 0.150}))
     (_, released, _), = p.release(1.2)
-    assert (released.kind, released.max_tokens) == (ACCEPT, 512)
+    assert (released.kind, released.max_tokens) == (Kind.ACCEPT, 512)
 
 
 def test_worked_decision_with_healthy_streams_the_pool_alone_refuses_or_degrades():
     p = worked(tpot_s=0.150)
     d = p.decide(req("long", **LONG), 0, 1.0)               # interactive may not degrade
-    assert (d.kind, d.reason) == (REJECT, "kv_pressure")
+    assert (d.kind, d.reason) == (Kind.REJECT, "kv_pressure")
     assert "needs 72 KV blocks; the pool has 50 free" in d.rejected.message
     d = p.decide(req("long-batch", cls="batch", **LONG), 0, 1.0)
-    assert (d.kind, d.reason, d.max_tokens) == (DEGRADE, "kv_pressure", 160)   # 50 x 16 − 640
-    assert p.held["long-batch"].kv_blocks == 50
+    assert (d.kind, d.reason, d.max_tokens) == (Kind.DEGRADE, "kv_pressure", 160)   # 50 x 16 − 640
+    assert p.ledger.entry("long-batch").kv_blocks == 50
 
 
 def test_late_streams_with_room_in_the_pool_are_the_schedulers_to_fix():
@@ -117,7 +118,7 @@ def test_late_streams_with_room_in_the_pool_are_the_schedulers_to_fix():
     p = worked(tpot_s=0.420)
     p.on_load(report(running=40, running_context=40 * 1000, decode_rates=RATES,
                      kv_free_blocks=500, tpot_s={"interactive": 0.420}))
-    assert p.decide(req("long", **LONG), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("long", **LONG), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_the_horizon_waits_for_measured_decode_steps():
@@ -126,7 +127,7 @@ def test_the_horizon_waits_for_measured_decode_steps():
     first request of two sequences was refused for a 937 ms step: the startup fit scaled
     by a first step 20x its prediction)."""
     slow = DecodeRates(0.900, 0.004, 0.0)
-    for steps, kind in ((0, ACCEPT), (MIN_DECODE_STEPS - 1, ACCEPT), (MIN_DECODE_STEPS, REJECT)):
+    for steps, kind in ((0, Kind.ACCEPT), (MIN_DECODE_STEPS - 1, Kind.ACCEPT), (MIN_DECODE_STEPS, Kind.REJECT)):
         p = policy()
         running(p, 1)
         p.on_load(report(running=1, decode_rates=slow, decode_steps=steps))
@@ -146,7 +147,7 @@ def test_worked_decision_control_a_roomy_pool_and_healthy_streams_accept_it():
     p.on_load(report(running=40, running_context=40 * 1000, decode_rates=RATES,
                      kv_free_blocks=500, tpot_s={"interactive": 0.150}))
     d = p.decide(req("long", **LONG), 0, 1.0)
-    assert (d.kind, d.reason) == (ACCEPT, "fits")
+    assert (d.kind, d.reason) == (Kind.ACCEPT, "fits")
     # 41 sequences reading 40,000 + 640 + 256 positions (no per-position cost here)
     assert d.estimate.decode_step_s == pytest.approx(0.020 + 41 * 0.004)
 
@@ -185,17 +186,17 @@ def at_knee(p: AdmissionPolicy, seqs: int, **live) -> None:
 
 
 @pytest.mark.parametrize("before, n, kind", [
-    (54, 1, ACCEPT),             # 55 sequences: 240 ms, at the limit
-    (55, 1, REJECT),             # 56: 244 ms
-    (53, 2, ACCEPT),             # n counts n
-    (53, 3, REJECT),
+    (54, 1, Kind.ACCEPT),             # 55 sequences: 240 ms, at the limit
+    (55, 1, Kind.REJECT),             # 56: 244 ms
+    (53, 2, Kind.ACCEPT),             # n counts n
+    (53, 3, Kind.REJECT),
 ])
 def test_accept_below_the_knee_reject_above_n_counting_n(before, n, kind):
     p = policy()
     at_knee(p, before)
     d = p.decide(req("new", prompt=16, max_tokens=16, n=n), 0, 1.0)
     assert d.kind == kind
-    if kind == REJECT:
+    if kind == Kind.REJECT:
         assert d.reason == "tpot_slo_at_risk" and d.rejected.retry_after_s > 0
         assert f"would be {(20 + 4 * (before + n))} ms ({before + n} sequences" in \
             d.rejected.message and "past 240 ms" in d.rejected.message
@@ -205,16 +206,16 @@ def test_accept_below_the_knee_reject_above_n_counting_n(before, n, kind):
 def test_n_counts_n_beside_a_running_stream_and_an_idle_engine_checks_nothing():
     p = policy()
     p.on_load(report(decode_rates=DecodeRates(0.020, 0.050, 0.0)))   # knee: 4 sequences
-    assert p.decide(req("one", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
-    assert p.decide(req("three", prompt=16, max_tokens=16, n=3), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("one", prompt=16, max_tokens=16), 0, 1.0).kind == Kind.ACCEPT
+    assert p.decide(req("three", prompt=16, max_tokens=16, n=3), 0, 1.0).kind == Kind.ACCEPT
     p.released(["three"], 1.0)
     d = p.decide(req("four", prompt=16, max_tokens=16, n=4), 0, 1.0)    # 1 + 4 > 4
-    assert (d.kind, d.reason) == (REJECT, "tpot_slo_at_risk")
+    assert (d.kind, d.reason) == (Kind.REJECT, "tpot_slo_at_risk")
     # alone, even past the knee by its own n: no stream to slow, and waiting would not
     # make its steps shorter (its steps are also what correct rates learned on a machine
     # slowed for a while: refusing every request on an idle engine kept them stale)
     p.released(["one"], 1.0)
-    assert p.decide(req("five", prompt=16, max_tokens=16, n=5), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("five", prompt=16, max_tokens=16, n=5), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_the_stats_show_the_rates_the_knee_and_the_live_steps():
@@ -238,22 +239,22 @@ def test_admitted_sequences_not_running_yet_count_and_so_does_context():
     # a 1000-token prompt and 16 out reads 1008 positions decoding; 51 sequences:
     # 20 + 51 x 3 + (10,000 + 41 x 1008) / 1000 = 224.3 ms, within 240
     d = p.decide(req("in", prompt=1000, max_tokens=16), 0, 1.0)
-    assert d.kind == ACCEPT and d.estimate.decode_step_s == pytest.approx(0.2243, abs=1e-4)
+    assert d.kind == Kind.ACCEPT and d.estimate.decode_step_s == pytest.approx(0.2243, abs=1e-4)
     d = p.decide(req("long", prompt=7000, max_tokens=16), 0, 1.0)   # its context: 7008
-    assert (d.kind, d.reason) == (REJECT, "tpot_slo_at_risk")
+    assert (d.kind, d.reason) == (Kind.REJECT, "tpot_slo_at_risk")
 
 
 def test_the_knee_binds_below_max_num_seqs_not_above_it():
     p = policy(max_num_seqs=40)                 # the batch never passes 40: 180 ms
     at_knee(p, 60)
-    assert p.decide(req("new", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("new", prompt=16, max_tokens=16), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_a_batch_request_at_the_knee_queues_and_starts_when_a_stream_ends():
     p = policy()
     at_knee(p, 55)
     d = p.decide(req("b1", cls="batch", prompt=16, max_tokens=16), 0, 1.0)
-    assert (d.kind, d.reason) == (QUEUE, "waiting_for_tpot")
+    assert (d.kind, d.reason) == (Kind.QUEUE, "waiting_for_tpot")
     assert p.release(1.1) == []
     p.holding([HeldRequest("short", "a", "interactive", 1, 0)])
     p.released(["short"], 1.2)
@@ -277,18 +278,18 @@ def test_moderate_load_is_never_refused_by_the_horizon():
 def test_without_the_check_the_knee_and_late_streams_do_not_refuse(settings):
     p = policy(**settings)
     at_knee(p, 80, tpot_s={"interactive": 0.5})
-    assert p.decide(req("new", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("new", prompt=16, max_tokens=16), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_no_rates_or_no_tpot_target_in_play_checks_nothing():
     p = policy()
     running(p, 80, cls="batch")                 # batch has no TPOT target
     p.on_load(report(running=80, decode_rates=RATES))
-    assert p.decide(req("b", cls="batch", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("b", cls="batch", prompt=16, max_tokens=16), 0, 1.0).kind == Kind.ACCEPT
     p = policy()
     at_knee(p, 80)
     p.on_load(report(running=80))               # rates not reported
-    assert p.decide(req("i", prompt=16, max_tokens=16), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("i", prompt=16, max_tokens=16), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_a_horizon_is_at_the_limit_give_or_take_rounding():

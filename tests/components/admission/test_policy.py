@@ -6,25 +6,25 @@ from __future__ import annotations
 import pytest
 
 from components.admission.estimate import COLD_START, OutputStats, TokenBucket
-from components.admission.policy import ACCEPT, DEGRADE, QUEUE, REJECT
+from components.admission.decision import Kind
 from schemas.wire import SchedulerLoad
 from tests.components.admission.policies import policy, req
 
 
 # ------------------------------------------------------------------ classes and priority
 @pytest.mark.parametrize("tenant_cfg, asked, kind, cls, reason", [
-    ({"name": "a"}, None, ACCEPT, "interactive", "fits"),              # first class = default
-    ({"name": "a"}, "batch", ACCEPT, "batch", "fits"),                 # a lower class: granted
-    ({"name": "a", "default_class": "batch"}, "interactive", REJECT, "", "class_not_allowed"),
-    ({"name": "a", "classes": ["bulk"]}, "batch", REJECT, "", "class_not_allowed"),
-    ({"name": "a", "classes": ["batch", "bulk"]}, None, ACCEPT, "batch", "fits"),
-    ({"name": "a"}, "nope", REJECT, "", "class_not_allowed"),
+    ({"name": "a"}, None, Kind.ACCEPT, "interactive", "fits"),              # first class = default
+    ({"name": "a"}, "batch", Kind.ACCEPT, "batch", "fits"),                 # a lower class: granted
+    ({"name": "a", "default_class": "batch"}, "interactive", Kind.REJECT, "", "class_not_allowed"),
+    ({"name": "a", "classes": ["bulk"]}, "batch", Kind.REJECT, "", "class_not_allowed"),
+    ({"name": "a", "classes": ["batch", "bulk"]}, None, Kind.ACCEPT, "batch", "fits"),
+    ({"name": "a"}, "nope", Kind.REJECT, "", "class_not_allowed"),
 ])
 def test_class_granted_by_tenant_policy(tenant_cfg, asked, kind, cls, reason):
     p = policy(tenants=[tenant_cfg])
     d = p.decide(req(cls=asked), 0, 0.0)
     assert (d.kind, d.service_class, d.reason) == (kind, cls, reason)
-    if kind == REJECT:
+    if kind == Kind.REJECT:
         assert d.rejected.reason == reason and "class" in d.rejected.message
 
 
@@ -46,7 +46,7 @@ def test_no_classes_is_one_default_class_and_fcfs_behaviour():
                max_outstanding=3)
     kinds = [p.decide(req(str(i)), 0, 0.0) for i in range(3)]
     assert [(d.kind, d.service_class) for d in kinds] == \
-        [(ACCEPT, "default"), (ACCEPT, "default"), (REJECT, "default")]
+        [(Kind.ACCEPT, "default"), (Kind.ACCEPT, "default"), (Kind.REJECT, "default")]
     assert kinds[2].reason == "tenant_over_budget" and kinds[2].rejected.retry_after_s >= 1
     assert p.queued == 0                              # fcfs never queues
 
@@ -79,7 +79,7 @@ def test_expected_output_is_a_percentile_after_cold_start():
 def test_released_outputs_teach_the_estimate():
     p = policy()
     for i in range(COLD_START):
-        assert p.decide(req(str(i), max_tokens=50), 0, 0.0).kind == ACCEPT
+        assert p.decide(req(str(i), max_tokens=50), 0, 0.0).kind == Kind.ACCEPT
     p.released([str(i) for i in range(COLD_START)], 1.0,
                {str(i): 20 for i in range(COLD_START)})
     assert p.decide(req("next", max_tokens=500), 0, 1.0).estimate.expected_output == 20
@@ -90,10 +90,10 @@ def test_deadline_unmeetable_rejects_at_once_with_retry_after():
     p = policy()
     p.ttft.load = SchedulerLoad(4, 2, 4000, 1000.0, 0.05)   # 4 s of prefill queued
     d = p.decide(req(cls="interactive"), 0, 0.0)
-    assert (d.kind, d.reason) == (REJECT, "deadline_unmeetable")
+    assert (d.kind, d.reason) == (Kind.REJECT, "deadline_unmeetable")
     assert d.rejected.retry_after_s == pytest.approx(4.082 - 1.0, abs=0.1)
     own = p.decide(req("own", cls="batch", deadline=10_000), 0, 0.0)   # its own deadline
-    assert own.kind == ACCEPT
+    assert own.kind == Kind.ACCEPT
 
 
 def test_a_prompt_is_never_refused_for_its_own_size_only_for_the_wait():
@@ -105,10 +105,10 @@ def test_a_prompt_is_never_refused_for_its_own_size_only_for_the_wait():
     assert short.estimate.deadline_ms == 1000          # 0.1 s alone: the class's target
     long = p.decide(req("long", prompt=900, max_tokens=8, cls="interactive"), 0, 0.0)
     assert long.estimate.deadline_ms == pytest.approx(500 + 900)
-    assert long.kind == ACCEPT                          # 0.95 s predicted, 1.12 s allowed
+    assert long.kind == Kind.ACCEPT                          # 0.95 s predicted, 1.12 s allowed
     p.ttft.load = SchedulerLoad(4, 2, 2000, 1000.0, 0.05)   # now 2 s of prefill is ahead
     behind = p.decide(req("behind", prompt=900, max_tokens=8, cls="interactive"), 0, 0.0)
-    assert (behind.kind, behind.reason) == (REJECT, "deadline_unmeetable")
+    assert (behind.kind, behind.reason) == (Kind.REJECT, "deadline_unmeetable")
     own = p.decide(req("own", prompt=900, max_tokens=8, cls="interactive", deadline=800),
                    0, 0.0)
     assert own.estimate.deadline_ms == 800              # a client's own deadline is its own
@@ -117,22 +117,22 @@ def test_a_prompt_is_never_refused_for_its_own_size_only_for_the_wait():
 def test_reservation_decides_accept_then_queue():
     p = policy(num_blocks=10)
     first = p.decide(req("1", prompt=64, max_tokens=64), 0, 0.0)      # 8 blocks
-    assert first.kind == ACCEPT and p.reserved_blocks == 8
+    assert first.kind == Kind.ACCEPT and p.ledger.reserved_blocks == 8
     second = p.decide(req("2", prompt=32, max_tokens=32), 0, 0.0)     # 4 more: no room
-    assert (second.kind, second.reason) == (QUEUE, "waiting_for_kv")
+    assert (second.kind, second.reason) == (Kind.QUEUE, "waiting_for_kv")
     assert p.queued == 1 and p.queue_position("2") == 0
     assert p.release(0.1) == []                                        # still no room
     p.released(["1"], 0.2)
     (released,) = p.release(0.2)
     assert released[0].request_id == "2" and released[2] == pytest.approx(0.2)
-    assert p.reserved_blocks == 4 and p.queued == 0
+    assert p.ledger.reserved_blocks == 4 and p.queued == 0
 
 
 def test_class_that_does_not_queue_is_rejected_overloaded():
     p = policy(num_blocks=10)
     p.decide(req("1", prompt=64, max_tokens=64), 0, 0.0)
     d = p.decide(req("2", cls="bulk", prompt=32, max_tokens=32), 0, 0.0)
-    assert (d.kind, d.reason) == (REJECT, "overloaded")
+    assert (d.kind, d.reason) == (Kind.REJECT, "overloaded")
 
 
 def test_queue_full_per_tenant_and_in_total():
@@ -142,7 +142,7 @@ def test_queue_full_per_tenant_and_in_total():
     kinds = [p.decide(req(str(i), prompt=32, max_tokens=32), 0, 0.0).reason
              for i in (1, 2, 3)]
     assert kinds == ["waiting_for_kv", "waiting_for_kv", "queue_full"]
-    assert p.decide(req("b1", "b", prompt=32, max_tokens=32), 0, 0.0).kind == QUEUE
+    assert p.decide(req("b1", "b", prompt=32, max_tokens=32), 0, 0.0).kind == Kind.QUEUE
     assert p.decide(req("b2", "b", prompt=32, max_tokens=32), 0, 0.0).reason == "queue_full"
 
 
@@ -151,8 +151,8 @@ def test_degrade_lowers_max_tokens_to_what_fits():
     p.decide(req("1", prompt=64, max_tokens=32), 0, 0.0)               # 6 blocks reserved
     d = p.decide(req("2", cls="batch", prompt=32, max_tokens=100), 0, 0.0)
     # 4 blocks left = 64 tokens; the prompt takes 32, so 32 output tokens fit
-    assert (d.kind, d.max_tokens, d.reason) == (DEGRADE, 32, "kv_capacity")
-    assert d.estimate.kv_blocks == 4 and p.reserved_blocks == 10
+    assert (d.kind, d.max_tokens, d.reason) == (Kind.DEGRADE, 32, "kv_capacity")
+    assert d.estimate.kv_blocks == 4 and p.ledger.reserved_blocks == 10
 
 
 def test_degrade_never_below_min_max_tokens():
@@ -160,39 +160,39 @@ def test_degrade_never_below_min_max_tokens():
     p.decide(req("1", prompt=64, max_tokens=64), 0, 0.0)               # 8 of 10 blocks
     d = p.decide(req("2", cls="batch", prompt=30, max_tokens=100), 0, 0.0)
     # 2 blocks = 32 tokens: 2 output tokens would fit, below min_max_tokens (8): queued
-    assert d.kind == QUEUE
+    assert d.kind == Kind.QUEUE
 
 
 def test_tenant_kv_budget():
     p = policy(tenants=[{"name": "a", "kv_blocks": 6}])
     assert p.decide(req("big", prompt=100, max_tokens=32, cls="interactive"), 0, 0.0).reason \
         == "tenant_kv_budget"                                          # 9 blocks > 6 alone
-    assert p.decide(req("1", prompt=48, max_tokens=16), 0, 0.0).kind == ACCEPT   # 4 blocks
+    assert p.decide(req("1", prompt=48, max_tokens=16), 0, 0.0).kind == Kind.ACCEPT   # 4 blocks
     assert p.decide(req("2", prompt=48, max_tokens=16), 0, 0.0).reason == \
         "waiting_for_tenant_kv"
 
 
 def test_token_bucket_rejects_with_the_wait_then_refills():
     p = policy(tenants=[{"name": "a", "token_rate": 100, "token_burst": 200}])
-    assert p.decide(req("1", prompt=100, max_tokens=50), 0, 0.0).kind == ACCEPT  # 150 of 200
+    assert p.decide(req("1", prompt=100, max_tokens=50), 0, 0.0).kind == Kind.ACCEPT  # 150 of 200
     d = p.decide(req("2", prompt=100, max_tokens=50), 0, 0.0)
-    assert (d.kind, d.reason) == (REJECT, "tenant_token_budget")
+    assert (d.kind, d.reason) == (Kind.REJECT, "tenant_token_budget")
     assert d.rejected.retry_after_s == pytest.approx(1.0)              # 100 short at 100/s
-    assert p.decide(req("3", prompt=100, max_tokens=50), 0, 1.0).kind == ACCEPT
+    assert p.decide(req("3", prompt=100, max_tokens=50), 0, 1.0).kind == Kind.ACCEPT
 
 
 def test_token_bucket_degrades_a_class_that_may():
     p = policy(tenants=[{"name": "a", "token_rate": 100, "token_burst": 200}])
     p.decide(req("1", prompt=100, max_tokens=50), 0, 0.0)               # 50 left
     d = p.decide(req("2", cls="batch", prompt=20, max_tokens=100), 0, 0.0)
-    assert (d.kind, d.max_tokens, d.reason) == (DEGRADE, 30, "tenant_token_budget")
+    assert (d.kind, d.max_tokens, d.reason) == (Kind.DEGRADE, 30, "tenant_token_budget")
 
 
 def test_running_cap_counts_n():
     p = policy(tenants=[{"name": "a", "max_running": 4}])
-    assert p.decide(req("1", n=3), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("1", n=3), 0, 0.0).kind == Kind.ACCEPT
     assert p.decide(req("2", n=2), 0, 0.0).reason == "waiting_for_tenant_running"
-    assert p.decide(req("3", n=1), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("3", n=1), 0, 0.0).kind == Kind.ACCEPT
 
 
 def test_the_admitted_message_carries_what_the_scheduler_acts_on():
@@ -204,12 +204,12 @@ def test_the_admitted_message_carries_what_the_scheduler_acts_on():
     msg = p.admitted(inter, p.decide(inter, 0, 0.0), 0.25)
     assert (msg.service_class, msg.priority, msg.deadline_ms, msg.drop_late,
             msg.aging_per_s) == ("interactive", 0, 1000, True, 0.0)
-    assert msg.held == p.held["i"] and msg.queued_ns == 250_000_000
+    assert msg.held == p.ledger.entry("i") and msg.queued_ns == 250_000_000
     assert msg.params.max_tokens == 8 and msg.prompt_token_ids == inter.prompt_token_ids
     batch = req("b", prompt=10, max_tokens=64, cls="batch")
     d = p.decide(batch, 0, 0.0)
     msg = p.admitted(batch, d, 0.0)
-    assert (d.kind, msg.params.max_tokens) == (DEGRADE, 22)      # what 2 blocks left hold
+    assert (d.kind, msg.params.max_tokens) == (Kind.DEGRADE, 22)      # what 2 blocks left hold
     assert (msg.deadline_ms, msg.drop_late, msg.aging_per_s) == (None, False, 1.0)
     own = req("own", prompt=10, max_tokens=8, deadline=200)
     fcfs = policy("fcfs")
@@ -254,7 +254,7 @@ def test_cancel_removes_a_queued_request():
     p.decide(req("q", cls="batch", prompt=32, max_tokens=32), 0, 0.0)
     assert p.cancel("q") and not p.cancel("q")
     p.released(["fill"], 1.0)
-    assert p.release(1.0) == [] and p.outstanding == {}
+    assert p.release(1.0) == [] and len(p.ledger) == 0
 
 
 def test_head_of_queue_is_not_jumped():
@@ -262,7 +262,7 @@ def test_head_of_queue_is_not_jumped():
     p.decide(req("fill", prompt=64, max_tokens=16), 0, 0.0)             # 5 blocks
     p.decide(req("big", cls="batch", prompt=64, max_tokens=16), 0, 0.0)  # queued, needs 5
     small = p.decide(req("small", cls="batch", prompt=8, max_tokens=8), 0, 0.1)
-    assert (small.kind, small.reason) == (QUEUE, "waiting_for_queue")   # fits, but behind
+    assert (small.kind, small.reason) == (Kind.QUEUE, "waiting_for_queue")   # fits, but behind
     assert [d.request_id for d, *_ in p.release(0.2)] == []              # big is first
     p.released(["fill"], 0.3)
     assert [d.request_id for d, *_ in p.release(0.3)] == ["big", "small"]
@@ -282,13 +282,13 @@ def test_a_queued_request_that_fits_only_degraded_starts_degraded():
     # starts degraded when the first is released (it would never fit at full size)
     p = policy(tenants=[{"name": "a", "kv_blocks": 3}])
     first = p.decide(req("1", cls="batch", prompt=10, max_tokens=64), 0, 0.0)
-    assert (first.kind, first.max_tokens) == (DEGRADE, 38)       # 3 blocks = 48 tokens
+    assert (first.kind, first.max_tokens) == (Kind.DEGRADE, 38)       # 3 blocks = 48 tokens
     second = p.decide(req("2", cls="batch", prompt=10, max_tokens=64), 0, 0.0)
-    assert second.kind == QUEUE
+    assert second.kind == Kind.QUEUE
     p.released(["1"], 1.0)
     ((tok, d, waited),) = p.release(1.0)
-    assert (tok.request_id, d.kind, d.max_tokens) == ("2", DEGRADE, 38)
-    assert p.tenant_blocks["a"] == 3
+    assert (tok.request_id, d.kind, d.max_tokens) == ("2", Kind.DEGRADE, 38)
+    assert p.ledger.tenant_blocks("a") == 3
 
 
 def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
@@ -305,7 +305,7 @@ def test_beyond_deadline_even_fully_cached_needs_no_cache_lookup():
     assert not p.beyond_deadline(req(prompt=900, tenant="nobody"), 0)     # decide() says why
     assert not policy("fcfs").beyond_deadline(req(prompt=900), 0)
     d = p.decide(req(prompt=900), 0, 0.0)                   # what decide() then says
-    assert (d.kind, d.reason) == (REJECT, "deadline_unmeetable")
+    assert (d.kind, d.reason) == (Kind.REJECT, "deadline_unmeetable")
 
 
 def test_queue_releases_the_least_served_tenant_first():
@@ -313,11 +313,11 @@ def test_queue_releases_the_least_served_tenant_first():
     # (idle time earns no credit). Each release charges the tenant, so b's request goes
     # second, not after all of a's (FIFO would give a0, a1, a2, b0)
     p = policy(num_blocks=4)
-    assert p.decide(req("fill", "a", prompt=32, max_tokens=32), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("fill", "a", prompt=32, max_tokens=32), 0, 0.0).kind == Kind.ACCEPT
     for i in range(3):
         assert p.decide(req(f"a{i}", "a", cls="batch", prompt=32, max_tokens=32), 0,
-                        0.1).kind == QUEUE
-    assert p.decide(req("b0", "b", cls="batch", prompt=32, max_tokens=32), 0, 0.2).kind == QUEUE
+                        0.1).kind == Kind.QUEUE
+    assert p.decide(req("b0", "b", cls="batch", prompt=32, max_tokens=32), 0, 0.2).kind == Kind.QUEUE
     assert p.vtc.of("b") == p.vtc.of("a") == 32 + 2 * 32
     order, running = [], "fill"
     for t in range(4):
@@ -333,9 +333,9 @@ def test_class_first_across_tenants_as_the_scheduler_orders():
     (class first), so it does not queue behind it as VTC-first order had it. One that
     does not fit queues ahead of b's batch, and is released first."""
     p = policy(num_blocks=10)
-    assert p.decide(req("a_run", "a", prompt=64, max_tokens=64), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("a_run", "a", prompt=64, max_tokens=64), 0, 0.0).kind == Kind.ACCEPT
     p.released(["a_run"], 0.1)
-    assert p.decide(req("b_run", "b"), 0, 0.2).kind == ACCEPT                  # 4 blocks
+    assert p.decide(req("b_run", "b"), 0, 0.2).kind == Kind.ACCEPT                  # 4 blocks
     assert p.decide(req("b_big", "b", cls="batch", prompt=90, max_tokens=64), 0,
                     0.3).reason == "waiting_for_kv"                             # 10 blocks
     assert (p.vtc.of("a"), p.vtc.of("b")) == (192, 96)
@@ -363,7 +363,7 @@ def test_a_tenant_at_its_own_cap_does_not_hold_back_another_tenant(cap, blocker,
     p = policy(num_blocks=12, tenants=[{"name": "a", **cap}, {"name": "b", "max_running": 1},
                                        {"name": "c"}])
     for t in "abc":
-        assert p.decide(req(f"{t}_run", t), 0, 0.0).kind == ACCEPT
+        assert p.decide(req(f"{t}_run", t), 0, 0.0).kind == Kind.ACCEPT
     assert p.decide(req("a1", "a"), 0, 0.1).reason == f"waiting_for_{blocker}"
     a2 = p.decide(req("a2", "a", prompt=8, max_tokens=8), 0, 0.2).reason
     assert a2 == ("waiting_for_kv" if blocker == "tenant_kv" else f"waiting_for_{blocker}")
@@ -385,9 +385,9 @@ def test_a_request_waiting_for_the_engine_still_holds_the_line_past_a_capped_ten
     # blocks b1 waits for; a release stops at b1 until the pool has room for it
     p = policy(num_blocks=20, tenants=[{"name": "a", "max_outstanding": 1}, {"name": "b"},
                                        {"name": "c"}])
-    assert p.decide(req("a_run", "a", prompt=8, max_tokens=8), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("a_run", "a", prompt=8, max_tokens=8), 0, 0.0).kind == Kind.ACCEPT
     for t in "bc":
-        assert p.decide(req(f"{t}_run", t, prompt=64, max_tokens=64), 0, 0.0).kind == ACCEPT
+        assert p.decide(req(f"{t}_run", t, prompt=64, max_tokens=64), 0, 0.0).kind == Kind.ACCEPT
     assert p.decide(req("a1", "a", prompt=8, max_tokens=8), 0, 0.1).reason == \
         "waiting_for_tenant_cap"
     assert p.decide(req("b1", "b"), 0, 0.2).reason == "waiting_for_kv"
@@ -407,8 +407,8 @@ def test_a_tenant_with_admitted_work_but_nothing_queued_is_lifted():
     # filling the pool, and queues b1. When a queues a1 it becomes backlogged: lifted to
     # b's 96 (running work earns no credit), so b1, queued first, goes first
     p = policy(num_blocks=5)
-    assert p.decide(req("a_run", "a", prompt=8, max_tokens=4), 0, 0.0).kind == ACCEPT
-    assert p.decide(req("b_run", "b"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("a_run", "a", prompt=8, max_tokens=4), 0, 0.0).kind == Kind.ACCEPT
+    assert p.decide(req("b_run", "b"), 0, 0.0).kind == Kind.ACCEPT
     assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
     assert (p.vtc.of("a"), p.vtc.of("b")) == (16, 96)
     assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
@@ -420,8 +420,8 @@ def test_the_lift_floor_is_the_least_counter_among_tenants_with_queued_requests(
     # c runs a request (counter 16) with nothing queued: it is not backlogged, so its
     # counter is not the floor; a, idle, is lifted to b's 96 (b has b1 queued), not to 16
     p = policy(num_blocks=5, tenants=[{"name": "a"}, {"name": "b"}, {"name": "c"}])
-    assert p.decide(req("c_run", "c", prompt=8, max_tokens=4), 0, 0.0).kind == ACCEPT
-    assert p.decide(req("b_run", "b"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("c_run", "c", prompt=8, max_tokens=4), 0, 0.0).kind == Kind.ACCEPT
+    assert p.decide(req("b_run", "b"), 0, 0.0).kind == Kind.ACCEPT
     assert p.decide(req("b1", "b"), 0, 0.1).reason == "waiting_for_kv"
     assert p.decide(req("a1", "a"), 0, 0.2).reason == "waiting_for_kv"
     assert (p.vtc.of("a"), p.vtc.of("b"), p.vtc.of("c")) == (96, 96, 16)

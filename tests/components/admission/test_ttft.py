@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from components.admission.policy import ACCEPT
+from components.admission.decision import Kind
 from components.scheduler.load import load_report
 from schemas.wire import SchedulerLoad, TenantBacklog
 from tests.components.admission.policies import policy, req
@@ -111,7 +111,7 @@ def test_requests_overrunning_their_prediction_raise_it_before_their_first_token
     assert p.decide(req("x", prompt=100), 0, 0.0).estimate.predicted_ttft_s == \
         pytest.approx(0.15 + 1.9)
     for i in range(10, 30):                                 # 20 more that meet it exactly
-        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
+        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == Kind.ACCEPT
         p.released([str(i)], 1.0, {}, {str(i): 0.15})
     p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
     assert p.ttft.floor_s == 0.0                            # the overruns left the window
@@ -124,7 +124,7 @@ def overrun_burst(p) -> None:
     a TTFT of 1.15 s: 1 s over."""
     p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
     for i in range(10):                     # all predicted 0.15 s: the report counts them
-        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == ACCEPT
+        assert p.decide(req(str(i), prompt=100, deadline=60_000), 0, 0.0).kind == Kind.ACCEPT
         p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05), 0.0)
     p.released([str(i) for i in range(10)], 1.0, {}, {str(i): 1.15 for i in range(10)})
 
@@ -219,7 +219,7 @@ def test_prefill_ahead_is_the_whole_backlog_under_fcfs_or_an_old_report():
 def test_prefill_admitted_since_the_report_waits_at_its_tenant():
     p = policy(tenants=VTC_TENANTS)
     p.ttft.on_load(VTC_LOAD)
-    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind == Kind.ACCEPT
     # d now waits, so it is not lifted: T = 4600 + 100; c: 700 of 2000; b: 200 × 2 of 500
     assert p.ttft.prefill_ahead("d") == 100 + 400 + 700 + 400
     assert p.ttft.prefill_ahead("c") == 4500 + 100                # d's 100, below c's T (6000)
@@ -293,7 +293,7 @@ def test_an_interactive_request_is_not_priced_behind_another_tenants_batch_flood
     p = policy()
     p.ttft.on_load(CLASS_LOAD)
     d = p.decide(req("a1", "a", prompt=100), 0, 0.0)
-    assert (d.kind, d.reason) == (ACCEPT, "fits")
+    assert (d.kind, d.reason) == (Kind.ACCEPT, "fits")
     assert d.estimate.scheduler_ttft_s == pytest.approx(1164 / 10_000 + 0.01)
     old = policy()
     old.ttft.on_load(msgspec.structs.replace(CLASS_LOAD, tenants={
@@ -317,9 +317,9 @@ def test_a_prompt_in_progress_aged_into_the_class_is_ahead_as_the_scheduler_rank
 def test_work_admitted_since_the_report_is_ranked_by_its_class():
     p = policy(tenants=CLASS_TENANTS)
     p.ttft.on_load(CLASS_LOAD)
-    assert p.decide(req("b1", "b", prompt=400, cls="batch"), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("b1", "b", prompt=400, cls="batch"), 0, 0.0).kind == Kind.ACCEPT
     assert p.ttft.prefill_ahead("a", 0) == 1064                  # b's batch: after it
-    assert p.decide(req("c1", "c", prompt=100), 0, 0.0).kind == ACCEPT
+    assert p.decide(req("c1", "c", prompt=100), 0, 0.0).kind == Kind.ACCEPT
     assert p.ttft.prefill_ahead("a", 0) == 1064 + 100            # c's interactive: ahead
     assert p.ttft.prefill_ahead("b", 10) == 22_064 + 400 + 100   # b's own, and c's
 
@@ -365,9 +365,9 @@ def test_a_tenants_own_prompt_due_later_is_not_ahead_of_its_burst():
     p = policy(num_blocks=200)
     p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
     long = p.decide(req("long", "a", prompt=900, max_tokens=8), 0, 0.0)
-    assert (long.kind, long.estimate.deadline_ms) == (ACCEPT, pytest.approx(1400))
+    assert (long.kind, long.estimate.deadline_ms) == (Kind.ACCEPT, pytest.approx(1400))
     short = p.decide(req("short", "a", prompt=200, max_tokens=8), 0, 0.0)
-    assert (short.kind, short.reason) == (ACCEPT, "fits")
+    assert (short.kind, short.reason) == (Kind.ACCEPT, "fits")
     assert short.estimate.scheduler_ttft_s == pytest.approx(0.2 + 0.05)
     assert p.ttft.prefill_ahead("a", 0, 1_500_000_000) == 900 + 200     # due after both
     assert p.ttft.prefill_ahead("a", 0) == 900 + 200                     # no deadline
@@ -390,6 +390,6 @@ def test_the_bias_follows_the_high_misses_not_their_mean():
         p.ttft.on_load(SchedulerLoad(0, 0, 0, 1000.0, 0.05))
         rid = str(i)
         d = p.decide(req(rid, prompt=100), 0, float(i))
-        assert d.kind == ACCEPT
+        assert d.kind == Kind.ACCEPT
         p.released([rid], float(i), {}, {rid: d.estimate.scheduler_ttft_s + 0.5 * (i % 2)})
     assert 0.45 < p.ttft.learned_s < 0.47      # cycles between 0.4537 and 0.4630 (mean: 0.25)
