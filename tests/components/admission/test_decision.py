@@ -7,16 +7,16 @@ import typing
 
 import msgspec
 
-from components.admission.decision import (Blocker, Estimate, Kind, e2e_deadline_ms,
+from components.admission.decision import (Blocker, Estimate, Kind, due_ns, e2e_deadline_ms,
                                            first_token_bound_ms, reject, ttft_deadline_ms)
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.wire import Rejected, SamplingParams, Tokenized
 
 
-def req(deadline=None, e2e=None, prompt=8) -> Tokenized:
-    return Tokenized("r", "a", list(range(prompt)), [], SamplingParams(max_tokens=4), 0, (),
-                     deadline, 0, e2e_deadline_ms=e2e)
+def req(deadline=None, e2e=None, prompt=8, arrival_ns=0) -> Tokenized:
+    return Tokenized("r", "a", list(range(prompt)), [], SamplingParams(max_tokens=4),
+                     arrival_ns, (), deadline, 0, e2e_deadline_ms=e2e)
 
 
 def test_the_enums_are_todays_strings():
@@ -82,3 +82,11 @@ def test_the_end_to_end_bound_is_the_tighter_and_the_first_token_bound_the_soone
              for ttft, e2e in ((1000.0, None), (None, 800.0), (1000.0, 800.0),
                                (600.0, 800.0), (None, None))]
     assert bound == [1000.0, 800.0, 800.0, 600.0, None]
+
+
+def test_the_first_token_is_due_on_the_arrivals_clock_in_whole_milliseconds():
+    at = req(arrival_ns=5_000_000_000)
+    assert due_ns(at, None) == 0                                  # no deadline
+    assert due_ns(at, 1400.0) == 6_400_000_000
+    assert due_ns(at, 999.6) == 6_000_000_000                     # rounded to the ms
+    assert due_ns(req(), 250.0) == 250_000_000
