@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 
 from components.admission.capacity import Capacity, TenantBuckets
-from components.admission.decision import (Blocker, Decision, Estimate, Kind,
+from components.admission.decision import (Blocker, Decision, Estimate, Grant, Kind,
                                            first_token_bound_ms, headroom_pct, reject)
 from components.admission.queue import AdmissionQueue, Queued
 from components.admission.retry import DrainRate
@@ -32,16 +32,16 @@ class DeadlineRule:
         self.classes = classes
 
     def decide(self, req: Tokenized, tenant: TenantConfig, cls: ServiceClass, now: float,
-               base: dict) -> Decision:
-        """The decision for a valid new request of ``tenant`` granted ``cls``; ``base``:
-        the decision's class, priority, max_tokens and estimate."""
-        cap, est, seqs = self.capacity, base["estimate"], req.params.n
+               grant: Grant) -> Decision:
+        """The decision for a valid new request of ``tenant`` granted ``cls`` (and the
+        rest of ``grant``: its priority, max_tokens and estimate)."""
+        cap, est, seqs = self.capacity, grant.estimate, req.params.n
         if tenant.kv_blocks and est.kv_blocks > tenant.kv_blocks:
             if not (cls.may_degrade and cap.tokens_within_blocks(seqs, est, tenant.kv_blocks,
                                                                  cls)):
                 return reject(req, "tenant_kv_budget",
                               f"needs {est.kv_blocks} KV blocks; the tenant's budget is "
-                              f"{tenant.kv_blocks}", **base)
+                              f"{tenant.kv_blocks}", grant=grant)
         bucket = self.buckets.of(tenant, now)
         cost = est.uncached_tokens + seqs * est.expected_output
         if bucket is not None and bucket.refill(now) < cost:
@@ -50,8 +50,8 @@ class DeadlineRule:
                 return reject(req, "tenant_token_budget",
                               f"needs {cost} tokens; the tenant's bucket holds "
                               f"{int(bucket.level)} (rate {tenant.token_rate:g}/s)",
-                              bucket.wait_s(cost, now), **base)
-            return self.degrade(req, cls, fit, base, "tenant_token_budget", now)
+                              bucket.wait_s(cost, now), grant)
+            return self.degrade(req, cls, fit, grant, "tenant_token_budget", now)
         headroom = 1.0 - self.config.admission.ttft_headroom
         bound = first_token_bound_ms(est)
         if bound is not None and est.predicted_ttft_s is not None \
@@ -60,16 +60,16 @@ class DeadlineRule:
             return reject(req, "deadline_unmeetable",
                           f"predicted TTFT {est.predicted_ttft_s * 1e3:.0f} ms; {which} "
                           f"{bound:.0f} ms less {headroom_pct(headroom)} headroom",
-                          est.predicted_ttft_s - bound / 1e3, **base)
+                          est.predicted_ttft_s - bound / 1e3, grant)
         blocker = cap.blocker(tenant, est, seqs, cls.name)
-        if blocker is None and self.behind_queue(req.tenant, base["priority"], est, now):
+        if blocker is None and self.behind_queue(req.tenant, grant.priority, est, now):
             blocker = Blocker.QUEUE
         if blocker is None:
-            return Decision(Kind.ACCEPT, "fits", **base)
+            return grant.decision(Kind.ACCEPT, "fits")
         if cls.may_degrade and blocker.kv_bound:
             fit = cap.tokens_within_blocks(seqs, est, cap.room(tenant), cls)
             if fit is not None:
-                degraded = self.degrade(req, cls, fit, base, "kv_pressure"
+                degraded = self.degrade(req, cls, fit, grant, "kv_pressure"
                                         if blocker == Blocker.KV_PRESSURE else "kv_capacity",
                                         now)
                 if degraded.kind == Kind.DEGRADE:
@@ -78,24 +78,23 @@ class DeadlineRule:
             why = cap.why(blocker, est, cls.name, seqs)
             return reject(req, blocker.rejected_as, f"no capacity now ({why}) and class "
                           f"{cls.name!r} does not queue", self.releases.retry_after(1, now),
-                          **base)
+                          grant)
         if len(self.queue) >= self.config.admission.max_queued or \
                 self.queue.count(req.tenant) >= tenant.max_queued:
             return reject(req, "queue_full", "admission's queue is full",
-                          self.releases.retry_after(len(self.queue) + 1, now), **base)
-        return Decision(Kind.QUEUE, f"waiting_for_{blocker}", **base)
+                          self.releases.retry_after(len(self.queue) + 1, now), grant)
+        return grant.decision(Kind.QUEUE, f"waiting_for_{blocker}")
 
-    def degrade(self, req: Tokenized, cls: ServiceClass, max_tokens: int, base: dict,
+    def degrade(self, req: Tokenized, cls: ServiceClass, max_tokens: int, grant: Grant,
                 why: str, now: float) -> Decision:
         """``req`` started with ``max_tokens`` (reason ``why``) if that fits now, else
         rejected ``overloaded``."""
-        est: Estimate = base["estimate"]
-        degraded = self.capacity.degraded(est, max_tokens, req.params.n)
+        degraded = self.capacity.degraded(grant.estimate, max_tokens, req.params.n)
         if self.capacity.blocker(self.tenants[req.tenant], degraded, req.params.n,
                                  cls.name) is not None:
             return reject(req, "overloaded", "no capacity even degraded",
-                          self.releases.retry_after(1, now), **base)
-        return Decision(Kind.DEGRADE, why, cls.name, base["priority"], max_tokens, degraded)
+                          self.releases.retry_after(1, now), grant)
+        return Decision(Kind.DEGRADE, why, cls.name, grant.priority, max_tokens, degraded)
 
     def behind_queue(self, tenant: str, priority: int, est: Estimate, now: float) -> bool:
         """Is a queued request that waits for the engine's capacity ahead of this one (which
@@ -133,6 +132,6 @@ class DeadlineRule:
         fit = self.capacity.tokens_within_blocks(n, est, self.capacity.room(tenant), cls)
         if fit is None:
             return None, blocker
-        decision = self.degrade(item.req, cls, fit, {"priority": decision.priority,
-                                                     "estimate": est}, "released", now)
+        decision = self.degrade(item.req, cls, fit, Grant(queued.service_class,
+                                queued.priority, queued.max_tokens, est), "released", now)
         return (decision, None) if decision.kind == Kind.DEGRADE else (None, blocker)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.wire import Rejected, Tokenized
 
@@ -48,7 +49,7 @@ class Blocker(StrEnum):
         return self in _KV_BLOCKERS
 
     @property
-    def rejected_as(self) -> str:
+    def rejected_as(self) -> RejectReason:
         """The reason a request it holds is rejected with when its class does not queue."""
         if self in _TENANT_BLOCKERS:
             return "tenant_over_budget"
@@ -57,7 +58,8 @@ class Blocker(StrEnum):
 
 _TENANT_BLOCKERS = frozenset({Blocker.TENANT_CAP, Blocker.TENANT_RUNNING, Blocker.TENANT_KV})
 _KV_BLOCKERS = frozenset({Blocker.KV, Blocker.TENANT_KV, Blocker.KV_PRESSURE})
-_REJECTED_FOR = {Blocker.KV_PRESSURE: "kv_pressure", Blocker.TPOT: "tpot_slo_at_risk"}
+_REJECTED_FOR: dict[Blocker, RejectReason] = {Blocker.KV_PRESSURE: "kv_pressure",
+                                              Blocker.TPOT: "tpot_slo_at_risk"}
 
 
 @dataclass(frozen=True)
@@ -86,15 +88,33 @@ class Decision:
     rejected: Rejected | None = None
 
 
-def reject(req: Tokenized, reason: str, message: str, after_s: float | None = None, *,
-           service_class: str = "", priority: int = 0, max_tokens: int | None = None,
-           estimate: Estimate | None = None) -> Decision:
-    """A rejection of ``req`` with ``reason``; ``after_s``: the retry-after it suggests,
-    kept within 0.1 s .. 60 s, in tenths (None: none)."""
+@dataclass(frozen=True)
+class Grant:
+    """What a valid request is granted before the decision: its class, its priority, the
+    max_tokens it runs with (its class may cap it) and its estimate."""
+
+    service_class: str
+    priority: int
+    max_tokens: int | None
+    estimate: Estimate
+
+    def decision(self, kind: Kind, reason: str) -> Decision:
+        return Decision(kind, reason, self.service_class, self.priority, self.max_tokens,
+                        self.estimate)
+
+
+def reject(req: Tokenized, reason: RejectReason, message: str, after_s: float | None = None,
+           grant: Grant | None = None) -> Decision:
+    """A rejection of ``req`` with ``reason``, as ``grant`` (None: before a class was
+    granted); ``after_s``: the retry-after it suggests, kept within 0.1 s .. 60 s, in
+    tenths (None: none)."""
     if after_s is not None:
         after_s = round(min(max(after_s, 0.1), 60.0), 1)
-    est = estimate or Estimate(len(req.prompt_token_ids), 0, 0, None, req.deadline_ms)
-    return Decision(Kind.REJECT, reason, service_class, priority, max_tokens, est,
+    if grant is None:
+        grant = Grant("", 0, None, Estimate(len(req.prompt_token_ids), 0, 0, None,
+                                            req.deadline_ms))
+    return Decision(Kind.REJECT, reason, grant.service_class, grant.priority,
+                    grant.max_tokens, grant.estimate,
                     Rejected(req.request_id, reason, message, after_s))
 
 

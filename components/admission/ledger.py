@@ -124,7 +124,7 @@ class Ledger:
             counts = (self._tenant_requests[tenant], self._tenant_blocks[tenant],
                       self._tenant_seqs[tenant])
             if any(counts):
-                for key, v in zip(("outstanding", "kv_blocks", "seqs"), counts):
+                for key, v in zip(("outstanding", "kv_blocks", "seqs"), counts, strict=True):
                     out[f"ledger.{key}.{tenant}"] = v
         by_class: Counter[str] = Counter()
         for entry in self._entries.values():

@@ -62,7 +62,7 @@ import msgspec
 
 from components.admission.capacity import Capacity, TenantBuckets
 from components.admission.deadline import DeadlineRule
-from components.admission.decision import (Decision, Estimate, Kind, due_ns,
+from components.admission.decision import (Decision, Estimate, Grant, Kind, due_ns,
                                            e2e_deadline_ms, effective_deadline_ms,
                                            first_token_bound_ms, reject, ttft_deadline_ms)
 from components.admission.estimate import OutputStats, TokenBucket
@@ -189,32 +189,31 @@ class AdmissionPolicy:
         if cls.max_tokens is not None and (max_tokens is None or max_tokens > cls.max_tokens):
             max_tokens = cls.max_tokens
         est = self.estimate(req, cached, cls, max_tokens)
-        base = dict(service_class=cls.name, priority=priority, max_tokens=max_tokens,
-                    estimate=est)
+        grant = Grant(cls.name, priority, max_tokens, est)
         if (why := check_params(req.params)) is not None:
-            return reject(req, "invalid_request", why, **base)
+            return reject(req, "invalid_request", why, grant=grant)
         if req.params.n > cfg.scheduler.max_num_seqs:
             return reject(req, "invalid_request", f"n ({req.params.n}) exceeds the "
-                          f"engine's max_num_seqs ({cfg.scheduler.max_num_seqs})", **base)
+                          f"engine's max_num_seqs ({cfg.scheduler.max_num_seqs})", grant=grant)
         if (bad := check_length(len(req.prompt_token_ids), max_tokens,
                                 cfg.engine.max_model_len)) is not None:
-            return reject(req, bad[0], bad[1], **base)
+            return reject(req, bad[0], bad[1], grant=grant)
         if self.kind == "fcfs":
-            return self._fcfs(req, tenant, now, base)
-        return self.rule.decide(req, tenant, cls, now, base)
+            return self._fcfs(req, tenant, now, grant)
+        return self.rule.decide(req, tenant, cls, now, grant)
 
-    def _fcfs(self, req: Tokenized, tenant: TenantConfig, now: float, base: dict) -> Decision:
+    def _fcfs(self, req: Tokenized, tenant: TenantConfig, now: float, grant: Grant) -> Decision:
         cap, outstanding = self.config.admission.max_outstanding, len(self.ledger)
         if outstanding >= cap:
             return reject(req, "overloaded", f"the engine holds {cap} requests, its cap",
-                          self.releases.retry_after(outstanding - cap + 1, now), **base)
+                          self.releases.retry_after(outstanding - cap + 1, now), grant)
         held = self.ledger.tenant_requests(req.tenant)
         if held >= tenant.max_outstanding:
             return reject(req, "tenant_over_budget",
                           f"tenant holds {tenant.max_outstanding} requests, its cap",
                           self.releases.retry_after(held - tenant.max_outstanding + 1, now),
-                          **base)
-        return Decision(Kind.ACCEPT, "within_caps", **base)
+                          grant)
+        return grant.decision(Kind.ACCEPT, "within_caps")
 
     def _grant_class(self, tenant: TenantConfig, asked: str | None) -> ServiceClass | str:
         allowed = self.config.admission.allowed_classes(tenant)

@@ -42,10 +42,10 @@ def live_stats(live: LiveEngine, ledger: Ledger, horizon: bool) -> dict[str, flo
     deadline policy checks it)."""
     load, reserved = live.load, ledger.reserved_blocks
     out: dict[str, float] = {"kv.crosscheck_mismatches": live.mismatches}
-    if load.kv_free_blocks >= 0:
+    if (room := live.kv_room(reserved)) is not None:          # the pool has been reported
         out["kv.live_free_blocks"] = load.kv_free_blocks
         out["kv.live_evictable_blocks"] = load.kv_evictable_blocks
-        out["kv.live_room_blocks"] = live.kv_room(reserved)
+        out["kv.live_room_blocks"] = room
         out["kv.unreserved_blocks"] = live.unreserved_blocks(reserved)
     if horizon and live.enabled:
         knee = live.knee(ledger.class_seqs)

@@ -7,8 +7,9 @@ import typing
 
 import msgspec
 
-from components.admission.decision import (Blocker, Estimate, Kind, due_ns, e2e_deadline_ms,
-                                           first_token_bound_ms, reject, ttft_deadline_ms)
+from components.admission.decision import (Blocker, Decision, Estimate, Grant, Kind, due_ns,
+                                           e2e_deadline_ms, first_token_bound_ms, reject,
+                                           ttft_deadline_ms)
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.wire import Rejected, SamplingParams, Tokenized
@@ -55,9 +56,10 @@ def test_a_rejection_keeps_its_retry_after_within_bounds_in_tenths():
     assert d.estimate == Estimate(12, 0, 0, None, 900)
     assert d.rejected == Rejected("r", "queue_full", "full", 2.0)
     est = Estimate(4, 16, 2, 0.5, 1000.0)
-    d = reject(req(), "tenant_kv_budget", "m", service_class="batch", priority=10,
-               max_tokens=64, estimate=est)
+    d = reject(req(), "tenant_kv_budget", "m", grant=Grant("batch", 10, 64, est))
     assert (d.service_class, d.priority, d.max_tokens, d.estimate) == ("batch", 10, 64, est)
+    assert Grant("batch", 10, 64, est).decision(Kind.QUEUE, "waiting_for_kv") == \
+        Decision(Kind.QUEUE, "waiting_for_kv", "batch", 10, 64, est)
 
 
 def test_the_ttft_deadline_is_the_clients_else_its_class_stretched_for_a_long_prompt():

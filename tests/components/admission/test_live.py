@@ -52,7 +52,8 @@ def test_the_live_room_is_the_ledgers_while_the_pool_holds_no_more_than_reserved
     running(p, 4, blocks=300)
     assert p.live.kv_room(p.ledger.reserved_blocks) is None       # nothing reported: the ledger
     p.on_load(report(running=4, kv_free_blocks=800))        # 200 used of 300 reserved
-    assert p.live.kv_room(p.ledger.reserved_blocks) == 700 == p.capacity.kv_capacity - p.ledger.reserved_blocks
+    reserved = p.ledger.reserved_blocks
+    assert p.live.kv_room(reserved) == 700 == p.capacity.kv_capacity - reserved
     p.on_load(report(running=4, kv_free_blocks=200))        # 800 used: prefix hits, growth
     assert p.live.kv_room(p.ledger.reserved_blocks) == 200
     assert p.live_stats()["kv.unreserved_blocks"] == 500
@@ -108,7 +109,7 @@ def test_worked_decision_with_healthy_streams_the_pool_alone_refuses_or_degrades
     assert (d.kind, d.reason) == (Kind.REJECT, "kv_pressure")
     assert "needs 72 KV blocks; the pool has 50 free" in d.rejected.message
     d = p.decide(req("long-batch", cls="batch", **LONG), 0, 1.0)
-    assert (d.kind, d.reason, d.max_tokens) == (Kind.DEGRADE, "kv_pressure", 160)   # 50 x 16 − 640
+    assert (d.kind, d.reason, d.max_tokens) == (Kind.DEGRADE, "kv_pressure", 160)  # 50 x 16 − 640
     assert p.ledger.entry("long-batch").kv_blocks == 50
 
 
@@ -127,7 +128,8 @@ def test_the_horizon_waits_for_measured_decode_steps():
     first request of two sequences was refused for a 937 ms step: the startup fit scaled
     by a first step 20x its prediction)."""
     slow = DecodeRates(0.900, 0.004, 0.0)
-    for steps, kind in ((0, Kind.ACCEPT), (MIN_DECODE_STEPS - 1, Kind.ACCEPT), (MIN_DECODE_STEPS, Kind.REJECT)):
+    for steps, kind in ((0, Kind.ACCEPT), (MIN_DECODE_STEPS - 1, Kind.ACCEPT),
+                        (MIN_DECODE_STEPS, Kind.REJECT)):
         p = policy()
         running(p, 1)
         p.on_load(report(running=1, decode_rates=slow, decode_steps=steps))

@@ -317,7 +317,8 @@ def test_queue_releases_the_least_served_tenant_first():
     for i in range(3):
         assert p.decide(req(f"a{i}", "a", cls="batch", prompt=32, max_tokens=32), 0,
                         0.1).kind == Kind.QUEUE
-    assert p.decide(req("b0", "b", cls="batch", prompt=32, max_tokens=32), 0, 0.2).kind == Kind.QUEUE
+    assert p.decide(req("b0", "b", cls="batch", prompt=32, max_tokens=32), 0, 0.2).kind \
+        == Kind.QUEUE
     assert p.vtc.of("b") == p.vtc.of("a") == 32 + 2 * 32
     order, running = [], "fill"
     for t in range(4):

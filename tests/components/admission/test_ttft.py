@@ -219,7 +219,8 @@ def test_prefill_ahead_is_the_whole_backlog_under_fcfs_or_an_old_report():
 def test_prefill_admitted_since_the_report_waits_at_its_tenant():
     p = policy(tenants=VTC_TENANTS)
     p.ttft.on_load(VTC_LOAD)
-    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind == Kind.ACCEPT
+    assert p.decide(req("d1", "d", prompt=100, max_tokens=8, cls="batch"), 0, 0.0).kind \
+        == Kind.ACCEPT
     # d now waits, so it is not lifted: T = 4600 + 100; c: 700 of 2000; b: 200 × 2 of 500
     assert p.ttft.prefill_ahead("d") == 100 + 400 + 700 + 400
     assert p.ttft.prefill_ahead("c") == 4500 + 100                # d's 100, below c's T (6000)
