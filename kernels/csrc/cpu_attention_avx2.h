@@ -9,7 +9,7 @@
 // AVX-512 (Zen 2/3, Intel client cores and older Xeons). 8 keys at a time; each chunk's key
 // and value rows are widened to float32 once per kv head and shared by the tile's rows and
 // its G query heads, and the tile's queries are widened and scaled once. Measured on 2
-// AVX2-only EPYC cores, bf16, SmolLM2 shapes, 30 layers' caches: see docs/ARCHITECTURE.md.
+// AVX2-only EPYC cores, bf16, SmolLM2 shapes, 30 layers' caches: see docs/design/executor.md, "Kernels".
 #if !defined(__AVX512F__) && defined(WEIR_TILED)
 
 namespace {
