@@ -13,19 +13,34 @@ raises ``ValueError`` when its backend cannot serve that configuration.
 package is installed; needs KV blocks of a multiple of 256 tokens and fp16/bf16), then
 ``triton``, then ``torch``; on the CPU: ``cpu`` (native decode kernel, if it builds), then
 ``torch``. A named backend is built or refused.
+
+Importing the package does not import torch: ``kernels.machine`` (the host's usable cores
+and CPU model) is read by processes that never run a kernel (the scheduler), and torch's
+import is about 1 s of CPU. ``KVCache`` and ``AttentionMetadata`` load on first use.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kernels.kv_cache import KVCache
-from kernels.metadata import AttentionMetadata
+    from kernels.kv_cache import KVCache
+    from kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVCache":
+        from kernels.kv_cache import KVCache
+        return KVCache
+    if name == "AttentionMetadata":
+        from kernels.metadata import AttentionMetadata
+        return AttentionMetadata
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
 
 
 class AttentionBackend(Protocol):
@@ -55,6 +70,7 @@ def _triton_backend(block_size: int | None = None, **_opts) -> AttentionBackend:
 
 
 def _cpu_backend(device: torch.device | str | None = None, **opts) -> AttentionBackend:
+    import torch
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError("the native CPU attention kernel runs on CPU tensors only")
     from kernels.cpu_native import CpuBackend
@@ -89,6 +105,7 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None, *,
     """Return the named backend, built for KV blocks of ``block_size`` tokens, a model in
     ``dtype`` and caches in ``kv_dtype`` (None: ``dtype``; fp8, kv.dtype); ``"auto"`` picks
     the first usable one for ``device`` (see the module docstring)."""
+    import torch
     opts = {"block_size": block_size, "dtype": dtype, "device": device}
     if kv_dtype is not None and kv_dtype != dtype:
         opts["kv_dtype"] = kv_dtype
