@@ -19,5 +19,5 @@ RUN pip install --no-cache-dir -e .
 COPY deploy/compose.toml /etc/weir/weir.toml
 ENV WEIR_CACHE_DIR=/var/cache/weir
 # Fetch the default model at build time so containers start without network access.
-RUN python -m weir.model_fetch
+RUN python -m components.model.fetch
 STOPSIGNAL SIGTERM

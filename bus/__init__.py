@@ -1,6 +1,6 @@
-"""The bus: sockets, codec, the component runtime and the supervisor.
+"""The bus: sockets, codec, the component runtime, the supervisor and callers' identity.
 
-Every Weir process imports this package first (a component runs as ``python -m bus.launch``,
+Every Weir process imports this package first (a component runs as ``python -m weir.launch``,
 the supervisor through ``bus.supervisor``), so it imports structlog here, without rich.
 structlog's console renderer uses rich for tracebacks when it is installed (it is wherever
 transformers is: typer needs it), and importing it pulls in pygments' lexer tables: 0.18 s

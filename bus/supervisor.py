@@ -28,7 +28,7 @@ import zmq
 from bus.component import setup_failure_path
 from bus.pulse import PulseTrack, verdict
 from bus.socket import BusSocket
-from components.streamer.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
+from bus.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from schemas.config import COMPONENTS, WeirConfig
 from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentPulse, ComponentStatus,
                           Drain, PeerRestarted, Stop, SupervisorMsg)
@@ -83,7 +83,7 @@ class Supervisor:
         self.stopping = False
         self.given_up: list[str] = []     # components left dead: the engine exits
         self._changed = True              # since the status last went to the streamer
-        # the gateway's credential towards the streamer (components/streamer/identity.py):
+        # the gateway's credential towards the streamer (bus/identity.py):
         # inherited by the children this supervisor spawns; compose sets it for every service
         # (a deployment that shares one, in a file, keeps it: replicas and a router agree)
         if not os.environ.get(SERVICE_KEY_ENV) and not os.environ.get(SERVICE_KEY_FILE_ENV):
@@ -99,7 +99,7 @@ class Supervisor:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         child.proc = subprocess.Popen(
-            [sys.executable, "-m", "bus.launch", child.name, str(self.config_path)],
+            [sys.executable, "-m", "weir.launch", child.name, str(self.config_path)],
             env=env, cwd=str(ROOT), start_new_session=False)
         child.pid = child.proc.pid
         child.state = "starting"

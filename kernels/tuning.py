@@ -73,7 +73,7 @@ def machine_info() -> dict[str, object]:
         elif line.startswith("flags") and not flags:
             flags = " ".join(sorted(line.split(":", 1)[1].split()))
     # the CPUs it may run on; the threads the plan was timed with are their own entry (the
-    # GPU machine's python3 runs this without weir's package: weir.machine is not imported)
+    # GPU machine's python3 runs this without weir's package: kernels.machine is not imported)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": model, "flags": flags, "cores": cores, "threads": torch.get_num_threads(),
             "torch": torch.__version__}

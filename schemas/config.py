@@ -116,7 +116,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: Literal["float32", "bfloat16"] = "float32"
     max_model_len: int = 2048
     attention_backend: Literal["auto", "cpu", "torch", "triton", "flash_attn"] = "auto"
-    num_threads: int = 0       # 0: the cores this process may use (weir.machine.usable_cores)
+    num_threads: int = 0       # 0: the cores this process may use (kernels.machine.usable_cores)
     device: Literal["auto", "cpu", "cuda"] = "auto"     # auto: the first GPU if there is one
     cuda_graphs: bool = True                            # capture decode steps on CUDA
     # which kernels run on the CPU: "auto" = measured on this machine at startup (cached per
@@ -172,7 +172,7 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     num_blocks: int = 2048
     # the pool in GiB instead (0: num_blocks sets it): the blocks that fit, by the model's
-    # shape and the cache's element type (weir.kv_sizing), so fp8 holds twice the tokens
+    # shape and the cache's element type (components.model.kv_sizing), so fp8 holds twice the tokens
     memory_gib: float = 0.0
     grow_blocks: int = 2
     enable_prefix_cache: bool = True
@@ -490,7 +490,7 @@ class BusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unread and its sender's connection reset, so a peer on the bus (reachable over tcp
     when CURVE is off) cannot make a process hold an arbitrary frame. The client endpoints
     have a bound of their own, what a legal request can be
-    (``components/admission/frames.py``).
+    (``schemas/frames.py``).
 
     The bound must lie above every legal message. The largest is the detokenizer's
     EventBatch: one step's events, and a request's first delta carries its prompt logprobs.
@@ -596,7 +596,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        # a pool given in GiB is checked where its blocks are known (weir.kv_sizing.sized)
+        # a pool given in GiB is checked where its blocks are known (components.model.kv_sizing.sized)
         _require(self.kv.memory_gib > 0
                  or self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
                  "engine.max_model_len exceeds the KV pool (kv.num_blocks * kv.block_size)")

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from schemas.config import load_config  # noqa: E402
-from weir.machine import summary_line  # noqa: E402
+from kernels.machine import summary_line  # noqa: E402
 from weir.replay import profile as profiles  # noqa: E402
 from weir.replay.commands import _assign, write_outputs  # noqa: E402
 from weir.replay.live import SdkTarget, replay  # noqa: E402

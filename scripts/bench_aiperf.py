@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench_serving import (BENCH, ROOT, SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,
                            start_weir, stop, wait_http)
-from weir.machine import summary_line
+from kernels.machine import summary_line
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 AIPERF = BENCH / "aiperf-venv" / "bin" / "aiperf"

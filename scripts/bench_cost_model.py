@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from components.scheduler.cost_model import StepCostModel, StepShape  # noqa: E402
+from components.costs.cost_model import StepCostModel, StepShape  # noqa: E402
 from weir.replay.profile import read_step_log  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def run_engine(args, steps: Path) -> list[tuple[StepShape, float]]:
     import anyio
 
     from weir.client import AsyncClient
-    from weir.model_fetch import cache_dir
+    from components.model.fetch import cache_dir
     from weir.replay.local import LocalEngine
 
     cfg = Path(tempfile.mkdtemp(prefix="weir-costs-")) / "weir.toml"
@@ -103,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     args.contexts = [int(c) for c in re.split(r"[, ]+", args.contexts) if c]
     if args.steps:
-        from weir.model_fetch import cache_dir
+        from components.model.fetch import cache_dir
 
         log = Path(args.steps)
         prior = startup_steps(cache_dir(), args.prior)

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from schemas.config import load_config  # noqa: E402
-from weir.machine import describe, summary_line  # noqa: E402
+from kernels.machine import describe, summary_line  # noqa: E402
 from weir.replay import profile as profiles  # noqa: E402
 from weir.replay.commands import parse_slo, write_outputs  # noqa: E402
 from weir.replay.fairness import backlog_intervals, overlap_s  # noqa: E402

@@ -40,7 +40,7 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from weir.machine import summary_line  # noqa: E402
+from kernels.machine import summary_line  # noqa: E402
 from weir.replay.local import LocalEngine  # noqa: E402
 
 HEADROOM = 0.2                 # admission.tpot_headroom's default

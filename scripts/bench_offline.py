@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.engine import Engine  # noqa: E402
-from weir import AsyncClient, machine  # noqa: E402
-from weir.model_fetch import default_model_path  # noqa: E402
+from kernels import machine  # noqa: E402
+from weir import AsyncClient  # noqa: E402
+from components.model.fetch import default_model_path  # noqa: E402
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

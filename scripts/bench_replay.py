@@ -27,7 +27,7 @@ import anyio
 
 from bench_serving import (ROOT, SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,
                            start_weir, stop, wait_http)
-from weir.machine import summary_line
+from kernels.machine import summary_line
 from weir.replay.commands import load_scaled, parse_slo, write_outputs
 from weir.replay.live import HttpTarget, replay
 from weir.replay.report import summarize

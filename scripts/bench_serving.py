@@ -26,7 +26,7 @@ VENV = BENCH / "vllm-venv"
 LAUNCHER = ROOT / "scripts" / "vllm_launcher.py"
 SERVED = "SmolLM2-135M-Instruct"
 sys.path.insert(0, str(ROOT))
-from weir import machine  # noqa: E402  (stdlib only: the machine beside every number)
+from kernels import machine  # noqa: E402  (stdlib only: the machine beside every number)
 
 
 def ensure_vllm_venv() -> Path:
@@ -54,7 +54,7 @@ def ensure_hf_dir() -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from weir.model_fetch import default_model_path
+    from components.model.fetch import default_model_path
 
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

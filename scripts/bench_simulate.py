@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from schemas.config import load_config  # noqa: E402
-from weir.machine import summary_line  # noqa: E402
+from kernels.machine import summary_line  # noqa: E402
 from weir.replay import profile as profiles  # noqa: E402
 from weir.replay.sim import Simulator, fast_block_hashes  # noqa: E402
 from weir.replay.synth import PromptSynth, load_tokenizer, scale  # noqa: E402

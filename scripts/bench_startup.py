@@ -3,7 +3,7 @@
     python scripts/bench_startup.py [--runs 3] [--model PATH]
 
 Prints the machine, then:
-- the model file's header read by ``weir.gguf_header.read_header`` and by the gguf
+- the model file's header read by ``components.model.gguf_header.read_header`` and by the gguf
   package's ``GGUFReader`` (what the tokenizer and detokenizer used), side by side,
   median of ``--runs``, and their ratio;
 - ``weir serve`` (seven processes, ipc, no gateway) from spawn to ``weir: ready``, and from
@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from weir import machine  # noqa: E402
-from weir.gguf_header import read_header  # noqa: E402
-from weir.model_fetch import default_model_path  # noqa: E402
+from kernels import machine  # noqa: E402
+from components.model.gguf_header import read_header  # noqa: E402
+from components.model.fetch import default_model_path  # noqa: E402
 
 
 def timed(fn, runs: int) -> float:
@@ -92,7 +92,7 @@ def main() -> None:
 
     ours = timed(lambda: read_header(model), args.runs)
     theirs = timed(lambda: gguf.GGUFReader(str(model)), args.runs)
-    print(f"GGUF header: weir.gguf_header {ours:.3f} s, gguf.GGUFReader {theirs:.3f} s "
+    print(f"GGUF header: components.model.gguf_header {ours:.3f} s, gguf.GGUFReader {theirs:.3f} s "
           f"({theirs / ours:.1f}x), median of {args.runs}")
 
     ready, stop, cpu, idle = [], [], [], []

@@ -37,8 +37,8 @@ from components.executor.runner import ModelRunner  # noqa: E402
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
 from kernels import cpu_forward, tuning  # noqa: E402
 from kernels.kv_cache import cache_dtype, populate  # noqa: E402
-from weir import machine  # noqa: E402
-from weir.model_fetch import cache_dir, default_model_path  # noqa: E402
+from kernels import machine  # noqa: E402
+from components.model.fetch import cache_dir, default_model_path  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 256 << 20) -> float:
@@ -153,8 +153,8 @@ class DecodeBench:
         grammars = None
         if structured is not None:
             from components.executor.constraints import Grammars
-            from components.tokenizer.structured import ll_tokenizer
-            from components.tokenizer.vocab import load_tokenizer
+            from components.model.structured import ll_tokenizer
+            from components.model.vocab import load_tokenizer
             grammars = Grammars(lambda: ll_tokenizer(load_tokenizer(default_model_path()),
                                                      model.spec.vocab_size))
         kv = model.new_kv_cache(batch * blocks_per_seq, block_size)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_serving import (SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,  # noqa: E402
                            start_weir, stop, wait_http)
-from weir import machine  # noqa: E402
+from kernels import machine  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "hobbies"],

@@ -56,7 +56,7 @@ from schemas.wire import (AdmissionMsg, ClientMsg, DetokenizerMsg, ExecutorMsg, 
 from zmq.utils.monitor import recv_monitor_message  # noqa: E402
 
 from bus.codec import Codec, encode  # noqa: E402
-from components.admission.frames import client_frame_limit  # noqa: E402
+from schemas.frames import client_frame_limit  # noqa: E402
 from schemas.client import Submit  # noqa: E402
 from tests.bus.fuzz_frames import FrameGen  # noqa: E402
 from tests.e2e.conftest import free_port  # noqa: E402

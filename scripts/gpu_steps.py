@@ -24,7 +24,7 @@ class StepCase:
     seqs: tuple[tuple[int, int], ...]
 
     def shape(self) -> dict[str, int]:
-        """The step's shape as ``plan_shape`` (components/scheduler/cost_model.py) counts it."""
+        """The step's shape as ``plan_shape`` (components/costs/cost_model.py) counts it."""
         return {"tokens": sum(n for n, _ in self.seqs),
                 "context": sum(done + n for n, done in self.seqs),
                 "seqs": len(self.seqs),
@@ -147,7 +147,7 @@ def time_step_grid(model, kv, graphs, grid: StepGrid, budget) -> list[StepTiming
 
 
 def step_machine() -> dict[str, object]:
-    """Where the step grid ran, in ``weir.machine.describe()``'s keys (this script imports
+    """Where the step grid ran, in ``kernels.machine.describe()``'s keys (this script imports
     nothing of weir's), with the device: ``weir calibrate --from-steps`` stamps the profile
     with it rather than with the machine that fits the log."""
     import platform

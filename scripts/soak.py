@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.conftest import free_port  # noqa: E402
 from tests.e2e.engine import Engine  # noqa: E402
 from weir import WeirError  # noqa: E402
-from weir.machine import summary_line  # noqa: E402
+from kernels.machine import summary_line  # noqa: E402
 
 RSS_MARGIN = 0.10          # a process may grow 10% (plus 8 MiB of allocator slack) ...
 RSS_SLACK_KB = 8 * 1024

@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT))
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from weir.model_fetch import default_model_path
+    from components.model.fetch import default_model_path
 
     return default_model_path()
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from schemas.config import ConfigError, load_config
-from weir.kv_sizing import sized
+from components.model.kv_sizing import sized
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,7 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
     from bus.log import configure
     from bus.supervisor import Supervisor
     from weir.client import default_endpoint
-    from weir.model_fetch import resolve_model
+    from components.model.fetch import resolve_model
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-run-")
     try:
@@ -171,7 +171,7 @@ def _supervise(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     from bus.curve import generate
-    from components.streamer.identity import generate_service_key
+    from bus.identity import generate_service_key
 
     d = generate(args.dir)
     generate_service_key(d / "service.key")      # the gateway's credential to the streamer

@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 
 from components.admission.decision import Blocker, Estimate
-from components.admission.estimate import TokenBucket
+from components.tenancy.bucket import TokenBucket
 from components.admission.ledger import Ledger
 from components.admission.live import Horizon, LiveEngine
 from schemas.config import ServiceClass, TenantConfig, WeirConfig

@@ -13,7 +13,7 @@ from components.admission.capacity import Capacity, TenantBuckets
 from components.admission.decision import (Blocker, Decision, Estimate, Grant, Kind,
                                            first_token_bound_ms, headroom_pct, reject)
 from components.admission.queue import AdmissionQueue, Queued
-from components.admission.retry import DrainRate
+from components.tenancy.retry import DrainRate
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Tokenized
 

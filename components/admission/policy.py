@@ -65,15 +65,16 @@ from components.admission.deadline import DeadlineRule
 from components.admission.decision import (Decision, Estimate, Grant, Kind, due_ns,
                                            e2e_deadline_ms, effective_deadline_ms,
                                            first_token_bound_ms, reject, ttft_deadline_ms)
-from components.admission.estimate import OutputStats, TokenBucket
+from components.costs.estimate import OutputStats
+from components.tenancy.bucket import TokenBucket
 from components.admission.ledger import Ledger
 from components.admission.live import LiveEngine
 from components.admission.queue import AdmissionQueue
-from components.admission.retry import DrainRate
+from components.tenancy.retry import DrainRate
 from components.admission.stats import decision_stats, live_stats, ttft_stats
 from components.admission.ttft import TtftModel
-from components.admission.validate import check_length, check_params
-from components.scheduler.fairness import VirtualCounters
+from schemas.validate import check_length, check_params
+from components.tenancy.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.wire import Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized
 

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from components.admission.decision import Decision
-from components.scheduler.fairness import VirtualCounters
+from components.tenancy.fairness import VirtualCounters
 from schemas.wire import Tokenized
 
 

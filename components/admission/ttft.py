@@ -7,8 +7,8 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from components.scheduler.cost_model import row_pairs
-from components.scheduler.fairness import VirtualCounters
+from components.costs.cost_model import row_pairs
+from components.tenancy.fairness import VirtualCounters
 from schemas.config import WeirConfig
 from schemas.wire import SchedulerLoad
 

@@ -13,11 +13,11 @@ from bus import tracing
 
 from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
-from components.tokenizer.vocab import load_tokenizer
+from components.model.vocab import load_tokenizer
 from schemas.wire import (ChoiceEnd, DetokenizerMsg, EventBatch, Finished, ForgetRequest,
                           PromptLogprobs, StopRequest, TextDelta, TokenBatch, TokenLogprob,
                           TokenOut, TopLogprob, Usage)
-from weir.model_fetch import resolve_model
+from components.model.fetch import resolve_model
 
 log = structlog.get_logger("detokenizer")
 _TRACER = trace.get_tracer("weir.detokenizer")

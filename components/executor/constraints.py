@@ -127,7 +127,7 @@ class Grammars:
         import structlog
         from llguidance import LLMatcher
 
-        from components.tokenizer.structured import grammar_of, limits
+        from components.model.structured import grammar_of, limits
 
         vocab = self._vocab.result()
         # the tokenizer refuses what fails here before it runs; if one did, the matcher's

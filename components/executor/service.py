@@ -20,12 +20,12 @@ from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import step_costs
-from components.tokenizer.structured import ll_tokenizer
-from components.tokenizer.vocab import load_tokenizer
+from components.model.structured import ll_tokenizer
+from components.model.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
 from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
-from weir.machine import usable_cores, usable_cpus
-from weir.model_fetch import cache_dir, resolve_model
+from kernels.machine import usable_cores, usable_cpus
+from components.model.fetch import cache_dir, resolve_model
 
 log = structlog.get_logger("executor")
 _TRACER = trace.get_tracer("weir.executor")

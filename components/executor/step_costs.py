@@ -4,7 +4,7 @@ request after a start or a restart, instead of passing every deadline check unti
 scheduler has measured steps of its own.
 
 A handful of real steps through the runner, at shapes that tell the model's features apart
-(``components/scheduler/cost_model.py``): fresh prompt chunks of three sizes (the fixed and
+(``components/costs/cost_model.py``): fresh prompt chunks of three sizes (the fixed and
 per-token costs, and attention's quadratic), a short chunk at two long contexts (attention
 per key read), and decode batches (the per-sequence and per-position costs). Each is run
 once to warm up (oneDNN builds a primitive per new shape, first-touch page faults), then

@@ -29,7 +29,7 @@ from components.gateway.openai_api import (ApiError, ChatCompletionRequest, Comp
                                            parse, submit_batch, validate_kwargs)
 from components.gateway.shaping import Shaper, degraded_headers, weir_usage
 from components.gateway.tools import mode_of
-from components.tokenizer.structured import kind as structured_kind
+from components.model.structured import kind as structured_kind
 from weir.client import AsyncClient, Completion, Stream
 from weir.errors import RequestCancelled, RequestFailed, RequestRejected, RequestTimeout
 

@@ -12,9 +12,9 @@ from bus.component import Component
 from components.gateway.app import GatewayState, build_app
 from components.gateway.auth import Authenticator
 from components.gateway.protocol import guarded_protocol
-from components.streamer.identity import load_service_key
+from bus.identity import load_service_key
 from weir.client import AsyncClient
-from weir.model_fetch import resolve_model
+from components.model.fetch import resolve_model
 
 log = structlog.get_logger("gateway")
 

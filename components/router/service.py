@@ -49,14 +49,15 @@ from bus import tracing
 from bus.codec import Codec, salvage_request_id
 from bus.component import Component
 from bus.socket import BusSocket, MalformedFrame
-from components.admission.frames import client_frame_limit
-from components.admission.validate import MAX_ID_CHARS, check_submit
+from schemas.frames import client_frame_limit
+from schemas.limits import MAX_ID_CHARS
+from schemas.validate import check_submit
 from components.router.index import PrefixMatch, ReplicaIndex
 from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
                                        predicted_queue_s, rank)
-from components.streamer.identity import (Identity, Keyring, Refusal, load_service_key,
+from bus.identity import (Identity, Keyring, Refusal, load_service_key,
                                           visible_status)
-from components.tokenizer.prompt import PromptHasher
+from components.model.prompt import PromptHasher
 from schemas.client import (Accepted, Cancel, Cancelled, ChangeReplicas, ClientMsg,
                             ComponentStatus, Failed, Finished, Heartbeat, Rejected,
                             ReplicasChanged, ServerHeartbeat, ServerMsg, StatusQuery,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import (StepCostModel, StepShape, decode_shape, joined,
+from components.costs.cost_model import (StepCostModel, StepShape, decode_shape, joined,
                                              prefill_shape)
 
 MIN_CHUNK = 16            # prefill tokens a step may always take, so prompts still progress

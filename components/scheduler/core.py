@@ -38,9 +38,9 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Callable
 
-from components.admission.estimate import TokenBucket
-from components.scheduler.cost_model import StepCostModel, StepShape, prefill_shape
-from components.scheduler.fairness import VirtualCounters
+from components.tenancy.bucket import TokenBucket
+from components.costs.cost_model import StepCostModel, StepShape, prefill_shape
+from components.tenancy.fairness import VirtualCounters
 from components.scheduler.kv_requests import KvRequests
 from components.scheduler.output import Outcome, Output
 from components.scheduler.planning import Planning

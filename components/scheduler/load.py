@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.cost_model import (StepCostModel, decode_shape, prefill_shape,
+from components.costs.cost_model import (StepCostModel, decode_shape, prefill_shape,
                                              row_pairs)
 from components.scheduler.decode_window import DecodeWindow
 from schemas.wire import DecodeRates, SchedulerLoad, TenantBacklog

@@ -24,7 +24,7 @@ import structlog
 
 from components.scheduler.chunking import StepBudget, step_budget
 from components.scheduler.core import Outcome, Preemption, SchedulerCore, UrgencyDecision
-from components.scheduler.cost_model import StepShape, plan_shape
+from components.costs.cost_model import StepShape, plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
 from components.scheduler.late import LateDrops
 from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft
@@ -35,7 +35,7 @@ from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Fa
                           ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
                           Released, SchedulerLoad, StepPlan, StepResult, StopRequest,
                           TokenBatch)
-from weir.machine import usable_cores, usable_cpus
+from kernels.machine import usable_cores, usable_cpus
 
 log = structlog.get_logger("scheduler")
 

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from components.scheduler.cost_model import decode_shape, prefill_shape
+from components.costs.cost_model import decode_shape, prefill_shape
 from components.scheduler.kv_requests import TENANT_BUDGET
 from components.scheduler.output import in_running
 from components.scheduler.sequence import Event, Seq, State

@@ -30,11 +30,11 @@ from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
 from bus.socket import MalformedFrame
-from components.admission.frames import client_frame_limit
-from components.admission.retry import DrainRate
-from components.admission.validate import check_submit
+from schemas.frames import client_frame_limit
+from components.tenancy.retry import DrainRate
+from schemas.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
-from components.streamer.identity import Identity, Keyring, Refusal, visible_status
+from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer.slo import RequestClock, SloStats
 from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ChoiceEnd, ClientMsg,
                           ClusterStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,

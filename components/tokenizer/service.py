@@ -9,8 +9,8 @@ from opentelemetry import trace
 from bus import tracing
 
 from bus.component import Component
-from components.tokenizer import structured
-from components.tokenizer.prompt import PromptHasher
+from components.model import structured
+from components.model.prompt import PromptHasher
 from schemas.wire import (CancelRequest, EventBatch, NewRequest, Rejected, StructuredOutput,
                           Tokenized, TokenizerMsg)
 

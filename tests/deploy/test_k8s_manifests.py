@@ -397,7 +397,7 @@ def test_keys_secret_holds_what_weir_keys_generate_writes(tmp_path):
     --from-file=DIR` makes of `weir keys generate DIR` (its plain files; the client key is
     mapped into authorized/ again), and Weir reads it as a keys directory."""
     from bus import curve
-    from components.streamer.identity import generate_service_key
+    from bus.identity import generate_service_key
 
     keys = curve.generate(tmp_path / "keys")
     generate_service_key(keys / "service.key")

@@ -82,7 +82,7 @@ def test_penalties_and_logit_bias(gw, oai, model_path):
     a greedy continuation that repeats itself, a +100 bias makes one token the only
     choice, a -100 bias bans the greedy pick, and a bias on an id the vocabulary lacks is
     a clear 400 from the tokenizer."""
-    from components.tokenizer.vocab import load_tokenizer
+    from components.model.vocab import load_tokenizer
     wave = load_tokenizer(model_path).encode(" wave")[0]
     prompt = "The sea, the sea, the sea, the sea,"
 
@@ -137,7 +137,7 @@ def test_echo_and_prompt_logprobs(gw, oai, model_path):
     reported (teacher forcing reads what sampling saw). max_tokens 0 gives the prompt
     alone; a prompt asked twice is computed twice (never read from the prefix cache);
     streamed equals whole; the SDK's prompt_logprobs name the same entries."""
-    from components.tokenizer.vocab import load_tokenizer
+    from components.model.vocab import load_tokenizer
     ids = load_tokenizer(model_path).encode("The capital of France is")
     with gw.client() as c:
         gen = c.generate(prompt_token_ids=ids, max_tokens=6, temperature=0, logprobs=0,
@@ -182,7 +182,7 @@ def test_a_batch_of_prompts(gw, oai, model_path):
     them: choice j of prompt i at i * n + j, each what that prompt alone gives; the
     scoring form (token ids, echo, logprobs, max_tokens 0) per prompt; streamed, the same
     texts under the same indices; every block comes back."""
-    from components.tokenizer.vocab import load_tokenizer
+    from components.model.vocab import load_tokenizer
     prompts = ["The capital of France is", "Once upon a time"]
     alone = [oai.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
              for p in prompts]

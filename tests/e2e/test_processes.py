@@ -8,7 +8,7 @@ import time
 from kernels import tuning
 from schemas.config import COMPONENTS
 from tests.e2e.engine import ROOT
-from weir.machine import usable_cores
+from kernels.machine import usable_cores
 
 
 def test_seven_distinct_live_processes(engine):
@@ -24,7 +24,7 @@ def test_seven_distinct_live_processes(engine):
         assert c["alive"] and c["state"] == "ready", name
         os.kill(c["pid"], 0)                      # raises if no such process
         cmdline = open(f"/proc/{c['pid']}/cmdline", "rb").read().split(b"\0")
-        assert b"bus.launch" in cmdline and name.encode() in cmdline
+        assert b"weir.launch" in cmdline and name.encode() in cmdline
     assert status["kv"]["total_blocks"] == 512
     assert status["kv"]["free_blocks"] == status["kv"]["total_blocks"]
     assert status["scheduler"] == {"running": 0, "waiting": 0, "wasted_tokens": 0,

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from components.scheduler.cost_model import StepShape
+from components.costs.cost_model import StepShape
 from schemas.config import load_config
 from tests.e2e.engine import Engine
 from weir.replay import profile as profiles

@@ -29,7 +29,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from bus.codec import Codec, encode
-from components.admission.frames import client_frame_limit
+from schemas.frames import client_frame_limit
 from schemas.client import Cancel, Cancelled, Rejected, ServerMsg, Submit
 from tests.e2e.engine import gaps_of, side_by_side
 from tests.e2e.router import Router, start_replica

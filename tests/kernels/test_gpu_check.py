@@ -90,7 +90,7 @@ def test_table_arithmetic():
 
 
 def _plan_shape(case):
-    from components.scheduler.cost_model import plan_shape
+    from components.costs.cost_model import plan_shape
     from schemas.wire import SeqStep, StepPlan
     plan = StepPlan(0, [], [SeqStep(i, n, [], True) for i, (n, _) in enumerate(case.seqs)], [])
     return plan_shape(plan, lambda seq_id: case.seqs[seq_id][1])._asdict()
@@ -139,7 +139,7 @@ def test_dry_run_step_grid_is_a_step_log_calibrate_fits(tmp_path):
 
 
 def test_calibrate_stamps_the_profile_with_the_machine_the_steps_ran_on(tmp_path):
-    from weir.machine import describe
+    from kernels.machine import describe
     from weir.replay.calibrate import from_steps
     path = tmp_path / "gpu_steps.jsonl"
     gpu_check.dry_run_step_grid(path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 
 from schemas.config import load_config
-from weir.machine import describe
+from kernels.machine import describe
 from weir.replay import profile as profiles
 from weir.replay.local import LocalEngine
 

@@ -146,7 +146,7 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
 # ---------------------------------------------------------------------------- simulate
 def simulate_cmd(args) -> int:
     from schemas.config import load_config
-    from weir.kv_sizing import sized
+    from components.model.kv_sizing import sized
     from weir.replay import profile as profiles
     from weir.replay.sim import Simulator, fast_block_hashes
     from weir.replay.synth import PromptSynth, load_tokenizer

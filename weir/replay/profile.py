@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from components.scheduler.cost_model import FEATURES, StepShape, fit_relative
+from components.costs.cost_model import FEATURES, StepShape, fit_relative
 
 
 class ProfileError(ValueError):
@@ -34,7 +34,7 @@ class CostProfile(msgspec.Struct, kw_only=True):
     median_rel_error: float = 0.0               # |predicted − measured| / measured
     p90_rel_error: float = 0.0
     source: str = ""                            # what measured the steps
-    machine: dict = {}                          # weir.machine.describe() where they ran
+    machine: dict = {}                          # kernels.machine.describe() where they ran
     engine: dict = {}                           # model, dtype, device, token budget
 
     def predict(self, shape: StepShape) -> float:

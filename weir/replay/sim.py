@@ -33,7 +33,7 @@ from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import tenant_budgets
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
-from components.scheduler.cost_model import plan_shape
+from components.costs.cost_model import plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
 from components.scheduler.late import LateDrops
 from components.scheduler.load import (LOAD_INTERVAL_S, PoolCounts, load_report,
@@ -333,7 +333,7 @@ class Simulator:
 
 def fast_block_hashes(block_size: int) -> Callable[[list[int], str], list[int]]:
     """The simulator's stand-in for the tokenizer's block hashes: chained over the prefix and
-    scoped per tenant like ``components.tokenizer.hashing.block_hashes``, but Python's tuple
+    scoped per tenant like ``components.model.hashing.block_hashes``, but Python's tuple
     hash instead of blake2b (10x faster; the pool verifies every hit's tokens, so a
     collision could never be read as a hit)."""
     def hashes(ids: list[int], scope: str) -> list[int]:

@@ -24,8 +24,8 @@ import msgspec
 import numpy as np
 from tokenizers import Tokenizer
 
-from components.tokenizer import vocab
-from weir.model_fetch import resolve_model
+from components.model import vocab
+from components.model.fetch import resolve_model
 from weir.replay.types import Scaling, TraceRequest
 
 _MASK = (1 << 64) - 1

@@ -9,7 +9,7 @@ import pytest
 
 from components.admission.decision import Kind
 from components.admission.policy import AdmissionPolicy
-from components.scheduler.cost_model import StepShape, decode_shape, prefill_shape
+from components.costs.cost_model import StepShape, decode_shape, prefill_shape
 from components.scheduler.load import load_report
 from components.scheduler.loop import SchedulerLoop
 from schemas.config import load_config

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from components.admission.estimate import COLD_START, OutputStats, TokenBucket
+from components.costs.estimate import COLD_START, OutputStats
+from components.tenancy.bucket import TokenBucket
 from components.admission.decision import Kind
 from schemas.wire import SchedulerLoad
 from tests.components.admission.policies import policy, req

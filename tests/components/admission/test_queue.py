@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from components.admission.queue import AdmissionQueue
-from components.scheduler.fairness import VirtualCounters
+from components.tenancy.fairness import VirtualCounters
 from tests.components.admission.policies import req
 
 

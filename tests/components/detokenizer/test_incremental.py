@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from components.detokenizer.incremental import DetokOutput, IncrementalDetokenizer
-from components.tokenizer.vocab import load_tokenizer
-from weir.model_fetch import default_model_path
+from components.model.vocab import load_tokenizer
+from components.model.fetch import default_model_path
 
 TEXTS = [
     "Hello, world! This is a plain sentence.",

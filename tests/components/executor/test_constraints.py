@@ -19,8 +19,8 @@ from components.executor.constraints import Constraint, Grammars, apply_constrai
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
-from components.tokenizer.structured import check, grammar_of, ll_tokenizer
-from components.tokenizer.vocab import load_tokenizer
+from components.model.structured import check, grammar_of, ll_tokenizer
+from components.model.vocab import load_tokenizer
 from schemas.wire import NewSeq, SeqStep, StepPlan, StructuredOutput
 
 llguidance = pytest.importorskip("llguidance")

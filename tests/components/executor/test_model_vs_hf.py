@@ -12,7 +12,7 @@ from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from kernels import AttentionMetadata, cpu_forward
 from kernels.kv_cache import cache_dtype
-from weir.model_fetch import cache_dir, default_model_path
+from components.model.fetch import cache_dir, default_model_path
 
 BLOCK = 16
 # fp32 logits against HF's: 1e-4 absolute, plus 1e-5 relative for a plan that mixes oneDNN

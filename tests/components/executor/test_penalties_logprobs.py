@@ -11,7 +11,7 @@ from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
-from weir.model_fetch import cache_dir
+from components.model.fetch import cache_dir
 
 V = 50
 

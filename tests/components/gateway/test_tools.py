@@ -88,8 +88,8 @@ def test_an_agent_turn_goes_back_as_calls_and_answers():
 
 def test_the_required_language_is_what_calls_of_reads(model_path):
     llguidance = pytest.importorskip("llguidance")
-    from components.tokenizer.structured import grammar_of, ll_tokenizer
-    from components.tokenizer.vocab import load_tokenizer
+    from components.model.structured import grammar_of, ll_tokenizer
+    from components.model.vocab import load_tokenizer
 
     bundle = load_tokenizer(model_path)
     vocab = ll_tokenizer(bundle)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from components.router.service import MAX_CHANGES, RouterService
-from components.streamer.identity import Keyring
+from bus.identity import Keyring
 from schemas.client import ChangeReplicas, ReplicaAddress
 from schemas.config import ApiKey
 

@@ -7,7 +7,7 @@ import pytest
 
 from components.scheduler.chunking import MIN_CHUNK, step_budget
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepCostModel, StepShape, decode_shape
+from components.costs.cost_model import StepCostModel, StepShape, decode_shape
 from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, load_config
 from schemas.wire import SamplingParams

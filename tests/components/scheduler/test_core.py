@@ -12,7 +12,7 @@ from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
 from components.scheduler.planning import penalties_of
 from components.scheduler.sequence import State
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
                           NewSeq, Penalties, PromptChunkLogprobs, RequestTiming, SampleLogprobs,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.loop import SchedulerLoop
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
 from schemas.wire import (Admitted, ForgetRequest, KvGrants, KvOps, Rejected, Released,
                           RequestTiming, SamplingParams, StepPlan, StepResult, TokenBatch,

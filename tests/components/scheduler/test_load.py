@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from bus.codec import Codec, encode
-from components.scheduler.cost_model import StepCostModel
-from components.scheduler.fairness import VirtualCounters
+from components.costs.cost_model import StepCostModel
+from components.tenancy.fairness import VirtualCounters
 from components.scheduler.load import load_report
 from components.scheduler.sequence import Seq
 from schemas.wire import AdmissionMsg, DecodeRates, SchedulerLoad, TenantBacklog

@@ -15,7 +15,7 @@ from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
 from components.scheduler.loop import STEP_DONE, SchedulerLoop
 from components.scheduler.sequence import InFlight, Seq, State
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
 from schemas.wire import (Admitted, AllocRequest, DetokParams, EventBatch, Failed, ForkRequest,
                           FreeRequest, KvGrants, KvOps, Released, SamplingParams, SeqStep,

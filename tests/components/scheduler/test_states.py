@@ -9,9 +9,9 @@ import pytest
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
-from components.scheduler.cost_model import StepShape
+from components.costs.cost_model import StepShape
 from components.scheduler.sequence import (TRANSITIONS, Event, IllegalTransition, Seq, State)
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
 from schemas.wire import (Admitted, FreeRequest, KvGrant, SamplingParams, StepResult,
                           SwapOutRequest)

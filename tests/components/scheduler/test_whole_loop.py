@@ -13,7 +13,7 @@ from components.kv_manager.pool import BlockPool
 from components.scheduler import sequence
 from components.scheduler.loop import SchedulerLoop
 from components.scheduler.sequence import State
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
                             TenantConfig, Topology, WeirConfig)
 from schemas.wire import (Admitted, CancelRequest, KvGrants, KvHello, KvManagerUp, Released,

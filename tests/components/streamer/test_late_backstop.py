@@ -11,7 +11,7 @@ from collections import Counter
 import anyio
 from opentelemetry.trace import INVALID_SPAN
 
-from components.admission.retry import DrainRate
+from components.tenancy.retry import DrainRate
 from components.streamer.service import LATE_GRACE_S, Active, StreamerService
 from components.streamer.slo import RequestClock, SloStats
 from schemas.config import ServiceClass

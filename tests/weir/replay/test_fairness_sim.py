@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from components.scheduler.cost_model import StepShape
+from components.costs.cost_model import StepShape
 from schemas.config import load_config
 from weir.replay import profile as profiles
 from weir.replay.fairness import backlog_intervals, overlap_s

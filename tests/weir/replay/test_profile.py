@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components.scheduler.cost_model import StepShape
+from components.costs.cost_model import StepShape
 from weir.replay import profile as profiles
 
 TRUE = [0.003, 2e-4, 1e-7, 5e-4, 2e-6]

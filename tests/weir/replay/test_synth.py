@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from components.tokenizer.hashing import block_hashes
+from components.model.hashing import block_hashes
 from weir.replay.synth import (PromptSynth, TokenSynth, _mix, _mix64, load_tokenizer, safe_pool,
                                scale)
 from weir.replay.types import Scaling, TraceRequest

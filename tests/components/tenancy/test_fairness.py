@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from components.scheduler.core import SchedulerCore
-from components.scheduler.fairness import VirtualCounters
+from components.tenancy.fairness import VirtualCounters
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import Admitted, SamplingParams
 

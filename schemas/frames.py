@@ -3,27 +3,26 @@ streamer's and the router's ``clients``) set as ZeroMQ's ``MAXMSGSIZE``.
 
 A frame is read whole and decoded before anything can look at its api_key, so without a
 bound a peer with no credentials made the streamer hold 1 GiB per frame (issue 43, D4).
-``validate.py`` bounds every field of a ``Submit``; this sums their widest msgpack
-encoding, so no request that ``check_submit`` would pass is ever cut off, and a frame
-past it cannot be a legal request. Widest, not typical: a client's encoder may use
+``limits.py`` bounds every field of a ``Submit`` (``validate.py`` checks them); this sums
+their widest msgpack encoding, so no request that ``check_submit`` would pass is ever cut
+off, and a frame past it cannot be a legal request. Widest, not typical: a client's encoder may use
 32-bit string and container headers and 64-bit integers where msgspec uses one byte.
 
 The bound is an over-estimate by construction (each term is its field's worst case, and
 the terms cannot all be at their worst at once: prompt text and messages share one
 character budget). At max_model_len 8192 it is 2.2 MB, 1.29x the largest legal Submit
-msgspec itself encodes (1.7 MB; tests/components/admission/test_frames.py); at the default
+msgspec itself encodes (1.7 MB; tests/schemas/test_frames.py); at the default
 2048, 0.8 MB.
 """
 from __future__ import annotations
 
 import msgspec
 
-from components.admission.validate import (CHARS_PER_TOKEN_BOUND, MAX_API_KEY_CHARS,
-                                           MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_ID_CHARS,
-                                           MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                           MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 from schemas.client import (ChatMessage, SamplingParams, StructuredOutput, Submit, Tool,
                             ToolCall)
+from schemas.limits import (CHARS_PER_TOKEN_BOUND, MAX_API_KEY_CHARS, MAX_CHOICES,
+                            MAX_GRAMMAR_CHARS, MAX_ID_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
+                            MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
 
 UTF8_MAX = 4          # bytes per character (code point) in UTF-8
 HEADER = 5            # the widest msgpack string, array or map header (32-bit length)

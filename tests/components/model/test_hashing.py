@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from components.tokenizer.hashing import block_hashes, chain_hash
+from components.model.hashing import block_hashes, chain_hash
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENS = list(range(100, 110))
@@ -83,7 +83,7 @@ def test_pinned_values():
 
 
 def test_same_in_fresh_process_with_random_hash_seed():
-    code = ("from components.tokenizer.hashing import block_hashes;"
+    code = ("from components.model.hashing import block_hashes;"
             "print(block_hashes(list(range(10)), 4, 'tenant-a', 'smollm2-135m'))")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

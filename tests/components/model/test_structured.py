@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from components.tokenizer.structured import check, grammar_of, ll_tokenizer
-from components.tokenizer.vocab import load_tokenizer
+from components.model.structured import check, grammar_of, ll_tokenizer
+from components.model.vocab import load_tokenizer
 from schemas.client import StructuredOutput
 
 llguidance = pytest.importorskip("llguidance")
@@ -71,7 +71,7 @@ def test_what_does_not_parse_is_refused_with_the_reason(so, words, vocab):
 
 
 def test_kind_names_the_language_and_nothing_of_it():
-    from components.tokenizer.structured import kind
+    from components.model.structured import kind
 
     assert [kind(StructuredOutput(**f)) for f in (
         {"json": '{"secret": 1}'}, {"json_object": True}, {"regex": "s3cret"},
@@ -99,7 +99,7 @@ async def _tokenizer_service(tmp_path, model_path):
 @pytest.mark.anyio
 async def test_the_tokenizer_checks_languages_with_the_vocabulary_it_built_at_setup(
         tmp_path, model_path, monkeypatch):
-    from components.tokenizer import structured
+    from components.model import structured
 
     service = await _tokenizer_service(tmp_path, model_path)
     built = []
@@ -113,7 +113,7 @@ async def test_the_tokenizer_checks_languages_with_the_vocabulary_it_built_at_se
 async def test_a_vocabulary_llguidance_cannot_read_refuses_structured_requests(
         tmp_path, model_path, monkeypatch):
     """The tokenizer still starts and tokenizes; each structured request gets the reason."""
-    from components.tokenizer import structured
+    from components.model import structured
 
     def unreadable(*args):
         raise ValueError("no such token kind")

@@ -1,4 +1,4 @@
-"""``python -m bus.launch COMPONENT CONFIG_JSON``: run one component as this process."""
+"""``python -m weir.launch COMPONENT CONFIG_JSON``: run one component as this process."""
 from __future__ import annotations
 
 import atexit

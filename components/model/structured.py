@@ -13,7 +13,7 @@ from schemas.client import StructuredOutput
 if TYPE_CHECKING:
     import llguidance
 
-    from components.tokenizer.vocab import TokenizerBundle
+    from components.model.vocab import TokenizerBundle
 
 # JSON as a model would write it on one line: one space after "," and ":", no other
 # whitespace. With flexible whitespace (``json_whitespace``) nothing bounds it: drawing at

@@ -1,8 +1,8 @@
 """The edge validator: every limit, at and just past its boundary (pure, no engine)."""
 import pytest
 
-from components.admission import validate as v
-from components.admission.validate import (check_length, check_logit_bias, check_params,
+from schemas import limits as v
+from schemas.validate import (check_length, check_logit_bias, check_params,
                                            check_prompt_size, check_submit)
 from schemas.client import ChatMessage, SamplingParams, StructuredOutput, Submit
 

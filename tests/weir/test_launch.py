@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
-    "import bus.launch as b, time; b.die_with_parent(); print('up', flush=True); time.sleep(60)"],
+    "import weir.launch as b, time; b.die_with_parent(); print('up', flush=True); time.sleep(60)"],
     stdout=subprocess.PIPE)
 child.stdout.readline()
 print(child.pid, flush=True)

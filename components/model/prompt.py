@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from components.tokenizer.chat import ChatTemplate
-from components.tokenizer.hashing import block_hashes
-from components.tokenizer.vocab import load_tokenizer
+from components.model.chat import ChatTemplate
+from components.model.hashing import block_hashes
+from components.model.vocab import load_tokenizer
 from schemas.client import ChatMessage, Tool
 from schemas.config import WeirConfig
-from weir.model_fetch import resolve_model
+from components.model.fetch import resolve_model
 
 
 class PromptHasher:

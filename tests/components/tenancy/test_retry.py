@@ -1,5 +1,5 @@
 """Retry-After from the recent rate at which requests end."""
-from components.admission.retry import DrainRate
+from components.tenancy.retry import DrainRate
 
 
 def test_cold_start_assumes_half_a_request_per_second():

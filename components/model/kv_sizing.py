@@ -47,7 +47,7 @@ def kv_shape(model: Path) -> KvShape:
     directory (its config.json)."""
     if model.is_dir():
         return hf_attention(json.loads((model / "config.json").read_text()))[1]
-    from weir.gguf_header import read_header
+    from components.model.gguf_header import read_header
     return gguf_attention(read_header(model, string_arrays=False).meta)[1]
 
 
@@ -71,7 +71,7 @@ def sized(config: WeirConfig, shape: KvShape | None = None) -> WeirConfig:
     if kv.memory_gib <= 0 and kv.cpu_memory_gib <= 0:
         return config
     if shape is None:
-        from weir.model_fetch import resolve_model
+        from components.model.fetch import resolve_model
         try:
             shape = kv_shape(resolve_model(config.engine.model))
         except (OSError, ValueError, KeyError) as exc:

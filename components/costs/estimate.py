@@ -1,5 +1,5 @@
-"""What admission knows before a request runs: how long its output will likely be, and how
-much of a tenant's token budget is left. Pure; the caller passes the clock."""
+"""What admission knows before a request runs: how long its output will likely be. Pure.
+(A tenant's token budget is ``components/tenancy/bucket.py``.)"""
 from __future__ import annotations
 
 import math
@@ -36,27 +36,3 @@ class OutputStats:
         rank = max(math.ceil(self.percentile / 100 * len(ordered)) - 1, 0)
         value = ordered[rank]
         return min(value, max_tokens) if max_tokens is not None else value
-
-
-class TokenBucket:
-    """Tokens per second with a burst. ``level`` refills continuously up to ``burst``."""
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = burst if burst > 0 else rate
-        self.level = self.burst
-        self._at = now
-
-    def refill(self, now: float) -> float:
-        self.level = min(self.burst, self.level + (now - self._at) * self.rate)
-        self._at = now
-        return self.level
-
-    def take(self, tokens: float, now: float) -> None:
-        self.refill(now)
-        self.level -= tokens
-
-    def wait_s(self, tokens: float, now: float) -> float:
-        """Seconds until ``tokens`` are available (0 if they are now)."""
-        short = tokens - self.refill(now)
-        return max(short / self.rate, 0.0) if self.rate > 0 else math.inf

@@ -130,7 +130,7 @@ def summary_line(info: dict[str, object] | None = None) -> str:
 
 def component_cpu(root_pid: int, include_root: bool = False) -> dict[str, float]:
     """CPU seconds (user + system) so far of each of Weir's processes under ``root_pid``,
-    by component (``bus.launch <component>``), from /proc; with ``include_root``, the root
+    by component (``weir.launch <component>``), from /proc; with ``include_root``, the root
     itself too (as "supervisor"). Empty where /proc cannot tell."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -141,7 +141,7 @@ def component_cpu(root_pid: int, include_root: bool = False) -> dict[str, float]
                 name = "supervisor"
             elif int(fields[1]) == root_pid:        # ppid: the components are its children
                 argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-                name = (argv[argv.index(b"bus.launch") + 1].decode() if b"bus.launch" in argv
+                name = (argv[argv.index(b"weir.launch") + 1].decode() if b"weir.launch" in argv
                         else "other")
             else:
                 continue

@@ -2,9 +2,9 @@
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from components.tokenizer.chat import ChatTemplate
-from components.tokenizer.vocab import load_tokenizer
-from weir.model_fetch import default_model_path
+from components.model.chat import ChatTemplate
+from components.model.vocab import load_tokenizer
+from components.model.fetch import default_model_path
 
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "What is 2+2?"}],
@@ -113,7 +113,7 @@ def test_sandbox_blocks_unsafe_templates(source):
 def test_ids_a_request_names_are_checked_against_the_vocabulary():
     """Prompt ids and logit_bias keys past the vocabulary are refused with the real bound
     (the edge validator only bounds them at 2^31 - 1)."""
-    from components.tokenizer.prompt import PromptHasher
+    from components.model.prompt import PromptHasher
     from schemas.config import EngineConfig, Topology, WeirConfig
 
     p = PromptHasher(WeirConfig(Topology(run_dir="/nonexistent"),
@@ -148,7 +148,7 @@ def _agent_turn():
 
 
 def _hasher(template: str | None = None):
-    from components.tokenizer.prompt import PromptHasher
+    from components.model.prompt import PromptHasher
     from schemas.config import EngineConfig, Topology, WeirConfig
 
     p = PromptHasher(WeirConfig(Topology(run_dir="/nonexistent"),

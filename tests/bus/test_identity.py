@@ -1,6 +1,6 @@
 """Identity on the ZeroMQ endpoint: keys name the tenant, the service key may speak for
 any tenant, status shows a tenant only its own usage."""
-from components.streamer.identity import Identity, Keyring, Refusal, digest, visible_status
+from bus.identity import Identity, Keyring, Refusal, digest, visible_status
 from schemas.client import ComponentStatus, TenantUsage
 from schemas.config import ApiKey
 
@@ -44,7 +44,7 @@ def test_operators_see_all_tenants_see_their_own():
 
 
 def test_the_service_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
-    from components.streamer.identity import generate_service_key, load_service_key
+    from bus.identity import generate_service_key, load_service_key
 
     monkeypatch.delenv("WEIR_SERVICE_KEY", raising=False)
     monkeypatch.delenv("WEIR_SERVICE_KEY_FILE", raising=False)

@@ -1,4 +1,4 @@
-"""weir.gguf_header against the gguf package's own reader and writer: every metadata value
+"""components.model.gguf_header against the gguf package's own reader and writer: every metadata value
 and tensor entry equal, on a written file with every value type and on the default model;
 a file that is cut short or is not GGUF is a ValueError."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from weir.gguf_header import read_header
+from components.model.gguf_header import read_header
 
 
 def reference(path) -> tuple[dict, list]:

@@ -1,4 +1,4 @@
-"""The CPUs and cores a Weir process may keep busy (``weir.machine.usable_cpus`` and
+"""The CPUs and cores a Weir process may keep busy (``kernels.machine.usable_cpus`` and
 ``usable_cores``): its affinity, its SMT siblings counted once for cores, capped by a cgroup
 CPU quota; read from fake cgroup and sysfs trees laid out as Linux mounts them."""
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from weir import machine
+from kernels import machine
 
 
 def _tree(tmp_path: Path, proc: str, files: dict[str, str]) -> tuple[Path, Path]:

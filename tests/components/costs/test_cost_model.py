@@ -1,8 +1,8 @@
-"""The step-cost model (components/scheduler/cost_model.py), exact: shapes, the attention
+"""The step-cost model (components/costs/cost_model.py), exact: shapes, the attention
 term, the fit, and the prior it starts from (the executor's startup steps)."""
 import pytest
 
-from components.scheduler.cost_model import (PRIOR_STEPS, StepCostModel, StepShape,
+from components.costs.cost_model import (PRIOR_STEPS, StepCostModel, StepShape,
                                              decode_shape, fit_relative, joined, plan_shape,
                                              prefill_shape, row_pairs)
 from schemas.wire import SeqStep, StepPlan

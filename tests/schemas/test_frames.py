@@ -1,13 +1,13 @@
-"""The client frame bound (components/admission/frames.py): the largest legal Submit, every
+"""The client frame bound (schemas/frames.py): the largest legal Submit, every
 field at its limit in four-byte characters, fits under it; the issue's oversized prompts
 do not; and it is not loose enough to let a frame many times a legal one through."""
 import msgspec
 import pytest
 
 from bus.codec import encode
-from components.admission import validate as v
-from components.admission.frames import client_frame_limit
-from components.admission.validate import check_submit
+from schemas import limits as v
+from schemas.frames import client_frame_limit
+from schemas.validate import check_submit
 from schemas.client import (ChatMessage, SamplingParams, StructuredOutput, Submit, Tool,
                             ToolCall)
 
