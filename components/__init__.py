@@ -1,4 +1,7 @@
-"""One package per process. ``SERVICES`` maps each component to its service class."""
+"""One package per process; ``SERVICES`` maps each component to its service class.
+
+The packages not in ``SERVICES`` are libraries that processes share (``model``, ``tenancy``,
+``costs``); no process package imports another (tests/test_layering.py)."""
 
 SERVICES = {
     "tokenizer": "components.tokenizer.service:TokenizerService",

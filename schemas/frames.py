@@ -18,11 +18,19 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.client import (ChatMessage, SamplingParams, StructuredOutput, Submit, Tool,
-                            ToolCall)
-from schemas.limits import (CHARS_PER_TOKEN_BOUND, MAX_API_KEY_CHARS, MAX_CHOICES,
-                            MAX_GRAMMAR_CHARS, MAX_ID_CHARS, MAX_LOGIT_BIAS, MAX_STOP_CHARS,
-                            MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOOLS)
+from schemas.client import ChatMessage, SamplingParams, StructuredOutput, Submit, Tool, ToolCall
+from schemas.limits import (
+    CHARS_PER_TOKEN_BOUND,
+    MAX_API_KEY_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_ID_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+)
 
 UTF8_MAX = 4          # bytes per character (code point) in UTF-8
 HEADER = 5            # the widest msgpack string, array or map header (32-bit length)

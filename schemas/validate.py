@@ -18,12 +18,30 @@ import re
 from typing import Any, Iterable
 
 from schemas.client import SamplingParams, StructuredOutput
-from schemas.limits import (CHARS_PER_TOKEN_BOUND, INT64_MAX, INT64_MIN, LOGIT_BIAS_LIMIT,
-                            MAX_API_KEY_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_ID_CHARS,
-                            MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_MAX_TOKENS, MAX_N, MAX_PENALTY,
-                            MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                            MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOOLS,
-                            MAX_TOP_K, UINT64_MAX)
+from schemas.limits import (
+    CHARS_PER_TOKEN_BOUND,
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_LIMIT,
+    MAX_API_KEY_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_ID_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_MAX_TOKENS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOOLS,
+    MAX_TOP_K,
+    UINT64_MAX,
+)
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

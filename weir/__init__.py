@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from schemas.client import StructuredOutput
     from weir.client import AsyncClient, Choice, Client, Completion
-    from weir.errors import (RequestCancelled, RequestFailed, RequestRejected, RequestTimeout,
-                             WeirError)
+    from weir.errors import (
+        RequestCancelled,
+        RequestFailed,
+        RequestRejected,
+        RequestTimeout,
+        WeirError,
+    )
     from weir.forms import structured_output
 
 _WHERE = {"StructuredOutput": "schemas.client",

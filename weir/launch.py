@@ -14,7 +14,6 @@ from bus.component import run
 from components import service_class
 from schemas.config import WeirConfig
 
-
 _PR_SET_PDEATHSIG = 1
 
 

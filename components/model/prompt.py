@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 from components.model.chat import ChatTemplate
+from components.model.fetch import resolve_model
 from components.model.hashing import block_hashes
 from components.model.vocab import load_tokenizer
 from schemas.client import ChatMessage, Tool
 from schemas.config import WeirConfig
-from components.model.fetch import resolve_model
 
 
 class PromptHasher:

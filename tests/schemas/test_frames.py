@@ -6,10 +6,9 @@ import pytest
 
 from bus.codec import encode
 from schemas import limits as v
+from schemas.client import ChatMessage, SamplingParams, StructuredOutput, Submit, Tool, ToolCall
 from schemas.frames import client_frame_limit
 from schemas.validate import check_submit
-from schemas.client import (ChatMessage, SamplingParams, StructuredOutput, Submit, Tool,
-                            ToolCall)
 
 WIDE = "\U0001F600"                 # four bytes in UTF-8
 

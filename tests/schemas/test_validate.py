@@ -2,9 +2,14 @@
 import pytest
 
 from schemas import limits as v
-from schemas.validate import (check_length, check_logit_bias, check_params,
-                                           check_prompt_size, check_submit)
 from schemas.client import ChatMessage, SamplingParams, StructuredOutput, Submit
+from schemas.validate import (
+    check_length,
+    check_logit_bias,
+    check_params,
+    check_prompt_size,
+    check_submit,
+)
 
 L = 2048                                            # max_model_len
 

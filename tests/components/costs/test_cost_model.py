@@ -2,9 +2,17 @@
 term, the fit, and the prior it starts from (the executor's startup steps)."""
 import pytest
 
-from components.costs.cost_model import (PRIOR_STEPS, StepCostModel, StepShape,
-                                             decode_shape, fit_relative, joined, plan_shape,
-                                             prefill_shape, row_pairs)
+from components.costs.cost_model import (
+    PRIOR_STEPS,
+    StepCostModel,
+    StepShape,
+    decode_shape,
+    fit_relative,
+    joined,
+    plan_shape,
+    prefill_shape,
+    row_pairs,
+)
 from schemas.wire import SeqStep, StepPlan
 
 # seconds: 20 ms a step, 0.5 ms a token, 1 µs an attention pair, 0.2 ms a sequence, 2 µs a

@@ -3,8 +3,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from components.model.chat import ChatTemplate
-from components.model.vocab import load_tokenizer
 from components.model.fetch import default_model_path
+from components.model.vocab import load_tokenizer
 
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "What is 2+2?"}],

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from schemas.config import ConfigError, WeirConfig, load_config
 from components.model.kv_sizing import GIB, KvShape, block_bytes, kv_shape, sized
+from schemas.config import ConfigError, WeirConfig, load_config
 
 SMOL = KvShape(layers=30, kv_heads=3, head_dim=64)
 SMOL_BLOCK = 2 * 30 * 16 * 3 * 64 * 2          # bf16 keys and values of 16 tokens, 30 layers

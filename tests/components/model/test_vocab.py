@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
-from components.model.vocab import load_tokenizer
 from components.model.fetch import default_model_path
+from components.model.vocab import load_tokenizer
 
 TEXTS = [
     "Hello, world!",
