@@ -1,4 +1,4 @@
-"""A component dies with the supervisor that spawned it."""
+"""A component dies with the supervisor that spawned it; starting one loads only what it needs."""
 import os
 import subprocess
 import sys
@@ -34,3 +34,17 @@ def test_a_component_dies_with_its_parent():
             return
         assert time.monotonic() < deadline, "the child outlived its parent"
         time.sleep(0.02)
+
+
+def test_launching_a_component_loads_neither_the_sdk_nor_torch():
+    """Every component starts as ``python -m weir.launch``: the weir package loads its SDK
+    names on first use, and kernels (machine facts, read by the scheduler) loads no torch."""
+    probe = ("import sys, weir.launch, kernels.machine; "
+             "print(sorted(m for m in ('weir.client', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
+    assert out.stdout.strip() == "[]"
+    sdk = subprocess.run([sys.executable, "-c", "import weir; print(weir.Client.__module__)"],
+                         cwd=ROOT, capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert sdk.stdout.strip() == "weir.client"
