@@ -26,21 +26,19 @@ import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from bus.codec import salvage_request_id
 from bus import tracing
 from bus.component import Component
-from bus.socket import MalformedFrame
+from bus.endpoint import ClientEndpoint
 from schemas.frames import client_frame_limit
 from components.tenancy.retry import DrainRate
 from schemas.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer.slo import RequestClock, SloStats
-from schemas.wire import (Accepted, Cancel, Cancelled, CancelRequest, ChoiceEnd, ClientMsg,
-                          ClusterStatus, EventBatch, Failed, Finished, Heartbeat, NewRequest,
-                          Rejected, ServerHeartbeat, StatusQuery, StatusReport,
-                          StreamerMsg, Submit, TextDelta, Usage)
-from schemas.client import ChangeReplicas, Events, ReplicasChanged, malformed_reply
+from schemas.wire import (Accepted, Cancelled, CancelRequest, ChoiceEnd, ClientMsg,
+                          ClusterStatus, EventBatch, Failed, Finished, NewRequest,
+                          Rejected, StatusReport, StreamerMsg, Submit, TextDelta, Usage)
+from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
 
 log = structlog.get_logger("streamer")
 _TRACER = trace.get_tracer("weir.streamer")
@@ -111,7 +109,6 @@ class StreamerService(Component):
         self.per_tenant: Counter[str] = Counter()          # open requests per tenant
         self.tenant_caps = {t.name: t.max_outstanding for t in self.config.admission.tenants}
         self.ends = DrainRate()                             # for Retry-After estimates
-        self.last_seen: dict[bytes, float] = {}
         self.cluster = ClusterStatus((), False)
         self.cluster_at = time.monotonic()
         self.draining = False
@@ -135,51 +132,34 @@ class StreamerService(Component):
             zmq.ROUTER, "clients", ClientMsg,
             max_msg_size=client_frame_limit(self.config.engine.max_model_len)).bind(
             self.topology.client_endpoint)
+        self.endpoint = ClientEndpoint(self.clients, self)
         self.inbox_sock = self.inbox(StreamerMsg)
         self.to_tokenizer = self.push_to("tokenizer")
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._client_loop)
+            tg.start_soon(self.endpoint.serve)
             tg.start_soon(self._engine_loop)
             tg.start_soon(self._reaper)
 
     # ------------------------------------------------------------------ clients
-    async def _reply_malformed(self, frame: MalformedFrame) -> None:
-        if frame.identity is None:
-            return
-        rid = salvage_request_id(frame.data)
-        reply = malformed_reply(frame.error, rid if rid not in self.active else None)
+    # (the client endpoint's loop, bus/endpoint.py, asks these)
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self.active
+
+    def holder(self, request_id: str) -> bytes | None:
+        req = self.active.get(request_id)
+        return None if req is None else req.identity
+
+    def malformed_answered(self, reply: Rejected | ProtocolError) -> None:
         if isinstance(reply, Rejected):
             self.counts["rejected"] += 1
-        await self.clients.send(reply, to=frame.identity)
 
-    async def _client_loop(self) -> None:
-        while True:
-            # a receive with frames queued completes without giving the loop up: a flood of
-            # client frames would run here back to back while every stream's events and
-            # this process's heartbeats wait. One message, then the others' turn.
-            await anyio.lowlevel.checkpoint()
-            msg = await self.clients.recv(on_malformed=self._reply_malformed)
-            who = msg.identity
-            self.last_seen[who] = time.monotonic()
-            match msg.body:
-                case Submit() as sub:
-                    await self._submit(who, sub, msg.envelope.traceparent)
-                case Cancel(request_id=rid):
-                    req = self.active.get(rid)
-                    if req is not None and req.identity == who:
-                        await self._cancel(rid, "cancelled by client")
-                case Heartbeat():
-                    await self.clients.send(ServerHeartbeat(self.instance, self.draining), to=who)
-                case StatusQuery(query_id=qid, api_key=key):
-                    await self.clients.send(self._status(qid, key), to=who)
-                case ChangeReplicas(query_id=qid):
-                    await self.clients.send(ReplicasChanged(
-                        qid, "this endpoint is an engine, not a router: it has no replicas"),
-                        to=who)
+    def change_replicas(self, change: ChangeReplicas) -> ReplicasChanged:
+        return ReplicasChanged(
+            change.query_id, "this endpoint is an engine, not a router: it has no replicas")
 
-    async def _submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
+    async def submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
         p = sub.params
         identity = self.keys.identify(sub.api_key, sub.tenant)
@@ -320,7 +300,7 @@ class StreamerService(Component):
         self.ends.ended(time.monotonic())
         return req
 
-    async def _cancel(self, rid: str, reason: str) -> None:
+    async def cancel(self, rid: str, reason: str) -> None:
         await self._end(rid, Cancelled(rid, reason))
 
     async def _deliver(self, rid: str, req: Active, event: Any, terminal: bool,
@@ -357,7 +337,7 @@ class StreamerService(Component):
             stalled, last = now - last > timeout / 2, now
             if stalled:        # we were not running: heartbeats may be queued unread, not late
                 continue
-            gone = {who for who, t in self.last_seen.items() if now - t > timeout}
+            gone = self.endpoint.gone(now, timeout)
             if not gone:
                 continue
             for rid, req in list(self.active.items()):
@@ -367,9 +347,8 @@ class StreamerService(Component):
                     req.identity = b""
                     continue
                 log.info("client_gone", request_id=rid)
-                await self._cancel(rid, "client disconnected")
-            for who in gone:
-                del self.last_seen[who]
+                await self.cancel(rid, "client disconnected")
+            self.endpoint.forget(gone)
 
     async def _expire_late(self, now: float) -> None:
         """End the requests the scheduler should have ended ``LATE_GRACE_S`` ago (its end,
@@ -477,7 +456,7 @@ class StreamerService(Component):
         margin = min(1.0, self.config.streamer.drain_timeout_s / 4)
         self.drain_deadline = time.monotonic() + self.config.streamer.drain_timeout_s - margin
 
-    def _status(self, query_id: str, api_key: str | None) -> StatusReport:
+    def status(self, query_id: str, api_key: str | None) -> StatusReport:
         """Every component's status; each tenant's usage only to itself or an operator."""
         who = self.keys.identify(api_key, "default")
         # the supervisor sends its status when it changes (or every keepalive): each
@@ -492,7 +471,7 @@ class StreamerService(Component):
                             self.draining)
 
     def stats(self) -> dict[str, float]:
-        return {"active_requests": len(self.active), "clients": len(self.last_seen),
+        return {"active_requests": len(self.active), "clients": len(self.endpoint.last_seen),
                 "idempotency_entries": len(self.idempotency),
                 "idempotency_bytes": self.idempotency.finished_bytes,
                 "idempotency_too_large": self.idempotency.too_large,

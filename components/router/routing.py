@@ -1,0 +1,221 @@
+"""The router's decisions, pure: which replica a request goes to, what it is sent as, and
+whether a refusal sends it on to another. No sockets and no clock of its own (the service
+passes ``now``, monotonic seconds), so each rule is tested by building ``RoutingCore``.
+
+Per request (a ``Flight``) and per try:
+
+1. the candidates are the replicas it has not tried that are not retiring; each is seen as
+   a ``ReplicaState`` (``replica_state``: the prefix it holds of the prompt, its queue by
+   its last load report corrected by what the router sent since, its pools);
+2. ``scoring.rank`` orders the eligible ones against the request's TTFT deadline
+   (``ttft_deadline_s``) less the time it has spent at the router;
+3. the decision (``RoutingCore.decide``): round robin under that policy; else a retry of
+   an idempotent request goes where its first try went; a reroute takes the best left,
+   and its session follows it; else the session table keeps a session on its replica or
+   moves it (scoring.py);
+4. the request is sent with ``batch_events`` off (the router relays events one by one)
+   and, on a second try, what is left of its deadlines (``forwarded``).
+
+A rejection for load before the request was accepted (``REROUTE``) sends it to the next
+replica while tries are left (``reroute_attempts``) and an untried healthy replica is.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from components.router.index import PrefixMatch
+from components.router.membership import Replica
+from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
+                                       predicted_queue_s, rank)
+from schemas.client import Rejected, Submit
+from schemas.config import AdmissionConfig, RouterConfig
+
+# rejections that say "not here, not now", not "never": another replica may take it
+REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining",
+                     "kv_pressure", "tpot_slo_at_risk"})
+MAX_PREFILLED = 4096                 # prefilled prompts kept while no report comes
+# (tenant, idempotency key) -> the replica that ran it, for a retry: ten replicas' worth of
+# the streamer's own table (10,000 each); a replica forgets its own past that anyway
+MAX_IDEMPOTENT = 100_000
+
+
+@dataclass
+class Flight:
+    """A request the router holds between its submit and its terminal message."""
+
+    identity: bytes
+    submit: Submit
+    tenant: str
+    arrival: float
+    prompt_tokens: int
+    replica: str = ""
+    pending: int = 0                    # prompt tokens its replica has still to prefill
+    accepted_at: float = 0.0            # when the replica's Accepted came (0: not yet)
+    prefilled: bool = False             # its first token came
+    tried: list[str] = field(default_factory=list)
+    accepted: bool = False
+    cancelled: bool = False             # the client has its terminal; awaiting the replica's
+    hashes: list[int] = field(default_factory=list)
+    public_scope: str = ""
+    public_blocks: int = 0
+    traceparent: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.submit.request_id
+
+
+@dataclass(frozen=True)
+class Route:
+    """One routing decision: the eligible candidates ranked, and where it goes (None:
+    nowhere, the request is refused)."""
+
+    ranked: list[Score]
+    decision: Decision | None
+
+
+def ttft_deadline_s(sub: Submit, tenant: str, admission: AdmissionConfig,
+                    fallback_s: float) -> float:
+    """The request's TTFT deadline in seconds from its arrival: its own, else its class's
+    (the one it names, else its tenant's default, else its tenant's first), else
+    ``fallback_s`` (the router's overload bound)."""
+    if sub.deadline_ms is not None:
+        return sub.deadline_ms / 1e3
+    t = next((t for t in admission.tenants if t.name == tenant), None)
+    name = sub.service_class or (t.default_class if t else "") or \
+        (t.classes[0] if t and t.classes else "")
+    cls = next((c for c in admission.classes if c.name == name), None)
+    if cls is not None and cls.ttft_slo_ms is not None:
+        return cls.ttft_slo_ms / 1e3
+    return fallback_s
+
+
+def prefill_rate(r: Replica, default: float) -> float:
+    """``r``'s measured prefill rate (tokens/s), ``default`` until it has one."""
+    return r.stat("admission", "prefill_tokens_per_s", 0.0) or default
+
+
+def sent_to(r: Replica, flights: Mapping[str, Flight]) -> list[tuple[int, float, float]]:
+    """What ``predicted_queue_s`` needs of the prompts the router sent ``r``: those
+    waiting, and those prefilled since its last report."""
+    waiting = [(f.pending, f.accepted_at, 0.0) for rid in r.open
+               if (f := flights.get(rid)) is not None and not f.prefilled]
+    return waiting + r.prefilled
+
+
+def note_prefilled(r: Replica, f: Flight, now: float) -> None:
+    """``f``'s prompt is computed on ``r`` at ``now`` (its first token came, or it ended)."""
+    if not f.prefilled:
+        f.prefilled = True
+        r.prefilled.append((f.pending, f.accepted_at, now))
+        del r.prefilled[:-MAX_PREFILLED]
+
+
+class RoutingCore:
+    """The router's decisions and the tables they keep: sessions, idempotent requests'
+    replicas, the round-robin turn."""
+
+    def __init__(self, rc: RouterConfig, admission: AdmissionConfig, block_size: int,
+                 idempotency_ttl_s: float) -> None:
+        self.rc = rc
+        self.admission = admission
+        self.block_size = block_size
+        self.sessions = SessionTable(rc.session_ttl_s, rc.max_sessions)
+        self.idempotent = SessionTable(idempotency_ttl_s, MAX_IDEMPOTENT)
+        self.rr = 0
+
+    def expire(self, now: float) -> None:
+        self.sessions.expire(now)
+        self.idempotent.expire(now)
+
+    def rate(self, r: Replica) -> float:
+        return prefill_rate(r, self.rc.default_prefill_tokens_per_s)
+
+    def state(self, r: Replica, f: Flight, flights: Mapping[str, Flight]) -> ReplicaState:
+        """What the router knows of ``r`` for ``f``: the prefix it holds, its queue (its
+        last report, plus the prefill the report cannot know of yet), its pools."""
+        m = r.index.match(f.hashes, f.public_scope, f.public_blocks, f.tenant) \
+            if f.hashes else PrefixMatch()
+        cached = (m.gpu_blocks + self.rc.weights.cpu_tier * m.cpu_blocks) * self.block_size
+        rate = self.rate(r)
+        total = r.stat("kv_manager", "total_blocks", 0.0)
+        free = r.stat("kv_manager", "free_blocks", total)
+        reserved = r.stat("admission", "reserved_kv_blocks", 0.0)
+        return ReplicaState(
+            r.spec.name, r.healthy, r.draining, cached,
+            predicted_queue_s(r.stat("admission", "predicted_queue_s", 0.0), r.report_asked,
+                              sent_to(r, flights), rate), rate,
+            (total - free) / total if total else 0.0,
+            min(reserved / total, 1.0) if total else 0.0,
+            r.tenant_blocks(f.tenant) / total if total else 0.0)
+
+    def route(self, f: Flight, replicas: Iterable[Replica], flights: Mapping[str, Flight],
+              now: float) -> Route:
+        """Where ``f`` goes now, among the ``replicas`` it has not tried and that are not
+        retiring."""
+        candidates = [r for r in replicas if r.spec.name not in f.tried and not r.retiring]
+        deadline_s = ttft_deadline_s(f.submit, f.tenant, self.admission,
+                                     self.rc.overload_ttft_s)
+        states = [self.state(r, f, flights) for r in candidates]
+        ranked = rank(states, f.prompt_tokens, deadline_s - (now - f.arrival),
+                      self.rc.weights, self.rc.kv_high, self.rc.policy == "cache_aware")
+        return Route(ranked, self.decide(f, ranked, now))
+
+    def decide(self, f: Flight, ranked: list[Score], now: float) -> Decision | None:
+        if not ranked:
+            return None
+        sub = f.submit
+        if self.rc.policy == "round_robin":
+            names = sorted(s.name for s in ranked)
+            self.rr += 1
+            return Decision(names[self.rr % len(names)], "round_robin")
+        if sub.idempotency_key is not None and not f.tried:   # a retry goes where it went
+            where = self.idempotent.get((f.tenant, sub.idempotency_key), now)
+            if where is not None and any(s.name == where for s in ranked):
+                return Decision(where, "idempotent")
+        if f.tried:                       # a reroute: the best left; a session follows it
+            decision = Decision(ranked[0].name, "rerouted")
+            if sub.session_id is not None:
+                self.sessions.assign(sub.session_id, decision.replica, now)
+        else:
+            decision = self.sessions.decide(sub.session_id, ranked, now)
+        if decision is not None and sub.idempotency_key is not None:
+            self.idempotent.assign((f.tenant, sub.idempotency_key), decision.replica, now)
+        return decision
+
+    def assign(self, f: Flight, r: Replica, route: Route) -> None:
+        """``f`` goes to ``r`` (``route``'s decision): it is open there, with the prompt
+        tokens ``r`` has still to prefill (less the prefix it holds)."""
+        f.replica = r.spec.name
+        f.tried.append(r.spec.name)
+        cached = next((s.saved_s for s in route.ranked if s.name == r.spec.name), 0.0)
+        f.pending = max(f.prompt_tokens - int(cached * self.rate(r)), 0)
+        f.accepted_at, f.prefilled = 0.0, False
+        r.open.add(f.request_id)
+        r.counts["routed"] += 1
+
+    @staticmethod
+    def forwarded(f: Flight, now: float) -> Submit:
+        """The Submit sent for ``f``'s latest try: events unbatched (this router relays
+        them one by one: a replica must not batch them for it); on a second try, what is
+        left of its deadlines (at least 1 ms)."""
+        sub = msgspec.structs.replace(f.submit, batch_events=False) \
+            if f.submit.batch_events else f.submit
+        if f.tried[1:]:
+            def left(ms: int | None) -> int | None:
+                return None if ms is None else max(int(ms - (now - f.arrival) * 1e3), 1)
+            sub = msgspec.structs.replace(sub, deadline_ms=left(sub.deadline_ms),
+                                          e2e_deadline_ms=left(sub.e2e_deadline_ms))
+        return sub
+
+    def reroutes(self, f: Flight, rejected: Rejected, replicas: Iterable[Replica]) -> bool:
+        """Whether ``rejected``, from ``f``'s replica, sends ``f`` on to another: a
+        refusal for load, before it was accepted and while its client waits, with tries
+        left and an untried replica that is healthy, not draining and not retiring."""
+        return (not f.accepted and not f.cancelled and rejected.reason in REROUTE
+                and len(f.tried) <= self.rc.reroute_attempts
+                and any(o.healthy and not o.draining and not o.retiring
+                        and o.spec.name not in f.tried for o in replicas))
