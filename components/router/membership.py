@@ -15,13 +15,17 @@ own (the service passes ``now``), so every rule here is tested by building it di
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from schemas.limits import MAX_ID_CHARS
 from components.router.index import ReplicaIndex
 from bus.identity import Identity, Refusal
-from schemas.client import ChangeReplicas, ReplicasChanged, ServerHeartbeat, StatusReport
+from schemas.client import (ChangeReplicas, ComponentStatus, ReplicasChanged, ServerHeartbeat,
+                            StatusReport)
 from schemas.config import ConfigError, ReplicaSpec
 
 MAX_CHANGES = 64                     # replicas added and removed in one ChangeReplicas
@@ -197,9 +201,21 @@ class Membership:
         del self.replicas[r.spec.name]
 
     # ------------------------------------------------------------------ status
-    def healthy_reports(self) -> list[tuple[str, StatusReport]]:
-        return [(r.spec.name, r.report) for r in self.replicas.values()
-                if r.healthy and r.report is not None]
+    def components(self, own: Iterable[ComponentStatus], router: str) -> list[ComponentStatus]:
+        """What the router's status shows: its own cluster's components (``own``; the
+        router, named ``router``, is ``no_replica`` rather than ready while no replica is
+        healthy), then each healthy replica's components as ``replica/component``."""
+        up = any(r.healthy for r in self.replicas.values())
+        comps: list[ComponentStatus] = []
+        for c in own:
+            if c.name == router and c.state == "ready" and not up:
+                c = msgspec.structs.replace(c, state="no_replica")
+            comps.append(c)
+        for r in self.replicas.values():
+            if r.healthy and r.report is not None:
+                comps += [msgspec.structs.replace(c, name=f"{r.spec.name}/{c.name}")
+                          for c in r.report.components]
+        return comps
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
@@ -30,12 +31,14 @@ from components.router.index import PrefixMatch
 from components.router.membership import Replica
 from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
                                        predicted_queue_s, rank)
-from schemas.client import Rejected, Submit
+from schemas.client import (Accepted, Cancelled, Failed, Finished, Rejected, Submit,
+                            TextDelta)
 from schemas.config import AdmissionConfig, RouterConfig
 
 # rejections that say "not here, not now", not "never": another replica may take it
 REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining",
                      "kv_pressure", "tpot_slo_at_risk"})
+TERMINAL = (Finished, Rejected, Cancelled, Failed)
 MAX_PREFILLED = 4096                 # prefilled prompts kept while no report comes
 # (tenant, idempotency key) -> the replica that ran it, for a retry: ten replicas' worth of
 # the streamer's own table (10,000 each); a replica forgets its own past that anyway
@@ -112,6 +115,23 @@ def note_prefilled(r: Replica, f: Flight, now: float) -> None:
         f.prefilled = True
         r.prefilled.append((f.pending, f.accepted_at, now))
         del r.prefilled[:-MAX_PREFILLED]
+
+
+def route_attributes(f: Flight, ranked: list[Score], policy: str) -> dict[str, Any]:
+    """A ``router.route`` span's attributes before its decision: the request, the try,
+    and each ranked replica's score, predicted TTFT, saved prefill and overload."""
+    attrs: dict[str, Any] = {
+        "weir.request_id": f.request_id, "gen_ai.usage.input_tokens": f.prompt_tokens,
+        "weir.tenant": f.tenant, "weir.route.policy": policy,
+        "weir.route.attempt": len(f.tried),
+        "weir.route.replicas": [s.name for s in ranked],
+        "weir.route.scores": [round(s.score, 6) for s in ranked],
+        "weir.route.ttft_s": [round(s.ttft_s, 6) for s in ranked],
+        "weir.route.saved_prefill_s": [round(s.saved_s, 6) for s in ranked],
+        "weir.route.overloaded": [s.overloaded for s in ranked]}
+    if f.submit.session_id is not None:
+        attrs["weir.session"] = f.submit.session_id
+    return attrs
 
 
 class RoutingCore:
@@ -210,6 +230,27 @@ class RoutingCore:
             sub = msgspec.structs.replace(sub, deadline_ms=left(sub.deadline_ms),
                                           e2e_deadline_ms=left(sub.e2e_deadline_ms))
         return sub
+
+    def answered(self, f: Flight, r: Replica, body: Any, replicas: Iterable[Replica],
+                 now: float) -> Literal["relay", "reroute", "end"]:
+        """``f``'s replica ``r`` answered ``body`` at ``now``: what the router does with it.
+        ``reroute``: a refusal for load (``reroutes``), no longer open on ``r``: route it
+        again, the client hears nothing of it; ``end``: its terminal, relayed, after which
+        the router forgets it; ``relay``: any other answer, relayed."""
+        if isinstance(body, Accepted):
+            f.accepted = True
+            f.accepted_at = now
+        elif isinstance(body, TextDelta):
+            note_prefilled(r, f, now)
+        if isinstance(body, Rejected) and self.reroutes(f, body, replicas):
+            r.counts[f"rerouted.{body.reason}"] += 1
+            r.open.discard(f.request_id)
+            return "reroute"
+        if isinstance(body, TERMINAL):
+            r.counts[type(body).__name__.lower()] += 1
+            note_prefilled(r, f, now)
+            return "end"
+        return "relay"
 
     def reroutes(self, f: Flight, rejected: Rejected, replicas: Iterable[Replica]) -> bool:
         """Whether ``rejected``, from ``f``'s replica, sends ``f`` on to another: a

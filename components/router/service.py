@@ -1,41 +1,32 @@
 """The router process: one client endpoint in front of several Weir engines (replicas).
 
 Clients (the SDK, the HTTP gateway, ``weir status``) see one Weir: the router speaks the
-client protocol (docs/PROTOCOL.md) on ``topology.client_endpoint`` and is itself a client
-of each replica's endpoint. Per request it:
+client protocol (docs/PROTOCOL.md) on ``topology.client_endpoint`` (the loop is
+``bus/endpoint.py``'s, shared with the streamer) and is itself a client of each replica's
+endpoint. Per request it:
 
-1. tokenizes the prompt and hashes its full blocks exactly as a replica's tokenizer does
-   (``PromptHasher``), scoped to the tenant;
-2. looks the hashes up in its per-replica prefix index (``index.py``), fed by each
+1. authenticates the Submit (with keys configured, one without a valid key is refused at
+   once, ``unauthenticated``) and bounds it (``check_submit``: every limit that needs no
+   tokenizer), so no work proportional to a request is done for one that is not allowed;
+   the client socket drops a frame larger than a legal request can be
+   (``client_frame_limit``) before it is read;
+2. tokenizes the prompt and hashes its full blocks exactly as a replica's tokenizer does,
+   scoped to the tenant, a long prompt on a worker thread (``intake.py``);
+3. looks the hashes up in its per-replica prefix index (``index.py``), fed by each
    replica's KV event stream; off the hot path, approximate, resynced on a gap;
-3. ranks the replicas by saved prefill against queue delay, KV pressure and tenant
+4. ranks the replicas by saved prefill against queue delay, KV pressure and tenant
    pressure (``scoring.py``), from each replica's load report (its status, asked every
-   ``load_interval_s``) plus what the router sent it since;
-4. keeps a session (``Submit.session_id``) on its replica while that replica is healthy
-   and meets the deadline, and moves it, recorded, when not;
+   ``load_interval_s``) plus what the router sent it since, and decides, keeping a
+   session (``Submit.session_id``) on its replica while that replica is healthy and meets
+   the deadline and moving it, recorded, when not (``routing.py``, pure);
 5. forwards the request, and relays every answer frame untouched to the client.
 
-The decisions are ``routing.py``'s (pure: ``RoutingCore``), the replicas and what is known
-of each ``membership.py``'s (pure: ``Membership``), the client endpoint's loop is
-``bus/endpoint.py``'s (shared with the streamer); this service wires them to sockets,
-the clock and the spans.
-
-Before any of that, a Submit is authenticated (with keys configured, one without a valid
-key is refused at once, ``unauthenticated``) and bounded (``check_submit``: every limit that
-needs no tokenizer), so no work proportional to a request is done for one that is not
-allowed; the client socket drops a frame larger than a legal request can be
-(``client_frame_limit``) before it is read. A long prompt is tokenized and hashed on a
-worker thread (the tokenizer releases the GIL): a legal 256K-character prompt takes
-~0.1-0.25 s, which on the event loop stalled every relay, heartbeat and verdict. Issue 43
-(D2): a 4 MB prompt with no credentials blocked the router 3.6 s, its ticker then declared
-a healthy replica lost and its reaper cancelled healthy clients.
-
-A rejection for load (admission's ``overloaded``, ``deadline_unmeetable``, ``queue_full``,
-``kv_pressure``, ``tpot_slo_at_risk``, ``draining``) before the request was accepted is admission's ``route`` decision: the router
-sends the request to the next replica, with what is left of its deadline. A replica silent
-for ``heartbeat_timeout_s`` (or one that restarted) is out: each request open on it ends
-``failed`` and new requests go elsewhere. Each decision is a ``router.route`` span with the
-per-replica scores.
+A rejection for load (``routing.REROUTE``) before the request was accepted is admission's
+``route`` decision: the router sends the request to the next replica, with what is left of
+its deadline. A replica silent for ``heartbeat_timeout_s`` (or one that restarted) is out:
+each request open on it ends ``failed`` and new requests go elsewhere; replicas added and
+retired by an operator, and what is known of each, are ``membership.py``'s (pure). Each
+decision is a ``router.route`` span with the per-replica scores.
 """
 from __future__ import annotations
 
@@ -57,28 +48,21 @@ from bus.endpoint import ClientEndpoint
 from bus.socket import BusSocket
 from schemas.frames import client_frame_limit
 from schemas.validate import check_submit
+from components.router.intake import (MAX_TOKENIZING, TOKENIZE_THREADS, inline,
+                                      prompt_blocks, tokenized)
 from components.router.membership import Membership, Replica, load_query_id
-from components.router.routing import Flight, RoutingCore, note_prefilled
+from components.router.routing import Flight, RoutingCore, route_attributes
 from bus.identity import (Identity, Keyring, Refusal, load_service_key,
                                           visible_status)
 from components.model.prompt import PromptHasher
-from schemas.client import (Accepted, Cancel, Cancelled, ChangeReplicas, ClientMsg,
-                            ComponentStatus, Failed, Finished, Heartbeat, ProtocolError,
-                            Rejected, ReplicasChanged, ServerHeartbeat, ServerMsg,
-                            StatusQuery, StatusReport, Submit, TextDelta)
+from schemas.client import (Cancel, Cancelled, ChangeReplicas, ClientMsg, Failed, Heartbeat,
+                            ProtocolError, Rejected, ReplicasChanged, ServerHeartbeat,
+                            ServerMsg, StatusQuery, StatusReport, Submit)
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
 log = structlog.get_logger("router")
 _TRACER = trace.get_tracer("weir.router")
-TERMINAL = (Finished, Rejected, Cancelled, Failed)
 
-# A prompt of at most this many characters is tokenized on the event loop (~1 ms, less
-# than a thread's round trip is worth); a longer one on a worker thread. Measured on a
-# 2-core EPYC: 4096 characters of random words 2.4 ms, 262,144 (8192 x 32) 110-250 ms, a
-# hop to a thread 46 us. Token ids are only range-checked and hashed (8191: 1.1 ms).
-INLINE_CHARS = 2048
-TOKENIZE_THREADS = 2                 # prompts tokenized at once (each holds a core)
-MAX_TOKENIZING = 64                  # waiting for a thread, or on one: past it, overloaded
 
 
 @dataclass
@@ -186,9 +170,9 @@ class RouterService(Component):
         if (bad := check_submit(sub, self.config.engine.max_model_len)) is not None:
             return await self._refuse(who, Rejected(rid, bad[0], bad[1]))
         f = Flight(who, sub, who_is.tenant, time.monotonic(), 0, traceparent=traceparent)
-        if sub.prompt_token_ids is not None or _text_chars(sub) <= INLINE_CHARS:
+        if inline(sub):
             self.flights[rid] = f
-            self._tokenized(f, self._tokens(sub, f.tenant))
+            tokenized(f, prompt_blocks(self.prompts, sub, f.tenant))
             return await self._route(f)
         if self.tokenizing >= MAX_TOKENIZING:
             return await self._refuse(who, Rejected(
@@ -205,28 +189,14 @@ class RouterService(Component):
         """A long prompt's tokens on a worker thread, then its route, unless it was ended
         meanwhile (cancelled, or its client gone: it has its terminal already)."""
         try:
-            tokens = await anyio.to_thread.run_sync(self._tokens, f.submit, f.tenant,
-                                                    limiter=self.tokenize_limiter)
+            blocks = await anyio.to_thread.run_sync(prompt_blocks, self.prompts, f.submit,
+                                                    f.tenant, limiter=self.tokenize_limiter)
         finally:
             self.tokenizing -= 1
         if self.flights.get(f.submit.request_id) is not f or f.cancelled:
             return
-        self._tokenized(f, tokens)
+        tokenized(f, blocks)
         await self._route(f)
-
-    def _tokens(self, sub: Submit, tenant: str) -> tuple[int, list[int], str, int]:
-        """The prompt's token count and its blocks' hashes (public scope, blocks in it);
-        none if it cannot be tokenized (the replica rejects it, with the reason). Reads
-        only the hasher, which nothing changes after setup: safe on a worker thread."""
-        ids = self.prompts.tokenize(sub.prompt, sub.messages, sub.prompt_token_ids,
-                                    tools=sub.tools)
-        if not isinstance(ids, list):
-            return 0, [], "", 0
-        return len(ids), *self.prompts.hashes(tenant, ids)
-
-    @staticmethod
-    def _tokenized(f: Flight, tokens: tuple[int, list[int], str, int]) -> None:
-        f.prompt_tokens, f.hashes, f.public_scope, f.public_blocks = tokens
 
     async def _route(self, f: Flight) -> None:
         """Send ``f`` to the best replica it has not tried; or, if none is left, end it."""
@@ -236,17 +206,7 @@ class RouterService(Component):
         ranked, decision = route.ranked, route.decision
         with _TRACER.start_as_current_span(
                 "router.route", context=tracing.context_from(f.traceparent)) as span:
-            span.set_attributes({
-                "weir.request_id": rid, "gen_ai.usage.input_tokens": f.prompt_tokens,
-                "weir.tenant": f.tenant, "weir.route.policy": self.rc.policy,
-                "weir.route.attempt": len(f.tried),
-                "weir.route.replicas": [s.name for s in ranked],
-                "weir.route.scores": [round(s.score, 6) for s in ranked],
-                "weir.route.ttft_s": [round(s.ttft_s, 6) for s in ranked],
-                "weir.route.saved_prefill_s": [round(s.saved_s, 6) for s in ranked],
-                "weir.route.overloaded": [s.overloaded for s in ranked]})
-            if f.submit.session_id is not None:
-                span.set_attribute("weir.session", f.submit.session_id)
+            span.set_attributes(route_attributes(f, ranked, self.rc.policy))
             if decision is None:
                 span.set_attribute("weir.route.reason", "no_replica")
                 await self._end_here(f, Rejected(
@@ -313,21 +273,12 @@ class RouterService(Component):
             if f is None or f.replica != r.spec.name:
                 r.counts["late_events"] += 1
                 continue
-            if isinstance(body, Accepted):
-                f.accepted = True
-                f.accepted_at = time.monotonic()
-            elif isinstance(body, TextDelta):
-                note_prefilled(r, f, time.monotonic())
-            if isinstance(body, Rejected) and self.routing.reroutes(f, body, self.members):
-                r.counts[f"rerouted.{body.reason}"] += 1
+            step = self.routing.answered(f, r, body, self.members, time.monotonic())
+            if step == "reroute":
                 self.counts["rerouted"] += 1
-                r.open.discard(rid)
                 await self._route(f)
                 continue
-            terminal = isinstance(body, TERMINAL)
-            if terminal:
-                r.counts[type(body).__name__.lower()] += 1
-                note_prefilled(r, f, time.monotonic())
+            if step == "end":
                 self._forget(f)
             if not f.cancelled:
                 await self.clients.send_raw(data, to=f.identity)
@@ -437,18 +388,9 @@ class RouterService(Component):
                     self.cluster = cluster
 
     def status(self, query_id: str, api_key: str | None) -> StatusReport:
-        """The router's own cluster (it is ready while a replica is), then each healthy
-        replica's components as ``replica/component``; each tenant's usage only to itself
-        or an operator."""
-        up = any(r.healthy for r in self.members)
-        comps: list[ComponentStatus] = []
-        for c in self.cluster.components:
-            if c.name == self.name and c.state == "ready" and not up:
-                c = msgspec.structs.replace(c, state="no_replica")
-            comps.append(c)
-        for name, report in self.members.healthy_reports():
-            comps += [msgspec.structs.replace(c, name=f"{name}/{c.name}")
-                      for c in report.components]
+        """The router's own cluster, then each healthy replica's components
+        (``Membership.components``); each tenant's usage only to itself or an operator."""
+        comps = self.members.components(self.cluster.components, self.name)
         who = self.keys.identify(api_key, "default")
         if not (isinstance(who, Identity) and who.sees_all):
             tenant = who.tenant if isinstance(who, Identity) else ""
@@ -464,12 +406,3 @@ class RouterService(Component):
                 "session_moves": sessions.moves,
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **self.members.stats()}
-
-
-def _text_chars(sub: Submit) -> int:
-    """The characters a Submit's prompt gives the tokenizer (bounded by check_submit)."""
-    if sub.prompt is not None:
-        return len(sub.prompt)
-    return sum(len(m.content) + len(m.role) + sum(len(c.arguments) for c in m.tool_calls)
-               for m in sub.messages or ()) + sum(
-        len(t.description or "") + len(t.parameters or "") for t in sub.tools)

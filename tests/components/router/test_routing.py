@@ -8,7 +8,8 @@ from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import (MAX_PREFILLED, Flight, RoutingCore, note_prefilled,
                                        ttft_deadline_s)
 from components.router.scoring import ReplicaState
-from schemas.client import (ComponentStatus, Rejected, StatusReport, Submit, TenantUsage)
+from schemas.client import (Accepted, ComponentStatus, Finished, Rejected, StatusReport, Submit,
+                            TenantUsage, TextDelta, Usage)
 from schemas.config import (AdmissionConfig, ReplicaSpec, RouterConfig, RouterWeights,
                             ServiceClass, TenantConfig)
 
@@ -210,3 +211,27 @@ def test_a_prompt_is_noted_prefilled_once_and_the_notes_are_bounded():
     note_prefilled(r, flight(), 4.0)
     assert len(r.prefilled) == MAX_PREFILLED and r.prefilled[0] == (1, 0.0, 0.0)
     assert r.prefilled[-1] == (0, 0.0, 4.0)
+
+
+def test_what_the_router_does_with_each_answer_of_a_replica():
+    c, m = core(reroute_attempts=1), replicas("a", "b")
+    f = flight(tokens=500)
+    assert send(c, f, m, now=1.0) == "best" and f.replica == "a"
+    a = m["a"]
+    assert c.answered(f, a, Accepted("r-1", 500, 0, "interactive"), m, 1.25) == "relay"
+    assert (f.accepted, f.accepted_at) == (True, 1.25)
+    assert c.answered(f, a, TextDelta("r-1", "x", (1,), 0), m, 1.5) == "relay"
+    assert c.answered(f, a, TextDelta("r-1", "y", (2,), 0), m, 1.75) == "relay"
+    assert a.prefilled == [(500, 1.25, 1.5)]            # its first token only
+    assert c.answered(f, a, Finished("r-1", "stop", Usage(500, 2, 0)), m, 2.0) == "end"
+    assert a.counts["finished"] == 1 and a.prefilled == [(500, 1.25, 1.5)]
+
+    g = flight("r-2", tokens=300)
+    assert send(c, g, m, now=3.0) == "best" and g.replica == "a"
+    assert c.answered(g, a, Rejected("r-2", "queue_full", ""), m, 3.25) == "reroute"
+    assert (a.counts["rerouted.queue_full"], "r-2" in a.open, a.prefilled[-1]) == (
+        1, False, (500, 1.25, 1.5))                  # a refused prompt was not prefilled
+    assert send(c, g, m, now=3.25) == "rerouted" and g.replica == "b"
+    # the second refusal goes to the client: no try left
+    assert c.answered(g, m["b"], Rejected("r-2", "queue_full", ""), m, 3.5) == "end"
+    assert m["b"].counts["rejected"] == 1 and m["b"].prefilled == [(g.pending, 0.0, 3.5)]
