@@ -1,5 +1,11 @@
-"""The streamer process: the client-facing ROUTER socket, the request registry and
-the guarantee of exactly one terminal message per request.
+"""The streamer process: the client-facing ROUTER socket of one engine, its open
+requests and the guarantee of exactly one terminal message per request.
+
+The client endpoint's loop is ``bus/endpoint.py``'s (shared with the router); the open
+requests and the one-terminal rule are the registry's (``registry.py``, pure: a second
+terminal, or any event after the terminal, is dropped and counted), as is the late
+backstop; the request's spans are ``spans.py``'s. This service wires them to sockets,
+the clock, idempotent retries (``idempotency.py``) and the SLO counts (``slo.py``).
 
 A client's Cancel, or its silence past ``client_timeout_s``, cancels its requests
 in the engine. Each client heartbeat is answered with a ``ServerHeartbeat`` naming this
@@ -12,19 +18,13 @@ its deadline (``drain_timeout``).
 """
 from __future__ import annotations
 
-import heapq
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
-
 from typing import Any
 
 import anyio
 import msgspec
 import structlog
 import zmq
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
 from bus import tracing
 from bus.component import Component
@@ -33,71 +33,21 @@ from schemas.frames import client_frame_limit
 from components.tenancy.retry import DrainRate
 from schemas.validate import check_submit
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
+from components.streamer import spans
 from bus.identity import Identity, Keyring, Refusal, visible_status
+from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
-from schemas.wire import (Accepted, Cancelled, CancelRequest, ChoiceEnd, ClientMsg,
+from schemas.wire import (Accepted, Cancelled, CancelRequest, ClientMsg,
                           ClusterStatus, EventBatch, Failed, Finished, NewRequest,
-                          Rejected, StatusReport, StreamerMsg, Submit, TextDelta, Usage)
+                          Rejected, StatusReport, StreamerMsg, Submit, TextDelta)
 from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
 
 log = structlog.get_logger("streamer")
-_TRACER = trace.get_tracer("weir.streamer")
-TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # Whose death loses what (see ARCHITECTURE.md, "Restart policy"): requests the engine
 # accepted live in these components' state, so they fail; requests not yet accepted are
 # sent again (they are only NewRequests in flight through stateless steps).
 _HOLDS_ACCEPTED = ("scheduler", "kv_manager", "executor", "detokenizer")
-# The scheduler drops a request whose class drops late work at its deadline, and ends one
-# at its end-to-end bound; this streamer does too, this much later, so that a lost message
-# (a restart, a dropped frame) cannot leave its client waiting past it
-LATE_GRACE_S = 1.0
 _REPLAYS = ("tokenizer", "admission", "scheduler")
-
-
-@dataclass
-class Active:
-    identity: bytes
-    tenant: str
-    arrival_ns: int
-    clock: RequestClock
-    span: Any = None                 # the request's root span in the engine
-    delivery: Any = None             # "stream" span: first delta to terminal
-    completion: list[str] | None = None   # only with telemetry.record_content
-    pending: NewRequest | None = None     # until admission accepts it: replayable
-    traceparent: str | None = None
-    idempotent: bool = False
-    batched: bool = False            # its client takes Events (Submit.batch_events)
-    # with an end-to-end bound (Accepted.e2e_deadline_ms): what the client has had, so the
-    # backstop can finish it "deadline" with its usage (output tokens by choice)
-    accepted: Accepted | None = None
-    choice_tokens: Counter | None = None
-
-    def end(self, terminal: str, reason: str = "", usage: Usage | None = None) -> None:
-        attrs = {"weir.terminal": terminal, "weir.reason": reason}
-        if usage is not None:
-            attrs.update({"gen_ai.usage.input_tokens": usage.prompt_tokens,
-                          "gen_ai.usage.output_tokens": usage.completion_tokens,
-                          "weir.usage.cached_tokens": usage.cached_tokens})
-        if terminal == "finished":
-            attrs["gen_ai.response.finish_reasons"] = (reason,)
-        elif terminal in ("failed", "rejected"):
-            self.span.set_status(Status(StatusCode.ERROR, terminal))
-        if self.delivery is not None:
-            self.delivery.end()
-        if self.completion is not None:
-            attrs["gen_ai.completion"] = "".join(self.completion)
-        self.span.set_attributes(attrs)
-        self.span.end()
-
-
-def cut_at_deadline(rid: str, accepted: Accepted | None, choice_tokens: Counter) -> Finished:
-    """The ``Finished`` the streamer ends a request with at its end-to-end bound when the
-    engine's end did not come: every choice finish reason ``deadline``, the usage what the
-    client was streamed."""
-    prompt, cached = (accepted.prompt_tokens, accepted.cached_tokens) if accepted else (0, 0)
-    ends = tuple(ChoiceEnd(i, "deadline", n) for i, n in sorted(choice_tokens.items()))
-    return Finished(rid, "deadline", Usage(prompt, sum(choice_tokens.values()), cached),
-                    choices=ends)
 
 
 class StreamerService(Component):
@@ -105,8 +55,7 @@ class StreamerService(Component):
 
     async def setup(self) -> None:
         self.instance = time.time_ns()
-        self.active: dict[str, Active] = {}
-        self.per_tenant: Counter[str] = Counter()          # open requests per tenant
+        self.registry = Registry()                          # open requests
         self.tenant_caps = {t.name: t.max_outstanding for t in self.config.admission.tenants}
         self.ends = DrainRate()                             # for Retry-After estimates
         self.cluster = ClusterStatus((), False)
@@ -118,12 +67,9 @@ class StreamerService(Component):
         self.idempotency = IdempotencyTable(
             sc.idempotency_ttl_s, max_bytes=int(sc.idempotency_max_mib * 2**20),
             max_entry_bytes=int(sc.idempotency_entry_max_mib * 2**20))
-        self.orphans: OrderedDict[str, None] = OrderedDict()   # cancelled late requests
-        # (due, request id, end-to-end?): a heap, from Accepted's expires_ms, e2e_deadline_ms
-        self.expiry: list[tuple[float, str, bool]] = []
         self.slo = SloStats.for_config(self.config.admission)
         self.counts = {"submitted": 0, "finished": 0, "rejected": 0, "cancelled": 0, "failed": 0,
-                       "late_events": 0, "orphans_cancelled": 0, "replayed": 0,
+                       "replayed": 0,
                        "unauthenticated": 0, "idempotent_attached": 0, "idempotent_reused": 0,
                        "idempotent_crowded": 0, "idempotent_rate": 0, "retries": 0,
                        "deadline_expired": 0, "deadline_finished": 0}
@@ -145,10 +91,10 @@ class StreamerService(Component):
     # ------------------------------------------------------------------ clients
     # (the client endpoint's loop, bus/endpoint.py, asks these)
     def is_open(self, request_id: str) -> bool:
-        return request_id in self.active
+        return request_id in self.registry
 
     def holder(self, request_id: str) -> bytes | None:
-        req = self.active.get(request_id)
+        req = self.registry.get(request_id)
         return None if req is None else req.identity
 
     def malformed_answered(self, reply: Rejected | ProtocolError) -> None:
@@ -161,7 +107,6 @@ class StreamerService(Component):
 
     async def submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
-        p = sub.params
         identity = self.keys.identify(sub.api_key, sub.tenant)
         if isinstance(identity, Refusal):
             self.counts["unauthenticated"] += 1
@@ -178,26 +123,18 @@ class StreamerService(Component):
         digest = request_digest(sub) if invalid is None and sub.idempotency_key else b""
         if digest and await self._attach(who, sub, tenant, digest):
             return
-        span = _TRACER.start_span("weir.request", context=tracing.context_from(traceparent),
-                                  kind=trace.SpanKind.SERVER, attributes={
-            "weir.request_id": rid, "weir.tenant": tenant,
-            "gen_ai.operation.name": "chat" if sub.messages is not None else "text_completion",
-            "gen_ai.request.max_tokens": p.max_tokens if p.max_tokens is not None else -1,
-            "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_p": p.top_p,
-            "gen_ai.request.top_k": p.top_k})
+        record = self.config.telemetry.record_content
+        span = spans.start_request(sub, tenant, traceparent, record)
         clock = RequestClock(time.monotonic(), sub.deadline_ms,
                              self.slo.class_of(tenant, sub.service_class))
         req = Active(who, tenant, time.time_ns(), clock, span, batched=sub.batch_events)
-        if self.config.telemetry.record_content:          # off by default: text stays out
-            span.set_attribute("gen_ai.prompt", sub.prompt if sub.prompt is not None else
-                               msgspec.json.encode(sub.messages or sub.prompt_token_ids).decode())
+        if record:
             req.completion = []
         if (rejected := invalid or self._check_capacity(sub, tenant)) is not None:
-            req.end("rejected", rejected.reason)
+            spans.end_request(req, "rejected", rejected.reason)
             self.slo.ended(clock, rejected, clock.started)
             return await self._terminal_to(who, rejected)
-        self.active[rid] = req
-        self.per_tenant[tenant] += 1
+        self.registry.open(rid, req)
         self.counts["submitted"] += 1
         if sub.idempotency_key:
             self.idempotency.start(tenant, sub.idempotency_key, rid, digest)
@@ -241,7 +178,7 @@ class StreamerService(Component):
         request (every bound of ``check_submit``, checked before any work proportional to
         its size), and room under the engine-wide cap on open streams."""
         rid = sub.request_id
-        if not rid or len(rid) > 256 or rid in self.active:
+        if not rid or len(rid) > 256 or rid in self.registry:
             return Rejected(rid[:256], "invalid_request",
                             "request_id is empty, longer than 256 characters or already in use")
         if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
@@ -249,7 +186,7 @@ class StreamerService(Component):
                             "set exactly one of prompt, prompt_token_ids or messages")
         if (bad := check_submit(sub, self.config.engine.max_model_len)) is not None:
             return Rejected(rid, bad[0], bad[1])
-        if len(self.active) >= self.config.streamer.max_clients_requests:
+        if len(self.registry) >= self.config.streamer.max_clients_requests:
             return Rejected(rid, "overloaded", "too many open streams", 1.0)
         return None
 
@@ -263,13 +200,14 @@ class StreamerService(Component):
             return Rejected(rid, "draining", "the server is draining",
                             self.config.streamer.drain_timeout_s)
         now, engine_cap = time.monotonic(), self.config.admission.max_outstanding
-        if len(self.active) >= engine_cap:
+        if len(self.registry) >= engine_cap:
             return Rejected(rid, "overloaded", f"the engine holds {engine_cap} requests, its cap",
-                            self.ends.retry_after(len(self.active) - engine_cap + 1, now))
+                            self.ends.retry_after(len(self.registry) - engine_cap + 1, now))
         cap = self.tenant_caps.get(tenant)
-        if cap is not None and self.per_tenant[tenant] >= cap:
+        held = self.registry.held_by(tenant)
+        if cap is not None and held >= cap:
             return Rejected(rid, "tenant_over_budget", f"tenant holds {cap} requests, its cap",
-                            self.ends.retry_after(self.per_tenant[tenant] - cap + 1, now))
+                            self.ends.retry_after(held - cap + 1, now))
         down = [c.name for c in self.cluster.components if not c.alive or c.state == "starting"]
         if down:                      # it would never be answered: say so now, not never
             return Rejected(rid, "overloaded",
@@ -286,17 +224,14 @@ class StreamerService(Component):
         req = self._pop(rid)
         terminal = type(event).__name__.lower()
         reason = event.finish_reason if isinstance(event, Finished) else event.reason
-        req.end(terminal, reason, getattr(event, "usage", None))
+        spans.end_request(req, terminal, reason, getattr(event, "usage", None))
         self.counts[terminal] += 1
         self.slo.ended(req.clock, event, time.monotonic())
         await self._deliver(rid, req, event, terminal=True)
         await self.to_tokenizer.send(CancelRequest(rid, reason))
 
     def _pop(self, rid: str) -> Active:
-        req = self.active.pop(rid)
-        self.per_tenant[req.tenant] -= 1
-        if not self.per_tenant[req.tenant]:     # an open endpoint's claimed names: no trail
-            del self.per_tenant[req.tenant]
+        req = self.registry.close(rid)
         self.ends.ended(time.monotonic())
         return req
 
@@ -325,13 +260,13 @@ class StreamerService(Component):
         idle_tick = min(1.0, timeout / 4)   # nothing running: nothing to reap, nor a deadline
         last = time.monotonic()
         while True:
-            await anyio.sleep(tick if self.active or self.drain_deadline is not None
+            await anyio.sleep(tick if self.registry or self.drain_deadline is not None
                               else idle_tick)
             now = time.monotonic()
             self.idempotency.expire(now)
             await self._expire_late(now)
-            if self.drain_deadline is not None and now >= self.drain_deadline and self.active:
-                for rid in list(self.active):
+            if self.drain_deadline is not None and now >= self.drain_deadline and self.registry:
+                for rid, _ in self.registry.requests():
                     await self._end(rid, Failed(rid, "drain_timeout: the server shut down "
                                                      "before the request finished"))
             stalled, last = now - last > timeout / 2, now
@@ -340,7 +275,7 @@ class StreamerService(Component):
             gone = self.endpoint.gone(now, timeout)
             if not gone:
                 continue
-            for rid, req in list(self.active.items()):
+            for rid, req in self.registry.requests():
                 if req.identity not in gone:
                     continue
                 if req.idempotent:            # a retry may attach; it runs out on its own
@@ -356,19 +291,11 @@ class StreamerService(Component):
         with no first token by its deadline, or one with none by its end-to-end bound;
         finish reason ``deadline``, with the usage it streamed, one with tokens at its
         end-to-end bound. The engine is told to stop. Looks only at the ones due."""
-        while self.expiry and self.expiry[0][0] <= now:
-            _, rid, whole = heapq.heappop(self.expiry)
-            req = self.active.get(rid)
-            if req is None or (req.clock.first_token is not None and not whole):
-                continue
-            if req.clock.first_token is None:
-                self.counts["deadline_expired"] += 1
-                await self._end(rid, Rejected(rid, "deadline_expired", "no first token within "
-                                              f"its {'end-to-end ' if whole else ''}deadline; "
-                                              "the engine did not end it in time"))
-                continue
-            self.counts["deadline_finished"] += 1
-            await self._end(rid, cut_at_deadline(rid, req.accepted, req.choice_tokens))
+        while (due := self.registry.overdue(now)) is not None:
+            rid, event = due
+            self.counts["deadline_expired" if isinstance(event, Rejected)
+                        else "deadline_finished"] += 1
+            await self._end(rid, event)
 
     # ------------------------------------------------------------------ engine
     async def _engine_loop(self) -> None:
@@ -389,64 +316,40 @@ class StreamerService(Component):
 
     async def _on_event(self, event: Any, out: dict[bytes, list] | None = None) -> None:
         rid = event.request_id
-        req = self.active.get(rid)
         terminal = isinstance(event, TERMINAL)
-        if req is None:
-            self.counts["late_events"] += 1
-            if not terminal:
-                await self._cancel_orphan(rid)
+        req = self.registry.event(event)          # closed, if this is its terminal
+        if req is None:                          # it has had its terminal: dropped
+            if not terminal and self.registry.orphaned(rid):
+                # work for a request nobody holds (it failed, or this streamer restarted
+                # and never knew it): stop it in the engine, once
+                await self.to_tokenizer.send(CancelRequest(rid, "orphaned"))
             return
         if isinstance(event, Accepted):
             self.slo.accepted(req.clock, event)
-            if event.expires_ms is not None:
-                heapq.heappush(self.expiry, (req.clock.started + event.expires_ms / 1e3
-                                             + LATE_GRACE_S, rid, False))
-            if event.e2e_deadline_ms is not None:
-                n = req.pending.params.n if req.pending is not None else 1
-                req.accepted, req.choice_tokens = event, Counter(dict.fromkeys(range(n), 0))
-                heapq.heappush(self.expiry, (req.clock.started + event.e2e_deadline_ms / 1e3
-                                             + LATE_GRACE_S, rid, True))
-            req.pending = None
+            self.registry.accepted(rid, req, event)
         if isinstance(event, TextDelta):
-            req.clock.token(time.monotonic(), event.index)
-            if req.choice_tokens is not None:
-                req.choice_tokens[event.index] += len(event.token_ids)
-        if isinstance(event, TextDelta) and req.completion is not None:
-            req.completion.append(event.text)
-        if isinstance(event, TextDelta) and req.delivery is None:
-            req.delivery = _TRACER.start_span(
-                "stream", context=trace.set_span_in_context(req.span))
+            self.registry.streamed(req, event, time.monotonic())
+            spans.start_stream(req)
         if terminal:
-            self._pop(rid)
+            self.ends.ended(time.monotonic())
             kind = type(event).__name__.lower()
             self.counts[kind] += 1
             self.slo.ended(req.clock, event, time.monotonic())
-            req.end(kind, getattr(event, "finish_reason", None)
-                    or getattr(event, "reason", ""), getattr(event, "usage", None))
+            spans.end_request(req, kind, getattr(event, "finish_reason", None)
+                      or getattr(event, "reason", ""), getattr(event, "usage", None))
         await self._deliver(rid, req, event, terminal, out)
-
-    async def _cancel_orphan(self, rid: str) -> None:
-        """Work for a request nobody holds (it failed, or this streamer restarted and never
-        knew it): stop it in the engine, once."""
-        if rid in self.orphans:
-            return
-        self.orphans[rid] = None
-        if len(self.orphans) > 4096:
-            self.orphans.popitem(last=False)
-        self.counts["orphans_cancelled"] += 1
-        await self.to_tokenizer.send(CancelRequest(rid, "orphaned"))
 
     async def peer_restarted(self, name: str) -> None:
         """Fail only the requests whose state died with ``name``; send again the ones that
         were only in flight through it. The gateway is a client: its death fails nothing
         here (its requests are cancelled when its heartbeats stop)."""
         if name in _HOLDS_ACCEPTED:
-            for rid, req in list(self.active.items()):
+            for rid, req in self.registry.requests():
                 if req.pending is None:
                     await self._end(rid, Failed(rid, f"engine component {name} restarted "
                                                      "and lost the request's state"))
         if name in _REPLAYS:
-            for req in list(self.active.values()):
+            for _, req in self.registry.requests():
                 if req.pending is not None:
                     self.counts["replayed"] += 1
                     await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
@@ -471,8 +374,11 @@ class StreamerService(Component):
                             self.draining)
 
     def stats(self) -> dict[str, float]:
-        return {"active_requests": len(self.active), "clients": len(self.endpoint.last_seen),
+        return {"active_requests": len(self.registry), "clients": len(self.endpoint.last_seen),
                 "idempotency_entries": len(self.idempotency),
                 "idempotency_bytes": self.idempotency.finished_bytes,
                 "idempotency_too_large": self.idempotency.too_large,
-                **{f"requests.{k}": v for k, v in self.counts.items()}, **self.slo.stats()}
+                **{f"requests.{k}": v for k, v in self.counts.items()},
+                "requests.late_events": self.registry.late_events,
+                "requests.orphans_cancelled": self.registry.orphans_cancelled,
+                **self.slo.stats()}
