@@ -15,7 +15,7 @@ own (the service passes ``now``), so every rule here is tested by building it di
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,7 @@ class Membership:
         for spec in specs:
             self.add(spec)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Replica]:
         return iter(self.replicas.values())
 
     def __len__(self) -> int:
