@@ -196,6 +196,7 @@ class RoutingCore:
             where = self.idempotent.get((f.tenant, sub.idempotency_key), now)
             if where is not None and any(s.name == where for s in ranked):
                 return Decision(where, "idempotent")
+        decision: Decision | None
         if f.tried:                       # a reroute: the best left; a session follows it
             decision = Decision(ranked[0].name, "rerouted")
             if sub.session_id is not None:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.streamer.slo import RequestClock
-from schemas.wire import (Accepted, Cancelled, ChoiceEnd, Failed, Finished, NewRequest,
-                          Rejected, TextDelta, Usage)
+from schemas.client import (Accepted, Cancelled, ChoiceEnd, Failed, Finished, Rejected,
+                            TextDelta, Usage)
+from schemas.wire import NewRequest
 
 TERMINAL = (Finished, Rejected, Cancelled, Failed)
 # The scheduler drops a request whose class drops late work at its deadline, and ends one

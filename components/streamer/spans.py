@@ -10,7 +10,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus import tracing
 from components.streamer.registry import Active
-from schemas.wire import Submit, Usage
+from schemas.client import Submit, Usage
 
 _TRACER = trace.get_tracer("weir.streamer")
 
@@ -43,7 +43,7 @@ def start_stream(req: Active) -> None:
 def end_request(req: Active, terminal: str, reason: str = "",
                 usage: Usage | None = None) -> None:
     """``req``'s terminal: its root span ends with how it ended, its stream span too."""
-    attrs = {"weir.terminal": terminal, "weir.reason": reason}
+    attrs: dict[str, Any] = {"weir.terminal": terminal, "weir.reason": reason}
     if usage is not None:
         attrs.update({"gen_ai.usage.input_tokens": usage.prompt_tokens,
                       "gen_ai.usage.output_tokens": usage.completion_tokens,
