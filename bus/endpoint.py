@@ -24,9 +24,20 @@ import anyio
 
 from bus.codec import salvage_request_id
 from bus.socket import BusSocket, MalformedFrame
-from schemas.client import (Cancel, ChangeReplicas, ClientMsg, Heartbeat, ProtocolError,
-                            Rejected, ReplicasChanged, ServerHeartbeat, StatusQuery,
-                            StatusReport, Submit, malformed_reply)
+from schemas.client import (
+    Cancel,
+    ChangeReplicas,
+    ClientMsg,
+    Heartbeat,
+    ProtocolError,
+    Rejected,
+    ReplicasChanged,
+    ServerHeartbeat,
+    StatusQuery,
+    StatusReport,
+    Submit,
+    malformed_reply,
+)
 
 
 class EndpointOwner(Protocol):

@@ -10,8 +10,8 @@ healthy clients.
 """
 from __future__ import annotations
 
-from components.router.routing import Flight
 from components.model.prompt import PromptHasher
+from components.router.routing import Flight
 from schemas.client import Submit
 
 # A prompt of at most this many characters is tokenized on the event loop (~1 ms, less

@@ -21,12 +21,17 @@ from typing import Any
 
 import msgspec
 
-from schemas.limits import MAX_ID_CHARS
-from components.router.index import ReplicaIndex
 from bus.identity import Identity, Refusal
-from schemas.client import (ChangeReplicas, ComponentStatus, ReplicasChanged, ServerHeartbeat,
-                            StatusReport)
+from components.router.index import ReplicaIndex
+from schemas.client import (
+    ChangeReplicas,
+    ComponentStatus,
+    ReplicasChanged,
+    ServerHeartbeat,
+    StatusReport,
+)
 from schemas.config import ConfigError, ReplicaSpec
+from schemas.limits import MAX_ID_CHARS
 
 MAX_CHANGES = 64                     # replicas added and removed in one ChangeReplicas
 LOAD_QUERY = "router-load"           # a load query's id: this, ':', when it was sent (ns)

@@ -29,10 +29,15 @@ import msgspec
 
 from components.router.index import PrefixMatch
 from components.router.membership import Replica
-from components.router.scoring import (Decision, ReplicaState, Score, SessionTable,
-                                       predicted_queue_s, rank)
-from schemas.client import (Accepted, Cancelled, Failed, Finished, Rejected, Submit,
-                            TextDelta)
+from components.router.scoring import (
+    Decision,
+    ReplicaState,
+    Score,
+    SessionTable,
+    predicted_queue_s,
+    rank,
+)
+from schemas.client import Accepted, Cancelled, Failed, Finished, Rejected, Submit, TextDelta
 from schemas.config import AdmissionConfig, RouterConfig
 
 # rejections that say "not here, not now", not "never": another replica may take it

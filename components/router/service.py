@@ -1,32 +1,18 @@
 """The router process: one client endpoint in front of several Weir engines (replicas).
 
 Clients (the SDK, the HTTP gateway, ``weir status``) see one Weir: the router speaks the
-client protocol (docs/PROTOCOL.md) on ``topology.client_endpoint`` (the loop is
-``bus/endpoint.py``'s, shared with the streamer) and is itself a client of each replica's
-endpoint. Per request it:
-
-1. authenticates the Submit (with keys configured, one without a valid key is refused at
-   once, ``unauthenticated``) and bounds it (``check_submit``: every limit that needs no
-   tokenizer), so no work proportional to a request is done for one that is not allowed;
-   the client socket drops a frame larger than a legal request can be
-   (``client_frame_limit``) before it is read;
-2. tokenizes the prompt and hashes its full blocks exactly as a replica's tokenizer does,
-   scoped to the tenant, a long prompt on a worker thread (``intake.py``);
-3. looks the hashes up in its per-replica prefix index (``index.py``), fed by each
-   replica's KV event stream; off the hot path, approximate, resynced on a gap;
-4. ranks the replicas by saved prefill against queue delay, KV pressure and tenant
-   pressure (``scoring.py``), from each replica's load report (its status, asked every
-   ``load_interval_s``) plus what the router sent it since, and decides, keeping a
-   session (``Submit.session_id``) on its replica while that replica is healthy and meets
-   the deadline and moving it, recorded, when not (``routing.py``, pure);
-5. forwards the request, and relays every answer frame untouched to the client.
-
-A rejection for load (``routing.REROUTE``) before the request was accepted is admission's
-``route`` decision: the router sends the request to the next replica, with what is left of
-its deadline. A replica silent for ``heartbeat_timeout_s`` (or one that restarted) is out:
-each request open on it ends ``failed`` and new requests go elsewhere; replicas added and
-retired by an operator, and what is known of each, are ``membership.py``'s (pure). Each
-decision is a ``router.route`` span with the per-replica scores.
+client protocol (docs/PROTOCOL.md; the loop is ``bus/endpoint.py``'s, shared with the
+streamer) and is itself a client of each replica's endpoint. A Submit is authenticated
+and bounded (``check_submit``) before any work proportional to it, its prompt tokenized and
+hashed as a replica would (``intake.py``), its replica chosen from the prefix index
+(``index.py``) and the load reports (``scoring.py``, ``routing.py``: sessions, reroutes,
+retries), and every answer frame relayed untouched. A refusal for load before acceptance
+sends it on to another replica with what is left of its deadline; a replica silent for
+``heartbeat_timeout_s``, or restarted, is out and its requests end ``failed``; replicas
+are added and retired by an operator (``membership.py``). Each decision is a
+``router.route`` span with the per-replica scores. The decisions and the replicas' state
+are pure modules; this service wires them to sockets, the clock and the spans
+(docs/design/router.md says why it routes as it does).
 """
 from __future__ import annotations
 
@@ -45,24 +31,34 @@ from bus import tracing
 from bus.codec import Codec
 from bus.component import Component
 from bus.endpoint import ClientEndpoint
+from bus.identity import Identity, Keyring, Refusal, load_service_key, visible_status
 from bus.socket import BusSocket
-from schemas.frames import client_frame_limit
-from schemas.validate import check_submit
-from components.router.intake import (MAX_TOKENIZING, TOKENIZE_THREADS, inline,
-                                      prompt_blocks, tokenized)
+from components.model.prompt import PromptHasher
+from components.router import intake
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import Flight, RoutingCore, route_attributes
-from bus.identity import (Identity, Keyring, Refusal, load_service_key,
-                                          visible_status)
-from components.model.prompt import PromptHasher
-from schemas.client import (Cancel, Cancelled, ChangeReplicas, ClientMsg, Failed, Heartbeat,
-                            ProtocolError, Rejected, ReplicasChanged, ServerHeartbeat,
-                            ServerMsg, StatusQuery, StatusReport, Submit)
+from schemas.client import (
+    Cancel,
+    Cancelled,
+    ChangeReplicas,
+    ClientMsg,
+    Failed,
+    Heartbeat,
+    ProtocolError,
+    Rejected,
+    ReplicasChanged,
+    ServerHeartbeat,
+    ServerMsg,
+    StatusQuery,
+    StatusReport,
+    Submit,
+)
+from schemas.frames import client_frame_limit
+from schemas.validate import check_submit
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
 log = structlog.get_logger("router")
 _TRACER = trace.get_tracer("weir.router")
-
 
 
 @dataclass
@@ -91,7 +87,7 @@ class RouterService(Component):
         self.routing = RoutingCore(rc, self.config.admission, self.config.kv.block_size,
                                    self.config.streamer.idempotency_ttl_s)
         self.tokenizing = 0
-        self.tokenize_limiter = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        self.tokenize_limiter = anyio.CapacityLimiter(intake.TOKENIZE_THREADS)
         self.flights: dict[str, Flight] = {}
         self.counts: Counter[str] = Counter()
         self.replies = Codec(ServerMsg)
@@ -170,13 +166,13 @@ class RouterService(Component):
         if (bad := check_submit(sub, self.config.engine.max_model_len)) is not None:
             return await self._refuse(who, Rejected(rid, bad[0], bad[1]))
         f = Flight(who, sub, who_is.tenant, time.monotonic(), 0, traceparent=traceparent)
-        if inline(sub):
+        if intake.inline(sub):
             self.flights[rid] = f
-            tokenized(f, prompt_blocks(self.prompts, sub, f.tenant))
+            intake.tokenized(f, intake.prompt_blocks(self.prompts, sub, f.tenant))
             return await self._route(f)
-        if self.tokenizing >= MAX_TOKENIZING:
+        if self.tokenizing >= (most := intake.MAX_TOKENIZING):
             return await self._refuse(who, Rejected(
-                rid, "overloaded", f"{MAX_TOKENIZING} long prompts are being tokenized", 1.0))
+                rid, "overloaded", f"{most} long prompts are being tokenized", 1.0))
         self.flights[rid] = f
         self.tokenizing += 1
         self._tg.start_soon(self._tokenize_and_route, f)
@@ -189,13 +185,14 @@ class RouterService(Component):
         """A long prompt's tokens on a worker thread, then its route, unless it was ended
         meanwhile (cancelled, or its client gone: it has its terminal already)."""
         try:
-            blocks = await anyio.to_thread.run_sync(prompt_blocks, self.prompts, f.submit,
-                                                    f.tenant, limiter=self.tokenize_limiter)
+            blocks = await anyio.to_thread.run_sync(
+                intake.prompt_blocks, self.prompts, f.submit, f.tenant,
+                limiter=self.tokenize_limiter)
         finally:
             self.tokenizing -= 1
         if self.flights.get(f.submit.request_id) is not f or f.cancelled:
             return
-        tokenized(f, blocks)
+        intake.tokenized(f, blocks)
         await self._route(f)
 
     async def _route(self, f: Flight) -> None:

@@ -22,8 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from components.streamer.slo import RequestClock
-from schemas.client import (Accepted, Cancelled, ChoiceEnd, Failed, Finished, Rejected,
-                            TextDelta, Usage)
+from schemas.client import (
+    Accepted,
+    Cancelled,
+    ChoiceEnd,
+    Failed,
+    Finished,
+    Rejected,
+    TextDelta,
+    Usage,
+)
 from schemas.wire import NewRequest
 
 TERMINAL = (Finished, Rejected, Cancelled, Failed)

@@ -29,18 +29,31 @@ import zmq
 from bus import tracing
 from bus.component import Component
 from bus.endpoint import ClientEndpoint
-from schemas.frames import client_frame_limit
-from components.tenancy.retry import DrainRate
-from schemas.validate import check_submit
-from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
-from components.streamer import spans
 from bus.identity import Identity, Keyring, Refusal, visible_status
+from components.streamer import spans
+from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
-from schemas.wire import (Accepted, Cancelled, CancelRequest, ClientMsg,
-                          ClusterStatus, EventBatch, Failed, Finished, NewRequest,
-                          Rejected, StatusReport, StreamerMsg, Submit, TextDelta)
+from components.tenancy.retry import DrainRate
 from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
+from schemas.frames import client_frame_limit
+from schemas.validate import check_submit
+from schemas.wire import (
+    Accepted,
+    Cancelled,
+    CancelRequest,
+    ClientMsg,
+    ClusterStatus,
+    EventBatch,
+    Failed,
+    Finished,
+    NewRequest,
+    Rejected,
+    StatusReport,
+    StreamerMsg,
+    Submit,
+    TextDelta,
+)
 
 log = structlog.get_logger("streamer")
 # Whose death loses what (see ARCHITECTURE.md, "Restart policy"): requests the engine

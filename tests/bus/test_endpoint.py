@@ -12,9 +12,20 @@ import zmq
 from bus.codec import Codec, encode
 from bus.endpoint import ClientEndpoint
 from bus.socket import BusSocket
-from schemas.client import (Cancel, ChangeReplicas, ClientMsg, Heartbeat, ProtocolError,
-                            Rejected, ReplicasChanged, ServerHeartbeat, ServerMsg, StatusQuery,
-                            StatusReport, Submit)
+from schemas.client import (
+    Cancel,
+    ChangeReplicas,
+    ClientMsg,
+    Heartbeat,
+    ProtocolError,
+    Rejected,
+    ReplicasChanged,
+    ServerHeartbeat,
+    ServerMsg,
+    StatusQuery,
+    StatusReport,
+    Submit,
+)
 
 REPLIES = Codec(ServerMsg)
 

@@ -6,11 +6,15 @@ import hashlib
 
 import pytest
 
-from components.router.membership import (MAX_CHANGES, Membership, asked_at,
-                                          load_query_id)
 from bus.identity import Keyring
-from schemas.client import (ChangeReplicas, ComponentStatus, ReplicaAddress, ServerHeartbeat,
-                            StatusReport)
+from components.router.membership import MAX_CHANGES, Membership, asked_at, load_query_id
+from schemas.client import (
+    ChangeReplicas,
+    ComponentStatus,
+    ReplicaAddress,
+    ServerHeartbeat,
+    StatusReport,
+)
 from schemas.config import ApiKey, ReplicaSpec
 
 

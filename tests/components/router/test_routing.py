@@ -5,13 +5,33 @@ for load and what is left of its deadlines, round robin, and each request's dead
 import pytest
 
 from components.router.membership import Membership, Replica, load_query_id
-from components.router.routing import (MAX_PREFILLED, Flight, RoutingCore, note_prefilled,
-                                       ttft_deadline_s)
+from components.router.routing import (
+    MAX_PREFILLED,
+    Flight,
+    RoutingCore,
+    note_prefilled,
+    ttft_deadline_s,
+)
 from components.router.scoring import ReplicaState
-from schemas.client import (Accepted, ComponentStatus, Finished, Rejected, StatusReport, Submit,
-                            TenantUsage, TextDelta, Usage)
-from schemas.config import (AdmissionConfig, ReplicaSpec, RouterConfig, RouterWeights,
-                            ServiceClass, TenantConfig)
+from schemas.client import (
+    Accepted,
+    ComponentStatus,
+    Finished,
+    Rejected,
+    StatusReport,
+    Submit,
+    TenantUsage,
+    TextDelta,
+    Usage,
+)
+from schemas.config import (
+    AdmissionConfig,
+    ReplicaSpec,
+    RouterConfig,
+    RouterWeights,
+    ServiceClass,
+    TenantConfig,
+)
 
 W = RouterWeights(prefix=1.0, queue=1.0, kv_used=0.0, active_kv=0.0, tenant=0.0, cpu_tier=0.5)
 ADMISSION = AdmissionConfig(

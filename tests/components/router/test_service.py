@@ -13,10 +13,27 @@ import zmq.asyncio
 
 from bus.codec import Codec, encode
 from components.router.service import RouterService
-from schemas.client import (Accepted, Cancel, Cancelled, ChangeReplicas, ClientMsg,
-                            ComponentStatus, Finished, Heartbeat, ProtocolError, Rejected,
-                            ReplicaAddress, ReplicasChanged, ServerHeartbeat, ServerMsg,
-                            StatusQuery, StatusReport, Submit, TextDelta, Usage)
+from schemas.client import (
+    Accepted,
+    Cancel,
+    Cancelled,
+    ChangeReplicas,
+    ClientMsg,
+    ComponentStatus,
+    Finished,
+    Heartbeat,
+    ProtocolError,
+    Rejected,
+    ReplicaAddress,
+    ReplicasChanged,
+    ServerHeartbeat,
+    ServerMsg,
+    StatusQuery,
+    StatusReport,
+    Submit,
+    TextDelta,
+    Usage,
+)
 from schemas.config import ReplicaSpec, RouterConfig, Topology, WeirConfig
 
 REPLIES = Codec(ServerMsg)

@@ -18,8 +18,18 @@ from components.streamer.service import StreamerService
 from components.streamer.slo import RequestClock
 from schemas.client import ServerHeartbeat, ServerMsg
 from schemas.config import Topology, WeirConfig
-from schemas.wire import (Accepted, CancelRequest, ChoiceEnd, Finished, NewRequest, Rejected,
-                          SamplingParams, TextDelta, TokenizerMsg, Usage)
+from schemas.wire import (
+    Accepted,
+    CancelRequest,
+    ChoiceEnd,
+    Finished,
+    NewRequest,
+    Rejected,
+    SamplingParams,
+    TextDelta,
+    TokenizerMsg,
+    Usage,
+)
 
 T0 = 100.0          # every request's arrival, monotonic seconds
 

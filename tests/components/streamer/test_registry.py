@@ -6,11 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from components.streamer.registry import (LATE_GRACE_S, ORPHANS_KEPT, Active, Registry,
-                                          cut_at_deadline)
+from components.streamer.registry import (
+    LATE_GRACE_S,
+    ORPHANS_KEPT,
+    Active,
+    Registry,
+    cut_at_deadline,
+)
 from components.streamer.slo import RequestClock
-from schemas.wire import (Accepted, Cancelled, ChoiceEnd, Failed, Finished, NewRequest,
-                          Rejected, SamplingParams, TextDelta, Usage)
+from schemas.wire import (
+    Accepted,
+    Cancelled,
+    ChoiceEnd,
+    Failed,
+    Finished,
+    NewRequest,
+    Rejected,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
 
 T0 = 100.0
 
