@@ -233,7 +233,11 @@ class StreamerService(Component):
 
     async def _end(self, rid: str, event: Any) -> None:
         """Deliver a terminal event the streamer itself decided, and stop the engine's work
-        on the request (the cancel follows the request's own path)."""
+        on the request (the cancel follows the request's own path). A request no longer
+        open had its terminal while the caller awaited (its loops end requests from a list
+        taken before their sends): it gets no second one."""
+        if rid not in self.registry:
+            return
         req = self._pop(rid)
         terminal = type(event).__name__.lower()
         reason = event.finish_reason if isinstance(event, Finished) else event.reason

@@ -138,3 +138,21 @@ async def test_a_request_without_a_bound_keeps_no_counts_and_no_entry(tmp_path):
         assert await ends.to_engine(0) == []
     finally:
         ends.close()
+
+
+@pytest.mark.anyio
+async def test_a_request_ended_while_a_loop_awaited_gets_no_second_terminal(tmp_path):
+    """The drain, client-gone and restart loops end requests from a list taken before
+    their sends: the engine's terminal can land in between. The loop's end is then no
+    end at all (it raised KeyError and killed the loop)."""
+    ends = Ends(tmp_path)
+    try:
+        svc = await ends.start(("r", 1))
+        await svc._on_event(Accepted("r", 5, 0, "interactive"))
+        await svc._on_event(Finished("r", "stop", Usage(5, 1, 1)))      # the engine's end
+        await svc.cancel("r", "client disconnected")                    # the loop's, late
+        assert [type(e) for e in await ends.to_client(2)] == [Accepted, Finished]
+        assert await ends.to_engine(0) == []
+        assert not len(svc.registry) and svc.counts["cancelled"] == 0
+    finally:
+        ends.close()
