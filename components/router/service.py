@@ -319,8 +319,10 @@ class RouterService(Component):
                 self._excuse(now - last - rc.heartbeat_interval_s, now)
             last = now
             self.routing.expire(now)
-            for r in self.members:
-                sock = self.links[r.spec.name].sock
+            for r in list(self.members):       # a change may land while a send awaits
+                if (link := self.links.get(r.spec.name)) is None:
+                    continue                       # let go meanwhile
+                sock = link.sock
                 await sock.send(Heartbeat())
                 if now >= next_load:
                     await sock.send(StatusQuery(load_query_id(time.monotonic_ns()),
