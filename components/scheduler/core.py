@@ -10,14 +10,7 @@ KV blocks come from the kv_manager asynchronously. The core never waits: it
 emits batched ``AllocRequest``/``FreeRequest`` ops, asks for growth
 ``lookahead_tokens`` ahead, and a sequence whose grant has not arrived simply
 sits out a step. Each sequence's lifecycle is one explicit state machine
-(``sequence.py``); the core is split by subject:
-
-- ``planning.py``: the step plan: decode first, chunked prefill, new work in fair order
-  under each tenant's running cap.
-- ``kv_requests.py``: leases, growth, swap-in and fork requests, and their grants.
-- ``preemption.py``: who gives blocks back when growth is refused, recompute or swap,
-  and urgency preemption for a request about to miss its TTFT deadline.
-- ``output.py``: sampled tokens, forks for n > 1, stop conditions, finishing.
+(``sequence.py``).
 
 Steps in flight: up to ``scheduler.async_depth`` plans may be at the executor at once (it
 runs them in order). ``in_flight`` maps each one's step id, oldest first, to the tokens it
@@ -30,100 +23,90 @@ executor runs plans in order, so the blocks are used again only after those step
 
 Synchronous and torch-free; ``loop.py`` feeds it messages and the service sends what it
 returns.
+
+Contract
+--------
+The core is composed of parts, each a class owning its state; the core builds them and
+hands each the others it uses, explicitly. None of them imports this module.
+
+- ``tenants`` (tenants.py, ``Tenants``): each tenant's virtual counter, token bucket, KV
+  budget and running cap.
+- ``queues`` (queues.py, ``Queues``): ``waiting``, ``running``, ``by_request``, ``by_seq``,
+  the seq ids and the fair order. The only part that adds or removes sequences.
+- ``prices`` (prices.py, ``Prices``): recompute against copy estimates, and the host
+  tier's measured bandwidth.
+- ``leases`` (kv_requests.py, ``LeaseBook``): the epoch, the KV ops not sent yet (taken as
+  one ``KvOps``), the block copies and drops the next plan carries, the free counts a
+  refused lease waits on; applies grants.
+- ``preemptor`` (preemption.py, ``Preemptor``): who gives KV back and how, urgency, and
+  the preemption counters and the last step's decisions.
+- ``output`` (output.py, ``OutputStage``): samples into ``TokenOut``, forks, stop
+  conditions, and every end of a choice (stop, cancel, deadline, reset).
+- ``planner`` (planning.py, ``Planner``): the step plan, the steps in flight, the count of
+  steps.
+
+What the loop (loop.py, and the replay simulator, weir/replay/sim.py) may call:
+
+- inputs: ``add``, ``on_grants``, ``on_result``, ``on_executor``, ``cancel``, ``stop``,
+  ``end_at_deadline``, ``reset``; each returns what it produced (an ``Outcome``, or the
+  new ``Seq`` for ``add``), or nothing.
+- outputs: ``schedule`` (a ``StepPlan`` or None; only with fewer than
+  ``scheduler.async_depth`` steps in flight), then ``take_kv_ops`` (the ops to send to the
+  kv_manager before that plan reaches the executor).
+- reads, never to be mutated from outside: ``waiting``, ``running``, ``by_request``,
+  ``by_seq``, ``in_flight``, ``has_work``, ``epoch``, ``vtc``, ``fair``, ``cost`` (the step
+  cost model, which the loop teaches with ``cost.observe``), ``running_slots()``,
+  ``over_rate()``, ``victim_key()``, the counters (``steps``, ``preemptions``,
+  ``preemptions_by_kind``, ``preemption_reasons``, ``wasted_tokens``, ``swapped_blocks``,
+  ``discarded_samples``) and the last plan's ``last_preempted`` and ``last_urgency``.
 """
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Callable
 
-from components.tenancy.bucket import TokenBucket
-from components.costs.cost_model import StepCostModel, StepShape, prefill_shape
+from components.costs.cost_model import StepCostModel, StepShape
+from components.scheduler.kv_requests import LeaseBook
+from components.scheduler.output import Outcome, OutputStage
+from components.scheduler.planning import Planner
+from components.scheduler.preemption import Preemption, Preemptor, UrgencyDecision
+from components.scheduler.prices import Prices
+from components.scheduler.queues import Queues
+from components.scheduler.sequence import Seq
+from components.scheduler.tenants import Tenants
 from components.tenancy.fairness import VirtualCounters
-from components.scheduler.kv_requests import KvRequests
-from components.scheduler.output import Outcome, Output
-from components.scheduler.planning import Planning
-from components.scheduler.preemption import Preemption, Preempting, UrgencyDecision
-from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
-from schemas.wire import (Admitted, AllocRequest, BlockCopy, ForkRequest, FreeRequest, KvOps,
-                          StepSample, SwapOutRequest)
+from schemas.wire import Admitted, KvGrant, KvOps, StepPlan, StepResult, StepSample
 
 __all__ = ["Outcome", "Preemption", "SchedulerCore", "UrgencyDecision"]
 
 
-class SchedulerCore(Planning, KvRequests, Preempting, Output):
+class SchedulerCore:
     def __init__(self, cfg: SchedulerConfig, kv: KvConfig, max_model_len: int,
                  epoch: int = 1, weights: dict[str, float] | None = None,
                  tenants: Sequence[TenantConfig] = ()) -> None:
         self.cfg = cfg
-        self.block_size = kv.block_size
-        self.grow_blocks = kv.grow_blocks
-        self.num_blocks = kv.num_blocks
         self.max_model_len = max_model_len
-        self.epoch = epoch
-        self.waiting: deque[Seq] = deque()
-        self.running: list[Seq] = []
-        self.by_request: dict[str, Seq] = {}
-        self.by_seq: dict[int, Seq] = {}
-        self._ids = itertools.count(1)
-        self._step_ids = itertools.count(1)
-        self._allocs: list[AllocRequest] = []
-        self._frees: list[FreeRequest] = []
-        self._drop: list[int] = []
-        # the steps sent to the executor and not answered, oldest first:
-        # step_id -> {seq_id: tokens computed for it}
-        self.in_flight: dict[int, dict[int, int]] = {}
-        self.discarded_samples = 0   # sampled for a sequence that ended (or was preempted)
-                                     # while the step ran: the price of planning ahead
-        self._frees_emitted = 0    # FreeRequests so far; a refused lease retries after more
-        self._tenant_frees: Counter[str] = Counter()    # the same, per tenant (budget refusals)
-        self._forks: list[ForkRequest] = []
-        self._swap_outs: list[SwapOutRequest] = []
-        self._swap_ins: list[int] = []
-        self._copies: list[BlockCopy] = []
-        self.preemption_mode = kv.preemption_mode
-        self.cpu_free = kv.num_cpu_blocks       # host-tier blocks free, as last reported
-        self.block_bytes = 0                    # set when the executor reports in
-        self.copy_bytes_per_s = 0.0
         self.cost = StepCostModel()             # learned from measured steps (loop.py)
-        self.recompute_s: Callable[[int], float] = \
-            lambda tokens: self.cost.predict(prefill_shape(tokens))   # prefill estimate
-        self.preemptions = 0
-        self.preemptions_by_kind: Counter[str] = Counter()
-        self.preemption_reasons: Counter[str] = Counter()
-        self.wasted_tokens = 0           # computed tokens thrown away by preemption (recompute)
-        self.swapped_blocks = 0          # blocks sent to the host tier by preemption
-        self.last_preempted: list[Preemption] = []
-        self.last_urgency: list[UrgencyDecision] = []
-        self.steps = 0
-        limits = {t.name: t for t in tenants}
-        self.kv_budget = {name: t.kv_blocks for name, t in limits.items() if t.kv_blocks}
-        self.max_running = {name: t.max_running for name, t in limits.items() if t.max_running}
-        # the tenant's token rate, as admission's bucket, charged with the tokens the engine
-        # really computes and samples: a tenant past it starts new work after the others
-        self.buckets = {name: TokenBucket(t.token_rate, t.token_burst, 0.0)
-                        for name, t in limits.items() if t.token_rate}
-        if weights is None:
-            weights = {name: t.weight for name, t in limits.items()}
-        self.vtc = VirtualCounters(weights)
-        self.fair = cfg.fairness == "vtc"
-        self.urgency = cfg.urgency_preemption
+        self.tenants = Tenants(cfg, tenants, weights)
+        self.queues = Queues(self.tenants, kv.num_blocks)
+        self.prices = Prices(self.cost, kv.block_size)
+        self.leases = LeaseBook(cfg, self.queues, self.prices, kv.block_size, kv.grow_blocks,
+                                max_model_len, epoch)
+        self.preemptor = Preemptor(cfg, self.queues, self.leases, self.prices, max_model_len,
+                                   kv.preemption_mode, kv.num_cpu_blocks)
+        self.output = OutputStage(self.queues, self.leases, max_model_len)
+        self.planner = Planner(cfg, self.queues, self.leases, self.preemptor, kv.block_size,
+                               max_model_len)
 
     # ------------------------------------------------------------------ inputs
-    def _backlogged_tenants(self) -> set[str]:
-        """Tenants with work waiting to start, as VTC counts them: a tenant whose work is
-        all running is not backlogged, so its next request is lifted (no banked credit)."""
-        return {s.tenant for s in self.waiting}
-
     def add(self, req: Admitted, now_ns: int = 0) -> Seq:
         """Take an admitted request in at wall-clock ``now_ns`` (0: unknown), from which its
         ingress is measured: the time since its arrival that neither admission's queue nor
         this one held it."""
         deadline_ns = req.arrival_ns + int(req.deadline_ms * 1e6) \
             if req.deadline_ms is not None else 0
-        seq = Seq(next(self._ids), req.request_id, req.tenant, req.params,
+        seq = Seq(self.queues.next_id(), req.request_id, req.tenant, req.params,
                   len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
                   req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
                   aging_per_s=req.aging_per_s, deadline_ns=deadline_ns,
@@ -133,55 +116,45 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
                   prompt_lps=None if req.params.prompt_logprobs is None else [],
                   ingress_ns=max(now_ns - req.arrival_ns - req.queued_ns, 0) if now_ns else 0)
         seq.group.append(seq)
-        self.by_request[seq.request_id] = seq
-        self.by_seq[seq.seq_id] = seq
-        backlogged = self._backlogged_tenants()
-        # lifted, or of a more important class than work already waiting, it may start
-        # before others: put it in its place before leases are asked
-        reorder = self.fair and (seq.tenant not in backlogged
-                                 or any(s.priority > seq.priority for s in self.waiting))
-        self.waiting.append(seq)
-        if seq.tenant not in backlogged:
-            self.vtc.backlogged(seq.tenant, backlogged)
-        if reorder:
-            self._fair_order(now_ns or req.arrival_ns)
-        self._lease_waiting()                 # ask its lease now, not when the next step is planned
+        self.queues.admit(seq, now_ns or req.arrival_ns)
+        self.leases.lease_waiting()           # ask its lease now, not when the next step is planned
         return seq
 
-    def cancel(self, request_id: str) -> Outcome:
-        """Cancel a request (every choice) wherever it is; its blocks go back at once."""
-        seq = self.by_request.get(request_id)
-        out = Outcome()
-        if seq is None:
-            return out
-        if any(s.outputs_sent for s in seq.group):
-            out.forget.append(request_id)
-        for s in list(seq.group):
-            if not s.ended:
-                self._finish(s, out)
-        return out
+    def on_grants(self, grants: list[KvGrant], free_cpu_blocks: int = -1) -> None:
+        """The kv_manager answered (``free_cpu_blocks``: its host tier's free blocks, -1:
+        not said)."""
+        if free_cpu_blocks >= 0:
+            self.preemptor.cpu_free = free_cpu_blocks
+        self.leases.on_grants(grants, self.preemptor)
 
-    def stop(self, request_id: str, index: int = 0) -> Outcome:
-        """A stop string ended choice ``index`` (the detokenizer already closed it)."""
-        seq = self.by_request.get(request_id)
-        out = Outcome()
-        if seq is None:
-            return out
-        if seq.n == 1:
-            return self.cancel(request_id)
-        for s in seq.group:
-            if s.index == index and not s.ended:
-                self._finish(s, out)
-        return out
+    def on_result(self, result: StepResult, now_ns: int = 0) -> Outcome:
+        """A step answered: only the oldest step in flight is taken (any other step id is
+        from before a reset, and ignored; results come in step order)."""
+        planned = self.planner.answered(result.step_id)
+        if planned is None:
+            return Outcome()                  # a step planned before a reset
+        return self.output.on_result(result, planned, now_ns)
 
     def on_executor(self, block_bytes: int, copy_bytes_per_s: float,
                     step_costs: Sequence[StepSample] = ()) -> None:
         """The executor reported what moving a block to and from its host tier costs, and
         the steps it timed at startup: the step-cost model starts from their fit (the steps
         this scheduler measures then refine it)."""
-        self.block_bytes, self.copy_bytes_per_s = block_bytes, copy_bytes_per_s
+        self.prices.block_bytes, self.prices.copy_bytes_per_s = block_bytes, copy_bytes_per_s
         self.cost.prior_from((StepShape(s.tokens, s.context, s.seqs, s.pairs), s.seconds)
                              for s in step_costs)
+
+    def cancel(self, request_id: str) -> Outcome:
+        """Cancel a request (every choice) wherever it is; its blocks go back at once."""
+        return self.output.cancel(request_id)
+
+    def stop(self, request_id: str, index: int = 0) -> Outcome:
+        """A stop string ended choice ``index`` (the detokenizer already closed it)."""
+        return self.output.stop(request_id, index)
+
+    def end_at_deadline(self, request_id: str, now_ns: int) -> Outcome:
+        """End a request that has streamed tokens at its end-to-end deadline (output.py)."""
+        return self.output.end_at_deadline(request_id, now_ns)
 
     def reset(self, kv_lost: bool) -> Outcome:
         """A peer lost its state (executor or kv_manager restarted), or a step failed: drop
@@ -190,73 +163,105 @@ class SchedulerCore(Planning, KvRequests, Preempting, Output):
         them any more, and the executor runs any later plan after the steps it still has.
         Starts a new epoch if the pool was lost."""
         out = Outcome()
-        self.in_flight.clear()
-        for parent in list(self.by_request.values()):
+        self.planner.in_flight.clear()
+        for parent in list(self.queues.by_request.values()):
             out.forget.append(parent.request_id)
             for seq in list(parent.group):
                 if seq.ended:
                     continue
                 seq.num_computed = 0      # the executor's KV is gone (or void): cache nothing
                 seq.known_to_executor = False
-                self._finish(seq, out, free=not kv_lost)
-        self._copies.clear()              # the executor's memory is new (or void)
-        if kv_lost:
-            self._frees.clear()
-            self._allocs.clear()
-            self._forks.clear()
-            self._swap_outs.clear()
-            self._swap_ins.clear()
-            self.epoch += 1
-        self._drop.clear()
-        self.by_seq.clear()
+                self.output.finish(seq, out, free=not kv_lost)
+        self.leases.reset(kv_lost)
+        self.queues.clear_seqs()
         return out
 
-    # ------------------------------------------------------------------ kv traffic
-    def take_kv_ops(self) -> KvOps | None:
-        if not (self._allocs or self._frees or self._forks or self._swap_outs or self._swap_ins):
-            return None
-        ops = KvOps(self.epoch, self._frees, self._allocs, self._forks, self._swap_outs,
-                    self._swap_ins)
-        self._allocs, self._frees, self._forks, self._swap_outs, self._swap_ins = [], [], [], [], []
-        return ops
+    # ------------------------------------------------------------------ outputs
+    def schedule(self, now_ns: int = 0, budget: int | None = None) -> StepPlan | None:
+        """Plan the next step, or None if nothing can run now (planning.py)."""
+        return self.planner.schedule(now_ns, budget)
 
+    def take_kv_ops(self) -> KvOps | None:
+        return self.leases.take_kv_ops()
+
+    # ------------------------------------------------------------------ reads
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.queues.running or self.queues.waiting)
 
-    # ------------------------------------------------------------------ tenants
-    def held_blocks(self) -> Counter[str]:
-        """Device blocks each tenant's sequences hold (as the core knows them)."""
-        held: Counter[str] = Counter()
-        for seq in self.by_seq.values():
-            if seq.holds_lease and seq.state not in (State.SWAPPED, State.SWAPPING_IN,
-                                                     State.SWAP_REFUSED):
-                held[seq.tenant] += len(seq.block_ids)
-        return held
+    @property
+    def waiting(self) -> deque[Seq]:
+        return self.queues.waiting
 
-    def over_rate(self, tenant: str, now_s: float) -> bool:
-        """Has ``tenant`` used more than its token bucket holds?"""
-        bucket = self.buckets.get(tenant)
-        return bucket is not None and bucket.refill(now_s) < 0
+    @property
+    def running(self) -> list[Seq]:
+        return self.queues.running
 
-    def charge(self, tenant: str, now_ns: int, input_tokens: int = 0,
-               output_tokens: int = 0) -> None:
-        self.vtc.charge(tenant, input_tokens=input_tokens, output_tokens=output_tokens)
-        if (bucket := self.buckets.get(tenant)) is not None:
-            bucket.take(input_tokens + output_tokens, now_ns / 1e9)
+    @property
+    def by_request(self) -> dict[str, Seq]:
+        return self.queues.by_request
 
-    def over_share(self) -> set[str]:
-        """Tenants holding more device blocks than their weighted share of the pool, among
-        the tenants with work running or waiting. A full pool holds up the queue for them
-        only: they wait, the others go on (KV fairness)."""
-        held = self.held_blocks()
-        active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        total = sum(self.vtc.weight(t) for t in active) or 1.0
-        return {t for t in active if held[t] > self.num_blocks * self.vtc.weight(t) / total}
+    @property
+    def by_seq(self) -> dict[int, Seq]:
+        return self.queues.by_seq
+
+    @property
+    def in_flight(self) -> dict[int, dict[int, int]]:
+        return self.planner.in_flight
+
+    @property
+    def steps(self) -> int:
+        return self.planner.steps
+
+    @property
+    def epoch(self) -> int:
+        return self.leases.epoch
+
+    @property
+    def vtc(self) -> VirtualCounters:
+        return self.tenants.vtc
+
+    @property
+    def fair(self) -> bool:
+        return self.tenants.fair
 
     def running_slots(self) -> Counter[str]:
-        """Running sequences per tenant, an unforked n > 1 request counting n."""
-        slots: Counter[str] = Counter()
-        for seq in self.running:
-            slots[seq.tenant] += seq.slots
-        return slots
+        return self.queues.running_slots()
+
+    def over_rate(self, tenant: str, now_s: float) -> bool:
+        return self.tenants.over_rate(tenant, now_s)
+
+    def victim_key(self):
+        return self.preemptor.victim_key()
+
+    @property
+    def preemptions(self) -> int:
+        return self.preemptor.preemptions
+
+    @property
+    def preemptions_by_kind(self) -> Counter[str]:
+        return self.preemptor.preemptions_by_kind
+
+    @property
+    def preemption_reasons(self) -> Counter[str]:
+        return self.preemptor.preemption_reasons
+
+    @property
+    def wasted_tokens(self) -> int:
+        return self.preemptor.wasted_tokens
+
+    @property
+    def swapped_blocks(self) -> int:
+        return self.preemptor.swapped_blocks
+
+    @property
+    def discarded_samples(self) -> int:
+        return self.output.discarded_samples
+
+    @property
+    def last_preempted(self) -> list[Preemption]:
+        return self.preemptor.last_preempted
+
+    @property
+    def last_urgency(self) -> list[UrgencyDecision]:
+        return self.preemptor.last_urgency

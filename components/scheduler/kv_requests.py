@@ -1,5 +1,12 @@
-"""The core's KV side: what it asks the kv_manager for (first leases with prefix matching,
-growth ahead of need, swap-ins, forks) and what it does with the answers.
+"""The lease book: the core's KV side. What it asks the kv_manager for (first leases with
+prefix matching, growth ahead of need, swap-ins, forks, frees and swap-outs, sent as one
+``KvOps`` by ``take_kv_ops``) and what it does with the answers; and what the executor's
+next plan carries for the KV (the grants' block copies, the seq ids it is to forget).
+
+It owns the pool's epoch, the ops not sent yet, the copies and drops not planned yet, and
+the count of frees a refused lease waits on. It reads the queues; the preemptor's two moves
+a grant may call for (a refused swap-out is recomputed, a refused fork computes its choice
+from scratch) are passed to ``on_grants`` (``Victims``).
 
 Every ask and every answer is a transition of the sequence's state (``sequence.py``). A
 refused first lease is asked again only after something was freed since it was asked: the
@@ -26,34 +33,60 @@ turn sent right after its last token finds them."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from components.scheduler.sequence import Event, Seq, State
-from schemas.wire import AllocRequest, FreeRequest, KvGrant
+from components.scheduler.prices import Prices
+from components.scheduler.queues import Queues
+from components.scheduler.sequence import TENANT_BUDGET, Event, Seq, State
+from schemas.config import SchedulerConfig
+from schemas.wire import (AllocRequest, BlockCopy, ForkRequest, FreeRequest, KvGrant, KvOps,
+                          SwapOutRequest)
 
-if TYPE_CHECKING:
-    from components.scheduler.core import SchedulerCore
 
-TENANT_BUDGET = "tenant_kv_budget"      # the kv_manager's reason for a budget refusal
+class Victims(Protocol):
+    """What a grant may need of the preemptor."""
+
+    def recompute(self, seq: Seq, reason: str, count: bool) -> None: ...
+
+    def fork_refused(self, seq: Seq) -> None: ...
 
 
-class KvRequests:
-    def on_grants(self: SchedulerCore, grants: list[KvGrant], free_cpu_blocks: int = -1) -> None:
-        if free_cpu_blocks >= 0:
-            self.cpu_free = free_cpu_blocks
+class LeaseBook:
+    def __init__(self, cfg: SchedulerConfig, queues: Queues, prices: Prices, block_size: int,
+                 grow_blocks: int, max_model_len: int, epoch: int) -> None:
+        self.cfg = cfg
+        self.queues = queues
+        self.prices = prices
+        self.block_size = block_size
+        self.grow_blocks = grow_blocks
+        self.max_model_len = max_model_len
+        self.epoch = epoch
+        self._allocs: list[AllocRequest] = []
+        self._frees: list[FreeRequest] = []
+        self._forks: list[ForkRequest] = []
+        self._swap_outs: list[SwapOutRequest] = []
+        self._swap_ins: list[int] = []
+        self._copies: list[BlockCopy] = []
+        self._drop: list[int] = []
+        self._frees_emitted = 0    # FreeRequests so far; a refused lease retries after more
+        self._tenant_frees: Counter[str] = Counter()    # the same, per tenant (budget refusals)
+
+    # ------------------------------------------------------------------ answers
+    def on_grants(self, grants: list[KvGrant], victims: Victims) -> None:
+        by_seq = self.queues.by_seq
         for g in grants:
             if g.ok:
                 self._copies.extend(g.copies)          # whoever they were for: the pool moved
             if g.epoch != self.epoch:
                 continue
-            seq = self.by_seq.get(g.seq_id)
+            seq = by_seq.get(g.seq_id)
             if seq is None or seq.ended:
                 if g.ok or g.kind == "swap_out":        # a lease exists: give it back
                     # (an old seq id's tenant is not kept: it counts as every tenant's free)
-                    self._free_lease(g.seq_id, 0, seq.tenant if seq is not None else "*")
+                    self.free_lease(g.seq_id, 0, seq.tenant if seq is not None else "*")
                 if seq is not None:
                     seq.to(Event.GRANT if g.ok else Event.REFUSE)     # CLOSING -> DONE
-                self.by_seq.pop(g.seq_id, None)
+                self.queues.forget(g.seq_id)
                 continue
             if not g.ok:
                 seq.refusal = getattr(g, "reason", "") or "pool_full"
@@ -62,12 +95,12 @@ class KvRequests:
                     seq.block_ids = list(g.block_ids)
                     seq.to(Event.GRANT)
                 case State.FORKING, False:
-                    self._fork_refused(seq)
+                    victims.fork_refused(seq)
                 case State.SWAPPING_OUT, True:          # its device blocks are free now
                     seq.to(Event.GRANT)
-                    self._note_freed(seq.tenant)
+                    self.note_freed(seq.tenant)
                 case State.SWAPPING_OUT, False:         # the host tier filled up: recompute
-                    self._recompute(seq, "swap_refused", count=True)
+                    victims.recompute(seq, "swap_refused", count=True)
                 case State.SWAPPING_IN, True:
                     seq.block_ids = list(g.block_ids)
                     seq.to(Event.GRANT)
@@ -84,20 +117,11 @@ class KvRequests:
                 case state, _:
                     raise AssertionError(f"grant {g.kind} for seq {seq.seq_id} in {state}")
 
-    def _fork_refused(self: SchedulerCore, seq: Seq) -> None:
-        """No block for the copy-on-write: compute this choice from scratch when there is
-        room."""
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
-        seq.to(Event.REFUSE)
-        seq.num_computed = 0
-        seq.preemptions += 1
-        self._record(seq, "fork_denied", "recompute", 0, 0.0, 0.0)
-
-    def _request_blocks(self: SchedulerCore, chosen: list[tuple[Seq, int]]) -> None:
+    # ------------------------------------------------------------------ asks
+    def request_blocks(self, chosen: list[tuple[Seq, int]]) -> None:
         bs = self.block_size
         planned = {s.seq_id: n for s, n in chosen}
-        for seq in self.running:                      # growth, asked ahead and in batches
+        for seq in self.queues.running:               # growth, asked ahead and in batches
             if seq.state is not State.RUNNING:        # asked already, refused, or forking
                 continue
             # from where the steps in flight leave it (before ``chosen`` joins them)
@@ -108,20 +132,21 @@ class KvRequests:
             if short > 0:
                 seq.to(Event.ASK)
                 self._allocs.append(AllocRequest(seq.seq_id, max(short, self.grow_blocks)))
-        self._lease_waiting()
+        self.lease_waiting()
 
-    def _lease_waiting(self: SchedulerCore) -> None:
+    def lease_waiting(self) -> None:
         """First leases and swap-ins for waiting sequences, in queue order, as many as there
         are running slots free. Called when planning and when a request arrives, so a
         request's lease is granted by the time the next step is planned."""
         bs = self.block_size
-        slots = self.cfg.max_num_seqs - len(self.running)
-        claimed = self.running_slots()
+        queues, tenants = self.queues, self.queues.tenants
+        slots = self.cfg.max_num_seqs - len(queues.running)
+        claimed = queues.running_slots()
         over: set[str] | None = None
-        for seq in self.waiting:                      # first leases and swap-ins, in order
+        for seq in queues.waiting:                    # first leases and swap-ins, in order
             if slots <= 0:
                 break
-            if self._at_running_cap(seq, claimed):
+            if tenants.at_running_cap(seq, claimed):
                 continue                              # its tenant waits; others are asked for
             if seq.state in (State.REFUSED, State.SWAP_REFUSED):
                 pool_frees, tenant_frees = seq.frees_at_request
@@ -129,7 +154,7 @@ class KvRequests:
                     if tenant_frees == self._tenant_freed(seq.tenant):
                         continue                      # its tenant freed nothing since
                 elif pool_frees == self._frees_emitted:
-                    over = self.over_share() if over is None else over
+                    over = queues.over_share() if over is None else over
                     if seq.tenant in over:
                         continue                      # it holds more than its share: it waits
                     break                             # nothing freed since the pool said no
@@ -148,34 +173,63 @@ class KvRequests:
             self._allocs.append(AllocRequest(
                 seq.seq_id, -(-(seq.num_tokens + 1) // bs), seq.tenant, seq.block_hashes,
                 seq.token_ids[:len(seq.block_hashes) * bs], max_cached, seq.public_scope,
-                seq.public_blocks, self._promote_pays()))
+                seq.public_blocks, self.prices.promote_pays()))
 
-    def _at_running_cap(self: SchedulerCore, seq: Seq, claimed: Counter[str]) -> bool:
-        """Would starting ``seq`` take its tenant past its running-sequence cap? A tenant
-        with nothing running may always start one request (n > cap would never run)."""
-        cap = self.max_running.get(seq.tenant)
-        return bool(cap) and claimed[seq.tenant] > 0 and claimed[seq.tenant] + seq.slots > cap
+    def fork(self, parent: Seq, child: Seq) -> None:
+        """``child`` shares ``parent``'s computed blocks, copy-on-write."""
+        self._forks.append(ForkRequest(parent.seq_id, child.seq_id, parent.num_computed))
 
-    def _free_lease(self: SchedulerCore, seq_id: int, num_computed: int, tenant: str = "") -> None:
+    def swap_out(self, seq: Seq) -> None:
+        """Send ``seq``'s computed blocks to the host tier now, steps in flight or not; its
+        blocks count as freed when the grant comes."""
+        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
+
+    def free_lease(self, seq_id: int, num_computed: int, tenant: str = "") -> None:
         """Give ``seq_id``'s blocks back now, steps in flight or not (module docstring);
         its first ``num_computed`` tokens' full blocks enter the prefix cache."""
         self._frees.append(FreeRequest(seq_id, num_computed))
-        self._note_freed(tenant)        # counted when sent: a refused lease asks again after
+        self.note_freed(tenant)         # counted when sent: a refused lease asks again after
 
-    def _note_freed(self: SchedulerCore, tenant: str) -> None:
+    def note_freed(self, tenant: str) -> None:
         """Device blocks were (or will be, before any later ask) given back: a refused lease
         may be asked again."""
         self._frees_emitted += 1
         if tenant:
             self._tenant_frees[tenant] += 1
 
-    def _tenant_freed(self: SchedulerCore, tenant: str) -> int:
+    def _tenant_freed(self, tenant: str) -> int:
         return self._tenant_frees[tenant] + self._tenant_frees["*"]
 
-    def _promote_pays(self: SchedulerCore) -> bool:
-        """Is copying a host-tier prefix block back cheaper than recomputing its tokens?
-        Until both are measured, assume so (a copy is a memcpy; recompute is a forward)."""
-        recompute_s = self.recompute_s(self.block_size)
-        if self.copy_bytes_per_s <= 0 or recompute_s <= 0:
-            return True
-        return self.block_bytes / self.copy_bytes_per_s < recompute_s
+    def drop(self, seq_id: int) -> None:
+        """The executor is to forget ``seq_id`` (through the next plan)."""
+        self._drop.append(seq_id)
+
+    # ------------------------------------------------------------------ out
+    def take_kv_ops(self) -> KvOps | None:
+        if not (self._allocs or self._frees or self._forks or self._swap_outs or self._swap_ins):
+            return None
+        ops = KvOps(self.epoch, self._frees, self._allocs, self._forks, self._swap_outs,
+                    self._swap_ins)
+        self._allocs, self._frees, self._forks, self._swap_outs, self._swap_ins = [], [], [], [], []
+        return ops
+
+    def take_plan_notes(self) -> tuple[list[int], list[BlockCopy]]:
+        """The seq ids the executor is to forget and the block copies it is to make, for
+        the plan being made."""
+        drop, self._drop = self._drop, []
+        copies, self._copies = self._copies, []
+        return drop, copies
+
+    def reset(self, kv_lost: bool) -> None:
+        """After a reset ended every sequence: the executor's memory is new (or void), so
+        no copy is owed and no seq id needs forgetting; if the pool was lost nothing asked
+        or given back reaches it, and a new epoch starts."""
+        self._copies.clear()
+        if kv_lost:
+            self._frees.clear()
+            self._allocs.clear()
+            self._forks.clear()
+            self._swap_outs.clear()
+            self._swap_ins.clear()
+            self.epoch += 1
+        self._drop.clear()

@@ -96,7 +96,7 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
         if timed and not s.first_token_ns:
             first.append((s.arrival_ns, s.request_id))
     # backlogged: the tenants with work waiting, those the core does not lift on a new
-    # request (core._backlogged_tenants(), without a second pass over the queue)
+    # request (Queues.backlogged_tenants(), without a second pass over the queue)
     tenants = {t: TenantBacklog(core.vtc.of(t), t in waiting, waiting.get(t, 0),
                                 running.get(t, 0), resumed.get(t, 0), waiting_by.get(t, {}),
                                 running_by.get(t, {}))

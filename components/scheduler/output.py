@@ -1,18 +1,19 @@
-"""The core's output side: sampled tokens become detokenizer output, n > 1 requests fork
+"""The core's output stage: sampled tokens become detokenizer output, n > 1 requests fork
 after their first sample, stop conditions end a choice, and a request is released when its
-last choice ends."""
+last choice ends. Every end of a choice goes through ``finish`` (a stop, a cancel, the
+end-to-end deadline, a reset), which takes it out of the queues and gives its lease back
+through the lease book. Owns only the count of discarded samples; what it produced for one
+input is returned as an ``Outcome``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TYPE_CHECKING
 
-from components.scheduler.sequence import IN_RUNNING_SET, Event, Seq, State
-from schemas.wire import (DetokParams, ForkRequest, PromptChunkLogprobs, RequestTiming,
-                          SampleLogprobs, StepResult, TokenOut, Usage)
-
-if TYPE_CHECKING:
-    from components.scheduler.core import SchedulerCore
+from components.scheduler.kv_requests import LeaseBook
+from components.scheduler.queues import Queues
+from components.scheduler.sequence import Event, Seq, State, in_running
+from schemas.wire import (DetokParams, PromptChunkLogprobs, RequestTiming, SampleLogprobs,
+                          StepResult, TokenOut, Usage)
 
 
 @dataclass
@@ -24,21 +25,26 @@ class Outcome:
     forget: list[str] = field(default_factory=list)
 
 
-class Output:
-    def on_result(self: SchedulerCore, result: StepResult, now_ns: int = 0) -> Outcome:
-        """The oldest step in flight answered (any other step id is from before a reset, and
-        ignored; results come in step order). Sequences still in it advance and take their
-        samples; a sequence that ended or was preempted since the step was planned has left
-        it (``Seq.in_flight`` cleared), and its sample is discarded: not emitted, not
-        charged."""
+class OutputStage:
+    def __init__(self, queues: Queues, leases: LeaseBook, max_model_len: int) -> None:
+        self.queues = queues
+        self.leases = leases
+        self.max_model_len = max_model_len
+        self.discarded_samples = 0   # sampled for a sequence that ended (or was preempted)
+                                     # while the step ran: the price of planning ahead
+
+    def on_result(self, result: StepResult, planned: dict[int, int],
+                  now_ns: int = 0) -> Outcome:
+        """The oldest step in flight answered; ``planned`` is what it computes per seq id.
+        Sequences still in it advance and take their samples; a sequence that ended or was
+        preempted since the step was planned has left it (``Seq.in_flight`` cleared), and
+        its sample is discarded: not emitted, not charged."""
         out = Outcome()
-        if not self.in_flight or result.step_id != next(iter(self.in_flight)):
-            return out                                # a step planned before a reset
         step_id = result.step_id
-        planned = self.in_flight.pop(step_id)
+        by_seq = self.queues.by_seq
         live: set[int] = set()
         for seq_id, n in planned.items():
-            seq = self.by_seq.get(seq_id)
+            seq = by_seq.get(seq_id)
             if (seq is not None and seq.in_flight and seq.in_flight[0].step_id == step_id
                     and in_running(seq)):
                 seq.in_flight.popleft()
@@ -55,10 +61,10 @@ class Output:
                 self.discarded_samples += 1
         for chunk in result.prompt_logprobs:
             if chunk.seq_id in live:
-                self._take_prompt_logprobs(self.by_seq[chunk.seq_id], chunk)
+                self._take_prompt_logprobs(by_seq[chunk.seq_id], chunk)
         for seq_id, tokens in sampled.items():
-            seq = self.by_seq[seq_id]
-            self.charge(seq.tenant, now_ns, output_tokens=len(tokens))
+            seq = by_seq[seq_id]
+            self.queues.tenants.charge(seq.tenant, now_ns, output_tokens=len(tokens))
             if seq.n > 1 and not seq.forked:
                 seq.forked = True
                 for index, (token, lp) in enumerate(tokens[1:seq.n], start=1):
@@ -79,11 +85,11 @@ class Output:
         if chunk.start <= have:
             seq.prompt_lps.extend(chunk.logprobs[have - chunk.start:])
 
-    def _fork(self: SchedulerCore, parent: Seq, index: int, token: int,
+    def _fork(self, parent: Seq, index: int, token: int,
               lp: SampleLogprobs | None, now_ns: int, out: Outcome) -> None:
         """Choice ``index`` of an n > 1 request: the parent's computed prompt plus its own
         first token, sharing the parent's blocks once the kv_manager grants the fork."""
-        child = Seq(next(self._ids), parent.request_id, parent.tenant, parent.params,
+        child = Seq(self.queues.next_id(), parent.request_id, parent.tenant, parent.params,
                     parent.prompt_len, parent.token_ids + [token], parent.block_hashes,
                     parent.arrival_ns, parent.eos_token_ids, state=State.FORKING,
                     num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
@@ -94,12 +100,11 @@ class Output:
                     public_scope=parent.public_scope, public_blocks=parent.public_blocks,
                     forked=True, group=parent.group)
         parent.group.append(child)
-        self.by_seq[child.seq_id] = child
-        self.running.append(child)
-        self._forks.append(ForkRequest(parent.seq_id, child.seq_id, parent.num_computed))
+        self.queues.join(child)
+        self.leases.fork(parent, child)
         self._emit_token(child, token, lp, now_ns, out)
 
-    def _emit_token(self: SchedulerCore, seq: Seq, token: int, lp: SampleLogprobs | None,
+    def _emit_token(self, seq: Seq, token: int, lp: SampleLogprobs | None,
                     now_ns: int, out: Outcome) -> None:
         reason = self._stop_reason(seq, token)
         first = seq.outputs_sent == 0
@@ -125,24 +130,50 @@ class Output:
         usage, timing = _ending(seq, now_ns)
         out.tokens.append(TokenOut(seq.request_id, [token], params, reason, usage, timing,
                                    seq.index, None if lp is None else [lp], prompt))
-        self._finish(seq, out)
+        self.finish(seq, out)
 
-    def end_at_deadline(self: SchedulerCore, request_id: str, now_ns: int) -> Outcome:
+    def end_at_deadline(self, request_id: str, now_ns: int) -> Outcome:
         """End a request that has streamed tokens at its end-to-end deadline: each choice
         still open finishes ``deadline`` with no new token, its usage and timing as a
         ``length`` finish carries them, and its lease is freed at once (a sample still in
         flight for it is discarded)."""
-        seq = self.by_request.get(request_id)
+        seq = self.queues.by_request.get(request_id)
         out = Outcome()
         for s in list(seq.group) if seq is not None else ():
             if not s.ended:
                 usage, timing = _ending(s, now_ns)
                 out.tokens.append(TokenOut(s.request_id, [], None, "deadline", usage, timing,
                                            s.index))
-                self._finish(s, out)
+                self.finish(s, out)
         return out
 
-    def _stop_reason(self: SchedulerCore, seq: Seq, token: int) -> str | None:
+    def cancel(self, request_id: str) -> Outcome:
+        """Cancel a request (every choice) wherever it is; its blocks go back at once."""
+        seq = self.queues.by_request.get(request_id)
+        out = Outcome()
+        if seq is None:
+            return out
+        if any(s.outputs_sent for s in seq.group):
+            out.forget.append(request_id)
+        for s in list(seq.group):
+            if not s.ended:
+                self.finish(s, out)
+        return out
+
+    def stop(self, request_id: str, index: int = 0) -> Outcome:
+        """A stop string ended choice ``index`` (the detokenizer already closed it)."""
+        seq = self.queues.by_request.get(request_id)
+        out = Outcome()
+        if seq is None:
+            return out
+        if seq.n == 1:
+            return self.cancel(request_id)
+        for s in seq.group:
+            if s.index == index and not s.ended:
+                self.finish(s, out)
+        return out
+
+    def _stop_reason(self, seq: Seq, token: int) -> str | None:
         p = seq.params
         # ``token`` is counted in num_output: min_tokens tokens come before a stop token
         # (the executor bans them until then; this holds if a sampler did not)
@@ -154,29 +185,22 @@ class Output:
             return "length"
         return None
 
-    def _finish(self: SchedulerCore, seq: Seq, out: Outcome, free: bool = True) -> None:
+    def finish(self, seq: Seq, out: Outcome, free: bool = True) -> None:
         """End one choice; the request is released when its last choice ends. Its lease is
         freed at once (``free`` false: the pool is gone), steps in flight or not: what they
         compute for it is discarded (``kv_requests.py`` says why the free is safe). A grant
         still in flight is freed when it arrives (``CLOSING``)."""
-        if in_running(seq):
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        self.queues.leave(seq)
         seq.in_flight.clear()
         if free and (seq.holds_lease or seq.block_ids):
-            self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
+            self.leases.free_lease(seq.seq_id, seq.num_computed, seq.tenant)
         if seq.known_to_executor:
-            self._drop.append(seq.seq_id)
+            self.leases.drop(seq.seq_id)
         if seq.to(Event.FINISH) is State.DONE:
-            self.by_seq.pop(seq.seq_id, None)
+            self.queues.forget(seq.seq_id)
         if all(s.ended for s in seq.group):
-            del self.by_request[seq.request_id]
+            self.queues.release(seq.request_id)
             out.released.append(seq.request_id)
-
-
-def in_running(seq: Seq) -> bool:
-    return seq.state in IN_RUNNING_SET
 
 
 def _ending(seq: Seq, now_ns: int) -> tuple[Usage, RequestTiming]:

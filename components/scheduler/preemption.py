@@ -36,17 +36,15 @@ not lost."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from components.costs.cost_model import decode_shape, prefill_shape
-from components.scheduler.kv_requests import TENANT_BUDGET
-from components.scheduler.output import in_running
-from components.scheduler.sequence import Event, Seq, State
-from schemas.wire import SwapOutRequest
-
-if TYPE_CHECKING:
-    from components.scheduler.core import SchedulerCore
+from components.scheduler.kv_requests import LeaseBook
+from components.scheduler.prices import Prices
+from components.scheduler.queues import Queues
+from components.scheduler.sequence import TENANT_BUDGET, Event, Seq, State, in_running
+from schemas.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -75,100 +73,133 @@ class UrgencyDecision:
     reason: str               # "cost_below_loss" | "cost_above_loss" | "too_late_anyway"
 
 
-class Preempting:
-    def _preempt_if_stuck(self: SchedulerCore) -> None:
+class Preemptor:
+    """Owns the preemption counters, the last step's preemptions and urgency decisions, the
+    host tier's free blocks as last reported (less what it swapped out since) and the
+    preemption mode. Moves sequences through the queues and gives leases back through the
+    lease book."""
+
+    def __init__(self, cfg: SchedulerConfig, queues: Queues, leases: LeaseBook, prices: Prices,
+                 max_model_len: int, preemption_mode: str, cpu_blocks: int) -> None:
+        self.cfg = cfg
+        self.queues = queues
+        self.leases = leases
+        self.prices = prices
+        self.block_size = prices.block_size
+        self.max_model_len = max_model_len
+        self.preemption_mode = preemption_mode
+        self.cpu_free = cpu_blocks              # host-tier blocks free, as last reported
+        self.urgency = cfg.urgency_preemption
+        self.preemptions = 0
+        self.preemptions_by_kind: Counter[str] = Counter()
+        self.preemption_reasons: Counter[str] = Counter()
+        self.wasted_tokens = 0           # computed tokens thrown away by preemption (recompute)
+        self.swapped_blocks = 0          # blocks sent to the host tier by preemption
+        self.last_preempted: list[Preemption] = []
+        self.last_urgency: list[UrgencyDecision] = []
+
+    def new_step(self) -> None:
+        """A step is being planned: what it preempts is listed afresh."""
+        self.last_preempted = []
+
+    def preempt_if_stuck(self) -> None:
         """Free memory for sequences that cannot proceed."""
+        queues = self.queues
         blocker = self._blocker()
         if blocker is not None and blocker.state in (State.REFUSED, State.SWAP_REFUSED):
-            for seq in [s for s in self.waiting if s.state is State.READY]:
+            for seq in [s for s in queues.waiting if s.state is State.READY]:
                 self._give_back(seq)
-        for seq in [s for s in self.running if s.state is State.STALLED]:
+        for seq in [s for s in queues.running if s.state is State.STALLED]:
             if seq.state is not State.STALLED:       # preempted as a victim meanwhile
                 continue
             if seq.capacity(self.block_size) > seq.planned:
                 seq.to(Event.RETRY)                  # can still make progress; ask again later
                 continue
             own = seq.refusal == TENANT_BUDGET       # its tenant is at its KV budget
-            ready = [s for s in self.waiting if s.state is State.READY
+            ready = [s for s in queues.waiting if s.state is State.READY
                      and (not own or s.tenant == seq.tenant)]
             if ready:
                 self._give_back(max(ready, key=lambda s: (s.arrival_ns, s.seq_id)))
             elif own:
-                self._preempt(max((s for s in self.running if s.tenant == seq.tenant),
-                                  key=lambda s: (s.priority, s.arrival_ns, s.seq_id)),
-                              TENANT_BUDGET)
+                self.preempt(max((s for s in queues.running if s.tenant == seq.tenant),
+                                 key=lambda s: (s.priority, s.arrival_ns, s.seq_id)),
+                             TENANT_BUDGET)
             else:
-                self._preempt(max(self.running, key=self.victim_key()))
+                self.preempt(max(queues.running, key=self.victim_key()))
             if seq.state is State.STALLED:
                 seq.to(Event.RETRY)
 
-    def _blocker(self: SchedulerCore) -> Seq | None:
+    def _blocker(self) -> Seq | None:
         """The waiting sequence that holds up the queue (head of line), skipping those that
         hold up only their own tenant (its KV budget, its running cap, a full pool it holds
         more than its share of), as planning does; None if the first it reaches can start."""
-        claimed = self.running_slots()
-        leased = self._leased_slots(claimed)
+        queues = self.queues
+        claimed = queues.running_slots()
+        leased = queues.leased_slots(claimed)
         over: list[set[str]] = []
-        for seq in self.waiting:
-            if self._at_running_cap(seq, claimed):
+        for seq in queues.waiting:
+            if queues.tenants.at_running_cap(seq, claimed):
                 continue
             if seq.state is State.READY:
                 return None
-            if not self._holds_up_only_its_tenant(seq, leased, over):
+            if not queues.holds_up_only_its_tenant(seq, leased, over):
                 return seq
         return None
 
-    def victim_key(self: SchedulerCore):
+    def victim_key(self):
         """Sort key of running sequences; the largest is preempted first. Priority is the
         class's, not aged (the module docstring)."""
-        held = self.held_blocks()
-        over = self.over_share()
+        held = self.queues.held_blocks()
+        over = self.queues.over_share()
+        kv_budget = self.queues.tenants.kv_budget
 
         def over_budget(tenant: str) -> bool:
-            budget = self.kv_budget.get(tenant)
+            budget = kv_budget.get(tenant)
             return bool(budget) and held[tenant] > budget
 
         return lambda s: (over_budget(s.tenant), s.priority, s.tenant in over,
                           s.arrival_ns, s.seq_id)
 
-    def _give_back(self: SchedulerCore, seq: Seq) -> None:
+    def _give_back(self, seq: Seq) -> None:
         """A ready sequence returns its blocks. One resumed from the host tier holds real
         work, so it is preempted like a running victim; a fresh one loses nothing."""
         if seq.num_computed > seq.cached_tokens:
-            self._preempt(seq, "returned_unscheduled_blocks")
+            self.preempt(seq, "returned_unscheduled_blocks")
         else:
-            self._recompute(seq, "returned_unscheduled_blocks", count=False)
+            self.recompute(seq, "returned_unscheduled_blocks", count=False)
 
     # ------------------------------------------------------------------ urgency
-    def _rescue_urgent(self: SchedulerCore, now_ns: int) -> None:
+    def rescue_urgent(self, now_ns: int) -> None:
         """At most one urgency preemption per step (see the module docstring)."""
         self.last_urgency = []
-        if not self.urgency or not now_ns or not self.running:
+        queues = self.queues
+        if not self.urgency or not now_ns or not queues.running:
             return
-        running = len(self.running)
-        decode_s = self.cost.predict(decode_shape(running,
-                                                  sum(s.num_tokens for s in self.running)))
+        cost = self.prices.cost
+        running = len(queues.running)
+        decode_s = cost.predict(decode_shape(running,
+                                             sum(s.num_tokens for s in queues.running)))
         if decode_s <= 0:
             return                                   # nothing measured yet
         slots_full = running >= self.cfg.max_num_seqs
-        for u in self.waiting:
+        for u in queues.waiting:
             if not u.deadline_ns or u.preemptions or u.first_scheduled_ns or u.rescued:
                 continue
             blocked = ((u.state is State.REFUSED and u.refusal != TENANT_BUDGET)
                        or (u.state is State.WAITING and slots_full))
-            victims = [s for s in self.running if s.priority > u.priority
+            victims = [s for s in queues.running if s.priority > u.priority
                        and s.state in (State.RUNNING, State.STALLED)]
             if not blocked or not victims:
                 continue
-            prefill_s = self.cost.predict(prefill_shape(u.remaining, u.num_computed))
+            prefill_s = cost.predict(prefill_shape(u.remaining, u.num_computed))
             # waiting, it starts when a running sequence ends: at the latest, when the one
             # closest to its max_tokens gets there (EOS may come sooner)
-            wait_s = decode_s * max(min(self._tokens_left(s) for s in self.running), 0)
+            wait_s = decode_s * max(min(self._tokens_left(s) for s in queues.running), 0)
             late_s = (now_ns - u.deadline_ns) / 1e9 + wait_s + prefill_s
             if late_s <= 0:
                 continue                             # it makes its deadline without help
             victim = max(victims, key=lambda s: (s.priority, s.arrival_ns, s.seq_id))
-            cost_s = min(self._costs(victim))
+            cost_s = min(self.prices.costs(victim))
             if (now_ns - u.deadline_ns) / 1e9 + prefill_s + decode_s > 0:
                 reason = "too_late_anyway"
             elif cost_s < late_s:
@@ -179,27 +210,18 @@ class Preempting:
             self.last_urgency.append(UrgencyDecision(u.request_id, victim.request_id, cost_s,
                                                      late_s, act, reason))
             if act:
-                self._preempt(victim, "urgency")
+                self.preempt(victim, "urgency")
                 u.rescued = True
-                self.waiting.remove(u)
-                self.waiting.appendleft(u)
+                queues.to_front(u)
             return
 
-    def _tokens_left(self: SchedulerCore, seq: Seq) -> int:
+    def _tokens_left(self, seq: Seq) -> int:
         cap = seq.params.max_tokens if seq.params.max_tokens is not None else self.max_model_len
         return min(cap - seq.num_output, self.max_model_len - seq.num_tokens) + seq.remaining - 1
 
     # ------------------------------------------------------------------ mechanics
-    def _costs(self: SchedulerCore, seq: Seq) -> tuple[float, float]:
-        """Estimated seconds to recompute ``seq``'s computed tokens, and to swap its blocks
-        out and back in (bytes / measured host-copy bandwidth, both ways)."""
-        blocks = -(-seq.num_computed // self.block_size)
-        swap_s = (2 * blocks * self.block_bytes / self.copy_bytes_per_s
-                  if self.copy_bytes_per_s > 0 else math.inf)
-        return self.recompute_s(seq.num_computed), swap_s
-
-    def _preempt(self: SchedulerCore, seq: Seq, reason: str = "kv_growth_denied") -> None:
-        recompute_s, swap_s = self._costs(seq)
+    def preempt(self, seq: Seq, reason: str = "kv_growth_denied") -> None:
+        recompute_s, swap_s = self.prices.costs(seq)
         blocks = -(-seq.num_computed // self.block_size)
         can_swap = (self.preemption_mode != "recompute" and seq.num_computed > 0
                     and seq.state in (State.RUNNING, State.STALLED, State.READY)
@@ -207,9 +229,9 @@ class Preempting:
         if can_swap and (self.preemption_mode == "swap" or swap_s < recompute_s):
             self._swap_out(seq, reason, blocks, recompute_s, swap_s)
         else:
-            self._recompute(seq, reason, count=True, costs=(recompute_s, swap_s))
+            self.recompute(seq, reason, count=True, costs=(recompute_s, swap_s))
 
-    def _record(self: SchedulerCore, seq: Seq, reason: str, choice: str, wasted: int,
+    def _record(self, seq: Seq, reason: str, choice: str, wasted: int,
                 recompute_s: float, swap_s: float) -> None:
         self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, choice, wasted,
                                               recompute_s, swap_s))
@@ -218,12 +240,16 @@ class Preempting:
         self.preemption_reasons[reason] += 1
         self.wasted_tokens += wasted
 
-    def _to_queue_head(self: SchedulerCore, seq: Seq, was_running: bool) -> None:
-        if was_running:
-            self.running.remove(seq)
-            self.waiting.appendleft(seq)
+    def fork_refused(self, seq: Seq) -> None:
+        """No block for an n > 1 choice's copy-on-write: compute it from scratch when there
+        is room."""
+        self.queues.to_head(seq)
+        seq.to(Event.REFUSE)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self._record(seq, "fork_denied", "recompute", 0, 0.0, 0.0)
 
-    def _swap_out(self: SchedulerCore, seq: Seq, reason: str, blocks: int, recompute_s: float,
+    def _swap_out(self, seq: Seq, reason: str, blocks: int, recompute_s: float,
                   swap_s: float) -> None:
         """Send a victim's computed blocks to the host tier; it keeps its seq id, progress
         and lease, and waits at the head of the queue to be swapped back in."""
@@ -231,19 +257,20 @@ class Preempting:
         seq.preemptions += 1
         self.swapped_blocks += blocks
         self.cpu_free -= blocks
-        self._to_queue_head(seq, in_running(seq))
+        if in_running(seq):
+            self.queues.to_head(seq)
         seq.to(Event.SWAP_OUT)
         seq.in_flight.clear()                       # what steps in flight compute is dropped
         # sent now, steps in flight or not; its blocks count as freed when the grant comes
-        self._swap_outs.append(SwapOutRequest(seq.seq_id, seq.num_computed))
+        self.leases.swap_out(seq)
         if seq.known_to_executor:
-            self._drop.append(seq.seq_id)
+            self.leases.drop(seq.seq_id)
         seq.block_ids = []
         seq.blocks_sent = 0
         seq.known_to_executor = False
 
-    def _recompute(self: SchedulerCore, seq: Seq, reason: str, count: bool,
-                   costs: tuple[float, float] = (0.0, 0.0)) -> None:
+    def recompute(self, seq: Seq, reason: str, count: bool,
+                  costs: tuple[float, float] = (0.0, 0.0)) -> None:
         """Return a sequence's blocks (its computed full blocks stay cached) and send it
         back to wait under a fresh seq id; a running victim goes to the head of the queue."""
         if count:
@@ -252,18 +279,15 @@ class Preempting:
         else:
             self.last_preempted.append(Preemption(seq.request_id, seq.index, reason, "recompute",
                                                   0, *costs))
-        self._to_queue_head(seq, in_running(seq))
+        if in_running(seq):
+            self.queues.to_head(seq)
         seq.to(Event.RECOMPUTE)
         seq.in_flight.clear()                       # what steps in flight compute is dropped
-        self._free_lease(seq.seq_id, seq.num_computed, seq.tenant)
+        self.leases.free_lease(seq.seq_id, seq.num_computed, seq.tenant)
         if seq.known_to_executor:
-            self._drop.append(seq.seq_id)
-        del self.by_seq[seq.seq_id]                 # late grants for the old lease get freed
-        seq.seq_id = next(self._ids)
-        self.by_seq[seq.seq_id] = seq
+            self.leases.drop(seq.seq_id)
+        self.queues.renumber(seq)                   # late grants for the old lease get freed
         seq.num_computed = 0
         seq.block_ids = []
         seq.blocks_sent = 0
         seq.known_to_executor = False
-
-

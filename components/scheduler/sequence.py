@@ -98,6 +98,8 @@ AWAITING = frozenset({State.LEASING, State.SWAPPING_OUT, State.SWAPPING_IN, Stat
                       State.FORKING, State.CLOSING})
 ON_HOST = frozenset({State.SWAPPING_OUT, State.SWAPPED, State.SWAPPING_IN, State.SWAP_REFUSED})
 
+TENANT_BUDGET = "tenant_kv_budget"      # the kv_manager's reason for a budget refusal
+
 
 # the states a sequence may be in when it is planned again while a step it is in runs
 PLANS_AHEAD = frozenset({State.RUNNING, State.GROWING})
@@ -187,7 +189,7 @@ class Seq:
     @property
     def resumes(self) -> bool:
         """Rescued by urgency, or back from preemption: it starts before any fresh work
-        (``planning._fair_order``)."""
+        (``Queues.fair_order``)."""
         return self.rescued or bool(self.preemptions) or self.state in ON_HOST
 
     @property
@@ -273,3 +275,7 @@ class Seq:
         if cap is not None and self.num_output + samples >= cap:
             return False
         return self.num_tokens + samples < max_model_len
+
+
+def in_running(seq: Seq) -> bool:
+    return seq.state in IN_RUNNING_SET

@@ -1,4 +1,4 @@
-"""Priority across tenants (planning.py ``_fair_order``): new work starts by class first,
+"""Priority across tenants (``Queues.fair_order``, queues.py): new work starts by class first,
 its priority aged as admission's queue ages it, then by VTC within the class; batch work
 that waits long enough ranks with, then ahead of, new interactive work."""
 from __future__ import annotations
@@ -52,7 +52,7 @@ def run(core: SchedulerCore, kv: Kv, now_s: float) -> list[tuple[str, int]]:
 
 
 def order(core: SchedulerCore, now_s: float) -> list[str]:
-    core._fair_order(int(now_s * S))
+    core.queues.fair_order(int(now_s * S))
     return [s.request_id for s in core.waiting]
 
 
@@ -108,7 +108,7 @@ def test_back_from_preemption_the_more_important_class_first():
     for rid in ("a-b", "b-i"):
         core.by_request[rid].preemptions = 1
     # as preemption leaves them (b-i first, then a-b, each to the queue's head)
-    core.waiting = deque(core.by_request[r] for r in ("a-b", "b-i", "c-i"))
+    core.queues.waiting = deque(core.by_request[r] for r in ("a-b", "b-i", "c-i"))
     # preempted work goes before fresh work (it holds work), by class among itself
     assert order(core, 1) == ["b-i", "a-b", "c-i"]
     core.by_request["a-b"].rescued = True             # rescued by urgency: first of all

@@ -272,7 +272,7 @@ def test_a_victim_in_steps_in_flight_gives_its_blocks_back_at_once(mode):
     p3 = core.schedule()
     b = core.by_request["b"]
     assert [s.seq_id for s in p2.steps] == [s.seq_id for s in p3.steps] == [1, 2]
-    core._preempt(b, "test")                             # b is in p2 and p3
+    core.preemptor.preempt(b, "test")                    # b is in p2 and p3
     ops = core.take_kv_ops()                             # sent now, p2 and p3 in flight
     grants = apply_ops(kv.pool, ops)
     core.on_grants(grants, kv.pool.num_cpu_free)

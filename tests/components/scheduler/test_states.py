@@ -203,7 +203,7 @@ def prefilled_with_a_host_tier():
 def test_swap_out_refused_by_the_pool_recomputes():
     core, kv, a = prefilled_with_a_host_tier()
     old_id, computed = a.seq_id, a.num_computed
-    core._preempt(a)                        # the core believes the host tier has room ...
+    core.preemptor.preempt(a)               # the core believes the host tier has room ...
     assert a.state is State.SWAPPING_OUT
     ops = core.take_kv_ops()
     assert ops.swap_outs == [SwapOutRequest(old_id, a.num_computed)]
@@ -214,7 +214,7 @@ def test_swap_out_refused_by_the_pool_recomputes():
 
 def test_cancel_after_refused_swap_in_frees_the_host_lease():
     core, kv, a = prefilled_with_a_host_tier()
-    core._preempt(a)
+    core.preemptor.preempt(a)
     kv.settle(core)
     assert a.state is State.SWAPPED
     core.schedule()
@@ -233,7 +233,7 @@ def urgent_setup(deadline_ms: float, victim_tokens: int):
     interactive request (priority 0) arrives with a TTFT deadline and no slot."""
     core = make(max_num_seqs=2)
     kv = Kv(256)
-    core.recompute_s = lambda tokens: tokens * 1e-3       # 1 ms a token
+    core.prices.recompute_s = lambda tokens: tokens * 1e-3  # 1 ms a token
     for tokens, ctx, seqs in itertools.product((2, 16, 64), (100, 1000), (1, 2)):
         # the cost model learns: 4 ms + 1 ms a token + 10 us a context token + 1 ms a seq
         core.cost.observe(StepShape(tokens, ctx, seqs, tokens * ctx),
@@ -268,7 +268,7 @@ def test_urgent_request_preempts_a_lower_class_when_it_pays():
 
 def test_urgency_declined_when_redoing_the_victim_costs_more():
     core, kv, now = urgent_setup(deadline_ms=500, victim_tokens=400)
-    core.recompute_s = lambda tokens: tokens * 0.1        # 100 ms a token: 40 s to redo
+    core.prices.recompute_s = lambda tokens: tokens * 0.1   # 100 ms a token: 40 s to redo
     step(core, kv, now_ns=now + 1_000_000)
     [d] = core.last_urgency
     assert not d.preempted and d.reason == "cost_above_loss"
@@ -327,6 +327,6 @@ def test_within_a_tenant_class_then_deadline_then_arrival():
     core.add(req("no-deadline", "a", 8, priority=0, arrival_ns=2))
     core.add(req("due-later", "a", 8, priority=0, deadline_ms=900, arrival_ns=3))
     core.add(req("due-soon", "a", 8, priority=0, deadline_ms=100, arrival_ns=4))
-    core._fair_order(0)
+    core.queues.fair_order(0)
     assert [s.request_id for s in core.waiting] == ["due-soon", "due-later", "no-deadline",
                                                    "late-batch"]

@@ -82,7 +82,7 @@ class Cluster:
         self.core = self.loop.core
         if rng.random() < 0.8:                # swap costs 2 blocks * 1 B / bw; recompute 1 ms/token
             self.core.on_executor(1, rng.choice([100.0, 1e5]))
-            self.core.recompute_s = lambda tokens: tokens * 1e-3
+            self.core.prices.recompute_s = lambda tokens: tokens * 1e-3
         self.prefix_cache = rng.random() < 0.8
         self.pool = self.new_pool()
         self.kv_epoch = 0

@@ -34,7 +34,7 @@ def test_new_work_starts_in_counter_order():
         core.add(admitted(f"a{i}", "a"))
     core.add(admitted("b0", "b"))                          # lifted to a's counter (0)
     core.vtc.charge("a", input_tokens=64)                  # a is then served
-    core._fair_order(0)
+    core.queues.fair_order(0)
     assert [s.request_id for s in core.waiting] == ["b0", "a0", "a1", "a2", "a3"]
 
 
