@@ -13,8 +13,10 @@ preemption and the load report read it. A step's own time is measured from when 
 executor could start it, the later of its plan being sent and the previous result arriving,
 to its result arriving.
 
-``Send`` destinations are the peers' names; ``STEP_DONE`` is a local note (the finished
-step's measured times, for the service's span and step log) placed where it happened."""
+``Send`` destinations are the peers' names, and every ``Send`` is a network send. Local
+notes travel apart: ``finished`` holds the steps answered during the last call (each one's
+measured times, for the service's span and step log), which the service reads before it
+sends what that call returned."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -23,11 +25,13 @@ import msgspec
 import structlog
 
 from components.scheduler.chunking import StepBudget, step_budget
-from components.scheduler.core import Outcome, Preemption, SchedulerCore, UrgencyDecision
+from components.scheduler.core import SchedulerCore
 from components.costs.cost_model import StepShape, plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
 from components.scheduler.late import LateDrops
 from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft
+from components.scheduler.output import Outcome
+from components.scheduler.preemption import Preemption, UrgencyDecision
 from components.scheduler.usage import UsageStats
 from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
@@ -39,10 +43,10 @@ from kernels.machine import usable_cores, usable_cpus
 
 log = structlog.get_logger("scheduler")
 
-STEP_DONE = "step_done"
-
 
 class StepDone(NamedTuple):
+    """A step answered: a local note for the service's span and step log, never sent."""
+
     shape: StepShape
     predicted_s: float
     measured_s: float          # max(plan sent, previous result received) -> result received
@@ -67,7 +71,7 @@ class PlannedStep(NamedTuple):
 
 class Send(NamedTuple):
     to: str                    # "executor" | "kv_manager" | "detokenizer" | "admission" |
-    msg: object                # "streamer" | STEP_DONE
+    msg: object                # "streamer"
 
 
 def async_depth(config: WeirConfig, cpus: int | None = None,
@@ -100,6 +104,7 @@ class SchedulerLoop:
         self.last_result_ns = 0                 # monotonic clock, when a result last came
         self.last_step_s = 0.0
         self.late = LateDrops()                 # admitted work past its TTFT or e2e bound
+        self.finished: list[StepDone] = []      # the steps answered during the last call
 
     @property
     def dropped_late(self) -> int:
@@ -122,8 +127,10 @@ class SchedulerLoop:
     # ------------------------------------------------------------------ inputs
     def handle(self, body: object, now_ns: int, mono_ns: int) -> list[Send]:
         """Apply one message; ``now_ns`` is the wall clock (deadlines, request timing),
-        ``mono_ns`` a monotonic clock (step times)."""
+        ``mono_ns`` a monotonic clock (step times). The steps it saw answered are in
+        ``finished`` until the next call."""
         core, sends, out = self.core, [], Outcome()
+        self.finished = []
         match body:
             case Admitted() as req:
                 if req.request_id not in core.by_request:       # a replay may repeat it
@@ -189,8 +196,8 @@ class SchedulerLoop:
         core.cost.observe(step.shape, measured)
         self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes,
                           pure=step.shape.tokens == step.shape.seqs)
-        sends.append(Send(STEP_DONE, StepDone(step.shape, step.predicted_s, measured,
-                                              res.elapsed_ns / 1e9, res.step_id)))
+        self.finished.append(StepDone(step.shape, step.predicted_s, measured,
+                                      res.elapsed_ns / 1e9, res.step_id))
         self.usage.sampled(core, res.seq_ids)
         failed = self._fail_structured(res.structured_errors, sends)
         out = core.on_result(res, now_ns)
@@ -218,6 +225,7 @@ class SchedulerLoop:
 
     def peer_restarted(self, name: str, now_ns: int, mono_ns: int) -> list[Send]:
         sends: list[Send] = []
+        self.finished = []
         # the executor's KV is gone; a new streamer knows none of our requests, so nobody
         # waits for their tokens
         if name in ("executor", "streamer"):

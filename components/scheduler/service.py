@@ -1,8 +1,9 @@
 """The scheduler process: a thin async shell around ``SchedulerLoop`` (loop.py).
 
 Every inbound message is handed to the loop, which applies it to the core and returns what
-to send, in order; the shell sends it, and tells OpenTelemetry (step_trace.py) and the
-optional step log what happened.
+to send, in order; the shell ends the spans of the steps it saw answered (``loop.finished``)
+and writes them to the optional step log, then sends, telling OpenTelemetry
+(step_trace.py) what it sends.
 """
 from __future__ import annotations
 
@@ -68,12 +69,12 @@ class SchedulerService(Component):
         await self._send(self.loop.peer_restarted(name, time.time_ns(), time.perf_counter_ns()))
 
     async def _send(self, sends: list[Send]) -> None:
+        for done in self.loop.finished:         # local notes of the same call, not sent
+            self.trace.finished_step(done)
+            if self.step_log is not None:
+                self._log_step(done)
         for to, msg in sends:
             match msg:
-                case StepDone() as done:
-                    self.trace.finished_step(done)
-                    if self.step_log is not None:
-                        self._log_step(done)
                 case StepPlan() as plan:
                     step = self.loop.steps.get(plan.step_id)
                     for p in step.preempted if step is not None else ():

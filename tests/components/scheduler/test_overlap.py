@@ -13,13 +13,14 @@ import pytest
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
-from components.scheduler.loop import STEP_DONE, SchedulerLoop
+from components.scheduler.loop import SchedulerLoop, StepDone
 from components.scheduler.sequence import InFlight, Seq, State
 from components.model.hashing import block_hashes
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
-from schemas.wire import (Admitted, AllocRequest, DetokParams, EventBatch, Failed, ForkRequest,
-                          FreeRequest, KvGrants, KvOps, Released, SamplingParams, SeqStep,
-                          StepPlan, StepResult, SwapOutRequest, TokenBatch, TokenOut, Usage)
+from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, EventBatch,
+                          Failed, ForkRequest, FreeRequest, KvGrants, KvOps, Released,
+                          SamplingParams, SeqStep, StepPlan, StepResult, SwapOutRequest,
+                          TokenBatch, TokenOut, Usage)
 
 BS = 8
 EPOCH = 1
@@ -328,16 +329,15 @@ def loop_of(depth: int) -> tuple[SchedulerLoop, BlockPool]:
 
 def deliver(loop: SchedulerLoop, pool: BlockPool, msg, ms: float):
     """Hand ``msg`` to the loop at ``ms`` (both clocks); settle its KV round trips. Returns
-    the plans and StepDone notes it sent."""
+    the plans it sent and the StepDone notes it left."""
     plans, done, pending = [], [], [msg]
     while pending:
         for to, out in loop.handle(pending.pop(0), int(ms * 1e6), int(ms * 1e6)):
             if to == "executor":
                 plans.append(out)
-            elif to == STEP_DONE:
-                done.append(out)
             elif to == "kv_manager" and isinstance(out, KvOps):
                 pending.append(KvGrants(apply_ops(pool, out), pool.num_free, 0))
+        done += loop.finished
     return plans, done
 
 
@@ -367,6 +367,20 @@ def test_at_depth_one_a_steps_time_is_plan_sent_to_result():
     assert [p.step_id for p in new] == [2]
     _, done2 = deliver(loop, pool, result(new[0], {1: 6}), 25.0)
     assert [d.measured_s for d in done + done2] == pytest.approx([0.010, 0.015])
+
+
+def test_a_step_note_stays_local_and_lasts_one_call():
+    """A step's StepDone is a local note: never among the sends, which all go to peers; the
+    loop's ``finished`` holds the notes of its last call only."""
+    loop, pool = loop_of(1)
+    plans, _ = deliver(loop, pool, admitted("a", 10), 0.0)
+    sends = loop.handle(result(plans[0], {1: 5}), 10_000_000, 10_000_000)
+    assert {to for to, _ in sends} <= {"executor", "kv_manager", "detokenizer", "admission",
+                                        "streamer"}
+    assert not [m for _, m in sends if isinstance(m, StepDone)]
+    assert [(d.step_id, d.measured_s) for d in loop.finished] == [(1, pytest.approx(0.010))]
+    loop.handle(CancelRequest("a", "client"), 11_000_000, 11_000_000)   # no step answered
+    assert loop.finished == []
 
 
 def test_a_failed_step_fails_everything_and_the_other_step_in_flight_is_ignored():
