@@ -1,5 +1,5 @@
 """Admission's queue: the requests that could not start when they arrived, in the order
-they may start, the scheduler's order (``components.scheduler.planning._fair_order``):
+they may start, the scheduler's order (``components.scheduler.queues.Queues.fair_order``):
 class first across tenants, then within a class the least served tenant (the tenants'
 virtual counters, the scheduler's VTC); within a tenant, class, then deadline, then
 arrival. A class is its priority aged as the scheduler ages it: less a whole unit per

@@ -118,13 +118,13 @@ class TtftModel:
         report, which that report could not count (as waiting, at its tenant and class).
         Of the tenant's own such prompts of the request's class, those due later than it
         are not ahead: the scheduler starts a tenant's work of one class earliest deadline
-        first (``planning._fair_order``), so a long prompt admitted with a stretched
+        first (``Queues.fair_order``), so a long prompt admitted with a stretched
         deadline a moment before a burst of short ones starts after them. (Its reported
         waiting work is counted whole: the report does not split it by deadline.)
 
         ``scheduler.fairness = "fcfs"`` (or no tenant, or a report without the per-tenant
         split): all of it, the scheduler's whole backlog, as the scheduler serves arrivals
-        in order. ``"vtc"``: the scheduler's order (``planning._fair_order``). Work back
+        in order. ``"vtc"``: the scheduler's order (``Queues.fair_order``). Work back
         from preemption starts first: all of it is ahead. Fresh work starts by class first:
         every tenant's work of a more important class (aged, as the report ranks it) is
         ahead, none of a less important one. Within the request's class, VTC: new work
