@@ -38,12 +38,6 @@ TOPS = ("schemas", "kernels", "bus", "components", "weir")
 # 45. Delete an entry when its change lands (the test fails, saying so, once a listed circle
 # is gone, so that the allow-list cannot outlive it).
 KNOWN_CIRCLES = {
-    # the scheduler's mixins import core.py back (for types); the scheduler's change
-    # (branch s45-scheduler: composition instead of mixins) removes it
-    "scheduler mixins through core.py": {
-        "components.scheduler.core", "components.scheduler.kv_requests",
-        "components.scheduler.output", "components.scheduler.planning",
-        "components.scheduler.preemption"},
     # model.py calls autotune.py to plan its kernels, and autotune.py imports model.py back;
     # the executor's change (branch s45-execgw: the model takes a kernel plan) removes it
     "executor autotune <-> model": {

@@ -3,9 +3,9 @@ uses: the queues' fair order, the lease book's asks and answers, the preemptor's
 (the core's contract: core.py). Everything else drives them through the core."""
 from __future__ import annotations
 
+from components.costs.cost_model import StepCostModel
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
-from components.scheduler.cost_model import StepCostModel
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.preemption import Preemption, Preemptor
 from components.scheduler.prices import Prices
