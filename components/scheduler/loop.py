@@ -24,9 +24,9 @@ from typing import NamedTuple
 import msgspec
 import structlog
 
+from components.costs.cost_model import StepShape, plan_shape
 from components.scheduler.chunking import StepBudget, step_budget
 from components.scheduler.core import SchedulerCore
-from components.costs.cost_model import StepShape, plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
 from components.scheduler.late import LateDrops
 from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft

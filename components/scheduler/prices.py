@@ -6,7 +6,7 @@ reports in); the cost model itself belongs to the core, which the loop teaches."
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from components.costs.cost_model import StepCostModel, prefill_shape
 from components.scheduler.sequence import Seq
