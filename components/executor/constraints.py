@@ -149,7 +149,7 @@ def apply_constraints(logits: torch.Tensor, rows: list[tuple[int, Constraint]],
     cpu_sampling.cpp), else unpacked and filled by torch (a GPU). 64 rows held to JSON
     objects, 2-core AVX512 EPYC: 0.7 ms with the masks' making, 11.8 through torch; a
     batch-64 bf16 decode step, every row held to JSON: +13.2 ms through torch, within the
-    noise natively (``scripts/bench_step.py --penalties 64``)."""
+    noise natively (``scripts/run bench/step --penalties 64``)."""
     vocab = logits.shape[1]
     masks = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     words = masks.numpy()

@@ -230,7 +230,7 @@ def apply_penalties(logits: torch.Tensor,
     of the three is one set of tensor ops over every row at once, on flat indices
     ``row * vocab + token``: 64 rows of 300 tokens, all three on every row, cost 20.7 ms
     one row at a time and ~4 ms so; a batch-64 decode step with them on every sequence
-    +3.3 ms over 172 (2-core AVX2 EPYC; ``scripts/bench_step.py --penalties 64``)."""
+    +3.3 ms over 172 (2-core AVX2 EPYC; ``scripts/run bench/step --penalties 64``)."""
     with torch.inference_mode():       # the forward's logits are inference tensors
         x = logits if logits.is_contiguous() else logits.contiguous()
         _apply_penalties(x, rows)

@@ -174,7 +174,7 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
     return 0;
 }
 
-// Time-keeping for benchmarks (scripts/bench_step.py's GEMM floor): n linear layers run
+// Time-keeping for benchmarks (scripts/bench/step.py's GEMM floor): n linear layers run
 // back to back on the same rows x [rows, ldx] into y, each its own weight, with no Python
 // between them, as weir_forward_layers runs them. dtype 0 float32, 1 bfloat16. Returns 0,
 // or the 1-based index of the weight whose kernel refused.

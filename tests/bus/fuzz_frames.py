@@ -1,5 +1,5 @@
 """Hostile bus frames, shared by the codec fuzz tests (tests/bus/test_fuzz_codec.py) and
-the live fuzzer (scripts/fuzz_bus.py).
+the live fuzzer (scripts/reliability/fuzz_bus.py).
 
 ``FrameGen(rng).frame(union)`` makes the bytes of one frame for a socket that decodes
 ``union``:

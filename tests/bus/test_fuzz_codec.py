@@ -74,7 +74,7 @@ def test_ten_thousand_hostile_frames_per_union(name):
 @pytest.mark.parametrize("name", UNIONS)
 def test_well_typed_hostile_messages_roundtrip(name):
     """Extreme but well-typed values are not the codec's business: they decode, unchanged
-    (the handlers behind the socket must cope; scripts/fuzz_bus.py checks that live)."""
+    (the handlers behind the socket must cope; scripts/reliability/fuzz_bus.py checks that live)."""
     union = UNIONS[name]
     codec = Codec(union)
     gen = FrameGen(random.Random(name))

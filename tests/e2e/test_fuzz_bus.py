@@ -1,5 +1,5 @@
-"""A short, seeded run of the live bus fuzzer (scripts/fuzz_bus.py): 300 hostile frames at
-the client endpoints, the engine's and a router's in front of it (well-typed ones
+"""A short, seeded run of the live bus fuzzer (scripts/reliability/fuzz_bus.py): 300 hostile
+frames at the client endpoints, the engine's and a router's in front of it (well-typed ones
 included: what any client can send), and 300 undecodable frames at every other socket a
 peer can reach; before them, two frames past each socket's size bound, which must be
 dropped unread (issue 43, D4). No process may die or restart, status must answer, and
@@ -10,17 +10,11 @@ idempotency key (issue 43, D1), each answered.
 Well-typed forgeries at internal sockets (`--forge all`, the script's default) are a
 longer, manual run: they can legitimately fail requests and write KV, and the components'
 handlers are fuzzed by it; see the script."""
-import importlib.util
-import sys
 import time
 
 import pytest
 
-from tests.e2e.engine import ROOT
-
-spec = importlib.util.spec_from_file_location("fuzz_bus", ROOT / "scripts" / "fuzz_bus.py")
-fuzz_bus = sys.modules.setdefault("fuzz_bus", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(fuzz_bus)
+from scripts.reliability import fuzz_bus
 
 
 @pytest.mark.timeout(300)

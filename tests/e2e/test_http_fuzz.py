@@ -1,30 +1,19 @@
-"""The HTTP half of the issue's fuzz test, short and seeded: scripts/fuzz_http.py's
+"""The HTTP half of the issue's fuzz test, short and seeded: scripts/reliability/fuzz_http.py's
 generated requests (wrong types, huge values, 20 MB bodies, bad unicode, deep JSON, wrong
 content types, bad headers and framing) against the real engine's gateway, after an idle
 flood past its connection cap (a completion must still be served, and every idle
 connection closed by the gateway). No 5xx but a documented 503, no process dies or
 restarts, nothing leaks, and a greedy request returns the same text afterwards.
-``python scripts/fuzz_http.py --examples 2000 --idle-flood 3000`` is the long run."""
-import importlib.util
-import sys
-
+``scripts/run reliability/fuzz_http --examples 2000 --idle-flood 3000`` is the long run."""
 import pytest
 
+from scripts.reliability import fuzz_http as fuzz
 from tests.e2e.conftest import GATEWAY_KEY, start_gateway
-from tests.e2e.engine import ROOT
 
 EXAMPLES = 200
 SEED = 20261130
 MAX_CONNECTIONS = 64
 FLOOD = 100                # idle connections: past MAX_CONNECTIONS
-
-
-def _fuzz_http():
-    spec = importlib.util.spec_from_file_location("fuzz_http", ROOT / "scripts" / "fuzz_http.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_http"] = module            # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +27,6 @@ def gw(tmp_path_factory, model_path):
 
 @pytest.mark.timeout(600)         # ~20 s of requests on an idle machine; far more on a busy one
 def test_http_fuzz(gw):
-    fuzz = _fuzz_http()
     before = gw.status()
     report = fuzz.run(gw.base_url, GATEWAY_KEY, EXAMPLES, SEED, timeout=30, log=print,
                       mix=fuzz.LIGHT_MIX, flood=FLOOD)

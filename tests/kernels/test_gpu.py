@@ -1,14 +1,13 @@
 """CUDA-only checks (skipped cleanly on the CPU): the Triton kernels (fp32 and bf16) and the
 flash-attn adapter against the torch reference, and CUDA-graph replay against eager logits for
-every batch bucket. They reuse scripts/gpu_check.py's check functions, which that script runs
+every batch bucket. They reuse scripts/gpu/check.py's check functions, which that script runs
 at full size."""
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from scripts.gpu import check as gpu_check
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,12 +15,6 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                        reason="TRITON_INTERPRET=1 in this process: kernels are interpreted"),
 ]
-
-if "gpu_check" not in sys.modules:  # the script, imported by path (dataclasses need it named)
-    _spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py")
-    sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["gpu_check"])
-gpu_check = sys.modules["gpu_check"]
 
 
 def _passes(run) -> None:

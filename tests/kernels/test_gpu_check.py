@@ -1,8 +1,9 @@
-"""scripts/gpu_check on the CPU: --help, the no-CUDA exit, the --cpu-dry-run pass (Triton
-checks under the interpreter, static-buffer decode, timing table, step grid), the byte
-accounting behind its roofline numbers, and the step grid's step log (shapes as the scheduler
-counts them, fitted by weir calibrate, written without msgspec)."""
+"""scripts/gpu_check (scripts/gpu/check.py) on the CPU: --help, the no-CUDA exit, the
+--cpu-dry-run pass (Triton checks under the interpreter, static-buffer decode, timing table,
+step grid), the byte accounting behind its roofline numbers, and the step grid's step log
+(shapes as the scheduler counts them, fitted by weir calibrate, written without msgspec)."""
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,21 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.executor.synthetic import (LLAMA_1B, SMOLLM2_135M, ModelShape, decode_bytes,
-                                           kv_read_bytes, random_weights, weight_bytes)
+from components.executor.synthetic import (
+    LLAMA_1B,
+    SMOLLM2_135M,
+    ModelShape,
+    decode_bytes,
+    kv_read_bytes,
+    random_weights,
+    weight_bytes,
+)
+from scripts.gpu import check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
-if "gpu_check" not in sys.modules:  # the script, imported by path (dataclasses need it named)
-    _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    sys.modules["gpu_check"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["gpu_check"])
-gpu_check = sys.modules["gpu_check"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240)
+    """The entry point the GPU machine runs, on this interpreter (no venv, as there)."""
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHON=sys.executable))
 
 
 def test_help():
@@ -158,13 +163,11 @@ def test_step_grid_needs_no_msgspec_zmq_or_weir(tmp_path):
     """The GPU machine's python3 may lack msgspec and zmq: the grid and its writer must not
     import them (nor weir, which does)."""
     code = (
-        "import importlib.util, sys\n"
+        "import sys\n"
         "from pathlib import Path\n"
         "for name in ('msgspec', 'zmq', 'weir'):\n"
         "    sys.modules[name] = None\n"
-        f"spec = importlib.util.spec_from_file_location('gpu_check', {str(SCRIPT)!r})\n"
-        "m = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(m)\n"
+        "from scripts.gpu import check as m\n"
         f"m.dry_run_step_grid(Path({str(tmp_path / 's.jsonl')!r}))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=240)

@@ -21,16 +21,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench_serving import (SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,  # noqa: E402
-                           start_weir, stop, wait_http)
-from kernels import machine  # noqa: E402
+from kernels import machine
+from scripts.bench.serving import (
+    SERVED,
+    ensure_hf_dir,
+    ensure_vllm_venv,
+    start_vllm,
+    start_weir,
+    stop,
+    wait_http,
+)
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "hobbies"],

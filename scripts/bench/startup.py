@@ -1,6 +1,6 @@
 """Engine start and stop on this machine, and the GGUF header read that used to bound them.
 
-    python scripts/bench_startup.py [--runs 3] [--model PATH]
+    scripts/run bench/startup [--runs 3] [--model PATH]
 
 Prints the machine, then:
 - the model file's header read by ``components.model.gguf_header.read_header`` and by the gguf
@@ -22,12 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kernels import machine  # noqa: E402
-from components.model.gguf_header import read_header  # noqa: E402
-from components.model.fetch import default_model_path  # noqa: E402
+from components.model.fetch import default_model_path
+from components.model.gguf_header import read_header
+from kernels import machine
+from scripts import ROOT
 
 
 def timed(fn, runs: int) -> float:

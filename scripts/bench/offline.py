@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,13 +16,11 @@ from pathlib import Path
 import anyio
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.e2e.engine import Engine  # noqa: E402
-from kernels import machine  # noqa: E402
-from weir import AsyncClient  # noqa: E402
-from components.model.fetch import default_model_path  # noqa: E402
+from components.model.fetch import default_model_path
+from kernels import machine
+from scripts import ROOT
+from tests.e2e.engine import Engine
+from weir import AsyncClient
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -118,8 +115,7 @@ def bench_vllm_throughput(args) -> float:
     import os
     import subprocess
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_serving import LAUNCHER, ensure_hf_dir, ensure_vllm_venv
+    from scripts.bench.serving import LAUNCHER, ensure_hf_dir, ensure_vllm_venv
 
     py, hf_dir = ensure_vllm_venv(), ensure_hf_dir()
     out = Path(tempfile.mkdtemp(prefix="weir-vllm-tp-")) / "result.json"

@@ -1,7 +1,7 @@
 """The decode horizon, live: the latency knee admission finds, and the streams' TPOT with
 and without the check at one offered load above it.
 
-    python scripts/bench_knee.py [--knee 32] [--load 2] [--prompt 16] [--tokens 96]
+    scripts/run bench/knee [--knee 32] [--load 2] [--prompt 16] [--tokens 96]
         [--rate 20] [--tpot-ms T] [--runs with,without]
 
 One class with a TPOT SLO and nothing else (no TTFT target; it may queue two minutes),
@@ -30,18 +30,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from kernels.machine import summary_line  # noqa: E402
-from weir.replay.local import LocalEngine  # noqa: E402
+from kernels.machine import summary_line
+from weir.replay.local import LocalEngine
 
 HEADROOM = 0.2                 # admission.tpot_headroom's default
 CONFIG = """

@@ -2,7 +2,7 @@
 model before the attention term, the model with it, and the startup profile alone (what
 admission predicts from at a cold start).
 
-    python scripts/bench_cost_model.py [--max-model-len 4096] [--budget 512]
+    scripts/run bench/cost_model [--max-model-len 4096] [--budget 512]
         [--contexts 0,1024,2048,3072] [--chunk 256] [--rounds 3] [--steps LOG]
 
 Starts a local engine (fcfs admission, the scheduler's step log on), runs a few decode
@@ -21,25 +21,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from components.costs.cost_model import StepCostModel, StepShape  # noqa: E402
-from weir.replay.profile import read_step_log  # noqa: E402
+from components.costs.cost_model import StepCostModel, StepShape
+from weir.replay.profile import read_step_log
 
 
 def run_engine(args, steps: Path) -> list[tuple[StepShape, float]]:
     """Run the workload; the executor's startup steps (it wrote or read them at start)."""
     import anyio
 
-    from weir.client import AsyncClient
     from components.model.fetch import cache_dir
+    from weir.client import AsyncClient
     from weir.replay.local import LocalEngine
 
     cfg = Path(tempfile.mkdtemp(prefix="weir-costs-")) / "weir.toml"

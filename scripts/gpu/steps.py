@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-from gpu_timing import _sync
+from scripts.gpu.timing import _sync
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ batch sizes over a paged KV cache, against two floors, plus an optional operator
   whatever the cache kept from the previous pass (on a host with a large shared L3 most
   of the weights), the step's time over that in "x warm".
 
-    python scripts/bench_step.py --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
+    scripts/run bench/step --dtype bfloat16 --batches 1,8,64 --context 160 [--profile 64]
         [--breakdown 1] [--penalties 64]
 
 Prints ms/step (median of ``--steps``), tokens/s, and each floor as a fraction achieved.
@@ -21,24 +21,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from components.executor import autotune  # noqa: E402
-from components.executor.loader import load_model  # noqa: E402
-from components.executor.model import LlamaModel  # noqa: E402
-from components.executor.runner import ModelRunner  # noqa: E402
-from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput  # noqa: E402
-from kernels import cpu_forward, tuning  # noqa: E402
-from kernels.kv_cache import cache_dtype, populate  # noqa: E402
-from kernels import machine  # noqa: E402
-from components.model.fetch import cache_dir, default_model_path  # noqa: E402
+from components.executor import autotune
+from components.executor.loader import load_model
+from components.executor.model import LlamaModel
+from components.executor.runner import ModelRunner
+from components.model.fetch import cache_dir, default_model_path
+from kernels import cpu_forward, machine, tuning
+from kernels.kv_cache import cache_dtype, populate
+from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput
 
 
 def copy_bandwidth(nbytes: int = 256 << 20) -> float:

@@ -3,7 +3,7 @@ rejected and client-abandoned ones among them), with every process's RSS and ope
 descriptors sampled after each wave. Prints the curve, and exits non-zero if any process
 grew past the stated margin between the first measured wave and the last.
 
-    python scripts/soak.py [--requests 2000] [--wave 100] [--dtype bfloat16]
+    scripts/run reliability/soak [--requests 2000] [--wave 100] [--dtype bfloat16]
 
 A real `weir serve` (all components, gateway on) is started and stopped by the script.
 The first wave warms caches and allocators; growth is measured from the end of wave 2.
@@ -27,13 +27,10 @@ from pathlib import Path
 import anyio
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.e2e.conftest import free_port  # noqa: E402
-from tests.e2e.engine import Engine  # noqa: E402
-from weir import WeirError  # noqa: E402
-from kernels.machine import summary_line  # noqa: E402
+from kernels.machine import summary_line
+from tests.e2e.conftest import free_port
+from tests.e2e.engine import Engine
+from weir import WeirError
 
 RSS_MARGIN = 0.10          # a process may grow 10% (plus 8 MiB of allocator slack) ...
 RSS_SLACK_KB = 8 * 1024

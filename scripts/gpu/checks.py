@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from gpu_timing import _decode_batch, _eager_decode
+from scripts.gpu.timing import _decode_batch, _eager_decode
 
 
 def _attention_case(*args, **kwargs):
@@ -25,6 +25,7 @@ def _compare_backend(report, label: str, backend, case, dtype) -> None:
     """Write K/V and attend with ``backend``; the reference is the torch backend in fp32 on
     the same (rounded) inputs."""
     import torch
+
     from kernels import torch_ref
     q, k, v, kc, vc, meta = case
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -64,6 +65,7 @@ def _kernel_cases(rng: random.Random, tiny: bool):
 
 def check_triton(report, device, dtypes, tiny: bool = False) -> None:
     import torch
+
     from kernels import torch_ref
     from kernels.testing import padded_decode_buffers
     from kernels.triton_paged import TritonBackend
@@ -114,6 +116,7 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
 
 def check_flash_attn(report, device, tiny: bool = False) -> None:
     import torch
+
     from kernels import get_backend
     from kernels.flash_attn_backend import FlashAttnBackend, is_installed
     if not is_installed():
@@ -142,6 +145,7 @@ def check_logit_processing(report, device) -> None:
     import types
 
     import torch
+
     from components.executor.sampling import Logprobs, RowPenalties, apply_penalties
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 49152, generator=g) * 3
@@ -176,6 +180,7 @@ def check_structured_masks(report, device, logits, g) -> None:
     try:
         import numpy  # noqa: F401   (the masks are made in numpy arrays)
         import torch
+
         from components.executor.constraints import apply_constraints
     except ImportError as exc:
         print(f"  skip structured-output masks: {exc}", flush=True)
@@ -209,6 +214,7 @@ def check_graphs(report, label: str, model, max_len: int, max_batch: int,
     """Capture every bucket, then per bucket (and a few padded sizes) compare replayed logits
     with the eager forward; padded batches must change no KV outside their own slots."""
     import torch
+
     from components.executor.cuda_graphs import DecodeGraphs
     num_blocks = max_batch * (-(-max_len // block_size) + 2)
     kv = model.new_kv_cache(num_blocks, block_size)
@@ -253,6 +259,7 @@ def check_fused_elementwise(report, label: str, device, shape, weights,
     """The model on Triton's fused elementwise ops (the GPU's default plan) against the same
     weights on torch's ops: eager decode logits of 8 sequences, and the KV they wrote."""
     import torch
+
     from components.executor.model import LlamaModel
     out = {}
     for e in ("triton", "torch"):

@@ -80,6 +80,7 @@ def _decode_batch(rng: random.Random, n: int, max_len: int, block_size: int, num
 
 def _eager_decode(model, kv, ids, pos, tables):
     import torch
+
     from kernels.metadata import AttentionMetadata
     dev = kv.device
     meta = AttentionMetadata.build([1] * len(ids), pos, tables, kv.block_size, dev)
@@ -219,6 +220,7 @@ def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
     ``kernels`` forces plan choices, a given ``kv`` is used as it is, ``kv_dtype`` is the
     cache's element type (fp8) when it is not the model's."""
     import torch
+
     from components.executor.model import LlamaModel
     from kernels.kv_cache import quantize
     model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16,

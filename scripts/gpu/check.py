@@ -39,7 +39,7 @@ Exit status: 0 all checks passed, 1 a correctness check failed, 3 no CUDA device
 TRITON_INTERPRET=1, timing and a 14-shape step grid with the torch backend; the grid is
 written only to an explicit ``--steps-out``). Needs only torch, triton and numpy: nothing
 here imports msgspec, zmq or weir. The checks, the timing and the step grid live beside
-this file (``gpu_checks.py``, ``gpu_timing.py``, ``gpu_steps.py``).
+this file (``checks.py``, ``timing.py``, ``steps.py``).
 """
 from __future__ import annotations
 
@@ -49,17 +49,32 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _path in (ROOT, ROOT / "scripts"):     # the repo, and the gpu_* modules beside this
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from gpu_checks import (check_flash_attn, check_fused_elementwise,  # noqa: E402
-                        check_graphs, check_logit_processing, check_triton)
-from gpu_steps import (GPU_GRID, TINY_GRID, StepCase, StepTiming,  # noqa: E402,F401 (tests)
-                       time_step_grid, write_step_log)
-from gpu_timing import (Row, _free, build_timed, copy_bandwidth, decode_blocks,  # noqa: E402
-                        format_table, profile_decode, sweep_decode_partitions, time_decode)
+from scripts.gpu.checks import (
+    check_flash_attn,
+    check_fused_elementwise,
+    check_graphs,
+    check_logit_processing,
+    check_triton,
+)
+from scripts.gpu.steps import (  # noqa: F401 (tests)
+    GPU_GRID,
+    TINY_GRID,
+    StepCase,
+    StepTiming,
+    time_step_grid,
+    write_step_log,
+)
+from scripts.gpu.timing import (
+    Row,
+    _free,
+    build_timed,
+    copy_bandwidth,
+    decode_blocks,
+    format_table,
+    profile_decode,
+    sweep_decode_partitions,
+    time_decode,
+)
 
 EXIT_FAILED, EXIT_NO_CUDA = 1, 3
 DEFAULT_GGUF = Path.home() / ".cache/weir/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -259,7 +274,9 @@ def cpu_dry_run(args) -> int:
     backend (the grid written only to an explicit ``--steps-out``)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import importlib.util
+
     import torch
+
     from components.executor.model import LlamaModel
     from components.executor.synthetic import random_weights
     budget = Budget(args.budget_s)

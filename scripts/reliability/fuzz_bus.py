@@ -2,8 +2,8 @@
 peer can reach, and check that no process died, nothing hangs and the engine still
 generates exactly what it did before.
 
-    .venv/bin/python scripts/fuzz_bus.py                       # 10,000 frames per socket
-    .venv/bin/python scripts/fuzz_bus.py --messages 300 --seed 7 --sockets client,executor
+    scripts/run reliability/fuzz_bus                       # 10,000 frames per socket
+    scripts/run reliability/fuzz_bus --messages 300 --seed 7 --sockets client,executor
 
 Sockets (addresses from the run's Topology): the streamer's client ROUTER (a DEALER sends),
 every component's PULL inbox and the supervisor's heartbeat PULL (PUSH sends), and a
@@ -43,25 +43,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-import msgspec  # noqa: E402
-import zmq  # noqa: E402
-
-from schemas.config import COMPONENTS, WeirConfig  # noqa: E402
-from schemas.wire import (AdmissionMsg, ClientMsg, DetokenizerMsg, ExecutorMsg,  # noqa: E402
-                          KvMsg, SchedulerMsg, StreamerMsg, SupervisorMsg, TokenizerMsg)
-from zmq.utils.monitor import recv_monitor_message  # noqa: E402
-
-from bus.codec import Codec, encode  # noqa: E402
-from schemas.frames import client_frame_limit  # noqa: E402
-from schemas.client import Submit  # noqa: E402
-from tests.bus.fuzz_frames import FrameGen  # noqa: E402
-from tests.e2e.conftest import free_port  # noqa: E402
-from tests.e2e.engine import Engine  # noqa: E402
-from tests.e2e.router import Router  # noqa: E402
+from bus.codec import Codec, encode
+from schemas.client import Submit
+from schemas.config import COMPONENTS, WeirConfig
+from schemas.frames import client_frame_limit
+from schemas.wire import (
+    AdmissionMsg,
+    ClientMsg,
+    DetokenizerMsg,
+    ExecutorMsg,
+    KvMsg,
+    SchedulerMsg,
+    StreamerMsg,
+    SupervisorMsg,
+    TokenizerMsg,
+)
+from tests.bus.fuzz_frames import FrameGen
+from tests.e2e.conftest import free_port
+from tests.e2e.engine import Engine
+from tests.e2e.router import Router
 
 UNIONS = {"client": ClientMsg, "tokenizer": TokenizerMsg, "admission": AdmissionMsg,
           "scheduler": SchedulerMsg, "kv_manager": KvMsg, "executor": ExecutorMsg,

@@ -1,6 +1,6 @@
 """Fairness between tenants: a noisy neighbour, VTC against FCFS, simulated (and live).
 
-    python scripts/bench_fairness.py [--duration 60] [--flood-rate 6] [--seed 1]
+    scripts/run bench/fairness [--duration 60] [--flood-rate 6] [--seed 1]
         [--profile P] [--out DIR] [--live] [--max-lag-ms 250]
 
 Tenant A floods prefill-heavy requests (prompts of 1500-1900 tokens, 8-16 tokens out) far
@@ -33,18 +33,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from schemas.config import load_config  # noqa: E402
-from kernels.machine import describe, summary_line  # noqa: E402
-from weir.replay import profile as profiles  # noqa: E402
-from weir.replay.commands import parse_slo, write_outputs  # noqa: E402
-from weir.replay.fairness import backlog_intervals, overlap_s  # noqa: E402
-from weir.replay.report import percentile, summarize  # noqa: E402
-from weir.replay.traces import load_trace, write_weir  # noqa: E402
-from weir.replay.types import RunResult, Scaling, Slo  # noqa: E402
-from weir.replay.workloads import noisy_neighbour  # noqa: E402
+from kernels.machine import describe, summary_line
+from schemas.config import load_config
+from scripts import ROOT
+from weir.replay import profile as profiles
+from weir.replay.commands import parse_slo, write_outputs
+from weir.replay.fairness import backlog_intervals, overlap_s
+from weir.replay.report import percentile, summarize
+from weir.replay.traces import load_trace, write_weir
+from weir.replay.types import RunResult, Scaling, Slo
+from weir.replay.workloads import noisy_neighbour
 
 CONFIG = """
 [engine]

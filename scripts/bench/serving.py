@@ -11,8 +11,8 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,13 +20,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from kernels import machine  # stdlib only: the machine beside every number
+from scripts import ROOT
+
 BENCH = ROOT / ".bench"
 VENV = BENCH / "vllm-venv"
-LAUNCHER = ROOT / "scripts" / "vllm_launcher.py"
+LAUNCHER = ROOT / "scripts" / "bench" / "vllm_launcher.py"
 SERVED = "SmolLM2-135M-Instruct"
-sys.path.insert(0, str(ROOT))
-from kernels import machine  # noqa: E402  (stdlib only: the machine beside every number)
 
 
 def ensure_vllm_venv() -> Path:
@@ -117,7 +117,6 @@ def run_bench(py: Path, port: int, tokenizer: Path, args, label: str, rate: str)
 
 def weir_engine_stats(run_dir: str) -> str:
     """Where Weir's time went during the run: executor busy time and steps, from status."""
-    sys.path.insert(0, str(ROOT))
     from weir import Client
 
     with Client(f"ipc://{run_dir}/client.sock") as c:
