@@ -13,15 +13,50 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def wait_for(probe, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
-    """Poll ``probe()`` until it returns something truthy and return that; AssertionError
-    naming ``what`` after ``timeout`` seconds. (Tests wait for a condition, never a fixed
-    time.)"""
+def _timed_out(what, got, timeout: float) -> AssertionError:
+    return AssertionError(what(got) if callable(what) else f"{what} did not hold within {timeout}s")
+
+
+def wait_for(probe, timeout: float = 10.0, what="the condition", interval: float = 0.05, *,
+             until=bool, or_last: bool = False):
+    """Poll ``probe()`` until ``until`` holds for what it returns (by default: until it is
+    truthy) and return that. The one polling loop of the end-to-end tests: they wait for a
+    condition, never a fixed time.
+
+    ``probe`` is called at once, then every ``interval`` seconds (0: again at once, for a
+    probe that blocks by itself, as a socket poll does). After ``timeout`` seconds it raises
+    AssertionError: ``what`` names the condition (``"<what> did not hold within <timeout>s"``)
+    or, if callable, makes the whole message from the last value read. With ``or_last`` it
+    returns that last value instead, for the caller to assert on."""
     deadline = time.monotonic() + timeout
-    while not (got := probe()):
+    while not until(got := probe()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout}s")
+            if or_last:
+                return got
+            raise _timed_out(what, got, timeout)
         time.sleep(interval)
+    return got
+
+
+async def await_for(probe, timeout: float = 10.0, what="the condition", interval: float = 0.05,
+                    *, until=bool, or_last: bool = False):
+    """``wait_for`` inside an event loop: the same, sleeping with ``anyio.sleep``; ``probe``
+    may be a coroutine function."""
+    import inspect
+
+    import anyio
+
+    async def read():
+        got = probe()
+        return await got if inspect.isawaitable(got) else got
+
+    deadline = time.monotonic() + timeout
+    while not until(got := await read()):
+        if time.monotonic() > deadline:
+            if or_last:
+                return got
+            raise _timed_out(what, got, timeout)
+        await anyio.sleep(interval)
     return got
 
 
@@ -69,15 +104,16 @@ class Engine:
             self.wait_ready()
 
     def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weir serve exited: {self.log_path.read_text()[-3000:]}")
-            if b"weir: ready" in self.log_path.read_bytes():
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("weir serve did not become ready")
+            return b"weir: ready" in self.log_path.read_bytes()
+
+        try:
+            wait_for(ready, timeout, "weir serve ready", interval=0.2)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError("weir serve did not become ready") from None
 
     def client(self, **kwargs):
         from weir import Client
@@ -103,24 +139,23 @@ class Engine:
                   at_least: bool = False) -> None:
         """Stats ride on heartbeats (every 0.1 s), so each component's view is a little
         behind: wait until ``key`` reads ``value`` (or more, with ``at_least``)."""
-        deadline = time.monotonic() + timeout
-        while not ((got := self.stats(component).get(key)) == value
-                   or (at_least and got is not None and got >= value)):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{component}.{key} is {got}, not {value}, after {timeout}s")
-            time.sleep(0.02)
+        wait_for(lambda: self.stats(component).get(key), timeout,
+                 lambda got: f"{component}.{key} is {got}, not {value}, after {timeout}s",
+                 interval=0.02, until=lambda got: got == value
+                 or (at_least and got is not None and got >= value))
 
     def settled_stats(self, component: str, timeout: float = 5.0) -> dict[str, float]:
         """``component``'s stats once two heartbeats agree: what earlier tests sent has
         landed (a read right after a request can still show the count before it)."""
-        deadline = time.monotonic() + timeout
-        prev = self.stats(component)
-        while True:
-            time.sleep(0.15)                       # more than one heartbeat apart
-            cur = self.stats(component)
-            if cur == prev or time.monotonic() > deadline:
-                return cur
-            prev = cur
+        reads = [self.stats(component)]
+
+        def again() -> tuple[dict[str, float], dict[str, float]]:
+            reads.append(self.stats(component))
+            return reads[-2], reads[-1]
+
+        time.sleep(0.15)                           # reads more than one heartbeat apart
+        return wait_for(again, max(timeout - 0.15, 0.0), interval=0.15, or_last=True,
+                        until=lambda pair: pair[0] == pair[1])[1]
 
     def kv(self) -> dict[str, float]:
         return self.stats("kv_manager")
@@ -128,14 +163,10 @@ class Engine:
     def wait_kv_free(self, timeout: float = 1.0) -> float:
         """Seconds until free == total (raises AssertionError after ``timeout``)."""
         start = time.monotonic()
-        while True:
-            kv = self.kv()
-            if (kv["free_blocks"] == kv["total_blocks"] and kv["leased_seqs"] == 0
-                    and kv["cpu_free_blocks"] == kv["cpu_total_blocks"]):
-                return time.monotonic() - start
-            if time.monotonic() - start > timeout:
-                raise AssertionError(f"KV not free after {timeout}s: {kv}")
-            time.sleep(0.02)
+        wait_for(self.kv, timeout, lambda kv: f"KV not free after {timeout}s: {kv}",
+                 interval=0.02, until=lambda kv: kv["free_blocks"] == kv["total_blocks"]
+                 and kv["leased_seqs"] == 0 and kv["cpu_free_blocks"] == kv["cpu_total_blocks"])
+        return time.monotonic() - start
 
     def stop(self) -> None:
         stop_process(self.proc)

@@ -4,11 +4,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.e2e.conftest import free_port
-from tests.e2e.engine import ROOT, Engine, stop_process
+from tests.e2e.engine import ROOT, Engine, stop_process, wait_for
 
 
 def start_replica(run_dir: Path, toml: str, wait: bool = True) -> Engine:
@@ -40,12 +39,19 @@ class Router:
             args += ["--replica", f"{name}={eng.endpoint},{eng.kv_events}"]
         self.proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                      stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
-        deadline = time.monotonic() + 120
-        while b"weir: routing" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"weir route did not start: {self.log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+        def routing() -> bool:
+            if b"weir: routing" in self.log_path.read_bytes():
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError("weir route exited")
+            return False
+
+        try:
+            wait_for(routing, 120, interval=0.1)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"weir route did not start: {self.log_path.read_text()[-3000:]}") \
+                from None
         self.wait(lambda s: all(s.get(f"replica.{n}.healthy") == 1 for n in replicas)
                   and all(s.get(f"replica.{n}.index_snapshots", 0) >= 1 for n in replicas),
                   "every replica up and its cache view synced")
@@ -68,14 +74,8 @@ class Router:
 
     def wait(self, cond, what: str, timeout: float = 30.0) -> dict[str, float]:
         """Poll the router's stats (they ride on heartbeats) until ``cond(stats)``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if cond(stats):
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not {what} after {timeout}s: {stats}")
-            time.sleep(0.05)
+        return wait_for(self.stats, timeout, lambda stats: f"not {what} after {timeout}s: {stats}",
+                        until=cond)
 
     def stop(self) -> None:
         stop_process(self.proc)

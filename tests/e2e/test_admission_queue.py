@@ -13,7 +13,7 @@ import time
 import anyio
 import pytest
 
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, wait_for
 from weir.errors import RequestCancelled, RequestRejected
 
 pytestmark = pytest.mark.slow
@@ -48,11 +48,10 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-def wait_for(engine, component, key, value, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while engine.stats(component).get(key, 0) != value:
-        assert time.monotonic() < deadline, (component, key, engine.stats(component).get(key))
-        time.sleep(0.05)
+def stat_is(engine, component, key, value, timeout=10.0):
+    """Until ``component``'s stat ``key`` (0 if absent) is ``value``."""
+    wait_for(lambda: engine.stats(component).get(key, 0), timeout,
+             lambda got: repr((component, key, got)), until=lambda got: got == value)
 
 
 async def big(c, seed):
@@ -71,16 +70,16 @@ def test_queued_request_starts_when_capacity_frees(engine):
                     results[name] = await coro
 
                 tg.start_soon(run, "first", big(c, 1))
-                await anyio.to_thread.run_sync(wait_for, engine, "scheduler", "running", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "scheduler", "running", 1)
                 tg.start_soon(run, "second", big(c, 2))
-                await anyio.to_thread.run_sync(wait_for, engine, "admission", "queued", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "admission", "queued", 1)
             return results
 
     results = anyio.run(main)
     assert results["first"].finish_reason == "length"
     assert results["second"].finish_reason == "length"
     assert results["second"].ttft_ms > results["first"].e2e_ms * 0.5   # it waited its turn
-    wait_for(engine, "admission", "queued", 0)
+    stat_is(engine, "admission", "queued", 0)
     engine.wait_kv_free(timeout=2.0)
 
 
@@ -91,20 +90,20 @@ def test_cancelled_queued_request_never_reaches_the_engine(engine):
         async with engine.async_client() as c:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(big, c, 3)
-                await anyio.to_thread.run_sync(wait_for, engine, "scheduler", "running", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "scheduler", "running", 1)
                 stream = await c.stream(prompt_token_ids=ids(600, 4), max_tokens=40,
                                         ignore_eos=True, request_id="queued-then-cancelled")
-                await anyio.to_thread.run_sync(wait_for, engine, "admission", "queued", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "admission", "queued", 1)
                 await stream.cancel()
                 result = await stream.collect()
                 assert result.finish_reason == "cancelled" and result.token_ids == []
-                await anyio.to_thread.run_sync(wait_for, engine, "admission", "queued", 0)
+                await anyio.to_thread.run_sync(stat_is, engine, "admission", "queued", 0)
 
     anyio.run(main)
     assert engine.stats("scheduler").get("steps", 0) > before
-    wait_for(engine, "scheduler", "running", 0)
+    stat_is(engine, "scheduler", "running", 0)
     engine.wait_kv_free(timeout=2.0)
-    wait_for(engine, "admission", "outstanding", 0)     # its stats ride the next heartbeat
+    stat_is(engine, "admission", "outstanding", 0)     # its stats ride the next heartbeat
 
 
 def test_request_past_max_queue_ms_ends_deadline_expired(engine):
@@ -112,7 +111,7 @@ def test_request_past_max_queue_ms_ends_deadline_expired(engine):
         async with engine.async_client() as c:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(big, c, 5)
-                await anyio.to_thread.run_sync(wait_for, engine, "scheduler", "running", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "scheduler", "running", 1)
                 started = time.monotonic()
                 with pytest.raises(RequestRejected) as err:
                     await c.generate(prompt_token_ids=ids(600, 6), max_tokens=40,
@@ -123,7 +122,7 @@ def test_request_past_max_queue_ms_ends_deadline_expired(engine):
     err, waited = anyio.run(main)
     assert err.reason == "deadline_expired"
     assert 0.4 <= waited < 2.0
-    wait_for(engine, "admission", "queued", 0)
+    stat_is(engine, "admission", "queued", 0)
     engine.wait_kv_free(timeout=2.0)
 
 
@@ -179,7 +178,7 @@ def test_a_restarted_admission_resumes_its_ledger_exactly(engine):
                 assert back and after == before
                 # n = 2 more seqs than the 5 it may run: queued, as before the kill
                 tg.start_soon(run, "next", 2, 4, 14)
-                await anyio.to_thread.run_sync(wait_for, engine, "admission", "queued", 1)
+                await anyio.to_thread.run_sync(stat_is, engine, "admission", "queued", 1)
                 assert not results, f"{sorted(results)} ended while next was decided"
                 for name in ("next", "pair", "one", "two"):    # each Released subtracts
                     await c.cancel(name)
@@ -187,7 +186,7 @@ def test_a_restarted_admission_resumes_its_ledger_exactly(engine):
 
     results = anyio.run(main)
     assert results == dict.fromkeys(("pair", "one", "two", "next"), "cancelled")
-    wait_for(engine, "admission", "outstanding", 0)
+    stat_is(engine, "admission", "outstanding", 0)
     final = engine.settled_stats("admission")
     assert ledger(final) == {"outstanding": 0, "reserved_kv_blocks": 0}   # none left over
     assert final["queued"] == 0
@@ -198,13 +197,11 @@ def polled(read, done, timeout=30.0):
     """``read()`` until ``done`` holds for what it returns, or ``timeout``: the last value
     read, for the test to assert on (a read that raises, as while admission is down, is
     read again)."""
-    deadline, got = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
+    def attempt():
         try:
-            got = read()
+            return read()
         except Exception:
-            got = None
-        if got is not None and done(got):
-            break
-        time.sleep(0.05)
-    return got
+            return None
+
+    return wait_for(attempt, timeout, until=lambda got: got is not None and done(got),
+                    or_last=True)

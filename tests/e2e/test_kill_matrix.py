@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import free_port
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, await_for, wait_for
 from weir import RequestFailed
 
 # Restart policy alone: admission runs fcfs with no classes, so that every one of the 16
@@ -106,10 +106,11 @@ async def _kill_under_load(eng, component):
         for i in range(STREAMS):
             tg.start_soon(_sdk_stream, eng, i, started, out)
             tg.start_soon(_http_stream, http, i, started, out)
-        deadline = time.monotonic() + 120
-        while len(started) < 2 * STREAMS:              # every stream is producing tokens
-            assert time.monotonic() < deadline and not out, (sorted(started), out)
-            await anyio.sleep(0.05)
+        def all_streaming() -> bool:                   # every stream is producing tokens
+            assert not out, (sorted(started), out)
+            return len(started) >= 2 * STREAMS
+
+        await await_for(all_streaming, 120, lambda _: repr((sorted(started), out)))
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         while sum(k[0] in ("sdk", "http") for k in out) < 2 * STREAMS:
@@ -125,18 +126,21 @@ async def _kill_under_load(eng, component):
 def _wait_serving(eng, component, old_pid, timeout=120.0):
     """Seconds until the killed component is back and a request completes end to end."""
     start = time.monotonic()
-    while True:
-        assert time.monotonic() - start < timeout, f"{component} did not come back"
+
+    def serving() -> bool:
         try:
             comps = eng.status()
             if (comps[component].pid != old_pid
                     and all(c.alive and c.state == "ready" for c in comps.values())):
                 with eng.client(timeout=30, max_retries=0) as c:
-                    if c.generate("Hello", max_tokens=2, temperature=0.0).usage.completion_tokens:
-                        return time.monotonic() - start
+                    return bool(c.generate("Hello", max_tokens=2, temperature=0.0)
+                                .usage.completion_tokens)
         except Exception:                      # not back yet: polled until the timeout
             pass
-        time.sleep(0.2)
+        return False
+
+    wait_for(serving, timeout, lambda _: f"{component} did not come back", interval=0.2)
+    return time.monotonic() - start
 
 
 @pytest.mark.timeout(600)

@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import anyio
@@ -131,12 +130,9 @@ def test_component_crash_fails_in_flight_and_restarts(small_engine):
     t.join(30)
     assert not t.is_alive()
     assert len(errors) == 1 and "detokenizer" in errors[0].reason
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        st = small_engine.status()["detokenizer"]
-        if st.alive and st.state == "ready" and st.pid != pid:
-            break
-        time.sleep(0.2)
+    st = wait_for(lambda: small_engine.status()["detokenizer"], 60, interval=0.2,
+                  until=lambda st: st.alive and st.state == "ready" and st.pid != pid,
+                  or_last=True)
     assert st.restarts == 1 and st.pid != pid
     small_engine.wait_kv_free(timeout=2.0)
     with small_engine.client() as c:
@@ -179,13 +175,15 @@ def test_sigterm_the_moment_it_is_ready_still_drains_and_exits_cleanly(tmp_path,
     (killed by the signal, status -15, its components taken down by PDEATHSIG)."""
     eng = Engine(tmp_path, SMALL, wait=False)
     try:
-        deadline = time.monotonic() + 240
+        def ready() -> bool:
+            if b"weir: ready" in eng.log_path.read_bytes():
+                return True
+            assert eng.proc.poll() is None, eng.log_path.read_text()[-2000:]
+            return False
+
         # polled every millisecond: the signal lands within ~1 ms of the line (a loop with
         # no pause at all took one of two cores from the startup it waits for)
-        while b"weir: ready" not in eng.log_path.read_bytes():
-            assert eng.proc.poll() is None and time.monotonic() < deadline, \
-                eng.log_path.read_text()[-2000:]
-            time.sleep(0.001)
+        wait_for(ready, 240, lambda _: eng.log_path.read_text()[-2000:], interval=0.001)
         eng.proc.send_signal(signal.SIGTERM)
         assert eng.proc.wait(30) == 0, eng.log_path.read_text()[-2000:]
     finally:
@@ -200,19 +198,24 @@ def test_a_component_that_stays_down_gets_clear_rejections(tmp_path, model_path)
     try:
         pid = eng.status()["detokenizer"].pid
         os.kill(pid, signal.SIGKILL)
-        refused = None
         with eng.client(timeout=10, max_retries=0) as c:
-            # until the supervisor has given it up, a request may be let in and then fail
-            # with it; from then until `weir serve` exits, each is refused at once
-            deadline = time.monotonic() + 30
-            while refused is None and eng.proc.poll() is None:
-                assert time.monotonic() < deadline, "never refused, never exited"
+            def refused_or_exited() -> RequestRejected | bool:
+                """The refusal, True once `weir serve` has exited, else False."""
+                if eng.proc.poll() is not None:
+                    return True
                 try:
                     c.generate("Hello?", max_tokens=4)
                 except RequestRejected as exc:
-                    refused = exc
+                    return exc
                 except RequestFailed:
                     pass
+                return False
+
+            # until the supervisor has given it up, a request may be let in and then fail
+            # with it; from then until `weir serve` exits, each is refused at once
+            got = wait_for(refused_or_exited, 30, lambda _: "never refused, never exited",
+                           interval=0)
+        refused = got if isinstance(got, RequestRejected) else None
         assert refused is not None, "weir serve exited before a request was refused"
         assert (refused.reason == "overloaded" and "detokenizer" in refused.message) \
             or refused.reason == "draining", refused

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import free_port
-from tests.e2e.engine import Engine, gaps_of
+from tests.e2e.engine import Engine, await_for, gaps_of, wait_for
 from weir import AsyncClient, RequestCancelled, RequestFailed, RequestRejected
 
 ACME, OPS = "sk-acme-1", "sk-ops-1"
@@ -72,10 +72,8 @@ def test_status_shows_a_tenant_only_its_own_usage(eng):
 
     with eng.client(api_key=eng.service_key) as c:       # put globex on the books too
         c.generate("Hello there", max_tokens=2, temperature=0.0, tenant="globex")
-    deadline = time.monotonic() + 5                       # usage rides on heartbeats
-    while not tenants_seen(OPS) >= {"acme", "globex"}:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: tenants_seen(OPS) >= {"acme", "globex"}, 5,  # usage rides on heartbeats
+             "the operator seeing both tenants")
     assert tenants_seen(ACME) == {"acme"}
     assert tenants_seen(OPS) >= {"acme", "globex"}
     assert tenants_seen(None) == set()
@@ -185,8 +183,8 @@ def test_an_idempotent_attach_flood_neither_starves_other_tenants_nor_kills_the_
         async with anyio.create_task_group() as tg:
             for i in range(2):
                 tg.start_soon(neighbour, i, stop)
-            while len(gaps) < 4:                       # both neighbours are streaming
-                await anyio.sleep(0.02)
+            # both neighbours are streaming (no bound of its own: the test's timeout is it)
+            await await_for(lambda: len(gaps) >= 4, float("inf"), interval=0.02)
             # the flooder is a client, elsewhere in the world: here it runs on the engine's
             # two cores, so it runs at the lowest priority, not as a third busy process
             flood = await anyio.run_process(
@@ -228,9 +226,7 @@ def test_a_stream_nobody_reads_is_cancelled_and_blocks_no_one(eng):
             read = await c.generate("Write a short story.", max_tokens=60, ignore_eos=True,
                                     temperature=0.0)
             status = await c.status(timeout=5)        # the shared receiver is not stuck
-            with anyio.fail_after(60):
-                while c.slow_consumer_cancels == 0:
-                    await anyio.sleep(0.05)
+            await await_for(lambda: c.slow_consumer_cancels, 60, "a slow-consumer cancel")
             with pytest.raises(RequestCancelled) as err:
                 async for _ in unread:
                     pass
@@ -271,9 +267,7 @@ def test_drain_past_its_timeout_fails_what_still_runs(eng):
         async with anyio.create_task_group() as tg:
             tg.start_soon(sdk)
             tg.start_soon(http)
-            with anyio.fail_after(120):
-                while "http_started" not in out:
-                    await anyio.sleep(0.05)
+            await await_for(lambda: "http_started" in out, 120, "the HTTP stream started")
             eng.proc.send_signal(signal.SIGTERM)
             out["sigterm"] = time.monotonic()
         out["ended"] = time.monotonic()
@@ -307,10 +301,8 @@ def test_a_killed_engine_fails_its_clients_within_the_engine_timeout(tmp_path, m
 
         err, took = anyio.run(main)
         assert err.reason.startswith("engine_unreachable") and took < 3.0 + 2.0
-        deadline = time.monotonic() + 10                # the children died with it
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
-            time.sleep(0.05)
+        wait_for(lambda: not any(_alive(p) for p in pids), 10,   # the children died with it
+                 lambda _: repr([p for p in pids if _alive(p)]))
     finally:
         e.stop()
 

@@ -5,7 +5,6 @@ steps fit the cost profile), then a scaled slice of the Mooncake conversation tr
 replayed live, then the same slice is simulated with that profile and the same config."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio
@@ -13,7 +12,7 @@ import pytest
 
 from components.costs.cost_model import StepShape
 from schemas.config import load_config
-from tests.e2e.engine import Engine
+from tests.e2e.engine import Engine, wait_for
 from weir.replay import profile as profiles
 from weir.replay.calibrate import _workload
 from weir.replay.live import SdkTarget, replay
@@ -64,13 +63,11 @@ def runs(tmp_path_factory, model_path):
         live = anyio.run(lambda: replay(requests, SdkTarget(engine.endpoint, engine.service_key),
                                         lambda r: (synth.token_ids(r), ""), scaling=SCALING,
                                         progress=False, max_lag_ms=250))
-        deadline = time.monotonic() + 5
-        while True:                   # the engine's count rides on heartbeats: poll it
-            finished = engine.stats("streamer").get("requests.finished", 0) - before
-            if finished == sum(r.terminal == COMPLETED for r in live.records) or \
-                    time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        # the engine's count rides on heartbeats: poll it (asserted below)
+        finished = wait_for(
+            lambda: engine.stats("streamer").get("requests.finished", 0) - before, 5,
+            interval=0.1, or_last=True,
+            until=lambda done: done == sum(r.terminal == COMPLETED for r in live.records))
         live_steps = profiles.read_step_log(steps)[len(calibration):]
         ratios = sorted(s["measured_s"] / profile.predict(StepShape(
             s["tokens"], s["context"], s["seqs"], s["pairs"])) for s in live_steps)

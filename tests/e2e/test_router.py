@@ -16,7 +16,7 @@ import anyio
 import contextlib
 import pytest
 
-from tests.e2e.engine import ROOT, side_by_side
+from tests.e2e.engine import ROOT, await_for, side_by_side, wait_for
 from tests.e2e.router import Router, start_replica
 from weir.replay.live import SdkTarget, replay
 from weir.replay.synth import PromptSynth, load_tokenizer
@@ -185,15 +185,15 @@ def test_a_loaded_replica_is_passed_over_even_with_the_prefix(router, replicas):
     # load the warm replica directly (not through the router) far past a 1.5 s deadline
     flood = [f"Flood {i}: " + "numbers and letters " * 150 for i in range(12)]
     with held_open(replicas[warm], flood, max_tokens=32):
-        deadline = time.monotonic() + 60
-        while True:      # the router sees the load in the replica's report
+        def warm_queue():
             with router.client() as c:
-                comps = {x.name: x for x in c.status().components}
-            queue = comps.get(f"{warm}/admission")
-            if queue is not None and queue.stats.get("predicted_queue_s", 0) > 3.0:
-                break
-            assert time.monotonic() < deadline, f"{warm} never looked loaded: {queue}"
-            time.sleep(0.1)
+                return {x.name: x for x in c.status().components}.get(f"{warm}/admission")
+
+        # the router sees the load in the replica's report
+        wait_for(warm_queue, 60, lambda queue: f"{warm} never looked loaded: {queue}",
+                 interval=0.1,
+                 until=lambda queue: queue is not None
+                 and queue.stats.get("predicted_queue_s", 0) > 3.0)
         with router.client() as c:
             before = routed(router.stats())
             r = c.generate(HISTORY + "Question three?", max_tokens=2, temperature=0.0,
@@ -233,10 +233,8 @@ def test_http_gateway_in_front_of_the_router(replicas, tmp_path):
 
     router = Router(tmp_path / "http", replicas, REPLICA_TOML, http_port=free_port())
     try:
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{router.base_url}/ready").status_code != 200:
-            assert time.monotonic() < deadline, "the router's gateway never became ready"
-            time.sleep(0.1)
+        wait_for(lambda: httpx.get(f"{router.base_url}/ready").status_code == 200, 30,
+                 lambda _: "the router's gateway never became ready", interval=0.1)
         body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
                 "messages": [{"role": "user", "content": HISTORY + "Summarise."}]}
         for _ in range(3):
@@ -350,13 +348,16 @@ def test_failover_when_a_replica_is_killed_under_load(router, replicas):
         # survivors within 5 s
         first_ok = None
         with router.client() as c:
-            while first_ok is None and time.monotonic() - killed < 30:
+            def served() -> bool:
                 try:
                     c.generate("After the failure: hello", max_tokens=2, tenant="acme",
                                timeout=10)
-                    first_ok = time.monotonic() - killed
+                    return True
                 except Exception:
-                    time.sleep(0.05)
+                    return False
+
+            if wait_for(served, 30 - (time.monotonic() - killed), or_last=True):
+                first_ok = time.monotonic() - killed
         stats = router.wait(lambda s: s.get(f"replica.{victim_name}.healthy") == 0,
                             f"{victim_name} out")
         assert stats.get(f"replica.{victim_name}.lost", 0) >= 1
@@ -472,28 +473,27 @@ def _kill_the_router_under_load(router: Router, replicas: dict) -> None:
         async with anyio.create_task_group() as tg:
             for i in range(8):
                 tg.start_soon(stream, i)
-            deadline = time.monotonic() + 60
-            while len(started) < 8:
-                assert time.monotonic() < deadline and not out, (started, out)
-                await anyio.sleep(0.05)
+            def all_started() -> bool:
+                assert not out, (started, out)
+                return len(started) >= 8
+
+            await await_for(all_started, 60, lambda _: repr((started, out)))
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
-            while len(out) < 8:
-                assert time.monotonic() - killed < 20, f"clients hung: {out}"
-                await anyio.sleep(0.05)
+            await await_for(lambda: len(out) >= 8, 20, lambda _: f"clients hung: {out}")
             return time.monotonic() - killed
 
     ended_in = anyio.run(main)
     print(f"\nkill router: {sorted(set(out.values()))}, all ended {ended_in:.2f}s after")
     assert set(out.values()) == {"failed"} and ended_in < 10.0
-    deadline = time.monotonic() + 60                  # respawned, and routing again
-    while True:
+    def routing_again():
         try:
             with router.client(max_retries=0) as c:
-                if c.generate("Back?", max_tokens=2, tenant="acme", timeout=10).usage:
-                    break
+                return c.generate("Back?", max_tokens=2, tenant="acme", timeout=10).usage
         except Exception:
-            assert time.monotonic() < deadline, "the router did not come back"
-            time.sleep(0.2)
+            return None
+
+    # respawned, and routing again
+    wait_for(routing_again, 60, lambda _: "the router did not come back", interval=0.2)
     for eng in replicas.values():
         eng.wait_kv_free(timeout=30)

@@ -31,7 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 from bus.codec import Codec, encode
 from schemas.frames import client_frame_limit
 from schemas.client import Cancel, Cancelled, Rejected, ServerMsg, Submit
-from tests.e2e.engine import gaps_of, side_by_side
+from tests.e2e.engine import await_for, gaps_of, side_by_side
 from tests.e2e.router import Router, start_replica
 
 ACME = "acme-secret-key"
@@ -126,9 +126,8 @@ def test_unauthenticated_and_oversized_prompts_cost_the_router_nothing(router):
             async with anyio.create_task_group() as tg:
                 for i in range(2):
                     tg.start_soon(neighbour, i, stop)
-                with anyio.fail_after(60):
-                    while len(gaps) < 10:                  # both neighbours are streaming
-                        await anyio.sleep(0.02)
+                await await_for(lambda: len(gaps) >= 10, 60,   # both neighbours are streaming
+                                "both neighbours streaming", interval=0.02)
                 for name, repeat in (("4MB", 150_000), ("16MB", 600_000)):
                     await raw.sock.send(encode(Submit("big", LOREM * repeat)))
                     seen[f"dropped_{name}_s"] = await raw.event(zmq.EVENT_DISCONNECTED, 5)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import GATEWAY_KEY as KEY, GATEWAY_MODEL as MODEL
-from tests.e2e.engine import ROOT
+from tests.e2e.engine import ROOT, wait_for
 from weir.errors import RequestFailed
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -65,8 +65,6 @@ def test_response_format_json_schema_through_the_openai_client(gw, oai):
 def test_metrics_count_held_requests_by_kind_and_the_masks_work(gw, oai):
     """/metrics (Prometheus, parsed by prometheus_client): HTTP requests held to a
     language by kind, and engine-wide the rows masked and the time spent on them."""
-    import time
-
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -86,12 +84,9 @@ def test_metrics_count_held_requests_by_kind_and_the_masks_work(gw, oai):
         before.get("weir:structured_output_requests_total[regex]", 0) + 2
     assert after["weir:structured_output_requests_total[choice]"] == \
         before.get("weir:structured_output_requests_total[choice]", 0) + 1
-    deadline = time.monotonic() + 5     # engine counters ride on heartbeats: poll
-    while after["weir:structured_output_rows_total"] < \
-            before.get("weir:structured_output_rows_total", 0) + 3:
-        assert time.monotonic() < deadline, after
-        time.sleep(0.05)
-        after = metrics()
+    # engine counters ride on heartbeats: poll
+    after = wait_for(metrics, 5, repr, until=lambda m: m["weir:structured_output_rows_total"]
+                     >= before.get("weir:structured_output_rows_total", 0) + 3)
     assert after["weir:structured_output_mask_seconds_total"] > 0
     assert "weir:structured_output_compile_wait_seconds_total" in after
 

@@ -6,10 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 from schemas.config import COMPONENTS
-from tests.e2e.engine import ROOT, Engine
+from tests.e2e.engine import ROOT, Engine, wait_for
 
 
 def free_base_port(span: int = 11) -> int:
@@ -82,16 +81,16 @@ def test_separately_started_components_over_tcp(tmp_path, model_path):
     try:
         from weir import Client
 
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+        def components() -> dict:
             with Client(endpoint) as c:
                 try:
-                    comps = {x.name: x for x in c.status(timeout=1.0).components}
+                    return {x.name: x for x in c.status(timeout=1.0).components}
                 except Exception:
-                    comps = {}
-            if len(comps) == 7 and all(x.state == "ready" for x in comps.values()):
-                break
-            time.sleep(0.5)
+                    return {}
+
+        comps = wait_for(components, 180, interval=0.5, or_last=True,    # asserted below
+                         until=lambda comps: len(comps) == 7
+                         and all(x.state == "ready" for x in comps.values()))
         assert {x.pid for x in comps.values()} == {p.pid for p in procs[1:]}
         with Client(endpoint) as c:
             r = c.generate("Hello there", max_tokens=5, temperature=0.0, ignore_eos=True)
