@@ -16,8 +16,6 @@ import pytest
 from tests.e2e.engine import Engine, wait_for
 from weir.errors import RequestCancelled, RequestRejected
 
-pytestmark = pytest.mark.slow
-
 CONFIG = """
 [engine]
 max_model_len = 768

@@ -16,12 +16,9 @@ import signal
 import time
 
 import anyio
-import pytest
 
 from tests.e2e.engine import Engine, wait_for
 from weir.errors import RequestRejected
-
-pytestmark = pytest.mark.slow
 
 SLO_MS = 2000
 CONFIG = f"""

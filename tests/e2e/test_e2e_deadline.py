@@ -7,9 +7,6 @@ from __future__ import annotations
 import time
 
 import anyio
-import pytest
-
-pytestmark = pytest.mark.slow
 
 BOUND_MS = 2000
 MAX_TOKENS = 900        # far more than 2 s of decoding on any machine this runs on

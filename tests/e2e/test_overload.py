@@ -34,8 +34,6 @@ from schemas.config import SLO_CLASSES
 from tests.e2e.conftest import GATEWAY_MODEL, free_port
 from tests.e2e.engine import Engine
 
-pytestmark = pytest.mark.slow
-
 INTERACTIVE = SLO_CLASSES[0]                 # the default class of a config that names none
 SLO_MS = INTERACTIVE.ttft_slo_ms
 WINDOW_S = 4.0

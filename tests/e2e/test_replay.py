@@ -22,8 +22,6 @@ from weir.replay.synth import PromptSynth, load_tokenizer, scale
 from weir.replay.traces import load_trace
 from weir.replay.types import COMPLETED, REJECTED, Scaling, Slo, TraceRequest
 
-pytestmark = pytest.mark.slow
-
 TRACE = Path(__file__).resolve().parents[1] / "weir" / "replay" / "data" / \
     "mooncake_conversation_head.jsonl"
 SCALING = Scaling(length=1 / 64, time=2.0, block_size=512, seed=3)
