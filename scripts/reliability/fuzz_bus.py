@@ -30,6 +30,9 @@ component alive with 0 restarts, status answering, and after the fuzz a greedy r
 (on a cold and a warm prefix cache) giving the same text as before. Exit code 0 if all
 hold; otherwise the failures are printed, with each dead component's traceback from the
 serve log and the frames sent just before saved under the run dir.
+
+Over 400 lines on purpose: one tool (frame generators per socket, the senders, the judge and
+the command line) that tests/e2e/test_fuzz_bus.py imports whole for its short seeded run.
 """
 from __future__ import annotations
 

@@ -31,6 +31,9 @@ or closed within ``--timeout``), and, at the end, that the gateway still answers
 A closed connection without an answer is accepted only where the request was abandoned,
 malformed past parsing, or its body was over the limit (the server answers 413 and closes
 while the client is still sending). Exit status 1 on any failure, with the raw requests.
+
+Over 400 lines on purpose: one tool (the raw HTTP client, the request strategies, the judge
+and the command line) that tests/e2e/test_http_fuzz.py imports whole for its short run.
 """
 from __future__ import annotations
 
