@@ -7,6 +7,7 @@ Derived values (socket addresses, block counts) are properties, not fields.
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -290,7 +291,11 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"tenant {self.name}: kv_blocks, max_running and max_queued must be >= 0")
 
 
-class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
+    """``dict=True`` only so the tenant and class tables are indexed once per config
+    (``tenant``, ``tenants_by_name``, ``service_classes``: cached; the fields stay
+    frozen)."""
+
     # see components/admission/policy.py; "fcfs" (accept whatever the caps allow) is the
     # baseline the replay and simulator compare against
     policy: Literal["fcfs", "deadline"] = "deadline"
@@ -344,7 +349,23 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"default class {', '.join(defaults)}")
 
     def service_classes(self) -> dict[str, ServiceClass]:
+        """The classes by name (a config that names none: one, ``default``). Do not
+        change the mapping: it is built once per config and shared."""
+        return self._classes_by_name
+
+    @cached_property
+    def _classes_by_name(self) -> dict[str, ServiceClass]:
         return {c.name: c for c in self.classes} or {DEFAULT_CLASS.name: DEFAULT_CLASS}
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        """The configured tenant of this name, or None: the one index of
+        ``tenants`` (built on first use)."""
+        return self.tenants_by_name.get(name)
+
+    @cached_property
+    def tenants_by_name(self) -> dict[str, TenantConfig]:
+        """The tenants by name, built once per config (do not change it)."""
+        return {t.name: t for t in self.tenants}
 
     def allowed_classes(self, tenant: TenantConfig) -> list[str]:
         """The tenant's classes, its default first."""

@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
+from schemas.resolve import ttft_deadline_ms as own_else_class_ms
 from schemas.wire import Rejected, Tokenized
 
 
@@ -120,20 +121,17 @@ def reject(req: Tokenized, reason: RejectReason, message: str, after_s: float | 
 
 def ttft_deadline_ms(own_ms: float | None, cls: ServiceClass,
                      alone_s: float | None) -> float | None:
-    """A request's TTFT deadline: its own ``deadline_ms`` as the client set it; else its
-    class's ``ttft_slo_ms``, stretched for a prompt whose own prefill on this machine
+    """A request's TTFT deadline (``schemas.resolve.ttft_deadline_ms``): its own
+    ``deadline_ms`` as the client set it; else its class's ``ttft_slo_ms``, stretched for a prompt whose own prefill on this machine
     (``alone_s``: ``TtftModel.alone_s``, nothing ahead of it; None: not measured yet)
     takes more than half of it, to that prefill plus half the target. A class's target is
     what interactive work may wait; a prompt is never refused for its size alone (8k
     tokens on two CPU cores take longer than a 3 s target with nothing else running), and
     it still may not wait longer than a short one could."""
-    if own_ms is not None:
-        return own_ms
-    if cls.ttft_slo_ms is None:
-        return None
-    if alone_s is None:
-        return cls.ttft_slo_ms
-    return max(cls.ttft_slo_ms, cls.ttft_slo_ms / 2 + alone_s * 1e3)
+    deadline = own_else_class_ms(own_ms, cls)
+    if own_ms is not None or deadline is None or alone_s is None:
+        return deadline
+    return max(deadline, deadline / 2 + alone_s * 1e3)
 
 
 def e2e_deadline_ms(req: Tokenized, cls: ServiceClass) -> float | None:

@@ -76,6 +76,7 @@ from components.admission.ttft import TtftModel
 from schemas.validate import check_length, check_params
 from components.tenancy.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
+from schemas.resolve import resolve
 from schemas.wire import Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized
 
 
@@ -163,10 +164,10 @@ class AdmissionPolicy:
         the uncached prompt, so such a request is rejected as ``deadline_unmeetable`` by
         whatever the lookup finds: the service decides it without asking the kv_manager,
         which makes a rejection under overload one hop cheaper."""
-        if self.kind != "deadline" or (tenant := self.tenants.get(req.tenant)) is None:
+        if self.kind != "deadline":
             return False
-        cls = self._grant_class(tenant, req.service_class)
-        if isinstance(cls, str):
+        cls = resolve(self.config.admission, req.tenant, req.service_class, None).granted
+        if cls is None:
             return False
         prompt = len(req.prompt_token_ids)
         uncached, done = max(prompt - cached, 0), min(cached, prompt)
@@ -178,13 +179,10 @@ class AdmissionPolicy:
 
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
-        tenant = self.tenants.get(req.tenant)
-        if tenant is None:
-            return reject(req, "unknown_tenant", f"unknown tenant {req.tenant!r}")
-        granted = self._grant_class(tenant, req.service_class)
-        if isinstance(granted, str):
-            return reject(req, "class_not_allowed", granted)
-        cls = granted
+        resolved = resolve(cfg.admission, req.tenant, req.service_class, req.deadline_ms)
+        tenant, cls = resolved.tenant, resolved.granted
+        if tenant is None or cls is None:
+            return reject(req, resolved.refusal, resolved.message)
         priority = max(cls.priority, req.priority)     # a client may only lower its own
         max_tokens = req.params.max_tokens
         if cls.max_tokens is not None and (max_tokens is None or max_tokens > cls.max_tokens):
@@ -215,20 +213,6 @@ class AdmissionPolicy:
                           self.releases.retry_after(held - tenant.max_outstanding + 1, now),
                           grant)
         return grant.decision(Kind.ACCEPT, "within_caps")
-
-    def _grant_class(self, tenant: TenantConfig, asked: str | None) -> ServiceClass | str:
-        allowed = self.config.admission.allowed_classes(tenant)
-        default = self.classes[allowed[0]]
-        if asked is None or asked == default.name:
-            return default
-        if asked not in allowed:
-            return f"tenant {tenant.name!r} may not use class {asked!r} (allowed: " \
-                   f"{', '.join(allowed)})"
-        cls = self.classes[asked]
-        if cls.priority < default.priority:
-            return f"class {asked!r} is above the tenant's class {default.name!r}; a " \
-                   f"client may ask only for a lower class"
-        return cls
 
     # ------------------------------------------------------------------ estimates
     def estimate(self, req: Tokenized, cached: int, cls: ServiceClass,

@@ -39,6 +39,7 @@ from components.router.scoring import (
 )
 from schemas.client import Accepted, Cancelled, Failed, Finished, Rejected, Submit, TextDelta
 from schemas.config import AdmissionConfig, RouterConfig
+from schemas.resolve import resolve
 
 # rejections that say "not here, not now", not "never": another replica may take it
 REROUTE = frozenset({"overloaded", "deadline_unmeetable", "queue_full", "draining",
@@ -88,17 +89,10 @@ class Route:
 def ttft_deadline_s(sub: Submit, tenant: str, admission: AdmissionConfig,
                     fallback_s: float) -> float:
     """The request's TTFT deadline in seconds from its arrival: its own, else its class's
-    (the one it names, else its tenant's default, else its tenant's first), else
-    ``fallback_s`` (the router's overload bound)."""
-    if sub.deadline_ms is not None:
-        return sub.deadline_ms / 1e3
-    t = next((t for t in admission.tenants if t.name == tenant), None)
-    name = sub.service_class or (t.default_class if t else "") or \
-        (t.classes[0] if t and t.classes else "")
-    cls = next((c for c in admission.classes if c.name == name), None)
-    if cls is not None and cls.ttft_slo_ms is not None:
-        return cls.ttft_slo_ms / 1e3
-    return fallback_s
+    (``schemas.resolve``: the class its replica's admission grants it, or counts it under
+    if it refuses it), else ``fallback_s`` (the router's overload bound)."""
+    ms = resolve(admission, tenant, sub.service_class, sub.deadline_ms).deadline_ms
+    return ms / 1e3 if ms is not None else fallback_s
 
 
 def prefill_rate(r: Replica, default: float) -> float:

@@ -37,6 +37,7 @@ from components.streamer.slo import RequestClock, SloStats
 from components.tenancy.retry import DrainRate
 from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
 from schemas.frames import client_frame_limit
+from schemas.resolve import resolve
 from schemas.validate import check_submit
 from schemas.wire import (
     Accepted,
@@ -69,7 +70,6 @@ class StreamerService(Component):
     async def setup(self) -> None:
         self.instance = time.time_ns()
         self.registry = Registry()                          # open requests
-        self.tenant_caps = {t.name: t.max_outstanding for t in self.config.admission.tenants}
         self.ends = DrainRate()                             # for Retry-After estimates
         self.cluster = ClusterStatus((), False)
         self.cluster_at = time.monotonic()
@@ -139,7 +139,8 @@ class StreamerService(Component):
         record = self.config.telemetry.record_content
         span = spans.start_request(sub, tenant, traceparent, record)
         clock = RequestClock(time.monotonic(), sub.deadline_ms,
-                             self.slo.class_of(tenant, sub.service_class))
+                             resolve(self.config.admission, tenant, sub.service_class,
+                                     sub.deadline_ms).label)
         req = Active(who, tenant, time.time_ns(), clock, span, batched=sub.batch_events)
         if record:
             req.completion = []
@@ -216,7 +217,8 @@ class StreamerService(Component):
         if len(self.registry) >= engine_cap:
             return Rejected(rid, "overloaded", f"the engine holds {engine_cap} requests, its cap",
                             self.ends.retry_after(len(self.registry) - engine_cap + 1, now))
-        cap = self.tenant_caps.get(tenant)
+        limits = self.config.admission.tenant(tenant)
+        cap = limits.max_outstanding if limits is not None else None
         held = self.registry.held_by(tenant)
         if cap is not None and held >= cap:
             return Rejected(rid, "tenant_over_budget", f"tenant holds {cap} requests, its cap",

@@ -20,14 +20,14 @@ A request with no objective that finishes is good; one that never got a first to
 TTFT miss, as ``weir replay`` counts it. Refusals of a request that could never be served
 as asked (``NOT_SERVABLE``) count on neither side: they are the client's error, not the
 engine's. Until admission names a request's class, it is the one admission would grant
-(the class asked for if one is configured, else the tenant's default), so a request
-refused before it runs is counted under its class; a name nobody configured never
-becomes a label.
+(``schemas.resolve``'s label: the class asked for if one is configured, else the tenant's
+default), so a request refused before it runs is counted under its class; a name nobody
+configured never becomes a label.
 
 ``stats()`` keys, ``<class>`` last because a class name may hold dots:
 
 - ``slo.<ttft|tpot>.<met|missed>.<class>``: only where there is an objective (TTFT: the
-  request's ``deadline_ms``, else its class's ``ttft_slo_ms``, as admission uses it).
+  request's ``deadline_ms``, else its class's ``ttft_slo_ms``: ``schemas.resolve``).
 - ``degraded.<class>``: finished requests admission had degraded.
 - ``goodput.requests.<class>``, ``goodput.tokens.<class>`` (every choice's generated
   tokens), ``goodput.missed.<reason>.<class>``, ``goodput.missed_tokens.<class>`` (tokens
@@ -48,6 +48,7 @@ from itertools import accumulate
 from schemas.client import (STRUCTURED_OUTPUT_ERROR, Accepted, Cancelled, Failed, Finished,
                             Rejected)
 from schemas.config import AdmissionConfig, ServiceClass
+from schemas.resolve import ttft_deadline_ms
 
 LATENCY_EDGES_MS = (5, 10, 20, 40, 60, 80, 100, 250, 500, 750, 1000, 2500, 5000, 7500,
                     10000, 20000, 40000, 80000)
@@ -105,10 +106,8 @@ class RequestClock:
 
 
 class SloStats:
-    def __init__(self, classes: dict[str, ServiceClass],
-                 tenant_classes: dict[str, str] | None = None) -> None:
+    def __init__(self, classes: dict[str, ServiceClass]) -> None:
         self.classes = classes
-        self.tenant_classes = tenant_classes or {}      # tenant -> its default class
         self.outcomes: Counter[str] = Counter()
         self.degraded: Counter[str] = Counter({name: 0 for name in classes})
         self.histograms: dict[tuple[str, str], Histogram] = {}
@@ -123,13 +122,7 @@ class SloStats:
 
     @classmethod
     def for_config(cls, adm: AdmissionConfig) -> SloStats:
-        return cls(adm.service_classes(),
-                   {t.name: adm.allowed_classes(t)[0] for t in adm.tenants})
-
-    def class_of(self, tenant: str, asked: str | None) -> str:
-        """The class admission would grant a request (until it says): bounded to the
-        configured names, "" for a tenant nobody configured (admission refuses it)."""
-        return asked if asked in self.classes else self.tenant_classes.get(tenant, "")
+        return cls(adm.service_classes())
 
     def accepted(self, clock: RequestClock, event: Accepted) -> None:
         name = clock.service_class = event.service_class
@@ -173,8 +166,7 @@ class SloStats:
         else:
             ttft_ms = (clock.first_token - clock.started) * 1e3
             self._observe("ttft", name, ttft_ms)
-            objective = clock.deadline_ms if clock.deadline_ms is not None else \
-                cls.ttft_slo_ms if cls is not None else None
+            objective = ttft_deadline_ms(clock.deadline_ms, cls)
             ttft_late = self._outcome("ttft", name, ttft_ms, objective)
             tokens = generated_tokens(event)
             if tokens > 1:

@@ -213,7 +213,7 @@ def test_no_replica_left_is_no_decision():
     ("t", {"service_class": "batch"}, 60.0),           # the class it names
     ("u", {}, 60.0),                                   # its tenant's first class
     ("t", {"service_class": "free"}, 2.0),             # a class with no TTFT SLO
-    ("default", {}, 2.0),                              # no class named: the router's bound
+    ("default", {}, 3.0),                              # its default: the config's first class
     ("nobody", {}, 2.0),
 ])
 def test_the_ttft_deadline(tenant, kw, seconds):

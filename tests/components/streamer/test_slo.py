@@ -13,6 +13,7 @@ from components.streamer.slo import (
 from schemas.client import (STRUCTURED_OUTPUT_ERROR, Accepted, Cancelled, ChoiceEnd, Failed,
                             Finished, Rejected, RequestTiming, Usage)
 from schemas.config import AdmissionConfig, ServiceClass, TenantConfig
+from schemas.resolve import resolve
 
 CLASSES = {"interactive": ServiceClass("interactive", ttft_slo_ms=250, tpot_slo_ms=62.5),
            "batch": ServiceClass("batch", tpot_slo_ms=100, may_degrade=True)}
@@ -187,12 +188,7 @@ def test_before_admission_names_it_a_request_counts_under_the_class_it_would_get
                           tenants=(TenantConfig("a"), TenantConfig("b", default_class="batch"),
                                    TenantConfig("c", classes=("batch",))))
     s = SloStats.for_config(adm)
-    assert [s.class_of("a", None), s.class_of("b", None), s.class_of("c", None)] == \
-        ["interactive", "batch", "batch"]
-    assert s.class_of("a", "batch") == "batch"
-    assert s.class_of("b", "gold") == "batch"            # no unconfigured name as a label
-    assert s.class_of("stranger", "gold") == ""
-    c = RequestClock(0.0, None, s.class_of("b", None))
+    c = RequestClock(0.0, None, resolve(adm, "b", None, None).label)
     s.ended(c, Rejected("r", "overloaded", ""), 0.0)
     assert goodput(s, "batch") == {"missed.rejected": 1}
 
