@@ -91,7 +91,7 @@ class AdmissionPolicy:
         self.config = config
         adm = config.admission
         self.kind = adm.policy
-        self.tenants: dict[str, TenantConfig] = {t.name: t for t in adm.tenants}
+        self.tenants: dict[str, TenantConfig] = adm.tenants_by_name     # the config's index
         self.classes: dict[str, ServiceClass] = adm.service_classes()
         self.ledger = Ledger()
         self.releases = DrainRate()
