@@ -1,10 +1,13 @@
 """Request validation: pure checks that turn bad input into a clear rejection reason.
 
-This module is the one place that says what a request may ask for. The same checks run
+This module is the one place that says what a request may ask for. The checks run once,
 at the edge — the streamer calls :func:`check_submit` for every ``Submit`` that arrives over
-ZeroMQ, and the HTTP gateway calls it before it submits, so a bad request is refused
-before it costs a tokenizer pass — and again in admission (:func:`check_params`,
-:func:`check_length`) once the prompt's real token count is known.
+ZeroMQ (the HTTP gateway calls it too, before it submits any prompt of a batch, so a batch
+with one bad prompt is a 400 with none of them started), so a bad request is refused
+before it costs a tokenizer pass. Nothing after the edge checks the parameters again; only
+what needs the prompt's tokens is checked later: the tokenizer checks ids against the
+vocabulary, admission the length (:func:`check_length`) and ``n`` against
+``scheduler.max_num_seqs``.
 
 The limits, and why each is what it is, are in ``schemas/limits.py``.
 

@@ -73,7 +73,7 @@ from components.admission.queue import AdmissionQueue
 from components.tenancy.retry import DrainRate
 from components.admission.stats import decision_stats, live_stats, ttft_stats
 from components.admission.ttft import TtftModel
-from schemas.validate import check_length, check_params
+from schemas.validate import check_length
 from components.tenancy.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.resolve import resolve
@@ -189,8 +189,6 @@ class AdmissionPolicy:
             max_tokens = cls.max_tokens
         est = self.estimate(req, cached, cls, max_tokens)
         grant = Grant(cls.name, priority, max_tokens, est)
-        if (why := check_params(req.params)) is not None:
-            return reject(req, "invalid_request", why, grant=grant)
         if req.params.n > cfg.scheduler.max_num_seqs:
             return reject(req, "invalid_request", f"n ({req.params.n}) exceeds the "
                           f"engine's max_num_seqs ({cfg.scheduler.max_num_seqs})", grant=grant)

@@ -21,6 +21,7 @@ from starlette.routing import Route
 from bus import tracing
 from schemas.client import STRUCTURED_OUTPUT_ERROR, StatusReport
 from schemas.config import GatewayConfig
+from schemas.limits import MAX_ID_CHARS
 from components.gateway.auth import Authenticator
 from components.gateway.batch import StreamGroup
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
@@ -247,12 +248,12 @@ def build_app(state: GatewayState) -> Starlette:
                     state.metrics.structured.labels(state.model, structured_kind(so)).inc()
             rid = uuid.uuid4().hex
             idempotency_key = request.headers.get("idempotency-key") or None
-            if idempotency_key is not None and len(idempotency_key) > 256:
-                raise ApiError(400, "Idempotency-Key must be at most 256 characters",
+            if idempotency_key is not None and len(idempotency_key) > MAX_ID_CHARS:
+                raise ApiError(400, f"Idempotency-Key must be at most {MAX_ID_CHARS} characters",
                                code="invalid_idempotency_key")
             session_id = request.headers.get("x-session-id") or None
-            if session_id is not None and len(session_id) > 256:
-                raise ApiError(400, "X-Session-Id must be at most 256 characters",
+            if session_id is not None and len(session_id) > MAX_ID_CHARS:
+                raise ApiError(400, f"X-Session-Id must be at most {MAX_ID_CHARS} characters",
                                code="invalid_session_id")
             if len(batch) > 1:
                 stream = StreamGroup(await _open_all(batch, rid, tenant, idempotency_key,

@@ -37,6 +37,7 @@ from components.streamer.slo import RequestClock, SloStats
 from components.tenancy.retry import DrainRate
 from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
 from schemas.frames import client_frame_limit
+from schemas.limits import MAX_ID_CHARS
 from schemas.resolve import resolve
 from schemas.validate import check_submit
 from schemas.wire import (
@@ -126,7 +127,7 @@ class StreamerService(Component):
             n = self.counts["unauthenticated"]
             if n <= 20 or n % 1000 == 0:       # a flood must not become one of log lines
                 log.warning("unauthenticated", request_id=rid[:64], count=n)
-            return await self._terminal_to(who, Rejected(rid[:256], "unauthenticated",
+            return await self._terminal_to(who, Rejected(rid[:MAX_ID_CHARS], "unauthenticated",
                                                          identity.message))
         tenant = identity.tenant
         self.counts["retries"] += sub.attempt > 0          # every retry, refused again or not
@@ -192,9 +193,10 @@ class StreamerService(Component):
         request (every bound of ``check_submit``, checked before any work proportional to
         its size), and room under the engine-wide cap on open streams."""
         rid = sub.request_id
-        if not rid or len(rid) > 256 or rid in self.registry:
-            return Rejected(rid[:256], "invalid_request",
-                            "request_id is empty, longer than 256 characters or already in use")
+        if not rid or len(rid) > MAX_ID_CHARS or rid in self.registry:
+            return Rejected(rid[:MAX_ID_CHARS], "invalid_request",
+                            f"request_id is empty, longer than {MAX_ID_CHARS} characters or "
+                            f"already in use")
         if sum(x is not None for x in (sub.prompt, sub.messages, sub.prompt_token_ids)) != 1:
             return Rejected(rid, "invalid_request",
                             "set exactly one of prompt, prompt_token_ids or messages")

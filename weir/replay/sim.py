@@ -28,6 +28,7 @@ from typing import Callable
 
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
+from schemas.validate import check_params
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import tenant_budgets
@@ -164,6 +165,10 @@ class Simulator:
                             prompt_tokens=len(ids), deadline_ms=req.deadline_ms, n=req.n)
         self.records[rid] = rec
         self._refresh_load()
+        if check_params(params) is not None:    # the streamer's edge check, as live
+            rec.decision, rec.reason = Kind.REJECT, "invalid_request"
+            rec.terminal, rec.e2e_s = REJECTED, 0.0
+            return
         bs = self.config.kv.block_size
         cached = self.pool.cached_tokens(tenant, hashes, ids[:len(hashes) * bs],
                                          (len(ids) - 1) // bs) if hashes else 0

@@ -88,6 +88,17 @@ def test_an_unknown_tenant_is_rejected():
     assert run.records[0].terminal == REJECTED and run.records[0].reason == "unknown_tenant"
 
 
+def test_invalid_parameters_are_refused_at_the_edge_as_the_streamer_refuses_them():
+    # n past MAX_N (16): the streamer's check_submit refuses it live; admission no longer
+    # checks parameters again, so the simulator refuses it where the streamer would
+    _, run = simulate([req(0, 0.0, n=17), req(1, 0.0, n=2)],
+                      cfg=config(scheduler={"max_num_seqs": 32}))
+    bad, good = run.records
+    assert (bad.terminal, bad.decision, bad.reason, bad.e2e_s) == \
+        (REJECTED, "reject", "invalid_request", 0.0)
+    assert good.terminal == COMPLETED
+
+
 def test_shared_hash_ids_hit_the_prefix_cache():
     # two 96-token prompts sharing two 32-token trace blocks; the second arrives after the
     # first finished, so its first 64 tokens (4 KV blocks of 16) are cached
