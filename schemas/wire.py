@@ -32,21 +32,91 @@ class Envelope(msgspec.Struct, Generic[T], frozen=True, array_like=True, gc=Fals
     body: T
 
 
-# ---------------------------------------------------------------- tokenizer inbox
+# ---------------------------------------------------------------- a request's header
 
-class NewRequest(msgspec.Struct, tag="new_request", frozen=True):
+NO_DEADLINE_NS = 2**63 - 1      # an absolute deadline is clamped to it (int64 on the wire)
+
+
+def deadline_ns(arrival_ns: int, ms: float | None) -> int | None:
+    """The absolute deadline ``ms`` milliseconds after ``arrival_ns`` (None: none), in
+    ``arrival_ns``'s clock, clamped to ``NO_DEADLINE_NS`` (a deadline centuries away)."""
+    if ms is None:
+        return None
+    return min(arrival_ns + round(ms) * 1_000_000, NO_DEADLINE_NS)
+
+
+class RequestHeader(msgspec.Struct, frozen=True, gc=False):
+    """A request's identity and terms, built once, by the streamer that took its ``Submit``,
+    and carried unchanged by every message of its path (``NewRequest``, ``Tokenized``,
+    ``Admitted``) and by the scheduler's ``Seq``. Admission is the one place it changes:
+    what it grants replaces what was asked (``msgspec.structs.replace`` on the header):
+    ``granted_class`` and its ``tpot_slo_ms``, the ``priority`` and deadlines in force and
+    a capped ``params.max_tokens``.
+
+    One clock: ``arrival_ns`` is the wall clock (``time.time_ns``) of the streamer's
+    machine when the request arrived, and both deadlines are absolute in that clock.
+    Every process that reads them runs beside that streamer (one machine, one engine).
+    A deadline crosses a router the other way: the client-facing ``Submit`` carries it
+    relative (milliseconds from arrival), the router forwards ``Submit`` (on a reroute,
+    with what is left of it), and the replica's streamer makes it absolute on arrival,
+    so no two machines' clocks are ever compared."""
+
     request_id: str
     tenant: str
+    params: SamplingParams
+    arrival_ns: int                       # the streamer's wall clock at arrival
+    priority: int = 0                     # lower is more important; admitted: as granted
+    asked_class: str | None = None        # the class the client asked for (None: none)
+    granted_class: str | None = None      # the class admission granted (None: not yet)
+    # first token due by then (arrival_ns's clock): the client's own, then, admitted, the
+    # one in force (its own, else its class's ttft_slo_ms: schemas.resolve); None: none
+    ttft_deadline_ns: int | None = None
+    # the whole request ends by then: the client's own, then, admitted, the one in force
+    # (the tighter of its own and its class's e2e_slo_ms); None: none
+    e2e_deadline_ns: int | None = None
+    tpot_slo_ms: float | None = None      # the granted class's TPOT SLO (None: none/not yet)
+
+    @property
+    def ttft_deadline_ms(self) -> int | None:
+        """``ttft_deadline_ns`` as milliseconds from arrival (None: none)."""
+        return _from_arrival_ms(self.arrival_ns, self.ttft_deadline_ns)
+
+    @property
+    def e2e_deadline_ms(self) -> int | None:
+        """``e2e_deadline_ns`` as milliseconds from arrival (None: none)."""
+        return _from_arrival_ms(self.arrival_ns, self.e2e_deadline_ns)
+
+
+def _from_arrival_ms(arrival_ns: int, at_ns: int | None) -> int | None:
+    return None if at_ns is None else (at_ns - arrival_ns) // 1_000_000
+
+
+class _Carries(msgspec.Struct, frozen=True):
+    """A message that carries a request's header: its id, tenant and parameters read
+    through to it."""
+
+    header: RequestHeader
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.header.tenant
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.header.params
+
+
+# ---------------------------------------------------------------- tokenizer inbox
+
+class NewRequest(_Carries, tag="new_request", frozen=True):
     prompt: str | None
     messages: tuple[ChatMessage, ...] | None
-    params: SamplingParams
-    arrival_ns: int
     prompt_token_ids: list[int] | None = None
-    deadline_ms: int | None = None
-    priority: int = 0
-    service_class: str | None = None      # as the client asked (admission decides)
     tools: tuple[Tool, ...] = ()          # Submit.tools, for the chat template
-    e2e_deadline_ms: int | None = None    # Submit.e2e_deadline_ms
 
 
 class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
@@ -70,26 +140,14 @@ class BlockCopy(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 # ---------------------------------------------------------------- admission inbox
 
-class Tokenized(msgspec.Struct, tag="tokenized", frozen=True, gc=False):
+class Tokenized(_Carries, tag="tokenized", frozen=True, gc=False):
     """A request in tokens: prompt ids, per-tenant prefix block hashes, the model's eos ids."""
 
-    request_id: str
-    tenant: str
     prompt_token_ids: list[int]
     block_hashes: list[int]
-    params: SamplingParams
-    arrival_ns: int
     eos_token_ids: tuple[int, ...] = ()
-    deadline_ms: int | None = None
-    priority: int = 0                 # lower is more important (vLLM's convention)
     public_scope: str = ""            # the first public_blocks blocks are a shared public prefix
     public_blocks: int = 0
-    service_class: str | None = None  # asked for by the client; in Admitted, the class granted
-    tpot_slo_ms: float | None = None  # in Admitted: the class's TPOT SLO (stall-free chunking)
-    queued_ns: int = 0                # in Admitted: how long admission's queue held it
-    # the client's end-to-end deadline (from arrival); in Admitted, the one in force (the
-    # client's clamped to its class's e2e_slo_ms): the scheduler ends it there (late.py)
-    e2e_deadline_ms: int | None = None
 
 
 class TenantBacklog(msgspec.Struct, frozen=True, array_like=True):
@@ -224,6 +282,7 @@ class Admitted(Tokenized, tag="admitted", frozen=True, gc=False):
     """A tokenized request that admission accepted; the scheduler now holds it, and keeps
     ``held`` (admission's ledger entry for it) to hand back if admission restarts."""
 
+    queued_ns: int = 0                # how long admission's queue held it
     held: HeldRequest | None = None
     # its class drops it, deadline_expired, if its TTFT deadline passes before its first
     # token (waiting or mid-prefill); else it is served late (a batch class's choice)

@@ -14,7 +14,7 @@ from enum import StrEnum
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.resolve import ttft_deadline_ms as own_else_class_ms
-from schemas.wire import Rejected, Tokenized
+from schemas.wire import Rejected, Tokenized, deadline_ns
 
 
 class Kind(StrEnum):
@@ -113,7 +113,7 @@ def reject(req: Tokenized, reason: RejectReason, message: str, after_s: float | 
         after_s = round(min(max(after_s, 0.1), 60.0), 1)
     if grant is None:
         grant = Grant("", 0, None, Estimate(len(req.prompt_token_ids), 0, 0, None,
-                                            req.deadline_ms))
+                                            req.header.ttft_deadline_ms))
     return Decision(Kind.REJECT, reason, grant.service_class, grant.priority,
                     grant.max_tokens, grant.estimate,
                     Rejected(req.request_id, reason, message, after_s))
@@ -139,7 +139,7 @@ def e2e_deadline_ms(req: Tokenized, cls: ServiceClass) -> float | None:
     ``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (a client may tighten its class's
     bound, never loosen it); None when neither sets one. Either policy: the scheduler ends
     the request there (late.py)."""
-    bounds = [b for b in (req.e2e_deadline_ms, cls.e2e_slo_ms) if b is not None]
+    bounds = [b for b in (req.header.e2e_deadline_ms, cls.e2e_slo_ms) if b is not None]
     return min(bounds) if bounds else None
 
 
@@ -151,9 +151,10 @@ def effective_deadline_ms(d: Decision) -> int | None:
 
 
 def due_ns(req: Tokenized, deadline_ms: float | None) -> int:
-    """When the request's first token is due, on the wall clock of its arrival (as the
-    scheduler orders a tenant's waiting work: ``SchedulerCore.add``); 0 with no deadline."""
-    return 0 if deadline_ms is None else req.arrival_ns + int(round(deadline_ms) * 1e6)
+    """When the request's first token is due, on the wall clock of its arrival, as
+    admission will grant it (``RequestHeader.ttft_deadline_ns``, by which the scheduler
+    orders a tenant's waiting work); 0 with no deadline."""
+    return deadline_ns(req.header.arrival_ns, deadline_ms) or 0
 
 
 def first_token_bound_ms(est: Estimate) -> float | None:

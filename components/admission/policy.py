@@ -40,7 +40,7 @@ Policies (``admission.policy``):
   A queued request past its deadline or ``max_queue_ms`` ends ``deadline_expired``.
 
 End-to-end bound (either policy): a request runs under the tighter of its own
-``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (``Admitted.e2e_deadline_ms``; the
+``e2e_deadline_ms`` and its class's ``e2e_slo_ms`` (``Admitted.header.e2e_deadline_ns``; the
 scheduler ends it there, ``late.py``). Under ``deadline`` it also bounds the first token:
 a predicted TTFT past it is ``deadline_unmeetable``, and a queued request expires at it.
 
@@ -77,7 +77,8 @@ from schemas.validate import check_length
 from components.tenancy.fairness import VirtualCounters
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.resolve import resolve
-from schemas.wire import Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized
+from schemas.wire import (Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized,
+                          deadline_ns)
 
 
 class AdmissionPolicy:
@@ -124,11 +125,14 @@ class AdmissionPolicy:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
         cls = self.classes[d.service_class]
         e2e = d.estimate.e2e_deadline_ms
-        return Admitted(req.request_id, req.tenant, req.prompt_token_ids, req.block_hashes,
-                        params, req.arrival_ns, req.eos_token_ids, effective_deadline_ms(d),
-                        d.priority, req.public_scope, req.public_blocks, d.service_class,
-                        cls.tpot_slo_ms, int(queued_s * 1e9),
-                        e2e_deadline_ms=None if e2e is None else max(round(e2e), 1),
+        arrival = req.header.arrival_ns
+        header = msgspec.structs.replace(
+            req.header, params=params, priority=d.priority, granted_class=d.service_class,
+            ttft_deadline_ns=deadline_ns(arrival, effective_deadline_ms(d)),
+            e2e_deadline_ns=deadline_ns(arrival, None if e2e is None else max(round(e2e), 1)),
+            tpot_slo_ms=cls.tpot_slo_ms)
+        return Admitted(header, req.prompt_token_ids, req.block_hashes, req.eos_token_ids,
+                        req.public_scope, req.public_blocks, int(queued_s * 1e9),
                         held=self.ledger.entry(req.request_id), drop_late=self.drops_late(d),
                         aging_per_s=cls.aging_per_s)
 
@@ -166,24 +170,24 @@ class AdmissionPolicy:
         which makes a rejection under overload one hop cheaper."""
         if self.kind != "deadline":
             return False
-        cls = resolve(self.config.admission, req.tenant, req.service_class, None).granted
+        cls = resolve(self.config.admission, req.tenant, req.header.asked_class, None).granted
         if cls is None:
             return False
         prompt = len(req.prompt_token_ids)
         uncached, done = max(prompt - cached, 0), min(cached, prompt)
         deadline = self.deadline_ms(req, cls, uncached, done)
         raw = self.ttft.predicted_s(uncached, req.tenant, done,
-                                    max(cls.priority, req.priority), due_ns(req, deadline))
+                                    max(cls.priority, req.header.priority), due_ns(req, deadline))
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
-        resolved = resolve(cfg.admission, req.tenant, req.service_class, req.deadline_ms)
+        resolved = resolve(cfg.admission, req.tenant, req.header.asked_class, req.header.ttft_deadline_ms)
         tenant, cls = resolved.tenant, resolved.granted
         if tenant is None or cls is None:
             return reject(req, resolved.refusal, resolved.message)
-        priority = max(cls.priority, req.priority)     # a client may only lower its own
+        priority = max(cls.priority, req.header.priority)     # a client may only lower its own
         max_tokens = req.params.max_tokens
         if cls.max_tokens is not None and (max_tokens is None or max_tokens > cls.max_tokens):
             max_tokens = cls.max_tokens
@@ -222,7 +226,7 @@ class AdmissionPolicy:
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
         raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached,
-                                    max(cls.priority, req.priority), due_ns(req, deadline))
+                                    max(cls.priority, req.header.priority), due_ns(req, deadline))
         context = prompt + expected // 2           # each choice's mean over its decode
         horizon = self.capacity.horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected,
@@ -235,7 +239,7 @@ class AdmissionPolicy:
                     cached: int) -> float | None:
         """The request's TTFT deadline (``decision.ttft_deadline_ms``: its own, else its
         class's target stretched for a prompt whose own prefill takes most of it)."""
-        return ttft_deadline_ms(req.deadline_ms, cls, self.ttft.alone_s(uncached, cached))
+        return ttft_deadline_ms(req.header.ttft_deadline_ms, cls, self.ttft.alone_s(uncached, cached))
 
     # ------------------------------------------------------------------ ledger
     def _admit(self, req: Tokenized, decision: Decision, now: float) -> None:

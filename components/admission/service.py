@@ -61,14 +61,15 @@ class AdmissionService(Component):
             # client's own alone (what a replay of this traffic sends again)
             "weir.admission.deadline_ms": round(est.deadline_ms) if est.deadline_ms is not None
             else -1,
-            "weir.request.deadline_ms": round(req.deadline_ms) if req.deadline_ms is not None
+            "weir.request.deadline_ms": req.header.ttft_deadline_ms
+            if req.header.ttft_deadline_ms is not None
             else -1,
             # the end-to-end bound in force (the client's clamped to its class's e2e_slo_ms),
             # and the client's own; -1: none
             "weir.admission.e2e_deadline_ms": round(est.e2e_deadline_ms)
             if est.e2e_deadline_ms is not None else -1,
-            "weir.request.e2e_deadline_ms": req.e2e_deadline_ms
-            if req.e2e_deadline_ms is not None else -1,
+            "weir.request.e2e_deadline_ms": req.header.e2e_deadline_ms
+            if req.header.e2e_deadline_ms is not None else -1,
             "weir.admission.queue_position": policy.queue_position(req.request_id),
             "weir.admission.queued": policy.queued,
             "weir.tenant.outstanding": ledger.tenant_requests(req.tenant),
@@ -142,8 +143,8 @@ class AdmissionService(Component):
         await self.to_streamer.send(EventBatch([Accepted(
             req.request_id, len(req.prompt_token_ids), cached or 0, d.service_class,
             d.max_tokens, d.kind == Kind.DEGRADE, round(queued_s, 4),
-            admitted.deadline_ms if admitted.drop_late else None,
-            admitted.e2e_deadline_ms)]))
+            admitted.header.ttft_deadline_ms if admitted.drop_late else None,
+            admitted.header.e2e_deadline_ms)]))
 
     async def _drain_queue(self) -> None:
         """Release what now fits, expire what waited too long."""

@@ -104,19 +104,15 @@ class SchedulerCore:
         """Take an admitted request in at wall-clock ``now_ns`` (0: unknown), from which its
         ingress is measured: the time since its arrival that neither admission's queue nor
         this one held it."""
-        deadline_ns = req.arrival_ns + int(req.deadline_ms * 1e6) \
-            if req.deadline_ms is not None else 0
-        seq = Seq(self.queues.next_id(), req.request_id, req.tenant, req.params,
-                  len(req.prompt_token_ids), list(req.prompt_token_ids), list(req.block_hashes),
-                  req.arrival_ns, frozenset(req.eos_token_ids), priority=req.priority,
-                  aging_per_s=req.aging_per_s, deadline_ns=deadline_ns,
-                  tpot_slo_s=req.tpot_slo_ms / 1e3 if req.tpot_slo_ms else None,
+        arrival_ns = req.header.arrival_ns
+        seq = Seq(self.queues.next_id(), req.header, len(req.prompt_token_ids),
+                  list(req.prompt_token_ids), list(req.block_hashes),
+                  frozenset(req.eos_token_ids), aging_per_s=req.aging_per_s,
                   public_scope=req.public_scope, public_blocks=req.public_blocks,
-                  held=req.held, service_class=req.service_class or "",
-                  prompt_lps=None if req.params.prompt_logprobs is None else [],
-                  ingress_ns=max(now_ns - req.arrival_ns - req.queued_ns, 0) if now_ns else 0)
+                  held=req.held, prompt_lps=None if req.params.prompt_logprobs is None else [],
+                  ingress_ns=max(now_ns - arrival_ns - req.queued_ns, 0) if now_ns else 0)
         seq.group.append(seq)
-        self.queues.admit(seq, now_ns or req.arrival_ns)
+        self.queues.admit(seq, now_ns or arrival_ns)
         self.leases.lease_waiting()           # ask its lease now, not when the next step is planned
         return seq
 

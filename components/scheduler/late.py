@@ -4,7 +4,7 @@
   passes before its first token ends ``deadline_expired``, waiting or mid-prefill. Serving
   it would only spend the engine on an answer its client no longer waits for (the first
   seed: "serving doomed work is worse").
-- A request with an end-to-end bound (``Admitted.e2e_deadline_ms``: its own, clamped to
+- A request with an end-to-end bound (``Admitted.header.e2e_deadline_ns``: its own, clamped to
   its class's ``e2e_slo_ms``) ends there wherever it is: ``deadline_expired`` if it has no
   first token yet, else each open choice finishes with reason ``deadline`` and its usage
   (its client has the output so far, as with ``length``).
@@ -57,8 +57,8 @@ class LateDrops:
         drops late work, and its end-to-end bound if it has one."""
         if req.drop_late and seq.deadline_ns:
             heapq.heappush(self._due, (seq.deadline_ns, req.request_id, seq.seq_id, False))
-        if req.e2e_deadline_ms is not None:
-            heapq.heappush(self._due, (req.arrival_ns + int(req.e2e_deadline_ms * 1e6),
+        if req.header.e2e_deadline_ns is not None:
+            heapq.heappush(self._due, (req.header.e2e_deadline_ns,
                                        req.request_id, seq.seq_id, True))
 
     def due(self, now_ns: int) -> bool:

@@ -89,14 +89,12 @@ class OutputStage:
               lp: SampleLogprobs | None, now_ns: int, out: Outcome) -> None:
         """Choice ``index`` of an n > 1 request: the parent's computed prompt plus its own
         first token, sharing the parent's blocks once the kv_manager grants the fork."""
-        child = Seq(self.queues.next_id(), parent.request_id, parent.tenant, parent.params,
-                    parent.prompt_len, parent.token_ids + [token], parent.block_hashes,
-                    parent.arrival_ns, parent.eos_token_ids, state=State.FORKING,
+        child = Seq(self.queues.next_id(), parent.header, parent.prompt_len,
+                    parent.token_ids + [token], parent.block_hashes, parent.eos_token_ids,
+                    state=State.FORKING,
                     num_computed=parent.num_computed, cached_tokens=parent.cached_tokens,
                     first_scheduled_ns=parent.first_scheduled_ns,
-                    ingress_ns=parent.ingress_ns, index=index,
-                    priority=parent.priority, aging_per_s=parent.aging_per_s,
-                    deadline_ns=parent.deadline_ns, tpot_slo_s=parent.tpot_slo_s,
+                    ingress_ns=parent.ingress_ns, index=index, aging_per_s=parent.aging_per_s,
                     public_scope=parent.public_scope, public_blocks=parent.public_blocks,
                     forked=True, group=parent.group)
         parent.group.append(child)

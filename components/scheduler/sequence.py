@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from schemas.wire import HeldRequest, SampleLogprobs, SamplingParams
+from schemas.wire import HeldRequest, RequestHeader, SampleLogprobs, SamplingParams
 
 
 class State(enum.Enum):
@@ -125,14 +125,16 @@ taken: set[tuple[State, Event]] = set()
 
 @dataclass(eq=False)
 class Seq:
+    """One choice of a request. Its identity and terms are the request's header as
+    admission granted it (``Admitted.header``), shared by the request's choices and read
+    through (``request_id``, ``tenant``, ``params``, ``arrival_ns``, ``priority``,
+    ``deadline_ns``, ``tpot_slo_s``, ``service_class``), never copied."""
+
     seq_id: int
-    request_id: str
-    tenant: str
-    params: SamplingParams
+    header: RequestHeader
     prompt_len: int
     token_ids: list[int]
     block_hashes: list[int]
-    arrival_ns: int
     eos_token_ids: frozenset[int]
     state: State = State.WAITING
     num_computed: int = 0
@@ -148,14 +150,10 @@ class Seq:
     ingress_ns: int = 0             # arrival → the engine's queues, less admission's queue
     first_token_ns: int = 0
     index: int = 0                 # which of the request's n choices
-    priority: int = 0              # lower is more important (its class's, as admitted)
     aging_per_s: float = 0.0       # priority units its class gains per second waited
-    deadline_ns: int = 0           # first token due by then (wall clock); 0: none
-    tpot_slo_s: float | None = None  # its class's time-per-output-token objective
     public_scope: str = ""
     public_blocks: int = 0
     held: HeldRequest | None = None  # admission's ledger entry (the request's first seq only)
-    service_class: str = ""        # as admitted (the request's first seq; its forks read it)
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
     group: list["Seq"] = field(default_factory=list)   # every choice of the request
@@ -166,6 +164,44 @@ class Seq:
     # the steps it is in that have not answered, oldest first; cleared when it leaves the
     # running set (finished, preempted), so what those steps compute for it is discarded
     in_flight: deque[InFlight] = field(default_factory=deque)
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.header.tenant
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.header.params
+
+    @property
+    def arrival_ns(self) -> int:
+        """Wall clock, the streamer's (``RequestHeader``)."""
+        return self.header.arrival_ns
+
+    @property
+    def priority(self) -> int:
+        """Lower is more important (its class's, or lower, as admitted)."""
+        return self.header.priority
+
+    @property
+    def deadline_ns(self) -> int:
+        """Its first token is due by then (wall clock, ``arrival_ns``'s); 0: none."""
+        return self.header.ttft_deadline_ns or 0
+
+    @property
+    def tpot_slo_s(self) -> float | None:
+        """Its class's time-per-output-token objective, seconds (None: none)."""
+        slo = self.header.tpot_slo_ms
+        return slo / 1e3 if slo else None
+
+    @property
+    def service_class(self) -> str:
+        """The class admission granted ("": none named)."""
+        return self.header.granted_class or ""
 
     def to(self, event: Event) -> State:
         nxt = TRANSITIONS[self.state].get(event)

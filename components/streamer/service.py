@@ -51,10 +51,12 @@ from schemas.wire import (
     Finished,
     NewRequest,
     Rejected,
+    RequestHeader,
     StatusReport,
     StreamerMsg,
     Submit,
     TextDelta,
+    deadline_ns,
 )
 
 log = structlog.get_logger("streamer")
@@ -154,10 +156,12 @@ class StreamerService(Component):
         if sub.idempotency_key:
             self.idempotency.start(tenant, sub.idempotency_key, rid, digest)
             req.idempotent = True
-        req.pending = NewRequest(rid, tenant, sub.prompt, sub.messages, sub.params,
-                                 req.arrival_ns, sub.prompt_token_ids, sub.deadline_ms,
-                                 sub.priority, sub.service_class, sub.tools,
-                                 sub.e2e_deadline_ms)
+        header = RequestHeader(rid, tenant, sub.params, req.arrival_ns, sub.priority,
+                               sub.service_class,
+                               ttft_deadline_ns=deadline_ns(req.arrival_ns, sub.deadline_ms),
+                               e2e_deadline_ns=deadline_ns(req.arrival_ns, sub.e2e_deadline_ms))
+        req.pending = NewRequest(header, sub.prompt, sub.messages, sub.prompt_token_ids,
+                                 sub.tools)
         req.traceparent = tracing.traceparent_of(span)
         await self.to_tokenizer.send(req.pending, traceparent=req.traceparent)
 

@@ -69,10 +69,8 @@ class TokenizerService(Component):
                                              "weir.tools": len(req.tools)})
                     self.tokenized += 1
                     await self.to_admission.send(
-                        Tokenized(req.request_id, req.tenant, ids, hashes, req.params,
-                                  req.arrival_ns, self.bundle.eos_token_ids, req.deadline_ms,
-                                  req.priority, public_scope, public_blocks, req.service_class,
-                                  e2e_deadline_ms=req.e2e_deadline_ms),
+                        Tokenized(req.header, ids, hashes, self.bundle.eos_token_ids,
+                                  public_scope, public_blocks),
                         traceparent=msg.envelope.traceparent)
                 case CancelRequest() as cancel:
                     await self.to_admission.send(cancel)

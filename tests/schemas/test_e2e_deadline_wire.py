@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from bus.codec import Codec, encode
+from tests import messages as msgs
 from schemas.client import ServerMsg
 from schemas.wire import (Accepted, AdmissionMsg, Admitted, ChoiceEnd, ClientMsg,
                           DetokenizerMsg, EventBatch, Finished, NewRequest, RequestTiming,
@@ -40,11 +41,11 @@ def test_a_finish_reason_outside_the_literal_fails_at_decode():
 def test_the_bound_round_trips_and_an_older_frame_has_none():
     sub = Submit("r", "hi", e2e_deadline_ms=2500)
     assert across(ClientMsg, sub) == sub
-    new = NewRequest("r", "t", "hi", None, SamplingParams(), 0, e2e_deadline_ms=2500)
+    new = msgs.new_request("r", "t", "hi", None, SamplingParams(), 0, e2e_deadline_ms=2500)
     assert across(TokenizerMsg, new) == new
-    tok = Tokenized("r", "t", [1, 2], [], SamplingParams(), 0, e2e_deadline_ms=2500)
+    tok = msgs.tokenized("r", "t", [1, 2], [], SamplingParams(), 0, e2e_deadline_ms=2500)
     assert across(AdmissionMsg, tok) == tok
-    adm = Admitted("r", "t", [1, 2], [], SamplingParams(), 0, e2e_deadline_ms=2000,
+    adm = msgs.admitted("r", "t", [1, 2], [], SamplingParams(), 0, e2e_deadline_ms=2000,
                    drop_late=True)
     assert across(SchedulerMsg, adm) == adm
     acc = Accepted("r", 2, e2e_deadline_ms=2000)

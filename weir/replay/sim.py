@@ -40,7 +40,8 @@ from components.scheduler.late import LateDrops
 from components.scheduler.load import (LOAD_INTERVAL_S, PoolCounts, load_report,
                                        released_outputs, released_ttft)
 from schemas.config import WeirConfig
-from schemas.wire import SamplingParams, StepPlan, StepResult, Tokenized
+from schemas.wire import (RequestHeader, SamplingParams, StepPlan, StepResult, Tokenized,
+                          deadline_ns)
 from weir.replay.profile import CostProfile
 from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord, RunResult,
                                Scaling, TimelinePoint, TraceRequest)
@@ -156,8 +157,9 @@ class Simulator:
         out = req.max_tokens if req.max_tokens is not None else (req.output_tokens or 1)
         params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True, n=req.n)
         hashes = self.hashes(ids, tenant) if self.config.kv.enable_prefix_cache else []
-        tok = Tokenized(rid, tenant, ids, hashes, params, self.now, (), req.deadline_ms,
-                        service_class=req.service_class)
+        header = RequestHeader(rid, tenant, params, self.now, asked_class=req.service_class,
+                               ttft_deadline_ns=deadline_ns(self.now, req.deadline_ms))
+        tok = Tokenized(header, ids, hashes)
         arrival = self.now / _NS
         rec = RequestRecord(index=req.index, request_id=rid, tenant=tenant,
                             service_class=req.service_class or "default",

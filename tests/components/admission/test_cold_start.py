@@ -13,7 +13,8 @@ from components.costs.cost_model import StepShape, decode_shape, prefill_shape
 from components.scheduler.load import load_report
 from components.scheduler.loop import SchedulerLoop
 from schemas.config import load_config
-from schemas.wire import ExecutorReady, SamplingParams, StepSample, Tokenized
+from schemas.wire import ExecutorReady, SamplingParams, StepSample
+from tests import messages as msgs
 
 # the machine: 10 ms a step, 1 ms a token, 1 µs an attention pair, 0.5 ms a sequence,
 # 10 µs a KV position read; what the executor's probe measured (its shapes at this config)
@@ -45,7 +46,7 @@ def burst(startup_steps: list[StepSample]):
     report = load_report(loop.core, loop.core.cost, BUDGET, 1)
     policy = AdmissionPolicy(cfg)
     policy.ttft.on_load(report, 0.0)
-    decisions = [policy.decide(Tokenized(f"r{i}", "default",
+    decisions = [policy.decide(msgs.tokenized(f"r{i}", "default",
                                          [1000 + 300 * i + j for j in range(PROMPT)], [],
                                          SamplingParams(max_tokens=1), 0, ()), 0, 0.0)
                  for i in range(20)]

@@ -13,11 +13,12 @@ from components.admission.decision import (Blocker, Decision, Estimate, Grant, K
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.wire import Rejected, SamplingParams, Tokenized
+from tests import messages as msgs
 
 
 def req(deadline=None, e2e=None, prompt=8, arrival_ns=0) -> Tokenized:
-    return Tokenized("r", "a", list(range(prompt)), [], SamplingParams(max_tokens=4),
-                     arrival_ns, (), deadline, 0, e2e_deadline_ms=e2e)
+    return msgs.tokenized("r", "a", list(range(prompt)), [], SamplingParams(max_tokens=4),
+                          arrival_ns, (), deadline, 0, e2e_deadline_ms=e2e)
 
 
 def test_the_enums_are_todays_strings():

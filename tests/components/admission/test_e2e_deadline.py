@@ -11,14 +11,16 @@ import pytest
 
 from components.admission.decision import Kind
 from schemas.config import SLO_CLASSES, AdmissionConfig, ConfigError, ServiceClass
-from schemas.wire import Accepted, Admitted, SchedulerLoad
+from schemas.wire import Accepted, Admitted, SchedulerLoad, deadline_ns
 from tests.components.admission.policies import CLASSES, policy, req, traced_service
 
 BOUNDED = [{**CLASSES[0], "e2e_slo_ms": 5000}, CLASSES[1], CLASSES[2]]
 
 
 def bounded(rid="r", e2e=None, **kw):
-    return msgspec.structs.replace(req(rid, **kw), e2e_deadline_ms=e2e)
+    r = req(rid, **kw)
+    return msgspec.structs.replace(r, header=msgspec.structs.replace(
+        r.header, e2e_deadline_ns=deadline_ns(r.header.arrival_ns, e2e)))
 
 
 @pytest.mark.parametrize("class_ms, client_ms, expect", [
@@ -35,7 +37,7 @@ def test_the_bound_is_the_tighter_of_the_clients_and_its_classs(class_ms, client
         r = bounded(e2e=client_ms)
         d = p.decide(r, 0, 0.0)
         assert d.kind == Kind.ACCEPT and d.estimate.e2e_deadline_ms == expect
-        assert p.admitted(r, d).e2e_deadline_ms == expect
+        assert p.admitted(r, d).header.e2e_deadline_ms == expect
 
 
 def test_a_first_token_predicted_past_the_bound_is_refused_at_once():
@@ -69,7 +71,7 @@ def test_the_bound_is_on_the_decision_span_and_in_accepted(monkeypatch):
         == (5000, -1)
     admitted = [m for m in sent if isinstance(m, Admitted)]
     accepted = [e for m in sent if not isinstance(m, Admitted) for e in m.events]
-    assert [m.e2e_deadline_ms for m in admitted] == [5000, 5000]
+    assert [m.header.e2e_deadline_ns for m in admitted] == [5_000_000_000] * 2   # arrival 0
     assert all(isinstance(a, Accepted) and a.e2e_deadline_ms == 5000 for a in accepted)
     unbounded = policy()
     svc.policy, sent[:] = unbounded, []

@@ -8,7 +8,8 @@ import msgspec
 
 from components.admission.decision import Kind
 from components.scheduler.loop import SchedulerLoop
-from schemas.wire import Admitted, AdmissionMsg, HeldRequest, Holding, SchedulerLoad
+from schemas.wire import AdmissionMsg, HeldRequest, Holding, SchedulerLoad
+from tests import messages as msgs
 from tests.components.admission.policies import policy, req
 
 TENANTS = [{"name": "a", "kv_blocks": 20, "max_running": 4}, {"name": "b"}]
@@ -55,7 +56,7 @@ def admit_four():
         d = p.decide(r, cached, 0.0)
         kinds.append(d.kind)
         params = msgspec.structs.replace(r.params, max_tokens=d.max_tokens)
-        loop.handle(Admitted(r.request_id, r.tenant, r.prompt_token_ids, r.block_hashes,
+        loop.handle(msgs.admitted(r.request_id, r.tenant, r.prompt_token_ids, r.block_hashes,
                              params, 1, service_class=d.service_class,
                              held=p.ledger.entry(r.request_id)), 0, 0)
     assert kinds == [Kind.ACCEPT, Kind.ACCEPT, Kind.DEGRADE, Kind.ACCEPT]
@@ -118,7 +119,7 @@ def test_a_request_admitted_without_an_entry_counts_its_tenant_and_n():
     p = policy(tenants=TENANTS)
     loop = SchedulerLoop(p.config, epoch=1)
     r = req("x", "b", n=2)
-    loop.handle(Admitted(r.request_id, r.tenant, r.prompt_token_ids, r.block_hashes,
+    loop.handle(msgs.admitted(r.request_id, r.tenant, r.prompt_token_ids, r.block_hashes,
                          r.params, 1), 0, 0)
     (_, holding), = loop.peer_restarted("admission", 0, 0)
     assert holding.requests == [HeldRequest("x", "b", "", 2, 0)]

@@ -3,6 +3,7 @@ priority rules, the cost estimate (its TTFT: test_ttft.py), the queue's order wi
 expiry, release, the degrade arithmetic and the KV reservation."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from components.costs.estimate import COLD_START, OutputStats
@@ -203,15 +204,20 @@ def test_the_admitted_message_carries_what_the_scheduler_acts_on():
     p = policy(tenants=[{"name": "a", "kv_blocks": 4}])
     inter = req("i", prompt=10, max_tokens=8)
     msg = p.admitted(inter, p.decide(inter, 0, 0.0), 0.25)
-    assert (msg.service_class, msg.priority, msg.deadline_ms, msg.drop_late,
-            msg.aging_per_s) == ("interactive", 0, 1000, True, 0.0)
+    h = msg.header
+    assert (h.asked_class, h.granted_class, h.priority, h.ttft_deadline_ns, h.tpot_slo_ms,
+            msg.drop_late, msg.aging_per_s) == (None, "interactive", 0, 1_000_000_000, None,
+                                               True, 0.0)
+    assert msg.header == msgspec.structs.replace(
+        inter.header, granted_class="interactive", ttft_deadline_ns=1_000_000_000)
     assert msg.held == p.ledger.entry("i") and msg.queued_ns == 250_000_000
     assert msg.params.max_tokens == 8 and msg.prompt_token_ids == inter.prompt_token_ids
     batch = req("b", prompt=10, max_tokens=64, cls="batch")
     d = p.decide(batch, 0, 0.0)
     msg = p.admitted(batch, d, 0.0)
     assert (d.kind, msg.params.max_tokens) == (Kind.DEGRADE, 22)      # what 2 blocks left hold
-    assert (msg.deadline_ms, msg.drop_late, msg.aging_per_s) == (None, False, 1.0)
+    assert (msg.header.ttft_deadline_ns, msg.drop_late, msg.aging_per_s) == (None, False, 1.0)
+    assert (msg.header.asked_class, msg.header.granted_class) == ("batch", "batch")
     own = req("own", prompt=10, max_tokens=8, deadline=200)
     fcfs = policy("fcfs")
     assert not fcfs.admitted(own, fcfs.decide(own, 0, 0.0)).drop_late    # fcfs drops nothing

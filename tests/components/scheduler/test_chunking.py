@@ -10,7 +10,8 @@ from components.scheduler.core import SchedulerCore
 from components.costs.cost_model import StepCostModel, StepShape, decode_shape
 from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, load_config
-from schemas.wire import SamplingParams
+from schemas.wire import RequestHeader, SamplingParams
+from tests import messages as msgs
 from weir.replay.profile import CostProfile
 from weir.replay.sim import Simulator, fast_block_hashes
 from weir.replay.synth import TokenSynth
@@ -29,11 +30,16 @@ def cost_model(a=0.01, b=0.001, c=0.0, d=0.0, e=0.0) -> StepCostModel:
     return m
 
 
+def tpot_header(rid: str, tpot_s: float | None) -> RequestHeader:
+    return msgs.header(rid, "t", SamplingParams(max_tokens=100), 0,
+                       tpot_slo_ms=None if tpot_s is None else tpot_s * 1e3)
+
+
 def core_with(decoding: int, tpot: float | None, waiting_prompt: int = 0) -> SchedulerCore:
     core = SchedulerCore(SchedulerConfig(), KvConfig(), 4096)
     for i in range(decoding):
-        s = Seq(i + 1, f"r{i}", "t", SamplingParams(max_tokens=100), 10, list(range(11)), [],
-                0, frozenset(), state=State.RUNNING, num_computed=10, tpot_slo_s=tpot)
+        s = Seq(i + 1, tpot_header(f"r{i}", tpot), 10, list(range(11)), [], frozenset(),
+                state=State.RUNNING, num_computed=10)
         core.running.append(s)
     return core
 
@@ -48,7 +54,7 @@ def test_budget_keeps_the_tightest_tpot():
     # step = 10 ms + 1 ms per token; 8 decodes; tightest TPOT 200 ms less 20% headroom:
     # 160 ms = 10 + 1 x (8 + prefill)  ->  142 prefill tokens, 150 in all
     core = core_with(8, 0.2)
-    core.running[3].tpot_slo_s = 0.5
+    core.running[3].header = tpot_header("r3", 0.5)
     b = step_budget(core, cost_model(), 2048)
     assert (b.tokens, b.reason) == (150, "tpot_slo")
     assert b.tightest_tpot_s == 0.2

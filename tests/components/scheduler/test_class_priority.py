@@ -7,6 +7,7 @@ from collections import deque
 
 import msgspec
 
+from tests import messages as msgs
 from components.scheduler.core import SchedulerCore
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
 from schemas.wire import Admitted, SamplingParams, StepResult
@@ -21,7 +22,7 @@ def admitted(rid: str, tenant: str, *, batch: bool = False, at_s: float = 0.0,
              ) -> Admitted:
     """An interactive (priority 0) or batch (priority 1, aging) request of one token."""
     toks = list(range(1000, 1000 + prompt))
-    return Admitted(rid, tenant, toks, [], SamplingParams(max_tokens=1, ignore_eos=True),
+    return msgs.admitted(rid, tenant, toks, [], SamplingParams(max_tokens=1, ignore_eos=True),
                     int(at_s * S), (), deadline_ms=deadline_ms, priority=int(batch),
                     service_class="batch" if batch else "interactive",
                     aging_per_s=aging if batch else 0.0)
@@ -220,4 +221,4 @@ def test_an_older_sender_decodes_with_no_aging():
     fields = msgspec.msgpack.decode(enc)
     del fields["aging_per_s"]
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=Admitted)
-    assert (old.priority, old.aging_per_s) == (1, 0.0)
+    assert (old.header.priority, old.aging_per_s) == (1, 0.0)

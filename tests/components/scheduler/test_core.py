@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
@@ -52,7 +53,7 @@ def prompt(n: int, base: int = 100) -> list[int]:
 
 def admitted(rid: str, tokens: list[int], *, tenant="t1", eos=(), **params) -> Admitted:
     params.setdefault("max_tokens", 100)
-    return Admitted(rid, tenant, list(tokens), block_hashes(tokens, BS, tenant, "m"),
+    return msgs.admitted(rid, tenant, list(tokens), block_hashes(tokens, BS, tenant, "m"),
                     SamplingParams(**params), next(_clock), tuple(eos))
 
 
@@ -121,7 +122,7 @@ def test_first_allocation_sizes(n, blocks, max_cached):
 def test_plan_after_grant():
     core, kv, toks = make(), Kv(16), prompt(10)
     params = SamplingParams(max_tokens=100, temperature=0.5, top_p=0.9, top_k=7, seed=3)
-    core.add(Admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
+    core.add(msgs.admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
     assert core.schedule() is None
     grants = kv.apply(core.take_kv_ops())
     assert grants == [grant(1, [0, 1])]
@@ -152,7 +153,7 @@ def test_penalties_travel_with_a_new_sequence_only_when_asked_for():
     p = SamplingParams(min_tokens=4, stop_token_ids=(7,), ignore_eos=True)
     assert penalties_of(p, (2,)) == Penalties(min_tokens=4, stop_ids=[7])
     core, kv, toks = make(), Kv(16), prompt(10)
-    core.add(Admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
+    core.add(msgs.admitted("r1", "t1", toks, block_hashes(toks, BS, "t1", "m"), params, 1))
     core.schedule()
     core.on_grants(kv.apply(core.take_kv_ops()))
     (ns,) = core.schedule().new_seqs
@@ -869,7 +870,7 @@ def test_reset_without_kv_loss_frees_blocks_but_caches_nothing():
 def test_request_timing_from_the_clock():
     core = make()
     # arrived at 1.0 s, held 0.03 s in admission's queue, here at 1.05 s: 0.02 s of ingress
-    req = Admitted("tm", "t1", prompt(5), [], SamplingParams(max_tokens=2), 1_000_000_000,
+    req = msgs.admitted("tm", "t1", prompt(5), [], SamplingParams(max_tokens=2), 1_000_000_000,
                    queued_ns=30_000_000)
     core.add(req, now_ns=1_050_000_000)
     assert core.schedule(now_ns=1_100_000_000) is None

@@ -98,7 +98,9 @@ def deliver(loop, pool, msg, ms):
 
 def test_the_loops_report_carries_the_classes_tpot_and_the_pool():
     loop, pool = loop_of(1)
-    req = msgspec.structs.replace(admitted("a", 10, max_tokens=5), service_class="interactive")
+    req = admitted("a", 10, max_tokens=5)
+    req = msgspec.structs.replace(req, header=msgspec.structs.replace(
+        req.header, granted_class="interactive"))
     plan, = deliver(loop, pool, req, 0.0)
     times = iter((10.0, 25.0, 45.0))                     # a prefill, then two decodes
     for token in (5, 6, 7):

@@ -8,6 +8,7 @@ it is: decoding, each choice finishes ``deadline`` with its usage; with no first
 both clocks in milliseconds."""
 from __future__ import annotations
 
+from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.loop import SchedulerLoop
@@ -34,7 +35,7 @@ def admitted(rid: str, n_tokens: int, deadline_ms: int | None = None, drop: bool
              base: int = 100, max_tokens: int = 50, e2e_ms: int | None = None,
              n: int = 1, arrival_ms: int = 0) -> Admitted:
     toks = list(range(base, base + n_tokens))
-    return Admitted(rid, "t1", toks, block_hashes(toks, BS, "t1", "m"),
+    return msgs.admitted(rid, "t1", toks, block_hashes(toks, BS, "t1", "m"),
                     SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n),
                     arrival_ms * MS, (), deadline_ms, e2e_deadline_ms=e2e_ms,
                     drop_late=drop)

@@ -10,6 +10,7 @@ import itertools
 import msgspec
 import pytest
 
+from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
@@ -46,7 +47,7 @@ def make(depth=2, max_tokens_per_step=32, lookahead=1, max_model_len=256, **kv) 
 def admitted(rid: str, n_tokens: int, *, tenant="t1", eos=(), base=100, **params) -> Admitted:
     params.setdefault("max_tokens", 100)
     toks = list(range(base, base + n_tokens))
-    return Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
+    return msgs.admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
                     SamplingParams(**params), next(_clock), tuple(eos))
 
 
@@ -171,16 +172,16 @@ def test_an_unforked_n_request_sits_out_until_its_first_samples_fork_it():
                                        (State.STALLED, False), (State.FORKING, False),
                                        (State.READY, False)])
 def test_only_a_plainly_running_sequence_is_planned_ahead(state, ok):
-    seq = Seq(1, "r", "t", SamplingParams(max_tokens=10), 3, [1, 2, 3], [], 0, frozenset(),
-              state=state)
+    seq = Seq(1, msgs.header("r", "t", SamplingParams(max_tokens=10), 0), 3, [1, 2, 3], [],
+              frozenset(), state=state)
     assert seq.may_plan_ahead(100)                       # in no step: always
     seq.in_flight.append(InFlight(1, 3, 1))
     assert seq.may_plan_ahead(100) is ok
 
 
 def test_a_chunk_in_flight_that_samples_nothing_never_holds_the_next_back():
-    seq = Seq(1, "r", "t", SamplingParams(max_tokens=1, n=3), 30, list(range(30)), [], 0,
-              frozenset(), state=State.RUNNING)
+    seq = Seq(1, msgs.header("r", "t", SamplingParams(max_tokens=1, n=3), 0), 30,
+              list(range(30)), [], frozenset(), state=State.RUNNING)
     seq.in_flight.append(InFlight(1, 16, 0))
     assert seq.may_plan_ahead(31) and seq.todo == 14
 
@@ -225,7 +226,7 @@ def test_a_follow_up_turn_right_after_the_last_token_hits_the_prefix_cache():
     out = core.on_result(result(p2, {1: 7, 2: 8}))       # a ends; p3 (names b) in flight
     assert out.released == ["a"] and out.tokens[0].finish_reason == "length"
     turn = list(range(100, 117)) + [5, 7, 300, 301, 302]  # a's prompt, its reply, more
-    core.add(Admitted("a2", "t1", turn, block_hashes(turn, BS, "t1", "m"),
+    core.add(msgs.admitted("a2", "t1", turn, block_hashes(turn, BS, "t1", "m"),
                       SamplingParams(max_tokens=1), next(_clock), ()))
     ops = core.take_kv_ops()                             # p3 has not answered
     assert ops.frees == [FreeRequest(1, 18)]             # a's 18 computed tokens

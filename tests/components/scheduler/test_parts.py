@@ -14,6 +14,7 @@ from components.scheduler.sequence import Seq, State
 from components.scheduler.tenants import Tenants
 from schemas.config import SchedulerConfig
 from schemas.wire import AllocRequest, FreeRequest, KvOps, SamplingParams
+from tests import messages as msgs
 
 BS = 8
 EPOCH = 3
@@ -30,8 +31,8 @@ def parts(cfg: SchedulerConfig = CFG) -> tuple[Queues, LeaseBook, Preemptor]:
 
 def seq_of(queues: Queues, rid: str, n: int, tenant: str = "t", arrival_ns: int = 1) -> Seq:
     tokens = list(range(100, 100 + n))
-    seq = Seq(queues.next_id(), rid, tenant, SamplingParams(max_tokens=10), n, tokens, [],
-              arrival_ns, frozenset())
+    seq = Seq(queues.next_id(), msgs.header(rid, tenant, SamplingParams(max_tokens=10),
+                                            arrival_ns), n, tokens, [], frozenset())
     seq.group.append(seq)
     queues.admit(seq, arrival_ns)
     return seq

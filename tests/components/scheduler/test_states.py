@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler.core import SchedulerCore
@@ -21,7 +22,8 @@ _clock = itertools.count(1000)
 
 
 def seq_in(state: State) -> Seq:
-    return Seq(1, "r", "t", SamplingParams(), 3, [1, 2, 3], [], 0, frozenset(), state=state)
+    return Seq(1, msgs.header("r", "t", SamplingParams(), 0), 3, [1, 2, 3], [], frozenset(),
+               state=state)
 
 
 # ---------------------------------------------------------------- the table
@@ -77,7 +79,7 @@ def make(tenants=(), max_num_seqs=8, num_blocks=64, **kv) -> SchedulerCore:
 def req(rid: str, tenant: str, n_tokens: int, *, n=1, max_tokens=100, priority=0,
         deadline_ms=None, arrival_ns=None) -> Admitted:
     toks = list(range(hash(rid) % 1000, hash(rid) % 1000 + n_tokens))
-    return Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
+    return msgs.admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
                     SamplingParams(max_tokens=max_tokens, n=n),
                     next(_clock) if arrival_ns is None else arrival_ns,
                     deadline_ms=deadline_ms, priority=priority)

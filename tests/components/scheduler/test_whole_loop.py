@@ -8,6 +8,7 @@ from collections import Counter, deque
 
 import pytest
 
+from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.scheduler import sequence
@@ -16,7 +17,7 @@ from components.scheduler.sequence import State
 from components.model.hashing import block_hashes
 from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
                             TenantConfig, Topology, WeirConfig)
-from schemas.wire import (Admitted, CancelRequest, KvGrants, KvHello, KvManagerUp, Released,
+from schemas.wire import (CancelRequest, KvGrants, KvHello, KvManagerUp, Released,
                           PromptChunkLogprobs, SampleLogprobs, SamplingParams, StepResult,
                           TokenBatch)
 
@@ -315,7 +316,7 @@ class Cluster:
                                           max_tokens=max_tokens, eos=eos, prompts=0,
                                           prompt_lp=prompt_lp)
                 self.inbox["from_client"].append(
-                    Admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
+                    msgs.admitted(rid, tenant, toks, block_hashes(toks, BS, tenant, "m"),
                              SamplingParams(max_tokens=max_tokens, n=n,
                                             prompt_logprobs=prompt_lp), self.clock, eos,
                              deadline_ms=rng.choice([None, 2, 10, 50]),

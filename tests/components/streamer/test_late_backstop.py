@@ -18,12 +18,12 @@ from components.streamer.service import StreamerService
 from components.streamer.slo import RequestClock
 from schemas.client import ServerHeartbeat, ServerMsg
 from schemas.config import Topology, WeirConfig
+from tests import messages as msgs
 from schemas.wire import (
     Accepted,
     CancelRequest,
     ChoiceEnd,
     Finished,
-    NewRequest,
     Rejected,
     SamplingParams,
     TextDelta,
@@ -62,7 +62,7 @@ class Ends:
         for rid, n in requests:
             req = Active(b"client", "t", 0, RequestClock(T0, None, "interactive"),
                          INVALID_SPAN)
-            req.pending = NewRequest(rid, "t", "hi", None, SamplingParams(n=n), 0)
+            req.pending = msgs.new_request(rid, "t", "hi", None, SamplingParams(n=n), 0)
             self.svc.registry.open(rid, req)
         return self.svc
 

@@ -20,19 +20,19 @@ from schemas.wire import (
     ChoiceEnd,
     Failed,
     Finished,
-    NewRequest,
     Rejected,
     SamplingParams,
     TextDelta,
     Usage,
 )
+from tests import messages as msgs
 
 T0 = 100.0
 
 
 def request(tenant="t", n=1, started=T0) -> Active:
     req = Active(b"client", tenant, 0, RequestClock(started, None, "interactive"))
-    req.pending = NewRequest("x", tenant, "hi", None, SamplingParams(n=n), 0)
+    req.pending = msgs.new_request("x", tenant, "hi", None, SamplingParams(n=n), 0)
     return req
 
 

@@ -1,6 +1,7 @@
 """VTC: counters charge weighted service, lift on re-backlog, and order new work."""
 from __future__ import annotations
 
+from tests import messages as msgs
 from components.scheduler.core import SchedulerCore
 from components.tenancy.fairness import VirtualCounters
 from schemas.config import KvConfig, SchedulerConfig
@@ -21,7 +22,7 @@ def test_charge_weights_and_lift():
 
 
 def admitted(rid: str, tenant: str, prompt: int = 16, max_tokens: int = 4) -> Admitted:
-    return Admitted(rid, tenant, list(range(1000, 1000 + prompt)), [],
+    return msgs.admitted(rid, tenant, list(range(1000, 1000 + prompt)), [],
                     SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, ())
 
 

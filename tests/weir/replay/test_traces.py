@@ -204,7 +204,8 @@ async def test_span_export_written_by_the_engines_own_tracing(tmp_path, monkeypa
     from components.scheduler import step_trace
     from schemas.client import SamplingParams, Usage
     from schemas.config import load_config
-    from schemas.wire import DetokParams, Tokenized, TokenOut
+    from schemas.wire import DetokParams, TokenOut
+    from tests import messages as msgs
 
     out = tmp_path / "spans.jsonl"
     provider = TracerProvider()
@@ -225,7 +226,7 @@ async def test_span_export_written_by_the_engines_own_tracing(tmp_path, monkeypa
             "weir.request_id": rid, "weir.tenant": "default",
             "gen_ai.request.max_tokens": max_tokens})
         traceparent = tracing.traceparent_of(root)
-        await service._admit(Tokenized(rid, "default", list(range(prompt)), [],
+        await service._admit(msgs.tokenized(rid, "default", list(range(prompt)), [],
                                        SamplingParams(max_tokens=max_tokens), arrival_ns,
                                        deadline_ms=deadline_ms), traceparent, None)
         steps.admitted(rid, traceparent)
