@@ -6,6 +6,12 @@ so an unknown or malformed message fails at the socket, never deeper.
 
 Client-facing types live in ``schemas/client.py`` (re-exported here); hot-path internal
 types (and the items they carry) are ``gc=False``; hot items are ``array_like``.
+
+A request's identity and terms are one ``RequestHeader``, carried by composition by
+``NewRequest``, ``Tokenized`` and ``Admitted`` (and held by the scheduler's ``Seq``).
+
+Over 400 lines on purpose: this is the bus's whole internal vocabulary, one table a reader
+scans by inbox; split, a message's neighbours on its socket would be in another file.
 """
 from __future__ import annotations
 
