@@ -4,8 +4,15 @@ milliseconds from arrival (as a client and most tests think of them), made absol
 header exactly as the streamer and admission make them (``schemas.wire.deadline_ns``)."""
 from __future__ import annotations
 
-from schemas.wire import (Admitted, HeldRequest, NewRequest, RequestHeader, SamplingParams,
-                          Tokenized, deadline_ns)
+from schemas.wire import (
+    Admitted,
+    HeldRequest,
+    NewRequest,
+    RequestHeader,
+    SamplingParams,
+    Tokenized,
+    deadline_ns,
+)
 
 
 def header(request_id: str, tenant: str, params: SamplingParams, arrival_ns: int, *,

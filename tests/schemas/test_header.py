@@ -2,9 +2,19 @@
 clock, exact both ways, carried by composition through every message of the path."""
 import msgspec
 
-from schemas.wire import (NO_DEADLINE_NS, AdmissionMsg, Admitted, Envelope, NewRequest,
-                          RequestHeader, SamplingParams, SchedulerMsg, Tokenized, TokenizerMsg,
-                          deadline_ns)
+from schemas.wire import (
+    NO_DEADLINE_NS,
+    AdmissionMsg,
+    Admitted,
+    Envelope,
+    NewRequest,
+    RequestHeader,
+    SamplingParams,
+    SchedulerMsg,
+    Tokenized,
+    TokenizerMsg,
+    deadline_ns,
+)
 
 ARRIVAL = 1_733_400_000_123_456_789          # a wall clock in ns
 
