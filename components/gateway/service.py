@@ -9,9 +9,10 @@ import structlog
 import uvicorn
 
 from bus.component import Component
-from components.gateway.app import GatewayState, build_app
+from components.gateway.app import build_app
 from components.gateway.auth import Authenticator
 from components.gateway.protocol import guarded_protocol
+from components.gateway.state import GatewayState
 from bus.identity import load_service_key
 from weir.client import AsyncClient
 from components.model.fetch import resolve_model

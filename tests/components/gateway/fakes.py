@@ -9,10 +9,11 @@ from typing import Any
 import anyio
 import uvicorn
 
-from components.gateway.app import GatewayState, build_app
+from components.gateway.app import build_app
 from components.gateway.auth import Authenticator
 from components.gateway.protocol import guarded_protocol
 from components.gateway.service import _Server
+from components.gateway.state import GatewayState
 from schemas.client import Accepted, ComponentStatus, StatusReport, TextDelta, Usage
 from schemas.config import GatewayConfig
 from weir.client import Choice, Completion

@@ -298,7 +298,7 @@ def test_shapes():
 
 
 def test_ready_needs_every_component_ready():
-    from components.gateway.app import all_ready
+    from components.gateway.state import all_ready
     from schemas.client import ComponentStatus, StatusReport
 
     def report(*states, alive=True):

@@ -9,9 +9,10 @@ import anyio
 import httpx
 import pytest
 
-from components.gateway.app import GatewayState, build_app
+from components.gateway.app import build_app
 from components.gateway.auth import Authenticator
 from components.gateway.http import ABORT_EXTENSION, GuardedStreamingResponse
+from components.gateway.state import GatewayState
 from schemas.config import GatewayConfig
 from tests.components.gateway.fakes import FakeClient, serve
 
