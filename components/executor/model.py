@@ -6,170 +6,23 @@ looks at sequence boundaries, through the paged-attention backend and its metada
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from components.executor import autotune
-from components.executor.sampling import greedy
+from components.executor.elementwise import ElementwiseOps, fused_ops
+from components.executor.linear import GREEDY_HEAD, RUN, Linear, amx_linear_f32
 from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_linear,
-                     cpu_native, get_backend, native_lib, tuning)
+                     cpu_native, get_backend, native_lib)
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
     from schemas.model import ModelSpec
 
 
-class Linear:
-    """One weight, run by the kernel its plan picks for each step's token count M: the
-    table ``[(up_to_m, candidate)]`` and the weight in each chosen candidate's layout only
-    (kernels/tuning.py). ``runs`` maps a candidate to its function; it is the model's, so a
-    profiler can wrap one candidate for every weight."""
-
-    __slots__ = ("table", "greedy_table", "runs", "bias", "shape")
-
-    def __init__(self, w: torch.Tensor, table: list[tuple[int, str]],
-                 runs: dict, bias: torch.Tensor | None = None,
-                 greedy_table: list[tuple[int, str]] | None = None) -> None:
-        self.shape = tuple(w.shape)
-        layouts: dict[str, object] = {}            # one copy per layout (amx runs native's)
-        for c in {c for _, c in table + (greedy_table or [])}:
-            if tuning.layout_of(c) not in layouts:
-                layouts[tuning.layout_of(c)] = autotune.PREPARE[c](w)
-        self.table = [(m, c, layouts[tuning.layout_of(c)]) for m, c in table]
-        # the lm_head's table for greedy rows (autotune.GREEDY_HEAD; None: the table's)
-        self.greedy_table = None if greedy_table is None else \
-            [(m, c, layouts[tuning.layout_of(c)]) for m, c in greedy_table]
-        self.runs, self.bias = runs, bias
-
-    def pick(self, m: int, greedy: bool = False) -> tuple[str, object]:
-        """The candidate the plan runs ``m`` rows with, and the weight in its layout
-        (``greedy``: for :meth:`argmax`, from the greedy table where there is one)."""
-        table = self.greedy_table if greedy and self.greedy_table else self.table
-        for up_to, cand, w in table:
-            if m <= up_to:
-                return cand, w
-        _, cand, w = table[-1]
-        return cand, w
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        cand, w = self.pick(x.shape[0])
-        return self.runs[cand](x, w, self.bias)
-
-    def float32(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x).float()``: on the AMX tiles in one pass (``runs["amx+f32"]``: each
-        output rounded to the model's dtype, then widened; the same bits), else the linear
-        then the cast."""
-        cand, w = self.pick(x.shape[0])
-        if cand == "amx":
-            return self.runs["amx+f32"](x, w, self.bias)
-        return self.runs[cand](x, w, self.bias).float()
-
-    def argmax(self, x: torch.Tensor, native: bool) -> torch.Tensor:
-        """Each row's greedy token, [M] long: the first maximum of its float32 logits, by
-        the greedy table's candidate (the plan's own timing of this use): on the AMX tiles
-        without the logits (``runs["amx+argmax"]``), else the logits then the argmax (the
-        native one where ``native``)."""
-        cand, w = self.pick(x.shape[0], greedy=True)
-        if cand == "amx":
-            return self.runs["amx+argmax"](x, w, self.bias)
-        return greedy(self.runs[cand](x, w, self.bias).float(), native)
-
-    def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
-        """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the
-        plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
-        the [M, 2 x inter] intermediate), else the linear then the elementwise op."""
-        cand, w = self.pick(x.shape[0])
-        if cand == "amx" and self.bias is None and ops.fused is cpu_native:
-            return self.runs["amx+silu"](x, w)
-        return ops.silu_mul(self.runs[cand](x, w, self.bias))
-
-
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")
-
-
-class ElementwiseOps:
-    """The elementwise steps, each in one of three forms: fused, one pass per row instead of
-    ~28 torch ops per layer, by the CPU's native ops (kernels/csrc/cpu_fused.cpp) or by
-    Triton kernels (kernels/triton_fused.py, the GPU's; graph-capturable), both given as
-    ``fused`` (a module with ``add_rms_norm``, ``rope_`` and ``silu_mul``); or torch (the
-    CPU when measured faster or without a compiler, and a GPU without Triton)."""
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 fused=None) -> None:
-        self.spec, self.dtype, self.fused = spec, dtype, fused
-        d = spec.head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        freqs = torch.outer(torch.arange(spec.max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
-
-    def rope_tables(self, positions: torch.Tensor):
-        """What :meth:`split_qkv` needs for ``positions`` (None for the fused RoPE, which
-        reads the float32 tables itself)."""
-        if self.fused is not None:
-            return None
-        return (self.cos[positions].to(self.dtype)[:, None, :],
-                self.sin[positions].to(self.dtype)[:, None, :])
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return weight * x32.to(self.dtype)
-
-    @staticmethod
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
-                 weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The residual stream ``h + delta`` (``delta`` None: ``h``) and its RMSNorm
-        scaled by ``weight`` (None: skipped). The native form updates ``h`` in place."""
-        if self.fused is None:
-            if delta is not None:
-                h = h + delta
-            return h, None if weight is None else self.rms_norm(h, weight)
-        if weight is None:
-            h += delta
-            return h, None
-        x = torch.empty_like(h)
-        self.fused.add_rms_norm(h, delta, weight, x, self.spec.rms_norm_eps)
-        return h, x
-
-    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rope) -> tuple:
-        """q, k, v views of the fused projection rows, with RoPE applied to q and k."""
-        s = self.spec
-        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
-        v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
-        if self.fused is None:
-            cos, sin = rope
-            return (self.rope(q.view(-1, s.num_heads, s.head_dim), cos, sin),
-                    self.rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin), v)
-        self.fused.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
-                          self.sin)
-        return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim), v)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-def fused_ops(elementwise: str):
-    """The module of fused elementwise ops a plan's ``elementwise`` names (None: torch)."""
-    if elementwise == "native":
-        return cpu_native
-    if elementwise == "triton":
-        from kernels import triton_fused
-        return triton_fused
-    return None
 
 
 class LlamaModel:
@@ -182,24 +35,18 @@ class LlamaModel:
     when told the size.
 
     Which kernel runs each linear layer (by step size), the elementwise ops, argmax and
-    attention is the ``plan`` (:mod:`components.executor.autotune`): given, or measured
-    here with ``kernels`` forcing some choices (``{"linear": "onednn", ...}``) and
-    ``tuning_cache`` keeping the measurement per machine (None: measure, keep nothing).
+    attention is the ``plan``, made before the model, on this machine, by
+    :func:`components.executor.autotune.plan_kernels` (``build.build_model`` plans, then
+    builds). Given a name, ``backend`` is resolved here: on the CPU to the plan's
+    ``attention``, elsewhere to the name itself.
     """
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 backend: AttentionBackend | str = "auto", kv_block_size: int | None = None,
-                 kernels: dict[str, str] | None = None, plan: KernelPlan | None = None,
-                 tuning_cache: Path | None = None, max_tokens: int = 2048,
-                 max_seqs: int = 256, kv_dtype: torch.dtype | None = None):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], *,
+                 plan: KernelPlan, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", backend: AttentionBackend | str = "auto",
+                 kv_block_size: int | None = None, kv_dtype: torch.dtype | None = None):
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
         self.kv_dtype = kv_dtype or dtype
-        if plan is None:
-            plan = autotune.plan_kernels(
-                spec, dtype, self.device, kernels,
-                backend if isinstance(backend, str) else "auto", tuning_cache, max_tokens,
-                max_seqs, kv_block_size, self.kv_dtype)
         self.plan = plan
         if isinstance(backend, str):
             name = plan.attention if self.device.type == "cpu" else backend
@@ -213,9 +60,9 @@ class LlamaModel:
             backend.tiles = plan.attention_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, fused_ops(plan.elementwise))
-        self.runs = dict(autotune.RUN)
+        self.runs = dict(RUN)
         self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
-        self.runs["amx+f32"] = autotune.amx_linear_f32            # float32 logits (Linear)
+        self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
         self.runs["amx+argmax"] = cpu_linear.amx_argmax_linear    # greedy tokens (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
         lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
@@ -223,7 +70,7 @@ class LlamaModel:
         tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
         self.lm_head = Linear(self.embed if tied else put(weights["lm_head"]),
                               plan.linear["lm_head"], self.runs,
-                              greedy_table=plan.linear.get(autotune.GREEDY_HEAD))
+                              greedy_table=plan.linear.get(GREEDY_HEAD))
         self.norm = put(weights["norm"])
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):

@@ -17,7 +17,7 @@ from bus import tracing
 from bus.component import Component
 from components.executor.constraints import Grammars
 from components.executor.loader import load_model
-from components.executor.model import LlamaModel
+from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import step_costs
 from components.model.structured import ll_tokenizer
@@ -108,16 +108,16 @@ class ExecutorService(Component):
                             overlap=device.type == "cuda"
                             or torch.get_num_threads() < usable_cpus())
         k = eng.kernels
-        model = LlamaModel(spec, weights, dtype=dtype, device=device,
-                           backend=eng.attention_backend, kv_block_size=kv.block_size,
-                           kernels={"linear": k.linear, "elementwise": k.elementwise,
-                                    "sampling": k.sampling, "fresh_prompts": k.fresh_prompts,
-                                    "attention_tiles": k.attention_tiles,
-                                    "layer_loop": k.layer_loop},
-                           tuning_cache=cache_dir() if k.cache else None,
-                           max_tokens=self.config.scheduler.max_num_batched_tokens,
-                           max_seqs=self.config.scheduler.max_num_seqs,
-                           kv_dtype=cache_dtype(kv.dtype, dtype))
+        model = build_model(spec, weights, dtype=dtype, device=device,
+                            backend=eng.attention_backend, kv_block_size=kv.block_size,
+                            kernels={"linear": k.linear, "elementwise": k.elementwise,
+                                     "sampling": k.sampling, "fresh_prompts": k.fresh_prompts,
+                                     "attention_tiles": k.attention_tiles,
+                                     "layer_loop": k.layer_loop},
+                            tuning_cache=cache_dir() if k.cache else None,
+                            max_tokens=self.config.scheduler.max_num_batched_tokens,
+                            max_seqs=self.config.scheduler.max_num_seqs,
+                            kv_dtype=cache_dtype(kv.dtype, dtype))
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
         if kv.prefault and device.type == "cpu":

@@ -26,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-from components.executor import autotune
+from components.executor.build import build_model
+from components.executor.candidates import linear_candidates
+from components.executor.candidates import shapes as weight_shapes
+from components.executor.linear import PREPARE, RUN
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
@@ -85,22 +88,22 @@ def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
     one native call over a role's weights, as the native layer loop runs them: no Python
     call overhead (~10 us a call, ~1 ms over a step's 121 GEMMs); the others are called
     from Python, as the step calls them."""
-    shapes = autotune.shapes(model.spec)
+    shapes = weight_shapes(model.spec)
     g = torch.Generator().manual_seed(batch)
     total = {True: 0.0, False: 0.0}
     for role, (n, k) in shapes.items():
         layers = 1 if role == "lm_head" else model.spec.num_layers
         x = torch.randn(batch, k, generator=g).to(model.dtype)
         fns = {}
-        for c, limit in autotune.linear_candidates(model.dtype, model.device, (n, k)).items():
+        for c, limit in linear_candidates(model.dtype, model.device, (n, k)).items():
             if batch > limit:
                 continue
-            ws = [autotune.PREPARE[c]((torch.randn(n, k, generator=g) * 0.05).to(model.dtype))
+            ws = [PREPARE[c]((torch.randn(n, k, generator=g) * 0.05).to(model.dtype))
                   for _ in range(layers)]
             if c in cpu_forward.LINEAR_KINDS:     # offered only where the library runs
                 fns[c] = lambda c=c, ws=ws: cpu_forward.linear_chain(x, ws, c)
             else:
-                fns[c] = lambda c=c, ws=ws: [autotune.RUN[c](x, w) for w in ws]
+                fns[c] = lambda c=c, ws=ws: [RUN[c](x, w) for w in ws]
         for cold in (True, False):
             best = {c: float("inf") for c in fns}
             for _ in range(rounds):               # interleaved: drift hits all alike
@@ -126,11 +129,11 @@ def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = GEMM_N) -> tupl
     at n / 8; only those within 4x of the best there are timed at n."""
     def best_of(name: str, size: int) -> float:
         limit = candidates[name]
-        w = autotune.PREPARE[name](torch.randn(size, size).to(dtype))
+        w = PREPARE[name](torch.randn(size, size).to(dtype))
         x = torch.randn(min(size, limit), size).to(dtype)
-        return tuning.time_call(lambda: autotune.RUN[name](x, w)) / x.shape[0]   # per row
+        return tuning.time_call(lambda: RUN[name](x, w)) / x.shape[0]   # per row
 
-    candidates = autotune.linear_candidates(dtype, device, (n, n))
+    candidates = linear_candidates(dtype, device, (n, n))
     small = {c: best_of(c, n // 8) for c in candidates}
     keep = [c for c, t in small.items() if t <= 4 * min(small.values())]
     full = {c: best_of(c, n) for c in keep}
@@ -266,10 +269,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     spec, weights = load_model(default_model_path())
     forced = dict(kv.split("=", 1) for kv in args.kernels.split(",") if kv)
-    models = {name: LlamaModel(spec, weights, dtype=dtype, backend=args.backend,
-                               kernels=forced, tuning_cache=cache_dir(),
-                               max_seqs=max(256, *[int(x) for x in args.batches.split(",")]),
-                               kv_dtype=cache_dtype(name, dtype))
+    models = {name: build_model(spec, weights, dtype=dtype, backend=args.backend,
+                                kernels=forced, tuning_cache=cache_dir(),
+                                max_seqs=max(256, *[int(x) for x in args.batches.split(",")]),
+                                kv_dtype=cache_dtype(name, dtype))
               for name in args.kv_dtype.split(",")}
     model = next(iter(models.values()))     # the floors, the profile and the breakdown
     del weights

@@ -126,7 +126,7 @@ def gpu_main(args) -> int:
     import triton
 
     import kernels
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from components.executor.synthetic import LLAMA_1B, SMOLLM2_135M, random_weights
     budget = Budget(args.budget_s)
     device = torch.device("cuda")
@@ -149,7 +149,7 @@ def gpu_main(args) -> int:
     real = _load_gguf(Path(args.model_path)) if args.model_path else None
     shape, label = (real[0], "smollm2-135m") if real else (SMOLLM2_135M, "smollm2-135m-rand")
     weights = real[1] if real else random_weights(shape, torch.float32, device)
-    model = LlamaModel(shape, weights, dtype=torch.float32, device=device, backend="triton")
+    model = build_model(shape, weights, dtype=torch.float32, device=device, backend="triton")
     check_graphs(report, label + " fp32", model, max_len=1024, max_batch=args.max_batch,
                  block_size=16, tol=1e-3)
     del model
@@ -159,8 +159,8 @@ def gpu_main(args) -> int:
     if "flash_attn" in kernels._REGISTRY and budget.left() > 120:
         from kernels.flash_attn_backend import FlashAttnBackend
         fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
-        model = LlamaModel(shape, random_weights(shape, torch.bfloat16, device),
-                           dtype=torch.bfloat16, device=device, backend=fa)
+        model = build_model(shape, random_weights(shape, torch.bfloat16, device),
+                            dtype=torch.bfloat16, device=device, backend=fa)
         check_graphs(report, label + " flash-attn bf16", model, max_len=1024, max_batch=16,
                      block_size=256, tol=5e-2)
         del model
@@ -256,10 +256,10 @@ def tiny_shape():
 
 def dry_run_step_grid(path: Path | None) -> list[StepTiming]:
     """TINY_GRID through the tiny model (torch backend) on the CPU, written to ``path``."""
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from components.executor.synthetic import random_weights
     tiny = tiny_shape()
-    model = LlamaModel(tiny, random_weights(tiny), backend="torch")
+    model = build_model(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(TINY_GRID.blocks(16), 16)
     kv.data.normal_()
     timings = time_step_grid(model, kv, None, TINY_GRID, Budget(60))
@@ -277,7 +277,7 @@ def cpu_dry_run(args) -> int:
 
     import torch
 
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from components.executor.synthetic import random_weights
     budget = Budget(args.budget_s)
     report = Report()
@@ -288,14 +288,14 @@ def cpu_dry_run(args) -> int:
         print("[2] flash-attn adapter", flush=True)
         check_flash_attn(report, "cpu", tiny=True)
         print("[3] static-buffer decode vs eager (no graphs on the CPU)", flush=True)
-        model = LlamaModel(tiny, random_weights(tiny), backend="triton")
+        model = build_model(tiny, random_weights(tiny), backend="triton")
         check_graphs(report, "tiny fp32", model, max_len=64, max_batch=4, block_size=16,
                      tol=1e-4, partials=(3,))
         check_fused_elementwise(report, "tiny fp32", "cpu", tiny, random_weights(tiny), 1e-4)
     print("[2b] sampling penalties and logprobs: torch vs native", flush=True)
     check_logit_processing(report, "cpu")
     print("[4] decode timing (torch backend, eager)", flush=True)
-    model = LlamaModel(tiny, random_weights(tiny), backend="torch")
+    model = build_model(tiny, random_weights(tiny), backend="torch")
     kv = model.new_kv_cache(2 * 3 + 1, 16)
     rows = time_decode(None, "tiny", model, tiny, kv, None, [1, 2], 24, 4, 2, budget, 0)
     fp8, fp8_kv, _ = build_timed("tiny-kv-e4m3", tiny, random_weights(tiny), torch.float32,
@@ -306,7 +306,7 @@ def cpu_dry_run(args) -> int:
         print("[4b] where a decode step's time goes (torch backend, eager)", flush=True)
         profile_decode("tiny", model, tiny, kv, None, [2], 24, steps=2, top=4)
         if importlib.util.find_spec("triton") is not None:
-            tri = LlamaModel(tiny, random_weights(tiny), backend="triton")
+            tri = build_model(tiny, random_weights(tiny), backend="triton")
             sweep_decode_partitions("tiny", tri, tiny, tri.new_kv_cache(2 * 3 + 1, 16), [2],
                                     24, 64, 2, sizes=(None, 2))
     if args.grid_s > 0:

@@ -260,11 +260,11 @@ def check_fused_elementwise(report, label: str, device, shape, weights,
     weights on torch's ops: eager decode logits of 8 sequences, and the KV they wrote."""
     import torch
 
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     out = {}
     for e in ("triton", "torch"):
-        model = LlamaModel(shape, weights, dtype=torch.float32, device=device,
-                           backend="triton", kernels={"elementwise": e})
+        model = build_model(shape, weights, dtype=torch.float32, device=device,
+                            backend="triton", kernels={"elementwise": e})
         kv = model.new_kv_cache(8 * 15 + 1, 16)
         kv.data.normal_(generator=torch.Generator(device).manual_seed(3))
         ids, pos, tables = _decode_batch(random.Random(5), 8, 200, 16, kv.num_blocks,

@@ -221,10 +221,10 @@ def build_timed(label, shape, weights, dtype, device, blocks: int, max_len: int,
     cache's element type (fp8) when it is not the model's."""
     import torch
 
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from kernels.kv_cache import quantize
-    model = LlamaModel(shape, weights, dtype=dtype, device=device, kv_block_size=16,
-                       kernels=kernels, kv_dtype=kv_dtype)
+    model = build_model(shape, weights, dtype=dtype, device=device, kv_block_size=16,
+                        kernels=kernels, kv_dtype=kv_dtype)
     print(f"  {label}: backend {model.backend.name}", flush=True)
     if kv is None:
         kv = model.new_kv_cache(blocks, 16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from components.executor.model import LlamaModel
+from components.executor.build import build_model
 from components.executor.synthetic import ModelShape, random_weights
 from kernels import get_backend
 from kernels.flash_attn_backend import FlashAttnBackend
@@ -75,11 +75,12 @@ def test_model_checks_the_cache_block_size_against_its_backend():
     class Paged256(kernels._TorchBackend):
         name, block_size = "paged256", 256
 
-    model = LlamaModel(shape, random_weights(shape), backend=Paged256())
+    model = build_model(shape, random_weights(shape), backend=Paged256())
     assert model.new_kv_cache(2, 256).block_size == 256
     with pytest.raises(ValueError, match="blocks of 256 tokens, not 16"):
         model.new_kv_cache(2, 16)
-    assert LlamaModel(shape, random_weights(shape), kv_block_size=16).backend.name in ("cpu", "torch")
+    model = build_model(shape, random_weights(shape), kv_block_size=16)
+    assert model.backend.name in ("cpu", "torch")
 
 
 def test_flash_attn_refuses_an_fp8_cache_so_auto_moves_on():

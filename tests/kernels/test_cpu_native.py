@@ -298,7 +298,7 @@ def test_rope_is_the_torch_formula_to_the_bit(dtype, dim):
     rounded), bit for bit, the vector loop and the scalar one alike; in float32 within an
     ulp or two (the compiler may fuse a product and the sum); the heads after them (v) and
     the row padding untouched."""
-    from components.executor.model import ElementwiseOps
+    from components.executor.elementwise import ElementwiseOps
     g = torch.Generator().manual_seed(dim)
     theta = 1e5
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))

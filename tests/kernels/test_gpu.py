@@ -41,11 +41,11 @@ def test_auto_backend_on_cuda_falls_back_from_flash_attn():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 def test_graph_replay_matches_eager_for_every_bucket(dtype, tol):
     from components.executor.cuda_graphs import batch_buckets
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from components.executor.synthetic import SMOLLM2_135M, random_weights
     shape = SMOLLM2_135M.scaled(num_layers=4)
-    model = LlamaModel(shape, random_weights(shape, dtype, "cuda"), dtype=dtype, device="cuda",
-                       backend="triton")
+    model = build_model(shape, random_weights(shape, dtype, "cuda"), dtype=dtype, device="cuda",
+                        backend="triton")
     report = gpu_check.Report()
     _, _, info = gpu_check.check_graphs(report, f"4-layer {dtype}", model, max_len=512,
                                         max_batch=64, block_size=16, tol=tol,
@@ -56,13 +56,13 @@ def test_graph_replay_matches_eager_for_every_bucket(dtype, tol):
 
 def test_graph_replay_with_flash_attn():
     pytest.importorskip("flash_attn")
-    from components.executor.model import LlamaModel
+    from components.executor.build import build_model
     from components.executor.synthetic import SMOLLM2_135M, random_weights
     from kernels.flash_attn_backend import FlashAttnBackend
     shape = SMOLLM2_135M.scaled(num_layers=4)
     backend = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device="cuda")
-    model = LlamaModel(shape, random_weights(shape, torch.bfloat16, "cuda"),
-                       dtype=torch.bfloat16, device="cuda", backend=backend)
+    model = build_model(shape, random_weights(shape, torch.bfloat16, "cuda"),
+                        dtype=torch.bfloat16, device="cuda", backend=backend)
     report = gpu_check.Report()
     gpu_check.check_graphs(report, "flash-attn", model, max_len=1024, max_batch=16,
                            block_size=256, tol=5e-2, partials=(3, 13))

@@ -12,7 +12,8 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from components.executor.model import ElementwiseOps, LlamaModel  # noqa: E402
+from components.executor.build import build_model  # noqa: E402
+from components.executor.elementwise import ElementwiseOps  # noqa: E402
 from components.executor.synthetic import ModelShape, random_weights  # noqa: E402
 from kernels import AttentionMetadata, triton_fused  # noqa: E402
 
@@ -73,8 +74,8 @@ def test_a_model_on_the_fused_ops_matches_torch_ops():
                        num_heads=6, num_kv_heads=2, head_dim=16, vocab_size=101,
                        max_position=256)
     weights = random_weights(shape, seed=4)
-    models = {e: LlamaModel(shape, weights, device=DEVICE, backend="triton",
-                            kernels={"elementwise": e}) for e in ("triton", "torch")}
+    models = {e: build_model(shape, weights, device=DEVICE, backend="triton",
+                             kernels={"elementwise": e}) for e in ("triton", "torch")}
     assert models["triton"].plan.elementwise == "triton"
     query_lens, context_lens = [5, 1, 1], [0, 7, 20]
     tables = [[0], [1], [2, 3]]
@@ -96,8 +97,8 @@ def test_forcing_an_unknown_elementwise_kind_is_a_clear_error():
                        num_heads=6, num_kv_heads=2, head_dim=16, vocab_size=101,
                        max_position=256)
     with pytest.raises(ValueError, match="'native', 'triton' or 'torch'"):
-        LlamaModel(shape, random_weights(shape, seed=4), device=DEVICE,
-                   kernels={"elementwise": "cuda"})
+        build_model(shape, random_weights(shape, seed=4), device=DEVICE,
+                    kernels={"elementwise": "cuda"})
 
 
 def test_forcing_triton_elementwise_on_a_cpu_without_the_interpreter_is_a_clear_error(

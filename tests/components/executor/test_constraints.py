@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from components.executor.constraints import Constraint, Grammars, apply_constraints
-from components.executor.model import LlamaModel
+from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
 from components.model.structured import check, grammar_of, ll_tokenizer
@@ -71,7 +71,7 @@ def vocab(bundle):
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel(SHAPE, random_weights(SHAPE, seed=3), dtype=torch.float32)
+    return build_model(SHAPE, random_weights(SHAPE, seed=3), dtype=torch.float32)
 
 
 def _runner(model, vocab) -> ModelRunner:

@@ -15,7 +15,7 @@ if DEVICE == "cpu":
 pytest.importorskip("triton")
 
 from components.executor.cuda_graphs import DecodeGraphs, batch_buckets  # noqa: E402
-from components.executor.model import LlamaModel  # noqa: E402
+from components.executor.build import build_model  # noqa: E402
 from components.executor.synthetic import ModelShape, random_weights  # noqa: E402
 from kernels import AttentionMetadata  # noqa: E402
 
@@ -27,7 +27,7 @@ SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, n
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaModel(SHAPE, random_weights(SHAPE, seed=1), device=DEVICE, backend="triton")
+    return build_model(SHAPE, random_weights(SHAPE, seed=1), device=DEVICE, backend="triton")
 
 
 def _batch(rng: random.Random, n: int, num_blocks: int, use_block0: bool):
@@ -104,7 +104,7 @@ def test_refuses_bad_input(model):
     with pytest.raises(ValueError, match="differ"):
         graphs.replay([1, 2], [0], [[0]])
     with pytest.raises(ValueError, match="cannot run decode"):
-        DecodeGraphs(LlamaModel(SHAPE, random_weights(SHAPE), backend="torch"), kv,
+        DecodeGraphs(build_model(SHAPE, random_weights(SHAPE), backend="torch"), kv,
                      max_model_len=MAX_LEN)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA"):

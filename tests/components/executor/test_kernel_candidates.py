@@ -9,10 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.executor import autotune
-from components.executor.model import Linear, LlamaModel
+from components.executor import autotune, candidates, measure
+from components.executor import linear as linear_mod
+from components.executor.build import build_model
+from components.executor.linear import Linear
+from components.executor.model import LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
 from kernels import AttentionMetadata, cpu_forward, cpu_linear, cpu_native, native_lib
+from kernels.tuning import KernelPlan
 
 # head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
 SHAPE = ModelShape("tiny", num_layers=2, hidden_size=64, intermediate_size=96, num_heads=2,
@@ -37,8 +41,8 @@ def _logits(model: LlamaModel) -> torch.Tensor:
 
 
 def _available(dtype: torch.dtype) -> set[str]:
-    return set.intersection(*(set(autotune.linear_candidates(dtype, torch.device("cpu"), s))
-                              for s in autotune.shapes(SHAPE).values()))
+    return set.intersection(*(set(candidates.linear_candidates(dtype, torch.device("cpu"), s))
+                              for s in candidates.shapes(SHAPE).values()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -55,20 +59,20 @@ def _available(dtype: torch.dtype) -> set[str]:
 def test_each_candidate_gives_the_reference_logits(dtype, forced):
     if forced.get("linear", "torch") not in _available(dtype):
         pytest.skip(f"no {forced['linear']} linear kernel here for {dtype}")
-    if forced.get("attention_tiles") == "amx" and not autotune.amx_possible(dtype, 16):
+    if forced.get("attention_tiles") == "amx" and not candidates.amx_possible(dtype, 16):
         pytest.skip(f"no AMX attention kernel here for {dtype}")
     if forced.get("elementwise") == "native" and \
-            not autotune.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+            not candidates.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
         pytest.skip("native CPU kernels unavailable (no C++ compiler)")
     weights = random_weights(SHAPE, seed=4)
-    ref = LlamaModel(SHAPE, weights, dtype=dtype, backend="torch", kernels=REFERENCE)
+    ref = build_model(SHAPE, weights, dtype=dtype, backend="torch", kernels=REFERENCE)
     # the fresh-prompt and tile choices belong to the cpu backend: pinned, so that a busy
     # machine's timing of this tiny model (which can pick torch) does not drop them
     cpu_only = {"fresh_prompts", "attention_tiles"} & set(forced)
     if cpu_only and not native_lib.available():
         pytest.skip("the cpu attention backend did not build here (no C++ compiler)")
-    model = LlamaModel(SHAPE, weights, dtype=dtype, kernels=forced,
-                       backend="cpu" if cpu_only else "auto")
+    model = build_model(SHAPE, weights, dtype=dtype, kernels=forced,
+                        backend="cpu" if cpu_only else "auto")
     for op, choice in forced.items():               # the forced choice is what runs
         if op == "linear":
             assert {c for _, c in model.plan.linear["qkv"]} >= {choice}
@@ -89,11 +93,11 @@ def test_the_amx_gate_up_runs_fused_with_silu_and_changes_no_bit():
     forward takes the fused gate_up + SiLU x up (``runs["amx+silu"]``), and its logits are
     those of the linear then the elementwise op, to the bit."""
     if "amx" not in _available(torch.bfloat16) or \
-            not autotune.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
+            not candidates.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
         pytest.skip("no AMX linear or native elementwise ops here")
-    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
-                       kernels={"linear": "amx", "elementwise": "native",
-                                "layer_loop": "python"})    # the layers' Python loop
+    model = build_model(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                        kernels={"linear": "amx", "elementwise": "native",
+                                 "layer_loop": "python"})    # the layers' Python loop
     fused, calls = model.runs["amx+silu"], []
     model.runs["amx+silu"] = lambda x, w: calls.append(x.shape[0]) or fused(x, w)
     got = _logits(model)
@@ -109,16 +113,16 @@ def test_gate_up_candidates_are_timed_with_the_silu_that_follows_them():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
     w = (torch.randn(192, 64, generator=g) * 0.1).to(torch.bfloat16)
-    assert autotune.run_as_used("gate_up", "torch") is autotune.RUN["torch"]
-    assert autotune.run_as_used("down", "torch", True) is autotune.RUN["torch"]
-    if not autotune.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
+    assert measure.run_as_used("gate_up", "torch") is linear_mod.RUN["torch"]
+    assert measure.run_as_used("down", "torch", True) is linear_mod.RUN["torch"]
+    if not candidates.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
         pytest.skip("no native elementwise ops here")
-    got = autotune.run_as_used("gate_up", "torch", True)(x, w)
+    got = measure.run_as_used("gate_up", "torch", True)(x, w)
     assert got.shape == (5, 96)
     assert torch.equal(got, cpu_native.silu_mul(torch.nn.functional.linear(x, w)))
     if "amx" in _available(torch.bfloat16):
-        packed = autotune.PREPARE["amx"](w)
-        assert torch.equal(autotune.run_as_used("gate_up", "amx", True)(x, packed),
+        packed = linear_mod.PREPARE["amx"](w)
+        assert torch.equal(measure.run_as_used("gate_up", "amx", True)(x, packed),
                            cpu_linear.amx_silu_mul_linear(x, packed))
 
 
@@ -144,9 +148,9 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
     decode; a step with a kernel outside the native set (here oneDNN or torch past the
     small-batch kernel's rows) runs the Python loop."""
     if linear not in _available(dtype) or \
-            not autotune.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+            not candidates.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
         pytest.skip(f"no {linear} linear kernel or native ops here for {dtype}")
-    if tiles == "amx" and not autotune.amx_possible(dtype, 16):
+    if tiles == "amx" and not candidates.amx_possible(dtype, 16):
         pytest.skip("no AMX attention kernel here")
     calls = []
     real = cpu_forward.forward_layers
@@ -155,8 +159,8 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
     forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
               "fresh_prompts": "native"}
     weights = random_weights(SHAPE, seed=4)
-    models = {loop: LlamaModel(SHAPE, weights, dtype=dtype, backend="cpu",
-                               kernels={**forced, "layer_loop": loop})
+    models = {loop: build_model(SHAPE, weights, dtype=dtype, backend="cpu",
+                                kernels={**forced, "layer_loop": loop})
               for loop in ("python", "native")}
     (want, want_kv), (got, got_kv) = _steps(models["python"]), _steps(models["native"])
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
@@ -167,13 +171,13 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
 def test_the_native_layer_loop_times_its_parts_only_when_asked():
     """``model.layer_seconds`` (a profiler's) gets every part's seconds from the native
     layer loop; without it nothing is timed, and the Python loop never touches it."""
-    if not autotune.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
+    if not candidates.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
             or "native" not in _available(torch.float32):
         pytest.skip("no native kernels here")
     forced = {"linear": "native", "elementwise": "native", "fresh_prompts": "native"}
     weights = random_weights(SHAPE, seed=4)
     for loop in ("native", "python"):
-        model = LlamaModel(SHAPE, weights, backend="cpu", kernels={**forced, "layer_loop": loop})
+        model = build_model(SHAPE, weights, backend="cpu", kernels={**forced, "layer_loop": loop})
         model.layer_seconds = torch.zeros(len(cpu_forward.LAYER_PARTS), dtype=torch.float64)
         _logits(model)
         timed = model.layer_seconds.tolist()
@@ -202,7 +206,7 @@ def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatc
     """SDPA for a fresh prompt is not in the native layers: that step (26 rows: a
     20-token prompt) runs the Python loop, the next (5 decode-and-prefix rows) the native
     call, and the logits are the Python loop's throughout."""
-    if not autotune.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
+    if not candidates.native_ops_possible(SHAPE, torch.float32, torch.device("cpu")) \
             or "native" not in _available(torch.float32):
         pytest.skip("no native kernels here")
     calls = []
@@ -211,10 +215,10 @@ def test_a_step_with_a_fresh_prompt_through_sdpa_runs_the_python_loop(monkeypatc
                         lambda layers, step: calls.append(step.rows) or real(layers, step))
     forced = {"linear": "native", "elementwise": "native", "fresh_prompts": "sdpa"}
     weights = random_weights(SHAPE, seed=4)
-    want = _logits(LlamaModel(SHAPE, weights, backend="cpu",
-                              kernels={**forced, "layer_loop": "python"}))
+    want = _logits(build_model(SHAPE, weights, backend="cpu",
+                               kernels={**forced, "layer_loop": "python"}))
     assert calls == []
-    got = _logits(LlamaModel(SHAPE, weights, backend="cpu", kernels=forced))
+    got = _logits(build_model(SHAPE, weights, backend="cpu", kernels=forced))
     assert torch.equal(got, want) and calls == [5]
 
 
@@ -223,8 +227,8 @@ def test_the_amx_lm_head_writes_float32_logits_and_changes_no_bit():
     the same pass (``runs["amx+f32"]``), equal to the bf16 linear then the cast."""
     if "amx" not in _available(torch.bfloat16):
         pytest.skip("no AMX linear here")
-    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
-                       kernels={"linear": "amx"})
+    model = build_model(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                        kernels={"linear": "amx"})
     f32, calls = model.runs["amx+f32"], []
     model.runs["amx+f32"] = lambda x, w, b: calls.append(x.shape[0]) or f32(x, w, b)
     got = _logits(model)
@@ -240,8 +244,8 @@ def test_greedy_forward_returns_the_first_maximum_of_the_logits(linear):
     the argmax."""
     if linear not in _available(torch.bfloat16):
         pytest.skip(f"no {linear} linear here")
-    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
-                       kernels={"linear": linear})
+    model = build_model(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                        kernels={"linear": linear})
     fused, calls = model.runs["amx+argmax"], []
     model.runs["amx+argmax"] = lambda x, w, b: calls.append(x.shape[0]) or fused(x, w, b)
     kv = model.new_kv_cache(8, 16)
@@ -268,24 +272,24 @@ def test_the_lm_head_candidates_are_timed_with_float32_logits(monkeypatch):
 
     def time_linear(runs, k, dtype, buckets):
         x = torch.randn(3, k).to(dtype)
-        timed.append({c: (fn(x, copies[0]), autotune.RUN[c](x, copies[0]))
+        timed.append({c: (fn(x, copies[0]), linear_mod.RUN[c](x, copies[0]))
                       for c, (fn, copies, _) in runs.items()})
         return {c: {m: 1.0 for m in buckets} for c in runs}
 
-    monkeypatch.setattr(autotune.tuning, "time_linear", time_linear)
-    shapes = autotune.shapes(SHAPE)
-    cands = {role: autotune.linear_candidates(torch.bfloat16, torch.device("cpu"), shape)
+    monkeypatch.setattr(measure.tuning, "time_linear", time_linear)
+    shapes = candidates.shapes(SHAPE)
+    cands = {role: candidates.linear_candidates(torch.bfloat16, torch.device("cpu"), shape)
              for role, shape in shapes.items()}
-    plan = autotune._measure(SHAPE, torch.bfloat16, shapes, cands, False, 64, 8, 16,
-                             skip={"elementwise", "sampling", "attention", "attention_tiles",
-                                   "fresh_prompts"})
-    roles = [*shapes, autotune.GREEDY_HEAD]     # and the lm_head once more, for greedy rows
+    plan = measure.measure_plan(SHAPE, torch.bfloat16, shapes, cands, False, 64, 8, 16,
+                                skip={"elementwise", "sampling", "attention",
+                                      "attention_tiles", "fresh_prompts"})
+    roles = [*shapes, linear_mod.GREEDY_HEAD]   # and the lm_head once more, for greedy rows
     assert len(timed) == len(roles) and set(plan.linear) == set(roles)
     for role, outs in zip(roles, timed):
         assert set(outs) == set(cands.get(role, cands["lm_head"]))
         for cand, (got, bare) in outs.items():
             want = {"lm_head": bare.float(),
-                    autotune.GREEDY_HEAD: bare.float().argmax(-1)}.get(role, bare)
+                    linear_mod.GREEDY_HEAD: bare.float().argmax(-1)}.get(role, bare)
             assert got.dtype == want.dtype and torch.equal(got, want), (role, cand)
 
 
@@ -298,10 +302,10 @@ def test_the_greedy_lm_head_runs_its_own_table_and_keeps_one_copy_per_layout():
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     calls = []
-    runs = dict(autotune.RUN)
+    runs = dict(linear_mod.RUN)
     for name in ("amx", "torch"):
-        runs[name] = lambda *a, name=name: calls.append(name) or autotune.RUN[name](*a)
-    runs["amx+f32"] = lambda *a: calls.append("amx+f32") or autotune.amx_linear_f32(*a)
+        runs[name] = lambda *a, name=name: calls.append(name) or linear_mod.RUN[name](*a)
+    runs["amx+f32"] = lambda *a: calls.append("amx+f32") or linear_mod.amx_linear_f32(*a)
     runs["amx+argmax"] = lambda *a: calls.append("amx+argmax") or \
         cpu_linear.amx_argmax_linear(*a)
     lin = Linear(w, [(4, "torch"), (64, "amx")], runs, greedy_table=[(64, "amx")])
@@ -320,33 +324,33 @@ def test_the_greedy_lm_head_runs_its_own_table_and_keeps_one_copy_per_layout():
 def test_a_forced_choice_that_cannot_run_here_is_a_clear_error():
     odd = dataclasses.replace(SHAPE, vocab_size=SHAPE.vocab_size - 8)   # the lm_head's N % 16
     with pytest.raises(ValueError, match="engine.kernels.linear = 'native' cannot run here"):
-        LlamaModel(odd, random_weights(odd, seed=1), dtype=torch.float32,
-                   kernels={"linear": "native"})
+        build_model(odd, random_weights(odd, seed=1), dtype=torch.float32,
+                    kernels={"linear": "native"})
     # the AMX kernels are bf16 only, on any machine
     with pytest.raises(ValueError, match="engine.kernels.linear = 'amx' cannot run here"):
-        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
-                   kernels={"linear": "amx"})
+        build_model(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                    kernels={"linear": "amx"})
     with pytest.raises(ValueError, match="attention_tiles = 'amx' cannot run here"):
-        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
-                   kernels={"attention_tiles": "amx"})
+        build_model(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                    kernels={"attention_tiles": "amx"})
     with pytest.raises(ValueError, match="layer_loop = 'fused': 'native' or 'python'"):
-        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
-                   kernels={"layer_loop": "fused"})
+        build_model(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.float32,
+                    kernels={"layer_loop": "fused"})
 
 
 def test_the_faster_attention_tiles_are_chosen(monkeypatch):
     """With injected timings, each of the paged kernels is chosen where it is faster, and
     the fresh prompts are then timed through the chosen one."""
-    monkeypatch.setattr(autotune, "amx_possible", lambda dtype, block_size: True)
-    monkeypatch.setattr(autotune, "_time_attention", lambda *a: {"cpu": 1.0, "torch": 2.0})
+    monkeypatch.setattr(measure, "amx_possible", lambda dtype, block_size: True)
+    monkeypatch.setattr(measure, "_time_attention", lambda *a: {"cpu": 1.0, "torch": 2.0})
     seen = []
-    monkeypatch.setattr(autotune, "_time_fresh_prompts",
+    monkeypatch.setattr(measure, "_time_fresh_prompts",
                         lambda *a: seen.append(a[-1]) or {"native": 1.0, "sdpa": 2.0})
     for timings, want in (({"vector": 2.0, "amx": 1.0}, "amx"),
                           ({"vector": 1.0, "amx": 2.0}, "vector")):
-        monkeypatch.setattr(autotune, "_time_attention_tiles", lambda *a, t=timings: t)
-        plan = autotune._measure(SHAPE, torch.bfloat16, autotune.shapes(SHAPE), {}, True, 64,
-                                 8, 16, skip={"linear", "elementwise", "sampling"})
+        monkeypatch.setattr(measure, "_time_attention_tiles", lambda *a, t=timings: t)
+        plan = measure.measure_plan(SHAPE, torch.bfloat16, candidates.shapes(SHAPE), {}, True,
+                                    64, 8, 16, skip={"linear", "elementwise", "sampling"})
         assert plan.attention == "cpu" and plan.attention_tiles == want
         assert seen[-1] == want
         assert plan.timings["attention_tiles"] == {c: s * 1e6 for c, s in timings.items()}
@@ -355,36 +359,64 @@ def test_the_faster_attention_tiles_are_chosen(monkeypatch):
 def test_only_the_chosen_layouts_are_kept():
     """A weight keeps one tensor per candidate in its table, no more: plain torch alone
     holds the plain weight, nothing packed."""
-    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=2), kernels=REFERENCE)
+    model = build_model(SHAPE, random_weights(SHAPE, seed=2), kernels=REFERENCE)
     for layer in model.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
             assert [c for _, c, _ in lin.table] == ["torch"]
     if "onednn" in _available(torch.float32):
-        packed = LlamaModel(SHAPE, random_weights(SHAPE, seed=2),
-                            kernels={**REFERENCE, "linear": "onednn"})
+        packed = build_model(SHAPE, random_weights(SHAPE, seed=2),
+                             kernels={**REFERENCE, "linear": "onednn"})
         assert [c for _, c, _ in packed.layers[0].qkv.table] == ["onednn"]
+
+
+def test_the_model_runs_the_plan_it_is_given_and_plans_nothing(monkeypatch):
+    """The plan is made before the model (by autotune; build_model asks it, then builds):
+    the model only reads it. Planning would fail here; each weight's table, the greedy
+    lm_head's, the elementwise ops and the attention backend are the given plan's, and the
+    logits are the torch reference's (fp32 on an fp32 model is the same arithmetic)."""
+    def planned(*args, **kwargs):
+        raise AssertionError("the model planned its kernels")
+
+    monkeypatch.setattr(autotune, "plan_kernels", planned)
+    monkeypatch.setattr(autotune, "measure_plan", planned)
+    plan = KernelPlan({role: [(1 << 30, "torch")] for role in autotune.ROLES},
+                      elementwise="torch", sampling="torch", attention="torch",
+                      source="forced", layer_loop="python")
+    plan.linear["qkv"] = [(2, "fp32"), (1 << 30, "torch")]
+    plan.linear[linear_mod.GREEDY_HEAD] = [(1 << 30, "fp32")]
+    weights = random_weights(SHAPE, seed=2)
+    model = LlamaModel(SHAPE, weights, plan=plan)
+    assert model.plan is plan and model.backend.name == "torch" and model.ops.fused is None
+    qkv = model.layers[0].qkv
+    assert [c for _, c, _ in qkv.table] == ["fp32", "torch"]
+    assert (qkv.pick(2)[0], qkv.pick(3)[0]) == ("fp32", "torch")
+    assert [c for _, c, _ in model.layers[1].down.table] == ["torch"]
+    assert [c for _, c, _ in model.lm_head.greedy_table] == ["fp32"]
+    monkeypatch.undo()
+    want = _logits(build_model(SHAPE, weights, backend="torch", kernels=REFERENCE))
+    assert torch.equal(_logits(model), want)
 
 
 def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
     weights = random_weights(SHAPE, seed=3)
-    first = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
-    again = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+    first = build_model(SHAPE, weights, tuning_cache=tmp_path)
+    again = build_model(SHAPE, weights, tuning_cache=tmp_path)
     assert (first.plan.source, again.plan.source) == ("measured", "cached")
     assert again.plan.linear == first.plan.linear and again.plan.key == first.plan.key
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 1
     real = autotune.tuning.machine_info
     monkeypatch.setattr(autotune.tuning, "machine_info",
                         lambda: {**real(), "cpu": "another CPU model"})
-    other = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+    other = build_model(SHAPE, weights, tuning_cache=tmp_path)
     assert other.plan.source == "measured" and other.plan.key != first.plan.key
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
-    forced = LlamaModel(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
+    forced = build_model(SHAPE, weights, tuning_cache=tmp_path, kernels={"linear": "torch"})
     assert forced.plan.source == "forced"              # forced plans are not cached
     assert len(list((tmp_path / "tuning").glob("*.json"))) == 2
     monkeypatch.setattr(autotune.tuning, "machine_info", real)
     if native_lib.available():         # new native kernels (an upgrade): measured again
         monkeypatch.setattr(native_lib, "build_key", lambda: "another build")
-        rebuilt = LlamaModel(SHAPE, weights, tuning_cache=tmp_path)
+        rebuilt = build_model(SHAPE, weights, tuning_cache=tmp_path)
         assert rebuilt.plan.source == "measured" and rebuilt.plan.key != first.plan.key
 
 
@@ -409,7 +441,7 @@ def test_executors_started_together_measure_once(tmp_path, monkeypatch):
     The first is held inside its measurement until the second has found no plan cached, so
     without the lock the second would measure too."""
     weights = random_weights(SHAPE, seed=3)
-    real_measure, real_load = autotune._measure, autotune.tuning.load_cached
+    real_measure, real_load = autotune.measure_plan, autotune.tuning.load_cached
     measured, second_looked, done = [], threading.Event(), {}
 
     def measure(*args):
@@ -422,11 +454,11 @@ def test_executors_started_together_measure_once(tmp_path, monkeypatch):
             second_looked.set()
         return real_load(path)
 
-    monkeypatch.setattr(autotune, "_measure", measure)
+    monkeypatch.setattr(autotune, "measure_plan", measure)
     monkeypatch.setattr(autotune.tuning, "load_cached", load_cached)
 
     def start(name):
-        done[name] = LlamaModel(SHAPE, weights, tuning_cache=tmp_path).plan
+        done[name] = build_model(SHAPE, weights, tuning_cache=tmp_path).plan
 
     first = threading.Thread(target=start, args=("first",), name="first")
     first.start()
@@ -449,20 +481,20 @@ def test_onednn_is_a_candidate_only_where_it_runs(monkeypatch):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
                            "avx_ne_convert or avx512bw, avx512vl and avx512dq")
 
-    monkeypatch.setattr(autotune, "_PACKS", {})
-    monkeypatch.setattr(autotune, "onednn_pack", refuse)
-    assert not autotune.can_pack(torch.bfloat16)
-    assert "onednn" not in autotune.linear_candidates(torch.bfloat16, torch.device("cpu"),
-                                                      (64, 64))
+    monkeypatch.setattr(linear_mod, "_PACKS", {})
+    monkeypatch.setattr(linear_mod, "onednn_pack", refuse)
+    assert not linear_mod.can_pack(torch.bfloat16)
+    assert "onednn" not in candidates.linear_candidates(torch.bfloat16, torch.device("cpu"),
+                                                        (64, 64))
     with pytest.raises(ValueError, match="engine.kernels.linear = 'onednn' cannot run here"):
-        LlamaModel(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.bfloat16,
-                   kernels={"linear": "onednn"})
+        build_model(SHAPE, random_weights(SHAPE, seed=1), dtype=torch.bfloat16,
+                    kernels={"linear": "onednn"})
 
 
 def test_onednn_runs_large_steps_as_few_shapes():
     """oneDNN builds and keeps a primitive per input shape: above 256 rows a step runs as
     the next multiple of 32 (64 above 1024), so 2048 possible token counts are 296 shapes."""
-    rows = autotune.onednn_rows
+    rows = linear_mod.onednn_rows
     assert [rows(m) for m in (1, 17, 255, 256, 257, 288, 289, 1000, 1024, 1025, 2048)] == \
         [1, 17, 255, 256, 288, 288, 320, 1024, 1024, 1088, 2048]
     assert len({rows(m) for m in range(1, 2049)}) == 296
@@ -472,15 +504,15 @@ def test_onednn_runs_large_steps_as_few_shapes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_padded_onednn_rows_give_the_reference(dtype):
     """The padding rows are computed and dropped: each real row is the reference's."""
-    if not autotune.can_pack(dtype):
+    if not linear_mod.can_pack(dtype):
         pytest.skip(f"no oneDNN packed linear here for {dtype}")
     g = torch.Generator().manual_seed(7)
     w = torch.randn(48, 32, generator=g).to(dtype)
     b = torch.randn(48, generator=g).to(dtype)
-    packed = autotune.onednn_pack(w)
+    packed = linear_mod.onednn_pack(w)
     for m in (256, 257, 300, 1030):
         x = torch.randn(m, 32, generator=g).to(dtype)
-        got = autotune.onednn_linear(x, packed, b)
+        got = linear_mod.onednn_linear(x, packed, b)
         want = torch.nn.functional.linear(x.float(), w.float(), b.float())
         assert got.shape == (m, 48) and got.is_contiguous()
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
@@ -488,9 +520,7 @@ def test_padded_onednn_rows_give_the_reference(dtype):
 
 
 def test_the_amx_linear_runs_the_native_layout_without_a_second_copy():
-    from components.executor.model import Linear
-
     w = (torch.randn(64, 96) * 0.05).to(torch.bfloat16)
-    lin = Linear(w, [(1, "native"), (64, "amx"), (2048, "torch")], autotune.RUN)
+    lin = Linear(w, [(1, "native"), (64, "amx"), (2048, "torch")], linear_mod.RUN)
     (_, _, native), (_, _, amx), (_, _, plain) = lin.table
     assert amx is native and native.shape == (4, 48, 16, 2) and plain is w

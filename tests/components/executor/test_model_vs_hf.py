@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from components.executor import autotune
+from components.executor import candidates
 from components.executor.loader import load_model
+from components.executor.build import build_model
 from components.executor.model import LlamaModel
 from kernels import AttentionMetadata, cpu_forward
 from kernels.kv_cache import cache_dtype
@@ -48,11 +49,11 @@ def tuning():
 @pytest.fixture(scope="module", params=["measured", "onednn", "torch"])
 def model(loaded, request, tuning):
     if request.param == "measured":
-        return LlamaModel(*loaded, tuning_cache=tuning)
-    if request.param not in autotune.linear_candidates(torch.float32, torch.device("cpu"),
-                                                       (576, 576)):
+        return build_model(*loaded, tuning_cache=tuning)
+    if request.param not in candidates.linear_candidates(torch.float32, torch.device("cpu"),
+                                                         (576, 576)):
         pytest.skip(f"no {request.param} linear kernel here")
-    return LlamaModel(*loaded, kernels={"linear": request.param})
+    return build_model(*loaded, kernels={"linear": request.param})
 
 
 class _Runner:
@@ -167,15 +168,15 @@ def test_greedy_generation_matches_hf(model, hf):
 @pytest.mark.parametrize("linear", ["auto", "native", "onednn", "torch", "fp32",
                                     "fp32_onednn"])
 def test_bf16_tracks_fp32(loaded, model, hf, linear, tuning):
-    if linear != "auto" and linear not in autotune.linear_candidates(
+    if linear != "auto" and linear not in candidates.linear_candidates(
             torch.bfloat16, torch.device("cpu"), (576, 576)):
         pytest.skip(f"no {linear} bf16 linear kernel here")
     ids = hf[0](PROMPTS[0]).input_ids
     ref = _Runner(model).step({0: ids})[0]
     # "auto": the plan the executor would use (measured once in the module, not once per
     # fp32 reference)
-    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, kernels={"linear": linear},
-                             tuning_cache=tuning)).step({0: ids})[0]
+    got = _Runner(build_model(*loaded, dtype=torch.bfloat16, kernels={"linear": linear},
+                              tuning_cache=tuning)).step({0: ids})[0]
     assert got.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
     assert int(got.argmax()) == int(ref.argmax())
@@ -189,14 +190,14 @@ def test_bf16_attention_tiles_track_fp32(loaded, hf, tiles):
     keys), then eight batched decode steps teacher-forced with the fp32 model's greedy
     tokens; every step's logits track the fp32 model's. Every kernel is forced: nothing
     is measured."""
-    if tiles == "amx" and not autotune.amx_possible(torch.bfloat16, BLOCK):
+    if tiles == "amx" and not candidates.amx_possible(torch.bfloat16, BLOCK):
         pytest.skip("no AMX attention kernel here")
     fixed = {"elementwise": "torch", "sampling": "torch"}
-    linear = "onednn" if "onednn" in autotune.linear_candidates(
+    linear = "onednn" if "onednn" in candidates.linear_candidates(
         torch.bfloat16, torch.device("cpu"), (576, 576)) else "torch"
-    ref = _Runner(LlamaModel(*loaded, backend="torch", kernels={"linear": "torch", **fixed}),
+    ref = _Runner(build_model(*loaded, backend="torch", kernels={"linear": "torch", **fixed}),
                   seed=2)
-    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
+    got = _Runner(build_model(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
         "linear": linear, "attention_tiles": tiles, "fresh_prompts": "native", **fixed}),
         seed=2)
     assert got.model.backend.tiles == tiles
@@ -222,11 +223,11 @@ def test_fp8_kv_cache_tracks_fp32(loaded, hf, kv, tiles):
     Measured on SmolLM2 (22 rows): bf16 caches 0.998-1.0 cosine, 22/22 tokens; E4M3 0.975
     at worst (the torch backend over the same bytes 0.991), 22/22; E5M2 (2 mantissa
     bits) 0.948 at worst, 19-20/22."""
-    if tiles == "amx" and not autotune.amx_possible(torch.bfloat16, BLOCK):
+    if tiles == "amx" and not candidates.amx_possible(torch.bfloat16, BLOCK):
         pytest.skip("no AMX attention kernel here")
     fixed = {"elementwise": "torch", "sampling": "torch", "linear": "torch"}
-    ref = _Runner(LlamaModel(*loaded, backend="torch", kernels=fixed), seed=2)
-    got = _Runner(LlamaModel(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
+    ref = _Runner(build_model(*loaded, backend="torch", kernels=fixed), seed=2)
+    got = _Runner(build_model(*loaded, dtype=torch.bfloat16, backend="cpu", kernels={
         "attention_tiles": tiles, "fresh_prompts": "native", **fixed},
         kv_dtype=cache_dtype(kv, torch.bfloat16)), seed=2)
     assert got.kv.dtype == cache_dtype(kv, torch.bfloat16) and got.kv.data.element_size() == 1
@@ -256,15 +257,15 @@ def test_the_native_layer_loop_is_the_python_loop_on_smollm2(loaded, hf, linear,
     loop over the same kernels: two prompts prefilled in chunks (the second over cached
     keys), then eight batched greedy decode steps; every step's logits and the KV cache
     equal to the bit (an fp8 cache too: the same rounding on the way in)."""
-    if linear not in autotune.linear_candidates(dtype, torch.device("cpu"), (576, 576)) \
-            or not autotune.native_ops_possible(loaded[0], dtype, torch.device("cpu")):
+    if linear not in candidates.linear_candidates(dtype, torch.device("cpu"), (576, 576)) \
+            or not candidates.native_ops_possible(loaded[0], dtype, torch.device("cpu")):
         pytest.skip(f"no {linear} linear kernel or native ops here for {dtype}")
-    tiles = "amx" if autotune.amx_possible(dtype, BLOCK) else "vector"
+    tiles = "amx" if candidates.amx_possible(dtype, BLOCK) else "vector"
     forced = {"linear": linear, "elementwise": "native", "attention_tiles": tiles,
               "fresh_prompts": "native"}
-    runs = {loop: _Runner(LlamaModel(*loaded, dtype=dtype, backend="cpu",
-                                     kernels={**forced, "layer_loop": loop},
-                                     kv_dtype=cache_dtype(kv, dtype)), seed=3)
+    runs = {loop: _Runner(build_model(*loaded, dtype=dtype, backend="cpu",
+                                      kernels={**forced, "layer_loop": loop},
+                                      kv_dtype=cache_dtype(kv, dtype)), seed=3)
             for loop in ("python", "native")}
     calls = []
     real = cpu_forward.forward_layers

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from components.executor.model import LlamaModel
+from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
@@ -129,7 +129,7 @@ def _generate(runner: ModelRunner, prompts: dict[int, list[int]],
 @pytest.fixture(scope="module")
 def runner(model_path):
     from components.executor.loader import load_model
-    model = LlamaModel(*load_model(model_path), tuning_cache=cache_dir() / "tests")
+    model = build_model(*load_model(model_path), tuning_cache=cache_dir() / "tests")
     return ModelRunner(model, model.new_kv_cache(64, BLOCK))
 
 

@@ -4,6 +4,7 @@ empty result instead of failing the step."""
 import pytest
 import torch
 
+from components.executor.build import build_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
@@ -22,8 +23,8 @@ BLOCKS = [5, 2, 7, 1]                      # 40 prompt + 4 decode tokens, non-co
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def model(request):
     native = native_lib.available() and cpu_linear.small_batch_supported(request.param)
-    m = LlamaModel(SHAPE, random_weights(SHAPE, seed=7), dtype=request.param,
-                   kernels={"linear": "native"} if native else None)
+    m = build_model(SHAPE, random_weights(SHAPE, seed=7), dtype=request.param,
+                    kernels={"linear": "native"} if native else None)
     if native:      # the lm_head through the small-batch kernel: the path that failed
         assert m.plan.linear["lm_head"][0][1] == "native"
     return m

@@ -9,7 +9,7 @@ import pytest
 import torch
 from msgspec.structs import astuple
 
-from components.executor.model import LlamaModel
+from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import (Probe, cache_key, probe_plan, probe_shapes,
                                             sample_of, scales_with_work, step_costs)
@@ -46,7 +46,7 @@ def test_a_probe_steps_shape_is_the_schedulers():
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = LlamaModel(SHAPE, random_weights(SHAPE, seed=3), dtype=torch.float32)
+    model = build_model(SHAPE, random_weights(SHAPE, seed=3), dtype=torch.float32)
     return model, ModelRunner(model, model.new_kv_cache(160, BLOCK))
 
 
