@@ -133,9 +133,9 @@ def weir_engine_stats(run_dir: str) -> str:
 
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                max_model_len: int = 0, async_depth: int = 0,
-               kv_dtype: str = "auto") -> subprocess.Popen:
-    """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 keep the
-    engine's defaults."""
+               kv_dtype: str = "auto", admission_policy: str = "") -> subprocess.Popen:
+    """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 and an empty
+    ``admission_policy`` keep the engine's defaults."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n"
@@ -145,6 +145,7 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + (f"async_depth = {async_depth}\n" if async_depth else "")
                    + f"[gateway]\nport = {port}\n"
                    + (f'[kv]\ndtype = "{kv_dtype}"\n' if kv_dtype != "auto" else "")
+                   + (f'[admission]\npolicy = "{admission_policy}"\n' if admission_policy else "")
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
@@ -199,6 +200,10 @@ def main() -> None:
                          "model's generation config sets none)")
     ap.add_argument("--top-p", type=float, default=None,
                     help="top-p sent with every request (with --temperature > 0)")
+    ap.add_argument("--admission-policy", default="", choices=["", "deadline", "fcfs"],
+                    help="Weir's admission.policy (default: the engine's, deadline with the "
+                         "SLO classes, which refuses at rate inf what cannot start in time; "
+                         "fcfs serves every request, to measure throughput alone)")
     ap.add_argument("--kv-dtype", default="auto",
                     choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="the KV cache's element type, both engines (Weir's kv.dtype, vLLM's "
@@ -213,7 +218,8 @@ def main() -> None:
     for rep in range(args.repeats):
         for rate in args.rates.split(","):
             weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
-                              async_depth=args.async_depth, kv_dtype=args.kv_dtype)
+                              async_depth=args.async_depth, kv_dtype=args.kv_dtype,
+                              admission_policy=args.admission_policy)
             try:
                 wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
                 cpu0 = machine.component_cpu(weir.pid)
