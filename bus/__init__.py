@@ -17,7 +17,7 @@ def _structlog_without_rich() -> None:
     if hide:
         sys.modules["rich"] = None          # type: ignore[assignment]  # ImportError inside
     try:
-        import structlog  # noqa: F401
+        import structlog  # noqa: F401 - its first import, made here without rich
     finally:
         if hide:
             del sys.modules["rich"]

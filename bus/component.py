@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio
 import structlog
@@ -24,8 +24,7 @@ from bus import curve
 from bus.pulse import Pulse
 from bus.socket import BusSocket, context
 from schemas.config import WeirConfig
-from schemas.wire import (ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop,
-                          TenantUsage)
+from schemas.wire import ComponentHeartbeat, ControlMsg, Drain, PeerRestarted, Stop, TenantUsage
 
 E = TypeVar("E", bound=BaseException)
 log = structlog.get_logger("component")
@@ -54,26 +53,27 @@ class Component(abc.ABC):
         self.config = config
         self.topology = config.topology
         self.state = "starting"
-        self._sockets: list[BusSocket] = []
+        self._sockets: list[BusSocket[Any]] = []
 
     # -- for subclasses
-    def socket(self, kind: int, name: str, accepts=None,
-               max_msg_size: int | None = None) -> BusSocket:
+    def socket(self, kind: int, name: str, accepts: Any = None,
+               max_msg_size: int | None = None) -> BusSocket[Any]:
         """A socket of this process. Frames it receives are bounded by ``max_msg_size``
         bytes, by default the bus's bound for internal messages (``[bus]
         max_message_mib``); a client endpoint passes what a legal request can be."""
-        sock = BusSocket(kind, f"{self.name}.{name}", accepts,
+        sock: BusSocket[Any] = BusSocket(kind, f"{self.name}.{name}", accepts,
                          max_msg_size=max_msg_size or self.config.bus.max_message_bytes)
         self._sockets.append(sock)
         return sock
 
-    def push_to(self, component: str) -> BusSocket:
+    def push_to(self, component: str) -> BusSocket[Any]:
         return self.socket(zmq.PUSH, f"to_{component}").connect(self.topology.inbox(component))
 
-    def inbox(self, accepts) -> BusSocket:
-        return self.socket(zmq.PULL, "inbox", accepts).bind(self.topology.inbox(self.name, bind=True))
+    def inbox(self, accepts: Any) -> BusSocket[Any]:
+        return self.socket(zmq.PULL, "inbox", accepts).bind(
+            self.topology.inbox(self.name, bind=True))
 
-    async def setup(self) -> None:
+    async def setup(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Bind and connect sockets, load what the component needs. Runs before ready."""
 
     @abc.abstractmethod
@@ -91,10 +91,10 @@ class Component(abc.ABC):
         """Fixed facts for ``weir status`` (the executor's kernel plan), not counters."""
         return {}
 
-    async def drain(self) -> None:
+    async def drain(self) -> None:  # noqa: B027 - an optional hook, empty by default
         """Stop taking new work (default: nothing to do)."""
 
-    async def peer_restarted(self, name: str) -> None:
+    async def peer_restarted(self, name: str) -> None:  # noqa: B027 - an optional hook
         """A peer lost its state; drop whatever depended on it."""
 
     # -- runtime
@@ -155,14 +155,14 @@ class Component(abc.ABC):
             sock.close()
 
 
-def _loop_options() -> dict:
+def _loop_options() -> dict[str, bool]:
     """uvloop where it is installed (a dependency on Linux; WEIR_UVLOOP=0 turns it off):
     every message, heartbeat and HTTP chunk goes through the event loop, and uvloop's costs
     about half of asyncio's per callback."""
     if os.environ.get("WEIR_UVLOOP", "1") == "0":
         return {}
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - imported only to see whether it is installed
     except ImportError:
         return {}
     return {"use_uvloop": True}

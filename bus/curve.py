@@ -31,12 +31,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:
+    from schemas.config import WeirConfig
 
 log = structlog.get_logger("curve")
 
@@ -58,7 +62,7 @@ class CurveKeys:
     authorized: Path | None            # None: this process cannot authenticate clients
 
 
-def generate(keys_dir: str | os.PathLike) -> Path:
+def generate(keys_dir: str | os.PathLike[str]) -> Path:
     """Create a cluster's keys in ``keys_dir`` (secrets mode 0600); returns the directory.
     Existing keys are kept, so running it twice is harmless."""
     d = Path(keys_dir)
@@ -71,7 +75,7 @@ def generate(keys_dir: str | os.PathLike) -> Path:
     return d
 
 
-def load(keys_dir: str | os.PathLike, *, server: bool = True) -> CurveKeys:
+def load(keys_dir: str | os.PathLike[str], *, server: bool = True) -> CurveKeys:
     """Read a key directory. ``server=False`` (a client only) needs just ``server.key`` and
     ``client.key_secret``."""
     d = Path(keys_dir)
@@ -94,6 +98,10 @@ def load(keys_dir: str | os.PathLike, *, server: bool = True) -> CurveKeys:
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.clear()
+
+    def clear(self) -> None:
+        """Back to unconfigured (the lock stays: a waiter on it must not be let through)."""
         self.configured = False             # explicitly, by configure()
         self.keys: CurveKeys | None = None
         self.client_curve = False
@@ -115,7 +123,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def configure(config=None) -> None:
+def configure(config: WeirConfig | None = None) -> None:
     """Set this process's bus security from a ``WeirConfig`` (None: no CURVE, and the
     environment is not consulted). Call before the first socket binds or connects."""
     with _STATE.lock:
@@ -123,8 +131,8 @@ def configure(config=None) -> None:
         _STATE.configured = True
         _STATE.keys = None
         _STATE.client_curve = False
-        sec = getattr(config, "security", None)
-        if sec is None or not sec.curve:
+        sec = config.security if config is not None else None
+        if config is None or sec is None or not sec.curve:
             return
         _STATE.keys = load(sec.curve_keys_dir)
         mode = sec.client_curve
@@ -138,7 +146,7 @@ def reset() -> None:
     """Forget the configuration (tests): the next socket looks at the environment again."""
     with _STATE.lock:
         _stop_auth()
-        _STATE.__init__()
+        _STATE.clear()
 
 
 def active() -> CurveKeys | None:
@@ -162,7 +170,7 @@ def _wants(kind: int, address: str) -> CurveKeys | None:
     return keys
 
 
-def prepare_bind(sock: zmq.Socket, kind: int, address: str, context: zmq.Context) -> bool:
+def prepare_bind(sock: zmq.Socket[Any], kind: int, address: str, context: zmq.Context[Any]) -> bool:
     """Make ``sock`` a CURVE server if the address calls for it (before ``bind``); starts
     this process's authenticator on first use. Returns whether CURVE is on."""
     keys = _wants(kind, address)
@@ -179,7 +187,7 @@ def prepare_bind(sock: zmq.Socket, kind: int, address: str, context: zmq.Context
     return True
 
 
-def prepare_connect(sock: zmq.Socket, kind: int, address: str) -> bool:
+def prepare_connect(sock: zmq.Socket[Any], kind: int, address: str) -> bool:
     """Make ``sock`` a CURVE client of the cluster's server key if the address calls for
     it (before ``connect``). Returns whether CURVE is on."""
     keys = _wants(kind, address)
@@ -191,7 +199,7 @@ def prepare_connect(sock: zmq.Socket, kind: int, address: str) -> bool:
     return True
 
 
-def _ensure_auth(context: zmq.Context, keys: CurveKeys) -> None:
+def _ensure_auth(context: zmq.Context[Any], keys: CurveKeys) -> None:
     with _STATE.lock:
         if _STATE.auth is not None:
             return
@@ -206,9 +214,11 @@ def _ensure_auth(context: zmq.Context, keys: CurveKeys) -> None:
                     raise
                 auth.stop()
                 time.sleep(0.02)
-        auth.configure_curve(domain=ZAP_DOMAIN.decode(), location=str(keys.authorized))
+        authorized = keys.authorized
+        assert authorized is not None               # prepare_bind refuses a key set without it
+        auth.configure_curve(domain=ZAP_DOMAIN.decode(), location=str(authorized))
         _STATE.auth = auth
-        log.info("zap_started", authorized=len(list(keys.authorized.glob("*.key"))))
+        log.info("zap_started", authorized=len(list(authorized.glob("*.key"))))
 
 
 def _stop_auth() -> None:

@@ -100,7 +100,7 @@ class Keyring:
         key = self._lookup(api_key)
         if key is None:
             return Refusal("invalid api_key")
-        if key == "service":
+        if isinstance(key, str):                      # only ever "service"
             return Identity(claimed_tenant, "service")
         if claimed_tenant not in ("default", key.tenant):
             return Refusal(f"this api_key may not act as tenant {claimed_tenant!r}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 from opentelemetry import trace
@@ -12,7 +14,8 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
-def _add_trace_ids(logger, method, event: dict) -> dict:
+def _add_trace_ids(logger: Any, method: str, event: MutableMapping[str, Any]
+                   ) -> MutableMapping[str, Any]:
     """Every line carries the current trace and span id (when a span is active)."""
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:

@@ -8,6 +8,7 @@ and dropped, so bad input never crashes a process.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -83,7 +84,7 @@ class BusSocket(Generic[T]):
     def malformed(self) -> int:
         return self.codec.malformed if self.codec else 0
 
-    def bind(self, address: str) -> "BusSocket[T]":
+    def bind(self, address: str) -> BusSocket[T]:
         """Bind; a CURVE server on tcp when this process's security says so (bus/curve.py).
         An internal ipc socket file is made private to this user."""
         self.curve = curve.prepare_bind(self._sock, self.kind, address, context())
@@ -94,7 +95,7 @@ class BusSocket(Generic[T]):
                 os.chmod(path, 0o600)
         return self
 
-    def connect(self, address: str) -> "BusSocket[T]":
+    def connect(self, address: str) -> BusSocket[T]:
         """Connect; a CURVE client of the cluster's server key on tcp when enabled."""
         self.curve = curve.prepare_connect(self._sock, self.kind, address)
         self._sock.connect(address)
@@ -108,7 +109,8 @@ class BusSocket(Generic[T]):
         else:
             await self._sock.send(data)
 
-    async def recv(self, on_malformed=None) -> Received[T]:
+    async def recv(self, on_malformed: Callable[[MalformedFrame], Awaitable[object]] | None = None
+                   ) -> Received[T]:
         """Wait for the next well-formed message. Malformed frames are counted, logged
         (type of error only, never the payload) and passed to ``on_malformed``.
 

@@ -17,21 +17,32 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import structlog
 import zmq
+from anyio.abc import TaskStatus
 
 from bus.component import setup_failure_path
+from bus.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from bus.pulse import PulseTrack, verdict
 from bus.socket import BusSocket
-from bus.identity import SERVICE_KEY_ENV, SERVICE_KEY_FILE_ENV
 from schemas.config import COMPONENTS, WeirConfig
-from schemas.wire import (ClusterStatus, ComponentHeartbeat, ComponentPulse, ComponentStatus,
-                          Drain, PeerRestarted, Stop, SupervisorMsg)
+from schemas.wire import (
+    ClusterStatus,
+    ComponentHeartbeat,
+    ComponentPulse,
+    ComponentStatus,
+    Drain,
+    PeerRestarted,
+    Stop,
+    SupervisorMsg,
+)
 
 log = structlog.get_logger("supervisor")
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,14 +61,14 @@ class Child:
     name: str
     external: bool = False
     timeout_s: float = 10.0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     state: str = "starting"
     last_beat: float = 0.0
     restarts: int = 0
     stats: dict[str, float] = field(default_factory=dict)
-    tenants: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
+    tenants: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     pulse: PulseTrack = field(default_factory=PulseTrack)
     stalled: bool = False               # its loop is stalled while it works (logged once)
 
@@ -117,7 +128,7 @@ class Supervisor:
             for c in self.children.values()), self.draining)
 
     # -- loops
-    async def _heartbeats(self, sock: BusSocket) -> None:
+    async def _heartbeats(self, sock: BusSocket[Any]) -> None:
         while True:
             match (await sock.recv()).body:
                 case ComponentHeartbeat(name=name, pid=pid, state=state, stats=stats,
@@ -145,7 +156,7 @@ class Supervisor:
                         child.pulse.heard(time.monotonic(), age, cpu,
                                           3 * self.config.supervisor.heartbeat_interval_s)
 
-    async def _watch(self, control: BusSocket, to_streamer: BusSocket) -> None:
+    async def _watch(self, control: BusSocket[Any], to_streamer: BusSocket[Any]) -> None:
         cfg = self.config.supervisor
         sent_at = time.monotonic()
         while not self.stopping:
@@ -168,7 +179,7 @@ class Supervisor:
                 code = child.proc.poll() if child.proc else None
                 log.error("component_down", child=child.name, exit_code=code, silent=silent,
                           verdict=judged)
-                if silent and child.alive:
+                if silent and child.alive and child.proc is not None:
                     child.proc.kill()
                     child.proc.wait()
                 restart = cfg.restart == "always" or (cfg.restart == "on-failure" and code != 0)
@@ -192,7 +203,7 @@ class Supervisor:
                 self._changed, sent_at = False, now
                 await to_streamer.send(self.status())
 
-    async def wait_ready(self, to_streamer: BusSocket | None = None) -> None:
+    async def wait_ready(self, to_streamer: BusSocket[Any] | None = None) -> None:
         """Until every component is ready; meanwhile the streamer hears each one's state,
         so status shows components as ``starting`` and requests are refused, not held."""
         deadline = time.monotonic() + self.config.supervisor.startup_timeout_s
@@ -217,7 +228,7 @@ class Supervisor:
                 raise StartupError(f"components not ready in time: {slow}")
             await anyio.sleep(0.05)
 
-    async def drain_and_stop(self, control: BusSocket) -> None:
+    async def drain_and_stop(self, control: BusSocket[Any]) -> None:
         """No new work, let active streams finish (bounded), then stop every process."""
         self.draining = True
         log.info("draining")
@@ -244,7 +255,7 @@ class Supervisor:
                 c.proc.wait()
         log.info("stopped")
 
-    async def _signals(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    async def _signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Wait for SIGTERM/SIGINT. The handler is in place before the ready line: a
         SIGTERM sent the moment a caller reads it drains and stops, where the default
         action killed us (and by PDEATHSIG every component) on the spot."""
@@ -255,16 +266,18 @@ class Supervisor:
                 break
         self._stop.set()
 
-    async def serve(self, on_ready=None) -> int:
+    async def serve(self, on_ready: Callable[[Supervisor], object] | None = None) -> int:
         """Run until SIGTERM/SIGINT, or until a component is given up on; then drain and
         stop. Returns the exit status: 0, or ``EXIT_GIVEN_UP``."""
         self._stop = anyio.Event()
         topo = self.config.topology
-        beats = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg,
+        beats: BusSocket[Any] = BusSocket(zmq.PULL, "supervisor.heartbeats", SupervisorMsg,
                           max_msg_size=self.config.bus.max_message_bytes).bind(
             topo.heartbeats(bind=True))
-        control = BusSocket(zmq.PUB, "supervisor.control").bind(topo.control(bind=True))
-        to_streamer = BusSocket(zmq.PUSH, "supervisor.to_streamer").connect(topo.inbox("streamer"))
+        control: BusSocket[Any] = BusSocket(zmq.PUB, "supervisor.control").bind(
+            topo.control(bind=True))
+        to_streamer: BusSocket[Any] = BusSocket(zmq.PUSH, "supervisor.to_streamer").connect(
+            topo.inbox("streamer"))
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeats, beats)

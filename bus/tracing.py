@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (BatchSpanProcessor, SpanExporter,
-                                            SpanExportResult)
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import Link
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -51,8 +51,9 @@ class JsonlSpanExporter(SpanExporter):
         pass
 
 
-def span_record(span: ReadableSpan) -> dict:
+def span_record(span: ReadableSpan) -> dict[str, Any]:
     ctx = span.get_span_context()
+    assert ctx is not None                  # an ended span always has its context
     parent = span.parent
     return {
         "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
@@ -129,7 +130,7 @@ def traceparent_of(span: trace.Span | None = None) -> str | None:
     return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
 
 
-def link_to(traceparent: str | None, **attributes) -> Link | None:
+def link_to(traceparent: str | None, **attributes: Any) -> Link | None:
     ctx = context_from(traceparent)
     if ctx is None:
         return None
