@@ -18,11 +18,14 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from components.admission.decision import Decision
 from components.tenancy.fairness import VirtualCounters
 from schemas.wire import Tokenized
+
+# Its place within its tenant: (class level, deadline, queued at, arrival number).
+_Key = tuple[float, float, float, float]
 
 
 @dataclass
@@ -91,12 +94,12 @@ class AdmissionQueue:
         ties with)."""
         return self._order(now, (tenant, (priority, deadline_at, now, math.inf)))
 
-    def _order(self, now: float, probe: tuple[str, tuple] | None = None) -> list[Queued]:
+    def _order(self, now: float, probe: tuple[str, _Key] | None = None) -> list[Queued]:
         """The order at ``now``; with ``probe`` (a tenant, and its key within the tenant),
         only what comes before it."""
-        tenants: dict[str, list[tuple[tuple, Queued | None]]] = {}
+        tenants: dict[str, list[tuple[_Key, Queued | None]]] = {}
         for item in self._items.values():
-            key = (item.level(now), item.deadline_at, item.queued_at, item.seq)
+            key: _Key = (item.level(now), item.deadline_at, item.queued_at, item.seq)
             tenants.setdefault(item.tenant, []).append((key, item))
         if probe is not None:
             tenants.setdefault(probe[0], []).append((probe[1], None))
@@ -111,12 +114,12 @@ class AdmissionQueue:
         while heads:
             _, counter, _, _, tenant = heapq.heappop(heads)
             items = tenants[tenant]
-            _, item = items.pop()
-            if item is None:
+            _, head = items.pop()
+            if head is None:
                 return order                          # the probe's place
-            order.append(item)
+            order.append(head)
             if items:
-                counter += (item.charge[0] * self.vtc.w_in + item.charge[1] * self.vtc.w_out
+                counter += (head.charge[0] * self.vtc.w_in + head.charge[1] * self.vtc.w_out
                             ) / self.vtc.weight(tenant)
                 key = items[-1][0]
                 heapq.heappush(heads, (key[0], counter, key[2], key[3], tenant))

@@ -13,10 +13,11 @@ def apply_ops(pool: BlockPool, ops: KvOps) -> list[KvGrant]:
         grants.append(KvGrant(ops.epoch, seq_id, g.ok, g.block_ids, g.num_cached_tokens, kind,
                               g.copies, g.reason))
 
-    for f in ops.forks:
-        grant(f.child, "fork", pool.fork(f.parent, f.child, f.num_tokens, epoch=ops.epoch))
-    for f in ops.frees:
-        pool.free(f.seq_id, f.num_computed_tokens)
+    for fork in ops.forks:
+        grant(fork.child, "fork", pool.fork(fork.parent, fork.child, fork.num_tokens,
+                                           epoch=ops.epoch))
+    for free in ops.frees:
+        pool.free(free.seq_id, free.num_computed_tokens)
     for s in ops.swap_outs:
         grant(s.seq_id, "swap_out", pool.swap_out(s.seq_id, s.num_tokens))
     for seq_id in ops.swap_ins:

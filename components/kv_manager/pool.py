@@ -35,8 +35,8 @@ is refused until frees bring it back.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import msgspec
 
@@ -208,7 +208,7 @@ class BlockPool:
             return Grant(False, [])
         hits: list[int] = []
         first = lease is None
-        tenant = scope if first else lease.scope
+        tenant = scope if lease is None else lease.scope
         room = self._room(tenant)
         reserve = self.watermark_blocks if first else 0
         best = min(max_cached_blocks, len(block_hashes), num_blocks) if first else 0
@@ -218,14 +218,14 @@ class BlockPool:
             return self._refuse(TENANT_KV_BUDGET)
         if num_blocks <= room and num_blocks - best > self.num_free - reserve:
             return self._refuse(POOL_FULL)              # even if every hit were pinned
-        if first:
+        if lease is None:
             lease = _Lease(epoch, [], scope, list(block_hashes), list(token_ids), public_scope,
                            public_blocks)
             if self.prefix_cache:
                 hits = self._match(lease, best, promote)
         resident = [b for b in hits if b < self.num_blocks]
         need = num_blocks - len(resident)
-        held = self._held.get(tenant, {})
+        held: Mapping[int, int] = self._held.get(tenant, {})
         if need + sum(1 for b in resident if b not in held) > room:
             return self._refuse(TENANT_KV_BUDGET)
         if need > self.num_free - sum(1 for b in resident if self._ref[b] == 0) - reserve:
@@ -395,7 +395,8 @@ class BlockPool:
             parent = lease.hashes[i - 1] if i else None
             want = _CachedKey(lease.scope_of(i), parent,
                               tuple(lease.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            if b is None or self._block_key.get(b) != want or (b >= self.num_blocks and not promote):
+            if (b is None or self._block_key.get(b) != want
+                    or (b >= self.num_blocks and not promote)):
                 break
             hits.append(b)
         return hits

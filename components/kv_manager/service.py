@@ -12,8 +12,17 @@ from bus.component import Component
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import TENANT_KV_BUDGET, BlockPool
 from schemas.config import AdmissionConfig
-from schemas.wire import (CacheAnswer, CacheQuery, KvEvents, KvGrant, KvGrants, KvHello,
-                          KvManagerUp, KvMsg, KvOps)
+from schemas.wire import (
+    CacheAnswer,
+    CacheQuery,
+    KvEvents,
+    KvGrant,
+    KvGrants,
+    KvHello,
+    KvManagerUp,
+    KvMsg,
+    KvOps,
+)
 
 log = structlog.get_logger("kv_manager")
 _MAX_EPOCH_AHEAD_NS = 60 * 10**9

@@ -39,8 +39,15 @@ from components.scheduler.prices import Prices
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import TENANT_BUDGET, Event, Seq, State
 from schemas.config import SchedulerConfig
-from schemas.wire import (AllocRequest, BlockCopy, ForkRequest, FreeRequest, KvGrant, KvOps,
-                          SwapOutRequest)
+from schemas.wire import (
+    AllocRequest,
+    BlockCopy,
+    ForkRequest,
+    FreeRequest,
+    KvGrant,
+    KvOps,
+    SwapOutRequest,
+)
 
 
 class Victims(Protocol):
@@ -164,8 +171,7 @@ class LeaseBook:
                                  State.SWAP_REFUSED):
                 continue                              # ready, or asked already
             seq.frees_at_request = (self._frees_emitted, self._tenant_freed(seq.tenant))
-            seq.to(Event.ASK)
-            if seq.state is State.SWAPPING_IN:
+            if seq.to(Event.ASK) is State.SWAPPING_IN:
                 self._swap_ins.append(seq.seq_id)
                 continue
             # a prompt owed prompt_logprobs is computed whole: no cached block is read

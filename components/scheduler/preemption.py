@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from components.costs.cost_model import decode_shape, prefill_shape
@@ -146,7 +147,7 @@ class Preemptor:
                 return seq
         return None
 
-    def victim_key(self):
+    def victim_key(self) -> Callable[[Seq], tuple[bool, int, bool, int, int]]:
         """Sort key of running sequences; the largest is preempted first. Priority is the
         class's, not aged (the module docstring)."""
         held = self.queues.held_blocks()
@@ -155,7 +156,9 @@ class Preemptor:
 
         def over_budget(tenant: str) -> bool:
             budget = kv_budget.get(tenant)
-            return bool(budget) and held[tenant] > budget
+            if not budget:
+                return False
+            return held[tenant] > budget
 
         return lambda s: (over_budget(s.tenant), s.priority, s.tenant in over,
                           s.arrival_ns, s.seq_id)

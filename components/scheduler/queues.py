@@ -181,7 +181,8 @@ class Queues:
         if len(self.waiting) < 2:
             return
         fair, vtc = self.tenants.fair, self.tenants.vtc
-        head, fresh = [], {}
+        head: list[Seq] = []
+        fresh: dict[str, deque[Seq]] = {}
         for seq in self.waiting:
             if seq.resumes:
                 head.append(seq)
@@ -194,7 +195,8 @@ class Queues:
                     s.aged_priority(now_ns), s.deadline_ns or _NEVER, s.arrival_ns, s.seq_id)))
         now_s = now_ns / 1e9
 
-        def pick(tenant: str, seq: Seq, over: bool, counter: float) -> tuple:
+        def pick(tenant: str, seq: Seq, over: bool, counter: float
+                 ) -> tuple[int, bool, float, int, int, str]:
             level = seq.aged_priority(now_ns) if fair else 0
             return level, over, counter, seq.arrival_ns, seq.seq_id, tenant
 

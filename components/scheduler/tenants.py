@@ -45,4 +45,6 @@ class Tenants:
         """Would starting ``seq`` take its tenant past its running-sequence cap? A tenant
         with nothing running may always start one request (n > cap would never run)."""
         cap = self.max_running.get(seq.tenant)
-        return bool(cap) and claimed[seq.tenant] > 0 and claimed[seq.tenant] + seq.slots > cap
+        if not cap:
+            return False
+        return claimed[seq.tenant] > 0 and claimed[seq.tenant] + seq.slots > cap

@@ -117,6 +117,7 @@ class IdempotencyTable:
         own map) never stops expiry behind it."""
         while self._finished:
             key, entry = next(iter(self._finished.items()))
+            assert entry.finished_at is not None        # set as it joined _finished
             stale = now - entry.finished_at > self.ttl_s
             if not stale and len(self) <= self.max_entries \
                     and self.finished_bytes <= self.max_bytes:
@@ -177,7 +178,7 @@ class IdempotencyTable:
         otherwise)."""
         key = self._by_request.get(request_id)
         entry = self._running.get(key) if key is not None else None
-        if entry is None:
+        if key is None or entry is None:
             return
         entry.bytes += len(_encoder.encode(event))
         entry._replay = None

@@ -102,8 +102,10 @@ def test_evicted_prefix_is_demoted_then_promoted_on_a_hit():
     assert pool.stats().cpu_cached == 2 and pool.stats().cached == 0
     h = hashes_of(P)
     assert pool.take_events() == [
-        CacheEvent("removed", h[0], "t1", "gpu", None), CacheEvent("stored", h[0], "t1", "cpu", None),
-        CacheEvent("removed", h[1], "t1", "gpu", h[0]), CacheEvent("stored", h[1], "t1", "cpu", h[0])]
+        CacheEvent("removed", h[0], "t1", "gpu", None),
+        CacheEvent("stored", h[0], "t1", "cpu", None),
+        CacheEvent("removed", h[1], "t1", "gpu", h[0]),
+        CacheEvent("stored", h[1], "t1", "cpu", h[0])]
     assert pool.cached_tokens("t1", h, P[:8], 2) == 8             # cpu hits count
     assert pool.cached_tokens("t2", h, P[:8], 2) == 0
     pool.free(2)

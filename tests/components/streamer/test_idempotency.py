@@ -2,8 +2,16 @@
 never across tenants, and run again after a failure; the record compacted, its digest
 checked, and every bound (subscribers, rate, bytes, one entry's size) held."""
 from components.streamer.idempotency import IdempotencyTable, Refused, request_digest
-from schemas.client import (Accepted, Failed, Finished, SamplingParams, Submit, TextDelta,
-                            TokenLogprob, Usage)
+from schemas.client import (
+    Accepted,
+    Failed,
+    Finished,
+    SamplingParams,
+    Submit,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
 
 D = b"digest"
 
@@ -30,7 +38,7 @@ def test_the_replay_is_one_delta_per_choice_however_many_tokens_came():
     t = IdempotencyTable()
     _run(t)
     lp = TokenLogprob(7, "x", -0.5)
-    for i in range(400):
+    for _ in range(400):
         t.record("r1", TextDelta("r1", "x", (7,), 0, (lp,)), 0.0, False)
         t.record("r1", TextDelta("r1", "y", (8,), 1), 0.0, False)
     t.record("r1", Finished("r1", "length", Usage(5, 801)), 1.0, True)
