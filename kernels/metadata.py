@@ -91,7 +91,7 @@ class AttentionMetadata:
         q_lens, ctx, starts = torch.from_numpy(q), torch.from_numpy(c), torch.from_numpy(st)
         seq_idx, positions, table_t = torch.from_numpy(seq), torch.from_numpy(pos), \
             torch.from_numpy(table)
-        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        to = lambda t: t.to(device, non_blocking=True)
         return cls(
             token_seq=to(seq_idx),
             num_tokens=int(st[-1]), query_lens=list(query_lens),

@@ -26,7 +26,7 @@ def random_paged_case(rng: random.Random, device, dtype, block_size: int, kv_hea
         at += n
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     t = sum(query_lens)
-    make = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    make = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)
     cache = (num_blocks, block_size, kv_heads, dim)
     kc, vc = make(*cache), make(*cache)
     q, k, v = make(t, kv_heads * group, dim), make(t, kv_heads, dim), make(t, kv_heads, dim)

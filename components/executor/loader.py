@@ -118,7 +118,7 @@ def _dequant(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
 def _load_gguf(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     mm, meta, infos, start = read_header(path, string_arrays=False)   # no vocabulary
     arch = meta.get("general.architecture", "llama")
-    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     if a("rope.scaling.type", "none") not in ("none", None):
         raise ValueError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported")
     n_head, shape = gguf_attention(meta)

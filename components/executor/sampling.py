@@ -256,7 +256,7 @@ def _apply_penalties(logits: torch.Tensor,
     # over repeats, and the frequency penalty is one index_add_ that counts them.
     n_rows, vocab = logits.shape
     flat, dev = logits.view(-1), logits.device
-    per_row = lambda pick, sel: torch.tensor([pick(r[3]) for r in sel], dtype=logits.dtype)  # noqa: E731
+    per_row = lambda pick, sel: torch.tensor([pick(r[3]) for r in sel], dtype=logits.dtype)
     rep = [r for r in rows if r[3].repetition != 1.0]
     if rep:
         keys = torch.cat([_outputs(rep, vocab)[0]] + [pen.prompt_seen(ids, pl, vocab) + r * vocab

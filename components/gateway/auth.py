@@ -1,7 +1,7 @@
 """API keys → tenants. Keys are compared by SHA-256 digest; plain keys are never stored."""
 from __future__ import annotations
 
-from bus.identity import digest as hash_key, find_key  # noqa: F401 (weir hash-key)
+from bus.identity import digest as hash_key, find_key  # noqa: F401 - re-exported for `weir hash-key`
 from schemas.config import ApiKey
 
 

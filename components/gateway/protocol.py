@@ -55,7 +55,7 @@ def guarded_protocol(config: GatewayConfig, max_header_bytes: int = MAX_HEADER_B
     autotuned up to megabytes) bounds what the kernel and the event loop each hold for a
     client that is not reading, so its stall shows sooner."""
     if base is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base   # noqa: N813
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
     read_timeout_s, stall_timeout_s = config.read_timeout_s, config.stream_stall_timeout_s
     send_buffer_bytes = config.send_buffer_bytes
     table: Connections[Any] = Connections(config.max_connections_per_peer)

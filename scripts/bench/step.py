@@ -277,7 +277,7 @@ def main() -> None:
     model = next(iter(models.values()))     # the floors, the profile and the breakdown
     del weights
     elem = torch.finfo(dtype).bits // 8
-    size = lambda t: t.numel() if isinstance(t, torch.Tensor) else t.shape[0] * t.shape[1]  # noqa: E731
+    size = lambda t: t.numel() if isinstance(t, torch.Tensor) else t.shape[0] * t.shape[1]
     params = sum(size(t) for t in [model.embed, model.norm] + [
         getattr(layer, n) for layer in model.layers
         for n in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")])

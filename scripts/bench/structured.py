@@ -98,7 +98,7 @@ async def run(url: str, structured: bool, args) -> dict:
         results = await asyncio.gather(*(bounded(i) for i in range(args.requests)))
         wall = time.perf_counter() - t0
     done = [r for r in results if r["ok"]]
-    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(len(xs) * q))] if xs else 0.0  # noqa: E731
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(len(xs) * q))] if xs else 0.0
     return {"done": len(done), "valid": sum(valid(r["text"]) for r in done),
             "tok_s": sum(r["tokens"] for r in done) / wall,
             "ttft50": pct([r["ttft"] for r in done], 0.5) * 1e3,

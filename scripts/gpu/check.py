@@ -56,7 +56,7 @@ from scripts.gpu.checks import (
     check_logit_processing,
     check_triton,
 )
-from scripts.gpu.steps import (  # noqa: F401 (tests)
+from scripts.gpu.steps import (  # noqa: F401 - re-exported: the tests import them from here
     GPU_GRID,
     TINY_GRID,
     StepCase,

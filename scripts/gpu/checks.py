@@ -102,7 +102,7 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
             static = padded_decode_buffers(
                 meta, contexts, pad, torch.zeros(b, width, dtype=torch.int32, device=device),
                 max_len)
-            extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])  # noqa: E731
+            extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])
             backend.write_kv(kc, vc, extra(k), extra(v), static)
             kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
             got = backend.paged_attention(extra(q), kc, vc, static, scale).float()
@@ -178,7 +178,7 @@ def check_structured_masks(report, device, logits, g) -> None:
     """Structured output's token masks applied by torch on ``device`` against the CPU's
     native kernel: a random mask, one allowing EOS alone, one allowing everything."""
     try:
-        import numpy  # noqa: F401   (the masks are made in numpy arrays)
+        import numpy  # noqa: F401 - the masks are made in numpy arrays
         import torch
 
         from components.executor.constraints import apply_constraints

@@ -60,7 +60,7 @@ def test_small_batch_linear_of_no_rows_is_empty(dtype):
     x, y = torch.randn(1, 64).to(dtype), torch.empty(1, 48, dtype=dtype)
     kernel = native_lib.load().weir_gemv_bf16 if dtype == torch.bfloat16 \
         else native_lib.load().weir_gemv_f32
-    call = lambda m: kernel(x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(),  # noqa: E731
+    call = lambda m: kernel(x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(),
                             m, 48, 64, 1)
     assert call(0) == 0 and call(-1) == -1
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
@@ -109,7 +109,7 @@ def test_amx_linear_refuses_what_it_cannot_run():
     assert cpu_linear.small_batch_linear(torch.empty(0, 64).bfloat16(), packed,
                                          tiles="amx").shape == (0, 48)
     x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 48, dtype=torch.bfloat16)
-    call = lambda m, k: native_lib.load().weir_gemm_amx_bf16(  # noqa: E731
+    call = lambda m, k: native_lib.load().weir_gemm_amx_bf16(
         x.data_ptr(), 64, packed.data_ptr(), None, y.data_ptr(), m, 48, k, 1)
     assert call(1, 64) == 0 and call(-1, 64) == -1 and call(1, 48) == -1
     assert cpu_linear.amx_linear_fits(torch.bfloat16, 48, 64)
@@ -210,7 +210,7 @@ def test_amx_gate_up_with_silu_mul_refuses_what_it_cannot_run():
         cpu_linear.amx_silu_mul_linear(torch.randn(1, 64).bfloat16(), odd)
     x, y = torch.randn(1, 64).bfloat16(), torch.empty(1, 16, dtype=torch.bfloat16)
     packed = cpu_linear.pack_small_batch(torch.randn(32, 64).bfloat16())
-    call = lambda m, k: native_lib.load().weir_gemm_amx_bf16_silu_mul(  # noqa: E731
+    call = lambda m, k: native_lib.load().weir_gemm_amx_bf16_silu_mul(
         x.data_ptr(), 64, packed.data_ptr(), y.data_ptr(), m, 16, k, 1)
     assert call(1, 64) == 0 and call(-1, 64) == -1 and call(1, 48) == -1
 

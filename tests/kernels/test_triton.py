@@ -20,11 +20,11 @@ if DEVICE == "cpu":
 
 triton = pytest.importorskip("triton")
 
-from kernels import torch_ref  # noqa: E402
-from kernels.kv_cache import quantize  # noqa: E402
-from kernels.metadata import AttentionMetadata  # noqa: E402
-from kernels.testing import padded_decode_buffers, random_paged_case  # noqa: E402
-from kernels.triton_paged import paged_attention, write_kv  # noqa: E402
+from kernels import torch_ref  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels.kv_cache import quantize  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels.metadata import AttentionMetadata  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels.testing import padded_decode_buffers, random_paged_case  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels.triton_paged import paged_attention, write_kv  # noqa: E402 - after TRITON_INTERPRET is set
 
 DIM = 64
 
@@ -107,7 +107,7 @@ def test_static_decode_buffers_match_reference(block_size, kv_heads, group):
     tables[n:, 0] = 0
     static = padded_decode_buffers(meta, contexts, pad, tables.to(DEVICE), max_seq_len)
     g = torch.Generator().manual_seed(3)
-    extra = lambda t: torch.cat(  # noqa: E731
+    extra = lambda t: torch.cat(
         [t, torch.randn(pad, *t.shape[1:], generator=g).to(DEVICE)])
     assert static.context_lens == [max_seq_len - 1] * b
     write_kv(kc, vc, extra(k), extra(v), static)

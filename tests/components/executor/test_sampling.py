@@ -17,7 +17,7 @@ def _logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
 
 def _sample(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, index=0):
     n = logits.shape[0]
-    as_list = lambda v: v if isinstance(v, list) else [v] * n  # noqa: E731
+    as_list = lambda v: v if isinstance(v, list) else [v] * n
     return sample(logits, as_list(temperature), as_list(top_p), as_list(top_k),
                   seeds if seeds is not None else [None] * n, as_list(index))
 
@@ -220,7 +220,7 @@ def _reference_positions(z: torch.Tensor, k: int, p: float,
         n = int(over[0]) if len(over) else kk
     cdf = kept[:n].cumsum(0) / kept[:n].sum()
     # float32 sums (and the fast exp) hold the mass to ~1e-5: the draw may land in that band
-    at = lambda q: int((cdf >= min(q, float(cdf[-1]))).nonzero()[0])  # noqa: E731
+    at = lambda q: int((cdf >= min(q, float(cdf[-1]))).nonzero()[0])
     return at(u - 1e-5), at(u + 1e-5), n
 
 

@@ -186,7 +186,7 @@ def _series(text: str) -> dict[str, float]:
 async def test_metrics_need_a_credential_when_keys_are_configured():
     stats = {"scheduler": {"running": 1}}
     usage = {"scheduler": {"acme": TenantUsage(0, 7, 3), "globex": TenantUsage(0, 9, 5)}}
-    digest = lambda k: hashlib.sha256(k.encode()).hexdigest()   # noqa: E731
+    digest = lambda k: hashlib.sha256(k.encode()).hexdigest()
     keys = (types.SimpleNamespace(sha256=digest("sk-acme"), tenant="acme", role="tenant"),
             types.SimpleNamespace(sha256=digest("sk-globex"), tenant="globex", role="tenant"),
             types.SimpleNamespace(sha256=digest("sk-ops"), tenant="ops", role="operator"))
@@ -199,7 +199,7 @@ async def test_metrics_need_a_credential_when_keys_are_configured():
                                       headers={"authorization": "Bearer sk-ops"})).text)
         acme = _series((await http.get(gw.url + "/metrics",
                                        headers={"authorization": "Bearer sk-acme"})).text)
-        tenants = lambda series: {k for k in series if '"tenant"' in k}   # noqa: E731
+        tenants = lambda series: {k for k in series if '"tenant"' in k}
         assert any('"globex"' in k for k in tenants(ops)) and any('"acme"' in k for k in tenants(ops))
         assert tenants(acme) and all('"tenant": "acme"' in k for k in tenants(acme))
         assert 'weir:num_requests_running{"model_name": "m"}' in acme     # engine-wide stays
