@@ -8,7 +8,6 @@ import torch
 
 from kernels.native_lib import amx_supported, load
 
-
 SMALL_BATCH_MAX = 256     # beyond this oneDNN's blocked GEMM is as fast or faster
 _GEMV_BITS = {torch.bfloat16: 1, torch.float32: 2}
 

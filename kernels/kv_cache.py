@@ -1,14 +1,12 @@
 """Paged key/value cache storage: fixed-size blocks of token slots, one pool per layer."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 
-import ctypes
-import ctypes.util
-
 import torch
-
 
 MADV_POPULATE_WRITE = 23          # Linux 5.14+
 
@@ -94,7 +92,7 @@ class KVCache:
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> "KVCache":
+                 device: torch.device | str = "cpu") -> KVCache:
         """Allocate a zero-filled cache once; its size never changes afterwards. On the CPU
         its memory is an anonymous mapping: zero pages the kernel hands out as blocks are
         first written, so a pool of gigabytes costs nothing at startup (``torch.zeros``

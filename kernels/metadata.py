@@ -60,7 +60,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int],
               block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
+              device: torch.device | str = "cpu") -> AttentionMetadata:
         """Precompute slot mapping, gather indices and masks for one step.
 
         ``context_lens[i]`` counts tokens of sequence ``i`` already in the cache before this
@@ -107,7 +107,7 @@ class AttentionMetadata:
     def for_decode_buffers(cls, positions: torch.Tensor, slot_mapping: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            block_tables: torch.Tensor, block_size: int,
-                           max_seq_len: int) -> "AttentionMetadata":
+                           max_seq_len: int) -> AttentionMetadata:
         """Decode metadata (one new token per sequence) over static device buffers.
 
         Nothing is copied or read: the tensors are used as given, so their contents may

@@ -4,7 +4,7 @@ languages can speak them; docs/PROTOCOL.md is the contract.
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 
@@ -170,7 +170,7 @@ class ChangeReplicas(msgspec.Struct, tag="change_replicas", frozen=True,
     api_key: str | None = None
 
 
-ClientMsg = Union[Submit, Cancel, Heartbeat, StatusQuery, ChangeReplicas]
+ClientMsg = Submit | Cancel | Heartbeat | StatusQuery | ChangeReplicas
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -340,7 +340,7 @@ def malformed_reply(error: str, request_id: str | None) -> Rejected | ProtocolEr
     return ProtocolError(f"malformed message: {error}")
 
 
-Terminal = Union[Finished, Rejected, Cancelled, Failed]
+Terminal = Finished | Rejected | Cancelled | Failed
 class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
     """A router's answer to ``ChangeReplicas``: ``error`` None when every change was made
     (else nothing was changed), and the replicas it routes new requests to now."""
@@ -356,8 +356,8 @@ class Events(msgspec.Struct, tag="events", frozen=True):
     requests (sent only to clients that asked, by ``Submit.batch_events``). Each event
     means what it would alone."""
 
-    events: list[Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed]]
+    events: list[Accepted | TextDelta | Finished | Rejected | Cancelled | Failed]
 
 
-ServerMsg = Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed, StatusReport,
-                  ServerHeartbeat, ProtocolError, ReplicasChanged, Events]
+ServerMsg = (Accepted | TextDelta | Finished | Rejected | Cancelled | Failed | StatusReport
+             | ServerHeartbeat | ProtocolError | ReplicasChanged | Events)

@@ -8,16 +8,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from schemas.config import ConfigError, load_config
 from components.model.kv_sizing import sized
+from schemas.config import ConfigError, load_config
 
 
 def _serve(args: argparse.Namespace) -> int:
     from bus import curve
     from bus.log import configure
     from bus.supervisor import Supervisor
-    from weir.client import default_endpoint
     from components.model.fetch import resolve_model
+    from weir.client import default_endpoint
 
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="weir-run-")
     try:
@@ -51,10 +51,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _route(args: argparse.Namespace) -> int:
     """``weir route``: the router (and an HTTP gateway in front of it) under a supervisor."""
-    from bus import curve
-    from bus.log import configure
     import msgspec
 
+    from bus import curve
+    from bus.log import configure
     from bus.supervisor import Supervisor
     from weir.client import default_endpoint
     from weir.forms import replica_address

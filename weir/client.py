@@ -20,29 +20,52 @@ import os
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import anyio
 import msgspec
 import zmq
 from anyio.from_thread import start_blocking_portal
-
 from opentelemetry import trace
 
 from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
 from schemas.client import ChangeReplicas, Events, ReplicaAddress, ReplicasChanged
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
-from schemas.wire import (Accepted, Cancel, Cancelled, Failed, Finished, Heartbeat,
-                          PromptLogprobs, ProtocolError, Rejected, RequestTiming, SamplingParams,
-                          ServerHeartbeat, ServerMsg, StatusQuery, StatusReport, Submit,
-                          TextDelta, TokenLogprob, Tool, Usage)
-from weir.errors import (ProtocolViolation, RequestCancelled, RequestFailed, RequestRejected,
-                         RequestTimeout, WeirError)
+from schemas.wire import (
+    Accepted,
+    Cancel,
+    Cancelled,
+    Failed,
+    Finished,
+    Heartbeat,
+    PromptLogprobs,
+    ProtocolError,
+    Rejected,
+    RequestTiming,
+    SamplingParams,
+    ServerHeartbeat,
+    ServerMsg,
+    StatusQuery,
+    StatusReport,
+    Submit,
+    TextDelta,
+    TokenLogprob,
+    Tool,
+    Usage,
+)
+from weir.errors import (
+    ProtocolViolation,
+    RequestCancelled,
+    RequestFailed,
+    RequestRejected,
+    RequestTimeout,
+    WeirError,
+)
 from weir.forms import chat_message, replica_address, structured_output, tool
 from weir.inbox import TERMINAL, Inbox
-
 
 _TRACER = trace.get_tracer("weir.client")
 
@@ -148,7 +171,7 @@ class Stream:
     ``max_tokens`` cap and whether admission degraded the request."""
 
     request_id: str
-    _client: "AsyncClient"
+    _client: AsyncClient
     _recv: Inbox
     _deadline: float | None
     _submit: Submit | None = None                           # kept for retries
@@ -336,7 +359,7 @@ class AsyncClient:
         self._tg = None
         self._sock: BusSocket | None = None
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         _ensure_tracing()
         self._sock = BusSocket(zmq.DEALER, "client", ServerMsg).connect(self.endpoint)
         self._tg = anyio.create_task_group()
@@ -543,7 +566,7 @@ class Client:
         self._async_cm = self._portal.wrap_async_context_manager(self._async)
         self._async_cm.__enter__()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -555,7 +578,7 @@ class Client:
             self._portal_cm.__exit__(None, None, None)
             self._portal = None
 
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> "SyncStream":
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> SyncStream:
         return SyncStream(self._portal, self._portal.call(lambda: self._async.stream(prompt, **kwargs)))
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:

@@ -10,9 +10,9 @@ import math
 from dataclasses import replace
 
 from components.admission.decision import Blocker, Estimate
-from components.tenancy.bucket import TokenBucket
 from components.admission.ledger import Ledger
 from components.admission.live import Horizon, LiveEngine
+from components.tenancy.bucket import TokenBucket
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 
 

@@ -10,8 +10,16 @@ import math
 from collections.abc import Mapping
 
 from components.admission.capacity import Capacity, TenantBuckets
-from components.admission.decision import (Blocker, Decision, Estimate, Grant, Kind,
-                                           first_token_bound_ms, headroom_pct, reject)
+from components.admission.decision import (
+    Blocker,
+    Decision,
+    Estimate,
+    Grant,
+    Kind,
+    first_token_bound_ms,
+    headroom_pct,
+    reject,
+)
 from components.admission.queue import AdmissionQueue, Queued
 from components.tenancy.retry import DrainRate
 from schemas.config import ServiceClass, TenantConfig, WeirConfig

@@ -17,8 +17,8 @@ an arbitrary one. Pure and synchronous.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Callable, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 

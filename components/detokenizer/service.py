@@ -10,14 +10,25 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from bus import tracing
-
 from bus.component import Component
 from components.detokenizer.incremental import IncrementalDetokenizer
-from components.model.vocab import load_tokenizer
-from schemas.wire import (ChoiceEnd, DetokenizerMsg, EventBatch, Finished, ForgetRequest,
-                          PromptLogprobs, StopRequest, TextDelta, TokenBatch, TokenLogprob,
-                          TokenOut, TopLogprob, Usage)
 from components.model.fetch import resolve_model
+from components.model.vocab import load_tokenizer
+from schemas.wire import (
+    ChoiceEnd,
+    DetokenizerMsg,
+    EventBatch,
+    Finished,
+    ForgetRequest,
+    PromptLogprobs,
+    StopRequest,
+    TextDelta,
+    TokenBatch,
+    TokenLogprob,
+    TokenOut,
+    TopLogprob,
+    Usage,
+)
 
 log = structlog.get_logger("detokenizer")
 _TRACER = trace.get_tracer("weir.detokenizer")

@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Sequence
 from itertools import chain
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -26,9 +26,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from schemas.model import ModelSpec
 from components.model.gguf_header import read_header
 from components.model.kv_sizing import gguf_attention, hf_attention
+from schemas.model import ModelSpec
 
 _LAYER_KEYS = {
     "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from components.executor.constraints import Constraint, Grammars, apply_constraints
-from components.executor.sampling import (Logprobs, RowPenalties, all_greedy, apply_penalties,
-                                          sample)
+from components.executor.sampling import Logprobs, RowPenalties, all_greedy, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
 

@@ -319,7 +319,7 @@ class Logprobs:
     def finish(self, tokens: list[int], n: int) -> list[SampleLogprobs | None]:
         """``n`` entries, None but at ``rows``: there, the sampled token's log-probability
         (``tokens`` holds all ``n`` samples) and the top alternatives, most likely first."""
-        from schemas.wire import SampleLogprobs     # (msgspec: not in the torch-only path)
+        from schemas.wire import SampleLogprobs  # (msgspec: not in the torch-only path)
 
         picked = torch.tensor([tokens[r] for r in self.rows], device=self.logits.device)
         lp = (self.logits.gather(1, picked[:, None])[:, 0] - self.lse.to(picked.device)).tolist()

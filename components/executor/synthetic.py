@@ -30,7 +30,7 @@ class ModelShape:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    def scaled(self, **changes) -> "ModelShape":
+    def scaled(self, **changes) -> ModelShape:
         return replace(self, **changes)
 
 

@@ -20,7 +20,8 @@ Two rules, both about connections that hold a place without a request in it:
 from __future__ import annotations
 
 import ipaddress
-from typing import Generic, Hashable, TypeVar
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 C = TypeVar("C", bound=Hashable)
 _MISSING: object = object()

@@ -12,7 +12,8 @@ take. (What a connection may do before its request reaches the app is ``protocol
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import structlog

@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from schemas.validate import check_logit_bias, check_submit
 from components.gateway.tools import CallMsg, ToolChoice, ToolDef, ToolError, tool_request
 from schemas.client import SamplingParams, StructuredOutput, Submit, ToolCall
+from schemas.validate import check_logit_bias, check_submit
 from weir.forms import json_text
 
 

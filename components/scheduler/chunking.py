@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from components.costs.cost_model import (
+    StepCostModel,
+    StepShape,
+    decode_shape,
+    joined,
+    prefill_shape,
+)
 from components.scheduler.core import SchedulerCore
-from components.costs.cost_model import (StepCostModel, StepShape, decode_shape, joined,
-                                             prefill_shape)
 
 MIN_CHUNK = 16            # prefill tokens a step may always take, so prompts still progress
 _PROBE = 256              # tokens over which the marginal cost of prefill is measured

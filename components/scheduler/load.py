@@ -8,10 +8,9 @@ from __future__ import annotations
 import heapq
 from typing import NamedTuple
 
+from components.costs.cost_model import StepCostModel, decode_shape, prefill_shape, row_pairs
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
-from components.costs.cost_model import (StepCostModel, decode_shape, prefill_shape,
-                                             row_pairs)
 from components.scheduler.decode_window import DecodeWindow
 from schemas.wire import DecodeRates, SchedulerLoad, TenantBacklog
 

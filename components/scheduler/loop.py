@@ -33,13 +33,28 @@ from components.scheduler.load import PoolCounts, load_report, released_outputs,
 from components.scheduler.output import Outcome
 from components.scheduler.preemption import Preemption, UrgencyDecision
 from components.scheduler.usage import UsageStats
+from kernels.machine import usable_cores, usable_cpus
 from schemas.client import STRUCTURED_OUTPUT_ERROR
 from schemas.config import WeirConfig
-from schemas.wire import (Admitted, CancelRequest, EventBatch, ExecutorReady, Failed,
-                          ForgetRequest, HeldRequest, Holding, KvGrants, KvHello, KvManagerUp,
-                          Released, SchedulerLoad, StepPlan, StepResult, StopRequest,
-                          TokenBatch)
-from kernels.machine import usable_cores, usable_cpus
+from schemas.wire import (
+    Admitted,
+    CancelRequest,
+    EventBatch,
+    ExecutorReady,
+    Failed,
+    ForgetRequest,
+    HeldRequest,
+    Holding,
+    KvGrants,
+    KvHello,
+    KvManagerUp,
+    Released,
+    SchedulerLoad,
+    StepPlan,
+    StepResult,
+    StopRequest,
+    TokenBatch,
+)
 
 log = structlog.get_logger("scheduler")
 

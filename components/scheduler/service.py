@@ -18,8 +18,16 @@ from components.scheduler.load import LOAD_INTERVAL_S
 from components.scheduler.loop import SchedulerLoop, Send, StepDone
 from components.scheduler.sequence import ON_HOST
 from components.scheduler.step_trace import StepTracer
-from schemas.wire import (Admitted, ExecutorReady, KvHello, Released, SchedulerMsg, StepPlan, TenantUsage,
-                          TokenBatch)
+from schemas.wire import (
+    Admitted,
+    ExecutorReady,
+    KvHello,
+    Released,
+    SchedulerMsg,
+    StepPlan,
+    TenantUsage,
+    TokenBatch,
+)
 
 log = structlog.get_logger("scheduler")
 

@@ -396,7 +396,7 @@ def fuzz_socket(engine, config: WeirConfig, name: str, n: int, seed: int, big: i
 
 
 def attach_flood(server, config: WeirConfig, name: str, n: int, report: Report,
-                 watch: "Watch", router: Router | None = None) -> None:
+                 watch: Watch, router: Router | None = None) -> None:
     """Issue 43, D1: a finished keyed request, then ``n`` Submits under its key from a raw
     DEALER, sent as fast as it can. Every one must be answered (a replay ending
     ``finished``, or a refusal), and nothing may die or restart."""

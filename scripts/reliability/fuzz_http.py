@@ -48,9 +48,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
-from hypothesis import strategies as st
+from hypothesis import (
+    HealthCheck,
+    Phase,
+    given,
+    seed as hypothesis_seed,
+    settings,
+    strategies as st,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 INT_EDGES = (2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, 10**400,
@@ -145,7 +150,7 @@ def exchange(host: str, port: int, req: Req, timeout: float) -> Outcome:
                 sock.sendall(raw)
         except (BrokenPipeError, ConnectionResetError):
             pass                                   # the server closed early: read what it said
-        except socket.timeout:
+        except TimeoutError:
             return Outcome("timeout", seconds=time.monotonic() - t0)
         data = b""
         try:
@@ -167,7 +172,7 @@ def exchange(host: str, port: int, req: Req, timeout: float) -> Outcome:
                 if not chunk:
                     break
                 data += chunk
-        except socket.timeout:
+        except TimeoutError:
             return Outcome("timeout", _status(data), data[:2000], seconds=time.monotonic() - t0)
         except ConnectionResetError:
             pass
@@ -494,7 +499,7 @@ def idle_flood(host: str, port: int, key: str, n: int, timeout: float) -> list[s
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 while sock.recv(1 << 16):          # a kept-alive one's /health answer first
                     pass
-            except socket.timeout:
+            except TimeoutError:
                 failures.append(f"idle connection {i} of {n} still open after {timeout:g}s")
                 break
             except ConnectionResetError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import typing
-from functools import lru_cache
+from functools import cache
 
 import msgspec
 import msgspec.inspect as mi
@@ -54,7 +54,7 @@ def members(union) -> tuple[type, ...]:
     return args if args else (union,)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _info(union) -> tuple[tuple[mi.StructType, ...], tuple[str, ...], tuple[str, ...]]:
     structs = tuple(mi.type_info(m) for m in members(union))
     tags = tuple(s.tag for s in structs if s.tag)

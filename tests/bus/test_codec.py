@@ -9,15 +9,31 @@ import anyio
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from bus.codec import Codec, encode, salvage_request_id
 from bus.socket import BusSocket, MalformedFrame
-import zmq.asyncio
-
-from schemas.wire import (AdmissionMsg, Cancel, ClientMsg, ControlMsg, DetokenizerMsg, Envelope,
-                          ExecutorMsg, KvEventsMsg, KvGrant, KvGrants, KvMsg, SamplingParams,
-                          SchedulerMsg, StepPlan, StepResult, StreamerMsg, Submit, SupervisorMsg,
-                          TokenizerMsg)
+from schemas.wire import (
+    AdmissionMsg,
+    Cancel,
+    ClientMsg,
+    ControlMsg,
+    DetokenizerMsg,
+    Envelope,
+    ExecutorMsg,
+    KvEventsMsg,
+    KvGrant,
+    KvGrants,
+    KvMsg,
+    SamplingParams,
+    SchedulerMsg,
+    StepPlan,
+    StepResult,
+    StreamerMsg,
+    Submit,
+    SupervisorMsg,
+    TokenizerMsg,
+)
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -13,13 +13,22 @@ import random
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from bus.codec import Codec, encode, salvage_request_id
-from schemas.wire import (AdmissionMsg, ClientMsg, ControlMsg, DetokenizerMsg, ExecutorMsg,
-                          KvEventsMsg, KvMsg, SchedulerMsg, StreamerMsg, SupervisorMsg,
-                          TokenizerMsg)
+from schemas.wire import (
+    AdmissionMsg,
+    ClientMsg,
+    ControlMsg,
+    DetokenizerMsg,
+    ExecutorMsg,
+    KvEventsMsg,
+    KvMsg,
+    SchedulerMsg,
+    StreamerMsg,
+    SupervisorMsg,
+    TokenizerMsg,
+)
 from tests.bus.fuzz_frames import FrameGen
 
 UNIONS = {"client": ClientMsg, "tokenizer": TokenizerMsg, "admission": AdmissionMsg,

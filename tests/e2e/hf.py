@@ -42,9 +42,8 @@ def _gguf_read_once():
 
 def load_hf(model_path: Path):
     """``(tokenizer, model)`` from the GGUF file, float32, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _gguf_read_once():
         tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)

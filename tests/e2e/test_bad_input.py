@@ -8,9 +8,9 @@ import msgspec
 import pytest
 import zmq
 
-from weir import RequestRejected
 from schemas.config import COMPONENTS
 from tests.e2e.engine import wait_for
+from weir import RequestRejected
 
 
 @pytest.mark.parametrize("kwargs, reason, words", [

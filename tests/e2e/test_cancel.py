@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from tests.e2e.engine import ROOT
 

@@ -62,8 +62,8 @@ def test_seeded_sampling_is_reproducible_under_concurrency(engine):
 
 
 def test_streamed_text_equals_final_and_multibyte(engine):
-    from components.model.vocab import load_tokenizer
     from components.model.fetch import default_model_path
+    from components.model.vocab import load_tokenizer
 
     with engine.client() as c:
         stream = c.stream("日本語で自己紹介をしてください。🦀", max_tokens=40, temperature=0.0,
@@ -81,8 +81,8 @@ def test_streamed_text_equals_final_and_multibyte(engine):
 def test_token_prompt_equals_text_prompt(engine):
     with engine.client() as c:
         text = c.generate("The quick brown fox", max_tokens=8, temperature=0.0)
-    from components.model.vocab import load_tokenizer
     from components.model.fetch import default_model_path
+    from components.model.vocab import load_tokenizer
 
     prompt_ids = load_tokenizer(default_model_path()).encode("The quick brown fox")
     with engine.client() as c:

@@ -22,13 +22,13 @@ def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-CONFIG = f"""
+CONFIG = """
 [engine]
 max_model_len = 1024
 [kv]
 num_blocks = 512
 [admission]
-tenants = [{{ name = "default" }}, {{ name = "acme" }}, {{ name = "globex" }}]
+tenants = [{ name = "default" }, { name = "acme" }, { name = "globex" }]
 [streamer]
 drain_timeout_s = 4.0
 """
@@ -161,7 +161,6 @@ def test_an_idempotent_attach_flood_neither_starves_other_tenants_nor_kills_the_
     attaching Submits from a raw socket (another process): other tenants' streams go on
     with every gap under 1 s, the streamer is never restarted, and the flooder gets an
     answer to each."""
-    import subprocess
     import sys
 
     with eng.client(api_key=ACME) as c:

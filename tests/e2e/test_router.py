@@ -5,6 +5,7 @@ prefix, and a replica killed under load loses no client and stops getting work.
 The replicas' pools are small and have no host tier, so a replica cannot keep every
 session's context: placing each session where its context is (cache-aware) is what keeps
 the prefix cache useful; round robin makes every replica hold every session."""
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,6 @@ import threading
 import time
 
 import anyio
-import contextlib
 import pytest
 
 from tests.e2e.engine import ROOT, await_for, side_by_side, wait_for

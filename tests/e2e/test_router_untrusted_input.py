@@ -29,8 +29,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from bus.codec import Codec, encode
-from schemas.frames import client_frame_limit
 from schemas.client import Cancel, Cancelled, Rejected, ServerMsg, Submit
+from schemas.frames import client_frame_limit
 from tests.e2e.engine import await_for, gaps_of, side_by_side
 from tests.e2e.router import Router, start_replica
 

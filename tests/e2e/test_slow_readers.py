@@ -57,7 +57,7 @@ def _raw_stream(port: int, reader: str, stop: threading.Event, got: list) -> Non
                 continue
             try:
                 data = s.recv(1 if reader == "trickle" else 65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if not data:
                 break

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.config import (AdmissionConfig, ConfigError, EngineConfig, KvConfig,
-                            SchedulerConfig, TenantConfig, Topology, WeirConfig, load_config)
+from schemas.config import (
+    AdmissionConfig,
+    ConfigError,
+    EngineConfig,
+    KvConfig,
+    SchedulerConfig,
+    TenantConfig,
+    Topology,
+    WeirConfig,
+    load_config,
+)
 
 TOML = """
 log_level = "debug"

@@ -7,8 +7,18 @@ import anyio
 import zmq
 
 from bus.socket import BusSocket
-from schemas.client import (Accepted, ChoiceEnd, ClientMsg, Events, Finished, Heartbeat,
-                            ServerHeartbeat, Submit, TextDelta, Usage)
+from schemas.client import (
+    Accepted,
+    ChoiceEnd,
+    ClientMsg,
+    Events,
+    Finished,
+    Heartbeat,
+    ServerHeartbeat,
+    Submit,
+    TextDelta,
+    Usage,
+)
 from weir import AsyncClient
 
 

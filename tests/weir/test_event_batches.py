@@ -7,8 +7,17 @@ import anyio
 import zmq
 
 from bus.socket import BusSocket
-from schemas.client import (Accepted, ClientMsg, Events, Finished, Heartbeat, ServerHeartbeat,
-                            Submit, TextDelta, Usage)
+from schemas.client import (
+    Accepted,
+    ClientMsg,
+    Events,
+    Finished,
+    Heartbeat,
+    ServerHeartbeat,
+    Submit,
+    TextDelta,
+    Usage,
+)
 from weir import AsyncClient
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import anyio
 
-from schemas.config import load_config
 from kernels.machine import describe
+from schemas.config import load_config
 from weir.replay import profile as profiles
 from weir.replay.local import LocalEngine
 

@@ -145,8 +145,8 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
 
 # ---------------------------------------------------------------------------- simulate
 def simulate_cmd(args) -> int:
-    from schemas.config import load_config
     from components.model.kv_sizing import sized
+    from schemas.config import load_config
     from weir.replay import profile as profiles
     from weir.replay.sim import Simulator, fast_block_hashes
     from weir.replay.synth import PromptSynth, load_tokenizer

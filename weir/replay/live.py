@@ -20,14 +20,24 @@ import random
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable, Protocol
+from typing import Protocol
 
 import anyio
 import msgspec
 
-from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord,
-                               RunResult, Scaling, TimelinePoint, TraceRequest)
+from weir.replay.types import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    REJECTED,
+    RequestRecord,
+    RunResult,
+    Scaling,
+    TimelinePoint,
+    TraceRequest,
+)
 
 _REJECT_STATUS = {429, 503, 403, 400, 413, 401}
 
@@ -46,7 +56,7 @@ class Sent(msgspec.Struct, kw_only=True):
 class Target(Protocol):
     label: str
 
-    async def __aenter__(self) -> "Target": ...
+    async def __aenter__(self) -> Target: ...
     async def __aexit__(self, *exc) -> None: ...
     async def send(self, item: Sent, rec: RequestRecord, t0: float) -> None: ...
     async def sample(self, t: float) -> TimelinePoint | None: ...
@@ -65,7 +75,7 @@ class SdkTarget:
         self.label = endpoint
         self._clients: dict[str | None, object] = {}
 
-    async def __aenter__(self) -> "SdkTarget":
+    async def __aenter__(self) -> SdkTarget:
         await self._client(self.api_key)
         return self
 
@@ -180,7 +190,7 @@ class HttpTarget:
         self.label = base_url
         self.reports_cached = False          # does the server say how much prompt was cached?
 
-    async def __aenter__(self) -> "HttpTarget":
+    async def __aenter__(self) -> HttpTarget:
         import httpx
 
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),

@@ -44,7 +44,7 @@ class LocalEngine:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "LocalEngine":
+    def __enter__(self) -> LocalEngine:
         return self
 
     def __exit__(self, *exc) -> None:

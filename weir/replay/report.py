@@ -18,8 +18,16 @@ import msgspec
 
 from weir.replay.fairness import max_backlogged_gap, service_curves, service_events, time_grid
 from weir.replay.records import read_records, write_records
-from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord, RunResult,
-                               Scaling, Slo)
+from weir.replay.types import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    REJECTED,
+    RequestRecord,
+    RunResult,
+    Scaling,
+    Slo,
+)
 
 __all__ = ["Pcts", "Summary", "Window", "met_slo", "pcts", "percentile", "read_records",
            "render_table", "summarize", "worst_window", "write_records", "write_summary_json"]

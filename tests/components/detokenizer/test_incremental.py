@@ -2,12 +2,11 @@
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from components.detokenizer.incremental import DetokOutput, IncrementalDetokenizer
-from components.model.vocab import load_tokenizer
 from components.model.fetch import default_model_path
+from components.model.vocab import load_tokenizer
 
 TEXTS = [
     "Hello, world! This is a plain sentence.",

@@ -1,10 +1,18 @@
 """The detokenizer process's batch logic: ids outside the vocabulary (only a forged or
 corrupt message carries them) are dropped instead of crashing the process."""
 from components.detokenizer.service import DetokenizerService
-from components.model.vocab import load_tokenizer
-from schemas.wire import (ChoiceEnd, DetokParams, Finished, SampleLogprobs, TextDelta, TokenBatch,
-                          TokenOut, Usage)
 from components.model.fetch import default_model_path
+from components.model.vocab import load_tokenizer
+from schemas.wire import (
+    ChoiceEnd,
+    DetokParams,
+    Finished,
+    SampleLogprobs,
+    TextDelta,
+    TokenBatch,
+    TokenOut,
+    Usage,
+)
 
 
 def test_out_of_vocabulary_ids_are_dropped_not_fatal():

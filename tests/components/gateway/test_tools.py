@@ -7,8 +7,13 @@ import random
 
 import pytest
 
-from components.gateway.openai_api import (ApiError, ChatCompletionRequest, parse, submit_batch,
-                                           validate_kwargs)
+from components.gateway.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    parse,
+    submit_batch,
+    validate_kwargs,
+)
 from components.gateway.shaping import Shaper
 from components.gateway.tools import CallStream, ToolMode, calls_of, mode_of
 from schemas.client import Tool, ToolCall

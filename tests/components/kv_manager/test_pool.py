@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from components.kv_manager.pool import BlockPool, Grant

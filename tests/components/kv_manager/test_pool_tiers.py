@@ -6,8 +6,7 @@ from __future__ import annotations
 import copy
 from collections import Counter, defaultdict
 
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from components.kv_manager.pool import BlockCopy, BlockPool, CacheEvent, Grant

@@ -7,8 +7,7 @@ model, ["Ċ","Ċ","1","."] for the HF GGUF loader), so the GGUF reference here i
 merges and added tokens under the model's own pre-tokenizer.
 """
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 

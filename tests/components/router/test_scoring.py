@@ -1,8 +1,13 @@
 """Routing decisions with exact inputs: locality against load, overload, sessions."""
 import pytest
 
-from components.router.scoring import (ReplicaState, SessionTable, predicted_queue_s, rank,
-                                       score_replica)
+from components.router.scoring import (
+    ReplicaState,
+    SessionTable,
+    predicted_queue_s,
+    rank,
+    score_replica,
+)
 from schemas.config import RouterWeights
 
 W = RouterWeights(prefix=1.0, queue=1.0, kv_used=0.0, active_kv=0.0, tenant=0.0)

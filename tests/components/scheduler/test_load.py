@@ -12,9 +12,9 @@ import pytest
 
 from bus.codec import Codec, encode
 from components.costs.cost_model import StepCostModel
-from components.tenancy.fairness import VirtualCounters
 from components.scheduler.load import load_report
 from components.scheduler.sequence import Seq
+from components.tenancy.fairness import VirtualCounters
 from schemas.wire import AdmissionMsg, DecodeRates, SchedulerLoad, TenantBacklog
 
 

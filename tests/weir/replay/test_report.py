@@ -7,15 +7,34 @@ import re
 import msgspec
 import pytest
 
-from weir.replay.fairness import (ADMIT, ARRIVE, LEAVE, SERVE, Event, backlog_end,
-                                  backlog_span,
-                                  backlog_intervals, max_backlogged_gap, overlap_s,
-                                  service_events, time_grid)
-from weir.replay.report import (Summary, Window, met_slo, pcts, percentile, read_records,
-                                render_table, summarize, worst_window, write_records,
-                                write_summary_json)
-from weir.replay.types import (CANCELLED, FAILED, REJECTED, RequestRecord, RunResult, Scaling,
-                               Slo)
+from weir.replay.fairness import (
+    ADMIT,
+    ARRIVE,
+    LEAVE,
+    SERVE,
+    Event,
+    backlog_end,
+    backlog_intervals,
+    backlog_span,
+    max_backlogged_gap,
+    overlap_s,
+    service_events,
+    time_grid,
+)
+from weir.replay.report import (
+    Summary,
+    Window,
+    met_slo,
+    pcts,
+    percentile,
+    read_records,
+    render_table,
+    summarize,
+    worst_window,
+    write_records,
+    write_summary_json,
+)
+from weir.replay.types import CANCELLED, FAILED, REJECTED, RequestRecord, RunResult, Scaling, Slo
 
 SLO = Slo(ttft_ms=200, tpot_ms=50)
 

@@ -6,12 +6,18 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from components.model.hashing import block_hashes
-from weir.replay.synth import (PromptSynth, TokenSynth, _mix, _mix64, load_tokenizer, safe_pool,
-                               scale)
+from weir.replay.synth import (
+    PromptSynth,
+    TokenSynth,
+    _mix,
+    _mix64,
+    load_tokenizer,
+    safe_pool,
+    scale,
+)
 from weir.replay.types import Scaling, TraceRequest
 
 POOL = list(range(1000, 21000))
