@@ -216,7 +216,7 @@ class CpuBackend:
         k, v = new_kv
         out = q.new_empty(q.shape)
         for a, n, length in groups:   # n prompts of one length, rows a .. a + n * length
-            def batch(x):             # [n * L, H, D] -> [n, H, L, D], a view
+            def batch(x, a=a, n=n, length=length):   # [n * L, H, D] -> [n, H, L, D], a view
                 return x[a:a + n * length].view(n, length, *x.shape[1:]).transpose(1, 2)
             o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True,
                                                scale=scale, enable_gqa=True)  # GQA inside

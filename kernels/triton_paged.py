@@ -80,7 +80,7 @@ def _online_softmax(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,
+def _prefill_kernel(Q, KC, VC, O, BT, SEQ_LENS, QSTART, scale,  # noqa: E741 - O: the output
                     sq_t, sq_h, sk_b, sk_s, sk_h, bt_stride, so_t, so_h,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
@@ -159,7 +159,7 @@ def _decode_kernel(Q, KC, VC, ACC, ML, BT, SEQ_LENS, scale,
 
 
 @triton.jit
-def _merge_kernel(ACC, ML, O, so_t, so_h, num_parts, GROUP: tl.constexpr,
+def _merge_kernel(ACC, ML, O, so_t, so_h, num_parts, GROUP: tl.constexpr,  # noqa: E741 - O: output
                   HEAD_DIM: tl.constexpr, PARTS_PAD: tl.constexpr):
     """Log-sum-exp merge of one (sequence, query head)'s partitions; empty partitions
     (max -inf, sum 0) get weight 0."""

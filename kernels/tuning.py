@@ -302,7 +302,7 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
         for name, (fn, copies, max_m) in candidates.items():
             if m <= max_m and behind[name] < PRUNE_BUCKETS:
                 turn = iter(range(1 << 62))
-                fns[name] = (lambda fn=fn, copies=copies, turn=turn:
+                fns[name] = (lambda fn=fn, copies=copies, turn=turn, x=x:
                              fn(x, copies[next(turn) % len(copies)]))
         times = timer(fns)
         best = min(times.values(), default=0.0)

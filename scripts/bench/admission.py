@@ -79,7 +79,7 @@ def main() -> None:
         for policy, path in configs.items():
             print(f"live: {policy} ...", file=sys.stderr)
             with LocalEngine(str(path)) as engine:
-                run = anyio.run(lambda e=engine: replay(
+                run = anyio.run(lambda e=engine, policy=policy: replay(
                     live, SdkTarget(e.endpoint, e.service_key),
                     lambda r: (synth.token_ids(r), ""), scaling=scaling,
                     label=f"live {policy}", progress=False, max_lag_ms=250))

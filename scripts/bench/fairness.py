@@ -183,7 +183,7 @@ def live_runs(requests, configs: dict[str, Path], synth, scaling: Scaling,
         print(f"live {name}: starting a local engine ...", file=sys.stderr)
         cfg = load_config(path, topology={"run_dir": "/nonexistent"})
         with LocalEngine(str(path)) as engine:
-            run = anyio.run(lambda e=engine: replay(
+            run = anyio.run(lambda e=engine, name=name: replay(
                 requests, SdkTarget(e.endpoint, e.service_key),
                 lambda r: (synth.token_ids(r), ""), scaling=scaling, label=f"live {name}",
                 progress=None, max_lag_ms=max_lag_ms))

@@ -104,7 +104,7 @@ max_restarts = 1000
 max_message_mib = 4
 [gateway]
 enabled = false
-""" % ", ".join(f'{{ name = "{t}" }}' for t in PROBE_TENANTS)
+""" % ", ".join(f'{{ name = "{t}" }}' for t in PROBE_TENANTS)  # noqa: UP031 - TOML braces
 # `weir route` in front of the engine (the router's own config: the replica's model shape)
 ROUTER_CONFIG = """
 [engine]
@@ -216,7 +216,7 @@ class Watch:
         """Every component alive, ready and not restarted since the last check; status
         answers. (Forged ClusterStatus on the streamer's inbox is overwritten by the
         supervisor's relay every heartbeat interval, hence the short wait.)"""
-        for attempt in range(5):
+        for _ in range(5):
             time.sleep(0.3)
             try:
                 comps = status(self.engine, timeout)

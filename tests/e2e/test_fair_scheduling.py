@@ -71,7 +71,7 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
                      CHUNKING.format(chunking=chunking, tpot=TPOT_SLO_MS))
         per_stream: list[list[float]] = []
         try:
-            gaps, _ = anyio.run(lambda: decode_through_burst(
+            gaps, _ = anyio.run(lambda eng=eng, per_stream=per_stream: decode_through_burst(
                 eng.endpoint, eng.service_key, stream_tokens=32, burst=16, cancel_burst=True,
                 stream_gaps=per_stream))
         finally:

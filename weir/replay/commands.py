@@ -213,15 +213,17 @@ def replay_cmd(args) -> int:
             scaling, seed=scaling.seed + (i if args.seed_per_target else 0))
         synth = PromptSynth.for_scaling(tokenizer, mine)
 
-        def prompt(req: TraceRequest, synth=synth, http=target.startswith("http")):
+        http = target.startswith("http")
+
+        def prompt(req: TraceRequest, synth=synth, http=http):
             return synth.token_ids(req), synth.text(req) if http else ""
 
         t = (HttpTarget(target, args.served_model or "", key) if target.startswith("http")
              else SdkTarget(target, key))
         print(f"weir replay: {len(requests)} requests → {target}", file=sys.stderr)
-        run = anyio.run(lambda t=t: replay(requests, t, prompt, scaling=mine,
-                                            closed_loop=args.closed_loop,
-                                            max_lag_ms=args.max_lag_ms))
+        run = anyio.run(lambda t=t, mine=mine: replay(requests, t, prompt, scaling=mine,
+                                                      closed_loop=args.closed_loop,
+                                                      max_lag_ms=args.max_lag_ms))
         runs.append(run)
     out = _out_dir(args)
     print(write_outputs(runs, args, out))
