@@ -46,8 +46,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         b, length = g.kv_slots.shape
         slots = g.kv_slots.reshape(-1)
         qg = q.index_select(0, g.query_index.reshape(-1)).view(b, -1, heads, dim).transpose(1, 2)
-        kg = keys.index_select(0, slots).view(b, length, kv_heads, dim).to(q.dtype).transpose(1, 2)
-        vg = values.index_select(0, slots).view(b, length, kv_heads, dim).to(q.dtype).transpose(1, 2)
+        kg = keys.index_select(0, slots).view(b, length, kv_heads, dim).to(q.dtype)
+        kg = kg.transpose(1, 2)
+        vg = values.index_select(0, slots).view(b, length, kv_heads, dim).to(q.dtype)
+        vg = vg.transpose(1, 2)
         if qg.shape[2] == 1:
             o = _decode_attention(qg, kg, vg, g.mask, scale)
         else:

@@ -348,7 +348,8 @@ def _status(args: argparse.Namespace) -> int:
         for n, rep in r["replicas"].items():
             print(f"replica {n:12} {'healthy' if rep.get('healthy') else 'OUT':7} open "
                   f"{int(rep.get('open', 0))} routed {int(rep.get('routed', 0))} cached view "
-                  f"{int(rep.get('index_blocks', 0))} blocks (gaps {int(rep.get('index_gaps', 0))})")
+                  f"{int(rep.get('index_blocks', 0))} blocks "
+                  f"(gaps {int(rep.get('index_gaps', 0))})")
     for name, c in out["components"].items():
         print(f"{name:12} {'alive' if c['alive'] else 'DEAD':5} pid {c['pid']:<7} {c['state']}")
     s = out["scheduler"]
@@ -362,7 +363,8 @@ def _status(args: argparse.Namespace) -> int:
           f"recompute {s['preemptions']['recompute']} swap {s['preemptions']['swap']} "
           f"wasted_tokens {s['wasted_tokens']}")
     k = out["kv"]
-    print(f"kv           total {k['total_blocks']} free {k['free_blocks']} cached {k['cached_blocks']}"
+    print(f"kv           total {k['total_blocks']} free {k['free_blocks']} "
+          f"cached {k['cached_blocks']}"
           f" usage {'unknown' if k['usage'] is None else format(k['usage'], '.1%')}"
           f"{' BELOW WATERMARK' if k['below_watermark'] else ''}")
     print(f"kv cpu tier  total {k['cpu_total_blocks']} free {k['cpu_free_blocks']} cached "

@@ -579,7 +579,8 @@ class Client:
             self._portal = None
 
     def stream(self, prompt: str | None = None, **kwargs: Any) -> SyncStream:
-        return SyncStream(self._portal, self._portal.call(lambda: self._async.stream(prompt, **kwargs)))
+        return SyncStream(self._portal,
+                          self._portal.call(lambda: self._async.stream(prompt, **kwargs)))
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         return self._portal.call(lambda: self._async.generate(prompt, **kwargs))

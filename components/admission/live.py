@@ -39,16 +39,17 @@ running and the request's own, less ``admission.tpot_headroom``. The batch count
 ledger's (every admitted sequence, running or about to; the scheduler's report when it
 counts more), at most ``scheduler.max_num_seqs``, each new sequence reading the request's
 prompt plus half its expected output. It waits for ``MIN_DECODE_STEPS`` decode steps in
-the report's window, so that the rates are scaled by what was measured. An idle engine (nothing admitted, nothing running)
-checks nothing: no stream is slowed, and the first request's steps are what correct rates
-learned on a machine that was slowed for a while. Admission also admits no decoding sequence while a
-running class's measured TPOT (``SchedulerLoad.tpot_s``) is over its target and the pool
-is nearly full (free blocks less the watermark under ``LATE_KV_SHARE`` of it): the first
-seed's worked decision, "if free KV were 5 percent and stream latency already broken,
-reject or degrade before doing expensive prefill". Both, not either: late streams with room
-in the pool are the scheduler's to fix (slack chunking caps the prefill beside them), and a
-single long step (a prompt's chunk under fixed chunking) would otherwise refuse all work. With no rates
-yet, or no TPOT target in play, nothing is checked.
+the report's window, so that the rates are scaled by what was measured. An idle engine
+(nothing admitted, nothing running) checks nothing: no stream is slowed, and the first
+request's steps are what correct rates learned on a machine that was slowed for a while.
+Admission also admits no decoding sequence while a running class's measured TPOT
+(``SchedulerLoad.tpot_s``) is over its target and the pool is nearly full (free blocks less
+the watermark under ``LATE_KV_SHARE`` of it): the first seed's worked decision, "if free KV
+were 5 percent and stream latency already broken, reject or degrade before doing expensive
+prefill". Both, not either: late streams with room in the pool are the scheduler's to fix
+(slack chunking caps the prefill beside them), and a single long step (a prompt's chunk
+under fixed chunking) would otherwise refuse all work. With no rates yet, or no TPOT target
+in play, nothing is checked.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Stream text out of generated token ids, with stop strings, without re-decoding the whole sequence."""
+"""Stream text out of generated token ids, with stop strings, without re-decoding the whole
+sequence."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -74,7 +75,8 @@ class IncrementalDetokenizer:
         return self._release(chunk, final=False)
 
     def flush(self) -> str:
-        """Emit whatever is still held at the end of the stream (incomplete UTF-8 becomes U+FFFD)."""
+        """Emit whatever is still held at the end of the stream (incomplete UTF-8 becomes
+        U+FFFD)."""
         if self._finished or self.stopped:
             self._finished = True
             return ""

@@ -148,7 +148,8 @@ def _filtered_draw(x: torch.Tensor, p: torch.Tensor, k: torch.Tensor,
     rows, vocab = x.shape
     probs = x.softmax(dim=-1)
     kk = torch.where((k <= 0) | (k > vocab), vocab, k)
-    width = min(vocab, max(_CANDIDATES, int(kk[kk < vocab].max()) if bool((kk < vocab).any()) else 0))
+    width = min(vocab, max(_CANDIDATES,
+                           int(kk[kk < vocab].max()) if bool((kk < vocab).any()) else 0))
     vals, idx = probs.topk(width, dim=-1)
     inside = (kk <= width) | (vals.sum(dim=-1) >= p)
     out = torch.empty(rows, dtype=torch.long)
@@ -226,11 +227,12 @@ def apply_penalties(logits: torch.Tensor,
     negative one multiplied); then, over the output's tokens, minus ``frequency`` times
     each one's count and minus ``presence`` once (vLLM's and OpenAI's); then plus each
     ``bias``; then, while the output is shorter than ``min_tokens``, ``stop_ids`` to
-    -inf (a bias cannot bring them back). Ids outside the vocabulary are skipped, so no row can fail the batch. Each
-    of the three is one set of tensor ops over every row at once, on flat indices
-    ``row * vocab + token``: 64 rows of 300 tokens, all three on every row, cost 20.7 ms
-    one row at a time and ~4 ms so; a batch-64 decode step with them on every sequence
-    +3.3 ms over 172 (2-core AVX2 EPYC; ``scripts/run bench/step --penalties 64``)."""
+    -inf (a bias cannot bring them back). Ids outside the vocabulary are skipped, so no row
+    can fail the batch. Each of the three is one set of tensor ops over every row at once,
+    on flat indices ``row * vocab + token``: 64 rows of 300 tokens, all three on every row,
+    cost 20.7 ms one row at a time and ~4 ms so; a batch-64 decode step with them on every
+    sequence +3.3 ms over 172 (2-core AVX2 EPYC;
+    ``scripts/run bench/step --penalties 64``)."""
     with torch.inference_mode():       # the forward's logits are inference tensors
         x = logits if logits.is_contiguous() else logits.contiguous()
         _apply_penalties(x, rows)

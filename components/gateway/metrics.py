@@ -49,7 +49,8 @@ class _EngineCollector:
                           1.0 - kv.get("free_blocks", total) / total)
         yield self._gauge("weir:kv_free_blocks", "Free KV blocks (including evictable cached).",
                           kv.get("free_blocks", 0))
-        yield self._counter("weir:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield self._counter("weir:prefix_cache_queries",
+                            "Prompt tokens looked up in the prefix cache.",
                             kv.get("prefix_query_tokens", 0))
         yield self._counter("weir:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                             kv.get("prefix_hit_tokens", 0))
@@ -73,7 +74,8 @@ class _EngineCollector:
         yield self._gauge("weir:kv_cpu_tier_free_blocks", "Free host-tier blocks (incl. cached).",
                           kv.get("cpu_free_blocks", 0))
         yield self._gauge("weir:kv_cpu_tier_cached_blocks",
-                          "Host-tier blocks holding demoted prefix KV.", kv.get("cpu_cached_blocks", 0))
+                          "Host-tier blocks holding demoted prefix KV.",
+                          kv.get("cpu_cached_blocks", 0))
         yield self._gauge("weir:num_requests_swapped", "Sequences swapped out to the host tier.",
                           kv.get("swapped_seqs", 0))
         yield self._counter("weir:kv_swapped_out_blocks", "Blocks swapped out by preemption.",
@@ -89,7 +91,8 @@ class _EngineCollector:
         yield self._gauge("weir:kv_below_watermark", "1 while free blocks are under the "
                           "watermark (new sequences wait).", kv.get("below_watermark", 0))
         yield self._counter("weir:preemption_wasted_tokens",
-                            "Computed tokens discarded by preemption.", sched.get("wasted_tokens", 0))
+                            "Computed tokens discarded by preemption.",
+                            sched.get("wasted_tokens", 0))
         yield self._counter("weir:discarded_samples", "Tokens sampled for a sequence that "
                             "ended or was preempted while its step ran (overlapped steps).",
                             sched.get("discarded_samples", 0))

@@ -20,7 +20,8 @@ class ApiError(Exception):
                  param: str | None = None, code: str | None = None,
                  retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code = param, code
         self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
@@ -206,7 +207,8 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
     ``i * n + j`` of the response, as OpenAI and vLLM number them."""
     if req.model not in (None, "", served_model):
         raise ApiError(404, f"the model `{req.model[:100]}` does not exist; this server serves "
-                            f"`{served_model}`", "invalid_request_error", "model", "model_not_found")
+                            f"`{served_model}`", "invalid_request_error", "model",
+                     "model_not_found")
     if (why := _unsupported(req)) is not None:
         raise ApiError(400, why)
     params: dict[str, Any] = {"ignore_eos": req.ignore_eos}

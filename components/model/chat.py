@@ -14,8 +14,10 @@ def _raise_exception(message: str):
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(value: Any, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -28,7 +30,8 @@ class ChatTemplate:
     Raises ValueError if the template does not compile.
     """
 
-    def __init__(self, template_str: str, bos_token: str | None = None, eos_token: str | None = None):
+    def __init__(self, template_str: str, bos_token: str | None = None,
+                 eos_token: str | None = None):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
@@ -47,13 +50,17 @@ class ChatTemplate:
         ``tools``, ``tool_calls``): SmolLM2's reads neither."""
         return name in self.source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
-        """The prompt text for messages; extra variables (e.g. tools) are passed to the template.
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               **variables: Any) -> str:
+        """The prompt text for messages; extra variables (e.g. tools) are passed to the
+        template.
 
         Raises ValueError when the template fails or rejects the messages.
         """
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **variables)
+            return self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **variables)
         except Exception as e:
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e

@@ -49,7 +49,8 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """The weights to load: ``model`` if given (a .gguf file or an HF directory), else the default."""
+    """The weights to load: ``model`` if given (a .gguf file or an HF directory), else the
+    default."""
     if not model:
         return default_model_path()
     path = Path(model).expanduser()

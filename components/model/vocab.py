@@ -68,7 +68,8 @@ def _from_gguf(path: Path) -> TokenizerBundle:
     kind = get("tokenizer.ggml.model")
     pre = get("tokenizer.ggml.pre", "gpt2")
     if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (only gpt2 byte-level BPE)")
+        raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported "
+                         "(only gpt2 byte-level BPE)")
     if pre not in _GGUF_PRE_SPLITS_DIGITS:
         raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} is not supported; "
                          "load the model from a Hugging Face directory with tokenizer.json")
@@ -80,7 +81,8 @@ def _from_gguf(path: Path) -> TokenizerBundle:
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                unk_token=None, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([digits, byte_level])
                          if _GGUF_PRE_SPLITS_DIGITS[pre] else byte_level)
     tok.decoder = decoders.ByteLevel()
 

@@ -40,7 +40,8 @@ class SchedulerService(Component):
         self.loop = SchedulerLoop(cfg, epoch=time.time_ns())
         self.core = self.loop.core
         self.inbox_sock = self.inbox(SchedulerMsg)
-        self.peers = {"executor": self.push_to("executor"), "kv_manager": self.push_to("kv_manager"),
+        self.peers = {"executor": self.push_to("executor"),
+                      "kv_manager": self.push_to("kv_manager"),
                       "detokenizer": self.push_to("detokenizer"),
                       "admission": self.push_to("admission"), "streamer": self.push_to("streamer")}
         self.trace = StepTracer(self.loop, cfg.scheduler.max_num_batched_tokens)

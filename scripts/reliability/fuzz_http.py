@@ -324,7 +324,8 @@ deep_bodies = st.builds(
 big_bodies = st.builds(lambda n: b'{"prompt": "' + b"x" * n + b'", "max_tokens": 1}',
                        st.sampled_from([70_000, 3_000_000, 5_000_000]))
 other_bodies = st.one_of(st.binary(max_size=200), st.just(b""), st.just(b"null"),
-                         st.just(b"[]"), st.just(b"{}"), st.just(b'"x"'), st.just(b"\xef\xbb\xbf{}"),
+                         st.just(b"[]"), st.just(b"{}"), st.just(b'"x"'),
+                         st.just(b"\xef\xbb\xbf{}"),
                          st.sampled_from(UNICODE_BAD).map(lambda b: b'{"prompt": "' + b + b'"}'))
 
 
@@ -357,7 +358,8 @@ def headers(draw, rnd: random.Random, key: str) -> list[tuple[bytes, bytes]]:
     elif extra == 2:
         out.append((draw(st.sampled_from([b"Bad Name", b"B\x01d", b"(x)", b"", b":"])), b"v"))
     elif extra == 3:
-        out.append((b"X-Ctl", draw(st.sampled_from([b"a\x01b", b"a\x7fb", b"\xff\xfe", b"a\x00b"]))))
+        out.append((b"X-Ctl",
+                    draw(st.sampled_from([b"a\x01b", b"a\x7fb", b"\xff\xfe", b"a\x00b"]))))
     elif extra == 4:
         out.append((b"Expect", b"100-continue"))
     elif extra == 5:
@@ -417,7 +419,8 @@ def explicit_cases(key: str) -> list[Req]:
             label="top_k-2^63"),
         Req(headers=auth, body=b'{"prompt": "x", "max_tokens": 1, "seed": 1' + b"0" * 30 + b"}",
             label="seed-100-bits"),
-        Req(headers=auth, body=b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", label="deep-1000"),
+        Req(headers=auth, body=b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+            label="deep-1000"),
     ]
 
 

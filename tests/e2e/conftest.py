@@ -9,7 +9,9 @@ PUBLIC_SYSTEM = ("You are the help desk of the city library. Answer questions ab
 BASE_TOML = f"""
 [kv]
 num_blocks = 512
-public_prefixes = [{{ name = "library", system_prompt = "{PUBLIC_SYSTEM}", tenants = ["acme", "globex"] }}]
+public_prefixes = [
+  {{ name = "library", system_prompt = "{PUBLIC_SYSTEM}", tenants = ["acme", "globex"] }},
+]
 [engine]
 max_model_len = 1024
 [scheduler]

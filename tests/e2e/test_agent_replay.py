@@ -43,7 +43,8 @@ tenants = [{ name = "agent" }]
 """
     cached = Engine(tmp_path_factory.mktemp("cached"), base, wait=False)
     uncached = Engine(tmp_path_factory.mktemp("uncached"),
-                      base.replace("num_blocks = 512", "num_blocks = 512\nenable_prefix_cache = false"),
+                      base.replace("num_blocks = 512",
+                                   "num_blocks = 512\nenable_prefix_cache = false"),
                       wait=False)
     with side_by_side(cached, uncached):
         yield cached, uncached

@@ -100,7 +100,10 @@ max_num_seqs = {slots}
 # policy would refuse A's flood past its running cap, which its class does not queue)
 policy = "fcfs"
 max_outstanding = 256
-tenants = [{{ name = "A", weight = 1.0, kv_blocks = {kv}, max_running = {cap} }}, {{ name = "B", weight = 2.0 }}]
+tenants = [
+  {{ name = "A", weight = 1.0, kv_blocks = {kv}, max_running = {cap} }},
+  {{ name = "B", weight = 2.0 }},
+]
 """
 A_KV, A_CAP = 64, 3
 SLOTS = 4           # running sequences, both engines: new work waits for a slot

@@ -12,7 +12,8 @@ from tests.e2e.engine import wait_for
 
 
 def test_openai_client_chat_and_completion(gw, oai):
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+    chat = oai.chat.completions.create(model=MODEL,
+                                       messages=[{"role": "user", "content": "Name a fruit."}],
                                        max_tokens=20, temperature=0)
     parts = [c.choices[0].delta.content or "" for c in oai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=20,
@@ -37,7 +38,8 @@ def test_openai_client_chat_and_completion(gw, oai):
     again2 = oai.completions.create(model=MODEL, prompt="The capital of France is " * 8,
                                     max_tokens=2, temperature=0)
     assert again2.usage.prompt_tokens_details.cached_tokens >= 16
-    assert again.usage.prompt_tokens_details.cached_tokens < again2.usage.prompt_tokens_details.cached_tokens
+    assert (again.usage.prompt_tokens_details.cached_tokens
+            < again2.usage.prompt_tokens_details.cached_tokens)
 
 
 def test_parallel_sampling_n(gw, oai):
@@ -252,8 +254,9 @@ def test_models_health_ready_and_request_id(gw):
     assert r.json()["data"][0]["id"] == MODEL
     assert httpx.get(gw.base_url + "/health").json() == {"status": "ok"}
     assert httpx.get(gw.base_url + "/ready").status_code == 200
-    r = httpx.post(gw.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
-                   "x-request-id": "abc-123"}, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    r = httpx.post(gw.base_url + "/v1/completions",
+                   headers={"Authorization": f"Bearer {KEY}", "x-request-id": "abc-123"},
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
 
 
@@ -337,7 +340,8 @@ def _metrics(gw) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + ("" if "finished_reason" not in s.labels else f"[{s.labels['finished_reason']}]")
+            key = s.name + ("" if "finished_reason" not in s.labels
+                            else f"[{s.labels['finished_reason']}]")
             out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -358,8 +362,9 @@ def test_metrics_parse_and_move(gw, oai):
                  "weir:kv_below_watermark", "weir:num_preemptions_total",
                  "weir:kv_swapped_out_blocks_total"):
         assert name in before, name
-    oai.completions.create(model=MODEL, prompt="Count with me: one, two, three, four, five, six, seven,", max_tokens=5, temperature=0,
-                           extra_body={"ignore_eos": True})
+    oai.completions.create(model=MODEL,
+                           prompt="Count with me: one, two, three, four, five, six, seven,",
+                           max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     # the gateway's own histograms move at once; the engine's counters arrive with the
     # next heartbeat
     after = wait_for(lambda: (m := _metrics(gw)).get("weir:generation_tokens_total", 0)
@@ -367,14 +372,19 @@ def test_metrics_parse_and_move(gw, oai):
                      and m.get("weir:request_e2e_seconds_count", 0)
                      >= before.get("weir:request_e2e_seconds_count", 0) + 1 and m,
                      what="the engine's counters counting the request")
-    assert after["weir:e2e_request_latency_seconds_count"] == before["weir:e2e_request_latency_seconds_count"] + 1
-    assert after["weir:generation_tokens_total"] == before.get("weir:generation_tokens_total", 0) + 5
-    assert after["weir:request_success_total[length]"] == before.get("weir:request_success_total[length]", 0) + 1
-    assert after["weir:inter_token_latency_seconds_count"] >= before["weir:inter_token_latency_seconds_count"] + 4
+    assert (after["weir:e2e_request_latency_seconds_count"]
+            == before["weir:e2e_request_latency_seconds_count"] + 1)
+    assert (after["weir:generation_tokens_total"]
+            == before.get("weir:generation_tokens_total", 0) + 5)
+    assert (after["weir:request_success_total[length]"]
+            == before.get("weir:request_success_total[length]", 0) + 1)
+    assert (after["weir:inter_token_latency_seconds_count"]
+            >= before["weir:inter_token_latency_seconds_count"] + 4)
     assert after["weir:prefix_cache_queries_total"] > before["weir:prefix_cache_queries_total"]
     # the streamer times HTTP traffic too (the gateway is its client); its counts ride on
     # heartbeats, so requests of earlier tests may still be landing in ``before``: at least one
-    assert after["weir:request_e2e_seconds_count"] >= before.get("weir:request_e2e_seconds_count", 0) + 1
+    assert (after["weir:request_e2e_seconds_count"]
+            >= before.get("weir:request_e2e_seconds_count", 0) + 1)
 
 
 ENGINE_WIDE = ("weir:request_ttft_seconds_count", "weir:request_tpot_seconds_count",

@@ -55,7 +55,8 @@ async def _many(endpoint, prompts, **params):
 
 def test_preemption_keeps_greedy_outputs_exact(small_engine):
     # 12 sequences of ~40 prompt + 100 output tokens need ~108 blocks; the pool has 64.
-    prompts = [f"Story number {i}: once upon a time in a land far away, there lived a" for i in range(12)]
+    prompts = [f"Story number {i}: once upon a time in a land far away, there lived a"
+               for i in range(12)]
     params = dict(max_tokens=100, temperature=0.0, ignore_eos=True)
     together = anyio.run(lambda: _many(small_engine.endpoint, prompts, **params))
     sched = small_engine.status()["scheduler"].stats

@@ -1,7 +1,7 @@
 """Preemption on the live engine: a deliberately tiny KV pool and a small host tier, 16
 concurrent long greedy generations, four held to a regex. Every request finishes with the
-same tokens as on an unconstrained engine; victims are both swapped to the host tier and recomputed, and the
-engine reports both; every block (both tiers) is back at the end."""
+same tokens as on an unconstrained engine; victims are both swapped to the host tier and
+recomputed, and the engine reports both; every block (both tiers) is back at the end."""
 import re
 
 import anyio

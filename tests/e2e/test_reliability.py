@@ -187,7 +187,8 @@ def test_an_idempotent_attach_flood_neither_starves_other_tenants_nor_kills_the_
             # the flooder is a client, elsewhere in the world: here it runs on the engine's
             # two cores, so it runs at the lowest priority, not as a third busy process
             flood = await anyio.run_process(
-                ["nice", "-n", "19", sys.executable, "-c", FLOODER, eng.endpoint, ACME, str(FLOOD), "4"],
+                ["nice", "-n", "19", sys.executable, "-c", FLOODER, eng.endpoint, ACME,
+                 str(FLOOD), "4"],
                 env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
             stop.set()
         return int(flood.stdout)

@@ -103,8 +103,9 @@ def test_cache_aware_routing_beats_round_robin(replicas, tmp_path, model_path):
     # again. 9 sessions on 4 replicas, so that the rotation does not line a session's turns
     # up on one replica. Measured on seeds 11-13: 0.70-0.73 against 0.15-0.28 per run
     # (2.5x at the closest); with 88-block pools, where eviction barely bites, round robin
-    # reached 0.42 (docs/perf-log.md, "Router: prefix hit rates"). One run alone can come closer (seed 11
-    # alone on a 2-core EPYC: 0.586 against 0.339, 1.7x), so the test sums two workloads
+    # reached 0.42 (docs/perf-log.md, "Router: prefix hit rates"). One run alone can come
+    # closer (seed 11 alone on a 2-core EPYC: 0.586 against 0.339, 1.7x), so the test sums
+    # two workloads
     # (the same machine: 0.716 against 0.252 over both). On a 2-core AMX Xeon (2026-12-03)
     # round robin's share varies more with the arrival order: 0.342 (one run 0.455), 0.304,
     # 0.311 against 0.670, 0.710, 0.720 (1.96-2.36x). So: cache-aware near the ceiling, and

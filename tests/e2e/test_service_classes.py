@@ -30,8 +30,15 @@ max_model_len = 1024
 [admission]
 policy = "deadline"
 kv_safety = 0.0
-classes = [{ name = "interactive", priority = 0, ttft_slo_ms = 5000, max_queue_ms = 2000 }, { name = "batch", priority = 10, max_queue_ms = 60000, may_degrade = true, min_max_tokens = 4 }]
-tenants = [{ name = "default", classes = ["interactive", "batch"] }, { name = "bulk", classes = ["batch"] }, { name = "tight", classes = ["batch"], kv_blocks = 3 }]
+classes = [
+  { name = "interactive", priority = 0, ttft_slo_ms = 5000, max_queue_ms = 2000 },
+  { name = "batch", priority = 10, max_queue_ms = 60000, may_degrade = true, min_max_tokens = 4 },
+]
+tenants = [
+  { name = "default", classes = ["interactive", "batch"] },
+  { name = "bulk", classes = ["batch"] },
+  { name = "tight", classes = ["batch"], kv_blocks = 3 },
+]
 """
 PROMPT_IDS = list(range(1000, 1010))        # 10 tokens: no full block, so nothing cached
 DEGRADED_TO = 38

@@ -117,7 +117,8 @@ def test_step_spans_account_for_every_token(traced):
     assert any(s["attributes"]["weir.step.num_decode"] > 1 for s in steps)   # batched together
     for s in steps:
         a = s["attributes"]
-        assert a["weir.step.tokens_used"] == sum(a["weir.step.seq_tokens"]) <= a["weir.step.token_budget"]
+        assert (a["weir.step.tokens_used"] == sum(a["weir.step.seq_tokens"])
+                <= a["weir.step.token_budget"])
         assert a["weir.step.measured_ms"] > 0 and "weir.step.predicted_ms" in a
         assert a["weir.step.free_kv_blocks"] >= 0
 
@@ -231,5 +232,6 @@ def test_admission_knows_the_cached_prefix(traced):
     n = second.usage.prompt_tokens
     a1, a2 = decide_of(spans, first.request_id), decide_of(spans, second.request_id)
     assert a1["weir.admission.cached_prompt_tokens"] == 0
-    assert a2["weir.admission.cached_prompt_tokens"] == (n - 1) // 16 * 16 == second.usage.cached_tokens
+    assert (a2["weir.admission.cached_prompt_tokens"] == (n - 1) // 16 * 16
+            == second.usage.cached_tokens)
     assert a2["weir.admission.uncached_prompt_tokens"] == n - second.usage.cached_tokens

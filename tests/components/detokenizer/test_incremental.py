@@ -36,8 +36,10 @@ def full_decode(bundle, ids, skip=True):
 
 
 def stream(bundle, ids, sizes=None, skip=True, stop=()):
-    """Push ids in chunks (one at a time unless sizes); return (chunks emitted, flush text, detok)."""
-    detok = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, skip_special_tokens=skip, stop=stop)
+    """Push ids in chunks (one at a time unless sizes); return (chunks emitted, flush text,
+    detok)."""
+    detok = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids,
+                                   skip_special_tokens=skip, stop=stop)
     chunks, i = [], 0
     sizes = iter(sizes) if sizes is not None else None
     while i < len(ids):
@@ -247,7 +249,8 @@ def cycle(sizes):
         yield from sizes
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=40), _sizes)
 def test_property_text_roundtrip(bundle, text, sizes):
     ids = bundle.encode(text)
@@ -255,14 +258,16 @@ def test_property_text_roundtrip(bundle, text, sizes):
     assert "".join(c.text for c in chunks) + tail == full_decode(bundle, ids)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.integers(0, 49151), max_size=30), _sizes, st.booleans())
 def test_property_arbitrary_ids(bundle, ids, sizes, skip):
     chunks, tail, _ = stream(bundle, ids, cycle(sizes), skip=skip)
     assert "".join(c.text for c in chunks) + tail == full_decode(bundle, ids, skip)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(min_size=1, max_size=40), st.data())
 def test_property_stop_truncates_at_first_occurrence(bundle, text, data):
     ids = bundle.encode(text)

@@ -35,7 +35,8 @@ def _service() -> DetokenizerService:
 def test_prompt_logprobs_name_the_prompt_and_its_tokens():
     svc = _service()
     ids = svc.bundle.encode("The sea is blue")
-    entries = [SampleLogprobs(-float(i), [ids[i], 7], [-float(i), -9.0]) for i in range(1, len(ids))]
+    entries = [SampleLogprobs(-float(i), [ids[i], 7], [-float(i), -9.0])
+               for i in range(1, len(ids))]
     out = TokenOut("r", [11], DetokParams((), True, len(ids), 0), prompt=(ids, entries))
     (delta,) = svc.process(TokenBatch([out]))[0]
     p = delta.prompt

@@ -232,8 +232,9 @@ def test_native_candidates_hold_every_survivor(spread):
     nucleus is most of the vocabulary; 8: a few tokens), and integer logits put top-k's cut
     through a tie, broken by the lower index. With u = 1 - 1e-4 the draw is near the
     nucleus's end, so a survivor left out of the candidates moves it (u = 1 itself picks
-    where a float32 sum stops growing, as torch's cumsum does); u = 0.5 checks the middle. A flat row's nucleus boundary may move a few places with float32 sums over
-    ~40k tokens; top-k alone has no such boundary and must match to float32's resolution."""
+    where a float32 sum stops growing, as torch's cumsum does); u = 0.5 checks the middle. A
+    flat row's nucleus boundary may move a few places with float32 sums over ~40k tokens;
+    top-k alone has no such boundary and must match to float32's resolution."""
     from kernels import cpu_native, native_lib
     if not native_lib.available():
         pytest.skip("native sampler unavailable")

@@ -45,7 +45,8 @@ def bundle():
 
 @pytest.fixture(scope="module")
 def hf(bundle):
-    return PreTrainedTokenizerFast(tokenizer_object=bundle.tokenizer, chat_template=bundle.chat_template,
+    return PreTrainedTokenizerFast(tokenizer_object=bundle.tokenizer,
+                                   chat_template=bundle.chat_template,
                                    bos_token=bundle.bos_token, eos_token=bundle.eos_token)
 
 
@@ -58,7 +59,8 @@ def template(bundle):
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_model_template_matches_hf(template, hf, name, add_generation_prompt):
     messages = CONVERSATIONS[name]
-    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    expected = hf.apply_chat_template(messages, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt)
     assert template.render(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
@@ -79,7 +81,8 @@ def test_custom_template_matches_hf(hf, name):
 
 
 def test_tojson_keeps_unicode():
-    rendered = ChatTemplate("{{ messages[0].content | tojson }}").render([{"role": "user", "content": "é😀\"x"}])
+    rendered = ChatTemplate("{{ messages[0].content | tojson }}").render(
+        [{"role": "user", "content": "é😀\"x"}])
     assert rendered == '"é😀\\"x"'
 
 
@@ -89,8 +92,8 @@ def test_broken_template_is_value_error():
 
 
 def test_raise_exception_is_value_error():
-    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}"
-                            "{% endif %}ok")
+    template = ChatTemplate("{% if messages[0].role != 'user' %}"
+                            "{{ raise_exception('first must be user') }}{% endif %}ok")
     assert template.render([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ValueError, match="first must be user"):
         template.render([{"role": "assistant", "content": "x"}])
@@ -128,7 +131,7 @@ def test_ids_a_request_names_are_checked_against_the_vocabulary():
 
 TOOL_TEMPLATE = """{% if tools %}[TOOLS]{{ tools | tojson }}
 {% endif %}{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.id }}>{{ c.function.name }}{{ c.function.arguments | tojson }}</call>{% endfor %}{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}
-{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"""
+{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"""  # noqa: E501 - its newlines are output
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

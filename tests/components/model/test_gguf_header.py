@@ -1,6 +1,6 @@
-"""components.model.gguf_header against the gguf package's own reader and writer: every metadata value
-and tensor entry equal, on a written file with every value type and on the default model;
-a file that is cut short or is not GGUF is a ValueError."""
+"""components.model.gguf_header against the gguf package's own reader and writer: every
+metadata value and tensor entry equal, on a written file with every value type and on the
+default model; a file that is cut short or is not GGUF is a ValueError."""
 from __future__ import annotations
 
 import gguf

@@ -54,7 +54,8 @@ def test_same_block_at_different_positions_hashes_differently():
 
 def test_scope_and_model_separate_every_block():
     base = block_hashes(TOKENS, 2, "tenant-a", "model-x")
-    for other in (block_hashes(TOKENS, 2, "tenant-b", "model-x"), block_hashes(TOKENS, 2, "tenant-a", "model-y")):
+    for other in (block_hashes(TOKENS, 2, "tenant-b", "model-x"),
+                  block_hashes(TOKENS, 2, "tenant-a", "model-y")):
         assert all(a != b for a, b in zip(base, other))
 
 
@@ -85,8 +86,9 @@ def test_same_in_fresh_process_with_random_hash_seed():
     code = ("from components.model.hashing import block_hashes;"
             "print(block_hashes(list(range(10)), 4, 'tenant-a', 'smollm2-135m'))")
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             cwd=ROOT, env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=ROOT,
+                             env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)})
         assert out.stdout.strip() == str(GOLDEN)
 
 

@@ -114,7 +114,8 @@ _pieces = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(_pieces, max_size=8).map("".join))
 def test_random_text_ids_equal_reference(bundle, reference, text):
     assert bundle.encode(text) == reference.encode(text, add_special_tokens=False).ids
