@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -67,7 +67,8 @@ class Topology(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def client_connect(self) -> str:
-        """The client endpoint as a client dials it (a wildcard bind host becomes the streamer's host)."""
+        """The client endpoint as a client dials it (a wildcard bind host becomes the
+        streamer's host)."""
         ep = self.client_endpoint
         for wildcard in ("0.0.0.0", "*"):
             if f"//{wildcard}:" in ep:
@@ -150,7 +151,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")
-        _require(self.max_num_batched_tokens >= self.max_num_seqs or self.max_num_batched_tokens >= 16,
+        _require(self.max_num_batched_tokens >= self.max_num_seqs
+                 or self.max_num_batched_tokens >= 16,
                  "scheduler.max_num_batched_tokens is too small")
         _require(self.lookahead_tokens >= 1, "scheduler.lookahead_tokens must be >= 1")
         _require(0 <= self.async_depth <= 2, "scheduler.async_depth must be 0 (auto), 1 or 2")
@@ -617,18 +619,20 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
-        # a pool given in GiB is checked where its blocks are known (components.model.kv_sizing.sized)
+        # a pool given in GiB is checked where its blocks are known
+        # (components.model.kv_sizing.sized)
         _require(self.kv.memory_gib > 0
                  or self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
                  "engine.max_model_len exceeds the KV pool (kv.num_blocks * kv.block_size)")
 
 
-def load_config(path: str | os.PathLike | None = None, **overrides: dict) -> WeirConfig:
+def load_config(path: str | os.PathLike[str] | None = None,
+                **overrides: dict[str, Any]) -> WeirConfig:
     """Build a config from defaults, an optional TOML file, then section overrides.
 
     ``overrides`` maps a section name to a dict of fields, e.g. ``engine={"dtype": "bfloat16"}``.
     """
-    raw: dict = {}
+    raw: dict[str, Any] = {}
     if path is not None:
         try:
             raw = msgspec.toml.decode(Path(path).read_bytes())

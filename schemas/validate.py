@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from schemas.client import SamplingParams, StructuredOutput
 from schemas.limits import (
@@ -138,7 +139,7 @@ def check_structured(so: StructuredOutput) -> str | None:
     return None
 
 
-def _bias_bad(bias: dict[Any, Any], key_ok) -> str | None:
+def _bias_bad(bias: dict[Any, Any], key_ok: Callable[[Any], bool]) -> str | None:
     if len(bias) > MAX_LOGIT_BIAS:
         return f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries"
     for key, value in bias.items():

@@ -15,16 +15,43 @@ scans by inbox; split, a message's neighbours on its socket would be in another 
 """
 from __future__ import annotations
 
-from typing import Generic, TypeVar, Union
+from typing import Generic, TypeVar
 
 import msgspec
 
-from schemas.client import (  # noqa: F401  (the client protocol, re-exported)
-    Accepted, Cancel, Cancelled, ChatMessage, ChoiceEnd, ClientMsg, ComponentStatus, Failed,
-    FinishReason, Finished, Heartbeat, PromptLogprobs, ProtocolError, RejectReason, Rejected,
-    RequestTiming, SamplingParams, ServerHeartbeat, ServerMsg, StatusQuery, StatusReport,
-    StructuredOutput, Submit, TenantUsage, Terminal, TextDelta, TokenLogprob, Tool, ToolCall,
-    TopLogprob, Usage)
+from schemas.client import (  # noqa: F401 - the client protocol, re-exported
+    Accepted,
+    Cancel,
+    Cancelled,
+    ChatMessage,
+    ChoiceEnd,
+    ClientMsg,
+    ComponentStatus,
+    Failed,
+    Finished,
+    FinishReason,
+    Heartbeat,
+    PromptLogprobs,
+    ProtocolError,
+    Rejected,
+    RejectReason,
+    RequestTiming,
+    SamplingParams,
+    ServerHeartbeat,
+    ServerMsg,
+    StatusQuery,
+    StatusReport,
+    StructuredOutput,
+    Submit,
+    TenantUsage,
+    Terminal,
+    TextDelta,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    TopLogprob,
+    Usage,
+)
 
 T = TypeVar("T")
 
@@ -133,7 +160,7 @@ class CancelRequest(msgspec.Struct, tag="cancel_request", frozen=True):
     reason: str
 
 
-TokenizerMsg = Union[NewRequest, CancelRequest]
+TokenizerMsg = NewRequest | CancelRequest
 
 
 class BlockCopy(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -279,7 +306,7 @@ class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
     cached_tokens: int
 
 
-AdmissionMsg = Union[Tokenized, CancelRequest, Released, SchedulerLoad, CacheAnswer, Holding]
+AdmissionMsg = Tokenized | CancelRequest | Released | SchedulerLoad | CacheAnswer | Holding
 
 
 # ---------------------------------------------------------------- scheduler inbox
@@ -404,8 +431,8 @@ class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
     total_blocks: int
 
 
-SchedulerMsg = Union[Admitted, CancelRequest, StopRequest, StepResult, KvGrants, KvManagerUp,
-                     ExecutorReady]
+SchedulerMsg = (Admitted | CancelRequest | StopRequest | StepResult | KvGrants | KvManagerUp
+                | ExecutorReady)
 
 
 # ---------------------------------------------------------------- kv_manager inbox
@@ -479,7 +506,7 @@ class CacheQuery(msgspec.Struct, tag="cache_query", frozen=True, gc=False):
     public_blocks: int = 0
 
 
-KvMsg = Union[KvOps, KvHello, CacheQuery]
+KvMsg = KvOps | KvHello | CacheQuery
 
 
 class KvEvents(msgspec.Struct, tag="kv_events", frozen=True, gc=False):
@@ -496,7 +523,7 @@ class KvEvents(msgspec.Struct, tag="kv_events", frozen=True, gc=False):
     snapshot: bool = False
 
 
-KvEventsMsg = Union[KvEvents]
+KvEventsMsg = KvEvents
 
 
 # ---------------------------------------------------------------- executor inbox
@@ -555,7 +582,7 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
     copies: list[BlockCopy] = []
 
 
-ExecutorMsg = Union[StepPlan]
+ExecutorMsg = StepPlan
 
 
 # ---------------------------------------------------------------- detokenizer inbox
@@ -598,7 +625,7 @@ class ForgetRequest(msgspec.Struct, tag="forget_request", frozen=True):
     request_id: str
 
 
-DetokenizerMsg = Union[TokenBatch, ForgetRequest]
+DetokenizerMsg = TokenBatch | ForgetRequest
 
 
 # ---------------------------------------------------------------- streamer internal inbox
@@ -606,7 +633,7 @@ DetokenizerMsg = Union[TokenBatch, ForgetRequest]
 class EventBatch(msgspec.Struct, tag="event_batch", frozen=True, gc=False):
     """Client-bound events from the engine, in order."""
 
-    events: list[Union[Accepted, TextDelta, Finished, Rejected, Cancelled, Failed]]
+    events: list[Accepted | TextDelta | Finished | Rejected | Cancelled | Failed]
 
 
 class ClusterStatus(msgspec.Struct, tag="cluster_status", frozen=True):
@@ -616,7 +643,7 @@ class ClusterStatus(msgspec.Struct, tag="cluster_status", frozen=True):
     draining: bool
 
 
-StreamerMsg = Union[EventBatch, ClusterStatus]
+StreamerMsg = EventBatch | ClusterStatus
 
 
 # ---------------------------------------------------------------- supervisor and control plane
@@ -640,7 +667,7 @@ class ComponentPulse(msgspec.Struct, tag="component_pulse", frozen=True):
     cpu_s: float
 
 
-SupervisorMsg = Union[ComponentHeartbeat, ComponentPulse]
+SupervisorMsg = ComponentHeartbeat | ComponentPulse
 
 
 class Drain(msgspec.Struct, tag="drain", frozen=True):
@@ -657,4 +684,4 @@ class PeerRestarted(msgspec.Struct, tag="peer_restarted", frozen=True):
     name: str
 
 
-ControlMsg = Union[Drain, Stop, PeerRestarted]
+ControlMsg = Drain | Stop | PeerRestarted

@@ -122,12 +122,12 @@ def reject(req: Tokenized, reason: RejectReason, message: str, after_s: float | 
 def ttft_deadline_ms(own_ms: float | None, cls: ServiceClass,
                      alone_s: float | None) -> float | None:
     """A request's TTFT deadline (``schemas.resolve.ttft_deadline_ms``): its own
-    ``deadline_ms`` as the client set it; else its class's ``ttft_slo_ms``, stretched for a prompt whose own prefill on this machine
-    (``alone_s``: ``TtftModel.alone_s``, nothing ahead of it; None: not measured yet)
-    takes more than half of it, to that prefill plus half the target. A class's target is
-    what interactive work may wait; a prompt is never refused for its size alone (8k
-    tokens on two CPU cores take longer than a 3 s target with nothing else running), and
-    it still may not wait longer than a short one could."""
+    ``deadline_ms`` as the client set it; else its class's ``ttft_slo_ms``, stretched for a
+    prompt whose own prefill on this machine (``alone_s``: ``TtftModel.alone_s``, nothing
+    ahead of it; None: not measured yet) takes more than half of it, to that prefill plus
+    half the target. A class's target is what interactive work may wait; a prompt is never
+    refused for its size alone (8k tokens on two CPU cores take longer than a 3 s target
+    with nothing else running), and it still may not wait longer than a short one could."""
     deadline = own_else_class_ms(own_ms, cls)
     if own_ms is not None or deadline is None or alone_s is None:
         return deadline

@@ -62,23 +62,31 @@ import msgspec
 
 from components.admission.capacity import Capacity, TenantBuckets
 from components.admission.deadline import DeadlineRule
-from components.admission.decision import (Decision, Estimate, Grant, Kind, due_ns,
-                                           e2e_deadline_ms, effective_deadline_ms,
-                                           first_token_bound_ms, reject, ttft_deadline_ms)
-from components.costs.estimate import OutputStats
-from components.tenancy.bucket import TokenBucket
+from components.admission.decision import (
+    Decision,
+    Estimate,
+    Grant,
+    Kind,
+    due_ns,
+    e2e_deadline_ms,
+    effective_deadline_ms,
+    first_token_bound_ms,
+    reject,
+    ttft_deadline_ms,
+)
 from components.admission.ledger import Ledger
 from components.admission.live import LiveEngine
 from components.admission.queue import AdmissionQueue
-from components.tenancy.retry import DrainRate
 from components.admission.stats import decision_stats, live_stats, ttft_stats
 from components.admission.ttft import TtftModel
-from schemas.validate import check_length
+from components.costs.estimate import OutputStats
+from components.tenancy.bucket import TokenBucket
 from components.tenancy.fairness import VirtualCounters
+from components.tenancy.retry import DrainRate
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.resolve import resolve
-from schemas.wire import (Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized,
-                          deadline_ns)
+from schemas.validate import check_length
+from schemas.wire import Admitted, HeldRequest, Rejected, SchedulerLoad, Tokenized, deadline_ns
 
 
 class AdmissionPolicy:
@@ -183,7 +191,8 @@ class AdmissionPolicy:
 
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
-        resolved = resolve(cfg.admission, req.tenant, req.header.asked_class, req.header.ttft_deadline_ms)
+        resolved = resolve(cfg.admission, req.tenant, req.header.asked_class,
+                           req.header.ttft_deadline_ms)
         tenant, cls = resolved.tenant, resolved.granted
         if tenant is None or cls is None:
             return reject(req, resolved.refusal, resolved.message)
@@ -239,7 +248,8 @@ class AdmissionPolicy:
                     cached: int) -> float | None:
         """The request's TTFT deadline (``decision.ttft_deadline_ms``: its own, else its
         class's target stretched for a prompt whose own prefill takes most of it)."""
-        return ttft_deadline_ms(req.header.ttft_deadline_ms, cls, self.ttft.alone_s(uncached, cached))
+        return ttft_deadline_ms(req.header.ttft_deadline_ms, cls,
+                                self.ttft.alone_s(uncached, cached))
 
     # ------------------------------------------------------------------ ledger
     def _admit(self, req: Tokenized, decision: Decision, now: float) -> None:

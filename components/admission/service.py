@@ -13,8 +13,18 @@ from bus import tracing
 from bus.component import Component
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
-from schemas.wire import (Accepted, AdmissionMsg, CacheAnswer, CacheQuery, CancelRequest,
-                          EventBatch, Holding, Released, SchedulerLoad, Tokenized)
+from schemas.wire import (
+    Accepted,
+    AdmissionMsg,
+    CacheAnswer,
+    CacheQuery,
+    CancelRequest,
+    EventBatch,
+    Holding,
+    Released,
+    SchedulerLoad,
+    Tokenized,
+)
 
 log = structlog.get_logger("admission")
 _TRACER = trace.get_tracer("weir.admission")

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import Literal
 
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import Event, Seq, State, in_running
-from schemas.wire import (DetokParams, PromptChunkLogprobs, RequestTiming, SampleLogprobs,
-                          StepResult, TokenOut, Usage)
+from schemas.wire import (
+    DetokParams,
+    PromptChunkLogprobs,
+    RequestTiming,
+    SampleLogprobs,
+    StepResult,
+    TokenOut,
+    Usage,
+)
 
 
 @dataclass
@@ -171,7 +179,7 @@ class OutputStage:
                 self.finish(s, out)
         return out
 
-    def _stop_reason(self, seq: Seq, token: int) -> str | None:
+    def _stop_reason(self, seq: Seq, token: int) -> Literal["stop", "length"] | None:
         p = seq.params
         # ``token`` is counted in num_output: min_tokens tokens come before a stop token
         # (the executor bans them until then; this holds if a sampler did not)

@@ -156,7 +156,7 @@ class Seq:
     held: HeldRequest | None = None  # admission's ledger entry (the request's first seq only)
     rescued: bool = False          # an urgency preemption made room for it: it goes first
     forked: bool = False           # n > 1: the first sample (and the fork) happened
-    group: list["Seq"] = field(default_factory=list)   # every choice of the request
+    group: list[Seq] = field(default_factory=list)   # every choice of the request
     # prompt_logprobs so far, for positions 1.. of the prompt (the executor's chunks, in
     # order; a chunk recomputed after preemption is not taken twice); None when not owed
     # (not asked for, or sent with the request's first token)

@@ -45,8 +45,7 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import accumulate
 
-from schemas.client import (STRUCTURED_OUTPUT_ERROR, Accepted, Cancelled, Failed, Finished,
-                            Rejected)
+from schemas.client import STRUCTURED_OUTPUT_ERROR, Accepted, Cancelled, Failed, Finished, Rejected
 from schemas.config import AdmissionConfig, ServiceClass
 from schemas.resolve import ttft_deadline_ms
 

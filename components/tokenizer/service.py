@@ -7,12 +7,18 @@ import structlog
 from opentelemetry import trace
 
 from bus import tracing
-
 from bus.component import Component
 from components.model import structured
 from components.model.prompt import PromptHasher
-from schemas.wire import (CancelRequest, EventBatch, NewRequest, Rejected, StructuredOutput,
-                          Tokenized, TokenizerMsg)
+from schemas.wire import (
+    CancelRequest,
+    EventBatch,
+    NewRequest,
+    Rejected,
+    StructuredOutput,
+    Tokenized,
+    TokenizerMsg,
+)
 
 log = structlog.get_logger("tokenizer")
 _TRACER = trace.get_tracer("weir.tokenizer")

@@ -10,12 +10,26 @@ import msgspec
 import pytest
 
 from bus.codec import Codec, encode
-from tests import messages as msgs
 from schemas.client import ServerMsg
-from schemas.wire import (Accepted, AdmissionMsg, Admitted, ChoiceEnd, ClientMsg,
-                          DetokenizerMsg, EventBatch, Finished, NewRequest, RequestTiming,
-                          SamplingParams, SchedulerMsg, StreamerMsg, Submit, TokenBatch,
-                          Tokenized, TokenizerMsg, TokenOut, Usage)
+from schemas.wire import (
+    Accepted,
+    AdmissionMsg,
+    ChoiceEnd,
+    ClientMsg,
+    DetokenizerMsg,
+    EventBatch,
+    Finished,
+    RequestTiming,
+    SamplingParams,
+    SchedulerMsg,
+    StreamerMsg,
+    Submit,
+    TokenBatch,
+    TokenizerMsg,
+    TokenOut,
+    Usage,
+)
+from tests import messages as msgs
 
 
 def across(union, body):

@@ -24,27 +24,40 @@ from __future__ import annotations
 import heapq
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
-from schemas.validate import check_params
+from components.costs.cost_model import plan_shape
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import tenant_budgets
 from components.scheduler.chunking import step_budget
 from components.scheduler.core import Outcome, SchedulerCore
-from components.costs.cost_model import plan_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
 from components.scheduler.late import LateDrops
-from components.scheduler.load import (LOAD_INTERVAL_S, PoolCounts, load_report,
-                                       released_outputs, released_ttft)
+from components.scheduler.load import (
+    LOAD_INTERVAL_S,
+    PoolCounts,
+    load_report,
+    released_outputs,
+    released_ttft,
+)
 from schemas.config import WeirConfig
-from schemas.wire import (RequestHeader, SamplingParams, StepPlan, StepResult, Tokenized,
-                          deadline_ns)
+from schemas.validate import check_params
+from schemas.wire import RequestHeader, SamplingParams, StepPlan, StepResult, Tokenized, deadline_ns
 from weir.replay.profile import CostProfile
-from weir.replay.types import (CANCELLED, COMPLETED, FAILED, REJECTED, RequestRecord, RunResult,
-                               Scaling, TimelinePoint, TraceRequest)
+from weir.replay.types import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    REJECTED,
+    RequestRecord,
+    RunResult,
+    Scaling,
+    TimelinePoint,
+    TraceRequest,
+)
 
 SAMPLED_TOKEN = 1          # what the simulated executor "samples"; never an eos (ignore_eos)
 _NS = 1_000_000_000

@@ -2,10 +2,10 @@
 pool of 16-token blocks, no KV safety margin."""
 from __future__ import annotations
 
-from tests import messages as msgs
 from components.admission.policy import AdmissionPolicy
 from schemas.config import load_config
 from schemas.wire import SamplingParams
+from tests import messages as msgs
 
 BS = 16
 CLASSES = [
@@ -29,8 +29,9 @@ def policy(kind="deadline", num_blocks=100, tenants=None, classes=CLASSES, fairn
 
 def req(rid="r", tenant="a", prompt=32, max_tokens=32, cls=None, n=1, deadline=None,
         priority=0):
-    return msgs.tokenized(rid, tenant, list(range(prompt)), [], SamplingParams(max_tokens=max_tokens,
-                     n=n), 0, (), deadline, priority, service_class=cls)
+    return msgs.tokenized(rid, tenant, list(range(prompt)), [],
+                          SamplingParams(max_tokens=max_tokens, n=n), 0, (), deadline, priority,
+                          service_class=cls)
 
 
 def traced_service(monkeypatch, policy: AdmissionPolicy):

@@ -7,9 +7,18 @@ import typing
 
 import msgspec
 
-from components.admission.decision import (Blocker, Decision, Estimate, Grant, Kind, due_ns,
-                                           e2e_deadline_ms, first_token_bound_ms, reject,
-                                           ttft_deadline_ms)
+from components.admission.decision import (
+    Blocker,
+    Decision,
+    Estimate,
+    Grant,
+    Kind,
+    due_ns,
+    e2e_deadline_ms,
+    first_token_bound_ms,
+    reject,
+    ttft_deadline_ms,
+)
 from schemas.client import RejectReason
 from schemas.config import ServiceClass
 from schemas.wire import Rejected, SamplingParams, Tokenized

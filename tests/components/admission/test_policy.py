@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from components.admission.decision import Kind
 from components.costs.estimate import COLD_START, OutputStats
 from components.tenancy.bucket import TokenBucket
-from components.admission.decision import Kind
 from schemas.wire import SchedulerLoad
 from tests.components.admission.policies import policy, req
 
@@ -66,7 +66,7 @@ def test_estimate_uncached_expected_output_and_blocks():
 
 def test_expected_output_is_a_percentile_after_cold_start():
     stats = OutputStats(percentile=90)
-    for i in range(COLD_START - 1):
+    for _ in range(COLD_START - 1):
         stats.observe("a", "c", 10)
     assert stats.expected("a", "c", 500, 500) == 500   # still cold
     stats.observe("a", "c", 10)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from components.costs.cost_model import StepCostModel, StepShape, decode_shape
 from components.scheduler.chunking import MIN_CHUNK, step_budget
 from components.scheduler.core import SchedulerCore
-from components.costs.cost_model import StepCostModel, StepShape, decode_shape
 from components.scheduler.sequence import Seq, State
 from schemas.config import KvConfig, SchedulerConfig, load_config
 from schemas.wire import RequestHeader, SamplingParams

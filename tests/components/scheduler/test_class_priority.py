@@ -7,10 +7,10 @@ from collections import deque
 
 import msgspec
 
-from tests import messages as msgs
 from components.scheduler.core import SchedulerCore
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
 from schemas.wire import Admitted, SamplingParams, StepResult
+from tests import messages as msgs
 from tests.components.scheduler.test_states import Kv
 
 S = 1_000_000_000                  # ns in a second

@@ -7,17 +7,33 @@ import itertools
 
 import pytest
 
-from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
+from components.model.hashing import block_hashes
 from components.scheduler.core import SchedulerCore
 from components.scheduler.planning import penalties_of
 from components.scheduler.sequence import State
-from components.model.hashing import block_hashes
 from schemas.config import KvConfig, SchedulerConfig
-from schemas.wire import (Admitted, AllocRequest, DetokParams, FreeRequest, KvGrant, KvOps,
-                          NewSeq, Penalties, PromptChunkLogprobs, RequestTiming, SampleLogprobs,
-                          SamplingParams, SeqStep, StepPlan, StepResult, TokenOut, Usage)
+from schemas.wire import (
+    Admitted,
+    AllocRequest,
+    DetokParams,
+    FreeRequest,
+    KvGrant,
+    KvOps,
+    NewSeq,
+    Penalties,
+    PromptChunkLogprobs,
+    RequestTiming,
+    SampleLogprobs,
+    SamplingParams,
+    SeqStep,
+    StepPlan,
+    StepResult,
+    TokenOut,
+    Usage,
+)
+from tests import messages as msgs
 
 T0 = RequestTiming()    # timings are zero when the test passes no clock
 

@@ -10,13 +10,13 @@ import anyio
 import msgspec
 import pytest
 
+from components.costs.cost_model import StepCostModel, decode_shape
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
 from components.kv_manager.service import KvManagerService
-from components.costs.cost_model import StepCostModel, decode_shape
 from components.scheduler.decode_window import DecodeWindow, decode_classes
-from components.tenancy.fairness import VirtualCounters
 from components.scheduler.load import PoolCounts, load_report
+from components.tenancy.fairness import VirtualCounters
 from schemas.wire import AllocRequest, DecodeRates, FreeRequest, KvGrants, KvOps
 from tests.components.scheduler.test_overlap import admitted, loop_of, result
 

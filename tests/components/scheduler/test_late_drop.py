@@ -8,15 +8,27 @@ it is: decoding, each choice finishes ``deadline`` with its usage; with no first
 both clocks in milliseconds."""
 from __future__ import annotations
 
-from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
-from components.scheduler.loop import SchedulerLoop
 from components.model.hashing import block_hashes
+from components.scheduler.loop import SchedulerLoop
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
-from schemas.wire import (Admitted, ForgetRequest, KvGrants, KvOps, Rejected, Released,
-                          RequestTiming, SamplingParams, StepPlan, StepResult, TokenBatch,
-                          TokenOut, Usage)
+from schemas.wire import (
+    Admitted,
+    ForgetRequest,
+    KvGrants,
+    KvOps,
+    Rejected,
+    Released,
+    RequestTiming,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    TokenOut,
+    Usage,
+)
+from tests import messages as msgs
 
 BS = 8
 MS = 1_000_000

@@ -10,18 +10,35 @@ import itertools
 import msgspec
 import pytest
 
-from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
+from components.model.hashing import block_hashes
 from components.scheduler.core import SchedulerCore
 from components.scheduler.loop import SchedulerLoop, StepDone
 from components.scheduler.sequence import InFlight, Seq, State
-from components.model.hashing import block_hashes
 from schemas.config import EngineConfig, KvConfig, SchedulerConfig, Topology, WeirConfig
-from schemas.wire import (Admitted, AllocRequest, CancelRequest, DetokParams, EventBatch,
-                          Failed, ForkRequest, FreeRequest, KvGrants, KvOps, Released,
-                          SamplingParams, SeqStep, StepPlan, StepResult, SwapOutRequest,
-                          TokenBatch, TokenOut, Usage)
+from schemas.wire import (
+    Admitted,
+    AllocRequest,
+    CancelRequest,
+    DetokParams,
+    EventBatch,
+    Failed,
+    ForkRequest,
+    FreeRequest,
+    KvGrants,
+    KvOps,
+    Released,
+    SamplingParams,
+    SeqStep,
+    StepPlan,
+    StepResult,
+    SwapOutRequest,
+    TokenBatch,
+    TokenOut,
+    Usage,
+)
+from tests import messages as msgs
 
 BS = 8
 EPOCH = 1

@@ -6,16 +6,15 @@ import itertools
 
 import pytest
 
-from tests import messages as msgs
+from components.costs.cost_model import StepShape
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
-from components.scheduler.core import SchedulerCore
-from components.costs.cost_model import StepShape
-from components.scheduler.sequence import (TRANSITIONS, Event, IllegalTransition, Seq, State)
 from components.model.hashing import block_hashes
+from components.scheduler.core import SchedulerCore
+from components.scheduler.sequence import TRANSITIONS, Event, IllegalTransition, Seq, State
 from schemas.config import KvConfig, SchedulerConfig, TenantConfig
-from schemas.wire import (Admitted, FreeRequest, KvGrant, SamplingParams, StepResult,
-                          SwapOutRequest)
+from schemas.wire import Admitted, FreeRequest, KvGrant, SamplingParams, StepResult, SwapOutRequest
+from tests import messages as msgs
 
 BS = 8
 _clock = itertools.count(1000)

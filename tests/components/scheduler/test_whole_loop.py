@@ -8,18 +8,34 @@ from collections import Counter, deque
 
 import pytest
 
-from tests import messages as msgs
 from components.kv_manager.ops import apply_ops
 from components.kv_manager.pool import BlockPool
+from components.model.hashing import block_hashes
 from components.scheduler import sequence
 from components.scheduler.loop import SchedulerLoop
 from components.scheduler.sequence import State
-from components.model.hashing import block_hashes
-from schemas.config import (AdmissionConfig, EngineConfig, KvConfig, SchedulerConfig,
-                            TenantConfig, Topology, WeirConfig)
-from schemas.wire import (CancelRequest, KvGrants, KvHello, KvManagerUp, Released,
-                          PromptChunkLogprobs, SampleLogprobs, SamplingParams, StepResult,
-                          TokenBatch)
+from schemas.config import (
+    AdmissionConfig,
+    EngineConfig,
+    KvConfig,
+    SchedulerConfig,
+    TenantConfig,
+    Topology,
+    WeirConfig,
+)
+from schemas.wire import (
+    CancelRequest,
+    KvGrants,
+    KvHello,
+    KvManagerUp,
+    PromptChunkLogprobs,
+    Released,
+    SampleLogprobs,
+    SamplingParams,
+    StepResult,
+    TokenBatch,
+)
+from tests import messages as msgs
 
 BS = 8                                       # block size, as in test_core.py
 
@@ -50,8 +66,9 @@ class Cluster:
     the pool has meanwhile made a prefix-cache entry of (the target of a promotion): the
     copy that fills it rides in a later plan, so it lands after the write. Besides, when a
     step runs: a sequence whose result the scheduler will take runs on blocks leased to it,
-    and no block a step writes is used by another sequence of the same plan. ``check_quiescent``: every block free again, and every finished request's output
-    exactly what the model gives alone (so depth 2 emits what depth 1 does)."""
+    and no block a step writes is used by another sequence of the same plan.
+    ``check_quiescent``: every block free again, and every finished request's output exactly
+    what the model gives alone (so depth 2 emits what depth 1 does)."""
 
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)

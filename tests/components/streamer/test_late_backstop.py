@@ -18,7 +18,6 @@ from components.streamer.service import StreamerService
 from components.streamer.slo import RequestClock
 from schemas.client import ServerHeartbeat, ServerMsg
 from schemas.config import Topology, WeirConfig
-from tests import messages as msgs
 from schemas.wire import (
     Accepted,
     CancelRequest,
@@ -30,6 +29,7 @@ from schemas.wire import (
     TokenizerMsg,
     Usage,
 )
+from tests import messages as msgs
 
 T0 = 100.0          # every request's arrival, monotonic seconds
 

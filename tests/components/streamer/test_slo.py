@@ -10,8 +10,17 @@ from components.streamer.slo import (
     SloStats,
     generated_tokens,
 )
-from schemas.client import (STRUCTURED_OUTPUT_ERROR, Accepted, Cancelled, ChoiceEnd, Failed,
-                            Finished, Rejected, RequestTiming, Usage)
+from schemas.client import (
+    STRUCTURED_OUTPUT_ERROR,
+    Accepted,
+    Cancelled,
+    ChoiceEnd,
+    Failed,
+    Finished,
+    Rejected,
+    RequestTiming,
+    Usage,
+)
 from schemas.config import AdmissionConfig, ServiceClass, TenantConfig
 from schemas.resolve import resolve
 

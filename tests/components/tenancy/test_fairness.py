@@ -1,11 +1,11 @@
 """VTC: counters charge weighted service, lift on re-backlog, and order new work."""
 from __future__ import annotations
 
-from tests import messages as msgs
 from components.scheduler.core import SchedulerCore
 from components.tenancy.fairness import VirtualCounters
 from schemas.config import KvConfig, SchedulerConfig
 from schemas.wire import Admitted, SamplingParams
+from tests import messages as msgs
 
 
 def test_charge_weights_and_lift():
