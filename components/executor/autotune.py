@@ -19,8 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from components.executor.candidates import (amx_possible, linear_candidates,
-                                            native_ops_possible, shapes, triton_available)
+from components.executor.candidates import (
+    amx_possible,
+    linear_candidates,
+    native_ops_possible,
+    shapes,
+    triton_available,
+)
 from components.executor.linear import GREEDY_HEAD
 from components.executor.measure import measure_plan
 from kernels import get_backend, native_lib, tuning

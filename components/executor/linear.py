@@ -175,7 +175,7 @@ class Linear:
             return self.runs["amx+argmax"](x, w, self.bias)
         return greedy(self.runs[cand](x, w, self.bias).float(), native)
 
-    def silu_mul(self, x: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
         """``ops.silu_mul(self(x))`` for a fused gate_up weight: in one pass where the
         plan runs these rows on the AMX tiles (``runs["amx+silu"]``, the same bits without
         the [M, 2 x inter] intermediate), else the linear then the elementwise op."""

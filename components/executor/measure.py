@@ -147,8 +147,9 @@ def _time_fresh_prompts(spec: ModelSpec, dtype: torch.dtype, block_size: int,
         total = 0.0
         for meta, kv, q, k, v in steps:
             meta.derived.clear()
-            total += tuning.time_call(lambda: backend.paged_attention(
-                q, kv.key(0), kv.value(0), meta, d ** -0.5, new_kv=(k, v)))
+            total += tuning.time_call(lambda meta=meta, kv=kv, q=q, k=k, v=v:
+                                      backend.paged_attention(q, kv.key(0), kv.value(0), meta,
+                                                              d ** -0.5, new_kv=(k, v)))
         out[impl] = total
     return out
 
@@ -171,7 +172,7 @@ def _time_elementwise(spec: ModelSpec, dtype: torch.dtype, g: torch.Generator) -
             pos = torch.arange(t) % spec.max_position
             rope = m.rope_tables(pos)
 
-            def layer():
+            def layer(m=m, hid=hid, delta=delta, w=w, qkv=qkv, pos=pos, rope=rope, gu=gu):
                 m.add_norm(hid.clone(), delta, w)
                 m.split_qkv(qkv.clone(), pos, rope)
                 m.silu_mul(gu)
@@ -194,7 +195,8 @@ def _time_sampling(vocab: int, rows: int, g: torch.Generator) -> dict:
             x = torch.randn(r, vocab, generator=g) * 4
             for temp, top_p in ((0.0, 1.0), (0.8, 0.9)):
                 args = ([temp] * r, [top_p] * r, [0] * r, list(range(r)), [0] * r)
-                total += tuning.time_call(lambda: sample(x, *args, native=impl == "native"))
+                total += tuning.time_call(lambda x=x, args=args, impl=impl:
+                                          sample(x, *args, native=impl == "native"))
         out[impl] = total
     return out
 
@@ -221,7 +223,8 @@ def _time_attention(spec: ModelSpec, dtype: torch.dtype, block_size: int,
         for meta in steps:
             q = torch.randn(meta.num_tokens, spec.num_heads, spec.head_dim,
                             generator=g).to(dtype)
-            total += tuning.time_call(lambda: backend.paged_attention(
-                q, kv.key(0), kv.value(0), meta, spec.head_dim ** -0.5))
+            total += tuning.time_call(lambda backend=backend, q=q, meta=meta:
+                                      backend.paged_attention(q, kv.key(0), kv.value(0), meta,
+                                                              spec.head_dim ** -0.5))
         out[name] = total
     return out

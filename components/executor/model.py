@@ -13,8 +13,16 @@ import torch.nn.functional as F
 
 from components.executor.elementwise import ElementwiseOps, fused_ops
 from components.executor.linear import GREEDY_HEAD, RUN, Linear, amx_linear_f32
-from kernels import (AttentionBackend, AttentionMetadata, KVCache, cpu_forward, cpu_linear,
-                     cpu_native, get_backend, native_lib)
+from kernels import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    cpu_forward,
+    cpu_linear,
+    cpu_native,
+    get_backend,
+    native_lib,
+)
 from kernels.tuning import KernelPlan
 
 if TYPE_CHECKING:  # only needs the spec's attributes: no msgspec at run time (scripts/gpu_check)
@@ -64,8 +72,8 @@ class LlamaModel:
         self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
         self.runs["amx+argmax"] = cpu_linear.amx_argmax_linear    # greedy tokens (Linear)
-        put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()  # noqa: E731
-        lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)  # noqa: E731
+        put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()
+        lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)
         self.embed = put(weights["embed"])
         tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
         self.lm_head = Linear(self.embed if tied else put(weights["lm_head"]),
@@ -74,7 +82,7 @@ class LlamaModel:
         self.norm = put(weights["norm"])
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
-            w = lambda name: weights[f"layers.{i}.{name}"]  # noqa: E731
+            w = lambda name, i=i: weights[f"layers.{i}.{name}"]
             layer = _Layer()
             layer.attn_norm, layer.mlp_norm = put(w("attn_norm")), put(w("mlp_norm"))
             biases = [weights.get(f"layers.{i}.{n}_bias") for n in "qkv"]

@@ -13,19 +13,18 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from bus import tracing
-
 from bus.component import Component
+from components.executor.build import build_model
 from components.executor.constraints import Grammars
 from components.executor.loader import load_model
-from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import step_costs
+from components.model.fetch import cache_dir, resolve_model
 from components.model.structured import ll_tokenizer
 from components.model.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
-from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
 from kernels.machine import usable_cores, usable_cpus
-from components.model.fetch import cache_dir, resolve_model
+from schemas.wire import ExecutorMsg, ExecutorReady, StepPlan, StepResult
 
 log = structlog.get_logger("executor")
 _TRACER = trace.get_tracer("weir.executor")

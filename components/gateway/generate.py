@@ -8,7 +8,8 @@ import hashlib
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import msgspec
@@ -20,8 +21,14 @@ from bus import tracing
 from components.gateway.batch import StreamGroup
 from components.gateway.errors import error_response, from_failure, from_rejection
 from components.gateway.http import GuardedStreamingResponse, check_content_type, read_body
-from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           parse, submit_batch, validate_kwargs)
+from components.gateway.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+    submit_batch,
+    validate_kwargs,
+)
 from components.gateway.shaping import Shaper, degraded_headers, weir_usage
 from components.gateway.state import GatewayState, state_of
 from components.gateway.tools import mode_of

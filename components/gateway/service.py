@@ -9,13 +9,13 @@ import structlog
 import uvicorn
 
 from bus.component import Component
+from bus.identity import load_service_key
 from components.gateway.app import build_app
 from components.gateway.auth import Authenticator
 from components.gateway.protocol import guarded_protocol
 from components.gateway.state import GatewayState
-from bus.identity import load_service_key
-from weir.client import AsyncClient
 from components.model.fetch import resolve_model
+from weir.client import AsyncClient
 
 log = structlog.get_logger("gateway")
 

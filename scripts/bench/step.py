@@ -27,8 +27,7 @@ from pathlib import Path
 import torch
 
 from components.executor.build import build_model
-from components.executor.candidates import linear_candidates
-from components.executor.candidates import shapes as weight_shapes
+from components.executor.candidates import linear_candidates, shapes as weight_shapes
 from components.executor.linear import PREPARE, RUN
 from components.executor.loader import load_model
 from components.executor.model import LlamaModel
@@ -101,9 +100,9 @@ def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
             ws = [PREPARE[c]((torch.randn(n, k, generator=g) * 0.05).to(model.dtype))
                   for _ in range(layers)]
             if c in cpu_forward.LINEAR_KINDS:     # offered only where the library runs
-                fns[c] = lambda c=c, ws=ws: cpu_forward.linear_chain(x, ws, c)
+                fns[c] = lambda c=c, ws=ws, x=x: cpu_forward.linear_chain(x, ws, c)
             else:
-                fns[c] = lambda c=c, ws=ws: [RUN[c](x, w) for w in ws]
+                fns[c] = lambda c=c, ws=ws, x=x: [RUN[c](x, w) for w in ws]
         for cold in (True, False):
             best = {c: float("inf") for c in fns}
             for _ in range(rounds):               # interleaved: drift hits all alike
@@ -182,13 +181,14 @@ class DecodeBench:
         return self.runner.step(plan)
 
     def decode(self) -> float:
-        plan = StepPlan(self._next(), [], [SeqStep(i + 1, 1, [], True) for i in range(self.batch)], [])
+        plan = StepPlan(self._next(), [],
+                        [SeqStep(i + 1, 1, [], True) for i in range(self.batch)], [])
         t0 = time.perf_counter()
         self._run(plan)
         return time.perf_counter() - t0
 
 
-def interleaved(benches: dict[str, "DecodeBench"], steps: int) -> dict[str, list[float]]:
+def interleaved(benches: dict[str, DecodeBench], steps: int) -> dict[str, list[float]]:
     """Each bench's decode step, in turns (drift hits each alike): two untimed rounds, then
     ``steps`` timed ones; seconds per step by name."""
     times: dict[str, list[float]] = {name: [] for name in benches}
@@ -240,13 +240,15 @@ def time_parts(model: LlamaModel) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--context", type=int, default=160)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--profile", type=int, default=0, help="print an operator profile at this batch")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print an operator profile at this batch")
     ap.add_argument("--backend", default="auto", help="attention backend (auto, cpu, torch)")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="after the table, time each part of the step at this batch")

@@ -102,7 +102,7 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
             static = padded_decode_buffers(
                 meta, contexts, pad, torch.zeros(b, width, dtype=torch.int32, device=device),
                 max_len)
-            extra = lambda t: torch.cat([t, torch.randn_like(t[:pad])])
+            extra = lambda t, pad=pad: torch.cat([t, torch.randn_like(t[:pad])])
             backend.write_kv(kc, vc, extra(k), extra(v), static)
             kv_ok = torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
             got = backend.paged_attention(extra(q), kc, vc, static, scale).float()

@@ -116,7 +116,8 @@ def time_decode(report, label: str, model, shape, kv, graphs, batches,
                                          shape.vocab_size, context=context)
         moved = decode_bytes(shape, [context + 1] * b, elem_bytes, kv.data.element_size())
         eager_logits = _eager_decode(model, kv, ids, pos, tables)
-        ms = time_steps(lambda: _eager_decode(model, kv, ids, pos, tables), kv.device, steps)
+        ms = time_steps(lambda ids=ids, pos=pos, tables=tables:
+                        _eager_decode(model, kv, ids, pos, tables), kv.device, steps)
         rows.append(Row(label, b, "eager", ms, moved))
         timed = f"eager {ms:.3f} ms"
         if graphs is not None and graphs.can_replay(b, context + 1):
@@ -126,7 +127,8 @@ def time_decode(report, label: str, model, shape, kv, graphs, batches,
                        / eager_logits.abs().max().clamp_min(1e-6)).item()
                 report.check(f"{label} bf16 graph == eager, batch {b}", err <= tol,
                              f"rel err {err:.2e} tol {tol:g}")
-            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
+            ms = time_steps(lambda ids=ids, pos=pos, tables=tables:
+                            graphs.replay(ids, pos, tables), kv.device, steps)
             rows.append(Row(label, b, "graph", ms, moved))
             timed += f", graph {ms:.3f} ms"
         print(f"  {label}: batch {b}: {timed} per step ({budget.elapsed():.0f} s elapsed)",
@@ -151,7 +153,8 @@ def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,
         graphs = DecodeGraphs(model, kv, max_model_len=max_len, max_batch=max(batches))
         graphs.capture()
         for b, ids, pos, tables in cases:
-            ms = time_steps(lambda: graphs.replay(ids, pos, tables), kv.device, steps)
+            ms = time_steps(lambda graphs=graphs, ids=ids, pos=pos, tables=tables:
+                            graphs.replay(ids, pos, tables), kv.device, steps)
             rows[b].append(f"{p or 'auto':>4} {ms:6.3f} ms")
     model.backend.partition_blocks = was
     for b in batches:
@@ -173,9 +176,11 @@ def profile_decode(label: str, model, shape, kv, graphs, batches, context: int,
     for b in batches:
         ids, pos, tables = _decode_batch(rng, b, context + 1, kv.block_size, kv.num_blocks,
                                          shape.vocab_size, context=context)
-        modes = [("eager", lambda: _eager_decode(model, kv, ids, pos, tables))]
+        modes = [("eager", lambda ids=ids, pos=pos, tables=tables:
+                  _eager_decode(model, kv, ids, pos, tables))]
         if graphs is not None and graphs.can_replay(b, context + 1):
-            modes.insert(0, ("graph", lambda: graphs.replay(ids, pos, tables)))
+            modes.insert(0, ("graph", lambda ids=ids, pos=pos, tables=tables:
+                             graphs.replay(ids, pos, tables)))
         for mode, fn in modes:
             for _ in range(3):
                 fn()

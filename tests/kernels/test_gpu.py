@@ -40,8 +40,8 @@ def test_auto_backend_on_cuda_falls_back_from_flash_attn():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 def test_graph_replay_matches_eager_for_every_bucket(dtype, tol):
-    from components.executor.cuda_graphs import batch_buckets
     from components.executor.build import build_model
+    from components.executor.cuda_graphs import batch_buckets
     from components.executor.synthetic import SMOLLM2_135M, random_weights
     shape = SMOLLM2_135M.scaled(num_layers=4)
     model = build_model(shape, random_weights(shape, dtype, "cuda"), dtype=dtype, device="cuda",

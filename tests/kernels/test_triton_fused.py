@@ -12,10 +12,10 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from components.executor.build import build_model  # noqa: E402
-from components.executor.elementwise import ElementwiseOps  # noqa: E402
-from components.executor.synthetic import ModelShape, random_weights  # noqa: E402
-from kernels import AttentionMetadata, triton_fused  # noqa: E402
+from components.executor.build import build_model  # noqa: E402 - after TRITON_INTERPRET is set
+from components.executor.elementwise import ElementwiseOps  # noqa: E402 - after TRITON_INTERPRET is set
+from components.executor.synthetic import ModelShape, random_weights  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels import AttentionMetadata, triton_fused  # noqa: E402 - after TRITON_INTERPRET is set
 
 SPEC = ModelShape("fused", num_layers=1, hidden_size=96, intermediate_size=80, num_heads=6,
                   num_kv_heads=2, head_dim=16, vocab_size=50, max_position=64)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from components.executor.constraints import Constraint, Grammars, apply_constraints
 from components.executor.build import build_model
+from components.executor.constraints import Constraint, Grammars, apply_constraints
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
 from components.model.structured import check, grammar_of, ll_tokenizer

@@ -14,10 +14,10 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from components.executor.cuda_graphs import DecodeGraphs, batch_buckets  # noqa: E402
-from components.executor.build import build_model  # noqa: E402
-from components.executor.synthetic import ModelShape, random_weights  # noqa: E402
-from kernels import AttentionMetadata  # noqa: E402
+from components.executor.build import build_model  # noqa: E402 - after TRITON_INTERPRET is set
+from components.executor.cuda_graphs import DecodeGraphs, batch_buckets  # noqa: E402 - after TRITON_INTERPRET is set
+from components.executor.synthetic import ModelShape, random_weights  # noqa: E402 - after TRITON_INTERPRET is set
+from kernels import AttentionMetadata  # noqa: E402 - after TRITON_INTERPRET is set
 
 BS = 16
 MAX_LEN = 200
@@ -81,7 +81,7 @@ def test_static_decode_matches_eager(model, n, use_block0):
     # the new tokens' K/V landed where the eager step put them; nothing else changed
     # (padding rows up to the bucket write nothing, not even to block 0)
     slots = meta.slot_mapping
-    flat = lambda t: t.view(t.shape[0], 2, -1, t.shape[-2], t.shape[-1])  # noqa: E731
+    flat = lambda t: t.view(t.shape[0], 2, -1, t.shape[-2], t.shape[-1])
     torch.testing.assert_close(flat(kv.data)[:, :, slots], flat(eager_kv)[:, :, slots],
                                rtol=1e-5, atol=1e-5)
     keep = torch.ones(flat(kv.data).shape[2], dtype=torch.bool, device=DEVICE)
@@ -129,7 +129,8 @@ def test_runner_uses_the_decode_path_for_decode_only_steps(model):
         news = [NewSeq(i + 1, p, len(p), 0, t, 0.0, 1.0, 0, None)
                 for i, (p, t) in enumerate(zip(prompts, tables))]
         out = [[] for _ in prompts]
-        plan = StepPlan(1, news, [SeqStep(i + 1, len(p), [], True) for i, p in enumerate(prompts)], [])
+        plan = StepPlan(1, news, [SeqStep(i + 1, len(p), [], True)
+                                  for i, p in enumerate(prompts)], [])
         for step in range(6):
             res = runner.step(plan)
             for sid, tok in zip(res.seq_ids, res.token_ids):

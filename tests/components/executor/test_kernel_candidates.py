@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.executor import autotune, candidates, measure
-from components.executor import linear as linear_mod
+from components.executor import autotune, candidates, linear as linear_mod, measure
 from components.executor.build import build_model
 from components.executor.linear import Linear
 from components.executor.model import LlamaModel

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from components.executor import candidates
-from components.executor.loader import load_model
 from components.executor.build import build_model
+from components.executor.loader import load_model
 from components.executor.model import LlamaModel
+from components.model.fetch import cache_dir, default_model_path
 from kernels import AttentionMetadata, cpu_forward
 from kernels.kv_cache import cache_dtype
-from components.model.fetch import cache_dir, default_model_path
 
 BLOCK = 16
 # fp32 logits against HF's: 1e-4 absolute, plus 1e-5 relative for a plan that mixes oneDNN

@@ -10,8 +10,8 @@ import torch
 from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.sampling import Logprobs, RowPenalties, apply_penalties, sample
-from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
 from components.model.fetch import cache_dir
+from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan
 
 V = 50
 
@@ -41,7 +41,8 @@ CASES = [
     ([4, 4, 7, 1, 1, 4], 2, Penalties(0.0, 0.0, 1.7, [])),              # prompt and output
     ([5, 6], 2, Penalties(-0.5, -1.0, 0.8, [])),                        # no output yet
     ([8, 8, 8, 2], 1, Penalties(1.0, 2.0, 1.3, [(8, -100.0), (0, 3.5)])),
-    ([3], 1, Penalties(0.0, 0.0, 1.0, [(49, 100.0), (V, 5.0), (-1, 5.0)])),   # ids past the ends skipped
+    # ids past the ends are skipped
+    ([3], 1, Penalties(0.0, 0.0, 1.0, [(49, 100.0), (V, 5.0), (-1, 5.0)])),
     ([V + 3, -2, 6, V + 9], 1, Penalties(2.0, 2.0, 2.0, [])),           # so are out-of-vocab tokens
     # min_tokens: stop ids banned while the output is shorter (2 < 3; a bias cannot lift
     # the ban), free once it is not (3 = 3)

@@ -9,12 +9,19 @@ import pytest
 import torch
 from msgspec.structs import astuple
 
+from components.costs.cost_model import StepCostModel, StepShape, plan_shape
 from components.executor.build import build_model
 from components.executor.runner import ModelRunner
-from components.executor.step_costs import (Probe, cache_key, probe_plan, probe_shapes,
-                                            sample_of, scales_with_work, step_costs)
+from components.executor.step_costs import (
+    Probe,
+    cache_key,
+    probe_plan,
+    probe_shapes,
+    sample_of,
+    scales_with_work,
+    step_costs,
+)
 from components.executor.synthetic import ModelShape, random_weights
-from components.costs.cost_model import StepCostModel, StepShape, plan_shape
 from schemas.wire import StepSample
 
 SHAPE = ModelShape("tiny64", num_layers=2, hidden_size=128, intermediate_size=192, num_heads=2,

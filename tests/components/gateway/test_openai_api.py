@@ -4,10 +4,23 @@ import hashlib
 import pytest
 
 from components.gateway.auth import Authenticator, hash_key
-from components.gateway.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
-                                           class_of, parse, submit_batch, validate_kwargs)
-from components.gateway.shaping import (Shaper, chat_logprobs, completion_logprobs,
-                                        degraded_headers, openai_finish_reason, weir_usage)
+from components.gateway.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    class_of,
+    parse,
+    submit_batch,
+    validate_kwargs,
+)
+from components.gateway.shaping import (
+    Shaper,
+    chat_logprobs,
+    completion_logprobs,
+    degraded_headers,
+    openai_finish_reason,
+    weir_usage,
+)
 from schemas.client import PromptLogprobs, StructuredOutput, TokenLogprob, TopLogprob
 from schemas.config import ApiKey, ConfigError
 from schemas.wire import Usage
@@ -39,11 +52,14 @@ def test_completion_forms_of_prompt():
 
 
 def test_chat_translation_and_defaults():
-    k = kwargs(b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "system", "content": "s"},'
-               b'{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],'
+    k = kwargs(b'{"model": "SmolLM2-135M-Instruct", '
+               b'"messages": [{"role": "system", "content": "s"},'
+               b'{"role": "user", "content": [{"type": "text", "text": "a"}, '
+               b'{"type": "text", "text": "b"}]}],'
                b'"max_completion_tokens": 7, "stop": "END", "seed": 3, "top_p": 0.5}',
                ChatCompletionRequest)
-    assert k == {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}],
+    assert k == {"messages": [{"role": "system", "content": "s"},
+                              {"role": "user", "content": "ab"}],
                  "max_tokens": 7, "stop": ("END",), "seed": 3, "top_p": 0.5, "ignore_eos": False}
     k = kwargs(b'{"messages": [{"role": "user", "content": "x"}]}', ChatCompletionRequest)
     assert k["max_tokens"] is None            # up to the context window, as vLLM does
@@ -188,7 +204,7 @@ def test_logprobs_requests():
     assert kwargs(b'{"prompt": "x", "logprobs": 3}')["logprobs"] == 3
     assert kwargs(b'{"prompt": "x", "logprobs": 0}')["logprobs"] == 0
     assert "logprobs" not in kwargs(b'{"prompt": "x"}')
-    chat = lambda body: kwargs(b'{"messages": [{"role": "user", "content": "x"}], ' + body,  # noqa: E731
+    chat = lambda body: kwargs(b'{"messages": [{"role": "user", "content": "x"}], ' + body,
                                ChatCompletionRequest)
     assert chat(b'"logprobs": true, "top_logprobs": 2}')["logprobs"] == 2
     assert chat(b'"logprobs": true}')["logprobs"] == 0

@@ -187,7 +187,8 @@ async def test_a_client_that_leaves_before_its_response_is_cancelled(first_delay
     request is cancelled in the engine instead of running to max_tokens."""
     client = FakeClient(deltas=10**6, text="z", delay=0.01, first_delay=first_delay)
     async with serve(client) as gw:
-        body = b'{"prompt": "hi", "max_tokens": 1000, "stream": %s}' % (b"true" if stream else b"false")
+        body = (b'{"prompt": "hi", "max_tokens": 1000, "stream": %s}'
+                % (b"true" if stream else b"false"))
         async with await anyio.connect_tcp("127.0.0.1", gw.port) as conn:
             await conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                             b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
