@@ -3,6 +3,10 @@
 A config is built once (from defaults, a TOML file and CLI overrides), checked
 by ``__post_init__`` with a clear ``ConfigError``, and never changed after.
 Derived values (socket addresses, block counts) are properties, not fields.
+
+One file past 400 lines on purpose: the sections check each other in
+``WeirConfig.__post_init__``, and a field's type, default and check are read in one place
+(docs/configuration.md is its guide).
 """
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The ``weir`` command: serve, generate, status, replay, simulate, calibrate, ..."""
+"""The ``weir`` command: serve, generate, status, replay, simulate, calibrate, ...
+
+Past 400 lines, most of it the argument parser of every subcommand; each subcommand is a
+short function that loads a config and calls the library (the replay tools' own bodies
+are in weir/replay/commands.py)."""
 from __future__ import annotations
 
 import argparse

@@ -13,6 +13,9 @@ each with a ``ServerHeartbeat``, so a client whose engine stops answering for
 One receive task serves every stream and never waits on any of them: each stream
 has a bounded buffer (``weir/inbox.py``), and a stream that stops being read is
 cancelled in the engine rather than holding up the others.
+
+One file past 400 lines on purpose: ``Client`` is ``AsyncClient`` run on one event-loop
+thread, and the two share the wire handling, so they cannot drift apart.
 """
 from __future__ import annotations
 

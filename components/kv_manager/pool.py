@@ -1,7 +1,9 @@
 """The block pool: KV blocks in two tiers, refcounts, leases, copy-on-write forks, swap,
 and a verified prefix cache scoped per tenant.
 
-Pure and synchronous; the kv_manager service wraps it. The pool hands out block ids and
+Pure and synchronous; the kv_manager service wraps it. One class past 400 lines on
+purpose: the tiers, the prefix cache, forks and leases share one invariant per tier (every
+block free, cached or leased, exactly once), checked in one place. The pool hands out block ids and
 says which block copies must happen; the executor holds the memory and does the copies.
 
 Ids ``0 .. num_blocks-1`` are blocks of the main pool ("gpu" tier, whatever the device);

@@ -1,4 +1,5 @@
-"""``weir replay``: send a trace to a live server on the trace's own clock.
+"""``weir replay``: send a trace to a live server on the trace's own clock. (Past 400
+lines: both targets and both loops write the one record each request gets.)
 
 Open loop by default: each request goes out at its (scaled) arrival time, whether or not
 earlier ones have finished. With ``closed_loop``, the turns of one session go in order, each
