@@ -11,8 +11,10 @@ from pathlib import Path
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def describe() -> dict[str, object]:
-    model, flags = platform.machine(), []
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and every flag it reports (the first CPU's, from /proc/cpuinfo);
+    the architecture's name and no flags where there is none."""
+    model, flags = platform.machine(), None
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -21,9 +23,13 @@ def describe() -> dict[str, object]:
         if line.startswith("model name") and model == platform.machine():
             model = line.split(":", 1)[1].strip()
         elif line.startswith("flags") and not flags:
-            have = set(line.split(":", 1)[1].split())
-            flags = [f for f in FLAGS if f in have]
-    return {"cpu": model, "flags": flags, "cores": usable_cores(),
+            flags = set(line.split(":", 1)[1].split())
+    return model, flags or set()
+
+
+def describe() -> dict[str, object]:
+    model, have = cpu_info()
+    return {"cpu": model, "flags": [f for f in FLAGS if f in have], "cores": usable_cores(),
             "python": platform.python_version()}
 
 

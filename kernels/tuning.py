@@ -38,13 +38,14 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kernels.machine import cpu_info
 
 VERSION = 14                     # bump when candidates, the timing method or the choice change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -62,18 +63,9 @@ BINARY = ("native", "torch")
 def machine_info() -> dict[str, object]:
     """What a timing depends on besides the shapes: the CPU model, its flags, the cores
     this process may use, torch's threads and version."""
-    model, flags = platform.machine(), ""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    for line in info.splitlines():
-        if line.startswith("model name") and model == platform.machine():
-            model = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    # the CPUs it may run on; the threads the plan was timed with are their own entry (the
-    # GPU machine's python3 runs this without weir's package: kernels.machine is not imported)
+    model, have = cpu_info()
+    flags = " ".join(sorted(have))
+    # the CPUs it may run on; the threads the plan was timed with are their own entry
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": model, "flags": flags, "cores": cores, "threads": torch.get_num_threads(),
             "torch": torch.__version__}
