@@ -607,6 +607,46 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "router.default_prefill_tokens_per_s must be > 0")
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding, decided per step by the scheduler (components/scheduler/
+    speculation.py): each running sequence gets k draft tokens, 0..``max_k``, where the
+    expected accepted tokens per second of step time beat plain decoding for the batch.
+
+    ``method``: "off"; "ngram" (prompt lookup: the continuation of the longest recent
+    match of the sequence's last ``ngram_max``..``ngram_min`` tokens in its own prompt and
+    output; no second model); "draft" (a smaller model with the same tokenizer, run in the
+    executor on its own KV tensors indexed by the target's block tables). ``draft_model``:
+    its path or name ("" = the served model); ``draft_layers``: run only its first N layers
+    and its head (0: all). ``acceptance_prior``: per-token acceptance assumed for a class
+    before any of its drafts are verified; ``class_priors`` sets it per class."""
+
+    method: Literal["off", "ngram", "draft"] = "off"
+    max_k: int = 4
+    # "scheduler": k per sequence per step by the rule above; "fixed": every decode row
+    # drafts max_k, whatever the load (vLLM's and SGLang's static flag; for comparison)
+    control: Literal["scheduler", "fixed"] = "scheduler"
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str = ""
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    draft_layers: int = 0
+    acceptance_prior: float = 0.5
+    class_priors: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.max_k <= 16, "speculative.max_k must be in [0, 16]")
+        _require(1 <= self.ngram_min <= self.ngram_max <= 16,
+                 "speculative.ngram_min and ngram_max must satisfy 1 <= min <= max <= 16")
+        _require(self.draft_layers >= 0, "speculative.draft_layers must be >= 0")
+        _require(all(0.0 <= a < 1.0 for a in (self.acceptance_prior,
+                                              *self.class_priors.values())),
+                 "speculative acceptance priors must be in [0, 1)")
+
+    @property
+    def on(self) -> bool:
+        return self.method != "off" and self.max_k > 0
+
+
 class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     topology: Topology
     engine: EngineConfig = EngineConfig()
@@ -619,6 +659,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     telemetry: TelemetryConfig = TelemetryConfig()
     security: SecurityConfig = SecurityConfig()
     router: RouterConfig = RouterConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     bus: BusConfig = BusConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -367,6 +367,9 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     # language went past llguidance's limits on the text it met (``a{1000}{1000}`` after a
     # token). The scheduler fails its request; its sample here is not emitted.
     structured_errors: list[tuple[int, str]] = []
+    # speculating rows: (seq id, drafted, accepted). Such a row's tokens are its accepted
+    # drafts and then the target's own next token, in order, each listed under its seq id
+    drafts: list[tuple[int, int, int]] = []
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):
@@ -569,6 +572,7 @@ class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
     new_block_ids: list[int]
     sample: bool
     num_samples: int = 1             # independent samples from the last row (n > 1 fork)
+    draft_k: int = 0                 # a decode row may verify up to this many draft tokens
 
 
 class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
