@@ -108,6 +108,9 @@ class RequestHeader(msgspec.Struct, frozen=True, gc=False):
     # (the tighter of its own and its class's e2e_slo_ms); None: none
     e2e_deadline_ns: int | None = None
     tpot_slo_ms: float | None = None      # the granted class's TPOT SLO (None: none/not yet)
+    # the scheduler may give it draft tokens (speculative decoding); admission turns it off
+    # for a degraded request (the first seed's "disable speculative decoding")
+    speculate: bool = True
 
     @property
     def ttft_deadline_ms(self) -> int | None:

@@ -138,7 +138,7 @@ class AdmissionPolicy:
             req.header, params=params, priority=d.priority, granted_class=d.service_class,
             ttft_deadline_ns=deadline_ns(arrival, effective_deadline_ms(d)),
             e2e_deadline_ns=deadline_ns(arrival, None if e2e is None else max(round(e2e), 1)),
-            tpot_slo_ms=cls.tpot_slo_ms)
+            tpot_slo_ms=cls.tpot_slo_ms, speculate=d.kind != Kind.DEGRADE)
         return Admitted(header, req.prompt_token_ids, req.block_hashes, req.eos_token_ids,
                         req.public_scope, req.public_blocks, int(queued_s * 1e9),
                         held=self.ledger.entry(req.request_id), drop_late=self.drops_late(d),

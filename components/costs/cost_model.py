@@ -70,14 +70,19 @@ def joined(*shapes: StepShape) -> StepShape:
     return StepShape(*(sum(s[i] for s in shapes) for i in range(4)))
 
 
-def plan_shape(plan: StepPlan, num_computed: Callable[[int], int]) -> StepShape:
-    """The shape of ``plan``; ``num_computed(seq_id)`` is each sequence's progress before it."""
+def plan_shape(plan: StepPlan, num_computed: Callable[[int], int],
+               drafted: dict[int, int] | None = None) -> StepShape:
+    """The shape of ``plan``; ``num_computed(seq_id)`` is each sequence's progress before it.
+    A speculating row computes its draft tokens too: as many as the plan allows
+    (``draft_k``), or, given ``drafted`` (seq id -> drafts the executor verified, once the
+    step answered), those."""
     tokens = context = pairs = 0
     for st in plan.steps:
         done = num_computed(st.seq_id)
-        tokens += st.num_tokens
-        context += done + st.num_tokens
-        pairs += row_pairs(st.num_tokens, done)
+        n = st.num_tokens + (st.draft_k if drafted is None else drafted.get(st.seq_id, 0))
+        tokens += n
+        context += done + n
+        pairs += row_pairs(n, done)
     return StepShape(tokens, context, len(plan.steps), pairs)
 
 

@@ -86,6 +86,28 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
+class Ahead:
+    """A constraint as it stands after ``tokens`` more (a speculating row's draft tokens
+    before the position it masks): ``fill`` consumes them, fills the mask, and rolls them
+    back, so the sequence's matcher is unchanged."""
+
+    __slots__ = ("constraint", "tokens")
+
+    def __init__(self, constraint: Constraint, tokens: list[int]) -> None:
+        self.constraint, self.tokens = constraint, tokens
+
+    def ready(self) -> int:
+        return self.constraint.ready()
+
+    def fill(self, row: np.ndarray) -> None:
+        m = self.constraint.matcher
+        m.consume_tokens(self.tokens)
+        try:
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        finally:
+            m.rollback(len(self.tokens))
+
+
 class Grammars:
     """Matchers for constrained sequences: the vocabulary, built by ``vocab`` on a worker
     thread from construction, and a fresh matcher per language kept (up to ``keep``),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from components.executor.constraints import Constraint, Grammars, apply_constraints
+from components.executor.constraints import Ahead, Constraint, Grammars, apply_constraints
 from components.executor.sampling import Logprobs, RowPenalties, all_greedy, apply_penalties, sample
+from components.executor.drafting import Drafter
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
 
@@ -28,14 +29,32 @@ class SeqState:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    draft_len: int = 0                # positions a draft model's KV holds for it (drafting.py)
+    _index: dict[int, list[int]] | None = None     # prompt lookup: positions by token
+    _indexed: int = 0
+
+    def ngram_index(self) -> dict[int, list[int]]:
+        """Positions of each token in ``token_ids``, grown by what was appended since."""
+        if self._index is None:
+            self._index = {}
+        ids, index = self.token_ids, self._index
+        for p in range(self._indexed, len(ids)):
+            index.setdefault(ids[p], []).append(p)
+        self._indexed = len(ids)
+        return index
 
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, num_host_blocks: int = 0, graphs=None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, drafter: Drafter | None = None) -> None:
         """``grammars``: matchers for structured output (none: a constrained sequence
-        fails its step)."""
+        fails its step); ``drafter``: speculative decoding's draft source (none: a plan's
+        ``draft_k`` is ignored)."""
         self.model = model
+        self.drafter = drafter
+        self.drafted = 0                  # draft tokens verified, and of those accepted
+        self.accepted = 0
+        self.draft_ns = 0                 # time proposing them
         self.grammars = grammars
         self.kv = kv
         self.graphs = graphs              # DecodeGraphs (CUDA) or None
@@ -130,32 +149,42 @@ class ModelRunner:
                                            None if n.structured is None
                                            else self.grammars.constraint(
                                                n.structured, n.token_ids[n.prompt_len:]))
+        drafts = self._draft(plan)
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
-        sampled: list[tuple[int, SeqState, int]] = []     # (seq, state, which sample)
+        # one entry per sampled row: (seq, state, which sample, draft position): an n > 1
+        # fork's extra samples are 1.. of its last row; a speculating row's rows are 0..d,
+        # the position after its last token and after each of its d draft tokens
+        sampled: list[tuple[int, SeqState, int, int]] = []
         # prompt_logprobs: (seq, first position, rows), each row's logits read the token at
         # the next position (the prompt's last row is the sampling row, not among them)
         prompt_rows: list[tuple[int, int, range]] = []
         for st in plan.steps:
             s = self.seqs[st.seq_id]
-            s.block_ids.extend(st.new_block_ids)
             if s.prompt_logprobs is not None and s.num_computed < s.prompt_len - 1:
                 end = min(s.num_computed + st.num_tokens, s.prompt_len - 1)
                 prompt_rows.append((st.seq_id, s.num_computed + 1,
                                     range(len(input_ids), len(input_ids) + end - s.num_computed)))
             input_ids.extend(s.token_ids[s.num_computed:s.num_computed + st.num_tokens])
-            query_lens.append(st.num_tokens)
+            d = drafts.get(st.seq_id, ())
+            input_ids.extend(d)
+            query_lens.append(st.num_tokens + len(d))
             context_lens.append(s.num_computed)
             tables.append(s.block_ids)
-            if st.sample:
+            if st.sample and d:
+                first = len(input_ids) - len(d) - 1
+                for j in range(len(d) + 1):
+                    rows.append(first + j)
+                    sampled.append((st.seq_id, s, 0, j))
+            elif st.sample:
                 for k in range(st.num_samples):
                     rows.append(len(input_ids) - 1)
-                    sampled.append((st.seq_id, s, k))
+                    sampled.append((st.seq_id, s, k, 0))
         n = len(query_lens)
         prompt_lps: list[PromptChunkLogprobs] = []
         if n == 0:                    # only drops and copies: no forward to run
             return StepResult(plan.step_id, [], [], time.perf_counter_ns() - start)
-        states = [s for _, s, _ in sampled]
+        states = [s for _, s, _, _ in sampled]
         greedy_tokens = None
         if (self.graphs is not None and len(input_ids) == n == len(rows)
                 and self.graphs.can_replay(n, max(context_lens) + 1)):
@@ -185,44 +214,109 @@ class ModelRunner:
         if greedy_tokens is not None:
             tokens = greedy_tokens
         elif sampled:                 # a step of middle prefill chunks samples nothing
-            # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
-            penalized = [(i, s.token_ids, s.prompt_len, s.penalties)
-                         for i, s in enumerate(states) if s.penalties is not None]
-            asked = [i for i, s in enumerate(states) if s.logprobs is not None]
-            lps = Logprobs(logits, asked, [states[i].logprobs for i in asked],
-                           any(states[i].penalties is not None for i in asked),
-                           self.native_sampling) if asked else None
-            if penalized:
-                apply_penalties(logits, penalized)
-            # after the forward is launched: on a GPU the masks are made while it runs
-            constrained = [(i, s.constraint) for i, s in enumerate(states)
-                           if s.constraint is not None]
-            if constrained:
-                self.grammar_wait_ns += sum(c.ready() for _, c in constrained)
-                t0 = time.perf_counter_ns()
-                apply_constraints(logits, constrained, self.native_sampling)
-                self.constrained_rows += len(constrained)
-                self.mask_ns += time.perf_counter_ns() - t0
-            seeds = [None if s.seed is None else s.seed + k for _, s, k in sampled]
-            tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
-                            [s.top_k for s in states], seeds,
-                            [len(s.token_ids) - s.prompt_len for s in states],
-                            self.native_sampling).tolist()
-            if lps is not None:
-                logprobs = lps.finish(tokens, len(sampled))
+            tokens, logprobs = self._sample(logits, sampled, drafts)
         for st in plan.steps:
             self.seqs[st.seq_id].num_computed += st.num_tokens
+        # verification: a speculating row keeps its drafts up to the first the target's own
+        # token (drawn as without speculation) differs from, then that token
+        out_ids: list[int] = []
+        out_tokens: list[int] = []
+        out_lps: list[SampleLogprobs | None] = []
+        spec: list[tuple[int, int, int]] = []
         errors: list[tuple[int, str]] = []          # structured output past its limits
-        for (sid, s, k), tok in zip(sampled, tokens):
-            if k == 0:
-                s.token_ids.append(tok)
-                if s.constraint is not None:
-                    s.constraint.advance(tok)
-                    if (why := s.constraint.error()) is not None:
-                        errors.append((sid, why))
-        return StepResult(plan.step_id, [sid for sid, _, _ in sampled], tokens,
-                          time.perf_counter_ns() - start, logprobs=logprobs,
-                          prompt_logprobs=prompt_lps, structured_errors=errors)
+        failed: set[int] = set()
+        i = 0
+        while i < len(sampled):
+            sid, s, k, _ = sampled[i]
+            d = drafts.get(sid, ()) if k == 0 else ()
+            take = 1
+            if d:
+                while take <= len(d) and tokens[i + take - 1] == d[take - 1]:
+                    take += 1
+                spec.append((sid, len(d), take - 1))
+                s.num_computed += take - 1           # the accepted drafts' KV is kept
+                self.drafted += len(d)
+                self.accepted += take - 1
+            for j in range(i, i + take):
+                out_ids.append(sid)
+                out_tokens.append(tokens[j])
+                if logprobs:
+                    out_lps.append(logprobs[j])
+                if k == 0:                           # choice 0's (a fork takes its own)
+                    s.token_ids.append(tokens[j])
+                    if s.constraint is not None and sid not in failed:
+                        s.constraint.advance(tokens[j])
+                        if (why := s.constraint.error()) is not None:
+                            errors.append((sid, why))
+                            failed.add(sid)
+            i += len(d) + 1
+        return StepResult(plan.step_id, out_ids, out_tokens,
+                          time.perf_counter_ns() - start, logprobs=out_lps,
+                          prompt_logprobs=prompt_lps, structured_errors=errors, drafts=spec)
+
+    def _draft(self, plan: StepPlan) -> dict[int, list[int]]:
+        """Extend each planned row's block table, and draft for the decode rows the plan
+        gave a k: each proposal cut to the blocks the row holds and, for a constrained
+        row, to the prefix its language allows."""
+        want: list[tuple[SeqState, int]] = []
+        ids: list[int] = []
+        for st in plan.steps:
+            s = self.seqs[st.seq_id]
+            s.block_ids.extend(st.new_block_ids)
+            if st.draft_k and self.drafter is not None and st.sample \
+                    and st.num_samples == 1 and s.num_computed == len(s.token_ids) - st.num_tokens:
+                room = len(s.block_ids) * self.block_size - len(s.token_ids)
+                if min(st.draft_k, room) > 0:
+                    want.append((s, min(st.draft_k, room)))
+                    ids.append(st.seq_id)
+        if not want:
+            return {}
+        t0 = time.perf_counter_ns()
+        out: dict[int, list[int]] = {}
+        for sid, (s, _), d in zip(ids, want, self.drafter.propose(want)):
+            if d and s.constraint is not None:
+                s.constraint.ready()
+                d = d[:s.constraint.matcher.validate_tokens(d)]
+            if d:
+                out[sid] = d
+        self.draft_ns += time.perf_counter_ns() - t0
+        return out
+
+    def _sample(self, logits: torch.Tensor, sampled: list[tuple[int, SeqState, int, int]],
+                drafts: dict[int, list[int]]
+                ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        """One token per row of ``sampled`` from its logits: penalties, structured output's
+        mask and the draw as the row's sequence would meet them with the drafts before it
+        appended (so a speculating row's token at draft position j is the one decoding
+        without speculation would draw there, given the same history)."""
+        states = [s for _, s, _, _ in sampled]
+        ahead = [drafts[sid][:j] if j else [] for sid, _, _, j in sampled]
+        # extra samples of one row (n > 1) draw as choices 1.. would: seed + k
+        penalized = [(i, s.token_ids + a if a else s.token_ids, s.prompt_len,
+                      s.penalties.ahead(s.token_ids, s.prompt_len, a) if a else s.penalties)
+                     for i, (s, a) in enumerate(zip(states, ahead)) if s.penalties is not None]
+        asked = [i for i, s in enumerate(states) if s.logprobs is not None]
+        lps = Logprobs(logits, asked, [states[i].logprobs for i in asked],
+                       any(states[i].penalties is not None for i in asked),
+                       self.native_sampling) if asked else None
+        if penalized:
+            apply_penalties(logits, penalized)
+        # after the forward is launched: on a GPU the masks are made while it runs
+        constrained = [(i, Ahead(s.constraint, a) if a else s.constraint)
+                       for i, (s, a) in enumerate(zip(states, ahead)) if s.constraint is not None]
+        if constrained:
+            self.grammar_wait_ns += sum(c.ready() for _, c in constrained)
+            t0 = time.perf_counter_ns()
+            apply_constraints(logits, constrained, self.native_sampling)
+            self.constrained_rows += len(constrained)
+            self.mask_ns += time.perf_counter_ns() - t0
+        seeds = [None if s.seed is None else s.seed + k for _, s, k, _ in sampled]
+        tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
+                        [s.top_k for s in states], seeds,
+                        [len(s.token_ids) - s.prompt_len + a for s, a in
+                         zip(states, map(len, ahead))],
+                        self.native_sampling).tolist()
+        return tokens, (lps.finish(tokens, len(sampled)) if lps is not None else [])
 
     @staticmethod
     def _plain_greedy(states: list[SeqState]) -> bool:

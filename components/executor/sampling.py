@@ -218,6 +218,17 @@ class RowPenalties:
         return self._out[:n]
 
 
+    def ahead(self, token_ids: list[int], prompt_len: int, tokens: list[int]) -> RowPenalties:
+        """These penalties for the sequence with ``tokens`` appended (a speculating row's
+        drafts before the position it samples), leaving this one's kept output as it is."""
+        other = RowPenalties.__new__(RowPenalties)
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+        other._out = torch.cat([self.output(token_ids, prompt_len),
+                                torch.tensor(tokens, dtype=torch.long)])
+        return other
+
+
 def apply_penalties(logits: torch.Tensor,
                     rows: list[tuple[int, list[int], int, RowPenalties]]) -> None:
     """Adjust float32 ``logits`` ``[S, vocab]`` in place, before any sampling (greedy too),

@@ -16,6 +16,7 @@ from bus import tracing
 from bus.component import Component
 from components.executor.build import build_model
 from components.executor.constraints import Grammars
+from components.executor.drafting import build_drafter
 from components.executor.loader import load_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import step_costs
@@ -107,18 +108,36 @@ class ExecutorService(Component):
                             overlap=device.type == "cuda"
                             or torch.get_num_threads() < usable_cpus())
         k = eng.kernels
-        model = build_model(spec, weights, dtype=dtype, device=device,
-                            backend=eng.attention_backend, kv_block_size=kv.block_size,
-                            kernels={"linear": k.linear, "elementwise": k.elementwise,
-                                     "sampling": k.sampling, "fresh_prompts": k.fresh_prompts,
-                                     "attention_tiles": k.attention_tiles,
-                                     "layer_loop": k.layer_loop},
-                            tuning_cache=cache_dir() if k.cache else None,
-                            max_tokens=self.config.scheduler.max_num_batched_tokens,
-                            max_seqs=self.config.scheduler.max_num_seqs,
-                            kv_dtype=cache_dtype(kv.dtype, dtype))
+
+        def build(spec, weights, dtype=dtype):
+            return build_model(spec, weights, dtype=dtype, device=device,
+                               backend=eng.attention_backend, kv_block_size=kv.block_size,
+                               kernels={"linear": k.linear, "elementwise": k.elementwise,
+                                        "sampling": k.sampling,
+                                        "fresh_prompts": k.fresh_prompts,
+                                        "attention_tiles": k.attention_tiles,
+                                        "layer_loop": k.layer_loop},
+                               tuning_cache=cache_dir() if k.cache else None,
+                               max_tokens=self.config.scheduler.max_num_batched_tokens,
+                               max_seqs=self.config.scheduler.max_num_seqs,
+                               kv_dtype=cache_dtype(kv.dtype, dtype))
+
+        model = build(spec, weights)
+        sp = self.config.speculative
+        # the served model as its own draft reuses its weights (before they are freed)
+        own = (spec, weights) if sp.method == "draft" and not sp.draft_model else None
         del weights
         kv_cache = model.new_kv_cache(kv.num_blocks, kv.block_size)
+        drafter = build_drafter(
+            sp, target_spec=spec,
+            load_weights=lambda: own or load_model(resolve_model(sp.draft_model)),
+            build=lambda s, w: build(s, w, dtype if sp.draft_dtype == "auto"
+                                     else getattr(torch, sp.draft_dtype)),
+            kv_cache=lambda m: m.new_kv_cache(kv.num_blocks, kv.block_size))
+        own = None
+        if drafter is not None:
+            log.info("speculative_decoding", method=sp.method, max_k=sp.max_k,
+                     control=sp.control, draft_layers=sp.draft_layers or None)
         if kv.prefault and device.type == "cpu":
             # first-touch page faults otherwise land inside steps, one per new 4 KB of each
             # layer's block: served bf16 at rate inf on 2 AMX cores, decode steps of 64 took
@@ -139,7 +158,8 @@ class ExecutorService(Component):
             except Exception:
                 log.exception("cuda_graph_capture_failed; decode runs eagerly")
                 graphs = None
-        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs, grammars)
+        self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs, grammars,
+                                  drafter)
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
@@ -201,6 +221,8 @@ class ExecutorService(Component):
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
                 "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks,
                 "graph_steps": self.runner.graph_steps,
+                "spec.drafted": self.runner.drafted, "spec.accepted": self.runner.accepted,
+                "spec.draft_s": round(self.runner.draft_ns / 1e9, 3),
                 "structured.rows": self.runner.constrained_rows,
                 "structured.mask_s": round(self.runner.mask_ns / 1e9, 3),
                 "structured.compile_wait_s": round(self.runner.grammar_wait_ns / 1e9, 3)}

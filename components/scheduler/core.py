@@ -75,7 +75,8 @@ from components.scheduler.queues import Queues
 from components.scheduler.sequence import Seq
 from components.scheduler.tenants import Tenants
 from components.tenancy.fairness import VirtualCounters
-from schemas.config import KvConfig, SchedulerConfig, TenantConfig
+from components.scheduler.speculation import Speculation
+from schemas.config import KvConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
 from schemas.wire import Admitted, KvGrant, KvOps, StepPlan, StepResult, StepSample
 
 __all__ = ["Outcome", "Preemption", "SchedulerCore", "UrgencyDecision"]
@@ -84,7 +85,8 @@ __all__ = ["Outcome", "Preemption", "SchedulerCore", "UrgencyDecision"]
 class SchedulerCore:
     def __init__(self, cfg: SchedulerConfig, kv: KvConfig, max_model_len: int,
                  epoch: int = 1, weights: dict[str, float] | None = None,
-                 tenants: Sequence[TenantConfig] = ()) -> None:
+                 tenants: Sequence[TenantConfig] = (),
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.cost = StepCostModel()             # learned from measured steps (loop.py)
@@ -95,9 +97,12 @@ class SchedulerCore:
                                 max_model_len, epoch)
         self.preemptor = Preemptor(cfg, self.queues, self.leases, self.prices, max_model_len,
                                    kv.preemption_mode, kv.num_cpu_blocks)
-        self.output = OutputStage(self.queues, self.leases, max_model_len)
+        self.spec = Speculation(speculative or SpeculativeConfig())
+        if self.spec.on:                      # growth asked with room for the drafts
+            self.leases.draft_room = self.spec.cfg.max_k
+        self.output = OutputStage(self.queues, self.leases, max_model_len, self.spec)
         self.planner = Planner(cfg, self.queues, self.leases, self.preemptor, kv.block_size,
-                               max_model_len)
+                               max_model_len, self.spec, self.cost)
 
     # ------------------------------------------------------------------ inputs
     def add(self, req: Admitted, now_ns: int = 0) -> Seq:
@@ -249,6 +254,22 @@ class SchedulerCore:
     @property
     def swapped_blocks(self) -> int:
         return self.preemptor.swapped_blocks
+
+    def spec_stats(self) -> dict[str, float]:
+        """Speculation's counters (empty when off): drafted and accepted tokens by class,
+        decode rows by k, verifies and the tokens they emitted."""
+        if not self.spec.on:
+            return {}
+        st = self.spec.stats
+        out: dict[str, float] = {"spec.verifies": st.passes, "spec.emitted": st.emitted}
+        for cls in st.drafted:
+            out[f"spec.drafted.{cls}"] = st.drafted[cls]
+            out[f"spec.accepted.{cls}"] = st.accepted[cls]
+        for k, n in st.k_hist.items():
+            out[f"spec.k.{k}"] = n
+        for why, n in st.reasons.items():
+            out[f"spec.none.{why}"] = n
+        return out
 
     @property
     def discarded_samples(self) -> int:

@@ -68,6 +68,7 @@ class LeaseBook:
         self.grow_blocks = grow_blocks
         self.max_model_len = max_model_len
         self.epoch = epoch
+        self.draft_room = 0        # speculation's max_k: growth keeps room for the drafts
         self._allocs: list[AllocRequest] = []
         self._frees: list[FreeRequest] = []
         self._forks: list[ForkRequest] = []
@@ -133,7 +134,8 @@ class LeaseBook:
                 continue
             # from where the steps in flight leave it (before ``chosen`` joins them)
             after = seq.planned + planned.get(seq.seq_id, 0)
-            want = min(max(seq.planned_tokens, after) + self.cfg.lookahead_tokens,
+            want = min(max(seq.planned_tokens, after) + self.cfg.lookahead_tokens
+                       + self.draft_room,
                        self.max_model_len + 1)
             short = -(-want // bs) - len(seq.block_ids)
             if short > 0:

@@ -32,6 +32,7 @@ from components.scheduler.late import LateDrops
 from components.scheduler.load import PoolCounts, load_report, released_outputs, released_ttft
 from components.scheduler.output import Outcome
 from components.scheduler.preemption import Preemption, UrgencyDecision
+from components.scheduler.speculation import Choice
 from components.scheduler.usage import UsageStats
 from kernels.machine import usable_cores, usable_cpus
 from schemas.client import STRUCTURED_OUTPUT_ERROR
@@ -67,6 +68,7 @@ class StepDone(NamedTuple):
     measured_s: float          # max(plan sent, previous result received) -> result received
     executor_s: float          # the executor's own time for the step
     step_id: int = 0
+    drafts: list[tuple[int, int, int]] = []    # (seq id, drafted, accepted) per verify
 
 
 class PlannedStep(NamedTuple):
@@ -82,6 +84,9 @@ class PlannedStep(NamedTuple):
     preempted: list[Preemption]
     urgency: list[UrgencyDecision]
     decode_classes: frozenset[str] = frozenset()   # the classes of the sequences it decodes
+    plan: StepPlan | None = None           # speculating: its shape is taken again from the
+    starts: dict[int, int] | None = None   # drafts the executor verified (``plan_shape``)
+    speculation: Choice | None = None      # the planner's k per row and why
 
 
 class Send(NamedTuple):
@@ -109,7 +114,8 @@ class SchedulerLoop:
     def __init__(self, config: WeirConfig, epoch: int) -> None:
         self.cfg = msgspec.structs.replace(config.scheduler, async_depth=async_depth(config))
         self.core = SchedulerCore(self.cfg, config.kv, config.engine.max_model_len,
-                                  epoch=epoch, tenants=config.admission.tenants)
+                                  epoch=epoch, tenants=config.admission.tenants,
+                                  speculative=config.speculative)
         self.usage = UsageStats()
         self.kv_instance: int | None = None
         self.free_blocks = -1                   # as the kv_manager last said
@@ -208,11 +214,15 @@ class SchedulerLoop:
         step = self.steps.pop(res.step_id)
         measured = (mono_ns - started) / 1e9
         self.last_step_s = measured
-        core.cost.observe(step.shape, measured)
+        shape = step.shape
+        if step.plan is not None and step.starts is not None:      # what was verified
+            shape = plan_shape(step.plan, step.starts.__getitem__,
+                               {sid: d for sid, d, _ in res.drafts})
+        core.cost.observe(shape, measured)
         self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes,
-                          pure=step.shape.tokens == step.shape.seqs)
-        self.finished.append(StepDone(step.shape, step.predicted_s, measured,
-                                      res.elapsed_ns / 1e9, res.step_id))
+                          pure=shape.tokens == shape.seqs)
+        self.finished.append(StepDone(shape, step.predicted_s, measured,
+                                      res.elapsed_ns / 1e9, res.step_id, res.drafts))
         self.usage.sampled(core, res.seq_ids)
         failed = self._fail_structured(res.structured_errors, sends)
         out = core.on_result(res, now_ns)
@@ -293,12 +303,15 @@ class SchedulerLoop:
             seqs = [core.by_seq[st.seq_id] for st in plan.steps]
             starts = {st.seq_id: seq.planned - st.num_tokens for st, seq in zip(plan.steps, seqs)}
             shape = plan_shape(plan, starts.__getitem__)
+            spec = core.planner.last_spec
+            speculating = any(st.draft_k for st in plan.steps)
             self.steps[plan.step_id] = PlannedStep(
                 mono_ns, shape, core.cost.predict(shape), budget,
                 [(seq.request_id, starts[seq.seq_id], seq.prompt_len) for seq in seqs], before,
                 core.last_preempted, core.last_urgency, decode_classes(
                     (st.num_tokens, starts[st.seq_id], seq.prompt_len,
                      (seq.group[0] if seq.group else seq).service_class)
-                    for st, seq in zip(plan.steps, seqs)))
+                    for st, seq in zip(plan.steps, seqs)),
+                plan if speculating else None, starts if speculating else None, spec)
             self.usage.planned(core, plan)
         return plan

@@ -13,6 +13,7 @@ from typing import Literal
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import Event, Seq, State, in_running
+from components.scheduler.speculation import Speculation
 from schemas.wire import (
     DetokParams,
     PromptChunkLogprobs,
@@ -34,8 +35,10 @@ class Outcome:
 
 
 class OutputStage:
-    def __init__(self, queues: Queues, leases: LeaseBook, max_model_len: int) -> None:
+    def __init__(self, queues: Queues, leases: LeaseBook, max_model_len: int,
+                 spec: Speculation | None = None) -> None:
         self.queues = queues
+        self.spec = spec
         self.leases = leases
         self.max_model_len = max_model_len
         self.discarded_samples = 0   # sampled for a sequence that ended (or was preempted)
@@ -51,12 +54,21 @@ class OutputStage:
         step_id = result.step_id
         by_seq = self.queues.by_seq
         live: set[int] = set()
+        # a speculating row computed its accepted drafts too (their KV is kept; a rejected
+        # one's positions are past num_computed, overwritten by the next step)
+        verifies = {sid: (d, a) for sid, d, a in result.drafts}
         for seq_id, n in planned.items():
             seq = by_seq.get(seq_id)
             if (seq is not None and seq.in_flight and seq.in_flight[0].step_id == step_id
                     and in_running(seq)):
-                seq.in_flight.popleft()
+                flight = seq.in_flight.popleft()
                 seq.num_computed += n
+                if seq_id in verifies and flight.drafts:
+                    drafted, accepted = verifies[seq_id]
+                    accepted = min(accepted, drafted, flight.drafts)
+                    seq.num_computed += accepted
+                    if self.spec is not None:
+                        self.spec.verified(seq, drafted, accepted)
                 live.add(seq_id)
         sampled: dict[int, list[tuple[int, SampleLogprobs | None]]] = {}
         # beside the tokens one for one, or not at all (a list of another length, which only
@@ -72,14 +84,26 @@ class OutputStage:
                 self._take_prompt_logprobs(by_seq[chunk.seq_id], chunk)
         for seq_id, tokens in sampled.items():
             seq = by_seq[seq_id]
-            self.queues.tenants.charge(seq.tenant, now_ns, output_tokens=len(tokens))
-            if seq.n > 1 and not seq.forked:
+            forking = seq.n > 1 and not seq.forked
+            if forking:                       # every choice's first token is charged here
+                self.queues.tenants.charge(seq.tenant, now_ns, output_tokens=len(tokens))
                 seq.forked = True
                 for index, (token, lp) in enumerate(tokens[1:seq.n], start=1):
                     self._fork(seq, index, token, lp, now_ns, out)
-            token, lp = tokens[0]
-            seq.token_ids.append(token)
-            self._emit_token(seq, token, lp, now_ns, out)
+            if seq_id not in verifies:
+                tokens = tokens[:1]
+            # a verify's tokens in order (its accepted drafts, then the target's own): a
+            # stop among them ends the choice, and the rest are discarded, not charged
+            emitted = 0
+            for token, lp in tokens:
+                if seq.ended:
+                    self.discarded_samples += 1
+                    continue
+                seq.token_ids.append(token)
+                emitted += 1
+                self._emit_token(seq, token, lp, now_ns, out)
+            if not forking:
+                self.queues.tenants.charge(seq.tenant, now_ns, output_tokens=emitted)
         return out
 
     @staticmethod

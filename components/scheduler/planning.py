@@ -21,10 +21,12 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable
 
+from components.costs.cost_model import StepCostModel, StepShape, row_pairs
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.preemption import Preemptor
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import Event, InFlight, Seq, State
+from components.scheduler.speculation import Choice, Speculation
 from schemas.config import SchedulerConfig
 from schemas.wire import NewSeq, Penalties, SamplingParams, SeqStep, StepPlan
 
@@ -44,8 +46,12 @@ def penalties_of(p: SamplingParams, eos_token_ids: Iterable[int] = ()) -> Penalt
 
 class Planner:
     def __init__(self, cfg: SchedulerConfig, queues: Queues, leases: LeaseBook,
-                 preemptor: Preemptor, block_size: int, max_model_len: int) -> None:
+                 preemptor: Preemptor, block_size: int, max_model_len: int,
+                 spec: Speculation | None = None, cost: StepCostModel | None = None) -> None:
         self.cfg = cfg
+        self.spec = spec
+        self.cost = cost if cost is not None else StepCostModel()
+        self.last_spec: Choice | None = None      # the last step's speculation decision
         self.queues = queues
         self.tenants = queues.tenants
         self.leases = leases
@@ -71,6 +77,7 @@ class Planner:
         scheduling, for queue time, and dates deadlines; ``budget`` overrides the step's
         token budget (stall-free chunking, chunking.py)."""
         assert len(self.in_flight) < max(self.cfg.async_depth, 1)    # 0: auto (loop.py)
+        self.last_spec = None
         queues, tenants = self.queues, self.tenants
         self.preemptor.new_step()
         if tenants.fair or tenants.buckets:
@@ -137,10 +144,11 @@ class Planner:
                 chosen[i] = (seq, n + more)
                 budget -= more
         budget = self._prefill_chunks(later, budget, chosen)
+        drafts = self._drafts(chosen, budget)
         self.leases.request_blocks(chosen)
         if not chosen:
             return None
-        plan = self._plan(chosen, now_ns)
+        plan = self._plan(chosen, now_ns, drafts)
         self.in_flight[plan.step_id] = {seq.seq_id: n for seq, n in chosen}
         self.steps += 1
         return plan
@@ -194,13 +202,47 @@ class Planner:
                     budget -= n
         return budget
 
-    def _plan(self, chosen: list[tuple[Seq, int]], now_ns: int) -> StepPlan:
+    def _drafts(self, chosen: list[tuple[Seq, int]], budget: int) -> dict[int, int]:
+        """Speculation's k for this step's decode rows (speculation.py), from the budget
+        the decodes and prefill chunks left: rows in no step in flight, past their fork,
+        with blocks for the drafts and output left for them (``max_tokens``, the model's
+        length)."""
+        spec = self.spec
+        if spec is None or not spec.on:
+            return {}
+        bs, max_len = self.block_size, self.max_model_len
+        rows = []
+        tokens = context = pairs = 0
+        for seq, n in chosen:
+            done = seq.planned
+            tokens += n
+            context += done + n
+            pairs += row_pairs(n, done)
+            if (n == 1 and not seq.in_flight and seq.todo == 1
+                    and (seq.n == 1 or seq.forked)):
+                room = min(seq.capacity(bs), max_len) - seq.planned_tokens
+                cap = seq.params.max_tokens
+                if cap is not None:
+                    room = min(room, cap - seq.num_output - 1)
+                if room > 0:
+                    rows.append((seq, done, room))
+        if not rows:
+            return {}
+        tightest = min((s.tpot_slo_s for s, _, _ in rows if s.tpot_slo_s), default=None)
+        self.last_spec = spec.choose(rows, StepShape(tokens, context, len(chosen), pairs),
+                                     self.cost, budget, tightest)
+        return self.last_spec.k
+
+    def _plan(self, chosen: list[tuple[Seq, int]], now_ns: int,
+              drafts: dict[int, int] | None = None) -> StepPlan:
         step_id = next(self._step_ids)
         new_seqs, steps = [], []
+        drafts = drafts or {}
         for seq, n in chosen:
             sample = seq.planned + n == seq.planned_tokens
             samples = seq.n if sample and seq.n > 1 and not seq.forked else 1
-            seq.in_flight.append(InFlight(step_id, n, int(sample)))   # after ``sample``
+            k = drafts.get(seq.seq_id, 0)
+            seq.in_flight.append(InFlight(step_id, n, int(sample), k))   # after ``sample``
             if not seq.known_to_executor:
                 assert len(seq.in_flight) == 1, "a sequence new to the executor is in no step"
                 p = seq.params
@@ -212,10 +254,10 @@ class Planner:
                                        p.prompt_logprobs if seq.owes_prompt_logprobs
                                        else None, p.structured))
                 seq.known_to_executor = True
-                steps.append(SeqStep(seq.seq_id, n, [], sample, samples))
+                steps.append(SeqStep(seq.seq_id, n, [], sample, samples, k))
             else:
                 steps.append(SeqStep(seq.seq_id, n, seq.block_ids[seq.blocks_sent:], sample,
-                                     samples))
+                                     samples, k))
             seq.blocks_sent = len(seq.block_ids)
         drop, copies = self.leases.take_plan_notes()
         return StepPlan(step_id, new_seqs, steps, drop, copies)

@@ -115,6 +115,7 @@ class InFlight(NamedTuple):
     step_id: int
     tokens: int            # tokens it computes for the sequence
     samples: int           # tokens it samples for it that the core will append (0 or 1)
+    drafts: int = 0        # draft tokens it may verify (speculation: it emits 1 + accepted)
 
 
 # every (state, event) the core has taken, when ``record_transitions`` is on: tests check
@@ -164,6 +165,10 @@ class Seq:
     # the steps it is in that have not answered, oldest first; cleared when it leaves the
     # running set (finished, preempted), so what those steps compute for it is discarded
     in_flight: deque[InFlight] = field(default_factory=deque)
+    # speculation: its verifies' accepted draft tokens and the rejections that ended them
+    spec_hits: int = 0
+    spec_misses: int = 0
+    spec_idle: int = 0             # decodes planned without drafts since its last verify
 
     @property
     def request_id(self) -> str:
@@ -300,8 +305,8 @@ class Seq:
         stop token is planned past; if it does end it, the next step's sample is discarded."""
         if not self.in_flight:
             return True
-        if self.state not in PLANS_AHEAD:
-            return False
+        if self.state not in PLANS_AHEAD or any(f.drafts for f in self.in_flight):
+            return False                      # (how many tokens a verify emits is unknown)
         samples = sum(f.samples for f in self.in_flight)
         if not samples:
             return True                       # a prefill chunk in flight: the next one may go

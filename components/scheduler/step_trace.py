@@ -77,6 +77,16 @@ class StepTracer:
             "weir.step.running": len(self.core.running),
             "weir.step.waiting": len(self.core.waiting),
             "weir.step.preemptions": len(step.preempted)})
+        if (spec := step.speculation) is not None:
+            span.set_attributes({
+                "weir.spec.k": [spec.k.get(st.seq_id, 0) for st in plan.steps],
+                "weir.spec.reason": spec.reason,
+                "weir.spec.acceptance": [round(spec.acceptance.get(st.seq_id, -1.0), 3)
+                                         for st in plan.steps],
+                "weir.spec.budget_left": spec.budget_left,
+                "weir.spec.predicted_base_ms": round(spec.base_s * 1e3, 3),
+                "weir.spec.predicted_ms": round(spec.with_drafts_s * 1e3, 3),
+                "weir.spec.expected_tokens": round(spec.expected_tokens, 3)})
         for p in step.preempted:
             span.add_event("preemption", {
                 "weir.victim": p.request_id, "weir.victim.choice_index": p.index,
@@ -96,8 +106,13 @@ class StepTracer:
         # steps answer in order: an older step still open was discarded by a reset
         for step_id in [s for s in self._steps if s < done.step_id]:
             self._end(step_id, {"weir.step.discarded": True})
-        self._end(done.step_id, {"weir.step.measured_ms": round(done.measured_s * 1e3, 3),
-                                 "weir.step.executor_ms": round(done.executor_s * 1e3, 3)})
+        attrs = {"weir.step.measured_ms": round(done.measured_s * 1e3, 3),
+                 "weir.step.executor_ms": round(done.executor_s * 1e3, 3)}
+        if done.drafts:                  # per speculating row: drafted and accepted
+            attrs["weir.spec.drafted"] = [d for _, d, _ in done.drafts]
+            attrs["weir.spec.accepted"] = [a for _, _, a in done.drafts]
+            attrs["weir.spec.rows"] = [sid for sid, _, _ in done.drafts]
+        self._end(done.step_id, attrs)
 
     def _end(self, step_id: int, attributes: dict) -> None:
         for span in self._prefill.pop(step_id, ()):

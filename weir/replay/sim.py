@@ -78,7 +78,8 @@ class Simulator:
         kv = config.kv
         self.policy = AdmissionPolicy(config)
         self.core = SchedulerCore(config.scheduler, kv, config.engine.max_model_len, epoch=1,
-                                  tenants=config.admission.tenants)
+                                  tenants=config.admission.tenants,
+                                  speculative=config.speculative)
         self.pool = BlockPool(kv.num_blocks, kv.block_size, kv.enable_prefix_cache,
                               kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False,
                               tenant_blocks=tenant_budgets(config.admission))
