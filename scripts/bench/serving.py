@@ -133,9 +133,11 @@ def weir_engine_stats(run_dir: str) -> str:
 
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                max_model_len: int = 0, async_depth: int = 0,
-               kv_dtype: str = "auto", admission_policy: str = "") -> subprocess.Popen:
+               kv_dtype: str = "auto", admission_policy: str = "",
+               extra_toml: str = "") -> subprocess.Popen:
     """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 and an empty
-    ``admission_policy`` keep the engine's defaults."""
+    ``admission_policy`` keep the engine's defaults; ``extra_toml`` (whole sections, e.g.
+    ``[speculative]``) is appended to the config as given."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n"
@@ -148,7 +150,8 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + (f'[admission]\npolicy = "{admission_policy}"\n' if admission_policy
                       else "")
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n'
-                      if trace else ""))
+                      if trace else "")
+                   + extra_toml)
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
@@ -158,9 +161,11 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
 
 
 def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: bool,
-               max_model_len: int = 2048, kv_dtype: str = "auto") -> subprocess.Popen:
+               max_model_len: int = 2048, kv_dtype: str = "auto",
+               extra_args: tuple[str, ...] = (), log=None) -> subprocess.Popen:
     """vLLM's CPU build serving ``model_dir`` as SERVED; ``bind_threads`` pins its OpenMP
-    threads to cores 0-1, which is best at saturation on 2 cores."""
+    threads to cores 0-1, which is best at saturation on 2 cores. ``extra_args`` go to
+    `vllm serve` as given; ``log`` (an open file) takes its stdout and stderr."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_LOGGING_LEVEL="WARNING")
     if bind_threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
@@ -169,7 +174,8 @@ def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: b
                              "--max-model-len", str(max_model_len),
                              "--kv-cache-dtype", kv_dtype,
                              # report cached prompt tokens in usage, as Weir does
-                             "--enable-prompt-tokens-details"], cwd=BENCH, env=env)
+                             "--enable-prompt-tokens-details", *extra_args], cwd=BENCH, env=env,
+                            stdout=log, stderr=subprocess.STDOUT if log else None)
 
 
 def summary(res: dict) -> dict:

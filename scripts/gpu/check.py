@@ -11,14 +11,18 @@ On a CUDA device, within a hard time budget (default 270 s):
 3. the flash-attn adapter the same way (block size 256), or "skipped: not installed";
 4. CUDA-graph replay against eager logits for every batch bucket (SmolLM2-135M-shaped model,
    fp32, random weights or ``--model-path`` GGUF), padding rows writing no KV; the model on
-   Triton's fused elementwise ops (the GPU's default) against torch's ops;
+   Triton's fused elementwise ops (the GPU's default) against torch's ops; speculative
+   decoding's verify steps (rows of 1 + k tokens, k 1, 2 and 4, beside a plain decode row,
+   logits at every token, eager) against the torch reference and against the same tokens
+   decoded one at a time;
 5. decode-step timing at batch 1, 8, 64, 256 with ~512 tokens of context each, eager and
    graph, bf16: SmolLM2-135M-shaped, then Llama-1B-shaped while time remains; a table of
    ms/step, tokens/s, bytes moved (weights + KV read), GB/s and fractions of the HBM peak
-   and of the measured copy bandwidth. For SmolLM2 also (``--no-profile`` skips them):
-   where a step's time goes (wall, device busy, kernels per step and the top kernels, from
-   torch's profiler), graph steps by FlashDecoding partition size, and the same steps on
-   torch's elementwise ops (an A/B);
+   and of the measured copy bandwidth. Verify steps (k=4, eager) at batch 1, 4 and 16
+   against plain decode steps of the same batch: ms and the ratio. For SmolLM2 also
+   (``--no-profile`` skips them): where a step's time goes (wall, device busy, kernels per
+   step and the top kernels, from torch's profiler), graph steps by FlashDecoding partition
+   size, and the same steps on torch's elementwise ops (an A/B);
 6. a step grid for a cost profile (44 shapes, cut off after ``--grid-s``, default 60 s):
    SmolLM2-135M-shaped bf16 steps run as the executor's ModelRunner.step runs them
    (decode-only batches replay their CUDA graph, anything else is one eager forward, every
@@ -55,6 +59,7 @@ from scripts.gpu.checks import (
     check_graphs,
     check_logit_processing,
     check_triton,
+    check_verify,
 )
 from scripts.gpu.steps import (  # noqa: F401 - re-exported: the tests import them from here
     GPU_GRID,
@@ -74,6 +79,7 @@ from scripts.gpu.timing import (
     profile_decode,
     sweep_decode_partitions,
     time_decode,
+    time_verify,
 )
 
 EXIT_FAILED, EXIT_NO_CUDA = 1, 3
@@ -156,6 +162,10 @@ def gpu_main(args) -> int:
     _free(device)
     check_fused_elementwise(report, label + " fp32", device, shape, weights, 1e-3)
     _free(device)
+    print("[3b] speculative verify steps (1 + k tokens a row) vs the torch reference and "
+          "vs one token at a time (fp32)", flush=True)
+    check_verify(report, label + " fp32", device, shape, weights, 1e-3, max_len=1024)
+    _free(device)
     if "flash_attn" in kernels._REGISTRY and budget.left() > 120:
         from kernels.flash_attn_backend import FlashAttnBackend
         fa = FlashAttnBackend(block_size=256, dtype=torch.bfloat16, device=device)
@@ -177,6 +187,11 @@ def gpu_main(args) -> int:
     del weights
     rows += time_decode(report, label, model, shape, kv, graphs, args.batches, args.context, 2,
                         args.steps, budget, 25)
+    if budget.left() > 40:
+        print(f"[4a] speculative verify steps (k=4, eager) vs plain decode steps ({label} "
+              f"bf16, context {args.context})", flush=True)
+        time_verify(label, model, shape, kv, graphs, [1, 4, 16], 4, args.context, args.steps,
+                    budget, 30)
     if args.profile and budget.left() > 60:
         print(f"[4b] where a decode step's time goes ({label} bf16, context "
               f"{args.context})", flush=True)
@@ -292,6 +307,10 @@ def cpu_dry_run(args) -> int:
         check_graphs(report, "tiny fp32", model, max_len=64, max_batch=4, block_size=16,
                      tol=1e-4, partials=(3,))
         check_fused_elementwise(report, "tiny fp32", "cpu", tiny, random_weights(tiny), 1e-4)
+        print("[3b] speculative verify steps vs the torch reference and one token at a time",
+              flush=True)
+        check_verify(report, "tiny fp32", "cpu", tiny, random_weights(tiny), 1e-4, rows=3,
+                     max_len=64)
     print("[2b] sampling penalties and logprobs: torch vs native", flush=True)
     check_logit_processing(report, "cpu")
     print("[4] decode timing (torch backend, eager)", flush=True)
@@ -302,6 +321,9 @@ def cpu_dry_run(args) -> int:
                                  "cpu", 2 * 3 + 1, 64, 2, kv_dtype=torch.float8_e4m3fn)
     rows += time_decode(None, "tiny-kv-e4m3", fp8, tiny, fp8_kv, None, [1, 2], 24, 4, 2,
                         budget, 0)
+    print("[4a] verify steps (k=4) vs plain decode steps (torch backend, eager)", flush=True)
+    time_verify("tiny", model, tiny, model.new_kv_cache(16 * 3 + 1, 16), None, [1, 4, 16], 4,
+                24, 2, budget, 0)
     if args.profile:
         print("[4b] where a decode step's time goes (torch backend, eager)", flush=True)
         profile_decode("tiny", model, tiny, kv, None, [2], 24, steps=2, top=4)

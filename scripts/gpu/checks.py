@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from scripts.gpu.timing import _decode_batch, _eager_decode
+from scripts.gpu.timing import _decode_batch, _eager_decode, _eager_verify, _verify_batch
 
 
 def _attention_case(*args, **kwargs):
@@ -277,3 +277,51 @@ def check_fused_elementwise(report, label: str, device, shape, weights,
     report.check(f"{label} fused elementwise (triton) == torch ops", err <= tol and
                  kv_err <= tol, f"logits rel err {err:.2e}, KV max|err| {kv_err:.2e} "
                  f"tol {tol:g}")
+
+
+def check_verify(report, label: str, device, shape, weights, tol: float, ks=(1, 2, 4),
+                 rows: int = 6, max_len: int = 256, block_size: int = 16) -> None:
+    """Speculative decoding's verify steps through the whole model on the Triton backend
+    (eager, as the executor runs them): for each ``k``, ``rows`` sequences of ``1 + k`` new
+    tokens (contexts from empty to ``max_len``, the new tokens straddling block edges)
+    beside one plain decode row, logits at every new token. Against the same step on the
+    torch reference (torch attention and elementwise ops, same weights and cache), and
+    against the Triton model decoding the same tokens one step at a time (what accepting
+    the drafts must reproduce); the KV both verify steps wrote is compared too."""
+    import torch
+
+    from components.executor.build import build_model
+    tri = build_model(shape, weights, dtype=torch.float32, device=device, backend="triton")
+    ref = build_model(shape, weights, dtype=torch.float32, device=device, backend="torch",
+                      kernels={"elementwise": "torch"})
+    num_blocks = (rows + 1) * (-(-max_len // block_size) + 2) + 1
+    kv = tri.new_kv_cache(num_blocks, block_size)
+    kv.data.normal_(generator=torch.Generator(device).manual_seed(4))
+    noise = kv.data.clone()
+    kv_ref, kv_seq = ref.new_kv_cache(num_blocks, block_size), tri.new_kv_cache(num_blocks,
+                                                                                 block_size)
+    rng = random.Random(17)
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    for k in ks:
+        ids, pos, tables = _verify_batch(rng, [k] * rows + [0], max_len, block_size,
+                                         num_blocks, shape.vocab_size)
+        for cache in (kv, kv_ref, kv_seq):
+            cache.data.copy_(noise)
+        got = _eager_verify(tri, kv, ids, pos, tables)
+        want = _eager_verify(ref, kv_ref, ids, pos, tables)
+        err, kv_err = rel(got, want), (kv.data - kv_ref.data).abs().max().item()
+        steps = []      # one token at a time: step j decodes each row's token j at pos + j
+        for j in range(1 + k):
+            live = [i for i, r in enumerate(ids) if j < len(r)]
+            logits = _eager_decode(tri, kv_seq, [ids[i][j] for i in live],
+                                   [pos[i] + j for i in live], [tables[i] for i in live])
+            steps.append(dict(zip(live, logits)))
+        stepwise = torch.stack([steps[j][i] for i, r in enumerate(ids) for j in range(len(r))])
+        seq_err = rel(got, stepwise)
+        ok = (err <= tol and kv_err <= tol and seq_err <= tol
+              and bool(torch.isfinite(got).all()))
+        report.check(f"{label} verify k={k}: triton == torch reference == one token at a "
+                     f"time", ok, f"{rows} rows of {1 + k} + 1 decode row, contexts "
+                     f"{min(pos)}..{max(pos)}: logits rel err {err:.2e}, stepwise "
+                     f"{seq_err:.2e}, KV max|err| {kv_err:.2e} (tol {tol:g})")
+    del tri, ref

@@ -88,6 +88,42 @@ def _eager_decode(model, kv, ids, pos, tables):
                          torch.arange(len(ids), device=dev))
 
 
+def _verify_batch(rng: random.Random, drafts: list[int], max_len: int, block_size: int,
+                  num_blocks: int, vocab: int, context: int | None = None):
+    """A speculative-decoding verify batch: row ``i`` runs ``1 + drafts[i]`` tokens (its last
+    sampled token and its drafts) at positions ``context .. context + drafts[i]``, on
+    disjoint shuffled blocks (with spare lookahead blocks). Without ``context`` the first
+    rows' new tokens start at 0, straddle a block edge, end on a block's last slot and
+    start on its first; the rest start at random, all ending below ``max_len``.
+    Returns (ids: one list of ``1 + k`` tokens a row, contexts, tables)."""
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    ids, pos, tables = [], [], []
+    for i, k in enumerate(drafts):
+        edges = [0, block_size - 1 - k // 2, 2 * block_size - 1 - k, 3 * block_size,
+                 max_len - 1 - k]
+        p = context if context is not None else (
+            edges[i] if i < len(edges) else rng.randrange(max_len - k))
+        need = (p + k) // block_size + 1 + rng.randint(0, 1)
+        tables.append([pool.pop() for _ in range(need)])
+        ids.append([rng.randrange(vocab) for _ in range(1 + k)])
+        pos.append(p)
+    return ids, pos, tables
+
+
+def _eager_verify(model, kv, ids, pos, tables):
+    """One eager forward of a verify batch (rows of ``1 + k`` tokens, as
+    :func:`_verify_batch`), with logits at every new token: ``[sum(1 + k), vocab]``."""
+    import torch
+
+    from kernels.metadata import AttentionMetadata
+    dev = kv.device
+    meta = AttentionMetadata.build([len(r) for r in ids], pos, tables, kv.block_size, dev)
+    flat = [t for r in ids for t in r]
+    return model.forward(torch.tensor(flat, device=dev), meta.positions, kv, meta,
+                         torch.arange(len(flat), device=dev))
+
+
 def time_steps(fn, device, steps: int, warmup: int = 2) -> float:
     """Mean ms per call of ``fn`` with a device sync after each (as a real step, which
     waits for its sampled tokens)."""
@@ -134,6 +170,37 @@ def time_decode(report, label: str, model, shape, kv, graphs, batches,
         print(f"  {label}: batch {b}: {timed} per step ({budget.elapsed():.0f} s elapsed)",
               flush=True)
     return rows
+
+
+def time_verify(label: str, model, shape, kv, graphs, batches, k: int, context: int,
+                steps: int, budget, reserve_s: float) -> list[tuple[int, float, float]]:
+    """Speculative decoding's verify steps (every row ``1 + k`` tokens at ``context``, logits
+    at all of them, one eager forward as the executor runs them) against plain decode steps
+    of the same batch, eager (and the decode graph's replay, when there is one, for
+    scale). Prints ms and the verify / decode ratio; returns (batch, decode ms, verify ms)."""
+    out = []
+    rng = random.Random(13)
+    for b in batches:
+        if budget.left() < reserve_s:
+            print(f"  {label}: verify batch {b} and larger skipped (time budget)", flush=True)
+            break
+        vids, vpos, vtables = _verify_batch(rng, [k] * b, context + k + 1, kv.block_size,
+                                            kv.num_blocks, shape.vocab_size, context=context)
+        dids = [r[0] for r in vids]
+        decode_ms = time_steps(lambda d=dids, p=vpos, t=vtables: _eager_decode(model, kv, d, p, t),
+                               kv.device, steps)
+        verify_ms = time_steps(lambda v=vids, p=vpos, t=vtables: _eager_verify(model, kv, v, p, t),
+                               kv.device, steps)
+        graph = ""
+        if graphs is not None and graphs.can_replay(b, context + 1):
+            ms = time_steps(lambda d=dids, p=vpos, t=vtables: graphs.replay(d, p, t), kv.device,
+                            steps)
+            graph = f"; decode graph {ms:.3f} ms, verify / graph {verify_ms / ms:.2f}x"
+        print(f"  {label}: verify k={k} batch {b} context {context}: eager decode "
+              f"{decode_ms:.3f} ms, eager verify {verify_ms:.3f} ms ({b * (1 + k)} tokens), "
+              f"verify / decode {verify_ms / decode_ms:.2f}x{graph}", flush=True)
+        out.append((b, decode_ms, verify_ms))
+    return out
 
 
 def sweep_decode_partitions(label: str, model, shape, kv, batches, context: int,

@@ -1,7 +1,8 @@
 """scripts/gpu_check (scripts/gpu/check.py) on the CPU: --help, the no-CUDA exit, the
---cpu-dry-run pass (Triton checks under the interpreter, static-buffer decode, timing table,
-step grid), the byte accounting behind its roofline numbers, and the step grid's step log
-(shapes as the scheduler counts them, fitted by weir calibrate, written without msgspec)."""
+--cpu-dry-run pass (Triton checks under the interpreter, static-buffer decode, speculative
+verify steps, timing table, verify steps timed against decode, step grid), the byte
+accounting behind its roofline numbers, and the step grid's step log (shapes as the
+scheduler counts them, fitted by weir calibrate, written without msgspec)."""
 import importlib.util
 import os
 import subprocess
@@ -53,6 +54,14 @@ def test_cpu_dry_run(tmp_path):
         assert "ok   triton static-decode" in out and "stray KV writes 0" in out
         for fp8 in ("float8_e4m3fn", "float8_e5m2"):       # fp8 caches under a bf16 model
             assert f"ok   triton decode  bfloat16 kv {fp8}" in out
+        for k in (1, 2, 4):     # speculative verify rows through the model on Triton
+            assert f"ok   tiny fp32 verify k={k}: triton == torch reference" in out
+    verify = [line.split() for line in out.splitlines() if "tiny: verify k=4 batch" in line]
+    assert [int(row[row.index("batch") + 1]) for row in verify] == [1, 4, 16]
+    for row in verify:      # "... eager decode D ms, eager verify V ms (...) ... R x"
+        at = row.index("decode")
+        decode, ver = float(row[at + 1]), float(row[row.index("verify", at) + 1])
+        assert float(row[-1].rstrip("x")) == pytest.approx(ver / decode, abs=0.01)
     table = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
     assert [(row[1], row[2]) for row in table] == [("1", "eager"), ("2", "eager")]
     fp8_rows = [line.split() for line in out.splitlines() if line.startswith("tiny-kv-e4m3 ")]
