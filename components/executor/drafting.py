@@ -49,8 +49,8 @@ class NgramDrafter:
     as it does) finds the earlier occurrences of its last token; the most recent one whose
     match, read backwards, reaches ``max_n`` tokens (else the longest of at least ``min_n``)
     gives the tokens after it (continued with the period between the two where it runs
-    into the end: a repeating run proposes its full k). At most ``scan`` occurrences are read per row: a bounded
-    cost on long, repetitive sequences."""
+    into the end: a repeating run proposes its full k). At most ``scan`` occurrences are
+    read per row: a bounded cost on long, repetitive sequences."""
 
     name = "ngram"
 

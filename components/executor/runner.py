@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from components.executor.constraints import Ahead, Constraint, Grammars, apply_constraints
-from components.executor.sampling import Logprobs, RowPenalties, all_greedy, apply_penalties, sample
 from components.executor.drafting import Drafter
+from components.executor.sampling import Logprobs, RowPenalties, all_greedy, apply_penalties, sample
 from kernels import AttentionMetadata, KVCache
 from schemas.wire import BlockCopy, PromptChunkLogprobs, SampleLogprobs, StepPlan, StepResult
 

@@ -73,9 +73,9 @@ from components.scheduler.preemption import Preemption, Preemptor, UrgencyDecisi
 from components.scheduler.prices import Prices
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import Seq
+from components.scheduler.speculation import Speculation
 from components.scheduler.tenants import Tenants
 from components.tenancy.fairness import VirtualCounters
-from components.scheduler.speculation import Speculation
 from schemas.config import KvConfig, SchedulerConfig, SpeculativeConfig, TenantConfig
 from schemas.wire import Admitted, KvGrant, KvOps, StepPlan, StepResult, StepSample
 
