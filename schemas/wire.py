@@ -373,6 +373,7 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, gc=False):
     # speculating rows: (seq id, drafted, accepted). Such a row's tokens are its accepted
     # drafts and then the target's own next token, in order, each listed under its seq id
     drafts: list[tuple[int, int, int]] = []
+    draft_ns: int = 0                 # of elapsed_ns, the time proposing those drafts
 
 
 class KvGrant(msgspec.Struct, tag="kv_grant", frozen=True, array_like=True, gc=False):

@@ -149,7 +149,9 @@ class ModelRunner:
                                            None if n.structured is None
                                            else self.grammars.constraint(
                                                n.structured, n.token_ids[n.prompt_len:]))
+        drafted_ns = self.draft_ns
         drafts = self._draft(plan)
+        drafted_ns = self.draft_ns - drafted_ns
         input_ids: list[int] = []
         query_lens, context_lens, tables, rows = [], [], [], []
         # one entry per sampled row: (seq, state, which sample, draft position): an n > 1
@@ -252,7 +254,8 @@ class ModelRunner:
             i += len(d) + 1
         return StepResult(plan.step_id, out_ids, out_tokens,
                           time.perf_counter_ns() - start, logprobs=out_lps,
-                          prompt_logprobs=prompt_lps, structured_errors=errors, drafts=spec)
+                          prompt_logprobs=prompt_lps, structured_errors=errors, drafts=spec,
+                          draft_ns=drafted_ns)
 
     def _draft(self, plan: StepPlan) -> dict[int, list[int]]:
         """Extend each planned row's block table, and draft for the decode rows the plan

@@ -218,7 +218,11 @@ class SchedulerLoop:
         if step.plan is not None and step.starts is not None:      # what was verified
             shape = plan_shape(step.plan, step.starts.__getitem__,
                                {sid: d for sid, d, _ in res.drafts})
-        core.cost.observe(shape, measured)
+        target_s = measured
+        if res.drafts:                          # the target's step, apart from drafting
+            core.spec.drafting_took(res.draft_ns / 1e9, sum(d for _, d, _ in res.drafts))
+            target_s = max(measured - res.draft_ns / 1e9, 1e-6)
+        core.cost.observe(shape, target_s)
         self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes,
                           pure=shape.tokens == shape.seqs)
         self.finished.append(StepDone(shape, step.predicted_s, measured,

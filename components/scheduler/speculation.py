@@ -11,7 +11,9 @@ choice per row per step, from:
   from its class's measured rate (or ``speculative.class_priors`` / ``acceptance_prior``
   before its class has any) with the weight of ``PRIOR_WEIGHT`` verifies;
 - the step's predicted time from the step-cost model, with each extra verify token priced
-  as the model prices a token (its attention over the row's context included);
+  as the model prices a token (its attention over the row's context included), plus the
+  draft source's own time per draft token as measured (a draft model's forwards; the
+  step-cost model is taught the step's time without it);
 - the token budget left after decodes and prefill chunks: drafts take only what prefill did
   not (k is 0 when prefill needs the budget);
 - the tightest TPOT objective among the rows: a step is never stretched past it;
@@ -79,6 +81,20 @@ class Speculation:
         # per class: (accepted, rejections), decayed
         self._class: dict[str, list[float]] = {}
         self.stats = SpecStats()
+        # the draft source's own seconds per draft token (a draft model's forwards; prompt
+        # lookup's search), measured from the executor's reports: the step-cost model
+        # prices the target's tokens, this prices proposing them
+        self.draft_s_per_token = 0.0
+        self._draft_s = 0.0
+        self._draft_tokens = 0.0
+
+    def drafting_took(self, seconds: float, tokens: int) -> None:
+        """A step's drafting took ``seconds`` for ``tokens`` draft tokens (decayed mean)."""
+        if tokens <= 0:
+            return
+        self._draft_s = self._draft_s * 0.98 + seconds
+        self._draft_tokens = self._draft_tokens * 0.98 + tokens
+        self.draft_s_per_token = self._draft_s / self._draft_tokens
 
     # ---------------------------------------------------------------- acceptance
     def prior(self, cls: str) -> float:
@@ -174,7 +190,7 @@ class Speculation:
             q = 1 + k[sid]                 # the row's query tokens before this draft
             more = StepShape(tokens + 1, context + 1, seqs,
                              pairs - row_pairs(q, ctx) + row_pairs(q + 1, ctx))
-            t_more = cost.predict(more)
+            t_more = cost.predict(more) + self.draft_s_per_token * (sum(k.values()) + 1)
             dt = max(t_more - t, 1e-9)
             if gain * t <= value * dt:
                 choice.reason = choice.reason or "no_gain"
