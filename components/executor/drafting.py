@@ -25,14 +25,24 @@ accepting iff it equals the draft does (runner.py). An EAGLE or MTP head would b
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kernels import AttentionMetadata
 
-if TYPE_CHECKING:
-    from components.executor.runner import SeqState
+
+class SeqState(Protocol):
+    """What a draft source reads of a sequence (the runner's ``SeqState``): its tokens
+    (the last one not yet computed), its computed length and block table, and for a draft
+    model the positions its own KV holds (``draft_len``, which it advances)."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_ids: list[int]
+    draft_len: int
+
+    def ngram_index(self) -> dict[int, list[int]]: ...
 
 
 class Drafter(Protocol):

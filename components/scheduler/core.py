@@ -97,7 +97,9 @@ class SchedulerCore:
                                 max_model_len, epoch)
         self.preemptor = Preemptor(cfg, self.queues, self.leases, self.prices, max_model_len,
                                    kv.preemption_mode, kv.num_cpu_blocks)
-        self.spec = Speculation(speculative or SpeculativeConfig())
+        # a bare core (unit tests, tools) does not speculate unless told; the service and
+        # the simulator pass the config's section, on by default
+        self.spec = Speculation(speculative or SpeculativeConfig(method="off"))
         if self.spec.on:                      # growth asked with room for the drafts
             self.leases.draft_room = self.spec.cfg.max_k
         self.output = OutputStage(self.queues, self.leases, max_model_len, self.spec)

@@ -30,7 +30,8 @@ from weir.replay.types import COMPLETED, Slo, TraceRequest
 TPOT_SLO_MS = 400.0
 
 # linear = "torch": one kernel for every step size, so the measured ITL is scheduling,
-# not which kernel the plan picked for each varying chunk size
+# not which kernel the plan picked for each varying chunk size; no speculation, so that
+# each gap is one step (a verify emits several tokens in one)
 CHUNKING = """
 [engine]
 max_model_len = 1024
@@ -39,6 +40,8 @@ kernels = {{ linear = "torch" }}
 chunking = "{chunking}"
 [admission]
 classes = [{{ name = "chat", tpot_slo_ms = {tpot} }}]
+[speculative]
+method = "off"
 """
 
 

@@ -93,7 +93,8 @@ def test_a_fit_that_prices_the_decodes_at_nothing_falls_back_to_the_mean_cost():
 def burst_run(chunking: str):
     """16 streams decoding (TPOT SLO 300 ms) when 32 prompts of 512 tokens arrive."""
     cfg = load_config(None, topology={"run_dir": "/x"}, scheduler={"chunking": chunking},
-                      admission={"classes": [{"name": "c", "tpot_slo_ms": 300}]})
+                      admission={"classes": [{"name": "c", "tpot_slo_ms": 300}]},
+                      speculative={"method": "off"})      # (chunking alone)
     streams = [TraceRequest(index=i, arrival_s=0.0, input_tokens=32, output_tokens=200)
                for i in range(16)]
     burst = [TraceRequest(index=16 + i, arrival_s=2.0, input_tokens=512, output_tokens=4)
