@@ -103,6 +103,7 @@ class _EngineCollector:
         yield self._counter("weir:kv_allocation_failures", "KV allocations the pool refused.",
                             kv.get("alloc_failures", 0))
         yield self._batch_histogram(sched)
+        yield from self._spec_families(sched, self.stats.get("executor", {}))
         streamer = self.stats.get("streamer", {})
         yield self._counter("weir:request_cancellations", "Requests cancelled (client or timeout).",
                             streamer.get("requests.cancelled", 0))
@@ -163,6 +164,67 @@ class _EngineCollector:
         h.add_metric([self.model], [(str(int(le)), v) for le, v in buckets] + [("+Inf", count)],
                      sum_value=sched.get("batch_size.sum", 0))
         return h
+
+    def _spec_families(self, sched: dict[str, float], ex: dict[str, float]):
+        """Speculative decoding (components/scheduler/speculation.py), from the scheduler's
+        counts (``spec.*``; none while ``speculative.method = "off"``, when every family
+        is empty) and the executor's drafting time. The acceptance rate is not exported:
+        compute it over a window, as vLLM's docs do, as
+        ``rate(weir:spec_accepted_tokens_total[5m]) / rate(weir:spec_draft_tokens_total[5m])``
+        (by class); tokens per model pass as ``rate(weir:spec_emitted_tokens_total[5m]) /
+        rate(weir:spec_verifies_total[5m])``."""
+        labels = ["model_name", "class"]
+        drafted = CounterMetricFamily(
+            "weir:spec_draft_tokens", "Draft tokens verified, by service class (vLLM: "
+            "vllm:spec_decode_num_draft_tokens, not by class).", labels=labels)
+        accepted = CounterMetricFamily(
+            "weir:spec_accepted_tokens", "Draft tokens the target accepted, by service class "
+            "(vLLM: vllm:spec_decode_num_accepted_tokens, not by class). Acceptance rate: "
+            "rate(weir:spec_accepted_tokens_total) / rate(weir:spec_draft_tokens_total).",
+            labels=labels)
+        skipped = CounterMetricFamily(
+            "weir:spec_skipped_steps", "Steps with decode rows in which no row drafted, by "
+            "reason (no_gain: no draft pays for its step time; budget: prefill took the "
+            "token budget; tpot: a draft would stretch the step past the tightest TPOT "
+            "objective; no_row: no row may draft; no_cost_model). No vLLM equivalent.",
+            labels=["model_name", "reason"])
+        ks: dict[int, float] = {}
+        for key, value in sorted(sched.items()):
+            head, field, rest = (key.split(".", 2) + ["", ""])[:3]
+            if head != "spec":
+                continue
+            if field == "drafted":
+                drafted.add_metric([self.model, rest], value)
+            elif field == "accepted":
+                accepted.add_metric([self.model, rest], value)
+            elif field == "none":
+                skipped.add_metric([self.model, rest], value)
+            elif field == "k" and rest.isdigit():
+                ks[int(rest)] = value
+        yield from (drafted, accepted)
+        yield self._counter("weir:spec_verifies", "Speculating rows verified: one per row per "
+                            "model pass that checked drafts (vLLM: "
+                            "vllm:spec_decode_num_drafts).", sched.get("spec.verifies", 0))
+        yield self._counter("weir:spec_emitted_tokens", "Tokens the verified rows emitted (the "
+                            "accepted drafts and the target's own token of each verify). "
+                            "Tokens per model pass of a speculating row: "
+                            "rate(weir:spec_emitted_tokens_total) / "
+                            "rate(weir:spec_verifies_total) (vLLM's mean acceptance length, "
+                            "1 + accepted / drafts).", sched.get("spec.emitted", 0))
+        yield skipped
+        yield self._counter("weir:spec_draft_seconds", "Time the executor spent proposing "
+                            "drafts (the n-gram lookup or the draft model's forwards).",
+                            ex.get("spec.draft_s", 0))
+        h = HistogramMetricFamily("weir:spec_k", "Draft tokens (k) the scheduler gave each "
+                                  "decode row it considered for speculation, per step (0: "
+                                  "none). vLLM has no equivalent: its k is the fixed "
+                                  "num_speculative_tokens.", labels=["model_name"])
+        if ks:
+            h.add_metric([self.model], [(str(le), sum(n for k, n in ks.items() if k <= le))
+                                        for le in _SPEC_K]
+                         + [("+Inf", sum(ks.values()))],
+                         sum_value=sum(k * n for k, n in ks.items()))
+        yield h
 
     def _router_families(self, router: dict[str, float]):
         """A gateway in front of `weir route`: the router's decisions by reason (prefix,
@@ -267,6 +329,7 @@ class _EngineCollector:
             yield h
 
 
+_SPEC_K = range(17)          # k is whole and at most speculative.max_k (<= 16): exact buckets
 _ALL = " All traffic, SDK and HTTP."
 _REQUEST_HISTOGRAMS = {
     "ttft": "Time to first token, by service class, as the streamer sees it (arrival to the "

@@ -195,3 +195,66 @@ def test_a_gateway_in_front_of_a_router_exports_its_decisions_by_reason():
 
 def test_an_engine_behind_no_router_exports_no_router_families():
     assert _samples(_engine({}), "weir:router_decisions") == {}
+
+
+def _spec_engine() -> GatewayMetrics:
+    """Speculation's counts as the scheduler reports them (``SchedulerCore.spec_stats``):
+    two interactive verifies (4 drafted, 3 accepted; 2 drafted, 2 accepted), one batch
+    verify (2 drafted, 0 accepted), planned rows at k 0, 2 and 4, steps without drafts."""
+    from types import SimpleNamespace
+
+    from components.scheduler.core import SchedulerCore
+    from components.scheduler.speculation import Speculation
+    from schemas.config import SpeculativeConfig
+
+    spec = Speculation(SpeculativeConfig(method="ngram", max_k=4))
+    for cls, drafted, accepted in (("interactive", 4, 3), ("interactive", 2, 2),
+                                   ("tier.1", 2, 0)):
+        seq = SimpleNamespace(service_class=cls, spec_idle=0, spec_hits=0, spec_misses=0)
+        spec.verified(seq, drafted, accepted)
+    spec.stats.k_hist.update({0: 5, 2: 2, 4: 1})
+    spec.stats.reasons.update({"no_gain": 3, "budget": 1})
+    m = GatewayMetrics("m")
+    m.engine.stats = {"scheduler": {"running": 1, **SchedulerCore.spec_stats(
+        SimpleNamespace(spec=spec))}, "executor": {"spec.draft_s": 0.25}}
+    return m
+
+
+def test_speculation_counters_by_class_and_reason():
+    m = _spec_engine()
+    assert _samples(m, "weir:spec_draft_tokens") == {
+        ("weir:spec_draft_tokens_total", ("class", "interactive")): 6,
+        ("weir:spec_draft_tokens_total", ("class", "tier.1")): 2}
+    assert _samples(m, "weir:spec_accepted_tokens") == {
+        ("weir:spec_accepted_tokens_total", ("class", "interactive")): 5,
+        ("weir:spec_accepted_tokens_total", ("class", "tier.1")): 0}
+    assert _samples(m, "weir:spec_verifies") == {("weir:spec_verifies_total",): 3}
+    # each verify emits its accepted drafts and the target's own token: 4 + 3 + 1
+    assert _samples(m, "weir:spec_emitted_tokens") == {("weir:spec_emitted_tokens_total",): 8}
+    assert _samples(m, "weir:spec_skipped_steps") == {
+        ("weir:spec_skipped_steps_total", ("reason", "budget")): 1,
+        ("weir:spec_skipped_steps_total", ("reason", "no_gain")): 3}
+    assert _samples(m, "weir:spec_draft_seconds") == {("weir:spec_draft_seconds_total",): 0.25}
+
+
+def test_speculation_k_is_a_cumulative_histogram_of_planned_rows():
+    k = _samples(_spec_engine(), "weir:spec_k")
+    b = "weir:spec_k_bucket"
+    assert [k[b, ("le", le)] for le in ("0", "1", "2", "3", "4", "16", "+Inf")] \
+        == [5, 5, 7, 7, 8, 8, 8]
+    assert k["weir:spec_k_count",] == 8
+    assert k["weir:spec_k_sum",] == 2 * 2 + 4
+
+
+def test_speculation_help_names_the_vllm_equivalents_and_off_renders_empty():
+    text = _spec_engine().render().decode()
+    for theirs in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+                   "vllm:spec_decode_num_drafts"):
+        assert theirs in text
+    off = GatewayMetrics("m")
+    off.engine.stats = {"scheduler": {"running": 0}}
+    for name in ("weir:spec_draft_tokens", "weir:spec_accepted_tokens", "weir:spec_k",
+                 "weir:spec_skipped_steps"):
+        assert _samples(off, name) == {}
+    assert _samples(off, "weir:spec_verifies") == {("weir:spec_verifies_total",): 0}
+    assert b"# TYPE weir:spec_k histogram" in off.render()
