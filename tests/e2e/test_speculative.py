@@ -1,8 +1,11 @@
 """Speculative decoding through all seven processes: greedy output is still Hugging Face's,
 token for token, with each draft source (n-gram prompt lookup; the served model as its own
 draft, whose every greedy draft the target accepts), and a cancel in the middle of
-speculating decodes gives every KV block back. One engine per method, the scheduler
-choosing k (``control = "scheduler"``)."""
+speculating decodes gives every KV block back. One engine per method. Prompt lookup runs
+under the scheduler's k (``control = "scheduler"``). The served model as its own draft costs
+as much per draft token as the target, and once the scheduler has measured that it rightly
+stops drafting, so that engine drafts ``max_k`` every step (``control = "fixed"``): what it
+tests is verification, not the rule."""
 import anyio
 import pytest
 
@@ -21,7 +24,8 @@ CODE = ("def area(width, height):\n    return width * height\n\n"
 
 SPEC = {
     "ngram": '[speculative]\nmethod = "ngram"\nmax_k = 4\n',
-    "draft": '[speculative]\nmethod = "draft"\nmax_k = 4\ndraft_model = ""\ndraft_layers = 0\n',
+    "draft": '[speculative]\nmethod = "draft"\nmax_k = 4\ncontrol = "fixed"\ndraft_model = ""\n'
+             'draft_layers = 0\n',
 }
 
 
