@@ -157,6 +157,20 @@ def test_degrade_lowers_max_tokens_to_what_fits():
     assert d.estimate.kv_blocks == 4 and p.ledger.reserved_blocks == 10
 
 
+def test_a_degraded_request_does_not_speculate_an_accepted_one_may():
+    """The first seed's degrade options include turning speculative decoding off: the
+    admitted header carries ``speculate`` False for a degraded request, which the
+    scheduler's k rule then leaves at 0 (components/scheduler/speculation.py)."""
+    p = policy(num_blocks=10)
+    r1 = req("1", prompt=64, max_tokens=32)
+    d1 = p.decide(r1, 0, 0.0)
+    r2 = req("2", cls="batch", prompt=32, max_tokens=100)
+    d2 = p.decide(r2, 0, 0.0)
+    assert (d1.kind, d2.kind) == (Kind.ACCEPT, Kind.DEGRADE)
+    assert p.admitted(r1, d1).header.speculate is True
+    assert p.admitted(r2, d2).header.speculate is False
+
+
 def test_degrade_never_below_min_max_tokens():
     p = policy(num_blocks=10)
     p.decide(req("1", prompt=64, max_tokens=64), 0, 0.0)               # 8 of 10 blocks
