@@ -27,7 +27,7 @@ import anyio
 import pytest
 import torch
 
-from tests.e2e.engine import ROOT, Engine
+from tests.e2e.engine import ROOT, Engine, wait_for
 from tests.e2e.hf import hf_logits_along
 
 BUDGET = 256
@@ -102,17 +102,25 @@ def _check(result, ids: list[int]) -> None:
 @pytest.mark.parametrize("size", list(SIZES))
 def test_long_prompt_alone(long_engine, prompts, hf, size):
     """Nothing else running: the prompt is prefilled in ceil(len / budget) steps (the
-    middle ones sample nothing), then decodes."""
+    middle ones sample nothing), then decodes: one step per token, less the draft tokens
+    speculation's verifies accepted (each verify emits its accepted drafts and one more)."""
     ids = prompts[size]
     eng = long_engine
     eng.wait_stat("scheduler", "running", 0, timeout=5.0)
-    steps = eng.stats("scheduler")["steps"]
+
+    def counts() -> tuple[float, float]:
+        status = eng.status()
+        return status["scheduler"].stats["steps"], status["executor"].stats["spec.accepted"]
+
+    steps, accepted = counts()
     with eng.client() as c:
         result = c.generate(prompt_token_ids=ids, max_tokens=N_TOKENS, temperature=0.0,
                             ignore_eos=True)
     _check(result, ids)
-    eng.wait_stat("scheduler", "steps", steps + math.ceil(len(ids) / BUDGET) + N_TOKENS - 1,
-                  timeout=5.0)
+    prefill = math.ceil(len(ids) / BUDGET)
+    wait_for(counts, 5.0, lambda got: f"(steps, accepted) {got} from {(steps, accepted)}",
+             interval=0.02, until=lambda got: got[0] - steps
+             == prefill + N_TOKENS - 1 - (got[1] - accepted))
     assert_matches_hf(hf, eng.dtype, ids, result.token_ids)
     eng.wait_kv_free(timeout=5.0)
 
