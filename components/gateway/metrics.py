@@ -254,6 +254,66 @@ class _EngineCollector:
                 elif field == "lost":
                     lost.add_metric([self.model, name], value)
         yield from (dec, rerouted, healthy, lost)
+        yield from self._signal_families(router)
+
+    def _signal_families(self, router: dict[str, float]):
+        """The signals that lead latency (components/router/signals.py), per replica
+        (``weir:replica_*``, label ``replica``: the pod's name in Kubernetes) and fleet-wide
+        (over the replicas taking new work), for an autoscaler (docs/deploy.md)."""
+        m = self.model
+        per, fleet = ["model_name", "replica"], ["model_name"]
+        gauges = {                    # field -> (name, doc)
+            "queue_s": ("predicted_queue_seconds", "Predicted wait before a new prompt's "
+                        "prefill starts: the replica's admission's prediction (its backlog "
+                        "at its measured prefill rate) plus what the router sent since"),
+            "kv_used": ("kv_pressure_ratio", "Fraction of KV blocks in use (used / total)"),
+            "prefill_backlog_tokens": ("prefill_backlog_tokens", "Prompt (and recomputed) "
+                                       "tokens waiting and running sequences have still to "
+                                       "prefill"),
+            "decode_backlog_tokens": ("decode_backlog_tokens", "Output tokens waiting and "
+                                      "running sequences may still sample, at most "
+                                      "(max_tokens, else max_model_len)")}
+        fams: dict[tuple[bool, str], Metric] = {}
+        for fld, (name, doc) in gauges.items():
+            fams[False, fld] = GaugeMetricFamily(f"weir:replica_{name}", f"{doc}; per "
+                                                 "replica.", labels=per)
+            fams[True, fld] = GaugeMetricFamily(
+                f"weir:{name}", f"{doc}; fleet-wide over the replicas taking new work "
+                f"({'their mean' if fld == 'queue_s' else 'all of them'}).", labels=fleet)
+        head = ("SLO headroom: 1 - predicted TTFT / the class's TTFT objective (predicted "
+                "TTFT: weir:{}predicted_queue_seconds); 1 idle, 0 at the objective, < 0 "
+                "past it")
+        fams[False, "headroom"] = GaugeMetricFamily(
+            "weir:replica_slo_headroom_ratio", head.format("replica_") + "; per replica and "
+            "class.", labels=per + ["class"])
+        fams[True, "headroom"] = GaugeMetricFamily(
+            "weir:slo_headroom_ratio", head.format("") + "; fleet-wide, per class.",
+            labels=fleet + ["class"])
+        fams[False, "load_rejections"] = CounterMetricFamily(
+            "weir:replica_load_rejections", "Refusals for load (overloaded, "
+            "deadline_unmeetable, queue_full, kv_pressure, ...) the replica answered the "
+            "router, rerouted or not; rate() it.", labels=per)
+        fams[True, "load_rejections"] = CounterMetricFamily(
+            "weir:load_rejections", "Requests the fleet refused for load, as their clients "
+            "heard it (no replica could take one, or a replica's refusal was relayed); "
+            "rate() it.", labels=fleet)
+        fams[True, "replicas"] = GaugeMetricFamily(
+            "weir:serving_replicas", "Replicas taking new work (healthy, reporting their "
+            "load, not draining or retiring).", labels=fleet)
+        for key, value in sorted(router.items()):
+            head_, _, rest = key.partition("/")
+            if head_ == "signal":
+                replica, _, rest = rest.partition("/")
+                labels = [m, replica]
+            elif head_ == "fleet":
+                labels = [m]
+            else:
+                continue
+            fld, _, cls = rest.partition("/")
+            fam = fams.get((head_ == "fleet", fld))
+            if fam is not None:
+                fam.add_metric(labels + [cls] if fld == "headroom" else labels, value)
+        yield from fams.values()
 
     def _request_families(self, streamer: dict[str, float]):
         """SLO outcomes, goodput, degraded requests and latency histograms by service class,

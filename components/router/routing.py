@@ -153,6 +153,12 @@ class RoutingCore:
     def rate(self, r: Replica) -> float:
         return prefill_rate(r, self.rc.default_prefill_tokens_per_s)
 
+    def queue_s(self, r: Replica, flights: Mapping[str, Flight]) -> float:
+        """``r``'s predicted wait before a new prompt's prefill: its last load report,
+        plus the prefill the report cannot know of yet (``scoring.predicted_queue_s``)."""
+        return predicted_queue_s(r.stat("admission", "predicted_queue_s", 0.0),
+                                 r.report_asked, sent_to(r, flights), self.rate(r))
+
     def state(self, r: Replica, f: Flight, flights: Mapping[str, Flight]) -> ReplicaState:
         """What the router knows of ``r`` for ``f``: the prefix it holds, its queue (its
         last report, plus the prefill the report cannot know of yet), its pools."""
@@ -164,9 +170,7 @@ class RoutingCore:
         free = r.stat("kv_manager", "free_blocks", total)
         reserved = r.stat("admission", "reserved_kv_blocks", 0.0)
         return ReplicaState(
-            r.spec.name, r.healthy, r.draining, cached,
-            predicted_queue_s(r.stat("admission", "predicted_queue_s", 0.0), r.report_asked,
-                              sent_to(r, flights), rate), rate,
+            r.spec.name, r.healthy, r.draining, cached, self.queue_s(r, flights), rate,
             (total - free) / total if total else 0.0,
             min(reserved / total, 1.0) if total else 0.0,
             r.tenant_blocks(f.tenant) / total if total else 0.0)
@@ -242,6 +246,8 @@ class RoutingCore:
             f.accepted_at = now
         elif isinstance(body, TextDelta):
             note_prefilled(r, f, now)
+        if isinstance(body, Rejected) and body.reason in REROUTE:
+            r.counts["load_rejected"] += 1          # an autoscaling signal (signals.py)
         if isinstance(body, Rejected) and self.reroutes(f, body, replicas):
             r.counts[f"rerouted.{body.reason}"] += 1
             r.open.discard(f.request_id)

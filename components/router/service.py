@@ -36,7 +36,8 @@ from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
 from components.router import intake
 from components.router.membership import Membership, Replica, load_query_id
-from components.router.routing import Flight, RoutingCore, route_attributes
+from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
+from components.router.signals import signal_stats, targets_s
 from schemas.client import (
     Cancel,
     Cancelled,
@@ -78,6 +79,7 @@ class RouterService(Component):
         if not rc.replicas:
             raise ValueError("router.replicas is empty: name at least one engine to route to")
         self.rc = rc
+        self.targets = targets_s(self.config.admission.classes)    # TTFT objectives (s)
         self.prompts = PromptHasher(self.config)
         self.keys = Keyring(self.config.gateway.api_keys)
         self.service_key = load_service_key()
@@ -171,6 +173,7 @@ class RouterService(Component):
             intake.tokenized(f, intake.prompt_blocks(self.prompts, sub, f.tenant))
             return await self._route(f)
         if self.tokenizing >= (most := intake.MAX_TOKENIZING):
+            self.counts["load_rejected"] += 1
             return await self._refuse(who, Rejected(
                 rid, "overloaded", f"{most} long prompts are being tokenized", 1.0))
         self.flights[rid] = f
@@ -206,6 +209,7 @@ class RouterService(Component):
             span.set_attributes(route_attributes(f, ranked, self.rc.policy))
             if decision is None:
                 span.set_attribute("weir.route.reason", "no_replica")
+                self.counts["load_rejected"] += 1
                 await self._end_here(f, Rejected(
                     rid, "overloaded", "no replica can take this request now",
                     retry_after_s=self.rc.heartbeat_timeout_s))
@@ -277,6 +281,8 @@ class RouterService(Component):
                 continue
             if step == "end":
                 self._forget(f)
+                if isinstance(body, Rejected) and body.reason in REROUTE:
+                    self.counts["load_rejected"] += 1      # its client hears it
             if not f.cancelled:
                 await self.clients.send_raw(data, to=f.identity)
 
@@ -404,4 +410,6 @@ class RouterService(Component):
                 "idempotent_keys": len(self.routing.idempotent),
                 "session_moves": sessions.moves,
                 **{f"requests.{k}": v for k, v in self.counts.items()},
-                **self.members.stats()}
+                **self.members.stats(),
+                **signal_stats(self.members, lambda r: self.routing.queue_s(r, self.flights),
+                               self.targets, self.counts["load_rejected"])}

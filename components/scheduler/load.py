@@ -36,6 +36,22 @@ def released_ttft(out: Outcome) -> dict[str, float]:
             and t.request_id in out.released}
 
 
+def backlog_tokens(core: SchedulerCore) -> dict[str, float]:
+    """The work the engine holds, in tokens, for the autoscaler (the router exports it,
+    docs/deploy.md): ``backlog.prefill_tokens``, the prompt (and recomputed) tokens every
+    sequence, waiting or running, has still to compute; ``backlog.decode_tokens``, the
+    output tokens they may still sample at most (each choice up to its ``max_tokens``, else
+    up to ``max_model_len``)."""
+    prefill = decode = 0
+    for s in (*core.waiting, *core.running):
+        prefill += s.remaining
+        cap = s.params.max_tokens
+        room = core.max_model_len - s.num_tokens
+        left = room if cap is None else min(cap - s.num_output, room)
+        decode += max(left, 0) * s.slots
+    return {"backlog.prefill_tokens": prefill, "backlog.decode_tokens": decode}
+
+
 class PoolCounts(NamedTuple):
     """The kv_manager's pool as it last said (``KvGrants``); -1: not said yet."""
 

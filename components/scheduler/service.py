@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from bus.component import Component
-from components.scheduler.load import LOAD_INTERVAL_S
+from components.scheduler.load import LOAD_INTERVAL_S, backlog_tokens
 from components.scheduler.loop import SchedulerLoop, Send, StepDone
 from components.scheduler.sequence import ON_HOST
 from components.scheduler.step_trace import StepTracer
@@ -124,6 +124,7 @@ class SchedulerService(Component):
                 "last_step_ms": round(self.loop.last_step_s * 1e3, 3),
                 "deadline_dropped": self.loop.dropped_late,
                 "deadline_finished": self.loop.finished_at_deadline,
+                **backlog_tokens(c),
                 **c.spec_stats(),
                 **self.loop.usage.stats(c)}
 

@@ -258,3 +258,51 @@ def test_speculation_help_names_the_vllm_equivalents_and_off_renders_empty():
         assert _samples(off, name) == {}
     assert _samples(off, "weir:spec_verifies") == {("weir:spec_verifies_total",): 0}
     assert b"# TYPE weir:spec_k histogram" in off.render()
+
+
+def test_a_gateway_in_front_of_a_router_exports_the_autoscaling_signals():
+    """Per replica (label replica) and fleet-wide, as the router computes them
+    (components/router/signals.py): the families an HPA reads through the adapter."""
+    m = GatewayMetrics("m")
+    m.engine.stats = {"router": {
+        "signal/weir-replica-0/queue_s": 1.5, "signal/weir-replica-0/kv_used": 0.25,
+        "signal/weir-replica-0/kv_total_blocks": 100,
+        "signal/weir-replica-0/prefill_backlog_tokens": 3000,
+        "signal/weir-replica-0/decode_backlog_tokens": 9000,
+        "signal/weir-replica-0/load_rejections": 4,
+        "signal/weir-replica-0/headroom/interactive": 0.5,
+        "signal/weir-replica-0/headroom/tier.1": 0.9,
+        "fleet/replicas": 1, "fleet/queue_s": 1.5, "fleet/kv_used": 0.25,
+        "fleet/prefill_backlog_tokens": 3000, "fleet/decode_backlog_tokens": 9000,
+        "fleet/load_rejections": 2, "fleet/headroom/interactive": 0.5,
+        "fleet/headroom/tier.1": 0.9}}
+    r0 = ("replica", "weir-replica-0")
+    assert _samples(m, "weir:replica_predicted_queue_seconds") == {
+        ("weir:replica_predicted_queue_seconds", r0): 1.5}
+    assert _samples(m, "weir:replica_slo_headroom_ratio") == {
+        ("weir:replica_slo_headroom_ratio", ("class", "interactive"), r0): 0.5,
+        ("weir:replica_slo_headroom_ratio", ("class", "tier.1"), r0): 0.9}
+    assert _samples(m, "weir:replica_kv_pressure_ratio") == {
+        ("weir:replica_kv_pressure_ratio", r0): 0.25}
+    assert _samples(m, "weir:replica_prefill_backlog_tokens") == {
+        ("weir:replica_prefill_backlog_tokens", r0): 3000}
+    assert _samples(m, "weir:replica_decode_backlog_tokens") == {
+        ("weir:replica_decode_backlog_tokens", r0): 9000}
+    assert _samples(m, "weir:replica_load_rejections") == {
+        ("weir:replica_load_rejections_total", r0): 4}
+    assert _samples(m, "weir:predicted_queue_seconds") == {
+        ("weir:predicted_queue_seconds",): 1.5}
+    assert _samples(m, "weir:slo_headroom_ratio") == {
+        ("weir:slo_headroom_ratio", ("class", "interactive")): 0.5,
+        ("weir:slo_headroom_ratio", ("class", "tier.1")): 0.9}
+    assert _samples(m, "weir:kv_pressure_ratio") == {("weir:kv_pressure_ratio",): 0.25}
+    assert _samples(m, "weir:prefill_backlog_tokens") == {
+        ("weir:prefill_backlog_tokens",): 3000}
+    assert _samples(m, "weir:decode_backlog_tokens") == {("weir:decode_backlog_tokens",): 9000}
+    assert _samples(m, "weir:load_rejections") == {("weir:load_rejections_total",): 2}
+    assert _samples(m, "weir:serving_replicas") == {("weir:serving_replicas",): 1}
+    text = m.render().decode()
+    assert "# TYPE weir:load_rejections_total counter" in text
+    assert 'weir:replica_slo_headroom_ratio{class="interactive",model_name="m",' \
+           'replica="weir-replica-0"} 0.5' in text
+

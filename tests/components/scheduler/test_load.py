@@ -132,3 +132,29 @@ def test_a_tenant_backlog_without_the_class_split_still_decodes_and_the_other_wa
     codec = Codec(AdmissionMsg)
     load = SchedulerLoad(1, 2, 500, 1000.0, 0.05, {"a": new})
     assert codec.decode(encode(load)).body == load and codec.malformed == 0
+
+
+def test_backlog_tokens_counts_prefill_left_and_the_most_each_choice_may_still_sample():
+    """The autoscaler's backlog (the router exports it): every sequence's prompt left to
+    compute, waiting or running; and the output it may still sample, up to its
+    max_tokens, else up to max_model_len, once per choice of an n > 1 request not yet
+    forked."""
+    from components.scheduler.load import backlog_tokens
+
+    def s(remaining, num_tokens, num_output, max_tokens=None, slots=1):
+        return SimpleNamespace(remaining=remaining, num_tokens=num_tokens,
+                               num_output=num_output, slots=slots,
+                               params=SimpleNamespace(max_tokens=max_tokens))
+
+    core = SimpleNamespace(max_model_len=1000, waiting=[
+        s(300, 300, 0, max_tokens=50),                 # fresh: 300 to prefill, 50 to sample
+        s(100, 100, 0, max_tokens=20, slots=3),        # n = 3, unforked: 3 x 20
+    ], running=[
+        s(1, 410, 10, max_tokens=40),                  # decoding: 30 left
+        s(0, 900, 0),                                  # no max_tokens: 100 left of the context
+        s(1, 1000, 5, max_tokens=500),                 # at max_model_len: none
+    ])
+    assert backlog_tokens(core) == {"backlog.prefill_tokens": 300 + 100 + 1 + 0 + 1,
+                                    "backlog.decode_tokens": 50 + 60 + 30 + 100 + 0}
+    assert backlog_tokens(SimpleNamespace(max_model_len=8, waiting=[], running=[])) == {
+        "backlog.prefill_tokens": 0, "backlog.decode_tokens": 0}
