@@ -121,8 +121,8 @@ def _build(root: Path) -> tuple[list[dict], dict[str, dict]]:
 
 def strategic_merge(target, patch, field: str = ""):
     """Merge ``patch`` into ``target``: maps key by key, lists of MERGE_KEYS item by item,
-    other values replaced. Patch directives ($patch, $setElementOrder, ...) are not
-    implemented and raise."""
+    other values replaced, a null value deleting the field. Patch directives ($patch,
+    $setElementOrder, ...) are not implemented and raise."""
     if isinstance(patch, dict):
         if any(k.startswith("$") for k in patch):
             raise NotImplementedError(f"strategic merge directive in {field}: {list(patch)}")
@@ -130,6 +130,9 @@ def strategic_merge(target, patch, field: str = ""):
             return copy.deepcopy(patch)
         out = dict(target)
         for key, value in patch.items():
+            if value is None:            # a null deletes the field (kustomize does too)
+                out.pop(key, None)
+                continue
             out[key] = (strategic_merge(target[key], value, key) if key in target
                         else copy.deepcopy(value))
         return out

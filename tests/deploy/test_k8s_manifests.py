@@ -19,7 +19,7 @@ from tests.deploy.kustomize import render, render_kubectl, render_py
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu"]
+KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu", "overlays/autoscaling"]
 K8S_VERSION = "1.30"          # the oldest Kubernetes the manifests are checked against
 WORKLOADS = ("Deployment", "StatefulSet")
 
@@ -60,7 +60,9 @@ def test_fallback_renderer_matches_kubectl(kustomization):
 def test_every_object_is_valid(rendered):
     name, objects = rendered
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["ConfigMap", "Deployment", "Service", "Service", "StatefulSet"], name
+    extra = ["ConfigMap", "HorizontalPodAutoscaler"] if name == "overlays/autoscaling" else []
+    assert kinds == sorted(["ConfigMap", "Deployment", "Service", "Service", "StatefulSet"]
+                           + extra), name
     for obj in objects:
         validate(obj)
 
@@ -252,7 +254,14 @@ def consistency_problems(objects: list[dict]) -> list[str]:
     if not routers or not replicas:
         problems.append(f"{len(routers)} routers, {len(replicas)} replica workloads")
     expected = {}
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h
+            for h in by_kind(objects, "HorizontalPodAutoscaler")
+            if h["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"}
     for wl, cfg in replicas:
+        hpa = hpas.get(wl["metadata"]["name"])
+        if hpa is not None and "replicas" in wl["spec"]:
+            problems.append(f"StatefulSet {wl['metadata']['name']}: a replica count beside "
+                            f"the HPA that owns it")
         if wl["kind"] != "StatefulSet":
             problems.append(f"{wl['kind']}/{wl['metadata']['name']}: replicas need stable "
                             f"names: a StatefulSet")
@@ -269,7 +278,9 @@ def consistency_problems(objects: list[dict]) -> list[str]:
         events = weir_toml.endpoint_port(cfg.topology.kv_events_endpoint)
         if not {zmq, events} <= svc_ports:
             problems.append(f"Service/{svc_name} does not expose ports {zmq} and {events}")
-        for i in range(wl["spec"].get("replicas", 1)):
+        # the pods it may run: the count, or up to the HPA's maxReplicas
+        count = hpa["spec"]["maxReplicas"] if hpa is not None else wl["spec"].get("replicas", 1)
+        for i in range(count):
             host = f"{wl['metadata']['name']}-{i}.{svc_name}"
             expected[host] = (zmq, events, cfg)
     for cfg in routers:
@@ -301,8 +312,14 @@ def test_objects_agree(rendered):
     assert consistency_problems(objects) == [], name
 
 
+def weir_config(objects: list[dict]) -> dict:
+    (cm,) = [c for c in by_kind(objects, "ConfigMap")
+             if c["metadata"]["name"].startswith("weir-config")]
+    return cm
+
+
 def _router_toml(objects: list[dict]) -> tuple[dict, str]:
-    cm = by_kind(objects, "ConfigMap")[0]
+    cm = weir_config(objects)
     return cm, cm["data"]["router.toml"]
 
 
@@ -348,7 +365,7 @@ def test_consistency_check_catches_breakage(breakage, reported):
 
 def test_configs_match_between_router_and_replicas(rendered):
     name, objects = rendered
-    data = by_kind(objects, "ConfigMap")[0]["data"]
+    data = weir_config(objects)["data"]
     assert set(data) == {"replica.toml", "router.toml"}
     replica = weir_toml.load(data["replica.toml"], "serve")
     router = weir_toml.load(data["router.toml"], "route")
