@@ -105,6 +105,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     # None: free text. Otherwise the output is held to a language (StructuredOutput)
     structured: StructuredOutput | None = None
+    # the output tokens this request had already produced before its prompt's end: a
+    # router's continuation of a migrated stream sends prompt + output so far as its
+    # prompt, and this many as the offset of its first new token in the output, so a
+    # seeded draw continues the same random stream (sampling.py: the noise of output token
+    # i depends on (seed, i) alone)
+    output_offset: int = 0
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):

@@ -103,6 +103,8 @@ def check_params(p: SamplingParams) -> str | None:
     top = MAX_MAX_TOKENS if p.max_tokens is None else p.max_tokens
     if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= top:
         return f"min_tokens must be in [0, max_tokens = {top}], got {p.min_tokens!r:.40}"
+    if not _is_int(p.output_offset) or not 0 <= p.output_offset <= MAX_MAX_TOKENS:
+        return f"output_offset must be in [0, {MAX_MAX_TOKENS}], got {p.output_offset!r:.40}"
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):

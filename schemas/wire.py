@@ -565,6 +565,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: int | None = None             # SamplingParams.logprobs
     prompt_logprobs: int | None = None      # SamplingParams.prompt_logprobs, while owed
     structured: StructuredOutput | None = None  # SamplingParams.structured
+    output_offset: int = 0                  # SamplingParams.output_offset
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -29,6 +29,7 @@ class SeqState:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    output_offset: int = 0            # output tokens before its prompt's end (a migration's)
     draft_len: int = 0                # positions a draft model's KV holds for it (drafting.py)
     _index: dict[int, list[int]] | None = None     # prompt lookup: positions by token
     _indexed: int = 0
@@ -148,7 +149,8 @@ class ModelRunner:
                                            n.prompt_logprobs,
                                            None if n.structured is None
                                            else self.grammars.constraint(
-                                               n.structured, n.token_ids[n.prompt_len:]))
+                                               n.structured, n.token_ids[n.prompt_len:]),
+                                           n.output_offset)
         drafted_ns = self.draft_ns
         drafts = self._draft(plan)
         drafted_ns = self.draft_ns - drafted_ns
@@ -316,7 +318,7 @@ class ModelRunner:
         seeds = [None if s.seed is None else s.seed + k for _, s, k, _ in sampled]
         tokens = sample(logits, [s.temperature for s in states], [s.top_p for s in states],
                         [s.top_k for s in states], seeds,
-                        [len(s.token_ids) - s.prompt_len + a for s, a in
+                        [len(s.token_ids) - s.prompt_len + s.output_offset + a for s, a in
                          zip(states, map(len, ahead))],
                         self.native_sampling).tolist()
         return tokens, (lps.finish(tokens, len(sampled)) if lps is not None else [])

@@ -22,8 +22,9 @@ INLINE_CHARS = 2048
 TOKENIZE_THREADS = 2                 # prompts tokenized at once (each holds a core)
 MAX_TOKENIZING = 64                  # waiting for a thread, or on one: past it, overloaded
 
-# (prompt tokens, block hashes, public scope, blocks in the public scope)
-PromptBlocks = tuple[int, list[int], str, int]
+# (prompt token ids (None: untokenizable), block hashes, public scope, blocks in the
+# public scope)
+PromptBlocks = tuple[list[int] | None, list[int], str, int]
 
 
 def text_chars(sub: Submit) -> int:
@@ -46,9 +47,11 @@ def prompt_blocks(prompts: PromptHasher, sub: Submit, tenant: str) -> PromptBloc
     only the hasher, which nothing changes after setup: safe on a worker thread."""
     ids = prompts.tokenize(sub.prompt, sub.messages, sub.prompt_token_ids, tools=sub.tools)
     if not isinstance(ids, list):
-        return 0, [], "", 0
-    return len(ids), *prompts.hashes(tenant, ids)
+        return None, [], "", 0
+    return ids, *prompts.hashes(tenant, ids)
 
 
 def tokenized(f: Flight, blocks: PromptBlocks) -> None:
-    f.prompt_tokens, f.hashes, f.public_scope, f.public_blocks = blocks
+    """``f``'s prompt, as routing and a migration need it (the ids are kept: routing.py)."""
+    f.prompt_ids, f.hashes, f.public_scope, f.public_blocks = blocks
+    f.prompt_tokens = len(f.prompt_ids or ())

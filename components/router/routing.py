@@ -71,6 +71,19 @@ class Flight:
     public_scope: str = ""
     public_blocks: int = 0
     traceparent: str | None = None
+    # what it takes to continue it on another replica (migration.py): the prompt's token
+    # ids (intake: tokenized as a replica would; None: not tokenized, not resumable) and
+    # the output token ids relayed to its client so far
+    prompt_ids: list[int] | None = None
+    out_ids: list[int] = field(default_factory=list)
+    # its lease: the placement in force is (replica, generation), and the replica knows it
+    # by ``wire_id`` (its request id, then a fresh id per migration): an event under any
+    # other id, or from any other replica, is an old placement's and is dropped
+    generation: int = 0
+    wire_id: str = ""
+    announced: bool = False             # its client has its Accepted
+    migrated_at: float = 0.0            # when its latest migration began (0: none open)
+    first_token_at: float = 0.0         # when its client's first token came
 
     @property
     def request_id(self) -> str:
@@ -201,7 +214,8 @@ class RoutingCore:
                 return Decision(where, "idempotent")
         decision: Decision | None
         if f.tried:                       # a reroute: the best left; a session follows it
-            decision = Decision(ranked[0].name, "rerouted")
+            decision = Decision(ranked[0].name,
+                                "migrated" if f.migrated_at and not f.accepted else "rerouted")
             if sub.session_id is not None:
                 self.sessions.assign(sub.session_id, decision.replica, now)
         else:
@@ -218,6 +232,8 @@ class RoutingCore:
         cached = next((s.saved_s for s in route.ranked if s.name == r.spec.name), 0.0)
         f.pending = max(f.prompt_tokens - int(cached * self.rate(r)), 0)
         f.accepted_at, f.prefilled = 0.0, False
+        if not f.wire_id:
+            f.wire_id = f.request_id
         r.open.add(f.request_id)
         r.counts["routed"] += 1
 
@@ -246,6 +262,9 @@ class RoutingCore:
             f.accepted_at = now
         elif isinstance(body, TextDelta):
             note_prefilled(r, f, now)
+            if body.index == 0:
+                f.out_ids.extend(body.token_ids)
+                f.first_token_at = f.first_token_at or now
         if isinstance(body, Rejected) and body.reason in REROUTE:
             r.counts["load_rejected"] += 1          # an autoscaling signal (signals.py)
         if isinstance(body, Rejected) and self.reroutes(f, body, replicas):

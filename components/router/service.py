@@ -17,7 +17,7 @@ are pure modules; this service wires them to sockets, the clock and the spans
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +34,12 @@ from bus.endpoint import ClientEndpoint
 from bus.identity import Identity, Keyring, Refusal, load_service_key, visible_status
 from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
-from components.router import intake
+from components.router import intake, migration
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
 from schemas.client import (
+    Accepted,
     Cancel,
     Cancelled,
     ChangeReplicas,
@@ -53,6 +54,7 @@ from schemas.client import (
     StatusQuery,
     StatusReport,
     Submit,
+    TextDelta,
 )
 from schemas.frames import client_frame_limit
 from schemas.validate import check_submit
@@ -91,6 +93,12 @@ class RouterService(Component):
         self.tokenizing = 0
         self.tokenize_limiter = anyio.CapacityLimiter(intake.TOKENIZE_THREADS)
         self.flights: dict[str, Flight] = {}
+        # a migration's wire id -> its request id (migration.py: the lease)
+        self.wires: dict[str, str] = {}
+        self.nonce = f"{self.instance:x}"[-8:]
+        self.serial = 0
+        self.handovers: deque[float] = deque(maxlen=4096)   # migration -> next token (s)
+        self.drain_seen: dict[str, float] = {}   # replica -> when it was first seen draining
         self.counts: Counter[str] = Counter()
         self.replies = Codec(ServerMsg)
         self.clients = self.socket(
@@ -209,10 +217,12 @@ class RouterService(Component):
             span.set_attributes(route_attributes(f, ranked, self.rc.policy))
             if decision is None:
                 span.set_attribute("weir.route.reason", "no_replica")
-                self.counts["load_rejected"] += 1
-                await self._end_here(f, Rejected(
-                    rid, "overloaded", "no replica can take this request now",
-                    retry_after_s=self.rc.heartbeat_timeout_s))
+                if not f.announced:
+                    self.counts["load_rejected"] += 1
+                await self._end_here(f, Failed(
+                    rid, "replica_lost: no replica can continue it") if f.announced
+                    else Rejected(rid, "overloaded", "no replica can take this request now",
+                                  retry_after_s=self.rc.heartbeat_timeout_s))
                 return
             span.set_attributes({"weir.route.replica": decision.replica,
                                  "weir.route.reason": decision.reason})
@@ -225,8 +235,8 @@ class RouterService(Component):
         r = self.members[decision.replica]
         self.routing.assign(f, r, route)
         self.counts[f"reason.{decision.reason}"] += 1
-        await self.links[r.spec.name].sock.send(self.routing.forwarded(f, now),
-                                                traceparent=upstream_tp)
+        sub = migration.continuation(f, now) if f.generation else self.routing.forwarded(f, now)
+        await self.links[r.spec.name].sock.send(sub, traceparent=upstream_tp)
 
     async def _cancel(self, f: Flight, reason: str) -> None:
         """The client hears ``cancelled`` now; the replica is told, and its own terminal
@@ -237,7 +247,7 @@ class RouterService(Component):
         await self.clients.send(Cancelled(rid, reason), to=f.identity)
         r = self.members.get(f.replica)
         if r is not None and rid in r.open:
-            await self.links[r.spec.name].sock.send(Cancel(rid))
+            await self.links[r.spec.name].sock.send(Cancel(f.wire_id or rid))
         else:
             self._forget(f)
 
@@ -252,6 +262,7 @@ class RouterService(Component):
         rid = f.submit.request_id
         if self.flights.get(rid) is f:
             del self.flights[rid]
+            self.wires.pop(f.wire_id, None)
         r = self.members.get(f.replica)
         if r is not None:
             r.open.discard(rid)
@@ -267,14 +278,19 @@ class RouterService(Component):
                 r.counts["malformed"] += 1
                 continue
             await self._heard(r, body)
-            rid = getattr(body, "request_id", None)
-            if rid is None:
+            wid = getattr(body, "request_id", None)
+            if wid is None:
                 continue
-            f = self.flights.get(rid)
-            if f is None or f.replica != r.spec.name:
-                r.counts["late_events"] += 1
+            f = self.flights.get(self.wires.get(wid, wid))
+            if f is None or f.replica != r.spec.name or (f.wire_id or f.request_id) != wid:
+                r.counts["late_events"] += 1          # an ended or older placement's
                 continue
-            step = self.routing.answered(f, r, body, self.members, time.monotonic())
+            now = time.monotonic()
+            if isinstance(body, Failed) and body.reason.startswith("drain_timeout") \
+                    and migration.resumable(f) is None:
+                await self._migrate(f, r, "drain_timeout")
+                continue
+            step = self.routing.answered(f, r, body, self.members, now)
             if step == "reroute":
                 self.counts["rerouted"] += 1
                 await self._route(f)
@@ -283,7 +299,21 @@ class RouterService(Component):
                 self._forget(f)
                 if isinstance(body, Rejected) and body.reason in REROUTE:
                     self.counts["load_rejected"] += 1      # its client hears it
-            if not f.cancelled:
+            if f.cancelled:
+                continue
+            if isinstance(body, Accepted):
+                if f.announced:
+                    continue                          # a continuation's: the client has one
+                f.announced = True
+            elif isinstance(body, TextDelta) and f.migrated_at:
+                self.handovers.append(now - f.migrated_at)
+                f.migrated_at = 0.0
+            if f.generation:
+                if isinstance(body, Rejected):
+                    body = Failed(f.request_id, f"replica_lost: its continuation was refused "
+                                                f"({body.reason})")
+                await self.clients.send(migration.relabel(f, body), to=f.identity)
+            else:
                 await self.clients.send_raw(data, to=f.identity)
 
     async def _heard(self, r: Replica, body: Any) -> None:
@@ -293,13 +323,73 @@ class RouterService(Component):
             log.info("replica_up", replica=r.spec.name)
 
     async def _lose(self, r: Replica, why: str) -> None:
-        """``r`` is out (silent, or restarted): every request open on it fails, its cache
-        view is dropped; new requests go elsewhere."""
+        """``r`` is out (silent, or restarted): every request open on it continues on
+        another replica (migration.py) or, if it cannot, fails; its cache view is dropped;
+        new requests go elsewhere."""
         log.warning("replica_lost", replica=r.spec.name, why=why, open=len(r.open))
         for rid in self.members.lose(r):
             f = self.flights.get(rid)
-            if f is not None:
+            if f is None:
+                continue
+            if migration.resumable(f) is None:
+                await self._migrate(f, None, "replica_lost")
+            else:
                 await self._end_here(f, Failed(rid, f"replica_lost: {r.spec.name} ({why})"))
+
+    async def _migrate(self, f: Flight, old: Replica | None, why: str) -> None:
+        """Continue ``f`` elsewhere (migration.py): its old placement (on ``old``, None
+        if that replica is lost) is cancelled and its lease moves to a fresh wire id
+        before the continuation is routed; a request with every token it may have ends
+        here."""
+        rid, now = f.request_id, time.monotonic()
+        if old is not None and rid in old.open:
+            old.open.discard(rid)
+            if (link := self.links.get(old.spec.name)) is not None:
+                await link.sock.send(Cancel(f.wire_id or rid))
+        self.wires.pop(f.wire_id, None)
+        self.serial += 1
+        f.generation += 1
+        f.wire_id = migration.wire_id(rid, self.nonce, self.serial)
+        self.wires[f.wire_id] = rid
+        f.migrated_at, f.accepted = now, False
+        f.tried = [f.replica] if f.replica else []
+        self.counts["migrated"] += 1
+        self.counts[f"migrated.{why}"] += 1
+        log.info("request_migrating", replica=f.replica, why=why, generation=f.generation,
+                 relayed=len(f.out_ids))
+        if migration.remaining_tokens(f) == 0:
+            return await self._end_here(f, migration.finished_here(f))
+        ids = (f.prompt_ids or []) + f.out_ids
+        f.prompt_tokens = len(ids)
+        f.hashes, f.public_scope, f.public_blocks = self.prompts.hashes(f.tenant, ids)
+        await self._route(f)
+
+    async def _pull(self, r: Replica, now: float) -> None:
+        """``r`` drains (or retires): each request on it that would not finish before its
+        drain deadline, or whose remaining time exceeds the cost of moving it, moves
+        (``migration.drain_choice``); the others finish in place."""
+        targets = [o for o in self.members if o is not r and o.healthy and not o.draining
+                   and not o.retiring]
+        if not targets:
+            return
+        rate = max(self.routing.rate(o) for o in targets)
+        left = float("inf")
+        if r.draining:
+            since = self.drain_seen.setdefault(r.spec.name, now)
+            left = self.config.streamer.drain_timeout_s - (now - since) \
+                - self.rc.heartbeat_timeout_s
+        step_s = r.stat("scheduler", "last_step_ms", 50.0) / 1e3
+        for rid in list(r.open):
+            f = self.flights.get(rid)
+            if f is None or not f.accepted or f.cancelled or f.migrated_at \
+                    or migration.resumable(f) is not None:
+                continue
+            tpot = migration.request_tpot_s(f.first_token_at, len(f.out_ids), now, step_s)
+            move, why = migration.drain_choice(
+                migration.remaining_tokens(f), tpot, left,
+                len(f.prompt_ids or ()) + len(f.out_ids), rate)
+            if move:
+                await self._migrate(f, r, why)
 
     async def _events_loop(self, r: Replica, events: BusSocket) -> None:
         while True:
@@ -335,6 +425,8 @@ class RouterService(Component):
                                                 self.service_key))
                 if r.healthy and now - r.last_heard > rc.heartbeat_timeout_s:
                     await self._lose(r, f"silent for {now - r.last_heard:.1f} s")
+                elif r.healthy and (r.draining or r.retiring) and r.open:
+                    await self._pull(r, now)
             if now >= next_load:
                 next_load = now + rc.load_interval_s
             for r in self.members.idle_retired():
@@ -409,6 +501,10 @@ class RouterService(Component):
                 "tokenizing": self.tokenizing,
                 "idempotent_keys": len(self.routing.idempotent),
                 "session_moves": sessions.moves,
+                "migration.handover_ms.p50":
+                    round(migration.percentile(list(self.handovers), 0.5) * 1e3, 3),
+                "migration.handover_ms.p99":
+                    round(migration.percentile(list(self.handovers), 0.99) * 1e3, 3),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **self.members.stats(),
                 **signal_stats(self.members, lambda r: self.routing.queue_s(r, self.flights),

@@ -252,7 +252,7 @@ class Planner:
                                        p.top_p, p.top_k, seed,
                                        penalties_of(p, seq.eos_token_ids), p.logprobs,
                                        p.prompt_logprobs if seq.owes_prompt_logprobs
-                                       else None, p.structured))
+                                       else None, p.structured, p.output_offset))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples, k))
             else:

@@ -369,8 +369,9 @@ def test_failover_when_a_replica_is_killed_under_load(router, replicas):
     print(f"failover: first success {first_ok:.2f} s after the kill; outcomes "
           f"{sorted(set(o.split(':')[0] for o in outcomes))} of {len(outcomes)}")
     assert first_ok is not None and first_ok <= 5.0
-    assert outcomes and all(o.startswith(("finished:48", "failed:")) for o in outcomes), outcomes
-    assert any("replica_lost" in o for o in outcomes), outcomes
+    # the victim's streams continue on the survivors (components/router/migration.py)
+    assert outcomes and all(o.startswith("finished:48") for o in outcomes), outcomes
+    assert router.stats().get("requests.migrated.replica_lost", 0) >= 1
     # the survivors drained clean
     for name, eng in replicas.items():
         if name != victim_name:

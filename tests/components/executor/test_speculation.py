@@ -678,3 +678,19 @@ def test_a_draft_the_grammar_forbids_is_never_verified(s_model, s_vocab):
         first = got.drafts[1][0] if got.drafts[1] else None
         assert oracle.calls[0][3] == j
         assert first == (None if j == 0 else (j, j))
+
+
+def test_a_continuation_with_its_output_offset_draws_the_same_seeded_stream(model):
+    """A migrated stream (components/router/migration.py): prompt + the first k output
+    tokens as its prompt, ``output_offset`` k: its draws are output k.. of the original,
+    seeded or greedy, with speculation or without."""
+    exact_draws(model)
+    for kw in (dict(seed=11, **SAMPLED), {}):
+        want = run(model, [new_seq(1, **kw)]).tokens[1][:N]
+        for k, drafter in ((1, None), (17, None), (17, NgramDrafter(min_n=1))):
+            got = run(model, [new_seq(1, PROMPT + want[:k], output_offset=k, **kw)],
+                      n=N - k, drafter=drafter, k=3 if drafter else 0).tokens[1]
+            assert got[:N - k] == want[k:], (kw, k)
+    cold = run(model, [new_seq(1, PROMPT + want[:17], seed=11, **SAMPLED)], n=N - 17)
+    want = run(model, [new_seq(1, seed=11, **SAMPLED)]).tokens[1][:N]
+    assert cold.tokens[1][:N - 17] != want[17:]          # without the offset: another stream
