@@ -166,7 +166,7 @@ def test_without_a_cost_model_nothing_is_drafted():
 
 
 def test_off_drafts_nothing():
-    sp = Speculation(SpeculativeConfig())
+    sp = Speculation(SpeculativeConfig(method="off"))
     assert not sp.on
     c = sp.choose(*decodes([seq(1)]), cost(), budget=100)
     assert c.k == {} and c.reason == "off"
