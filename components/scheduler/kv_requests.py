@@ -126,9 +126,12 @@ class LeaseBook:
                     raise AssertionError(f"grant {g.kind} for seq {seq.seq_id} in {state}")
 
     # ------------------------------------------------------------------ asks
-    def request_blocks(self, chosen: list[tuple[Seq, int]]) -> None:
+    def request_blocks(self, chosen: list[tuple[Seq, int]],
+                       drafts: dict[int, int] | None = None) -> None:
+        """Growth for running sequences (``drafts``: this step's k per speculating row,
+        whose accepted drafts it may also advance by)."""
         bs = self.block_size
-        planned = {s.seq_id: n for s, n in chosen}
+        planned = {s.seq_id: n + (drafts or {}).get(s.seq_id, 0) for s, n in chosen}
         for seq in self.queues.running:               # growth, asked ahead and in batches
             if seq.state is not State.RUNNING:        # asked already, refused, or forking
                 continue

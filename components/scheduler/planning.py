@@ -145,7 +145,7 @@ class Planner:
                 budget -= more
         budget = self._prefill_chunks(later, budget, chosen)
         drafts = self._drafts(chosen, budget)
-        self.leases.request_blocks(chosen)
+        self.leases.request_blocks(chosen, drafts)
         if not chosen:
             return None
         plan = self._plan(chosen, now_ns, drafts)
@@ -220,7 +220,9 @@ class Planner:
             pairs += row_pairs(n, done)
             if (n == 1 and not seq.in_flight and seq.todo == 1
                     and (seq.n == 1 or seq.forked)):
-                room = min(seq.capacity(bs), max_len) - seq.planned_tokens
+                # its blocks hold the verify's positions (the decode's and k drafts'), and
+                # its 1 + k tokens stay within the model's length
+                room = min(seq.capacity(bs), max_len - 1) - seq.planned_tokens
                 cap = seq.params.max_tokens
                 if cap is not None:
                     room = min(room, cap - seq.num_output - 1)

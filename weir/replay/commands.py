@@ -24,7 +24,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="multiply every arrival time by this (> 1 stretches, lowering the rate)")
     p.add_argument("--block-size", type=int, default=512,
                    help="the trace's prefix block in tokens, before scaling (Mooncake: 512)")
-    p.add_argument("--seed", type=int, default=0, help="prompt synthesis seed")
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompt synthesis seed (and the simulator's draws of accepted drafts)")
     p.add_argument("--start", type=int, default=0, help="skip this many requests first")
     p.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
     p.add_argument("--slo", default=None,
@@ -144,9 +145,46 @@ def write_outputs(runs: list[RunResult], args, out: Path) -> str:
 
 
 # ---------------------------------------------------------------------------- simulate
+def parse_speculative(text: str) -> dict:
+    """``--speculative``: "off", or ``METHOD:K[:ACCEPT][:CONTROL]`` (method "ngram" or
+    "draft", k its ``max_k``, ACCEPT the acceptance rate, as the scheduler's prior and the
+    simulated executor's true rate, CONTROL "scheduler" or "fixed"): the fields of the
+    config's ``[speculative]`` section it sets."""
+    parts = [p.strip() for p in text.split(":")]
+    if parts == ["off"]:
+        return {"method": "off"}
+    control = parts.pop() if parts[-1] in ("scheduler", "fixed") else None
+    if not 2 <= len(parts) <= 3 or parts[0] not in ("ngram", "draft"):
+        raise ValueError(f"bad --speculative {text!r}: expected off or "
+                         f"METHOD:K[:ACCEPT][:scheduler|fixed], e.g. ngram:4:0.7")
+    try:
+        out: dict = {"method": parts[0], "max_k": int(parts[1])}
+        if len(parts) == 3:
+            out["acceptance_prior"] = float(parts[2])
+    except ValueError:
+        raise ValueError(f"bad --speculative {text!r}: K is an integer and ACCEPT a "
+                         f"number in [0, 1)") from None
+    if control is not None:
+        out["control"] = control
+    return out
+
+
+def with_speculative(cfg, text: str | None):
+    """``cfg`` with its ``[speculative]`` section changed as ``--speculative text`` says
+    (the rest of the section, per-class priors included, kept); ``cfg`` for None."""
+    import msgspec
+
+    if text is None:
+        return cfg
+    spec = msgspec.structs.replace(cfg.speculative, **parse_speculative(text))
+    return msgspec.structs.replace(cfg, speculative=spec)
+
+
 def simulate_cmd(args) -> int:
+    import msgspec
+
     from components.model.kv_sizing import sized
-    from schemas.config import load_config
+    from schemas.config import SpeculativeConfig, load_config
     from weir.replay import profile as profiles
     from weir.replay.sim import Simulator, fast_block_hashes
     from weir.replay.synth import PromptSynth, load_tokenizer
@@ -167,19 +205,31 @@ def simulate_cmd(args) -> int:
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
     runs = []
     args.config_slos = {}
-    for path in args.config or [None]:
-        cfg = sized(load_config(path, topology={"run_dir": "/nonexistent"}))
+    specs = args.speculative or [None]
+    for text in specs:                   # a bad one stops the run before any simulates
+        if text is not None:
+            msgspec.structs.replace(SpeculativeConfig(), **parse_speculative(text))
+    for path, text in ((p, t) for p in args.config or [None] for t in specs):
+        cfg = with_speculative(sized(load_config(path, topology={"run_dir": "/nonexistent"})),
+                               text)
         for cls in cfg.admission.classes:      # SLOs from the configs' service classes
             if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None:
                 args.config_slos.setdefault(cls.name, Slo(
                     cls.ttft_slo_ms if cls.ttft_slo_ms is not None else math.inf,
                     cls.tpot_slo_ms if cls.tpot_slo_ms is not None else math.inf))
-        sim = Simulator(cfg, prof, label=path or "defaults", tokens=synth.token_ids,
-                        hashes=fast_block_hashes(cfg.kv.block_size))
+        label = (path or "defaults") + (f" spec={text}" if text is not None else "")
+        # compared with and without speculation, every run's scheduler starts from the
+        # profile's step costs (k is chosen from them)
+        sim = Simulator(cfg, prof, label=label, tokens=synth.token_ids,
+                        hashes=fast_block_hashes(cfg.kv.block_size), seed=args.seed,
+                        cost_prior=True if args.speculative else None)
         run = sim.run(requests, scaling)
         run.meta["config"] = path or "defaults"
         print(f"weir simulate: {run.label}: {len(requests)} requests in "
               f"{run.meta['sim_wall_s']:.2f} s", file=sys.stderr)
+        if cfg.speculative.on:
+            print(f"weir simulate: {run.label}: {speculation_line(run.meta['speculation'])}",
+                  file=sys.stderr)
         runs.append(run)
     out = _out_dir(args)
     print(f"profile: {'the shipped reference profile, ' if reference else ''}{prof_path}: "
@@ -188,6 +238,19 @@ def simulate_cmd(args) -> int:
     print(write_outputs(runs, args, out))
     print(f"wrote {out}/")
     return 0
+
+
+def speculation_line(stats: dict) -> str:
+    """One line of a simulated run's speculation counters (``SchedulerCore.spec_stats``)."""
+    drafted = sum(v for k, v in stats.items() if k.startswith("spec.drafted."))
+    accepted = sum(v for k, v in stats.items() if k.startswith("spec.accepted."))
+    verifies = stats.get("spec.verifies", 0)
+    rows = {int(k.rsplit(".", 1)[1]): v for k, v in stats.items() if k.startswith("spec.k.")}
+    mean_k = sum(k * v for k, v in rows.items()) / max(sum(rows.values()), 1)
+    return (f"speculation: {int(verifies)} verifies, {int(drafted)} drafted, "
+            f"{int(accepted)} accepted ({accepted / drafted if drafted else 0:.0%}), "
+            f"{stats.get('spec.emitted', 0) / verifies if verifies else 0:.2f} tokens per "
+            f"verify, mean k {mean_k:.2f} over {int(sum(rows.values()))} decode rows")
 
 
 # ---------------------------------------------------------------------------- replay
@@ -270,6 +333,12 @@ def add_commands(sub) -> None:
     add_trace_args(s)
     s.add_argument("--config", action="append", default=[],
                    help="a Weir TOML config; repeat to compare side by side")
+    s.add_argument("--speculative", action="append", default=[],
+                   metavar="off|METHOD:K[:ACCEPT][:scheduler|fixed]",
+                   help="override each config's [speculative] section, e.g. ngram:4:0.7 "
+                        "(k per row chosen by the scheduler, up to 4, drafts accepted at "
+                        "0.7) or ngram:4:0.7:fixed (every decode row drafts 4); repeat to "
+                        "compare, one run per config and value")
     s.add_argument("--profile", default=None,
                    help="a cost profile from `weir calibrate` (default: this machine's, "
                         "~/.cache/weir/profiles/local.json, else the shipped reference "

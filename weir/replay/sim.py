@@ -11,6 +11,17 @@ scheduler would get, its late work is dropped as the scheduler loop drops it
 (``components.scheduler.late``); the scheduler's load report reaches admission every
 100 ms, as live.
 
+Speculative decoding (a ``[speculative]`` section with a method other than "off"): the
+scheduler chooses each decode row's k as live; the simulated executor's draft source always
+proposes all k, and each verify keeps a geometric number of them: every draft is accepted
+with the row's class's true rate (``speculative.class_priors``, else ``acceptance_prior``,
+unless ``acceptance``, class -> rate with "*" for the rest, says otherwise) until the first
+one rejected, drawn from ``seed``. The step takes the time the profile predicts with the k
+draft tokens of each speculating row computed. The core's
+step-cost model starts from the profile's coefficients (``cost_prior``, on by default with
+speculation: the prior a live executor measures at startup; a compute price is what k is
+chosen from), then learns from the simulated steps as live.
+
 Deterministic: the same trace, config, profile and seed give the same records.
 
 Besides the records, a run's ``meta`` says how the engine spent the virtual time: ``busy_s``
@@ -22,6 +33,7 @@ ended decoding at their end-to-end bound), and carries the config's tenant ``wei
 from __future__ import annotations
 
 import heapq
+import random
 import time
 import zlib
 from collections.abc import Callable
@@ -72,7 +84,9 @@ class Simulator:
     def __init__(self, config: WeirConfig, profile: CostProfile, *, label: str = "",
                  tokens: Callable[[TraceRequest], list[int]],
                  hashes: Callable[[list[int], str], list[int]],
-                 timeline_points: int = 400) -> None:
+                 timeline_points: int = 400, seed: int = 0,
+                 acceptance: dict[str, float] | None = None,
+                 cost_prior: bool | None = None) -> None:
         self.config, self.profile, self.label = config, profile, label
         self.tokens, self.hashes = tokens, hashes
         kv = config.kv
@@ -84,6 +98,14 @@ class Simulator:
                               kv.num_cpu_blocks, kv.watermark_blocks, emit_events=False,
                               tenant_blocks=tenant_budgets(config.admission))
         self.cost = self.core.cost                   # the scheduler's own, learning as live
+        spec = config.speculative
+        if cost_prior if cost_prior is not None else spec.on:
+            self.cost.set_prior(profile.coef)        # the executor's startup probe, as live
+        # speculation's true acceptance per class (default: the configured priors) and the
+        # draws of each verify's accepted drafts
+        self._acceptance = dict(spec.class_priors) | dict(acceptance or {})
+        self._default_acceptance = self._acceptance.pop("*", spec.acceptance_prior)
+        self._rng = random.Random(seed)
         self.decodes = DecodeWindow()                # its decode steps, for the load report
         self.late = LateDrops()                      # the scheduler's late drop, as live
         self.timeline_points = timeline_points
@@ -157,6 +179,7 @@ class Simulator:
                   "busy_s": self.busy_ns / _NS, "max_step_s": self.max_step_ns / _NS,
                   "max_step_seqs": self.max_step_seqs,
                   "idle_intervals": self.idle,
+                  "speculation": self.core.spec_stats(),
                   "sim_wall_s": round(time.perf_counter() - started, 3)})
 
     def _push(self, t: int, kind: int, data: object) -> None:
@@ -289,17 +312,35 @@ class Simulator:
                                   (seq.group[0] if seq.group else seq).service_class)
                                  for tokens, seq in rows)
         seq_ids: list[int] = []
+        drafts: list[tuple[int, int, int]] = []
         for st in plan.steps:
-            if st.sample:
+            if st.sample and st.draft_k:        # a verify: its accepted drafts, then its own
+                accepted = self._accepted(by_seq[st.seq_id].service_class, st.draft_k)
+                drafts.append((st.seq_id, st.draft_k, accepted))
+                seq_ids.extend([st.seq_id] * (1 + accepted))
+            elif st.sample:
                 seq_ids.extend([st.seq_id] * st.num_samples)
         ns = round(seconds * _NS)
-        self._step = (StepResult(plan.step_id, seq_ids, [SAMPLED_TOKEN] * len(seq_ids), ns),
+        self._step = (StepResult(plan.step_id, seq_ids, [SAMPLED_TOKEN] * len(seq_ids), ns,
+                                 drafts=drafts),
                       shape, self.cost.predict(shape), classes)
         self._close_idle(self.now)
         self.busy_ns += ns
         self.max_step_ns = max(self.max_step_ns, ns)
         self.max_step_seqs = max(self.max_step_seqs, shape.seqs)
         self._push(self.now + ns, _STEP_DONE, None)
+
+    def acceptance(self, service_class: str) -> float:
+        """The true chance that a draft of ``service_class`` is accepted."""
+        return self._acceptance.get(service_class, self._default_acceptance)
+
+    def _accepted(self, service_class: str, k: int) -> int:
+        """How many of ``k`` drafts a verify keeps: each accepted with the class's rate, up
+        to the first rejected."""
+        a, p = 0, self.acceptance(service_class)
+        while a < k and self._rng.random() < p:
+            a += 1
+        return a
 
     def _close_idle(self, now: int) -> None:
         if self._idle_since is not None and now > self._idle_since:

@@ -19,6 +19,7 @@ from schemas.config import (
     EngineConfig,
     KvConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TenantConfig,
     Topology,
     WeirConfig,
@@ -54,6 +55,15 @@ class Cluster:
     of random size makes preemption swap as well as recompute; tenants may have KV budgets
     (enforced by the pool) and running caps (enforced by the core).
 
+    Speculation is drawn on in about half the seeds (n-gram, a random ``max_k``, the
+    scheduler's control or fixed k, a CPU-like step-cost prior or none): the executor model
+    then drafts up to each row's ``draft_k`` tokens (sometimes none) and accepts a random
+    number of them, exact as verification is: the accepted drafts are the model's own next
+    tokens, listed in order with the target's token after them. It writes the KV of every
+    draft it verifies; a rejected draft's is poisoned, so a read of it before the next step
+    writes that position again fails the KV check. A verify never goes past the blocks the
+    sequence holds, its ``max_tokens`` or the model's length.
+
     ``scheduler.async_depth`` is 1 or 2. At 2 the executor model tends to hold a plan until
     the next one is queued behind it (it runs them in order), so step N's result reaches the
     scheduler after N+1 was planned. Requests may have EOS ids, so a step's sample can end a
@@ -84,6 +94,16 @@ class Cluster:
         self.kv_budgets = {t.name: t.kv_blocks for t in tenants if t.kv_blocks}
         self.caps = {t.name: t.max_running for t in tenants if t.max_running}
         self.depth = rng.choice([1, 2])
+        # speculation from a stream of its own: a seed without it runs as it always did
+        self.spec_rng = srng = random.Random(seed * 7919 + 1)
+        speculative = SpeculativeConfig(method="off")
+        if srng.random() < 0.5:
+            speculative = SpeculativeConfig(method="ngram", max_k=srng.randint(1, 5),
+                                            control=srng.choice(["scheduler", "fixed"]),
+                                            acceptance_prior=srng.choice([0.3, 0.6, 0.9]))
+        self.spec_on = speculative.on
+        self.verifies = self.accepted = 0      # verifies the executor ran, drafts kept
+        self.stops_in_drafts = 0               # verifies whose accepted drafts hold an EOS
         config = WeirConfig(
             Topology(run_dir="/nonexistent"),
             engine=EngineConfig(max_model_len=self.max_model_len),
@@ -95,9 +115,11 @@ class Cluster:
                                       async_depth=self.depth),
             kv=KvConfig(block_size=BS, num_blocks=self.num_blocks, grow_blocks=rng.choice([1, 2]),
                         num_cpu_blocks=self.num_cpu_blocks, preemption_mode=mode),
-            admission=AdmissionConfig(tenants=tenants))
+            admission=AdmissionConfig(tenants=tenants), speculative=speculative)
         self.loop = SchedulerLoop(config, epoch=1)
         self.core = self.loop.core
+        if self.spec_on and srng.random() < 0.7:   # a CPU's step: drafts pay at small batches
+            self.core.cost.set_prior([12e-3, 0.12e-3, 1e-8, 0.0, 1e-8])
         if rng.random() < 0.8:                # swap costs 2 blocks * 1 B / bw; recompute 1 ms/token
             self.core.on_executor(1, rng.choice([100.0, 1e5]))
             self.core.prices.recompute_s = lambda tokens: tokens * 1e-3
@@ -217,13 +239,22 @@ class Cluster:
                                           prompt_len=n.prompt_len, prompt_lp=n.prompt_logprobs,
                                           request=self.requests[self.request_of[n.seq_id]])
         ids, tokens, prompt_chunks = [], [], []
+        verifies: list[tuple[int, int, int]] = []
         writes: dict[int, int] = {}           # block -> the sequence writing it in this plan
         used_by: dict[int, set[int]] = {}     # block -> the sequences using it in this plan
         discarded: set[int] = set()           # sequences whose result here will be dropped
+        drafted: dict[int, int] = {}          # seq id -> drafts it verifies in this plan
+        for st in plan.steps:
+            if st.draft_k:                    # a decode row, one sample, past any fork
+                assert st.num_tokens == 1 and st.sample and st.num_samples == 1, \
+                    f"seed {self.seed}: drafts for seq {st.seq_id} that is not decoding"
+                # the n-gram source proposes up to draft_k tokens, or finds none
+                drafted[st.seq_id] = self.spec_rng.randint(0, st.draft_k)
         for st in plan.steps:
             s = self.ex_seqs[st.seq_id]
             s["blocks"].extend(st.new_block_ids)
-            blocks, start, stop = s["blocks"], s["done"], s["done"] + st.num_tokens
+            blocks, start = s["blocks"], s["done"]
+            stop = start + st.num_tokens + drafted.get(st.seq_id, 0)
             for b in blocks[:-(-stop // BS)]:
                 used_by.setdefault(b, set()).add(st.seq_id)
             for b in {blocks[p // BS] for p in range(start, min(stop, len(blocks) * BS))}:
@@ -248,17 +279,33 @@ class Cluster:
                 if first <= last:
                     prompt_chunks.append(PromptChunkLogprobs(st.seq_id, first, [
                         SampleLogprobs(-1.0, [toks[p]], [-1.0]) for p in range(first, last + 1)]))
-            for p in range(s["done"], s["done"] + st.num_tokens):
+            d = drafted.get(st.seq_id, 0)
+            if d:
+                # the verify: each draft accepted with the sampler's agreement, up to the
+                # first it refuses; an accepted draft is the model's own next token
+                a = 0
+                while a < d and self.spec_rng.random() < 0.7:
+                    a += 1
+                ext = list(toks)
+                for _ in range(a + 1):
+                    ext.append(self.next_token(tenant, ext))
+                drafts = ext[len(toks):len(toks) + a] + [
+                    self.next_token(tenant, ext[:len(toks) + j]) + 100 for j in range(a, d)]
+            for p in range(s["done"], s["done"] + st.num_tokens + d):
                 assert p < len(blocks) * BS, f"seed {self.seed}: no slot for token {p}"
+                if p >= s["done"] + st.num_tokens:    # a draft's position
+                    ctx = toks + drafts[:p - s["done"] - st.num_tokens + 1]
+                else:
+                    ctx = toks[:p + 1]
                 if st.seq_id in discarded:    # what it reads and writes is thrown away:
                     # poison what it writes, so any later read of it fails
                     self.kv_slots[(blocks[p // BS], p % BS)] = ("discarded", plan.step_id)
                     continue
                 for q in range(p):
                     assert self.kv_slots.get((blocks[q // BS], q % BS)) == (
-                        tenant, hash(tuple(toks[:q + 1]))), \
+                        tenant, hash(tuple(ctx[:q + 1]))), \
                         f"seed {self.seed}: seq {st.seq_id} reads wrong KV at {q}"
-                self.kv_slots[(blocks[p // BS], p % BS)] = (tenant, hash(tuple(toks[:p + 1])))
+                self.kv_slots[(blocks[p // BS], p % BS)] = (tenant, hash(tuple(ctx)))
             s["done"] += st.num_tokens
             assert (s["done"] == len(toks)) == st.sample, f"seed {self.seed}: sample flag"
             if st.sample:
@@ -269,14 +316,29 @@ class Cluster:
                         and len(toks) < self.max_model_len), f"seed {self.seed}: past the end"
                 assert st.num_samples == 1 or len(toks) == s["prompt_len"], \
                     f"seed {self.seed}: seq {st.seq_id} draws {st.num_samples} again"
-                drawn = [self.next_token(tenant, toks, i) for i in range(st.num_samples)]
-                ids += [st.seq_id] * st.num_samples
+                if st.draft_k:    # its 1 + k tokens stay within max_tokens and the length
+                    assert ((cap is None or len(toks) - s["prompt_len"] + 1 + st.draft_k <= cap)
+                            and len(toks) + 1 + st.draft_k <= self.max_model_len), \
+                        f"seed {self.seed}: seq {st.seq_id} drafts past its end"
+                if d:
+                    drawn = ext[len(toks):]           # the accepted drafts, then its own
+                    verifies.append((st.seq_id, d, a))
+                    self.verifies += 1
+                    self.accepted += a
+                    self.stops_in_drafts += any(t in s["request"]["eos"] for t in drawn[:-1])
+                else:
+                    drawn = [self.next_token(tenant, toks, i) for i in range(st.num_samples)]
+                ids += [st.seq_id] * len(drawn)
                 tokens += drawn
-                toks.append(drawn[0])
+                if d:
+                    toks.extend(drawn)
+                    s["done"] += a                    # the accepted drafts' KV is kept
+                else:
+                    toks.append(drawn[0])
         self.inbox["from_executor"].append(StepResult(
             plan.step_id, ids, tokens, self.rng.randint(1, 3_000_000),
             logprobs=[SampleLogprobs(-1.0, [t], [-1.0]) for t in tokens],
-            prompt_logprobs=prompt_chunks))
+            prompt_logprobs=prompt_chunks, drafts=verifies))
 
     def executor_restart(self) -> None:
         """Its state and KV are gone; plans not yet run are lost, results already sent are
@@ -393,7 +455,7 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
     monkeypatch.setattr(sequence, "record_transitions", True)
     monkeypatch.setattr(sequence, "taken", set())
     kinds, reasons, forked, capped = Counter(), Counter(), 0, 0
-    overlap = Counter()
+    overlap, spec = Counter(), Counter()
     for seed in range(800):
         cluster = Cluster(seed)
         cluster.run(num_requests=cluster.rng.randint(1, 8), restarts=restarts)
@@ -408,6 +470,17 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
         overlap["stale_steps"] += cluster.stale_steps
         overlap["stopped_by_eos"] += sum(e == "stop" for r in cluster.requests.values()
                                          for e in r["ends"].values())
+        if cluster.spec_on:
+            spec["seeds"] += 1
+            spec["verifies"] += cluster.verifies
+            spec["accepted"] += cluster.accepted
+            spec["seeds_verified"] += cluster.verifies > 0
+            spec["discarded_samples"] += cluster.core.discarded_samples
+            spec[cluster.core.spec.cfg.control] += cluster.verifies
+            spec["no_gain"] += cluster.core.spec.stats.reasons["no_gain"]
+            spec["stops_in_drafts"] += cluster.stops_in_drafts
+        else:
+            assert not cluster.verifies
         if cluster.depth == 1:
             assert not cluster.overlapped
     assert kinds["recompute"] > 50 and kinds["swap"] > 50, kinds   # both kinds exercised
@@ -417,6 +490,12 @@ def test_random_interleavings_finish_everything_and_keep_kv_consistent(restarts,
     assert overlap["overlapped_plans"] > 5000 and overlap["discarded_samples"] > 200, overlap
     assert overlap["stale_steps"] > 100, overlap      # released with a step in flight
     assert overlap["stopped_by_eos"] > 200, overlap
+    # speculation drawn on: verifies under both controls, drafts kept, a stop among the
+    # accepted drafts (the rest discarded), and steps where no draft paid
+    assert spec["seeds_verified"] > 200 and spec["accepted"] > 1500, spec
+    assert spec["fixed"] > 500 and spec["scheduler"] > 500 and spec["no_gain"] > 30, spec
+    assert spec["stops_in_drafts"] > 10, spec
+    print(spec)
     every = {(state, event) for state, moves in sequence.TRANSITIONS.items() for event in moves}
     # the pool refusing a swap-out the core thought would fit, and a refused swap-in being
     # cancelled, are too rare here: test_states.py drives each of them

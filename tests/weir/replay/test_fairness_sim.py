@@ -41,6 +41,9 @@ IN_COST, OUT_COST = 1, 2                     # VTC's cost: input Ã— 1 + output Ã
 
 
 def simulate(requests: list[TraceRequest], **sections) -> RunResult:
+    # fairness alone: plain decoding (with speculation a verify emits several tokens, and
+    # the bounds below are derived for one per row per step)
+    sections.setdefault("speculative", {"method": "off"})
     cfg = load_config(None, topology={"run_dir": "/nonexistent"}, **sections)
     synth = TokenSynth(range(1000, 30000), 32, seed=0)
     sim = Simulator(cfg, PROFILE, tokens=synth.tokens,

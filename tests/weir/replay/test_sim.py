@@ -24,6 +24,8 @@ def config(**sections):
     objective, unless a test names its admission (the SLO-first classes would drop or refuse
     the requests these tests follow)."""
     sections.setdefault("admission", {"policy": "fcfs", "classes": []})
+    # plain decoding: speculation's verifies (test_sim_speculation.py) change the step times
+    sections.setdefault("speculative", {"method": "off"})
     return load_config(None, topology={"run_dir": "/nonexistent"}, **sections)
 
 
