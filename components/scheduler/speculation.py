@@ -18,7 +18,8 @@ choice per row per step, from:
   not (k is 0 when prefill needs the budget);
 - the tightest TPOT objective among the rows: a step is never stretched past it;
 - priority: a row's tokens count ``1 / (1 + priority)`` (a batch class's less than an
-  interactive one's).
+  interactive one's); the step's other tokens (prefill chunks) count 1 each, so a step
+  busy with prefill drafts only where a draft pays as well as the prefill it slows.
 
 The rule: a row drafting k tokens emits ``1 + a + ... + a^k`` tokens on average, so its
 (k+1)-th draft adds ``a^(k+1)``. Starting from plain decoding (k = 0 everywhere), the
@@ -169,8 +170,11 @@ class Speculation:
         acc = {seq.seq_id: self.acceptance(seq) for seq, _, _ in cands}
         choice.acceptance = acc
         weight = {seq.seq_id: 1.0 / (1.0 + max(seq.priority, 0)) for seq, _, _ in rows}
-        # the step's weighted expected tokens without drafts: one per decode row
-        value = sum(weight[seq.seq_id] for seq, _, _ in rows)
+        # the step's work without drafts: each candidate decode row's token, weighted, and
+        # every other token it computes (prefill chunks, other decodes) at 1: a step busy
+        # with prefill gives a draft token the budget only if it pays as a prefill token
+        # would (the first seed: speculation takes the compute other requests need)
+        value = sum(weight[seq.seq_id] for seq, _, _ in rows) + max(shape.tokens - len(rows), 0)
         tokens, context, seqs, pairs = shape
         t = base
         k = {seq.seq_id: 0 for seq, _, _ in cands}
