@@ -311,6 +311,7 @@ class FleetSim:
         util = queue = 0.0
         for r in ready:
             sim = self.sims[r.name]
+            self._report(sim, r)              # the metrics as scraped now
             since = max(self.now - self.interval_ns, sim.ready_ns or 0)
             span = max(self.now - since, 1)
             util += min((sim.busy_ns - self._busy_mark.get(r.name, 0)) / span, 1.0)
