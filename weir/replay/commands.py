@@ -203,6 +203,8 @@ def simulate_cmd(args) -> int:
               f"machine's, so run `weir calibrate` to measure this one", file=sys.stderr)
     prof = profiles.load(prof_path)
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
+    if args.autoscale:
+        return _fleet(args, requests, scaling, prof, prof_path, reference, synth)
     runs = []
     args.config_slos = {}
     specs = args.speculative or [None]
@@ -251,6 +253,63 @@ def speculation_line(stats: dict) -> str:
             f"{int(accepted)} accepted ({accepted / drafted if drafted else 0:.0%}), "
             f"{stats.get('spec.emitted', 0) / verifies if verifies else 0:.2f} tokens per "
             f"verify, mean k {mean_k:.2f} over {int(sum(rows.values()))} decode rows")
+
+
+def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
+    """``--autoscale``: one fleet run per rule over the same trace, under one config."""
+    from components.model.kv_sizing import sized
+    from schemas.config import load_config
+    from weir.replay.autoscale import parse_rule
+    from weir.replay.fleet import FleetSim, render_fleet_table
+    from weir.replay.report import summarize
+    from weir.replay.sim import fast_block_hashes
+
+    if len(args.config) > 1:
+        raise ValueError("--autoscale compares rules under one --config")
+    path = args.config[0] if args.config else None
+    cfg = sized(load_config(path, topology={"run_dir": "/nonexistent"}))
+    args.config_slos = {}
+    for cls in cfg.admission.classes:
+        if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None:
+            args.config_slos.setdefault(cls.name, Slo(
+                cls.ttft_slo_ms if cls.ttft_slo_ms is not None else math.inf,
+                cls.tpot_slo_ms if cls.tpot_slo_ms is not None else math.inf))
+    slos, default = _slos(args)
+    for cls, slo in args.config_slos.items():
+        slos.setdefault(cls, slo)
+    ttfts = [s.ttft_ms for s in slos.values() if math.isfinite(s.ttft_ms)]
+    ttft_slo_s = min(ttfts or [default.ttft_ms]) / 1e3
+    bounds = {"min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+              "up_window_s": args.scale_up_window_s,
+              "down_window_s": args.scale_down_window_s}
+    results, met = [], []
+    for spec in args.autoscale:
+        rule = parse_rule(spec, **bounds)
+        sim = FleetSim(cfg, prof, rule, tokens=synth.token_ids,
+                       hashes=fast_block_hashes(cfg.kv.block_size),
+                       cold_start_s=args.cold_start_s, scale_interval_s=args.scale_interval_s,
+                       ttft_slo_s=ttft_slo_s,
+                       initial=args.replicas if rule.kind != "fixed" else None)
+        res = sim.run(requests, scaling)
+        res.run.meta["config"] = path or "defaults"
+        print(f"weir simulate: {rule.label}: {len(requests)} requests, "
+              f"{res.run.meta['replicas']} replicas in {res.run.meta['sim_wall_s']:.2f} s",
+              file=sys.stderr)
+        results.append(res)
+        met.append(summarize(res.run, slos, default).slo_met)
+    out = _out_dir(args)
+    print(f"profile: {'the shipped reference profile, ' if reference else ''}{prof_path}: "
+          f"{prof.describe()}")
+    print(write_outputs([r.run for r in results], args, out))
+    table = render_fleet_table(results, met)
+    print(f"\nautoscalers: cold start {args.cold_start_s:g} s, every "
+          f"{args.scale_interval_s:g} s, windows up {args.scale_up_window_s:g} s / down "
+          f"{args.scale_down_window_s:g} s, replicas {args.min_replicas}-{args.max_replicas}, "
+          f"TTFT SLO {ttft_slo_s * 1e3:g} ms")
+    print(table)
+    (out / "fleet.txt").write_text(table + "\n")
+    print(f"wrote {out}/")
+    return 0
 
 
 # ---------------------------------------------------------------------------- replay
@@ -343,6 +402,25 @@ def add_commands(sub) -> None:
                    help="a cost profile from `weir calibrate` (default: this machine's, "
                         "~/.cache/weir/profiles/local.json, else the shipped reference "
                         "profile)")
+    f = s.add_argument_group("fleet", "simulate a fleet of replicas behind the router's "
+                             "routing policy, one run per --autoscale (weir/replay/fleet.py)")
+    f.add_argument("--autoscale", action="append", default=[], metavar="KIND:TARGET",
+                   help="fixed:N, rps:REQ_PER_S_PER_REPLICA, util:BUSY_FRACTION or "
+                        "headroom:SHARE_OF_TTFT_SLO (predicted queue); repeat to compare")
+    f.add_argument("--replicas", type=int, default=None,
+                   help="replicas serving at the start (default: N for fixed, else "
+                        "--min-replicas)")
+    f.add_argument("--min-replicas", type=int, default=1)
+    f.add_argument("--max-replicas", type=int, default=16)
+    f.add_argument("--cold-start-s", type=float, default=30.0,
+                   help="a new replica serves this long after it is asked for (paid from "
+                        "the start)")
+    f.add_argument("--scale-interval-s", type=float, default=15.0,
+                   help="how often the autoscaler evaluates its rule")
+    f.add_argument("--scale-up-window-s", type=float, default=0.0,
+                   help="scale up to the lowest recommendation of this window")
+    f.add_argument("--scale-down-window-s", type=float, default=300.0,
+                   help="scale down to the highest recommendation of this window")
     s.set_defaults(func=_guard(simulate_cmd, "simulate"))
 
     c = sub.add_parser("calibrate", help="measure step costs on a local engine and write "
