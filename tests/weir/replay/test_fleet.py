@@ -19,6 +19,7 @@ FLAT = CostProfile(coef=[STEP_S, 0.0, 0.0, 0.0, 0.0])
 
 def config(**sections):
     sections.setdefault("admission", {"policy": "fcfs", "classes": []})
+    sections.setdefault("speculative", {"method": "off"})     # (the fleet's mechanics alone)
     return load_config(None, topology={"run_dir": "/nonexistent"}, **sections)
 
 
