@@ -424,11 +424,13 @@ def test_replicas_are_added_and_retired_while_the_router_runs(replicas, tmp_path
             before = routed(router.stats())
             for i in range(3):                         # nothing new goes to the retiring one
                 c.generate(f"Name a colour, {i}.", max_tokens=2, temperature=0.0)
-            after = routed(router.wait(lambda s: routed(s).get(other) == before[other] + 3,
+            # three more on the other (and the stream too, if the router moved it there:
+            # retiring, a long stream is moved where that is cheaper than finishing it)
+            after = routed(router.wait(lambda s: routed(s).get(other, 0) >= before[other] + 3,
                                        "three more routed"))
             assert after.get(busy, before[busy]) == before[busy]     # (gone once let go)
             rest = "".join(d.text for d in stream)
-            assert stream.result.finish_reason == "length"            # it finished there
+            assert stream.result.finish_reason == "length"      # finished, there or moved
             assert len(stream.result.token_ids) == 48 and first.text + rest
             router.wait(lambda s: f"replica.{busy}.healthy" not in s, f"{busy} let go")
         with Client(r0.endpoint) as engine:
