@@ -44,6 +44,10 @@ from schemas.config import TenantConfig
 
 OUTSTANDING = "ledger.outstanding."          # a replica admission's per-tenant stats
 QUEUED = "queued."
+# a replica's admission lets a request go a moment after its terminal reached the router
+# (the scheduler's release crosses the bus): a request ended this recently before a report
+# was asked may still be counted in it, and is taken as this router's own
+RELEASE_LAG_S = 1.0
 
 
 class Refusal(NamedTuple):
@@ -58,6 +62,7 @@ class Placed:
     replica: str
     charged: int
     placed_at: float
+    ended_at: float = 0.0
 
 
 def estimate(prompt_tokens: int, max_tokens: int | None, n: int, max_model_len: int) -> int:
@@ -93,6 +98,7 @@ class FleetBudgets:
         self.tenants: dict[str, TenantConfig] = {t.name: t for t in tenants}
         self.buckets: dict[str, TokenBucket] = {}
         self.placed: dict[str, Placed] = {}
+        self.recent: list[Placed] = []                 # ended within RELEASE_LAG_S, in order
         self.own: Counter[str] = Counter()
         self.unplaced: dict[str, Counter[str]] = {}    # replica -> tenant -> not ours
         self.drains: dict[str, DrainRate] = {}
@@ -117,11 +123,18 @@ class FleetBudgets:
         return b
 
     # ------------------------------------------------------------------ decisions
-    def check(self, tenant: str, cost: int, now: float) -> Refusal | None:
+    def check(self, tenant: str, cost: int, now: float,
+              unreported: bool = False) -> Refusal | None:
         """Why a new request of ``tenant`` estimated at ``cost`` tokens cannot be placed
-        now (None: it can). Charges nothing (``place`` does)."""
+        now (None: it can). Charges nothing (``place`` does). ``unreported``: a replica
+        that is up has not sent its first load report, so what it holds is unknown (the
+        moments after the router starts): a governed tenant waits for it."""
         if tenant not in self.tenants:
             return None
+        if unreported:
+            self.refusals["unreported"] += 1
+            return Refusal("overloaded", "the router is rebuilding its fleet budgets from "
+                           "the replicas' reports", 0.5)
         t = self.tenants[tenant]
         held = self.outstanding(tenant)
         if held >= t.max_outstanding:
@@ -165,6 +178,8 @@ class FleetBudgets:
         p = self.placed.pop(request_id, None)
         if p is None:
             return
+        p.ended_at = now
+        self.recent.append(p)
         self.own[p.tenant] -= 1
         if not self.own[p.tenant]:
             del self.own[p.tenant]
@@ -179,10 +194,14 @@ class FleetBudgets:
     def reported(self, replica: str, held: Mapping[str, int], asked: float) -> None:
         """``replica``'s load report, answering a query sent at ``asked``, says its
         admission holds ``held`` requests per tenant: what it counts beyond the requests
-        this router had placed there before then is work this router did not place (the
-        last router's, before a restart) and counts against the tenant's cap."""
-        ours: Counter[str] = Counter(p.tenant for p in self.placed.values()
-                                     if p.replica == replica and p.placed_at <= asked)
+        this router had placed there before then, open then or ended less than
+        ``RELEASE_LAG_S`` before, is work this router did not place (the last router's,
+        before a restart) and counts against the tenant's cap."""
+        self.recent = [p for p in self.recent if p.ended_at > asked - RELEASE_LAG_S]
+        ours: Counter[str] = Counter(
+            p.tenant for p in (*self.placed.values(), *self.recent)
+            if p.replica == replica and p.placed_at <= asked
+            and (not p.ended_at or p.ended_at > asked - RELEASE_LAG_S))
         extra = Counter({t: n - ours[t] for t, n in held.items()
                          if t in self.tenants and n > ours[t]})
         if extra:
@@ -200,6 +219,7 @@ class FleetBudgets:
         for t in self.tenants:
             if (held := self.outstanding(t)) or t in self.buckets:
                 out[f"budget.outstanding.{t}"] = held
+                out[f"budget.placed.{t}"] = self.own[t]
                 out[f"budget.unplaced.{t}"] = held - self.own[t]
             if (b := self.buckets.get(t)) is not None:
                 out[f"budget.tokens.{t}"] = round(b.level, 1)

@@ -226,7 +226,8 @@ class RouterService(Component):
         cost = estimate(f.prompt_tokens, f.submit.params.max_tokens, f.submit.params.n,
                         self.config.engine.max_model_len)
         placed = bool(f.tried or f.generation)        # a reroute or a migration: counted
-        if not placed and (no := self.budgets.check(f.tenant, cost, now)) is not None:
+        unreported = any(r.healthy and r.report is None for r in self.members)
+        if not placed and (no := self.budgets.check(f.tenant, cost, now, unreported)):
             await self._end_here(f, Rejected(rid, no.reason, no.message, no.retry_after_s))
             return
         route = self.routing.route(f, self.members, self.flights, now)

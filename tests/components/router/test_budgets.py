@@ -124,3 +124,26 @@ def test_our_own_requests_are_not_counted_twice_by_the_reports():
     assert b.outstanding("acme") == 4 and not b.unplaced
     b.reported("r0", {"acme": 5}, 1.0)              # one more than ours: not ours
     assert b.outstanding("acme") == 5
+
+
+def test_a_governed_tenant_waits_while_a_replica_has_not_reported():
+    b = budgets(max_outstanding=10)
+    no = b.check("acme", 1, 0.0, unreported=True)
+    assert no is not None and no.reason == "overloaded" and no.retry_after_s == 0.5
+    assert b.check("globex", 1, 0.0, unreported=True) is None
+
+
+def test_a_request_ended_just_before_a_report_is_not_counted_as_another_routers():
+    """Its terminal reached the router, its release has not yet reached the replica's
+    admission: the report still counts it, as ours."""
+    b = budgets(max_outstanding=10)
+    b.place("a", "acme", "r0", 1, 0.0)
+    b.place("b", "acme", "r0", 1, 0.0)
+    b.ended("a", 1, 1.0)                            # ended after the query was asked
+    b.reported("r0", {"acme": 2}, 0.5)
+    assert b.outstanding("acme") == 1
+    b.ended("b", 1, 2.0)
+    b.reported("r0", {"acme": 1}, 2.5)              # b ended 0.5 s before: lag
+    assert b.outstanding("acme") == 0
+    b.reported("r0", {"acme": 1}, 4.0)              # 2 s later it is someone else's
+    assert b.outstanding("acme") == 1 and len(b.recent) == 0
