@@ -13,7 +13,7 @@ from tests.e2e.engine import await_for, side_by_side, wait_for
 from tests.e2e.router import Router, start_replica
 from weir.errors import RequestFailed, RequestRejected
 
-RATE = 150.0                            # acme's... metered's token rate, tokens/s
+RATE = 40.0                             # metered's token rate, tokens/s
 REPLICA_TOML = f"""
 [kv]
 num_blocks = 256
