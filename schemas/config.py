@@ -593,8 +593,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     session_ttl_s: float = 900.0        # an idle session forgets its replica
     max_sessions: int = 100_000
     default_prefill_tokens_per_s: float = 2000.0   # until a replica has measured its own
+    # fleet-wide budgets (components/router/budgets.py): each tenant's max_outstanding and
+    # token_rate/token_burst, enforced by the router across every replica before it places
+    # a request; a tenant not named has none here (its replicas' admission still applies)
+    tenants: tuple[TenantConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        tenants = [t.name for t in self.tenants]
+        _require(len(set(tenants)) == len(tenants), "router.tenants has duplicate names")
         names = [r.name for r in self.replicas]
         _require(len(set(names)) == len(names), "router.replicas: names must be unique")
         _require(self.heartbeat_interval_s > 0 and self.load_interval_s > 0,

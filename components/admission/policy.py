@@ -369,6 +369,9 @@ class AdmissionPolicy:
         out.update(ttft_stats(self.ttft))
         out.update(decision_stats(self.decisions, self.rejections, self.queue_depth))
         out.update(self.ledger.stats())
+        # with ``ledger.outstanding.<tenant>``, what a router rebuilds its fleet-wide
+        # outstanding caps from after it restarts (components/router/budgets.py)
+        out.update({f"queued.{t}": v for t, v in self.queue.tenant_depth().items()})
         out.update(self.live_stats())
         return out
 

@@ -146,3 +146,7 @@ class AdmissionQueue:
     def depth(self) -> Counter[str]:
         """Queued requests by service class."""
         return Counter(q.decision.service_class for q in self._items.values())
+
+    def tenant_depth(self) -> Counter[str]:
+        """Queued requests by tenant."""
+        return Counter(q.tenant for q in self._items.values())

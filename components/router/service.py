@@ -35,6 +35,7 @@ from bus.identity import Identity, Keyring, Refusal, load_service_key, visible_s
 from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
 from components.router import intake, migration
+from components.router.budgets import FleetBudgets, estimate, reported_outstanding
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
@@ -45,6 +46,7 @@ from schemas.client import (
     ChangeReplicas,
     ClientMsg,
     Failed,
+    Finished,
     Heartbeat,
     ProtocolError,
     Rejected,
@@ -61,6 +63,16 @@ from schemas.validate import check_submit
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
 log = structlog.get_logger("router")
+
+
+def used(terminal: Any) -> int | None:
+    """The tokens a request used by its terminal: a Finished's usage, none for a refusal
+    (the replica never ran it); None when it cannot be told (failed, cancelled)."""
+    if isinstance(terminal, Finished):
+        return terminal.usage.prompt_tokens + terminal.usage.completion_tokens
+    if isinstance(terminal, Rejected):
+        return 0
+    return None
 _TRACER = trace.get_tracer("weir.router")
 
 
@@ -90,6 +102,7 @@ class RouterService(Component):
         self.cluster = ClusterStatus((), False)
         self.routing = RoutingCore(rc, self.config.admission, self.config.kv.block_size,
                                    self.config.streamer.idempotency_ttl_s)
+        self.budgets = FleetBudgets(rc.tenants)
         self.tokenizing = 0
         self.tokenize_limiter = anyio.CapacityLimiter(intake.TOKENIZE_THREADS)
         self.flights: dict[str, Flight] = {}
@@ -210,6 +223,13 @@ class RouterService(Component):
         """Send ``f`` to the best replica it has not tried; or, if none is left, end it."""
         rid = f.submit.request_id
         now = time.monotonic()
+        cost = estimate(f.prompt_tokens, f.submit.params.max_tokens, f.submit.params.n,
+                        self.config.engine.max_model_len)
+        placed = bool(f.tried or f.generation)        # a reroute or a migration: counted
+        unreported = any(r.healthy and r.report is None for r in self.members)
+        if not placed and (no := self.budgets.check(f.tenant, cost, now, unreported)):
+            await self._end_here(f, Rejected(rid, no.reason, no.message, no.retry_after_s))
+            return
         route = self.routing.route(f, self.members, self.flights, now)
         ranked, decision = route.ranked, route.decision
         with _TRACER.start_as_current_span(
@@ -233,6 +253,10 @@ class RouterService(Component):
                          reason=decision.reason)
             upstream_tp = tracing.traceparent_of(span)
         r = self.members[decision.replica]
+        if placed:
+            self.budgets.moved(rid, r.spec.name)
+        else:
+            self.budgets.place(rid, f.tenant, r.spec.name, cost, now)
         self.routing.assign(f, r, route)
         self.counts[f"reason.{decision.reason}"] += 1
         sub = migration.continuation(f, now) if f.generation else self.routing.forwarded(f, now)
@@ -254,15 +278,17 @@ class RouterService(Component):
     async def _end_here(self, f: Flight, event: Any) -> None:
         """End a request at the router (the replicas never had it, or lost it)."""
         self.counts[type(event).__name__.lower()] += 1
-        self._forget(f)
+        self._forget(f, used(event))
         if not f.cancelled:
             await self.clients.send(event, to=f.identity)
 
-    def _forget(self, f: Flight) -> None:
+    def _forget(self, f: Flight, used: int | None = None) -> None:
+        """``f`` ended (``used``: the tokens it used, by its terminal; None: unknown)."""
         rid = f.submit.request_id
         if self.flights.get(rid) is f:
             del self.flights[rid]
             self.wires.pop(f.wire_id, None)
+            self.budgets.ended(rid, used, time.monotonic())
         r = self.members.get(f.replica)
         if r is not None:
             r.open.discard(rid)
@@ -296,7 +322,7 @@ class RouterService(Component):
                 await self._route(f)
                 continue
             if step == "end":
-                self._forget(f)
+                self._forget(f, used(body))
                 if isinstance(body, Rejected) and body.reason in REROUTE:
                     self.counts["load_rejected"] += 1      # its client hears it
             if f.cancelled:
@@ -319,6 +345,8 @@ class RouterService(Component):
     async def _heard(self, r: Replica, body: Any) -> None:
         if self.members.heard(r, body, time.monotonic()):
             await self._lose(r, "replica restarted")
+        if isinstance(body, StatusReport) and body is r.report:       # a new load report
+            self.budgets.reported(r.spec.name, reported_outstanding(body), r.report_asked)
         if isinstance(body, ServerHeartbeat) and self.members.up(r, body):
             log.info("replica_up", replica=r.spec.name)
 
@@ -327,6 +355,7 @@ class RouterService(Component):
         another replica (migration.py) or, if it cannot, fails; its cache view is dropped;
         new requests go elsewhere."""
         log.warning("replica_lost", replica=r.spec.name, why=why, open=len(r.open))
+        self.budgets.lost(r.spec.name)
         for rid in self.members.lose(r):
             f = self.flights.get(rid)
             if f is None:
@@ -474,6 +503,7 @@ class RouterService(Component):
                 sock.close()
                 self._sockets.remove(sock)
         self.members.let_go(r)
+        self.budgets.lost(r.spec.name)
         self.counts["replicas_let_go"] += 1
         log.info("replica_removed", replica=r.spec.name)
 
@@ -506,6 +536,7 @@ class RouterService(Component):
                 "migration.handover_ms.p99":
                     round(migration.percentile(list(self.handovers), 0.99) * 1e3, 3),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
+                **self.budgets.stats(),
                 **self.members.stats(),
                 **signal_stats(self.members, lambda r: self.routing.queue_s(r, self.flights),
                                self.targets, self.counts["load_rejected"])}

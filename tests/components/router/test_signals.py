@@ -130,6 +130,7 @@ def test_the_router_service_stats_carry_the_signals():
     from collections import Counter
     from types import SimpleNamespace
 
+    from components.router.budgets import FleetBudgets
     from components.router.service import RouterService
 
     class Sessions(dict):
@@ -141,7 +142,8 @@ def test_the_router_service_stats_carry_the_signals():
         flights={}, endpoint=SimpleNamespace(last_seen={}), tokenizing=0, members=m,
         routing=SimpleNamespace(sessions=Sessions(), idempotent={},
                                 queue_s=lambda r, flights: 0.5 + len(flights)),
-        counts=Counter(load_rejected=3), targets=TARGETS, handovers=[])
+        counts=Counter(load_rejected=3), targets=TARGETS, handovers=[],
+        budgets=FleetBudgets(()))
     out = RouterService.stats(svc)
     assert out["requests.load_rejected"] == 3 and out["fleet/load_rejections"] == 3
     assert out["signal/a/queue_s"] == 0.5 and out["fleet/headroom/interactive"] == 0.75

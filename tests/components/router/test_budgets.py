@@ -1,0 +1,149 @@
+"""The router's fleet-wide tenant budgets (components/router/budgets.py), pure: caps counted
+from placement to terminal, the token bucket charged at placement and corrected at the
+end, and the caps rebuilt from the replicas' reports after a restart."""
+from components.router.budgets import FleetBudgets, estimate, reported_outstanding
+from schemas.client import ComponentStatus, StatusReport
+from schemas.config import TenantConfig
+
+
+def budgets(**kw) -> FleetBudgets:
+    return FleetBudgets([TenantConfig("acme", **kw)])
+
+
+def report(**stats: float) -> StatusReport:
+    return StatusReport("router-load:1", (
+        ComponentStatus("admission", 1, True, "ready", 0, 0.0,
+                        stats={k.replace("__", "."): v for k, v in stats.items()}),
+        ComponentStatus("scheduler", 2, True, "ready", 0, 0.0,
+                        stats={"ledger.outstanding.acme": 99})))
+
+
+def test_estimate_is_prompt_plus_n_times_the_output_cap():
+    assert estimate(10, 5, 1, 100) == 15
+    assert estimate(10, 5, 3, 100) == 25
+    assert estimate(10, None, 1, 100) == 100        # no cap: the room the context leaves
+    assert estimate(10, 500, 1, 100) == 100
+
+
+def test_an_ungoverned_tenant_is_never_refused_nor_counted():
+    b = budgets(max_outstanding=1)
+    for i in range(5):
+        assert b.check("globex", 10, 0.0) is None
+        b.place(f"g{i}", "globex", "r0", 10, 0.0)
+    assert b.outstanding("globex") == 0 and not b.placed
+
+
+def test_the_outstanding_cap_counts_from_placement_to_terminal():
+    b = budgets(max_outstanding=2)
+    b.place("a", "acme", "r0", 10, 0.0)
+    b.place("b", "acme", "r1", 10, 0.0)
+    no = b.check("acme", 10, 0.0)
+    assert no is not None and no.reason == "tenant_over_budget"
+    assert "2 requests across the fleet" in no.message and 1.0 <= no.retry_after_s <= 60
+    b.moved("b", "r2")                    # a reroute counts once
+    assert b.outstanding("acme") == 2 and b.placed["b"].replica == "r2"
+    b.place("b", "acme", "r2", 10, 0.0)   # placing it again changes nothing
+    assert b.outstanding("acme") == 2
+    b.ended("a", 15, 1.0)
+    b.ended("a", 15, 1.0)                 # a repeated end uncounts nothing
+    assert b.outstanding("acme") == 1 and b.check("acme", 10, 1.0) is None
+    assert b.refusals == {"tenant_over_budget": 1}
+
+
+def test_the_token_bucket_is_charged_the_estimate_and_refunded_the_unused():
+    b = budgets(token_rate=100, token_burst=200)
+    assert b.check("acme", 150, 0.0) is None
+    b.place("a", "acme", "r0", 150, 0.0)            # 200 - 150 = 50 left
+    no = b.check("acme", 100, 0.0)
+    assert no is not None and no.reason == "tenant_token_budget"
+    assert no.retry_after_s == 0.5                  # 50 short at 100/s
+    assert "holds 50" in no.message
+    assert b.check("acme", 100, 0.5) is None        # refilled
+    b.ended("a", 30, 0.5)                           # used 30 of 150: 120 back
+    assert b.buckets["acme"].level == 200           # 100 + 120, at most the burst
+    assert b.refunded == 120
+
+
+def test_an_estimate_past_the_burst_waits_for_a_full_bucket_and_leaves_debt():
+    b = budgets(token_rate=100, token_burst=100)
+    assert b.check("acme", 500, 0.0) is None        # full: it may go
+    b.place("a", "acme", "r0", 500, 0.0)
+    assert b.buckets["acme"].level == -400
+    no = b.check("acme", 500, 1.0)
+    assert no is not None and no.retry_after_s == 4.0   # 100 needed from -300 at 100/s
+    b.ended("a", None, 1.0)                         # unknown use (failed): no refund
+    assert b.buckets["acme"].level == -300
+
+
+def test_a_refusal_from_the_replica_refunds_everything():
+    b = budgets(token_rate=10, token_burst=100)
+    b.place("a", "acme", "r0", 80, 0.0)
+    b.ended("a", 0, 0.0)
+    assert b.buckets["acme"].level == 100
+
+
+def test_no_token_rate_means_only_the_cap():
+    b = budgets(max_outstanding=3)
+    b.place("a", "acme", "r0", 10**9, 0.0)
+    assert b.check("acme", 10**9, 0.0) is None and not b.buckets
+
+
+def test_reports_are_read_from_admission_only():
+    got = reported_outstanding(report(ledger__outstanding__acme=3, queued__acme=2,
+                                      ledger__outstanding__globex=1, queued=7))
+    assert got == {"acme": 5, "globex": 1}
+    assert reported_outstanding(None) == {}
+
+
+def test_after_a_restart_the_cap_is_rebuilt_from_the_replicas_reports():
+    """A new router has placed nothing; the replicas still hold the last router's
+    requests: they count until a report no longer shows them."""
+    b = budgets(max_outstanding=10)
+    b.reported("r0", {"acme": 4, "globex": 9}, 1.0)
+    b.reported("r1", {"acme": 3}, 1.0)
+    b.reported("r2", {"acme": 3}, 1.0)
+    assert b.outstanding("acme") == 10
+    assert b.check("acme", 1, 1.0).reason == "tenant_over_budget"
+    b.reported("r2", {}, 2.0)                       # r2's finished
+    assert b.outstanding("acme") == 7
+    b.place("x", "acme", "r2", 1, 2.5)              # ours, placed after that report
+    b.reported("r2", {"acme": 1}, 2.4)              # asked before we placed it: not ours
+    assert b.outstanding("acme") == 9               # 7 unplaced + x + (1 on r2) at worst
+    b.reported("r2", {"acme": 1}, 3.0)              # asked after: it is ours
+    assert b.outstanding("acme") == 8
+    b.lost("r0")                                    # a lost replica's report goes
+    assert b.outstanding("acme") == 4
+    assert b.stats()["budget.unplaced.acme"] == 3
+
+
+def test_our_own_requests_are_not_counted_twice_by_the_reports():
+    b = budgets(max_outstanding=10)
+    for i in range(4):
+        b.place(f"a{i}", "acme", "r0", 1, 0.0)
+    b.reported("r0", {"acme": 3}, 1.0)              # one not yet admitted there
+    assert b.outstanding("acme") == 4 and not b.unplaced
+    b.reported("r0", {"acme": 5}, 1.0)              # one more than ours: not ours
+    assert b.outstanding("acme") == 5
+
+
+def test_a_governed_tenant_waits_while_a_replica_has_not_reported():
+    b = budgets(max_outstanding=10)
+    no = b.check("acme", 1, 0.0, unreported=True)
+    assert no is not None and no.reason == "overloaded" and no.retry_after_s == 0.5
+    assert b.check("globex", 1, 0.0, unreported=True) is None
+
+
+def test_a_request_ended_just_before_a_report_is_not_counted_as_another_routers():
+    """Its terminal reached the router, its release has not yet reached the replica's
+    admission: the report still counts it, as ours."""
+    b = budgets(max_outstanding=10)
+    b.place("a", "acme", "r0", 1, 0.0)
+    b.place("b", "acme", "r0", 1, 0.0)
+    b.ended("a", 1, 1.0)                            # ended after the query was asked
+    b.reported("r0", {"acme": 2}, 0.5)
+    assert b.outstanding("acme") == 1
+    b.ended("b", 1, 2.0)
+    b.reported("r0", {"acme": 1}, 2.5)              # b ended 0.5 s before: lag
+    assert b.outstanding("acme") == 0
+    b.reported("r0", {"acme": 1}, 4.0)              # 2 s later it is someone else's
+    assert b.outstanding("acme") == 1 and len(b.recent) == 0

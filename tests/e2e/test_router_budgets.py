@@ -1,0 +1,222 @@
+"""Tenant budgets that hold across the fleet (components/router/budgets.py): the router in
+front of three real replicas enforces a tenant's outstanding cap and token rate on the
+whole fleet, where each replica alone would give it its budget three times over; and a
+router killed and started again rebuilds the caps from what the replicas report."""
+import os
+import signal
+import time
+
+import anyio
+import pytest
+
+from tests.e2e.engine import await_for, side_by_side, wait_for
+from tests.e2e.router import Router, start_replica
+from weir.errors import RequestFailed, RequestRejected
+
+RATE = 40.0                             # metered's token rate, tokens/s
+REPLICA_TOML = f"""
+[kv]
+num_blocks = 256
+num_cpu_blocks = 0
+[engine]
+max_model_len = 1024
+num_threads = 1
+[scheduler]
+max_num_batched_tokens = 256
+[streamer]
+# the old router's requests run on after it is killed (their client is only silent)
+client_timeout_s = 60.0
+[admission]
+# each replica's own budgets: loose caps, and metered's rate per replica (the backstop)
+policy = "deadline"
+classes = []
+tenants = [{{ name = "default" }}, {{ name = "acme" }},
+           {{ name = "metered", token_rate = {RATE}, token_burst = {RATE} }}]
+"""
+ROUTER_TOML = REPLICA_TOML + f"""
+[router]
+tenants = [{{ name = "acme", max_outstanding = 10 }},
+           {{ name = "metered", token_rate = {RATE}, token_burst = {RATE} }}]
+"""
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, model_path):
+    base = tmp_path_factory.mktemp("replicas")
+    engines = {name: start_replica(base / name, REPLICA_TOML, wait=False)
+               for name in ("r0", "r1", "r2")}
+    with side_by_side(*engines.values()):
+        yield engines
+
+
+def test_a_cap_of_10_outstanding_holds_behind_3_replicas(replicas, tmp_path):
+    """24 clients of one tenant with a fleet cap of 10, each asking again as soon as it
+    ends or is refused: never more than 10 of its requests are open at once (seen by the
+    clients, from the first token to the terminal), and the refusals are
+    ``tenant_over_budget`` with a retry-after. Each replica alone would take 256."""
+    router = Router(tmp_path / "router", replicas, ROUTER_TOML)
+    open_now, peak, done, refused, retry = 0, 0, 0, 0, []
+    peaks_router: list[float] = []
+
+    async def client(i: int) -> None:
+        nonlocal open_now, peak, done, refused
+        async with router.async_client(max_retries=0) as c:
+            while done < 60:
+                started = False
+                try:
+                    s = await c.stream(f"Tale {i}-{done}: once", max_tokens=8,
+                                       ignore_eos=True, temperature=0.0, tenant="acme")
+                    async for _ in s:
+                        if not started:
+                            started = True
+                            open_now += 1
+                            peak = max(peak, open_now)
+                    done += 1
+                except RequestRejected as e:
+                    assert e.reason == "tenant_over_budget", e
+                    refused += 1
+                    retry.append(e.retry_after_s)
+                    await anyio.sleep(0.05)
+                finally:
+                    if started:
+                        open_now -= 1
+
+    async def watch() -> None:
+        while done < 60:
+            peaks_router.append((await anyio.to_thread.run_sync(router.stats)).get(
+                "budget.placed.acme", 0))
+            await anyio.sleep(0.2)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(24):
+                tg.start_soon(client, i)
+            tg.start_soon(watch)
+
+    try:
+        anyio.run(main)
+        stats = router.stats()
+    finally:
+        router.stop()
+    print(f"\ncap 10: peak open {peak} (placed at the router {max(peaks_router)}), {done} done, "
+          f"{refused} refused, retry-after {min(retry)}..{max(retry)} s")
+    assert peak <= 10 and max(peaks_router) <= 10
+    assert peak >= 8                             # the cap is what bound it
+    assert refused > 0 and all(r is not None and r >= 1.0 for r in retry)
+    assert stats["budget.refused.tenant_over_budget"] >= refused
+
+
+def test_after_a_router_restart_the_caps_are_rebuilt_from_the_replicas(replicas, tmp_path):
+    """10 long streams of acme (its cap) through the router, then kill -9 of the router
+    component: its clients fail, but the replicas run the streams on. The restarted
+    router has placed nothing, yet refuses acme ``tenant_over_budget`` while the replicas
+    report them, and takes acme again once they end."""
+    router = Router(tmp_path / "router", replicas, ROUTER_TOML)
+    try:
+        with router.client() as c:
+            pid = next(x.pid for x in c.status().components if x.name == "router")
+        started: set[int] = set()
+        ended: dict[int, str] = {}
+
+        async def stream(i: int) -> None:
+            async with router.async_client(max_retries=0) as c:
+                try:
+                    s = await c.stream(f"Saga {i}: long ago", max_tokens=400,
+                                       ignore_eos=True, temperature=0.0, tenant="acme")
+                    async for _ in s:
+                        started.add(i)
+                    ended[i] = "finished"
+                except RequestFailed:
+                    ended[i] = "failed"
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                for i in range(10):
+                    tg.start_soon(stream, i)
+                await await_for(lambda: len(started) >= 10, 60,
+                                lambda _: f"started {started}, ended {ended}")
+                os.kill(pid, signal.SIGKILL)
+                await await_for(lambda: len(ended) >= 10, 20, lambda _: f"hung: {ended}")
+
+        anyio.run(main)
+        assert set(ended.values()) == {"failed"}, ended
+        killed = time.monotonic()
+
+        def answer() -> str | None:
+            try:
+                with router.client(max_retries=0) as c:
+                    c.generate("Again?", max_tokens=2, tenant="acme", timeout=10)
+                    return "served"
+            except RequestRejected as e:
+                return e.reason if e.reason == "tenant_over_budget" else None
+            except Exception:
+                return None
+
+        # the new router is up: acme is over its cap by the replicas' reports alone
+        first = wait_for(answer, 60, lambda _: "the router did not come back", interval=0.2)
+        stats = router.stats()
+        print(f"\nrestart: first answer {first} {time.monotonic() - killed:.1f}s after the "
+              f"kill; unplaced {stats.get('budget.unplaced.acme')}")
+        assert first == "tenant_over_budget", first
+        assert stats.get("budget.unplaced.acme", 0) >= 9
+        with router.client(max_retries=0) as c:     # another tenant is not held back
+            assert c.generate("Hi", max_tokens=2, tenant="default", timeout=30).usage
+        # once the replicas finish the old streams, acme is served again
+        wait_for(lambda: answer() == "served", 120, lambda _: f"acme still refused: "
+                 f"{router.stats().get('budget.unplaced.acme')}", interval=0.5)
+    finally:
+        router.stop()
+    for eng in replicas.values():
+        eng.wait_kv_free(timeout=60)
+
+
+def _metered_rate(router: Router, seconds: float) -> tuple[float, int]:
+    """Tokens per second (prompt + completion, by usage) 12 greedy clients of ``metered``
+    get through ``router`` over ``seconds``, each asking again at once after an end and
+    after the retry-after of a refusal; and how many were refused."""
+    used, refused = 0, 0
+    stop = time.monotonic() + seconds
+
+    async def client(i: int) -> None:
+        nonlocal used, refused
+        async with router.async_client(max_retries=0) as c:
+            k = 0
+            while time.monotonic() < stop:
+                k += 1
+                try:
+                    r = await c.generate(f"Note {i}-{k}: the", max_tokens=16,
+                                         ignore_eos=True, temperature=0.0, tenant="metered")
+                    if time.monotonic() <= stop:
+                        used += r.usage.prompt_tokens + r.usage.completion_tokens
+                except RequestRejected as e:
+                    refused += 1
+                    await anyio.sleep(min(e.retry_after_s or 0.1, max(stop - time.monotonic(),
+                                                                       0.0)))
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(client, i)
+
+    start = time.monotonic()
+    anyio.run(main)
+    return used / (time.monotonic() - start), refused
+
+
+def test_fleet_token_rate_accuracy(replicas, tmp_path):
+    """The accuracy measure: ``metered`` at RATE tokens/s, behind 3 replicas that each
+    enforce RATE. Through a router with the fleet budget it gets about RATE; through one
+    without, up to 3 x RATE."""
+    base_toml = REPLICA_TOML + '\n[router]\ntenants = []\n'
+    out = {}
+    for name, toml in (("fleet", ROUTER_TOML), ("replicas_only", base_toml)):
+        router = Router(tmp_path / name, replicas, toml)
+        try:
+            rate, refused = _metered_rate(router, 12.0)
+        finally:
+            router.stop()
+        out[name] = rate
+        print(f"\n{name}: {rate:.1f} tokens/s against {RATE:g} "
+              f"({100 * (rate / RATE - 1):+.1f}%), {refused} refused")
+    assert abs(out["fleet"] / RATE - 1) < 0.25
+    assert out["replicas_only"] > 1.5 * RATE
