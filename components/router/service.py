@@ -498,6 +498,10 @@ class RouterService(Component):
                 r.found_at = now
                 self._connect(r)
                 self._tg.start_soon(self._serve, r)
+                # asked at once, not at the ticker's next turn: routed to from its answer
+                await self.links[spec.name].sock.send(Heartbeat())
+                await self.links[spec.name].sock.send(StatusQuery(
+                    load_query_id(time.monotonic_ns()), self.service_key))
                 self.counts["discovered"] += 1
                 log.info("replica_discovered", replica=spec.name, endpoint=spec.endpoint)
             for name in p.retire:
