@@ -80,12 +80,14 @@ class RouterService(Component):
     # the lookup under router.discovery = "dns" (None: DnsResolver on discovery_name); a
     # test sets its own before setup
     resolver: Resolver | None = None
+    discovery: Discovery | None = None        # under router.discovery = "dns"
 
     async def setup(self) -> None:
         rc = self.config.router
         if not rc.replicas and rc.discovery == "static":
             raise ValueError("router.replicas is empty: name at least one engine to route to")
-        self.discovery = Discovery(rc.discovery_misses)
+        if rc.discovery == "dns":
+            self.discovery = Discovery(rc.discovery_misses)
         if rc.discovery == "dns" and self.resolver is None:
             self.resolver = DnsResolver(rc.discovery_name, rc.discovery_port,
                                         rc.discovery_kv_events_port)
@@ -485,7 +487,7 @@ class RouterService(Component):
         """Every ``discovery_interval_s``: resolve (on a thread: a lookup blocks), then add
         the replicas found and retire those gone (discovery.py), as an operator's change
         would, without one."""
-        assert self.resolver is not None
+        assert self.resolver is not None and self.discovery is not None
         while True:
             found = await anyio.to_thread.run_sync(self.resolver)
             self.discovery.observe(found)
@@ -542,6 +544,7 @@ class RouterService(Component):
 
     def stats(self) -> dict[str, float]:
         sessions = self.routing.sessions
+        disc = getattr(self, "discovery", None)
         return {"active_requests": len(self.flights),
                 "clients": len(self.endpoint.last_seen), "sessions": len(sessions),
                 "tokenizing": self.tokenizing,
@@ -551,10 +554,8 @@ class RouterService(Component):
                     round(migration.percentile(list(self.handovers), 0.5) * 1e3, 3),
                 "migration.handover_ms.p99":
                     round(migration.percentile(list(self.handovers), 0.99) * 1e3, 3),
-                **({"discovery.polls": self.discovery.polls,
-                    "discovery.failed": self.discovery.failed,
-                    "discovery.wanted": len(self.discovery.wanted)}
-                   if self.rc.discovery == "dns" else {}),
+                **({"discovery.polls": disc.polls, "discovery.failed": disc.failed,
+                    "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **self.members.stats(),
                 **signal_stats(self.members, lambda r: self.routing.queue_s(r, self.flights),
