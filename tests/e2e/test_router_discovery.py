@@ -3,10 +3,10 @@ is the test's) in front of two real engines that it learns of only from that res
 While four clients keep requests running, a name is added (measured: the time from the
 name resolving, the replica being ready already, and from its first heartbeat answer, to
 its first routed request), a name is removed (the replica is retired through the
-operator's path: what runs there finishes there), a name flaps for one poll (nothing
-happens), and the removed name comes back. No request is lost: each ends ``length`` with
-all its tokens, and both pools are free after. The pure rules:
-tests/components/router/test_discovery.py."""
+operator's path: what runs there finishes there, or moves as on ``weir replicas
+remove``), a name flaps for one poll (nothing happens), and the removed name comes
+back. No request is lost: each ends ``length`` with all its tokens, and both pools are
+free after. The pure rules: tests/components/router/test_discovery.py."""
 from __future__ import annotations
 
 import time
@@ -164,7 +164,7 @@ async def test_replicas_found_and_gone_under_load_lose_no_request(engines, tmp_p
             assert all(e.finish_reason == "length" and len(e.token_ids) == LONG for e in ends)
             await until(lambda: "r0" not in svc.links, "r0 let go")
             print(f"discovery: r0 retired with {open_at_retire} requests open (one of "
-                  f"{LONG} tokens); all finished there, then it was let go")
+                  f"{LONG} tokens); all completed (there, or moved), then it was let go")
             done_before = len(results)
             await until(lambda: len(results) >= done_before + 4, "load on r1 alone")
             assert "r0" not in members.replicas
@@ -197,7 +197,8 @@ async def test_replicas_found_and_gone_under_load_lose_no_request(engines, tmp_p
     counts = svc.counts
     print(f"discovery: {len(results)} requests completed, 0 lost; discovered "
           f"{counts['discovered']}, retired {counts['undiscovered']}, let go "
-          f"{counts['replicas_let_go']}")
+          f"{counts['replicas_let_go']}, streams moved off the retired one "
+          f"{counts['migrated']}")
     assert counts["discovered"] == 3 and counts["undiscovered"] == 1
     assert counts["failed"] == 0 and counts["rejected"] == 0
     for eng in engines.values():
