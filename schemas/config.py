@@ -597,12 +597,32 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # token_rate/token_burst, enforced by the router across every replica before it places
     # a request; a tenant not named has none here (its replicas' admission still applies)
     tenants: tuple[TenantConfig, ...] = ()
+    # Where replicas come from besides ``replicas`` and ``weir replicas add``: "static"
+    # (nowhere else), or "dns": every ``discovery_interval_s`` the router resolves
+    # ``discovery_name`` (a headless Service: one A record per pod), names each address by
+    # its PTR record's first label (the pod, weir-replica-N), routes to each on
+    # ``discovery_port`` (KV events on ``discovery_kv_events_port``, 0: none) once it
+    # answers heartbeats, and retires one absent ``discovery_misses`` polls in a row
+    # (components/router/discovery.py)
+    discovery: Literal["static", "dns"] = "static"
+    discovery_name: str = ""
+    discovery_port: int = 7450
+    discovery_kv_events_port: int = 7470
+    discovery_interval_s: float = 2.0
+    discovery_misses: int = 3
 
     def __post_init__(self) -> None:
         tenants = [t.name for t in self.tenants]
         _require(len(set(tenants)) == len(tenants), "router.tenants has duplicate names")
         names = [r.name for r in self.replicas]
         _require(len(set(names)) == len(names), "router.replicas: names must be unique")
+        _require(self.discovery == "static" or bool(self.discovery_name),
+                 "router.discovery = \"dns\" needs router.discovery_name (the headless "
+                 "Service's DNS name)")
+        _require(0 < self.discovery_port < 65536 and 0 <= self.discovery_kv_events_port < 65536,
+                 "router.discovery ports must be in 1..65535 (kv events: 0 for none)")
+        _require(self.discovery_interval_s > 0 and self.discovery_misses >= 1,
+                 "router.discovery_interval_s must be > 0 and discovery_misses >= 1")
         _require(self.heartbeat_interval_s > 0 and self.load_interval_s > 0,
                  "router intervals must be > 0")
         _require(self.heartbeat_timeout_s > self.heartbeat_interval_s,

@@ -77,9 +77,9 @@ def _route(args: argparse.Namespace) -> int:
             engine={"model": args.model},
             gateway={"port": args.http_port or _env_int("WEIR_HTTP_PORT")},
             router=router)
-        if not config.router.replicas:
+        if not config.router.replicas and config.router.discovery == "static":
             raise ConfigError("no replicas: give --replica NAME=ENDPOINT[,KV_EVENTS] or "
-                              "[[router.replicas]] in the config")
+                              "[[router.replicas]] in the config, or router.discovery")
     except (ConfigError, ValueError) as exc:
         print(f"weir route: {exc}", file=sys.stderr)
         return 2
@@ -89,7 +89,9 @@ def _route(args: argparse.Namespace) -> int:
     def ready(sup: Supervisor) -> None:
         http = (f", http://{config.gateway.host}:{config.gateway.port}/v1"
                 if config.gateway.enabled else "")
-        names = ", ".join(r.name for r in config.router.replicas)
+        rc = config.router
+        names = ", ".join([r.name for r in rc.replicas] + (
+            [f"the replicas {rc.discovery_name} resolves to"] if rc.discovery == "dns" else []))
         print(f"weir: routing on {config.topology.client_endpoint}{http} to {names} "
               f"({config.router.policy})", file=sys.stderr, flush=True)
 
@@ -255,6 +257,7 @@ def _replicas(args: argparse.Namespace) -> int:
                 names = sorted({k.split(".")[1] for k in stats if k.startswith("replica.")})
                 out = {n: {"healthy": bool(stats.get(f"replica.{n}.healthy")),
                            "retiring": bool(stats.get(f"replica.{n}.retiring")),
+                           "discovered": bool(stats.get(f"replica.{n}.discovered")),
                            "open": int(stats.get(f"replica.{n}.open", 0))} for n in names}
             else:
                 done = (client.change_replicas(add=args.replicas, timeout=args.timeout)

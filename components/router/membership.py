@@ -11,6 +11,9 @@ own (the service passes ``now``), so every rule here is tested by building it di
 - **Membership.** An operator's ``ChangeReplicas`` is made whole or not at all
   (``change``): an added replica is routed to at once; a removed one is *retiring*, takes
   no new request and is let go once nothing is open on it (``idle_retired``, ``let_go``).
+  Discovery (discovery.py) adds and retires its own replicas the same way (``discover``,
+  ``retire``); an operator cannot remove one of those (it would be found again): the
+  replica goes when its name stops resolving.
 """
 from __future__ import annotations
 
@@ -68,6 +71,9 @@ class Replica:
     open: set[str] = field(default_factory=set)
     counts: Counter[str] = field(default_factory=Counter)
     retiring: bool = False              # removed: no new requests; let go once none is open
+    discovered: bool = False            # added by discovery, which alone retires it
+    found_at: float = 0.0               # when discovery found it (the service's clock)
+    up_at: float = 0.0                  # when it first answered
 
     @property
     def name(self) -> str:
@@ -111,6 +117,16 @@ class Membership:
     def add(self, spec: ReplicaSpec) -> Replica:
         r = self.replicas[spec.name] = Replica(spec)
         return r
+
+    def discover(self, spec: ReplicaSpec) -> Replica:
+        """Discovery found ``spec``: routed to once it answers a heartbeat."""
+        r = self.add(spec)
+        r.discovered = True
+        return r
+
+    def retire(self, name: str) -> None:
+        """No new request for ``name``; let go once none is open on it."""
+        self.replicas[name].retiring = True
 
     # ------------------------------------------------------------------ health
     @staticmethod
@@ -196,6 +212,9 @@ class Membership:
             r = self.replicas.get(name)
             if r is None or r.retiring or name in names:
                 return f"no replica {name[:64]!r} to remove"
+            if r.discovered:
+                return (f"replica {name[:64]!r} was found by discovery: it goes when its name "
+                        f"stops resolving (scale or delete its pod)")
         return None
 
     def idle_retired(self) -> list[Replica]:
@@ -233,4 +252,6 @@ class Membership:
                         f"replica.{name}.index_stored": r.index.stored,
                         f"replica.{name}.index_snapshots": r.index.snapshots,
                         **{f"replica.{name}.{k}": v for k, v in r.counts.items()}})
+            if r.discovered:
+                out[f"replica.{name}.discovered"] = 1
         return out

@@ -9,7 +9,8 @@ hashed as a replica would (``intake.py``), its replica chosen from the prefix in
 retries), and every answer frame relayed untouched. A refusal for load before acceptance
 sends it on to another replica with what is left of its deadline; a replica silent for
 ``heartbeat_timeout_s``, or restarted, is out and its requests end ``failed``; replicas
-are added and retired by an operator (``membership.py``). Each decision is a
+are added and retired by an operator (``membership.py``) or found by resolving a name
+(``discovery.py``, ``router.discovery = "dns"``). Each decision is a
 ``router.route`` span with the per-replica scores. The decisions and the replicas' state
 are pure modules; this service wires them to sockets, the clock and the spans
 (docs/design/router.md says why it routes as it does).
@@ -36,6 +37,7 @@ from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
 from components.router import intake, migration
 from components.router.budgets import FleetBudgets, estimate, reported_outstanding
+from components.router.discovery import Discovery, DnsResolver, Resolver, plan
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
@@ -87,11 +89,20 @@ class Link:
 
 class RouterService(Component):
     name = "router"
+    # the lookup under router.discovery = "dns" (None: DnsResolver on discovery_name); a
+    # test sets its own before setup
+    resolver: Resolver | None = None
+    discovery: Discovery | None = None        # under router.discovery = "dns"
 
     async def setup(self) -> None:
         rc = self.config.router
-        if not rc.replicas:
+        if not rc.replicas and rc.discovery == "static":
             raise ValueError("router.replicas is empty: name at least one engine to route to")
+        if rc.discovery == "dns":
+            self.discovery = Discovery(rc.discovery_misses)
+        if rc.discovery == "dns" and self.resolver is None:
+            self.resolver = DnsResolver(rc.discovery_name, rc.discovery_port,
+                                        rc.discovery_kv_events_port)
         self.rc = rc
         self.targets = targets_s(self.config.admission.classes)    # TTFT objectives (s)
         self.prompts = PromptHasher(self.config)
@@ -141,6 +152,8 @@ class RouterService(Component):
             tg.start_soon(self.endpoint.serve)
             tg.start_soon(self._cluster_loop)
             tg.start_soon(self._ticker)
+            if self.rc.discovery == "dns":
+                tg.start_soon(self._discovery_loop)
             for r in self.members:
                 tg.start_soon(self._serve, r)
 
@@ -259,6 +272,10 @@ class RouterService(Component):
             self.budgets.place(rid, f.tenant, r.spec.name, cost, now)
         self.routing.assign(f, r, route)
         self.counts[f"reason.{decision.reason}"] += 1
+        if r.counts["routed"] == 1:
+            log.info("replica_first_request", replica=r.spec.name,
+                     since_up_s=round(now - r.up_at, 4),
+                     since_found_s=round(now - r.found_at, 4) if r.found_at else None)
         sub = migration.continuation(f, now) if f.generation else self.routing.forwarded(f, now)
         await self.links[r.spec.name].sock.send(sub, traceparent=upstream_tp)
 
@@ -348,6 +365,7 @@ class RouterService(Component):
         if isinstance(body, StatusReport) and body is r.report:       # a new load report
             self.budgets.reported(r.spec.name, reported_outstanding(body), r.report_asked)
         if isinstance(body, ServerHeartbeat) and self.members.up(r, body):
+            r.up_at = r.up_at or time.monotonic()
             log.info("replica_up", replica=r.spec.name)
 
     async def _lose(self, r: Replica, why: str) -> None:
@@ -494,6 +512,36 @@ class RouterService(Component):
             self.counts["replica_changes"] += 1
         return answer
 
+    async def _discovery_loop(self) -> None:
+        """Every ``discovery_interval_s``: resolve (on a thread: a lookup blocks), then add
+        the replicas found and retire those gone (discovery.py), as an operator's change
+        would, without one."""
+        assert self.resolver is not None and self.discovery is not None
+        while True:
+            found = await anyio.to_thread.run_sync(self.resolver)
+            self.discovery.observe(found)
+            if found is None:
+                log.warning("discovery_failed", name=self.rc.discovery_name)
+            p = plan(self.discovery.wanted, self.members)
+            now = time.monotonic()
+            for spec in p.add:
+                r = self.members.discover(spec)
+                r.found_at = now
+                self._connect(r)
+                self._tg.start_soon(self._serve, r)
+                # asked at once, not at the ticker's next turn: routed to from its answer
+                await self.links[spec.name].sock.send(Heartbeat())
+                await self.links[spec.name].sock.send(StatusQuery(
+                    load_query_id(time.monotonic_ns()), self.service_key))
+                self.counts["discovered"] += 1
+                log.info("replica_discovered", replica=spec.name, endpoint=spec.endpoint)
+            for name in p.retire:
+                self.members.retire(name)
+                self.counts["undiscovered"] += 1
+                log.info("replica_retiring", replica=name, why="no longer resolves",
+                         open=len(self.members[name].open))
+            await anyio.sleep(self.rc.discovery_interval_s)
+
     def _let_go(self, r: Replica) -> None:
         """A retiring replica with nothing open on it: its loops stop, its sockets close."""
         link = self.links.pop(r.spec.name)
@@ -526,6 +574,7 @@ class RouterService(Component):
 
     def stats(self) -> dict[str, float]:
         sessions = self.routing.sessions
+        disc = getattr(self, "discovery", None)
         return {"active_requests": len(self.flights),
                 "clients": len(self.endpoint.last_seen), "sessions": len(sessions),
                 "tokenizing": self.tokenizing,
@@ -535,6 +584,8 @@ class RouterService(Component):
                     round(migration.percentile(list(self.handovers), 0.5) * 1e3, 3),
                 "migration.handover_ms.p99":
                     round(migration.percentile(list(self.handovers), 0.99) * 1e3, 3),
+                **({"discovery.polls": disc.polls, "discovery.failed": disc.failed,
+                    "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **self.budgets.stats(),
                 **self.members.stats(),

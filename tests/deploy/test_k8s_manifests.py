@@ -249,14 +249,17 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 problems.append(f"Service/{svc['metadata']['name']}: targetPort "
                                 f"{p.get('targetPort')} is no container port")
 
-    # The router's replica list: exactly the StatefulSet's pods, by their DNS names through
-    # its headless Service, on the ports those pods serve; same model and block size
+    # The router's replicas: found by resolving a replica StatefulSet's headless Service
+    # (which publishes pods not yet ready: the router judges them by heartbeats), on the
+    # ports those pods serve; or, listed, exactly the StatefulSet's pods by their DNS names
+    # through that Service; same model and block size
     if not routers or not replicas:
         problems.append(f"{len(routers)} routers, {len(replicas)} replica workloads")
     expected = {}
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h
             for h in by_kind(objects, "HorizontalPodAutoscaler")
             if h["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"}
+    headlesses: dict = {}                # headless Service name -> (it, ports, config)
     for wl, cfg in replicas:
         hpa = hpas.get(wl["metadata"]["name"])
         if hpa is not None and "replicas" in wl["spec"]:
@@ -283,7 +286,26 @@ def consistency_problems(objects: list[dict]) -> list[str]:
         for i in range(count):
             host = f"{wl['metadata']['name']}-{i}.{svc_name}"
             expected[host] = (zmq, events, cfg)
+        headlesses[svc_name] = (headless[0], zmq, events, cfg)
     for cfg in routers:
+        rc = cfg.router
+        if rc.discovery == "dns":
+            found = headlesses.get(rc.discovery_name.split(".")[0])
+            if found is None:
+                problems.append(f"router: discovery_name {rc.discovery_name} is no headless "
+                                f"Service of a replica StatefulSet")
+                continue
+            svc, zmq, events, rcfg = found
+            if not svc["spec"].get("publishNotReadyAddresses"):
+                problems.append(f"Service/{svc['metadata']['name']}: the router finds pods "
+                                f"through it: publishNotReadyAddresses must be true")
+            if (rc.discovery_port, rc.discovery_kv_events_port) != (zmq, events):
+                problems.append("router: discovery ports differ from what the replicas serve")
+            if (rcfg.engine.model, rcfg.kv.block_size, rcfg.engine.max_model_len) != \
+                    (cfg.engine.model, cfg.kv.block_size, cfg.engine.max_model_len):
+                problems.append("router: engine.model / kv.block_size / max_model_len "
+                                "differ from the discovered replicas'")
+            continue
         listed = {}
         for rep in cfg.router.replicas:
             host = weir_toml.endpoint_host(rep.endpoint)
@@ -323,9 +345,37 @@ def _router_toml(objects: list[dict]) -> tuple[dict, str]:
     return cm, cm["data"]["router.toml"]
 
 
+STATIC_REPLICAS = "".join(
+    f'\n[[router.replicas]]\nname = "weir-replica-{i}"\n'
+    f'endpoint = "tcp://weir-replica-{i}.weir-replica:7450"\n'
+    f'kv_events = "tcp://weir-replica-{i}.weir-replica:7470"\n' for i in range(2))
+
+
+def _static(router_toml: str) -> str:
+    """The router's config with the StatefulSet's two pods listed instead of discovered."""
+    lines = [line for line in router_toml.splitlines() if not line.startswith("discovery")]
+    return "\n".join(lines) + STATIC_REPLICAS
+
+
+def test_the_router_discovers_the_replicas_and_scaling_needs_no_change_to_it():
+    objects = render(K8S / "base")
+    router = weir_toml.load(_router_toml(objects)[1], "route").router
+    assert (router.discovery, router.discovery_name, router.replicas) == (
+        "dns", "weir-replica", ())
+    one(objects, "StatefulSet", "weir-replica")["spec"]["replicas"] = 5
+    assert consistency_problems(objects) == []
+    cm, router_toml = _router_toml(objects)          # a listed router: exactly the pods
+    cm["data"]["router.toml"] = _static(router_toml)
+    assert any("weir-replica-4.weir-replica is not in its list" in p
+               for p in consistency_problems(objects))
+
+
 @pytest.mark.parametrize("breakage,reported", [
     ("extra_replica", "at weir-replica-2.weir-replica is no pod"),
     ("scaled_up", "weir-replica-2.weir-replica is not in its list"),
+    ("discovery_name", "discovery_name weir-replicas is no headless Service"),
+    ("discovery_port", "discovery ports differ"),
+    ("not_ready_hidden", "publishNotReadyAddresses must be true"),
     ("selector", "Service/weir-router selects 0 workloads"),
     ("probe_port", "readinessProbe port metrics is no container port"),
     ("config_key", "subPath weir.toml is no key"),
@@ -337,13 +387,21 @@ def test_consistency_check_catches_breakage(breakage, reported):
     sts = one(objects, "StatefulSet", "weir-replica")
     container = sts["spec"]["template"]["spec"]["containers"][0]
     cm, router_toml = _router_toml(objects)
-    if breakage == "extra_replica":      # the router lists a pod that does not exist
-        cm["data"]["router.toml"] = router_toml + (
+    if breakage == "extra_replica":      # a listed router names a pod that does not exist
+        cm["data"]["router.toml"] = _static(router_toml) + (
             '\n[[router.replicas]]\nname = "weir-replica-2"\n'
             'endpoint = "tcp://weir-replica-2.weir-replica:7450"\n'
             'kv_events = "tcp://weir-replica-2.weir-replica:7470"\n')
-    elif breakage == "scaled_up":        # a pod the router does not know
+    elif breakage == "scaled_up":        # a pod a listed router does not know
+        cm["data"]["router.toml"] = _static(router_toml)
         sts["spec"]["replicas"] = 3
+    elif breakage == "discovery_name":
+        cm["data"]["router.toml"] = router_toml.replace('"weir-replica"', '"weir-replicas"')
+    elif breakage == "discovery_port":
+        cm["data"]["router.toml"] = router_toml.replace("discovery_port = 7450",
+                                                        "discovery_port = 7451")
+    elif breakage == "not_ready_hidden":
+        one(objects, "Service", "weir-replica")["spec"]["publishNotReadyAddresses"] = False
     elif breakage == "selector":
         selector = one(objects, "Service", "weir-router")["spec"]["selector"]
         selector["app.kubernetes.io/component"] = "gateway"
@@ -355,7 +413,7 @@ def test_consistency_check_catches_breakage(breakage, reported):
         cm["data"]["router.toml"] = router_toml.replace("SmolLM2-135M-Instruct.Q4_1.gguf",
                                                         "other.gguf", 1)
     elif breakage == "kv_port":
-        cm["data"]["router.toml"] = router_toml.replace(":7470", ":7469", 1)
+        cm["data"]["router.toml"] = _static(router_toml).replace(":7470", ":7469", 1)
     problems = consistency_problems(objects)
     assert any(reported in p for p in problems), problems
 

@@ -21,7 +21,8 @@ def load(text: str, command: str) -> WeirConfig:
         path.write_text(text)
         cfg = load_config(path, **overrides)
     if command == "route":
-        assert cfg.router.replicas, "weir route refuses a config without replicas"
+        assert cfg.router.replicas or cfg.router.discovery != "static", \
+            "weir route refuses a config without replicas or discovery"
     return cfg
 
 
