@@ -29,4 +29,6 @@ def test_trim_heap_returns_what_the_build_freed():
     before, released, after, kept = map(int, out.stdout.split())
     assert kept == 1 << 20
     assert released > 200 << 20, (before, released, after)
-    assert before - after == released
+    # (trim_heap reads the RSS itself around the trim: between those reads and these a
+    # few pages may move, e.g. the first call into the C library; seen: one 4 KB page)
+    assert abs((before - after) - released) <= 64 << 10, (before, released, after)
