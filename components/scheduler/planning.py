@@ -21,7 +21,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable
 
-from components.costs.cost_model import StepCostModel, StepShape, row_pairs
+from components.costs.cost_model import StepCostModel, joined, prefill_shape
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.preemption import Preemptor
 from components.scheduler.queues import Queues
@@ -212,12 +212,7 @@ class Planner:
             return {}
         bs, max_len = self.block_size, self.max_model_len
         rows = []
-        tokens = context = pairs = 0
         for seq, n in chosen:
-            done = seq.planned
-            tokens += n
-            context += done + n
-            pairs += row_pairs(n, done)
             if (n == 1 and not seq.in_flight and seq.todo == 1
                     and (seq.n == 1 or seq.forked)):
                 # its blocks hold the verify's positions (the decode's and k drafts'), and
@@ -227,12 +222,12 @@ class Planner:
                 if cap is not None:
                     room = min(room, cap - seq.num_output - 1)
                 if room > 0:
-                    rows.append((seq, done, room))
+                    rows.append((seq, seq.planned, room))
         if not rows:
             return {}
         tightest = min((s.tpot_slo_s for s, _, _ in rows if s.tpot_slo_s), default=None)
-        self.last_spec = spec.choose(rows, StepShape(tokens, context, len(chosen), pairs),
-                                     self.cost, budget, tightest)
+        shape = joined(*(prefill_shape(n, seq.planned) for seq, n in chosen))
+        self.last_spec = spec.choose(rows, shape, self.cost, budget, tightest)
         return self.last_spec.k
 
     def _plan(self, chosen: list[tuple[Seq, int]], now_ns: int,
