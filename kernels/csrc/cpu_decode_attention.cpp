@@ -22,6 +22,7 @@
 // faster (attention_tiles). The tiled kernels live in cpu_attention_avx512.h,
 // cpu_attention_amx.h and cpu_attention_avx2.h, included below; the portable kernel, the
 // dispatch and the entry points are here.
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -145,17 +146,49 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
                       int num_threads, bool amx) {
 #if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
-    // (the AMX kernel: up to 16 / G, its queries' columns)
+    // (the AMX kernel: up to 16 / G, its queries' columns); with AMX, a run of kFlashRows or
+    // more (a prompt's chunk) takes the prefill kernel instead, where it has the shape
     const int64_t tile_rows = amx ? 16 / G : kTile;
-    std::vector<int64_t> starts;
-    starts.reserve(static_cast<size_t>(n) + 1);
-    for (int64_t i = 0; i < n; ++i)
-        if (i == 0 || seqs[i] != seqs[i - 1] || row_lens[i] != row_lens[i - 1] + 1
-                || i - starts.back() == tile_rows)
-            starts.push_back(i);
-    starts.push_back(n);
-    const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
+    std::vector<int64_t> starts, ends;         // each tile's rows [starts[i], ends[i])
+    starts.reserve(static_cast<size_t>(n));
+    ends.reserve(static_cast<size_t>(n));
 #if defined(WEIR_AMX)
+    constexpr bool flash_shape = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
+    thread_local std::vector<FlashRun> runs;
+    runs.clear();
+    int64_t packed = 0;
+#endif
+    for (int64_t i = 0, j; i < n; i = j) {
+        for (j = i + 1; j < n && seqs[j] == seqs[j - 1] && row_lens[j] == row_lens[j - 1] + 1; ++j) {}
+#if defined(WEIR_AMX)
+        if (flash_shape && amx && j - i >= kFlashRows) {
+            runs.push_back({i, j - i, seqs[i], row_lens[j - 1], packed});
+            packed += kv_heads * ((row_lens[j - 1] + 31) / 32) * (D / 16) * 256;
+            continue;
+        }
+#endif
+        for (int64_t t = i; t < j; t += tile_rows) {
+            starts.push_back(t);
+            ends.push_back(std::min(t + tile_rows, j));
+        }
+    }
+    const int64_t tiles = static_cast<int64_t>(starts.size());
+#if defined(WEIR_AMX)
+    if constexpr (flash_shape) {
+        if (!runs.empty()) {
+            thread_local std::vector<uint32_t> vpk;    // 64-byte aligned: tile rows
+            if (vpk.size() < static_cast<size_t>(packed) + 16) vpk.resize(static_cast<size_t>(packed) + 16);
+            const int64_t skew = ((64 - reinterpret_cast<uintptr_t>(vpk.data()) % 64) % 64) / 4;
+            for (auto& r : runs) r.vpk += skew;
+            flash_runs_amx<D, G>(reinterpret_cast<const uint16_t*>(q),
+                                 reinterpret_cast<const uint16_t*>(k_cache),
+                                 reinterpret_cast<const uint16_t*>(v_cache),
+                                 reinterpret_cast<uint16_t*>(out), runs, row_lens, block_tables,
+                                 table_width, heads, q_row, kv_heads, block_size, scale,
+                                 num_threads, vpk);
+        }
+    }
+    if (tiles == 0) return;
     if constexpr (sizeof(T) == 2) {
         if (amx) {
 #pragma omp parallel num_threads(num_threads)
@@ -175,9 +208,9 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
                         next.table = block_tables + seqs[i1] * table_width;
                         next.block_size = block_size;
                         next.row_bytes = kv_heads * D * static_cast<int64_t>(sizeof(KT));
-                        next.len = row_lens[starts[tile + num_threads + 1] - 1];
+                        next.len = row_lens[ends[tile + num_threads] - 1];
                     }
-                    const int nrows = static_cast<int>(starts[tile + 1] - i0);
+                    const int nrows = static_cast<int>(ends[tile] - i0);
                     int32_t lens[16];
                     for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
                     const int64_t lpad = (lens[nrows - 1] + 31) / 32 * 32;
@@ -216,7 +249,7 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
             prefetch_rows<_MM_HINT_T1>(k_cache, block_tables + seqs[i1] * table_width,
                                        block_size, kv_heads * D, 0, kChunk, row_lens[i1]);
         }
-        const int nrows = static_cast<int>(starts[tile + 1] - i0);
+        const int nrows = static_cast<int>(ends[tile] - i0);
         int32_t lens[kTile];
         for (int r = 0; r < nrows; ++r) lens[r] = row_lens[i0 + r];
         const int64_t lpad = (lens[nrows - 1] + kChunk - 1) / kChunk * kChunk;

@@ -75,8 +75,8 @@ class Evict:
         self.buf.sum()
 
 
-def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
-                  rounds: int = 5) -> tuple[float, float]:
+def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict | None,
+                  rounds: int = 5, head_rows: int | None = None) -> tuple[float, float]:
     """The step's linear layers at the fastest candidate measured for each shape at M =
     ``batch`` (every candidate this machine has, not only the plan's), over distinct
     weights of each shape, one per layer, as in a step: what the GEMMs of a decode step of
@@ -86,16 +86,19 @@ def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
     cache from the previous pass). The native kernels (small-batch vector, AMX) run as
     one native call over a role's weights, as the native layer loop runs them: no Python
     call overhead (~10 us a call, ~1 ms over a step's 121 GEMMs); the others are called
-    from Python, as the step calls them."""
+    from Python, as the step calls them. ``head_rows``: the lm_head's M where it differs
+    (a prefill step samples one row a sequence); ``evict`` None: the warm pass alone (cold
+    is returned as the warm time: a prefill step's weights stay in the cache)."""
     shapes = weight_shapes(model.spec)
     g = torch.Generator().manual_seed(batch)
     total = {True: 0.0, False: 0.0}
     for role, (n, k) in shapes.items():
         layers = 1 if role == "lm_head" else model.spec.num_layers
-        x = torch.randn(batch, k, generator=g).to(model.dtype)
+        m = head_rows if role == "lm_head" and head_rows is not None else batch
+        x = torch.randn(m, k, generator=g).to(model.dtype)
         fns = {}
         for c, limit in linear_candidates(model.dtype, model.device, (n, k)).items():
-            if batch > limit:
+            if m > limit:
                 continue
             ws = [PREPARE[c]((torch.randn(n, k, generator=g) * 0.05).to(model.dtype))
                   for _ in range(layers)]
@@ -103,7 +106,7 @@ def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
                 fns[c] = lambda c=c, ws=ws, x=x: cpu_forward.linear_chain(x, ws, c)
             else:
                 fns[c] = lambda c=c, ws=ws, x=x: [RUN[c](x, w) for w in ws]
-        for cold in (True, False):
+        for cold in (True, False) if evict is not None else (False,):
             best = {c: float("inf") for c in fns}
             for _ in range(rounds):               # interleaved: drift hits all alike
                 for c, fn in fns.items():
@@ -115,6 +118,8 @@ def gemm_floor_ms(model: LlamaModel, batch: int, evict: Evict,
                     fn()
                     best[c] = min(best[c], time.perf_counter() - t0)
             total[cold] += min(best.values())
+    if evict is None:
+        total[True] = total[False]
     return total[True] * 1e3, total[False] * 1e3
 
 
@@ -188,6 +193,101 @@ class DecodeBench:
         return time.perf_counter() - t0
 
 
+class PrefillBench:
+    """A runner stepping one prefill step of ``tokens`` new tokens: sequences of ``chunk``
+    new tokens each (the last one shorter), each after ``context`` tokens already in the
+    cache (a prefix-cache hit or an earlier chunk), each sampling its last row, as a
+    chunked prefill step does. Every timed step is the same step again, under fresh
+    sequence ids over the same blocks (the last ones dropped)."""
+
+    def __init__(self, model: LlamaModel, tokens: int, context: int, chunk: int,
+                 block_size: int = 16):
+        self.chunks = [min(chunk, tokens - s) for s in range(0, tokens, chunk)]
+        per = -(-(context + chunk) // block_size)
+        kv = model.new_kv_cache(len(self.chunks) * per, block_size)
+        if kv.device.type == "cpu":
+            populate(kv.data)
+        self.runner = ModelRunner(model, kv)
+        g = torch.Generator().manual_seed(tokens + context)
+        self.toks = [torch.randint(100, 40000, (context + n,), generator=g).tolist()
+                     for n in self.chunks]
+        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(len(self.chunks))]
+        self.context, self.tokens = context, tokens
+        self.step_id, self.next_seq, self.live = 1, 1, []
+        if context:              # the context's KV, once (its values only need be finite)
+            ids = self._ids()
+            news = [NewSeq(sid, t[:context], context, 0, tb, 0.0, 1.0, 0, None)
+                    for sid, t, tb in zip(ids, self.toks, self.tables)]
+            self._run(news, [SeqStep(sid, context, [], False) for sid in ids])
+
+    def _ids(self) -> list[int]:
+        ids = list(range(self.next_seq, self.next_seq + len(self.chunks)))
+        self.next_seq += len(ids)
+        return ids
+
+    def _run(self, news: list[NewSeq], steps: list[SeqStep]) -> None:
+        self.step_id += 1
+        drop, self.live = self.live, [s.seq_id for s in steps]
+        self.runner.step(StepPlan(self.step_id, news, steps, drop))
+
+    def step(self) -> float:
+        ids = self._ids()
+        news = [NewSeq(sid, t, len(t), self.context, tb, 0.0, 1.0, 0, None)
+                for sid, t, tb in zip(ids, self.toks, self.tables)]
+        steps = [SeqStep(sid, n, [], True) for sid, n in zip(ids, self.chunks)]
+        t0 = time.perf_counter()
+        self._run(news, steps)
+        return time.perf_counter() - t0
+
+    def attention_flops(self, spec) -> float:
+        """Causal attention's FLOPs in this step: each new row of each head attends every
+        key up to its own position (QK^T and PV: 4 x head_dim a key), in every layer."""
+        c = self.context
+        keys = sum(n * c + n * (n + 1) // 2 for n in self.chunks)
+        return 4.0 * spec.head_dim * spec.num_heads * keys * spec.num_layers
+
+
+def prefill_table(model: LlamaModel, sizes: list[int], contexts: list[int], chunk: int,
+                  steps: int, rate: float, breakdown: bool) -> None:
+    """Each prefill step's ms against its floor: the step's linear layers at the fastest
+    candidate this machine has for M = its tokens (warm: a prefill step's weights stay in
+    the cache over its rows) plus its attention FLOPs at the machine's GEMM rate."""
+    print(f"prefill steps: sequences of at most {chunk} new tokens after the context; floor ="
+          f" linears at the best candidate (warm) + attention FLOPs at {rate / 1e9:.0f} "
+          f"GFLOP/s")
+    print(f"{'tokens':>6} {'context':>7} {'ms/step':>9} {'tok/s':>8} {'linear floor':>12} "
+          f"{'attn floor':>10} {'floor ms':>9} {'x floor':>7}")
+    benches = []
+    for n in sizes:
+        floor_lin, _ = gemm_floor_ms(model, n, None, rounds=3, head_rows=-(-n // chunk))
+        for c in contexts:
+            if c + min(n, chunk) > model.spec.max_position:
+                continue
+            bench = PrefillBench(model, n, c, chunk)
+            bench.step()
+            ms = statistics.median(bench.step() for _ in range(steps)) * 1e3
+            attn = bench.attention_flops(model.spec) / rate * 1e3
+            floor = floor_lin + attn
+            print(f"{n:>6} {c:>7} {ms:>9.1f} {n / ms * 1e3:>8.0f} {floor_lin:>12.1f} "
+                  f"{attn:>10.1f} {floor:>9.1f} {ms / floor:>7.2f}")
+            benches.append(bench)
+    if not breakdown:
+        return
+    spent = time_parts(model)
+    for bench in benches:
+        spent.clear()
+        model.layer_seconds.zero_()
+        total = sum(bench.step() for _ in range(steps))
+        for part, sec in zip(cpu_forward.LAYER_PARTS, model.layer_seconds.tolist()):
+            if sec:
+                spent[f"layers: {part}"] = sec
+        parts = sorted(spent.items(), key=lambda kv: -kv[1])
+        print(f"{bench.tokens} tokens after {bench.context}, ms/step (mean of {steps}): total "
+              f"{total / steps * 1e3:.1f}; "
+              + ", ".join(f"{k} {v / steps * 1e3:.1f}" for k, v in parts)
+              + f", rest {(total - sum(spent.values())) / steps * 1e3:.1f}")
+
+
 def interleaved(benches: dict[str, DecodeBench], steps: int) -> dict[str, list[float]]:
     """Each bench's decode step, in turns (drift hits each alike): two untimed rounds, then
     ``steps`` timed ones; seconds per step by name."""
@@ -258,6 +358,13 @@ def main() -> None:
                          "logprobs (top 5) on every sequence, and with every sequence held "
                          "to a JSON object (structured output), beside the same steps with "
                          "none of them")
+    ap.add_argument("--prefill", default="",
+                    help="prefill steps of these token counts (e.g. 512,2048,8192) against "
+                         "their floor, instead of the decode table")
+    ap.add_argument("--prefill-context", default="0,2048",
+                    help="tokens already cached before each prefill sequence")
+    ap.add_argument("--chunk", type=int, default=2048,
+                    help="a prefill sequence's new tokens at most (the scheduler's chunk)")
     ap.add_argument("--kv-dtype", default="auto",
                     help="the KV cache's element type (auto: the model's; fp8, fp8_e4m3, "
                          "fp8_e5m2); several, comma-separated, run side by side: one model "
@@ -297,6 +404,11 @@ def main() -> None:
           f"({rate_by}, {GEMM_N}^3), "
           f"weights {weight_bytes / 1e6:.0f} MB ({params / 1e6:.1f}M params, "
           f"{nonembed / 1e6:.1f}M non-embedding)")
+    if args.prefill:
+        prefill_table(model, [int(x) for x in args.prefill.split(",")],
+                      [int(x) for x in args.prefill_context.split(",")], args.chunk,
+                      args.steps, rate, bool(args.breakdown))
+        return
     evict = Evict()
     print(f"last-level cache {llc_bytes() >> 20} MiB; gemm floor: the step's GEMMs with the "
           f"weights from memory (the cache evicted), warm: left in the cache")

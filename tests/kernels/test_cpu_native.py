@@ -258,6 +258,39 @@ def test_amx_kernel_matches_the_vector_kernel_and_reference(block_size, group, d
                                                    dim ** -0.5).float(), got)
 
 
+@pytest.mark.skipif(not native_lib.amx_supported(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("scale", [0.125, 2.0], ids=["scale/8", "scale2"])
+def test_amx_prefill_kernel_matches_the_reference(block_size, group, scale):
+    """Prompt chunks of 32 rows or more (the AMX prefill kernel: 16-row blocks, values
+    packed once per kv head, a lazily moving max) beside decode rows and short chunks (the
+    tile kernel), in one call: fresh prompts and chunks after cached context, lengths that
+    end mid-block. At a large scale (scores spread over ~±100) the running max moves many
+    times along a row, so the output tiles' rescaling is exercised."""
+    rng = random.Random(block_size * 100 + group * 10 + int(scale))
+    backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
+    backend.tiles = "amx"
+    for _ in range(3):
+        kv_heads = rng.choice([1, 2, 3])
+        qlens = [rng.choice([32, 33, 47, 64, 100, 257]) for _ in range(rng.randint(1, 3))]
+        ctx = [rng.choice([0, 0, 15, 31, 200, 513]) for _ in qlens]
+        qlens += [1, 1, 9]                                # decode rows and a short chunk
+        ctx += [rng.randint(0, 700) for _ in range(3)]
+        order = list(range(len(qlens)))
+        rng.shuffle(order)
+        qlens, ctx = [qlens[i] for i in order], [ctx[i] for i in order]
+        q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", torch.bfloat16, block_size,
+                                                  kv_heads, group, qlens, ctx, 64)
+        want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta, scale)
+        got = backend.paged_attention(q, kc, vc, meta, scale).float()
+        assert torch.isfinite(got).all()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= 1e-2, (err, qlens, ctx)
+        assert torch.equal(backend.paged_attention(qkv_view(q), kc, vc, meta, scale).float(),
+                           got)
+
+
 def test_amx_refuses_what_it_cannot_run():
     q = torch.randn(1, 3, 64)
     kc = torch.zeros(2, 16, 1, 64)
