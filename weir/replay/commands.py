@@ -260,7 +260,7 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
     from components.model.kv_sizing import sized
     from schemas.config import load_config
     from weir.replay.autoscale import parse_rule
-    from weir.replay.fleet import FleetSim, render_fleet_table
+    from weir.replay.fleet import FleetSim, render_fleet_table, render_timeline
     from weir.replay.report import summarize
     from weir.replay.sim import fast_block_hashes
 
@@ -308,6 +308,8 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
           f"TTFT SLO {ttft_slo_s * 1e3:g} ms")
     print(table)
     (out / "fleet.txt").write_text(table + "\n")
+    for i, res in enumerate(results):
+        (out / f"fleet-{i}-{_slug(res.rule.label)}.tsv").write_text(render_timeline(res))
     print(f"wrote {out}/")
     return 0
 
