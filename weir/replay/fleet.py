@@ -24,6 +24,9 @@ routing policy, grown and shrunk by an autoscaler rule, on one virtual clock.
   stops costing, once it is idle. One still starting is cancelled at once.
 - **Autoscaler.** Every ``scale_interval_s`` the rule (autoscale.py) sees the fleet's
   signals over the interval and recommends a count; the stabilisation windows decide.
+  The predicted queue is each replica's mean over the load reports of the interval
+  (``average_queue``; else the report scraped at the evaluation, a point sample that
+  swings with every admitted prompt).
 
 Deterministic: the same trace, config, profile, seed and rule give the same result.
 Cost is replica-seconds: each replica from the moment it is asked for until it is gone
@@ -154,7 +157,7 @@ class FleetSim:
                  hashes: Callable[[list[int], str], list[int]],
                  cold_start_s: float = 30.0, scale_interval_s: float = 15.0,
                  ttft_slo_s: float = 3.0, initial: int | None = None,
-                 label: str = "") -> None:
+                 label: str = "", average_queue: bool = True) -> None:
         if cold_start_s < 0 or not scale_interval_s > 0:
             raise ValueError("need cold_start_s >= 0 and scale_interval_s > 0")
         self.config, self.profile, self.rule = config, profile, rule
@@ -165,6 +168,8 @@ class FleetSim:
         self.interval_ns = round(scale_interval_s * _NS)
         self.load_ns = round(config.router.load_interval_s * _NS)
         self.ttft_slo_s = ttft_slo_s
+        self.average_queue = average_queue
+        self._queue_samples: dict[str, list[float]] = {}
         self.initial = initial if initial is not None else rule.initial
         self.label = label or rule.label
         self.router = RoutingCore(config.router, config.admission, config.kv.block_size,
@@ -321,7 +326,9 @@ class FleetSim:
             span = max(self.now - since, 1)
             util += min((sim.busy_ns - self._busy_mark.get(r.name, 0)) / span, 1.0)
             self._busy_mark[r.name] = sim.busy_ns
-            queue += r.stat("admission", "predicted_queue_s", 0.0)
+            samples = self._queue_samples.get(r.name) if self.average_queue else None
+            queue += sum(samples) / len(samples) if samples else \
+                r.stat("admission", "predicted_queue_s", 0.0)
             capacity += r.stat("admission", "prefill_tokens_per_s", 0.0)
         signals = Signals(now_s, len(asked), len(ready),
                           rps=self._arrived_in_interval / interval,
@@ -331,6 +338,7 @@ class FleetSim:
                           capacity_tps=capacity / len(ready) if ready else 0.0,
                           ttft_slo_s=self.ttft_slo_s)
         self._arrived_in_interval = self._prompt_in_interval = 0
+        self._queue_samples.clear()
         rec = recommend(self.rule, signals)
         self.history.append((now_s, rec))
         keep = max(self.rule.up_window_s, self.rule.down_window_s)
@@ -415,6 +423,9 @@ class FleetSim:
                 for r in list(self.members):
                     if r.healthy:
                         self._report(self.sims[r.name], r)
+                        if not r.retiring:
+                            self._queue_samples.setdefault(r.name, []).append(
+                                r.stat("admission", "predicted_queue_s", 0.0))
                     if r.retiring:
                         self._maybe_gone(self.sims[r.name])
                 if self._live():
