@@ -319,6 +319,7 @@ class FleetSim:
         ready = [r for r in asked if r.healthy]
         interval = self.interval_ns / _NS
         util = queue = capacity = 0.0
+        measured = 0
         for r in ready:
             sim = self.sims[r.name]
             self._report(sim, r)              # the metrics as scraped now
@@ -329,13 +330,15 @@ class FleetSim:
             samples = self._queue_samples.get(r.name) if self.average_queue else None
             queue += sum(samples) / len(samples) if samples else \
                 r.stat("admission", "predicted_queue_s", 0.0)
-            capacity += r.stat("admission", "prefill_tokens_per_s", 0.0)
+            if (rate := r.stat("admission", "prefill_tokens_per_s", 0.0)) > 0:
+                capacity += rate              # (none until its scheduler has measured it)
+                measured += 1
         signals = Signals(now_s, len(asked), len(ready),
                           rps=self._arrived_in_interval / interval,
                           utilisation=util / len(ready) if ready else 0.0,
                           queue_s=queue / len(ready) if ready else 0.0,
                           prompt_tps=self._prompt_in_interval / interval,
-                          capacity_tps=capacity / len(ready) if ready else 0.0,
+                          capacity_tps=capacity / measured if measured else 0.0,
                           ttft_slo_s=self.ttft_slo_s)
         self._arrived_in_interval = self._prompt_in_interval = 0
         self._queue_samples.clear()

@@ -206,3 +206,23 @@ def test_a_burst_makes_the_leading_rule_scale_before_the_lagging_one():
     def met(res):
         return sum(r.terminal == COMPLETED and r.ttft_s <= slo for r in res.run.records)
     assert met(lead) >= met(lag)     # a 1 s SLO: neither new replica is ready in time
+
+
+def test_after_a_burst_the_headroom_rule_returns_to_the_floor_in_one_window():
+    # a burst of long prompts, then quiet: once the window has seen only quiet intervals
+    # the rule drops to what the quiet load needs, not one replica per window
+    quiet = [req(i, 0.5 * i, n_in=40, n_out=4) for i in range(4)]
+    burst = [req(4 + i, 2.0 + 0.05 * i, n_in=300, n_out=4) for i in range(40)]
+    tail = [req(44 + i, 6.0 + 0.5 * i, n_in=40, n_out=4) for i in range(40)]
+    prof = CostProfile(coef=[0.005, 0.0005, 0.0, 0.0, 0.0])     # 0.5 ms per token
+    rule = Rule("headroom", 0.1, min_replicas=1, max_replicas=6, down_window_s=3.0)
+    _, res = fleet(rule, quiet + burst + tail, profile=prof, cold_start_s=1.0,
+                   scale_interval_s=1.0)
+    assert max(p.asked for p in res.points) == 6
+    # a replica that has not measured its prefill rate yet does not count as capacity 0
+    assert all(p.signals.capacity_tps > 1000 for p in res.points if p.signals)
+    downs = [(a.t_s, a.asked, b.asked) for a, b in
+             zip(res.points, res.points[1:], strict=False) if b.asked < a.asked]
+    assert downs[0][1] - downs[0][2] >= 4              # 6 -> 2 in one step, not 6 -> 5
+    assert res.points[-1].asked == 1 and res.scale_downs == 2
+    assert downs[-1][0] < 16.0                         # at the floor 10 s into the quiet
