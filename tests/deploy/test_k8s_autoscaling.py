@@ -157,6 +157,11 @@ def test_every_rule_maps_the_replica_label_to_its_pod_and_templates_its_query(ad
         q = rule["metricsQuery"]
         assert all(t in q for t in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>")), q
         assert ("rate(" in q) == rule["seriesQuery"].split("{")[0].endswith("_total"), q
+    # the HPA's headroom reads the gauge averaged over time, not the last sample (a point
+    # sample scaled up on quiet load in the fleet simulator: docs/perf-log.md, issue 47)
+    (pressure,) = [r for r in adapter["rules"]
+                   if r["name"]["as"] == "weir_slo_pressure_ratio"]
+    assert "avg_over_time(<<.Series>>{<<.LabelMatchers>>}[30s])" in pressure["metricsQuery"]
 
 
 def test_windows_follow_the_measured_cold_start_and_the_drain(objects, hpa):

@@ -13,15 +13,22 @@ Rules:
 - ``util:T`` -- the classic HPA on utilisation: the fraction of time a replica had a
   step in flight, ``ceil(ready × util / T)``. It saturates at 1, so it cannot say how
   far past capacity the fleet is, and it is measured over the last interval (lagging).
-- ``headroom:T`` -- a leading signal: admission's predicted queue seconds (the wait a
-  new prompt would see before its prefill, ``components/admission/stats.py``), averaged
-  over the ready replicas, against T × the TTFT SLO. Above it the fleet grows in
-  proportion (``ceil(current × queue / target)``), as HPA grows on an averaged metric;
-  below a quarter of it (headroom to spare) it shrinks by one; between, it holds. The
-  queue builds the moment a burst is admitted, before any first token is late.
+  A continuously batching replica is busy whenever one stream decodes, so it also
+  reads near 1 long after the load has gone.
+- ``headroom:T`` -- leading signals: admission's predicted queue seconds (the wait a new
+  prompt would see before its prefill, ``components/admission/stats.py``), averaged
+  over the ready replicas, against T × the TTFT SLO, and the prompt tokens arriving
+  against the replicas' measured prefill rate. It asks for the fewest replicas that
+  would hold both: the backlog the ready ones hold, spread over n, waits
+  ``ready × queue / n`` (the queue scales with load over capacity), at most the target;
+  and the prompt tokens a second fill at most ``LOAD_CEILING`` of n replicas' prefill
+  rate. So it grows the moment a burst is admitted (before any first token is late) and
+  shrinks as soon as one replica fewer would still hold the SLO, not one step at a time.
 
-Each HPA rule keeps the current count while the metric is within ``tolerance`` (10%, as
-HPA) of its target.
+Replicas still starting count as carrying no load (HPA's rule for pods not yet ready
+when it scales up): a rule on a per-replica average asks for ``ceil(ready × metric /
+target)`` replicas in all, not that many more than are starting. Each rule keeps the
+current count while the metric is within ``tolerance`` (10%, as HPA) of its target.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 KINDS = ("fixed", "rps", "util", "headroom")
-SHRINK_BELOW = 0.25     # headroom: a queue below this share of the target shrinks by one
+LOAD_CEILING = 0.5      # headroom: prompt tokens may fill at most this share of prefill
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class Signals:
     rps: float = 0.0            # requests arriving at the router per second
     utilisation: float = 0.0    # mean busy fraction of the ready replicas
     queue_s: float = 0.0        # mean predicted queue seconds of the ready replicas
+    prompt_tps: float = 0.0     # prompt tokens arriving at the router per second
+    capacity_tps: float = 0.0   # mean measured prefill tokens/s of the ready replicas
     ttft_slo_s: float = 3.0     # the TTFT objective the headroom is measured against
 
 
@@ -95,11 +104,15 @@ def parse_rule(spec: str, **bounds) -> Rule:
     return Rule(kind, value, **bounds)
 
 
-def _proportional(current: int, ratio: float, tolerance: float) -> int:
-    """HPA's ``ceil(current × metric / target)``, unchanged within the tolerance."""
-    if abs(ratio - 1.0) <= tolerance:
+def _proportional(current: int, ready: int, per_ready: float, target: float,
+                  tolerance: float) -> int:
+    """HPA's rule on a per-replica average: ``ceil(ready × metric / target)`` replicas in
+    all (the starting ones carry nothing yet), unchanged while the fleet's average (the
+    starting ones as zero) is within the tolerance of the target."""
+    need = ready * per_ready / target
+    if current and abs(need / current - 1.0) <= tolerance:
         return current
-    return math.ceil(current * ratio - 1e-9)
+    return math.ceil(need - 1e-9)
 
 
 def recommend(rule: Rule, s: Signals) -> int:
@@ -113,14 +126,12 @@ def recommend(rule: Rule, s: Signals) -> int:
     if s.ready == 0:                      # no replica to measure: keep what is asked
         return s.current
     if rule.kind == "util":
-        return _proportional(s.ready, s.utilisation / rule.target, rule.tolerance) \
-            + (s.current - s.ready)       # the starting ones count as asked for
-    target = rule.target * s.ttft_slo_s   # headroom
-    if s.queue_s > target * (1 + rule.tolerance):
-        return math.ceil(s.current * s.queue_s / target - 1e-9)
-    if s.queue_s < target * SHRINK_BELOW:
-        return s.current - 1
-    return s.current
+        return _proportional(s.current, s.ready, s.utilisation, rule.target, rule.tolerance)
+    by_queue = _proportional(s.current, s.ready, s.queue_s, rule.target * s.ttft_slo_s,
+                             rule.tolerance)
+    by_load = math.ceil(s.prompt_tps / (s.capacity_tps * LOAD_CEILING) - 1e-9) \
+        if s.capacity_tps > 0 else 0
+    return max(by_queue, by_load, 1)
 
 
 def stabilise(rule: Rule, history: Sequence[tuple[float, int]], now_s: float,

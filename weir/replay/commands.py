@@ -260,7 +260,7 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
     from components.model.kv_sizing import sized
     from schemas.config import load_config
     from weir.replay.autoscale import parse_rule
-    from weir.replay.fleet import FleetSim, render_fleet_table
+    from weir.replay.fleet import FleetSim, render_fleet_table, render_timeline
     from weir.replay.report import summarize
     from weir.replay.sim import fast_block_hashes
 
@@ -288,7 +288,7 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
         sim = FleetSim(cfg, prof, rule, tokens=synth.token_ids,
                        hashes=fast_block_hashes(cfg.kv.block_size),
                        cold_start_s=args.cold_start_s, scale_interval_s=args.scale_interval_s,
-                       ttft_slo_s=ttft_slo_s,
+                       ttft_slo_s=ttft_slo_s, average_queue=not args.queue_point_sample,
                        initial=args.replicas if rule.kind != "fixed" else None)
         res = sim.run(requests, scaling)
         res.run.meta["config"] = path or "defaults"
@@ -308,6 +308,8 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
           f"TTFT SLO {ttft_slo_s * 1e3:g} ms")
     print(table)
     (out / "fleet.txt").write_text(table + "\n")
+    for i, res in enumerate(results):
+        (out / f"fleet-{i}-{_slug(res.rule.label)}.tsv").write_text(render_timeline(res))
     print(f"wrote {out}/")
     return 0
 
@@ -421,6 +423,9 @@ def add_commands(sub) -> None:
                    help="scale up to the lowest recommendation of this window")
     f.add_argument("--scale-down-window-s", type=float, default=300.0,
                    help="scale down to the highest recommendation of this window")
+    f.add_argument("--queue-point-sample", action="store_true",
+                   help="the headroom rule reads the predicted queue scraped at each "
+                        "evaluation (default: its mean over the interval's load reports)")
     s.set_defaults(func=_guard(simulate_cmd, "simulate"))
 
     c = sub.add_parser("calibrate", help="measure step costs on a local engine and write "

@@ -24,6 +24,9 @@ routing policy, grown and shrunk by an autoscaler rule, on one virtual clock.
   stops costing, once it is idle. One still starting is cancelled at once.
 - **Autoscaler.** Every ``scale_interval_s`` the rule (autoscale.py) sees the fleet's
   signals over the interval and recommends a count; the stabilisation windows decide.
+  The predicted queue is each replica's mean over the load reports of the interval
+  (``average_queue``; else the report scraped at the evaluation, a point sample that
+  swings with every admitted prompt).
 
 Deterministic: the same trace, config, profile, seed and rule give the same result.
 Cost is replica-seconds: each replica from the moment it is asked for until it is gone
@@ -130,6 +133,8 @@ class FleetPoint:
     ready: int
     alive: int          # paid for: ready + starting + draining
     desired: int
+    signals: Signals | None = None      # what the rule saw (None: the start)
+    recommended: int | None = None      # what it asked for, before the windows
 
 
 @dataclass
@@ -152,7 +157,7 @@ class FleetSim:
                  hashes: Callable[[list[int], str], list[int]],
                  cold_start_s: float = 30.0, scale_interval_s: float = 15.0,
                  ttft_slo_s: float = 3.0, initial: int | None = None,
-                 label: str = "") -> None:
+                 label: str = "", average_queue: bool = True) -> None:
         if cold_start_s < 0 or not scale_interval_s > 0:
             raise ValueError("need cold_start_s >= 0 and scale_interval_s > 0")
         self.config, self.profile, self.rule = config, profile, rule
@@ -163,6 +168,8 @@ class FleetSim:
         self.interval_ns = round(scale_interval_s * _NS)
         self.load_ns = round(config.router.load_interval_s * _NS)
         self.ttft_slo_s = ttft_slo_s
+        self.average_queue = average_queue
+        self._queue_samples: dict[str, list[float]] = {}
         self.initial = initial if initial is not None else rule.initial
         self.label = label or rule.label
         self.router = RoutingCore(config.router, config.admission, config.kv.block_size,
@@ -181,6 +188,7 @@ class FleetSim:
         self.history: list[tuple[float, int]] = []
         self.points: list[FleetPoint] = []
         self._arrived_in_interval = 0
+        self._prompt_in_interval = 0
         self._busy_mark: dict[str, int] = {}
         self.scale_ups = self.scale_downs = 0
         self.sample_every = _NS
@@ -256,6 +264,8 @@ class FleetSim:
         if f is None:
             ids = self.tokens(req)
             out = req.max_tokens if req.max_tokens is not None else (req.output_tokens or 1)
+            if len(ids) + out <= self.config.engine.max_model_len:   # else refused unserved
+                self._prompt_in_interval += len(ids)
             sub = Submit(rid, prompt_token_ids=None, tenant=tenant,
                          params=SamplingParams(max_tokens=out, temperature=0.0,
                                                ignore_eos=True, n=req.n),
@@ -308,7 +318,8 @@ class FleetSim:
         asked = self._asked()
         ready = [r for r in asked if r.healthy]
         interval = self.interval_ns / _NS
-        util = queue = 0.0
+        util = queue = capacity = 0.0
+        measured = 0
         for r in ready:
             sim = self.sims[r.name]
             self._report(sim, r)              # the metrics as scraped now
@@ -316,14 +327,23 @@ class FleetSim:
             span = max(self.now - since, 1)
             util += min((sim.busy_ns - self._busy_mark.get(r.name, 0)) / span, 1.0)
             self._busy_mark[r.name] = sim.busy_ns
-            queue += r.stat("admission", "predicted_queue_s", 0.0)
+            samples = self._queue_samples.get(r.name) if self.average_queue else None
+            queue += sum(samples) / len(samples) if samples else \
+                r.stat("admission", "predicted_queue_s", 0.0)
+            if (rate := r.stat("admission", "prefill_tokens_per_s", 0.0)) > 0:
+                capacity += rate              # (none until its scheduler has measured it)
+                measured += 1
         signals = Signals(now_s, len(asked), len(ready),
                           rps=self._arrived_in_interval / interval,
                           utilisation=util / len(ready) if ready else 0.0,
                           queue_s=queue / len(ready) if ready else 0.0,
+                          prompt_tps=self._prompt_in_interval / interval,
+                          capacity_tps=capacity / measured if measured else 0.0,
                           ttft_slo_s=self.ttft_slo_s)
-        self._arrived_in_interval = 0
-        self.history.append((now_s, recommend(self.rule, signals)))
+        self._arrived_in_interval = self._prompt_in_interval = 0
+        self._queue_samples.clear()
+        rec = recommend(self.rule, signals)
+        self.history.append((now_s, rec))
         keep = max(self.rule.up_window_s, self.rule.down_window_s)
         self.history = [(t, n) for t, n in self.history if now_s - t <= keep + 1e-9]
         desired = stabilise(self.rule, self.history, now_s, len(asked))
@@ -339,7 +359,7 @@ class FleetSim:
             for r in order[:len(asked) - desired]:
                 r.retiring = True
                 self._maybe_gone(self.sims[r.name])
-        self._point(desired)
+        self._point(desired, signals, rec)
 
     def _maybe_gone(self, sim: ReplicaSim) -> None:
         r = self.members.get(sim.name)
@@ -355,10 +375,12 @@ class FleetSim:
         self.members.let_go(r)
         del self.sims[sim.name]
 
-    def _point(self, desired: int) -> None:
+    def _point(self, desired: int, signals: Signals | None = None,
+               recommended: int | None = None) -> None:
         asked = self._asked()
         self.points.append(FleetPoint(self.now / _NS, len(asked),
-                                      sum(r.healthy for r in asked), len(self.sims), desired))
+                                      sum(r.healthy for r in asked), len(self.sims), desired,
+                                      signals, recommended))
 
     # ------------------------------------------------------------------ driver
     def run(self, requests: list[TraceRequest], scaling: Scaling = Scaling()) -> FleetResult:
@@ -404,6 +426,9 @@ class FleetSim:
                 for r in list(self.members):
                     if r.healthy:
                         self._report(self.sims[r.name], r)
+                        if not r.retiring:
+                            self._queue_samples.setdefault(r.name, []).append(
+                                r.stat("admission", "predicted_queue_s", 0.0))
                     if r.retiring:
                         self._maybe_gone(self.sims[r.name])
                 if self._live():
@@ -456,6 +481,21 @@ class FleetSim:
                   "sim_wall_s": round(time.perf_counter() - started, 3)})
         return FleetResult(self.rule, run, cost, peak, self.points, self.scale_ups,
                            self.scale_downs)
+
+
+def render_timeline(res: FleetResult) -> str:
+    """One line per evaluation: the fleet, what the rule saw and what it asked for."""
+    lines = ["t_s\tasked\tready\talive\trecommended\tdesired\trps\tutil\tqueue_s"
+             "\tprompt_tps\tcapacity_tps"]
+    for p in res.points:
+        s = p.signals
+        sig = "\t".join("-" for _ in range(5)) if s is None else \
+            f"{s.rps:.2f}\t{s.utilisation:.3f}\t{s.queue_s:.3f}\t{s.prompt_tps:.0f}\t" \
+            f"{s.capacity_tps:.0f}"
+        rec = "-" if p.recommended is None else str(p.recommended)
+        lines.append(f"{p.t_s:.1f}\t{p.asked}\t{p.ready}\t{p.alive}\t{rec}\t{p.desired}"
+                     f"\t{sig}")
+    return "\n".join(lines) + "\n"
 
 
 def render_fleet_table(results: list[FleetResult], slo_met: list[int]) -> str:

@@ -95,3 +95,25 @@ def test_calibrate_from_a_step_log(tmp_path, capsys):
     prof = profiles.load(out)
     assert prof.samples == 15 and prof.median_rel_error < 0.01
     assert prof.machine["cores"] >= 1
+
+
+def test_simulate_autoscale_writes_the_table_and_each_rules_timeline(tmp_path, model_path,
+                                                                     capsys):
+    trace, prof, _, _ = _setup(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["simulate", str(trace), "--profile", str(prof), "--length-scale", "0.125",
+               "--time-scale", "1", "--model", str(model_path), "--out", str(out),
+               "--no-plots", "--autoscale", "fixed:2", "--autoscale", "headroom:0.2",
+               "--min-replicas", "1", "--max-replicas", "3", "--scale-interval-s", "0.2",
+               "--cold-start-s", "0.5"])
+    assert rc == 0
+    table = (out / "fleet.txt").read_text().splitlines()
+    assert [row.split()[0] for row in table[2:]] == ["fixed:2", "headroom:0.2"]
+    for i, label in enumerate(["fixed_2", "headroom_0.2"]):
+        lines = (out / f"fleet-{i}-{label}.tsv").read_text().splitlines()
+        assert lines[0].split("\t")[:6] == ["t_s", "asked", "ready", "alive", "recommended",
+                                            "desired"]
+        assert lines[1].split("\t")[4] == "-"           # the start: no evaluation yet
+        evaluations = [line.split("\t") for line in lines[2:]]
+        assert evaluations and all(float(e[7]) >= 0 for e in evaluations)
+    assert "fixed:2" in capsys.readouterr().out

@@ -2,11 +2,13 @@
 scale-down, and a burst that the leading rule answers before the lagging one."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from components.router.routing import RoutingCore
 from schemas.config import load_config
-from weir.replay.autoscale import Rule, Signals, parse_rule, recommend, stabilise
+from weir.replay.autoscale import LOAD_CEILING, Rule, Signals, parse_rule, recommend, stabilise
 from weir.replay.fleet import FleetSim
 from weir.replay.profile import CostProfile
 from weir.replay.sim import Simulator, fast_block_hashes
@@ -52,18 +54,42 @@ def test_rps_is_the_hpa_formula_with_its_tolerance():
     assert recommend(rule, sig(rps=1.0)) == 1
 
 
-def test_util_scales_the_ready_replicas_and_keeps_the_starting_ones():
+def test_util_counts_the_starting_replicas_as_idle_as_hpa_does():
     rule = Rule("util", 0.5)
-    assert recommend(rule, sig(current=3, ready=2, utilisation=1.0)) == 5   # 2×2 + 1
+    assert recommend(rule, sig(current=2, ready=2, utilisation=1.0)) == 4   # ceil(2 × 1 / .5)
+    # two more starting: 4 in all is what the ready ones' load needs; not 4 more
+    assert recommend(rule, sig(current=4, ready=2, utilisation=1.0)) == 4
+    assert recommend(rule, sig(current=3, ready=2, utilisation=1.0)) == 4
     assert recommend(rule, sig(utilisation=0.2)) == 1
+    assert recommend(rule, sig(utilisation=0.52)) == 2                      # within 10%
     assert recommend(rule, sig(current=2, ready=0, utilisation=0.0)) == 2   # no metric
 
 
-def test_headroom_grows_in_proportion_shrinks_by_one_and_holds_between():
+def test_headroom_asks_for_the_fewest_replicas_that_hold_the_queue_target():
     rule = Rule("headroom", 0.25)                # target: 0.25 × 2 s = 0.5 s of queue
     assert recommend(rule, sig(queue_s=2.0, ttft_slo_s=2.0)) == 8        # 2 × 2.0 / 0.5
-    assert recommend(rule, sig(queue_s=0.05, ttft_slo_s=2.0)) == 1       # < 0.125: -1
-    assert recommend(rule, sig(queue_s=0.3, ttft_slo_s=2.0)) == 2        # hold
+    assert recommend(rule, sig(queue_s=0.52, ttft_slo_s=2.0)) == 2       # within 10%: hold
+    # replicas starting share the ready ones' backlog when they serve: 2 × 1.0 / 0.5 = 4
+    # in all, so with 2 already starting it holds (it asked 2 × 2 / .5 = 8 before)
+    assert recommend(rule, sig(current=4, ready=2, queue_s=1.0, ttft_slo_s=2.0)) == 4
+    # one fewer is asked for only when the backlog over one fewer stays under the target
+    four = {"current": 4, "ready": 4, "ttft_slo_s": 2.0}
+    assert recommend(rule, sig(queue_s=0.40, **four)) == 4     # over 3: 0.53 s > 0.5
+    assert recommend(rule, sig(queue_s=0.37, **four)) == 3     # over 3: 0.49 s
+    assert recommend(rule, sig(queue_s=0.05, **four)) == 1
+
+
+def test_headroom_shrinks_to_what_the_prompt_tokens_need_not_one_at_a_time():
+    rule = Rule("headroom", 0.25)
+    six = {"current": 6, "ready": 6, "ttft_slo_s": 2.0, "queue_s": 0.05}
+    # 6,000 prompt tokens/s against 4,000/s of prefill a replica, filled to LOAD_CEILING
+    n = math.ceil(6000 / (4000 * LOAD_CEILING))
+    assert 1 < n < 5
+    assert recommend(rule, sig(prompt_tps=6000.0, capacity_tps=4000.0, **six)) == n
+    # and the prompt rate asks for more before any queue has built
+    assert recommend(rule, sig(current=2, ready=2, ttft_slo_s=2.0, queue_s=0.0,
+                               prompt_tps=6000.0, capacity_tps=4000.0)) == n
+    assert recommend(rule, sig(prompt_tps=6000.0, capacity_tps=0.0, **six)) == 1  # no rate
 
 
 def test_stabilisation_up_at_once_down_to_the_window_max():
@@ -180,3 +206,23 @@ def test_a_burst_makes_the_leading_rule_scale_before_the_lagging_one():
     def met(res):
         return sum(r.terminal == COMPLETED and r.ttft_s <= slo for r in res.run.records)
     assert met(lead) >= met(lag)     # a 1 s SLO: neither new replica is ready in time
+
+
+def test_after_a_burst_the_headroom_rule_returns_to_the_floor_in_one_window():
+    # a burst of long prompts, then quiet: once the window has seen only quiet intervals
+    # the rule drops to what the quiet load needs, not one replica per window
+    quiet = [req(i, 0.5 * i, n_in=40, n_out=4) for i in range(4)]
+    burst = [req(4 + i, 2.0 + 0.05 * i, n_in=300, n_out=4) for i in range(40)]
+    tail = [req(44 + i, 6.0 + 0.5 * i, n_in=40, n_out=4) for i in range(40)]
+    prof = CostProfile(coef=[0.005, 0.0005, 0.0, 0.0, 0.0])     # 0.5 ms per token
+    rule = Rule("headroom", 0.1, min_replicas=1, max_replicas=6, down_window_s=3.0)
+    _, res = fleet(rule, quiet + burst + tail, profile=prof, cold_start_s=1.0,
+                   scale_interval_s=1.0)
+    assert max(p.asked for p in res.points) == 6
+    # a replica that has not measured its prefill rate yet does not count as capacity 0
+    assert all(p.signals.capacity_tps > 1000 for p in res.points if p.signals)
+    downs = [(a.t_s, a.asked, b.asked) for a, b in
+             zip(res.points, res.points[1:], strict=False) if b.asked < a.asked]
+    assert downs[0][1] - downs[0][2] >= 4              # 6 -> 2 in one step, not 6 -> 5
+    assert res.points[-1].asked == 1 and res.scale_downs == 2
+    assert downs[-1][0] < 16.0                         # at the floor 10 s into the quiet
