@@ -11,7 +11,12 @@ of a small model is bound by launches, not bytes: on an H200 SmolLM2's batch-1 s
   ``x = weight * rmsnorm(h)``, one program per row;
 - ``rope_``: RoPE on the q and k heads of the fused qkv rows, in place, from the float32
   cos/sin tables at each token's position;
-- ``silu_mul``: ``silu(gate) * up`` of the fused gate_up rows.
+- ``silu_mul``: ``silu(gate) * up`` of the fused gate_up rows;
+- ``rope_write_kv``: RoPE on the q and k heads and the paged KV write in one launch, in
+  place of ``rope_`` then :func:`kernels.triton_paged.write_kv`: q goes to its own rows
+  (a CUDA graph's static buffer, or new), the rotated k and the v straight to their cache
+  slot (skipping slot -1, the padding rows of a captured batch), rounded as the two
+  kernels round.
 
 Every computation is in float32 from the stored values, so the results agree with torch's
 to the rounding of the output dtype. No host syncs and no tensor-dependent shapes: each is
@@ -22,6 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_cache import FP8_FORMATS
+from kernels.triton_paged import _fp8_code
 
 
 @triton.jit
@@ -61,6 +69,50 @@ def _rope_kernel(QKV, POS, COS, SIN, stride_t, stride_pos, heads,
 
 
 @triton.jit
+def _rope_write_kv_kernel(QKV, POS, COS, SIN, QO, KC, VC, SLOTS, stride_t, stride_pos,
+                          stride_qo, heads, kv_heads, HEAD_DIM: tl.constexpr,
+                          HEADS_PAD: tl.constexpr, KV_PAD: tl.constexpr, MANT: tl.constexpr,
+                          BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, half)
+    pos = tl.load(POS + t).to(tl.int64)
+    cos = tl.load(COS + pos * stride_pos + j)[None, :]
+    sin = tl.load(SIN + pos * stride_pos + j)[None, :]
+    row = QKV + t * stride_t
+    hq = tl.arange(0, HEADS_PAD)
+    ok = (hq < heads)[:, None]
+    at = hq[:, None] * HEAD_DIM + j[None, :]
+    x1 = tl.load(row + at, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + at + half, mask=ok, other=0.0).to(tl.float32)
+    out = QO + t * stride_qo + at
+    tl.store(out, (x1 * cos - x2 * sin).to(QO.dtype.element_ty), mask=ok)
+    tl.store(out + half, (x2 * cos + x1 * sin).to(QO.dtype.element_ty), mask=ok)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:  # padding rows of a captured batch have slot -1
+        hk = tl.arange(0, KV_PAD)
+        ok = (hk < kv_heads)[:, None]
+        at = hk[:, None] * HEAD_DIM + j[None, :]
+        k = row + heads * HEAD_DIM + at
+        x1 = tl.load(k, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(k + half, mask=ok, other=0.0).to(tl.float32)
+        # rounded to the model's dtype first, as rope_ stores it before write_kv reads it
+        k1 = (x1 * cos - x2 * sin).to(QKV.dtype.element_ty)
+        k2 = (x2 * cos + x1 * sin).to(QKV.dtype.element_ty)
+        v = row + (heads + kv_heads) * HEAD_DIM + at
+        v1 = tl.load(v, mask=ok, other=0.0)
+        v2 = tl.load(v + half, mask=ok, other=0.0)
+        if MANT > 0:  # an fp8 cache (its bytes): rounded as quantize rounds
+            k1, k2 = _fp8_code(k1, MANT, BIAS, MAX_CODE), _fp8_code(k2, MANT, BIAS, MAX_CODE)
+            v1, v2 = _fp8_code(v1, MANT, BIAS, MAX_CODE), _fp8_code(v2, MANT, BIAS, MAX_CODE)
+        dst = slot * kv_heads * HEAD_DIM + at
+        tl.store(KC + dst, k1.to(KC.dtype.element_ty), mask=ok)
+        tl.store(KC + dst + half, k2.to(KC.dtype.element_ty), mask=ok)
+        tl.store(VC + dst, v1.to(VC.dtype.element_ty), mask=ok)
+        tl.store(VC + dst + half, v2.to(VC.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _silu_mul_kernel(GU, OUT, stride_gu, stride_out, n, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -95,6 +147,37 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
         return
     _rope_kernel[(t,)](qkv, positions, cos, sin, qkv.stride(0), cos.stride(0), heads,
                        HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(heads))
+
+
+def rope_write_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE and the KV write of fused qkv rows ``[T, (heads + 2 kv_heads) x head_dim]`` in
+    one launch: returns the rotated q ``[T, heads, head_dim]`` (in ``q_out`` when given: any
+    row stride, each row's heads dense) and stores each token's rotated k and its v at
+    ``slots[t]`` of one layer's caches ``[num_blocks, block_size, kv_heads, head_dim]``
+    (contiguous; fp8 caches as their rounded bytes); a negative slot stores nothing.
+    ``qkv`` itself is left as it was. The same values, bit for bit, as ``rope_`` then
+    :func:`kernels.triton_paged.write_kv`."""
+    t = qkv.shape[0]
+    if q_out is None:
+        q_out = torch.empty(t, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q_out
+    if qkv.stride(1) != 1 or q_out.stride(2) != 1 or q_out.stride(1) != head_dim \
+            or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous():
+        raise ValueError("rope_write_kv needs rows of unit stride and contiguous caches")
+    mant, bias, max_code = FP8_FORMATS.get(k_cache.dtype, (0, 0, 0))
+    if mant:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    _rope_write_kv_kernel[(t,)](
+        qkv, positions, cos, sin, q_out, k_cache, v_cache, slots, qkv.stride(0),
+        cos.stride(0), q_out.stride(0), heads, kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(heads), KV_PAD=triton.next_power_of_2(kv_heads),
+        MANT=mant, BIAS=bias, MAX_CODE=max_code)
+    return q_out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -219,11 +219,14 @@ PARTITION_BLOCKS = 16                   # the plain function's default (see Trit
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, block_m: int = 16,
-                    partition_blocks: int = PARTITION_BLOCKS) -> torch.Tensor:
+                    partition_blocks: int = PARTITION_BLOCKS,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`kernels.torch_ref.paged_attention`.
 
     Decode splits each context into partitions of ``partition_blocks`` blocks, widened so
-    that there are at most ``MAX_PARTITIONS`` of them.
+    that there are at most ``MAX_PARTITIONS`` of them. ``out``: where the result goes
+    (``q``'s shape and dtype, unit stride along the head dimension; a CUDA graph's static
+    buffer), returned.
     """
     tokens, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -232,7 +235,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()      # views of the fused qkv rows are read in place
     bt = meta.block_tables
     n = len(meta.query_lens)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError("out must have q's shape and dtype, with unit stride per head")
     if n == 0:
         return out
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -285,6 +291,8 @@ class TritonBackend:
         self.partition_blocks = partition_blocks
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         blocks = self.partition_blocks or decode_partition_blocks(len(meta.query_lens))
-        return paged_attention(q, k_cache, v_cache, meta, scale, partition_blocks=blocks)
+        return paged_attention(q, k_cache, v_cache, meta, scale, partition_blocks=blocks,
+                               out=out)

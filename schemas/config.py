@@ -129,12 +129,21 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # machine under ~/.cache/weir/tuning), or a forced choice for reproducible runs
     kernels: KernelsConfig = KernelsConfig()
     cuda_graph_max_batch: int = 256                     # largest captured bucket
+    # prefill, mixed and verify steps on CUDA: the dense parts captured piecewise per
+    # token-count bucket, attention eager between them (needs cuda_graphs)
+    cuda_graph_prefill: bool = True
+    # their buckets, ascending; empty: 16, 32, 64, 128, 256, then every 256 up to the
+    # scheduler's max_num_batched_tokens
+    cuda_graph_token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
         _require(self.num_threads >= 0, "engine.num_threads must be >= 0")
         _require(1 <= self.cuda_graph_max_batch <= 1024,
                  "engine.cuda_graph_max_batch must be in [1, 1024]")
+        b = self.cuda_graph_token_buckets
+        _require(all(1 <= x <= 65536 for x in b) and list(b) == sorted(set(b)),
+                 "engine.cuda_graph_token_buckets must ascend, each in [1, 65536]")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

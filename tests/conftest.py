@@ -28,6 +28,8 @@ SLOW = {
     "tests/kernels/test_triton.py": "the Triton kernels under the interpreter",
     "tests/components/executor/test_cuda_graphs.py":
         "a model's static-buffer decode, its Triton kernels under the interpreter",
+    "tests/components/executor/test_piecewise_graphs.py":
+        "a model's piecewise prefill and mixed steps, its Triton kernels under the interpreter",
     "tests/kernels/test_gpu_check.py::test_cpu_dry_run":
         "the whole GPU check on the CPU, Triton under the interpreter",
     "tests/kernels/test_cpu_native.py::test_portable_kernel_matches_reference":

@@ -68,6 +68,10 @@ class LlamaModel:
             backend.tiles = plan.attention_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, fused_ops(plan.elementwise))
+        # RoPE and the KV write as one launch (attention_input): Triton's elementwise ops
+        # beside the Triton backend, whose write_kv it replaces
+        self.rope_kv = hasattr(self.ops.fused, "rope_write_kv") \
+            and getattr(backend, "name", "") == "triton" and not self._new_kv
         self.runs = dict(RUN)
         self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
@@ -131,8 +135,7 @@ class LlamaModel:
         No host syncs and no branching on tensor values, so with a graph-safe backend and
         :meth:`AttentionMetadata.for_decode_buffers` a call can be captured in a CUDA graph.
         """
-        s, ops = self.spec, self.ops
-        n_q = s.num_heads * s.head_dim
+        ops = self.ops
         rope = ops.rope_tables(positions)
         h, x = ops.add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
         layers = self._native_layers(input_ids.shape[0], kv, meta)
@@ -140,16 +143,49 @@ class LlamaModel:
             h += self._run_native_layers(layers, h, x, kv, positions, meta)
         else:
             for i, layer in enumerate(self.layers):
-                q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
                 k_cache, v_cache = kv.key(i), kv.value(i)
-                self.backend.write_kv(k_cache, v_cache, k, v, meta)
-                attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                    new_kv=(k, v)) if self._new_kv else \
-                    self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-                h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
-                down = layer.down(layer.gate_up.silu_mul(x, ops))
-                following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
-                h, x = ops.add_norm(h, down, following)
+                if self.rope_kv:
+                    q = self.attention_input(i, x, positions, kv, meta.slot_mapping)
+                    attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                else:
+                    q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
+                    self.backend.write_kv(k_cache, v_cache, k, v, meta)
+                    attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                        new_kv=(k, v)) if self._new_kv else \
+                        self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                h, x = self.mlp(i, h, attn)
+        return self.head(h, logits_indices, logits_out, greedy)
+
+    __call__ = forward
+
+    def attention_input(self, i: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                        slots: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s queries ``[T, heads, head_dim]`` from its normed input ``x``: the
+        qkv projection, then RoPE and the KV write at ``slots`` in one Triton launch
+        (:func:`kernels.triton_fused.rope_write_kv`; ``rope_kv`` must hold). ``q_out``: where
+        the queries go (a CUDA graph's static buffer)."""
+        s = self.spec
+        return self.ops.fused.rope_write_kv(
+            self.layers[i].qkv(x), s.num_heads, s.num_kv_heads, s.head_dim, positions,
+            self.ops.cos, self.ops.sin, kv.key(i), kv.value(i), slots, q_out)
+
+    def mlp(self, i: int, h: torch.Tensor, attn: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rest of layer ``i`` after attention: the o projection into the residual
+        stream ``h``, the MLP, and the next layer's normed input (None after the last
+        layer). Returns ``(h, x)``; the fused ops update ``h`` in place."""
+        ops, layer = self.ops, self.layers[i]
+        n_q = self.spec.num_heads * self.spec.head_dim
+        h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
+        down = layer.down(layer.gate_up.silu_mul(x, ops))
+        following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+        return ops.add_norm(h, down, following)
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor,
+             logits_out: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+        """The final norm and the lm_head on the rows ``logits_indices`` of the residual
+        stream ``h``: what :meth:`forward` returns."""
+        s, ops = self.spec, self.ops
         if logits_indices.numel() == 0:
             # no row samples (a step of middle prefill chunks): the layers wrote the KV,
             # which is all such a step is for; skip the final norm and lm_head (a shape
@@ -165,8 +201,6 @@ class LlamaModel:
         if logits_out is not None:
             return logits_out.copy_(self.lm_head(x))
         return self.lm_head.float32(x)
-
-    __call__ = forward
 
     def _native_layers(self, rows: int, kv: KVCache, meta: AttentionMetadata):
         """The decoder layers as one native call (``cpu_forward.LayerArgs`` for every layer)

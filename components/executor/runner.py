@@ -47,10 +47,12 @@ class SeqState:
 
 class ModelRunner:
     def __init__(self, model, kv: KVCache, num_host_blocks: int = 0, graphs=None,
-                 grammars: Grammars | None = None, drafter: Drafter | None = None) -> None:
+                 grammars: Grammars | None = None, drafter: Drafter | None = None,
+                 pieces=None) -> None:
         """``grammars``: matchers for structured output (none: a constrained sequence
         fails its step); ``drafter``: speculative decoding's draft source (none: a plan's
-        ``draft_k`` is ignored)."""
+        ``draft_k`` is ignored); ``pieces``: the other steps' dense parts under CUDA
+        graphs (PiecewiseGraphs; none: they run eagerly)."""
         self.model = model
         self.drafter = drafter
         self.drafted = 0                  # draft tokens verified, and of those accepted
@@ -60,6 +62,8 @@ class ModelRunner:
         self.kv = kv
         self.graphs = graphs              # DecodeGraphs (CUDA) or None
         self.graph_steps = 0
+        self.pieces = pieces              # PiecewiseGraphs (CUDA) or None
+        self.piecewise_steps = 0
         self.constrained_rows = 0         # rows sampled under structured output's masks
         self.mask_ns = 0                  # time making and applying those masks
         self.grammar_wait_ns = 0          # time steps waited for a language's compile
@@ -203,9 +207,15 @@ class ModelRunner:
             # every row takes its argmax and nothing reads the logits: the model returns
             # the tokens (on the AMX tiles without writing the logits)
             greedy = bool(sampled) and not extra and self._plain_greedy(states)
-            out = self.model.forward(ids, meta.positions, self.kv, meta,
-                                     torch.tensor(rows + extra, dtype=torch.long,
-                                                  device=self.kv.device), greedy=greedy)
+            forward = self.model.forward
+            if self.pieces is not None and self.pieces.fits(len(input_ids)):
+                # prefill, mixed and verify steps: the dense parts replay their bucket's
+                # graphs, attention runs eagerly between them
+                forward = self.pieces.forward
+                self.piecewise_steps += 1
+            out = forward(ids, meta.positions, self.kv, meta,
+                          torch.tensor(rows + extra, dtype=torch.long, device=self.kv.device),
+                          greedy=greedy)
             if greedy:
                 greedy_tokens = out.tolist()
             else:

@@ -158,8 +158,20 @@ class ExecutorService(Component):
             except Exception:
                 log.exception("cuda_graph_capture_failed; decode runs eagerly")
                 graphs = None
+        pieces = None
+        if device.type == "cuda" and eng.cuda_graphs and eng.cuda_graph_prefill \
+                and getattr(model, "rope_kv", False):
+            from components.executor.piecewise_graphs import PiecewiseGraphs
+            try:
+                pieces = PiecewiseGraphs(model, kv_cache,
+                                         max_tokens=self.config.scheduler.max_num_batched_tokens,
+                                         buckets=eng.cuda_graph_token_buckets or None)
+                log.info("piecewise_graphs_captured", **pieces.capture())
+            except Exception:
+                log.exception("piecewise_graph_capture_failed; prefill runs eagerly")
+                pieces = None
         self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs, grammars,
-                                  drafter)
+                                  drafter, pieces)
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
@@ -221,6 +233,7 @@ class ExecutorService(Component):
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),
                 "sequences": len(self.runner.seqs), "copied_blocks": self.runner.copied_blocks,
                 "graph_steps": self.runner.graph_steps,
+                "piecewise_steps": self.runner.piecewise_steps,
                 "spec.drafted": self.runner.drafted, "spec.accepted": self.runner.accepted,
                 "spec.draft_s": round(self.runner.draft_ns / 1e9, 3),
                 "structured.rows": self.runner.constrained_rows,

@@ -8,6 +8,8 @@ On a CUDA device, within a hard time budget (default 270 s):
    2e-2 against an fp32 reference): block sizes 16 and 32, GQA 1 and 3, contexts straddling
    block edges up to ~2000, mixed prefill + decode batches, and decode from static buffers
    with padding rows (the CUDA-graph path);
+   and the fused RoPE + KV write (``rope_write_kv``, [1b]) against ``rope_`` then
+   ``write_kv`` (the same bytes) and torch's float32 RoPE, padding rows storing nothing;
 3. the flash-attn adapter the same way (block size 256), or "skipped: not installed";
 4. CUDA-graph replay against eager logits for every batch bucket (SmolLM2-135M-shaped model,
    fp32, random weights or ``--model-path`` GGUF), padding rows writing no KV; the model on
@@ -15,6 +17,9 @@ On a CUDA device, within a hard time budget (default 270 s):
    decoding's verify steps (rows of 1 + k tokens, k 1, 2 and 4, beside a plain decode row,
    logits at every token, eager) against the torch reference and against the same tokens
    decoded one at a time;
+   piecewise graphs ([3c]): a full and a padded mixed step (decode rows, chunks after a
+   cached prefix, fresh chunks) in every token bucket up to 2048, logits at every row and
+   the KV against the eager forward, padding rows writing no KV;
 5. decode-step timing at batch 1, 8, 64, 256 with ~512 tokens of context each, eager and
    graph, bf16: SmolLM2-135M-shaped, then Llama-1B-shaped while time remains; a table of
    ms/step, tokens/s, bytes moved (weights + KV read), GB/s and fractions of the HBM peak
@@ -23,9 +28,12 @@ On a CUDA device, within a hard time budget (default 270 s):
    (``--no-profile`` skips them): where a step's time goes (wall, device busy, kernels per
    step and the top kernels, from torch's profiler), graph steps by FlashDecoding partition
    size, and the same steps on torch's elementwise ops (an A/B);
+   prefill and mixed steps eager against piecewise graphs ([4f]): one-sequence prefill of
+   128, 512 and 2048 tokens, and 64 decode rows at 512 tokens of context beside a
+   512-token chunk (ms and the speedup);
 6. a step grid for a cost profile (44 shapes, cut off after ``--grid-s``, default 60 s):
    SmolLM2-135M-shaped bf16 steps run as the executor's ModelRunner.step runs them
-   (decode-only batches replay their CUDA graph, anything else is one eager forward, every
+   (decode-only batches replay their CUDA graph, other steps their piecewise graphs, every
    sequence samples greedily), median of 5 runs after 2 warm-ups: one-sequence prefill
    chunks of 16..2048 tokens from empty and after a computed prefix, decode batches of
    1..256 at contexts 64, 512 and 1536, and decode batches with one prefill chunk. Each is
@@ -60,6 +68,13 @@ from scripts.gpu.checks import (
     check_logit_processing,
     check_triton,
     check_verify,
+)
+from scripts.gpu.prefill import (
+    GPU_PREFILL_CASES,
+    TINY_PREFILL_CASES,
+    check_piecewise,
+    check_rope_kv,
+    time_prefill,
 )
 from scripts.gpu.steps import (  # noqa: F401 - re-exported: the tests import them from here
     GPU_GRID,
@@ -133,6 +148,7 @@ def gpu_main(args) -> int:
 
     import kernels
     from components.executor.build import build_model
+    from components.executor.piecewise_graphs import PiecewiseGraphs, token_buckets
     from components.executor.synthetic import LLAMA_1B, SMOLLM2_135M, random_weights
     budget = Budget(args.budget_s)
     device = torch.device("cuda")
@@ -145,6 +161,8 @@ def gpu_main(args) -> int:
 
     print("[1] Triton kernels vs torch reference", flush=True)
     check_triton(report, device, [torch.float32, torch.bfloat16])
+    print("[1b] fused RoPE + KV write vs rope_ + write_kv and torch", flush=True)
+    check_rope_kv(report, device, [torch.float32, torch.bfloat16])
     print("[2] flash-attn adapter", flush=True)
     check_flash_attn(report, device)
 
@@ -165,6 +183,13 @@ def gpu_main(args) -> int:
     print("[3b] speculative verify steps (1 + k tokens a row) vs the torch reference and "
           "vs one token at a time (fp32)", flush=True)
     check_verify(report, label + " fp32", device, shape, weights, 1e-3, max_len=1024)
+    _free(device)
+    print("[3c] piecewise graphs (prefill and mixed steps) vs eager, every token bucket "
+          "(fp32)", flush=True)
+    model = build_model(shape, weights, dtype=torch.float32, device=device, backend="triton")
+    check_piecewise(report, label + " fp32", model, token_buckets(2048), max_len=1024,
+                    block_size=16, tol=1e-3)
+    del model
     _free(device)
     if "flash_attn" in kernels._REGISTRY and budget.left() > 120:
         from kernels.flash_attn_backend import FlashAttnBackend
@@ -192,6 +217,18 @@ def gpu_main(args) -> int:
               f"bf16, context {args.context})", flush=True)
         time_verify(label, model, shape, kv, graphs, [1, 4, 16], 4, args.context, args.steps,
                     budget, 30)
+    print(f"[4f] prefill and mixed steps, eager vs piecewise graphs ({label} bf16)", flush=True)
+    pieces = None
+    if model.rope_kv:
+        pieces = PiecewiseGraphs(model, kv, max_tokens=2048)
+        info = pieces.capture()
+        print(f"  {label}: captured {len(info['buckets'])} buckets x {info['pieces']} pieces "
+              f"in {info['seconds']} s, pool reserved {info['pool_reserved_bytes'] / 2**20:.1f}"
+              f" MiB, static buffers {info['static_bytes'] / 2**20:.1f} MiB", flush=True)
+        time_prefill(label, model, kv, pieces, GPU_PREFILL_CASES, args.steps, budget, 20)
+    else:
+        print(f"  {label}: skipped: backend {model.backend.name} has no fused RoPE + KV "
+              "write", flush=True)
     if args.profile and budget.left() > 60:
         print(f"[4b] where a decode step's time goes ({label} bf16, context "
               f"{args.context})", flush=True)
@@ -227,13 +264,13 @@ def gpu_main(args) -> int:
         print(f"[5] step grid for a cost profile ({label} bf16, at most {args.grid_s:.0f} s)",
               flush=True)
         timings = time_step_grid(model, kv, graphs, GPU_GRID,
-                                 Budget(min(args.grid_s, budget.left() - 20)))
+                                 Budget(min(args.grid_s, budget.left() - 20)), pieces)
         path = steps_path(args)
         if path is None:
             print("  step grid: not written (pass --steps-out or set $OUT)", flush=True)
         elif timings:
             write_step_log(path, timings, f"{label} bfloat16")
-    del model, kv, graphs
+    del model, kv, graphs, pieces
     _free(device)
     if not args.skip_1b and budget.left() > 60:
         print("[6] decode timing (bf16), 1B-shaped", flush=True)
@@ -300,6 +337,9 @@ def cpu_dry_run(args) -> int:
     if importlib.util.find_spec("triton") is not None:
         print("[1] Triton kernels vs torch reference (interpreter)", flush=True)
         check_triton(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)
+        print("[1b] fused RoPE + KV write vs rope_ + write_kv and torch (interpreter)",
+              flush=True)
+        check_rope_kv(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)
         print("[2] flash-attn adapter", flush=True)
         check_flash_attn(report, "cpu", tiny=True)
         print("[3] static-buffer decode vs eager (no graphs on the CPU)", flush=True)
@@ -311,6 +351,15 @@ def cpu_dry_run(args) -> int:
               flush=True)
         check_verify(report, "tiny fp32", "cpu", tiny, random_weights(tiny), 1e-4, rows=3,
                      max_len=64)
+        print("[3c] piecewise prefill and mixed steps vs eager, every token bucket (no graphs "
+              "on the CPU)", flush=True)
+        tri = build_model(tiny, random_weights(tiny), backend="triton",
+                          kernels={"elementwise": "triton"})
+        pieces, pieces_kv = check_piecewise(report, "tiny fp32", tri, [16, 32, 48], max_len=64,
+                                            block_size=16, tol=1e-4)
+        print("[4f] prefill and mixed steps, eager vs piecewise (no graphs on the CPU)",
+              flush=True)
+        time_prefill("tiny", tri, pieces_kv, pieces, TINY_PREFILL_CASES, 2, budget, 0)
     print("[2b] sampling penalties and logprobs: torch vs native", flush=True)
     check_logit_processing(report, "cpu")
     print("[4] decode timing (torch backend, eager)", flush=True)

@@ -84,12 +84,14 @@ class StepTiming:
 
 
 def run_step(model, kv, graphs, case: StepCase, input_ids: list[int],
-             tables: list[list[int]]) -> bool:
+             tables: list[list[int]], pieces=None) -> bool:
     """``case`` as ModelRunner.step (components/executor/runner.py) runs a plan's steps: a
-    decode-only batch replays its CUDA graph when one fits, anything else is one eager
-    forward over every token; each sequence samples greedily from its last row, and the
-    tokens come back to the host. True when the graph ran. (The runner itself needs
-    msgspec's StepPlan, which the GPU machine may lack.)"""
+    decode-only batch replays its CUDA graph when one fits, any other step that fits a
+    token bucket of ``pieces`` (PiecewiseGraphs) replays its dense pieces with attention
+    eager between them, anything else is one eager forward over every token; each sequence
+    samples greedily from its last row, and the tokens come back to the host. True when a
+    graph ran. (The runner itself needs msgspec's StepPlan, which the GPU machine may
+    lack.)"""
     import torch
 
     from components.executor.sampling import sample
@@ -105,14 +107,18 @@ def run_step(model, kv, graphs, case: StepCase, input_ids: list[int],
         dev = kv.device
         meta = AttentionMetadata.build(query_lens, context_lens, tables, kv.block_size, dev)
         rows = [end - 1 for end in accumulate(query_lens)]
-        logits = model.forward(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                               meta.positions, kv, meta,
-                               torch.tensor(rows, dtype=torch.long, device=dev))
+        forward = model.forward
+        if pieces is not None and pieces.fits(len(input_ids)):
+            forward, graph = pieces.forward, pieces.use_graphs
+        logits = forward(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                         meta.positions, kv, meta,
+                         torch.tensor(rows, dtype=torch.long, device=dev))
     sample(logits, [0.0] * n, [1.0] * n, [0] * n, [None] * n, [0] * n).tolist()
     return graph
 
 
-def time_step_grid(model, kv, graphs, grid: StepGrid, budget) -> list[StepTiming]:
+def time_step_grid(model, kv, graphs, grid: StepGrid, budget,
+                   pieces=None) -> list[StepTiming]:
     """Each of ``grid``'s steps on disjoint shuffled blocks of ``kv``: the median seconds of
     ``grid.repeats`` runs after ``grid.warmup``, each run between device syncs. This is the
     executor's step alone (what the runner reports as its elapsed time), with no bus round
@@ -131,12 +137,12 @@ def time_step_grid(model, kv, graphs, grid: StepGrid, budget) -> list[StepTiming
         shape = case.shape()
         ids = [rng.randrange(model.spec.vocab_size) for _ in range(shape["tokens"])]
         for _ in range(grid.warmup):
-            run_step(model, kv, graphs, case, ids, tables)
+            run_step(model, kv, graphs, case, ids, tables, pieces)
         times = []
         for _ in range(grid.repeats):
             _sync(kv.device)
             t0 = time.perf_counter()
-            graph = run_step(model, kv, graphs, case, ids, tables)
+            graph = run_step(model, kv, graphs, case, ids, tables, pieces)
             _sync(kv.device)
             times.append(time.perf_counter() - t0)
         out.append(StepTiming(case, statistics.median(times), graph))

@@ -1,8 +1,10 @@
 """scripts/gpu_check (scripts/gpu/check.py) on the CPU: --help, the no-CUDA exit, the
---cpu-dry-run pass (Triton checks under the interpreter, static-buffer decode, speculative
-verify steps, timing table, verify steps timed against decode, step grid), the byte
-accounting behind its roofline numbers, and the step grid's step log (shapes as the
-scheduler counts them, fitted by weir calibrate, written without msgspec)."""
+--cpu-dry-run pass (Triton checks under the interpreter, the fused RoPE + KV write,
+static-buffer decode, piecewise prefill and mixed steps in every token bucket, speculative
+verify steps, prefill timed eager against piecewise, the timing table, verify steps timed
+against decode, the step grid), the byte accounting behind its roofline numbers, and the
+step grid's step log (shapes as the scheduler counts them, fitted by weir calibrate,
+written without msgspec)."""
 import importlib.util
 import os
 import subprocess
@@ -56,6 +58,25 @@ def test_cpu_dry_run(tmp_path):
             assert f"ok   triton decode  bfloat16 kv {fp8}" in out
         for k in (1, 2, 4):     # speculative verify rows through the model on Triton
             assert f"ok   tiny fp32 verify k={k}: triton == torch reference" in out
+        assert out.count("ok   fused rope+kv write") == 2          # fp32 and bf16
+        assert "same bytes as rope_ + write_kv: True" in out
+        # piecewise graphs: a full and a padded mixed step in every bucket (16, 32, 48)
+        pieced = [line.split() for line in out.splitlines()
+                  if line.startswith("  ok   tiny fp32 piecewise == eager")]
+        assert [int(row[row.index("eager,") + 1]) for row in pieced][::2] == [16, 32, 48]
+        assert len(pieced) == 6 and all("stray KV writes 0" in " ".join(row) for row in pieced)
+        assert [int(row[row.index("bucket") + 1].rstrip(",")) for row in pieced] == \
+            [16, 16, 32, 32, 48, 48]
+        timed = [line for line in out.splitlines() if line.startswith("  tiny: ")
+                 and " piecewise " in line]
+        assert [line.split(" (")[0].split(": ")[1] for line in timed] == [
+            "prefill 16", "prefill 40", "mixed 4 + 16"]
+        for line in timed:  # "... eager E ms, piecewise P ms, Rx (...)"
+            words = line.replace(",", "").split()
+            eager, piece = float(words[words.index("eager") + 1]), \
+                float(words[words.index("piecewise") + 1])
+            assert float(words[words.index("piecewise") + 3].rstrip("x")) == pytest.approx(
+                eager / piece, abs=0.01)
     verify = [line.split() for line in out.splitlines() if "tiny: verify k=4 batch" in line]
     assert [int(row[row.index("batch") + 1]) for row in verify] == [1, 4, 16]
     for row in verify:      # "... eager decode D ms, eager verify V ms (...) ... R x"

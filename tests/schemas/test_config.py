@@ -113,6 +113,9 @@ def test_override_creates_missing_section(tmp_path):
      "scheduler.max_num_batched_tokens is too small"),
     ("engine", {"max_model_len": 8}, "engine.max_model_len must be >= 16"),
     ("engine", {"num_threads": -1}, "engine.num_threads must be >= 0"),
+    ("engine", {"cuda_graph_token_buckets": [64, 32]}, "cuda_graph_token_buckets must ascend"),
+    ("engine", {"cuda_graph_token_buckets": [0, 32]}, "cuda_graph_token_buckets must ascend"),
+    ("engine", {"cuda_graph_token_buckets": [32, 32]}, "cuda_graph_token_buckets must ascend"),
     ("engine", {"max_model_len": 4096}, "exceeds the KV pool"),   # 64 blocks * 32
     ("engine", {"dtype": "float16"}, "dtype"),
     ("engine", {"colour": "blue"}, "colour"),
