@@ -109,7 +109,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # router's continuation of a migrated stream sends prompt + output so far as its
     # prompt, and this many as the offset of its first new token in the output, so a
     # seeded draw continues the same random stream (sampling.py: the noise of output token
-    # i depends on (seed, i) alone)
+    # i depends on (seed, i) alone). The invariant: the prompt's last output_offset tokens
+    # (at most the whole prompt) are output already emitted, and the replica treats them
+    # as output: presence and frequency penalties count them, a structured-output grammar
+    # has read them, the detokenizer takes them as text already streamed (a stop string
+    # may have begun in them); min_tokens and max_tokens count the new tokens alone
     output_offset: int = 0
 
 

@@ -605,6 +605,17 @@ class DetokParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     traceparent: str | None = None
     n: int = 1                        # choices in the request; Finished waits for all
     min_tokens: int = 0               # no stop string matches before a choice has this many
+    # the tail of the output a migrated stream's prompt carries (its last output_offset
+    # tokens, at most ``carried_tail(stop)`` of them): text already emitted, the
+    # detokenizer's left context and where a stop string may have begun
+    carried: tuple[int, ...] = ()
+
+
+def carried_tail(stop: tuple[str, ...]) -> int:
+    """How many of a continuation's carried output tokens its detokenizer is given: enough
+    text for the longest stop string's proper prefix (a token is at least one byte, a
+    character at most four) and for a decoder's left context before it."""
+    return 8 + 4 * max(map(len, stop), default=0)
 
 
 class TokenOut(msgspec.Struct, frozen=True, array_like=True, gc=False):

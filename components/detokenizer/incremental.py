@@ -26,11 +26,22 @@ class IncrementalDetokenizer:
     UTF-8 sequence is held until it completes, and text that could be the start of a stop
     string is held until it cannot be. Before ``min_tokens`` ids have been pushed no stop
     string matches (vLLM's min_tokens), and text is released as it comes.
+
+    ``carried``: the tail of output an earlier placement already streamed (a migrated
+    stream's continuation carries it in its prompt). It starts the window as text already
+    emitted, as the earlier placement's detokenizer held it: its complete characters
+    emitted, a character its last tokens left incomplete still open, and (once stop strings
+    match) its longest suffix that could begin a stop string held, released with the text
+    that shows it is none, or cut at the stop it begins. So the continuation's first text
+    is exactly the text that follows, never any of the carried text again. (One case is
+    not rebuilt: where the first placement reached ``min_tokens`` in the carried output,
+    it searched for stops only from the push that reached it; the held suffix here is
+    taken over the whole carried text.)
     """
 
     def __init__(self, tokenizer: Tokenizer, special_ids: Iterable[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, carried: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._skip_ids = frozenset(special_ids) if skip_special_tokens else frozenset()
         self._skip_special = skip_special_tokens
@@ -42,6 +53,20 @@ class IncrementalDetokenizer:
         self._matched_stop: str | None = None
         self._finished = False
         self._min_tokens, self._pushed = min_tokens, 0
+        if carried:
+            self._carry([t for t in carried if t not in self._skip_ids])
+
+    def _carry(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        self._window = ids
+        text = self._decode(ids)
+        safe = len(text.rstrip(_REPLACEMENT)) if text.endswith(_REPLACEMENT) else len(text)
+        self._emitted = safe
+        self._read = len(ids) if safe == len(text) else 0
+        if self._stops and self._min_tokens == 0:
+            keep = self._partial_stop_len(text[:safe])
+            self._held = text[safe - keep:safe] if keep else ""
 
     @property
     def stopped(self) -> bool:

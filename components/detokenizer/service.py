@@ -76,7 +76,7 @@ class DetokenizerService(Component):
         if detok is None and p is not None and item.index not in stream.ends:
             detok = stream.detoks[item.index] = IncrementalDetokenizer(
                 self.bundle.tokenizer, self.bundle.special_ids, p.skip_special_tokens, p.stop,
-                p.min_tokens)
+                p.min_tokens, [t for t in p.carried if 0 <= t < self.bundle.vocab_size])
         return None if detok is None else (stream, detok)
 
     def piece(self, token: int) -> str:

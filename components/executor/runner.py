@@ -145,15 +145,19 @@ class ModelRunner:
         if plan.copies:
             self.copy_blocks(plan.copies)
         for n in plan.new_seqs:
+            # the prompt's last output_offset tokens are output (a migrated stream's): the
+            # penalties count them and the grammar is advanced over them
+            carried = min(n.output_offset, n.prompt_len)
             self.seqs[n.seq_id] = SeqState(list(n.token_ids), n.prompt_len, n.num_computed,
                                            list(n.block_ids), n.temperature, n.top_p, n.top_k,
                                            n.seed,
                                            None if n.penalties is None
-                                           else RowPenalties(n.penalties), n.logprobs,
+                                           else RowPenalties(n.penalties, carried), n.logprobs,
                                            n.prompt_logprobs,
                                            None if n.structured is None
                                            else self.grammars.constraint(
-                                               n.structured, n.token_ids[n.prompt_len:]),
+                                               n.structured,
+                                               n.token_ids[n.prompt_len - carried:]),
                                            n.output_offset)
         drafted_ns = self.draft_ns
         drafts = self._draft(plan)

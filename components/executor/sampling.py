@@ -187,12 +187,18 @@ class RowPenalties:
     """A sequence's ``Penalties`` as the executor applies them: values validation would
     have refused (not finite, a repetition penalty <= 0) dropped once, never spread into
     a row of NaNs, and the distinct tokens of its prompt kept after the first step (a
-    prompt does not change), so a step pays only for the output's tokens."""
+    prompt does not change), so a step pays only for the output's tokens.
+
+    ``carried``: the last tokens of the prompt that are output already emitted (a
+    migrated stream's continuation, ``SamplingParams.output_offset``): presence and
+    frequency count them as the output they are; ``min_tokens`` (already less them)
+    counts the new output alone."""
 
     __slots__ = ("presence", "frequency", "repetition", "bias_ids", "bias", "min_tokens",
-                 "stop_ids", "_prompt", "_out")
+                 "stop_ids", "carried", "_prompt", "_out")
 
-    def __init__(self, pen: Penalties) -> None:
+    def __init__(self, pen: Penalties, carried: int = 0) -> None:
+        self.carried = carried
         self.repetition = pen.repetition if 0 < pen.repetition < math.inf else 1.0
         ok = math.isfinite(pen.frequency + pen.presence)
         self.frequency, self.presence = (pen.frequency, pen.presence) if ok else (0.0, 0.0)
@@ -210,10 +216,12 @@ class RowPenalties:
         return self._prompt
 
     def output(self, token_ids: list[int], prompt_len: int) -> torch.Tensor:
-        """The output's tokens as a tensor, extended by the tokens since the last call."""
-        have, n = self._out.numel(), len(token_ids) - prompt_len
+        """The output's tokens (the carried ones first) as a tensor, extended by the tokens
+        since the last call."""
+        start = prompt_len - min(self.carried, prompt_len)
+        have, n = self._out.numel(), len(token_ids) - start
         if n > have:
-            self._out = torch.cat([self._out, torch.tensor(token_ids[prompt_len + have:],
+            self._out = torch.cat([self._out, torch.tensor(token_ids[start + have:],
                                                            dtype=torch.long)])
         return self._out[:n]
 

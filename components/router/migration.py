@@ -16,10 +16,30 @@ stream and a greedy one the same argmax. Its placement is the routing core's, ca
 with the continuation's own block hashes (a replica that holds the prompt's prefix is
 preferred). Why a longer prompt and not a "resumed output" the replica appends after the
 prompt: a prompt is the one thing every replica already takes, checks, hashes, reserves for
-and prefills; the offset is the one place the output index is read, and presence,
-frequency, stop strings, n > 1, structured output and prompt logprobs (which would read the
-carried tokens as output) are exactly the requests ``resumable`` declines (they fail
-``replica_lost`` as before).
+and prefills; the offset is the one place the output index is read.
+
+**The invariant.** The last ``output_offset`` tokens of a continuation's prompt are output
+the request already emitted (``SamplingParams.output_offset``; clamped to the prompt). A
+replica treats them as output wherever output matters: the presence and frequency
+penalties count them (the repetition penalty reads prompt and output alike); the
+structured-output matcher is advanced over them before the first new token (a language
+that rejects them fails the request, never samples past them silently); the detokenizer
+takes their tail as text already emitted, so its first new text is exactly the text that
+follows (a character split across the handover, a decoder's left context) and a stop
+string that began in them is still caught, and a ``min_tokens`` is less what they
+already count. So a request with stop strings, penalties or structured output continues
+exactly as it would have run, and the replica, not the router, matches its stop strings
+(the router's terminal counts what it relayed, as for any other).
+
+**What does not move.** Prompt logprobs are the prompt's, sent with the first output: once
+any output was relayed the client has them and the continuation does not ask again;
+before, it is the same prompt and asks. ``n`` > 1 moves only before its first output is
+relayed (the continuation is then the request itself): after, each choice has its own
+output, and one Submit has one prompt, so continuing them is one continuation per choice
+(choice ``j`` seeded ``seed + j`` as the executor seeds it), each its own placement under
+one client request: a lease per choice, the terminals and usage merged, which this lease
+does not hold. Such a request fails ``replica_lost`` as before. A request not tokenized at
+the router cannot be continued either.
 
 **The lease.** Each placement is (replica, wire id): the first is the client's request id,
 each migration takes a fresh one (``wire_id``) that no client can name. An event is taken
@@ -54,21 +74,12 @@ UNBOUNDED_TOKENS = 1 << 20           # remaining tokens of a request with no max
 
 def resumable(f: Flight) -> str | None:
     """Why ``f`` cannot be continued on another replica (None: it can)."""
-    p = f.submit.params
     if f.prompt_ids is None:
         return "its prompt was not tokenized"
     if f.cancelled:
         return "cancelled"
-    if p.n != 1:
-        return "n > 1"
-    if p.structured is not None:
-        return "structured output"
-    if p.stop:
-        return "stop strings"
-    if p.presence_penalty or p.frequency_penalty:
-        return "presence or frequency penalty"
-    if p.prompt_logprobs is not None:
-        return "prompt logprobs"
+    if f.submit.params.n != 1 and f.out_ids:
+        return "n > 1 with output relayed"
     return None
 
 
@@ -86,13 +97,15 @@ def wire_id(request_id: str, nonce: str, serial: int) -> str:
 
 def continuation(f: Flight, now: float) -> Submit:
     """The Submit that continues ``f`` under its current wire id: prompt and relayed output
-    as the prompt, the caps less what was relayed, the seed's index offset by it; what is
-    left of its end-to-end deadline (its TTFT deadline, if it has its first token, is met)."""
+    as the prompt, the caps less what was relayed, the output offset by it (the module
+    doc's invariant); prompt logprobs only if no output was relayed; what is left of its
+    end-to-end deadline (its TTFT deadline, if it has its first token, is met)."""
     sub, p, k = f.submit, f.submit.params, len(f.out_ids)
     assert f.prompt_ids is not None
     params = msgspec.structs.replace(
         p, max_tokens=None if p.max_tokens is None else p.max_tokens - k,
-        min_tokens=max(p.min_tokens - k, 0), output_offset=p.output_offset + k)
+        min_tokens=max(p.min_tokens - k, 0), output_offset=p.output_offset + k,
+        prompt_logprobs=None if k else p.prompt_logprobs)
 
     def left(ms: int | None) -> int | None:
         return None if ms is None else max(int(ms - (now - f.arrival) * 1e3), 1)
@@ -105,13 +118,17 @@ def continuation(f: Flight, now: float) -> Submit:
 
 def relabel(f: Flight, body: Any) -> Any:
     """A migrated request's event as its client sees it: under its own id; its terminal's
-    usage the original prompt and every output token relayed."""
+    usage the original prompt and every output token relayed (n > 1 moves only before
+    its first output: its continuation's own counts are the request's)."""
     if isinstance(body, Finished):
         n = len(f.out_ids)
         prompt = len(f.prompt_ids or ())
+        one = f.submit.params.n == 1
+        choices = tuple(ChoiceEnd(c.index, c.finish_reason, n) for c in body.choices) \
+            if one else body.choices
         body = msgspec.structs.replace(
-            body, usage=Usage(prompt, n, min(body.usage.cached_tokens, prompt)),
-            choices=tuple(ChoiceEnd(c.index, c.finish_reason, n) for c in body.choices))
+            body, usage=Usage(prompt, n if one else body.usage.completion_tokens,
+                              min(body.usage.cached_tokens, prompt)), choices=choices)
     return msgspec.structs.replace(body, request_id=f.request_id)
 
 

@@ -22,6 +22,7 @@ from schemas.wire import (
     StepResult,
     TokenOut,
     Usage,
+    carried_tail,
 )
 
 
@@ -142,9 +143,11 @@ class OutputStage:
             seq.first_token_ns = now_ns
         seq.outputs_sent += 1
         p = seq.params
+        carried = min(p.output_offset, seq.prompt_len, carried_tail(p.stop))
         params = (DetokParams(p.stop, p.skip_special_tokens, seq.prompt_len, seq.cached_tokens,
                               max(seq.first_scheduled_ns - seq.arrival_ns, 0) / 1e9, None, p.n,
-                              p.min_tokens)
+                              p.min_tokens,
+                              tuple(seq.token_ids[seq.prompt_len - carried:seq.prompt_len]))
                   if first else None)
         prompt, owner = None, seq.group[0] if seq.group else seq   # choice 0 computed them
         if owner.prompt_lps is not None:

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from components.detokenizer.incremental import DetokOutput, IncrementalDetokenizer
 from components.model.fetch import default_model_path
 from components.model.vocab import load_tokenizer
+from schemas.wire import carried_tail
 
 TEXTS = [
     "Hello, world! This is a plain sentence.",
@@ -280,3 +281,83 @@ def test_property_stop_truncates_at_first_occurrence(bundle, text, data):
     chunks, tail, detok = stream(bundle, ids, cycle(sizes), stop=[stop])
     assert "".join(c.text for c in chunks) + tail == decoded[:decoded.find(stop)]
     assert detok.stopped and tail == ""
+
+
+# ------------------------------------------------------------------ a migrated stream
+# (components/router/migration.py): the first placement streamed k tokens, the
+# continuation gets their tail as ``carried`` and streams the rest
+
+
+def handed_over(bundle, ids, k, stop=(), min_tokens=0, sizes=None):
+    """The text a client hears when ``ids`` stream on one detokenizer up to ``k`` and on
+    a continuation's from there, and the continuation (None: the first placement had
+    stopped by k, so nothing moved)."""
+    first = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, stop=stop,
+                                   min_tokens=min_tokens)
+    heard = ""
+    for i in range(0, k, 2 if sizes else 1):
+        out = first.push(ids[i:min(i + (2 if sizes else 1), k)])
+        heard += out.text
+        if out.stopped:
+            return heard, None
+    carried = ids[:k][-carried_tail(tuple(stop)):]
+    then = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, stop=stop,
+                                  min_tokens=max(min_tokens - k, 0), carried=carried)
+    for i in range(k, len(ids), 3 if sizes else 1):
+        out = then.push(ids[i:i + (3 if sizes else 1)])
+        heard += out.text
+        if out.stopped:
+            return heard, then
+    return heard + then.flush(), then
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if t])
+@pytest.mark.parametrize("sizes", [False, True], ids=["one", "chunks"])
+def test_a_continuation_s_text_follows_the_carried_text_exactly(bundle, text, sizes):
+    """At every handover point, split characters and all: the client hears exactly the
+    text one detokenizer streams, nothing twice, nothing lost."""
+    ids = bundle.encode(text)
+    want = run_stop(bundle, text, ())[0]
+    assert want == full_decode(bundle, ids)
+    for k in range(1, len(ids)):
+        assert handed_over(bundle, ids, k, sizes=sizes)[0] == want, k
+
+
+@pytest.mark.parametrize("text,stop", [
+    ("Hello world. Goodbye world.", [" world"]),
+    ("The answer is 42, obviously.", ["is 42"]),
+    ("wait ### not a stop, ## still #### here", ["####"]),
+    ("Bonjour 😀 le monde 😀", ["😀 le"]),
+    ("alpha beta gamma", ["gamma", "a b"]),
+    ("the end is wit", ["with"]),
+    ("abc 😀 and more", ["c 😀"]),
+])
+def test_a_stop_string_across_the_handover_is_caught(bundle, text, stop):
+    """A stop string that began in the carried output (its start held, never streamed)
+    ends the continuation where one detokenizer would have: the same text, the same stop."""
+    ids = bundle.encode(text)
+    for sizes in (False, True):
+        want, _, solo = run_stop(bundle, text, stop)
+        for k in range(1, len(ids)):
+            heard, then = handed_over(bundle, ids, k, stop=stop, sizes=sizes)
+            assert heard == want, (k, sizes)
+            if then is not None:
+                assert then.matched_stop == solo.matched_stop, (k, sizes)
+
+
+def test_a_continuation_before_min_tokens_holds_nothing_carried(bundle):
+    """Sent before the first placement reached ``min_tokens`` (the continuation's is
+    less the carried tokens), stops match from the same token on as in one stream."""
+    text = "Hi. I am here. Yes. Again."
+    ids = bundle.encode(text)
+    for min_tokens in (3, 6, 9):
+        solo = IncrementalDetokenizer(bundle.tokenizer, bundle.special_ids, stop=["."],
+                                      min_tokens=min_tokens)
+        want = ""
+        for i in ids:
+            got = solo.push([i])
+            want += got.text
+            if got.stopped:
+                break
+        for k in range(1, min_tokens):
+            assert handed_over(bundle, ids, k, stop=["."], min_tokens=min_tokens)[0] == want

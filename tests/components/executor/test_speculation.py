@@ -694,3 +694,59 @@ def test_a_continuation_with_its_output_offset_draws_the_same_seeded_stream(mode
     cold = run(model, [new_seq(1, PROMPT + want[:17], seed=11, **SAMPLED)], n=N - 17)
     want = run(model, [new_seq(1, seed=11, **SAMPLED)]).tokens[1][:N]
     assert cold.tokens[1][:N - 17] != want[17:]          # without the offset: another stream
+
+
+def test_a_continuation_s_penalties_count_its_carried_output(model):
+    """The last ``output_offset`` prompt tokens are output: presence and frequency count
+    them, ``min_tokens`` (sent less them) bans the stop ids for the new tokens alone, so
+    the continuation's output is the original's from k on, greedy or seeded, with
+    speculation or without; counted as prompt instead, the output is another. In fp32
+    (``exact_draws``): in bf16 the continuation's prefill of the carried tokens gives
+    logits a decode step's differ from by ~0.03, and the penalties leave near ties that
+    flip (greedy too, on this CPU since prompt chunks' attention runs on AMX tiles)."""
+    exact_draws(model)
+
+    def pen(min_tokens: int) -> Penalties:
+        return Penalties(presence=0.6, frequency=0.9, repetition=1.3, min_tokens=min_tokens,
+                         stop_ids=[5, 9])
+    for kw in ({}, dict(seed=11, **SAMPLED)):
+        want = run(model, [new_seq(1, penalties=pen(20), **kw)]).tokens[1][:N]
+        for k, drafter in ((3, None), (17, None), (25, NgramDrafter(min_n=1))):
+            got = run(model, [new_seq(1, PROMPT + want[:k], output_offset=k,
+                                      penalties=pen(max(20 - k, 0)), **kw)],
+                      n=N - k, drafter=drafter, k=3 if drafter else 0).tokens[1]
+            assert got[:N - k] == want[k:], (kw, k)
+        as_prompt = run(model, [new_seq(1, PROMPT + want[:17], output_offset=0,
+                                        penalties=pen(3), **kw)], n=N - 17).tokens[1]
+        assert as_prompt[:N - 17] != want[17:], kw
+
+
+def test_a_continuation_s_grammar_is_advanced_over_its_carried_output(s_model, s_vocab):
+    """The last ``output_offset`` prompt tokens are output the language already read: the
+    continuation goes on in the language from there, token for token the original's
+    (greedy and seeded, JSON and regex); carried output the language rejects fails the
+    sequence's first step (a structured error), where as prompt it would not."""
+    bundle, vocab = s_vocab
+    rng = random.Random(8)
+    prompt = [rng.randrange(100, S_VOCAB) for _ in range(20)]
+
+    def seq(toks, k, so, temperature):
+        return NewSeq(1, prompt + toks, len(prompt) + len(toks), 0, blocks_of(1),
+                      temperature, 1.0, 0, 5, structured=so, output_offset=k)
+
+    for so in FORMS:
+        for temperature in (0.0, 1.0):
+            want = run(s_model, [seq([], 0, so, temperature)], n=40,
+                       grammars=Grammars(lambda: vocab), eos=EOS).tokens[1]
+            assert want[-1] == EOS and len(want) > 4, (so, temperature)
+            for k in (1, len(want) // 2, len(want) - 1):
+                got = run(s_model, [seq(want[:k], k, so, temperature)], n=40,
+                          grammars=Grammars(lambda: vocab), eos=EOS).tokens[1]
+                assert got == want[k:], (so, temperature, k)
+    bad = bundle.encode("abc")
+    for k, errors in ((len(bad), [1]), (0, [])):
+        runner = ModelRunner(s_model, s_model.new_kv_cache(4 * PER_SEQ, BLOCK),
+                             grammars=Grammars(lambda: vocab))
+        s = seq(bad, k, FORMS[1], 0.0)
+        res = runner.step(StepPlan(1, [s], [SeqStep(1, len(s.token_ids), [], True)], []))
+        assert [sid for sid, _ in res.structured_errors] == errors, k

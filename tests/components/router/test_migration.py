@@ -7,7 +7,6 @@ late and are dropped: the lease), or drains (long streams move, short ones finis
 from __future__ import annotations
 
 import anyio
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -20,6 +19,7 @@ from schemas.client import (
     Accepted,
     Cancel,
     Cancelled,
+    ChoiceEnd,
     ClientMsg,
     ComponentStatus,
     Finished,
@@ -29,6 +29,7 @@ from schemas.client import (
     ServerMsg,
     StatusQuery,
     StatusReport,
+    StructuredOutput,
     Submit,
     TextDelta,
     Usage,
@@ -276,10 +277,45 @@ def test_the_continuation_and_the_drain_choice():
     assert (s.params.max_tokens, s.params.min_tokens, s.params.output_offset) == (7, 3, 3)
     assert s.deadline_ms is None and s.e2e_deadline_ms == 4000 and s.idempotency_key is None
     assert migration.resumable(f) is None
-    g = msgspec.structs.replace(f.submit, params=SamplingParams(stop=("x",)))
-    assert migration.resumable(Flight(b"", g, "default", 0.0, 2, prompt_ids=[1])) \
-        == "stop strings"
     # 100 tokens left at 20 ms: 2 s in place; moving 1,000 tokens at 10k tok/s: 0.15 s
     assert migration.drain_choice(100, 0.02, 30.0, 1000, 1e4) == (True, "cheaper_to_move")
     assert migration.drain_choice(3, 0.02, 30.0, 1000, 1e4) == (False, "finishes_in_place")
     assert migration.drain_choice(100, 0.02, 1.0, 10**6, 1e4) == (True, "past_drain_deadline")
+
+
+def test_every_kind_but_n_after_output_continues_and_keeps_its_own_counts():
+    """Stop strings, penalties, structured output and prompt logprobs continue (the
+    replica reads the carried output as output); prompt logprobs are asked again only
+    before any output; n > 1 continues only before its first output, and then its
+    terminal's per-choice counts are the continuation's own."""
+    def flight(out_ids, **kw):
+        return Flight(b"", Submit("q", prompt="hi", params=SamplingParams(max_tokens=10,
+                                                                          **kw)),
+                      "default", 0.0, 2, prompt_ids=[1, 2], out_ids=out_ids, wire_id="q~n.1")
+    kinds = [dict(stop=("x",)), dict(presence_penalty=0.5, frequency_penalty=0.2),
+             dict(structured=StructuredOutput(regex="[a-z]+")), dict(prompt_logprobs=2)]
+    for kw in kinds:
+        for out in ([], [7, 8]):
+            f = flight(out, **kw)
+            assert migration.resumable(f) is None, kw
+            s = migration.continuation(f, 0.0)
+            assert s.params.output_offset == len(out) and s.prompt_token_ids == [1, 2] + out
+            assert s.params.stop == f.submit.params.stop
+            assert s.params.structured == f.submit.params.structured
+            assert s.params.presence_penalty == f.submit.params.presence_penalty
+            assert s.params.prompt_logprobs == (None if out else kw.get("prompt_logprobs"))
+    assert migration.resumable(flight([7], n=2)) == "n > 1 with output relayed"
+    f = flight([], n=2, seed=3)
+    assert migration.resumable(f) is None
+    s = migration.continuation(f, 0.0)
+    assert (s.params.n, s.params.seed, s.params.output_offset) == (2, 3, 0)
+    f.out_ids = [4, 5, 6, 7, 8]                  # relayed from the continuation: 3 and 2
+    end = Finished("q~n.1", "length", Usage(2, 5, 1), choices=(
+        ChoiceEnd(0, "length", 3), ChoiceEnd(1, "stop", 2)))
+    got = migration.relabel(f, end)
+    assert got.request_id == "q" and got.usage == Usage(2, 5, 1)
+    assert got.choices == end.choices
+    one = flight([7, 8, 9], stop=("x",))
+    got = migration.relabel(one, Finished("q~n.1", "stop", Usage(5, 1, 4),
+                                          choices=(ChoiceEnd(0, "stop", 1),)))
+    assert got.usage == Usage(2, 3, 2) and got.choices == (ChoiceEnd(0, "stop", 3),)

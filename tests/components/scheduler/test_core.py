@@ -32,6 +32,7 @@ from schemas.wire import (
     StepResult,
     TokenOut,
     Usage,
+    carried_tail,
 )
 from tests import messages as msgs
 
@@ -355,6 +356,21 @@ def test_min_tokens_holds_off_eos_and_stop_ids():
     plan = core.schedule()
     out = core.on_result(result(plan, {1: 8}))            # the third may stop
     assert out.tokens == [TokenOut("a", [8], None, "stop", Usage(10, 3, 0), T0)]
+
+
+def test_a_continuation_s_first_output_carries_its_output_tail_to_the_detokenizer():
+    """A migrated stream's prompt ends in ``output_offset`` tokens of output: its first
+    TokenOut hands the detokenizer their tail (``carried_tail(stop)`` at most) and the
+    executor the offset."""
+    for stop, offset, want in (((), 3, 3), (("ab",), 30, carried_tail(("ab",))),
+                               ((), 0, 0), ((), 50, carried_tail(())),
+                               (("x" * 10,), 50, 20)):        # no more than the prompt
+        core, kv = make(), Kv(16)
+        toks = prompt(20)
+        plan = run_to_sample(core, kv, admitted("a", toks, stop=stop, output_offset=offset))
+        assert plan.new_seqs[0].output_offset == offset
+        out = core.on_result(result(plan, {1: 8}))
+        assert out.tokens[0].params.carried == tuple(toks[len(toks) - want:] if want else ())
 
 
 def _prompt_run(core: SchedulerCore, kv: Kv, toks: list[int], chunk_for) -> list[TokenOut]:
