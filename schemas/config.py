@@ -611,9 +611,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # tenant first (VTC, weights from ``tenants``) as capacity returns; at most
     # ``fleet_queue_max`` held (and each tenant's ``max_queued``), none past its deadline
     # or ``fleet_queue_max_wait_s``. Off: such a request goes to the least bad replica.
-    # Off by default: the hold is gated by the router's predicted TTFT, which assumes a
-    # replica serves its backlog in arrival order, so it holds a light tenant that the
-    # replica's own VTC would have started at once (docs/perf-log.md, 2026-12-05)
+    # Off by default: measured (docs/perf-log.md, 2026-12-05) it did not engage below
+    # saturation, and at saturation it cost the light tenant 30-70 ms of TTFT p50 against the
+    # replicas' own admission and VTC, which already kept it from behind the flood; its
+    # hold follows the router's TTFT prediction, which assumes a replica serves its backlog
+    # in arrival order, not by VTC
     fleet_queue: bool = False
     fleet_queue_max: int = 1024
     fleet_queue_max_wait_s: float = 30.0

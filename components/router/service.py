@@ -125,6 +125,7 @@ class RouterService(Component):
         self.budgets = FleetBudgets(rc.tenants)
         self.fleetq = FleetQueue(rc.tenants, rc.fleet_queue_max) if rc.fleet_queue else None
         self.freed = False              # capacity may have returned: try the fleet queue
+        self.slots = 0                  # requests ended on replicas while some were held
         self.tokenizing = 0
         self.tokenize_limiter = anyio.CapacityLimiter(intake.TOKENIZE_THREADS)
         self.flights: dict[str, Flight] = {}
@@ -331,6 +332,8 @@ class RouterService(Component):
             if self.fleetq is not None:
                 self.fleetq.ended(rid, usage)
                 self.freed = True
+                if f.replica and len(self.fleetq):
+                    self.slots += 1
         r = self.members.get(f.replica)
         if r is not None:
             r.open.discard(rid)
@@ -360,7 +363,10 @@ class RouterService(Component):
 
     async def _release(self) -> None:
         """Send held requests on, least-served tenant first, while the next one's best
-        replica can take it; its refusal or a cancel meanwhile ends it once."""
+        replica can take it, or a request ended on a replica since it was held left a
+        slot (``slots``: one release each, so the fleet runs as much as it ran when it
+        filled even while the prediction says full); its refusal or a cancel meanwhile
+        ends it once."""
         q = self.fleetq
         self.freed = False
         while q is not None and (h := q.head()) is not None:
@@ -369,10 +375,15 @@ class RouterService(Component):
             if f is None or f.cancelled:                # ended meanwhile: not held
                 q.remove(h.request_id)
                 continue
-            if self.routing.full(f, self.members, self.flights, now) is not False:
+            full = self.routing.full(f, self.members, self.flights, now)
+            if full is None or (full and not self.slots):
                 return
+            if full:
+                self.slots -= 1
+                self.counts["fleetq.slot_releases"] += 1
             q.release(h.request_id, now)
             await self._route(f)
+        self.slots = 0                                  # none held: none banked
 
     async def _expire_held(self, now: float) -> None:
         """Refuse the held requests whose deadline would pass before a release could place

