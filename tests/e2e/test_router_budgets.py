@@ -170,6 +170,54 @@ def test_after_a_router_restart_the_caps_are_rebuilt_from_the_replicas(replicas,
         eng.wait_kv_free(timeout=60)
 
 
+BURSTY_TOML = REPLICA_TOML + """
+[router]
+tenants = [{ name = "acme", token_rate = 10, token_burst = 200 }]
+"""
+
+
+def test_after_a_router_restart_a_tenant_gets_no_fresh_burst(replicas, tmp_path):
+    """``acme`` (10 tokens/s, burst 200 at the router; no rate at the replicas) spends
+    most of its burst on one request; the router component is killed -9 and restarted at
+    once. The new router's bucket starts from what the replicas report acme used in the
+    last seconds, so a request of ~100 tokens is refused ``tenant_token_budget``, where a
+    bucket restarted full (200) would have taken it."""
+    router = Router(tmp_path / "router", replicas, BURSTY_TOML)
+    try:
+        with router.client(max_retries=0) as c:
+            pid = next(x.pid for x in c.status().components if x.name == "router")
+            r = c.generate("Count: one", max_tokens=180, ignore_eos=True, temperature=0.0,
+                           tenant="acme", timeout=120)
+        spent = r.usage.prompt_tokens + r.usage.completion_tokens
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        def answer() -> str | None:
+            try:
+                with router.client(max_retries=0) as c:
+                    c.generate("Hi", max_tokens=100, ignore_eos=True, tenant="acme",
+                               timeout=30)
+                    return "served"
+            except RequestRejected as e:
+                return e.reason if e.reason == "tenant_token_budget" else None
+            except Exception:
+                return None
+
+        first = wait_for(answer, 60, lambda _: "the router did not come back", interval=0.2)
+        after = time.monotonic() - killed
+        stats = router.wait(lambda s: "budget.rebuilt_tokens.acme" in s,
+                            "the new router's stats relayed")
+        print(f"\nrestart: acme spent {spent} tokens; first answer {first} "
+              f"{after:.1f} s after the kill; its bucket rebuilt at "
+              f"{stats.get('budget.rebuilt_tokens.acme')} of 200")
+        assert first == "tenant_token_budget", first
+        assert stats["budget.rebuilt_tokens.acme"] < 100
+    finally:
+        router.stop()
+    for eng in replicas.values():
+        eng.wait_kv_free(timeout=60)
+
+
 def _metered_rate(router: Router, seconds: float) -> tuple[float, int]:
     """Tokens per second (prompt + completion, by usage) 12 greedy clients of ``metered``
     get through ``router`` over ``seconds``, each asking again at once after an end and
