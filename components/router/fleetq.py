@@ -22,10 +22,16 @@ So the router holds what the fleet cannot take now and lets it go in VTC order:
   its terminal by its usage: a ``Finished`` charges prompt and completion tokens
   (``w_out`` per output token), a refusal from a replica nothing, a failure or cancel
   keeps the prompt's charge (what it used is not known).
-- **Released as capacity returns.** After each load report, terminal and tick the
-  service releases heads while the head's best replica is not overloaded; it stops at
-  the first that would be (the routing core's queue estimate grows with each prompt it
-  sends, so the release stops itself).
+- **Released as capacity returns.** After each load report, first token, terminal and
+  tick the service releases heads while the head's best replica is not overloaded; it
+  stops at the first that would be (the routing core's queue estimate grows with each
+  prompt it sends, so the release stops itself). Each request that ends on a replica
+  while some are held also releases one, overloaded or not: the fleet keeps running as
+  much as it ran when it filled, whatever the prediction says.
+- **Off by default** (``router.fleet_queue``): the hold follows the router's TTFT
+  prediction, which assumes a replica serves its backlog in arrival order, while each
+  replica's own admission and VTC already start a light tenant ahead of a flood; measured
+  in docs/perf-log.md (2026-12-05), it did not help there.
 - **Bounded.** At most ``max_held`` in all and a tenant's ``max_queued`` (``router.
   tenants``; 64 for a tenant not named): past either, ``queue_full`` with a retry-after
   from the queue's recent release rate.
