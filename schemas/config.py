@@ -606,6 +606,19 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # token_rate/token_burst, enforced by the router across every replica before it places
     # a request; a tenant not named has none here (its replicas' admission still applies)
     tenants: tuple[TenantConfig, ...] = ()
+    # the fleet queue (components/router/fleetq.py): a fresh request no replica can take
+    # now (every eligible one overloaded) is held at the router and released least-served
+    # tenant first (VTC, weights from ``tenants``) as capacity returns; at most
+    # ``fleet_queue_max`` held (and each tenant's ``max_queued``), none past its deadline
+    # or ``fleet_queue_max_wait_s``. Off: such a request goes to the least bad replica.
+    # Off by default: measured (docs/perf-log.md, 2026-12-05) it did not engage below
+    # saturation, and at saturation it cost the light tenant 30-70 ms of TTFT p50 against the
+    # replicas' own admission and VTC, which already kept it from behind the flood; its
+    # hold follows the router's TTFT prediction, which assumes a replica serves its backlog
+    # in arrival order, not by VTC
+    fleet_queue: bool = False
+    fleet_queue_max: int = 1024
+    fleet_queue_max_wait_s: float = 30.0
     # Where replicas come from besides ``replicas`` and ``weir replicas add``: "static"
     # (nowhere else), or "dns": every ``discovery_interval_s`` the router resolves
     # ``discovery_name`` (a headless Service: one A record per pod), names each address by
@@ -638,6 +651,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "router.heartbeat_timeout_s must exceed heartbeat_interval_s")
         _require(0 < self.kv_high <= 1, "router.kv_high must be in (0, 1]")
         _require(self.reroute_attempts >= 0, "router.reroute_attempts must be >= 0")
+        _require(self.fleet_queue_max >= 1 and self.fleet_queue_max_wait_s > 0,
+                 "router.fleet_queue_max must be >= 1 and fleet_queue_max_wait_s > 0")
         _require(self.default_prefill_tokens_per_s > 0,
                  "router.default_prefill_tokens_per_s must be > 0")
 

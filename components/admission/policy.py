@@ -83,6 +83,7 @@ from components.costs.estimate import OutputStats
 from components.tenancy.bucket import TokenBucket
 from components.tenancy.fairness import VirtualCounters
 from components.tenancy.retry import DrainRate
+from components.tenancy.window import UsageWindow
 from schemas.config import ServiceClass, TenantConfig, WeirConfig
 from schemas.resolve import resolve
 from schemas.validate import check_length
@@ -108,6 +109,7 @@ class AdmissionPolicy:
         self.rejections: Counter[tuple[str, str]] = Counter()    # (reason, class) -> count
         self.outputs = OutputStats(adm.output_percentile)
         self.buckets = TenantBuckets()
+        self.usage = UsageWindow()      # tokens used per tenant, recently: a router's buckets
         self.vtc = VirtualCounters({t.name: t.weight for t in adm.tenants})   # queue order
         self.queue = AdmissionQueue(self.vtc)
         self.ttft = TtftModel(config, self.vtc)
@@ -262,6 +264,7 @@ class AdmissionPolicy:
                            len(req.prompt_token_ids) - est.uncached_tokens, decision.priority,
                            due_ns(req, est.deadline_ms))
         self.vtc.charge(tenant, est.uncached_tokens, seqs * est.expected_output)
+        self.usage.add(tenant, len(req.prompt_token_ids), now)
         self.live.admitted_since += 1
         if self.kind == "deadline" and (bucket := self.buckets.of(self.tenants[tenant], now)):
             bucket.take(est.uncached_tokens + seqs * est.expected_output, now)
@@ -277,6 +280,8 @@ class AdmissionPolicy:
             if held is None:
                 continue
             self.releases.ended(now)
+            if output_tokens and rid in output_tokens:
+                self.usage.add(held.tenant, output_tokens[rid], now)
             if output_tokens and rid in output_tokens and held.service_class:
                 self.outputs.observe(held.tenant, held.service_class,
                                      output_tokens[rid] // max(held.n, 1))
@@ -362,8 +367,9 @@ class AdmissionPolicy:
         return out
 
     # ------------------------------------------------------------------ stats
-    def stats(self) -> dict[str, float]:
-        """Counters for ``weir status`` and the gateway's metrics (``stats.py``)."""
+    def stats(self, now: float | None = None) -> dict[str, float]:
+        """Counters for ``weir status`` and the gateway's metrics (``stats.py``); at
+        ``now``, each tenant's recent token use too."""
         out: dict[str, float] = {"outstanding": len(self.ledger), "queued": self.queued,
                                  "reserved_kv_blocks": self.ledger.reserved_blocks}
         out.update(ttft_stats(self.ttft))
@@ -372,6 +378,9 @@ class AdmissionPolicy:
         # with ``ledger.outstanding.<tenant>``, what a router rebuilds its fleet-wide
         # outstanding caps from after it restarts (components/router/budgets.py)
         out.update({f"queued.{t}": v for t, v in self.queue.tenant_depth().items()})
+        # and ``used_tokens.<window>s.<tenant>``, its token buckets (tenancy/window.py)
+        if now is not None:
+            out.update(self.usage.stats(now))
         out.update(self.live_stats())
         return out
 

@@ -263,4 +263,4 @@ class AdmissionService(Component):
         return {"admission": self.config.admission.describe()}
 
     def stats(self) -> dict[str, float]:
-        return self.policy.stats()
+        return self.policy.stats(time.monotonic())

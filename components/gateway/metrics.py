@@ -254,7 +254,40 @@ class _EngineCollector:
                 elif field == "lost":
                     lost.add_metric([self.model, name], value)
         yield from (dec, rerouted, healthy, lost)
+        yield from self._fleetq_families(router)
         yield from self._signal_families(router)
+
+    def _fleetq_families(self, router: dict[str, float]):
+        """The router's fleet queue (components/router/fleetq.py; empty while
+        ``router.fleet_queue`` is off): requests held per tenant, each tenant's virtual
+        counter, the wait of those released, and the refusals by reason."""
+        depth = GaugeMetricFamily("weir:router_fleet_queue_depth", "Requests held in the "
+                                  "router's fleet queue, by tenant.",
+                                  labels=["model_name", "tenant"])
+        counter = GaugeMetricFamily("weir:router_fleet_virtual_counter", "Each tenant's "
+                                    "weighted service across the fleet (VTC): the fleet "
+                                    "queue releases the least first.",
+                                    labels=["model_name", "tenant"])
+        wait = GaugeMetricFamily("weir:router_fleet_queue_wait_seconds", "Wait in the fleet "
+                                 "queue of the requests released from it (recent).",
+                                 labels=["model_name", "quantile"])
+        events = CounterMetricFamily("weir:router_fleet_queue_events", "Requests held, "
+                                     "released, removed (cancelled) and refused "
+                                     "(refused.queue_full, refused.deadline: at arrival; "
+                                     "refused.expiring: held).",
+                                     labels=["model_name", "event"])
+        for key, value in sorted(router.items()):
+            if key.startswith("fleetq.depth."):
+                depth.add_metric([self.model, key[len("fleetq.depth."):]], value)
+            elif key.startswith("fleetq.counter."):
+                counter.add_metric([self.model, key[len("fleetq.counter."):]], value)
+            elif key in ("fleetq.wait_ms.p50", "fleetq.wait_ms.p99"):
+                wait.add_metric([self.model, "0.5" if key.endswith("p50") else "0.99"],
+                                value / 1e3)
+            elif key.startswith("fleetq.") and key.split(".")[1] in (
+                    "held", "released", "removed", "refused"):
+                events.add_metric([self.model, key[len("fleetq."):]], value)
+        yield from (depth, counter, wait, events)
 
     def _signal_families(self, router: dict[str, float]):
         """The signals that lead latency (components/router/signals.py), per replica

@@ -27,8 +27,17 @@ replicas' own budgets (``admission.tenants``) stay as a per-replica backstop.
   requests this router placed on that replica before the report was asked is work it did
   not place (``reported``), and counts against the tenant's cap until a later report no
   longer shows it. So the caps hold across a restart with no state of the router's own on
-  disk, and state lives where the work is. The token buckets restart full: a restart can
-  give a tenant at most one burst more.
+  disk, and state lives where the work is.
+- **Buckets rebuilt too.** Each replica's admission also reports the tokens each tenant
+  used there over trailing windows of 1 to 64 s (``used_tokens.<w>s.<tenant>``: prompts
+  at admission, outputs at release; ``components.tenancy.window``). A tenant's bucket is
+  made at its first request through this router, when this router has placed none of its
+  work, so what the replicas report then is what came before (the last router's): the
+  bucket starts at the level those windows bound (``rebuilt_level``), not full. What the
+  requests open across the restart generate after it is not charged (their prompts are):
+  at most the tenant's outstanding cap times their outputs. Rebuilt rather than persisted
+  for the same reason as the caps: nothing on the router's disk, which a rescheduled pod
+  does not keep, and nothing to go stale while the router is down.
 """
 from __future__ import annotations
 
@@ -39,11 +48,13 @@ from typing import NamedTuple
 
 from components.tenancy.bucket import TokenBucket
 from components.tenancy.retry import DrainRate
+from components.tenancy.window import rebuilt_level
 from schemas.client import StatusReport
 from schemas.config import TenantConfig
 
 OUTSTANDING = "ledger.outstanding."          # a replica admission's per-tenant stats
 QUEUED = "queued."
+USED = "used_tokens."                        # used_tokens.<window>s.<tenant>
 # a replica's admission lets a request go a moment after its terminal reached the router
 # (the scheduler's release crosses the bus): a request ended this recently before a report
 # was asked may still be counted in it, and is taken as this router's own
@@ -90,6 +101,23 @@ def reported_outstanding(report: StatusReport | None) -> Counter[str]:
     return out
 
 
+def reported_used(report: StatusReport | None) -> dict[str, dict[int, float]]:
+    """Tokens per tenant a replica's admission says were used there over each trailing
+    window (tenant -> window seconds -> tokens)."""
+    out: dict[str, dict[int, float]] = {}
+    if report is None:
+        return out
+    for c in report.components:
+        if c.name != "admission":
+            continue
+        for key, v in c.stats.items():
+            if key.startswith(USED):
+                window, _, tenant = key[len(USED):].partition(".")
+                if window.endswith("s") and window[:-1].isdigit() and tenant:
+                    out.setdefault(tenant, {})[int(window[:-1])] = v
+    return out
+
+
 class FleetBudgets:
     """Per tenant named in ``tenants``: its bucket, the requests this router placed, and
     those the replicas report beyond them. A tenant not named is not governed here."""
@@ -102,6 +130,8 @@ class FleetBudgets:
         self.own: Counter[str] = Counter()
         self.unplaced: dict[str, Counter[str]] = {}    # replica -> tenant -> not ours
         self.drains: dict[str, DrainRate] = {}
+        self.used: dict[str, dict[str, dict[int, float]]] = {}   # replica -> reported_used
+        self.rebuilt: dict[str, float] = {}    # tenant -> the level its bucket started at
         self.refusals: Counter[str] = Counter()
         self.refunded = 0
 
@@ -120,6 +150,11 @@ class FleetBudgets:
         b = self.buckets.get(tenant)
         if b is None:
             b = self.buckets[tenant] = TokenBucket(t.token_rate, t.token_burst, now)
+            seen: Counter[int] = Counter()
+            for used in self.used.values():
+                seen.update(used.get(tenant, {}))
+            if seen:
+                b.level = self.rebuilt[tenant] = rebuilt_level(b.rate, b.burst, dict(seen))
         return b
 
     # ------------------------------------------------------------------ decisions
@@ -191,12 +226,17 @@ class FleetBudgets:
             self.refunded += p.charged - used
 
     # ------------------------------------------------------------------ reports
-    def reported(self, replica: str, held: Mapping[str, int], asked: float) -> None:
+    def reported(self, replica: str, held: Mapping[str, int], asked: float,
+                 used: dict[str, dict[int, float]] | None = None) -> None:
         """``replica``'s load report, answering a query sent at ``asked``, says its
         admission holds ``held`` requests per tenant: what it counts beyond the requests
         this router had placed there before then, open then or ended less than
         ``RELEASE_LAG_S`` before, is work this router did not place (the last router's,
-        before a restart) and counts against the tenant's cap."""
+        before a restart) and counts against the tenant's cap. ``used``: the tokens each
+        tenant used there recently (``reported_used``), what a bucket made later starts
+        from."""
+        if used is not None:
+            self.used[replica] = used
         self.recent = [p for p in self.recent if p.ended_at > asked - RELEASE_LAG_S]
         ours: Counter[str] = Counter(
             p.tenant for p in (*self.placed.values(), *self.recent)
@@ -212,6 +252,7 @@ class FleetBudgets:
     def lost(self, replica: str) -> None:
         """``replica`` is out (or let go): what it reported is gone with it."""
         self.unplaced.pop(replica, None)
+        self.used.pop(replica, None)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {f"budget.refused.{k}": v for k, v in self.refusals.items()}
@@ -223,4 +264,6 @@ class FleetBudgets:
                 out[f"budget.unplaced.{t}"] = held - self.own[t]
             if (b := self.buckets.get(t)) is not None:
                 out[f"budget.tokens.{t}"] = round(b.level, 1)
+            if t in self.rebuilt:
+                out[f"budget.rebuilt_tokens.{t}"] = round(self.rebuilt[t], 1)
         return out

@@ -84,6 +84,7 @@ class Flight:
     announced: bool = False             # its client has its Accepted
     migrated_at: float = 0.0            # when its latest migration began (0: none open)
     first_token_at: float = 0.0         # when its client's first token came
+    held_at: float = 0.0                # when the fleet queue took it (0: never held)
 
     @property
     def request_id(self) -> str:
@@ -188,16 +189,43 @@ class RoutingCore:
             min(reserved / total, 1.0) if total else 0.0,
             r.tenant_blocks(f.tenant) / total if total else 0.0)
 
-    def route(self, f: Flight, replicas: Iterable[Replica], flights: Mapping[str, Flight],
-              now: float) -> Route:
-        """Where ``f`` goes now, among the ``replicas`` it has not tried and that are not
-        retiring."""
+    def ranking(self, f: Flight, replicas: Iterable[Replica], flights: Mapping[str, Flight],
+                now: float, since: float | None = None) -> list[Score]:
+        """The ``replicas`` ``f`` has not tried and that are not retiring, eligible ones
+        only, best first (``scoring.rank``) against its deadline less the time since
+        ``since`` (its arrival by default): decides nothing."""
         candidates = [r for r in replicas if r.spec.name not in f.tried and not r.retiring]
         deadline_s = ttft_deadline_s(f.submit, f.tenant, self.admission,
                                      self.rc.overload_ttft_s)
         states = [self.state(r, f, flights) for r in candidates]
-        ranked = rank(states, f.prompt_tokens, deadline_s - (now - f.arrival),
-                      self.rc.weights, self.rc.kv_high, self.rc.policy == "cache_aware")
+        start = f.arrival if since is None else since
+        return rank(states, f.prompt_tokens, deadline_s - (now - start),
+                    self.rc.weights, self.rc.kv_high, self.rc.policy == "cache_aware")
+
+    def full(self, f: Flight, replicas: Iterable[Replica], flights: Mapping[str, Flight],
+             now: float) -> bool | None:
+        """Whether no replica can take ``f`` now: every eligible one is overloaded for it,
+        as for a request arriving now (the time it has waited in the fleet queue does not
+        make a replica overloaded; its deadline's passing is the queue's to refuse);
+        None: none is eligible at all."""
+        ranked = self.ranking(f, replicas, flights, now, since=now)
+        return ranked[0].overloaded if ranked else None
+
+    def held_until(self, f: Flight, max_wait_s: float) -> float:
+        """The latest ``f`` may wait in the fleet queue (fleetq.py): its TTFT deadline (its
+        own or its class's), its end-to-end deadline, or ``max_wait_s``, from its
+        arrival."""
+        ms = resolve(self.admission, f.tenant, f.submit.service_class,
+                     f.submit.deadline_ms).deadline_ms
+        e2e = f.submit.e2e_deadline_ms
+        return f.arrival + min(max_wait_s, ms / 1e3 if ms is not None else max_wait_s,
+                               e2e / 1e3 if e2e is not None else max_wait_s)
+
+    def route(self, f: Flight, replicas: Iterable[Replica], flights: Mapping[str, Flight],
+              now: float) -> Route:
+        """Where ``f`` goes now, among the ``replicas`` it has not tried and that are not
+        retiring."""
+        ranked = self.ranking(f, replicas, flights, now)
         return Route(ranked, self.decide(f, ranked, now))
 
     def decide(self, f: Flight, ranked: list[Score], now: float) -> Decision | None:

@@ -36,8 +36,14 @@ from bus.identity import Identity, Keyring, Refusal, load_service_key, visible_s
 from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
 from components.router import intake, migration
-from components.router.budgets import FleetBudgets, estimate, reported_outstanding
+from components.router.budgets import (
+    FleetBudgets,
+    estimate,
+    reported_outstanding,
+    reported_used,
+)
 from components.router.discovery import Discovery, DnsResolver, Resolver, plan
+from components.router.fleetq import FleetQueue
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
@@ -67,14 +73,17 @@ from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 log = structlog.get_logger("router")
 
 
-def used(terminal: Any) -> int | None:
-    """The tokens a request used by its terminal: a Finished's usage, none for a refusal
-    (the replica never ran it); None when it cannot be told (failed, cancelled)."""
+def used(terminal: Any) -> tuple[int, int] | None:
+    """The tokens a request used by its terminal, (prompt, completion): a Finished's usage,
+    none for a refusal (the replica never ran it); None when it cannot be told (failed,
+    cancelled)."""
     if isinstance(terminal, Finished):
-        return terminal.usage.prompt_tokens + terminal.usage.completion_tokens
+        return terminal.usage.prompt_tokens, terminal.usage.completion_tokens
     if isinstance(terminal, Rejected):
-        return 0
+        return 0, 0
     return None
+
+
 _TRACER = trace.get_tracer("weir.router")
 
 
@@ -114,6 +123,9 @@ class RouterService(Component):
         self.routing = RoutingCore(rc, self.config.admission, self.config.kv.block_size,
                                    self.config.streamer.idempotency_ttl_s)
         self.budgets = FleetBudgets(rc.tenants)
+        self.fleetq = FleetQueue(rc.tenants, rc.fleet_queue_max) if rc.fleet_queue else None
+        self.freed = False              # capacity may have returned: try the fleet queue
+        self.slots = 0                  # requests ended on replicas while some were held
         self.tokenizing = 0
         self.tokenize_limiter = anyio.CapacityLimiter(intake.TOKENIZE_THREADS)
         self.flights: dict[str, Flight] = {}
@@ -180,6 +192,7 @@ class RouterService(Component):
 
     async def cancel(self, request_id: str, reason: str) -> None:
         await self._cancel(self.flights[request_id], reason)
+        self.freed = True
 
     def malformed_answered(self, reply: Rejected | ProtocolError) -> None:
         pass                              # the router keeps no count of these
@@ -238,16 +251,21 @@ class RouterService(Component):
         now = time.monotonic()
         cost = estimate(f.prompt_tokens, f.submit.params.max_tokens, f.submit.params.n,
                         self.config.engine.max_model_len)
-        placed = bool(f.tried or f.generation)        # a reroute or a migration: counted
+        # a reroute, a migration or a release from the fleet queue: counted already
+        placed = bool(f.tried or f.generation or f.held_at)
         unreported = any(r.healthy and r.report is None for r in self.members)
         if not placed and (no := self.budgets.check(f.tenant, cost, now, unreported)):
             await self._end_here(f, Rejected(rid, no.reason, no.message, no.retry_after_s))
+            return
+        if not placed and self.fleetq is not None and await self._hold(f, cost, now):
             return
         route = self.routing.route(f, self.members, self.flights, now)
         ranked, decision = route.ranked, route.decision
         with _TRACER.start_as_current_span(
                 "router.route", context=tracing.context_from(f.traceparent)) as span:
             span.set_attributes(route_attributes(f, ranked, self.rc.policy))
+            if f.held_at and not f.tried:
+                span.set_attribute("weir.fleetq.wait_ms", round((now - f.held_at) * 1e3, 3))
             if decision is None:
                 span.set_attribute("weir.route.reason", "no_replica")
                 if not f.announced:
@@ -270,6 +288,8 @@ class RouterService(Component):
             self.budgets.moved(rid, r.spec.name)
         else:
             self.budgets.place(rid, f.tenant, r.spec.name, cost, now)
+            if self.fleetq is not None:
+                self.fleetq.placed(rid, f.tenant, f.prompt_tokens)
         self.routing.assign(f, r, route)
         self.counts[f"reason.{decision.reason}"] += 1
         if r.counts["routed"] == 1:
@@ -281,16 +301,18 @@ class RouterService(Component):
 
     async def _cancel(self, f: Flight, reason: str) -> None:
         """The client hears ``cancelled`` now; the replica is told, and its own terminal
-        for the request is swallowed when it comes."""
+        for the request is swallowed when it comes. One held in the fleet queue leaves it
+        (it never ran: its budget charge is given back)."""
         rid = f.submit.request_id
         f.cancelled = True
         self.counts["cancelled"] += 1
+        held = self.fleetq is not None and self.fleetq.remove(rid) is not None
         await self.clients.send(Cancelled(rid, reason), to=f.identity)
         r = self.members.get(f.replica)
         if r is not None and rid in r.open:
             await self.links[r.spec.name].sock.send(Cancel(f.wire_id or rid))
         else:
-            self._forget(f)
+            self._forget(f, (0, 0) if held else None)
 
     async def _end_here(self, f: Flight, event: Any) -> None:
         """End a request at the router (the replicas never had it, or lost it)."""
@@ -299,21 +321,92 @@ class RouterService(Component):
         if not f.cancelled:
             await self.clients.send(event, to=f.identity)
 
-    def _forget(self, f: Flight, used: int | None = None) -> None:
-        """``f`` ended (``used``: the tokens it used, by its terminal; None: unknown)."""
+    def _forget(self, f: Flight, usage: tuple[int, int] | None = None) -> None:
+        """``f`` ended (``usage``: the prompt and completion tokens it used, by its
+        terminal; None: unknown)."""
         rid = f.submit.request_id
         if self.flights.get(rid) is f:
             del self.flights[rid]
             self.wires.pop(f.wire_id, None)
-            self.budgets.ended(rid, used, time.monotonic())
+            self.budgets.ended(rid, None if usage is None else sum(usage), time.monotonic())
+            if self.fleetq is not None:
+                self.fleetq.ended(rid, usage)
+                self.freed = True
+                if f.replica and len(self.fleetq):
+                    self.slots += 1
         r = self.members.get(f.replica)
         if r is not None:
             r.open.discard(rid)
+
+    # ------------------------------------------------------------------ fleet queue
+    async def _hold(self, f: Flight, cost: int, now: float) -> bool:
+        """Hold a fresh request in the fleet queue (fleetq.py) when others are held (none
+        passes them) or no eligible replica can take it now; refuse it if the queue is full
+        or its deadline would pass in it. False: route it now."""
+        assert self.fleetq is not None
+        full = self.routing.full(f, self.members, self.flights, now)
+        if full is None or not (full or len(self.fleetq)):
+            return False
+        rid = f.request_id
+        no = self.fleetq.offer(rid, f.tenant, f.prompt_tokens, now,
+                               self.routing.held_until(f, self.rc.fleet_queue_max_wait_s))
+        if no is not None:
+            self.counts["load_rejected"] += 1
+            await self._end_here(f, Rejected(rid, no.reason, no.message, no.retry_after_s))
+            return True
+        f.held_at = now
+        self.budgets.place(rid, f.tenant, "", cost, now)   # counted while held, no replica
+        self.counts["held"] += 1
+        if not full:
+            await self._release()
+        return True
+
+    async def _release(self) -> None:
+        """Send held requests on, least-served tenant first, while the next one's best
+        replica can take it, or a request ended on a replica since it was held left a
+        slot (``slots``: one release each, so the fleet runs as much as it ran when it
+        filled even while the prediction says full); its refusal or a cancel meanwhile
+        ends it once."""
+        q = self.fleetq
+        self.freed = False
+        while q is not None and (h := q.head()) is not None:
+            f = self.flights.get(h.request_id)
+            now = time.monotonic()
+            if f is None or f.cancelled:                # ended meanwhile: not held
+                q.remove(h.request_id)
+                continue
+            full = self.routing.full(f, self.members, self.flights, now)
+            if full is None or (full and not self.slots):
+                return
+            if full:
+                self.slots -= 1
+                self.counts["fleetq.slot_releases"] += 1
+            q.release(h.request_id, now)
+            await self._route(f)
+        self.slots = 0                                  # none held: none banked
+
+    async def _expire_held(self, now: float) -> None:
+        """Refuse the held requests whose deadline would pass before a release could place
+        them (the next tick and their own prefill), with a retry-after."""
+        assert self.fleetq is not None
+        for h in self.fleetq.expiring(now, self.rc.heartbeat_interval_s,
+                                      self.rc.default_prefill_tokens_per_s):
+            f = self.flights.get(h.request_id)
+            if f is None or f.cancelled:
+                continue
+            self.counts["load_rejected"] += 1
+            await self._end_here(f, Rejected(
+                h.request_id, "deadline_unmeetable",
+                f"held {now - h.held_at:.2f} s in the fleet queue: no replica could take it "
+                f"before its deadline",
+                self.fleetq.releases.retry_after(len(self.fleetq) + 1, now)))
 
     # ------------------------------------------------------------------ replicas
     async def _replica_loop(self, r: Replica, sock: BusSocket) -> None:
         """Every frame from a replica: answers for clients go on as they came."""
         while True:
+            if self.freed and self.fleetq is not None and len(self.fleetq):
+                await self._release()
             data = await sock.recv_raw()
             try:
                 body = self.replies.decode(data).body
@@ -333,7 +426,9 @@ class RouterService(Component):
                     and migration.resumable(f) is None:
                 await self._migrate(f, r, "drain_timeout")
                 continue
+            prefilled = f.prefilled
             step = self.routing.answered(f, r, body, self.members, now)
+            self.freed |= f.prefilled and not prefilled     # its queue estimate fell
             if step == "reroute":
                 self.counts["rerouted"] += 1
                 await self._route(f)
@@ -363,7 +458,9 @@ class RouterService(Component):
         if self.members.heard(r, body, time.monotonic()):
             await self._lose(r, "replica restarted")
         if isinstance(body, StatusReport) and body is r.report:       # a new load report
-            self.budgets.reported(r.spec.name, reported_outstanding(body), r.report_asked)
+            self.budgets.reported(r.spec.name, reported_outstanding(body), r.report_asked,
+                                  reported_used(body))
+            self.freed = True
         if isinstance(body, ServerHeartbeat) and self.members.up(r, body):
             r.up_at = r.up_at or time.monotonic()
             log.info("replica_up", replica=r.spec.name)
@@ -479,6 +576,9 @@ class RouterService(Component):
             for r in self.members.idle_retired():
                 self._let_go(r)
             await self._reap(now)
+            if self.fleetq is not None and len(self.fleetq):
+                await self._release()
+                await self._expire_held(time.monotonic())
             await anyio.sleep(rc.heartbeat_interval_s)
 
     def _excuse(self, stalled_s: float, now: float) -> None:
@@ -588,6 +688,7 @@ class RouterService(Component):
                     "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **self.budgets.stats(),
+                **(self.fleetq.stats(time.monotonic()) if self.fleetq is not None else {}),
                 **self.members.stats(),
                 **signal_stats(self.members, lambda r: self.routing.queue_s(r, self.flights),
                                self.targets, self.counts["load_rejected"])}

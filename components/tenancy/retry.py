@@ -13,6 +13,11 @@ class DrainRate:
     def ended(self, now: float) -> None:
         self._ends.append(now)
 
+    def rate(self, now: float) -> float | None:
+        """Requests ended per second over the window; None until two have ended in it."""
+        recent = [t for t in self._ends if now - t < self.window_s]
+        return len(recent) / max(now - recent[0], 1e-3) if len(recent) >= 2 else None
+
     def retry_after(self, backlog: int, now: float) -> float:
         """Seconds until ``backlog`` requests would end at the recent rate, in [1, 60];
         0.5 requests/s is assumed until two have ended in the window."""

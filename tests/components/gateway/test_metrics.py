@@ -193,6 +193,28 @@ def test_a_gateway_in_front_of_a_router_exports_its_decisions_by_reason():
         ("weir:router_replica_lost_total", ("replica", "r1")): 1.0}
 
 
+def test_a_gateway_in_front_of_a_router_exports_its_fleet_queue():
+    m = GatewayMetrics("m")
+    m.engine.stats = {"router": {
+        "fleetq.depth": 3, "fleetq.depth.acme": 1, "fleetq.depth.flood": 2,
+        "fleetq.counter.acme": 40.0, "fleetq.counter.flood": 900.0,
+        "fleetq.wait_ms.p50": 250.0, "fleetq.wait_ms.p99": 1500.0, "fleetq.oldest_ms": 9.0,
+        "fleetq.held": 12, "fleetq.released": 8, "fleetq.refused.expiring": 1}}
+    assert _samples(m, "weir:router_fleet_queue_depth") == {
+        ("weir:router_fleet_queue_depth", ("tenant", "acme")): 1.0,
+        ("weir:router_fleet_queue_depth", ("tenant", "flood")): 2.0}
+    assert _samples(m, "weir:router_fleet_virtual_counter") == {
+        ("weir:router_fleet_virtual_counter", ("tenant", "acme")): 40.0,
+        ("weir:router_fleet_virtual_counter", ("tenant", "flood")): 900.0}
+    assert _samples(m, "weir:router_fleet_queue_wait_seconds") == {
+        ("weir:router_fleet_queue_wait_seconds", ("quantile", "0.5")): 0.25,
+        ("weir:router_fleet_queue_wait_seconds", ("quantile", "0.99")): 1.5}
+    assert _samples(m, "weir:router_fleet_queue_events") == {
+        ("weir:router_fleet_queue_events_total", ("event", "held")): 12.0,
+        ("weir:router_fleet_queue_events_total", ("event", "refused.expiring")): 1.0,
+        ("weir:router_fleet_queue_events_total", ("event", "released")): 8.0}
+
+
 def test_an_engine_behind_no_router_exports_no_router_families():
     assert _samples(_engine({}), "weir:router_decisions") == {}
 

@@ -1,7 +1,12 @@
 """The router's fleet-wide tenant budgets (components/router/budgets.py), pure: caps counted
 from placement to terminal, the token bucket charged at placement and corrected at the
 end, and the caps rebuilt from the replicas' reports after a restart."""
-from components.router.budgets import FleetBudgets, estimate, reported_outstanding
+from components.router.budgets import (
+    FleetBudgets,
+    estimate,
+    reported_outstanding,
+    reported_used,
+)
 from schemas.client import ComponentStatus, StatusReport
 from schemas.config import TenantConfig
 
@@ -147,3 +152,26 @@ def test_a_request_ended_just_before_a_report_is_not_counted_as_another_routers(
     assert b.outstanding("acme") == 0
     b.reported("r0", {"acme": 1}, 4.0)              # 2 s later it is someone else's
     assert b.outstanding("acme") == 1 and len(b.recent) == 0
+
+
+def test_after_a_restart_a_bucket_starts_from_what_the_replicas_report_used():
+    """The last router let ``acme`` use 300 tokens in the last second on r0 and 100 more
+    on r1 two seconds ago: the new router's bucket (rate 100, burst 200) starts at
+    200 + 100 - 300 = 0, not full; a tenant the reports do not name starts full."""
+    b = FleetBudgets([TenantConfig("acme", token_rate=100, token_burst=200),
+                      TenantConfig("beta", token_rate=100, token_burst=200)])
+    r0 = reported_used(report(used_tokens__1s__acme=300, used_tokens__2s__acme=300,
+                              used_tokens__64s__acme=300, queued__acme=0))
+    r1 = reported_used(report(used_tokens__1s__acme=0, used_tokens__2s__acme=100,
+                              used_tokens__64s__acme=100))
+    assert r0 == {"acme": {1: 300, 2: 300, 64: 300}}
+    b.reported("r0", {}, 0.0, r0)
+    b.reported("r1", {}, 0.0, r1)
+    no = b.check("acme", 50, 10.0)
+    assert no is not None and no.reason == "tenant_token_budget" and "holds 0" in no.message
+    assert b.rebuilt == {"acme": 0.0} and b.stats()["budget.rebuilt_tokens.acme"] == 0.0
+    assert b.check("beta", 50, 10.0) is None and b.buckets["beta"].level == 200
+    assert b.check("acme", 50, 10.5) is None            # it refills at its rate from there
+    # a replica lost takes its report with it; a bucket already made is not rebuilt again
+    b.lost("r0")
+    assert b.used == {"r1": r1} and b.buckets["acme"].refill(10.5) == 50.0

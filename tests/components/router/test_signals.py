@@ -131,6 +131,7 @@ def test_the_router_service_stats_carry_the_signals():
     from types import SimpleNamespace
 
     from components.router.budgets import FleetBudgets
+    from components.router.fleetq import FleetQueue
     from components.router.service import RouterService
 
     class Sessions(dict):
@@ -143,8 +144,10 @@ def test_the_router_service_stats_carry_the_signals():
         routing=SimpleNamespace(sessions=Sessions(), idempotent={},
                                 queue_s=lambda r, flights: 0.5 + len(flights)),
         counts=Counter(load_rejected=3), targets=TARGETS, handovers=[],
-        budgets=FleetBudgets(()))
+        budgets=FleetBudgets(()), fleetq=FleetQueue((), 10))
+    svc.fleetq.offer("q", "acme", 10, 0.0, 60.0)
     out = RouterService.stats(svc)
+    assert out["fleetq.depth"] == 1 and out["fleetq.depth.acme"] == 1
     assert out["requests.load_rejected"] == 3 and out["fleet/load_rejections"] == 3
     assert out["signal/a/queue_s"] == 0.5 and out["fleet/headroom/interactive"] == 0.75
     assert out["signal/a/kv_used"] == 0.5 and out["replica.a.healthy"] == 1
