@@ -611,12 +611,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # tenant first (VTC, weights from ``tenants``) as capacity returns; at most
     # ``fleet_queue_max`` held (and each tenant's ``max_queued``), none past its deadline
     # or ``fleet_queue_max_wait_s``. Off: such a request goes to the least bad replica.
-    # Off by default: measured (docs/perf-log.md, 2026-12-05) it did not engage below
-    # saturation, and at saturation it cost the light tenant 30-70 ms of TTFT p50 against the
-    # replicas' own admission and VTC, which already kept it from behind the flood; its
-    # hold follows the router's TTFT prediction, which assumes a replica serves its backlog
-    # in arrival order, not by VTC
-    fleet_queue: bool = False
+    # The least served tenant's requests pass it (fleetq.FleetQueue.passes): holding them
+    # only added the wait for a release (docs/perf-log.md, 2026-12-05)
+    fleet_queue: bool = True
     fleet_queue_max: int = 1024
     fleet_queue_max_wait_s: float = 30.0
     # Where replicas come from besides ``replicas`` and ``weir replicas add``: "static"

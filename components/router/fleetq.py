@@ -28,10 +28,13 @@ So the router holds what the fleet cannot take now and lets it go in VTC order:
   prompt it sends, so the release stops itself). Each request that ends on a replica
   while some are held also releases one, overloaded or not: the fleet keeps running as
   much as it ran when it filled, whatever the prediction says.
-- **Off by default** (``router.fleet_queue``): the hold follows the router's TTFT
-  prediction, which assumes a replica serves its backlog in arrival order, while each
-  replica's own admission and VTC already start a light tenant ahead of a flood; measured
-  in docs/perf-log.md (2026-12-05), it did not help there.
+- **The least served pass** (``passes``). A fresh request whose tenant has none held and
+  is the least served of the tenants with work in flight or held goes on to a replica at
+  once, full or not: it would be released first anyway, and the replica's own admission
+  and VTC start it ahead of a flood, so holding it only added the wait for the next
+  release (measured in docs/perf-log.md, 2026-12-05: a light tenant's TTFT p50 rose
+  30-70 ms when every request of a full fleet was held). So what the queue holds is the
+  over-served tenants' work, and it is on by default (``router.fleet_queue``).
 - **Bounded.** At most ``max_held`` in all and a tenant's ``max_queued`` (``router.
   tenants``; 64 for a tenant not named): past either, ``queue_full`` with a retry-after
   from the queue's recent release rate.
@@ -146,6 +149,28 @@ class FleetQueue:
         self.held[request_id] = h
         self.counts["held"] += 1
         return None
+
+    def passes(self, tenant: str) -> bool:
+        """Whether a fresh request of ``tenant`` goes on to a replica even while the fleet
+        is full or others are held: none of its tenant's is held, and its tenant is the
+        least served of those with work in flight or held (a tenant with none is first
+        lifted to the least of theirs, as a newly backlogged one is). It would be released
+        first anyway, and the replica's own admission and VTC start it ahead of a flood,
+        so holding it would only add the wait for the next release. Alone, a tenant always
+        passes: the queue is for fairness between tenants."""
+        if self.depth(tenant):
+            return False
+        active = {t for t, _ in self.charged.values()} | {t for t, q in self.queues.items() if q}
+        others = [self.vtc.of(t) for t in active if t != tenant]
+        if not others:
+            self.counts["passed"] += 1
+            return True
+        if tenant not in active:
+            self.vtc.counters[tenant] = max(self.vtc.of(tenant), min(others))
+        if self.vtc.of(tenant) <= min(others):
+            self.counts["passed"] += 1
+            return True
+        return False
 
     def _lift_to(self, tenant: str) -> float:
         """The counter a newly backlogged ``tenant`` is lifted to: the smallest of the

@@ -340,12 +340,13 @@ class RouterService(Component):
 
     # ------------------------------------------------------------------ fleet queue
     async def _hold(self, f: Flight, cost: int, now: float) -> bool:
-        """Hold a fresh request in the fleet queue (fleetq.py) when others are held (none
-        passes them) or no eligible replica can take it now; refuse it if the queue is full
-        or its deadline would pass in it. False: route it now."""
+        """Hold a fresh request in the fleet queue (fleetq.py) when others are held or no
+        eligible replica can take it now, unless its tenant is the least served (it
+        passes); refuse it if the queue is full or its deadline would pass in it. False:
+        route it now."""
         assert self.fleetq is not None
         full = self.routing.full(f, self.members, self.flights, now)
-        if full is None or not (full or len(self.fleetq)):
+        if full is None or not (full or len(self.fleetq)) or self.fleetq.passes(f.tenant):
             return False
         rid = f.request_id
         no = self.fleetq.offer(rid, f.tenant, f.prompt_tokens, now,

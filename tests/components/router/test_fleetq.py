@@ -157,3 +157,33 @@ def test_stats():
     assert s["fleetq.counter.flood"] == 10.0
     assert s["fleetq.wait_ms.p50"] == 1000.0 and s["fleetq.oldest_ms"] == 1500.0
     assert s["fleetq.held"] == 2 and s["fleetq.released"] == 1
+
+
+def test_the_least_served_tenant_passes_and_the_over_served_is_held():
+    q = queue()
+    assert q.passes("flood")                 # alone: nothing to be fair between
+    q.placed("f0", "flood", 300)             # flood has 300 in flight
+    # light has none: lifted to flood's 300, the least served (a tie), so it passes
+    assert q.passes("light") and q.vtc.of("light") == 300.0
+    q.placed("l0", "light", 10)              # light 310 in flight, flood 300
+    assert q.passes("flood") and not q.passes("light")
+    q.placed("f1", "flood", 300)             # flood 600: light is the least served again
+    assert q.passes("light") and not q.passes("flood")
+    # a tenant with a request held never passes it (its own arrive in order)
+    assert q.offer("l1", "light", 10, 0.0, 60.0) is None
+    assert not q.passes("light")
+    assert q.counts["passed"] == 4
+
+
+def test_a_lift_never_lowers_a_counter_and_an_idle_tenant_banks_nothing():
+    q = queue()
+    q.placed("a0", "a", 1000)
+    q.ended("a0", (1000, 0))                 # a served 1000, now idle
+    q.placed("b0", "b", 10)                  # b active at 10
+    assert not q.passes("a")                 # a's 1000 stays: above b's 10
+    assert q.vtc.of("a") == 1000.0
+    q.placed("b1", "b", 2000)                # b at 2010: a, idle, is lifted to it (its
+    assert q.passes("a") and q.vtc.of("a") == 2010.0     # idle time banks nothing): a tie
+    q.ended("b0", (10, 0))
+    q.ended("b1", (2000, 0))                 # nobody in flight: a passes alone
+    assert q.passes("a")
