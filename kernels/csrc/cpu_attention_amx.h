@@ -28,37 +28,6 @@ using weir::amx_configure;
 // probabilities (16 queries x 32 keys), tmm2 the values (16 key pairs x 16 dims), tmm3-6
 // the outputs (16 queries x 64 dims)
 
-// 16 x 16 dwords: dst[j][i] = src[i][j] (dst's rows 64 bytes apart, src's ``stride`` dwords;
-// in place where they are the same)
-inline void transpose16(const uint32_t* src, uint32_t* dst, int64_t stride = 16) {
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    // r[4b + k] holds, in each 128-bit lane l, column 4l + k of rows 4b .. 4b + 3
-    for (int b = 0; b < 4; ++b)
-        for (int k = 0; k < 4; ++k) t[4 * b + k] = r[4 * b + k];
-    for (int k = 0; k < 4; ++k) {
-        // lanes: rows 0-3, 4-7, 8-11, 12-15 of columns 4l + k
-        const __m512i a = _mm512_shuffle_i32x4(t[k], t[4 + k], 0x44);       // b0 l0 l1, b1 l0 l1
-        const __m512i b = _mm512_shuffle_i32x4(t[k], t[4 + k], 0xEE);       // b0 l2 l3, b1 l2 l3
-        const __m512i c = _mm512_shuffle_i32x4(t[8 + k], t[12 + k], 0x44);
-        const __m512i d = _mm512_shuffle_i32x4(t[8 + k], t[12 + k], 0xEE);
-        _mm512_storeu_si512(dst + (0 + k) * 16, _mm512_shuffle_i32x4(a, c, 0x88));   // lane 0
-        _mm512_storeu_si512(dst + (4 + k) * 16, _mm512_shuffle_i32x4(a, c, 0xDD));   // lane 1
-        _mm512_storeu_si512(dst + (8 + k) * 16, _mm512_shuffle_i32x4(b, d, 0x88));   // lane 2
-        _mm512_storeu_si512(dst + (12 + k) * 16, _mm512_shuffle_i32x4(b, d, 0xDD));  // lane 3
-    }
-}
-
 // Prefetch the 16 rows [t, t + 16) (clipped to len) of a cache into cache level Hint, t a
 // multiple of 16 and block_size of 16 (the AMX kernel's chunks): one block, one run of bytes.
 // With weir::slot_of for the kernel's row addresses, in place of a 64-bit divide per row:
@@ -364,45 +333,6 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // more than kLazyRescale (e^8: P's bf16 and the fp32 sums have room), so the output tiles are
 // stored, rescaled and reloaded a few times per row, not once per block. Only D = 64 and bf16
 // caches; other shapes take the tile kernel.
-constexpr int64_t kFlashRows = 32;     // a run of at least this many rows takes this kernel
-constexpr float kLazyRescale = 8.0f;
-#ifndef WEIR_FLASH_KEYS
-#define WEIR_FLASH_KEYS 32
-#endif
-constexpr int kFlashKeys = WEIR_FLASH_KEYS;  // keys a block: 32, 64 and 128 measured
-// 6.1, 6.9 and 7.7 ms for a 2,048-token prompt's layer (2 AMX Xeon cores), 18.8, 18.4, 20.8 for
-// 2,048 after 2,048
-
-struct FlashRun {
-    int64_t i0, n;                     // its rows [i0, i0 + n)
-    int64_t seq, len;                  // its sequence, the keys its last row attends
-    int64_t vpk;                       // where its packed values start (dwords)
-};
-
-// a run's values for kv head h as P.V's B tiles: for each 32 keys, D / 16 tiles of 16 key
-// pairs x 16 dims (dword: key 2j's element low, 2j + 1's high; keys past len zeros)
-template <int D>
-void pack_values(const uint16_t* v_cache, const int32_t* table, int64_t block_size,
-                 int64_t row_stride, int64_t h, int64_t len, uint32_t* dst) {
-    for (int64_t t0 = 0; t0 < len; t0 += 32)
-        for (int dt = 0; dt < D / 16; ++dt) {
-            uint32_t* tile = dst + ((t0 / 32) * (D / 16) + dt) * 256;
-            for (int j = 0; j < 16; ++j) {
-                const int64_t t = t0 + 2 * j;
-                __m512i x0 = _mm512_setzero_si512(), x1 = _mm512_setzero_si512();
-                if (t < len) {
-                    const uint16_t* v0 = v_cache + weir::slot_of(table, block_size, t) * row_stride
-                                         + h * D + dt * 16;
-                    x0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0)));
-                    if (t + 1 < len)   // block_size is a multiple of 16: key t + 1 is the next row
-                        x1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                            reinterpret_cast<const __m256i*>(v0 + row_stride)));
-                }
-                _mm512_store_si512(tile + j * 16, _mm512_or_si512(x0, _mm512_slli_epi32(x1, 16)));
-            }
-        }
-}
-
 inline void zero_output_tiles() { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
 inline void store_output_tiles(float* o) {      // [16 queries][64 dims], rows 256 bytes apart
     _tile_stored(4, o, 256); _tile_stored(5, o + 16, 256);

@@ -152,7 +152,8 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
     std::vector<int64_t> starts, ends;         // each tile's rows [starts[i], ends[i])
     starts.reserve(static_cast<size_t>(n));
     ends.reserve(static_cast<size_t>(n));
-#if defined(WEIR_AMX)
+#if defined(WEIR_FLASH)
+    // a prompt kernel: the AMX one, or where the tiles are not asked for the vector one
     constexpr bool flash_shape = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
     thread_local std::vector<FlashRun> runs;
     runs.clear();
@@ -160,10 +161,10 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
 #endif
     for (int64_t i = 0, j; i < n; i = j) {
         for (j = i + 1; j < n && seqs[j] == seqs[j - 1] && row_lens[j] == row_lens[j - 1] + 1; ++j) {}
-#if defined(WEIR_AMX)
-        if (flash_shape && amx && j - i >= kFlashRows) {
+#if defined(WEIR_FLASH)
+        if (flash_shape && j - i >= kFlashRows) {
             runs.push_back({i, j - i, seqs[i], row_lens[j - 1], packed});
-            packed += kv_heads * ((row_lens[j - 1] + 31) / 32) * (D / 16) * 256;
+            packed += (amx ? 1 : 2) * kv_heads * flash_span<D>(row_lens[j - 1]);   // (+ keys)
             continue;
         }
 #endif
@@ -173,22 +174,30 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
         }
     }
     const int64_t tiles = static_cast<int64_t>(starts.size());
-#if defined(WEIR_AMX)
+#if defined(WEIR_FLASH)
     if constexpr (flash_shape) {
         if (!runs.empty()) {
-            thread_local std::vector<uint32_t> vpk;    // 64-byte aligned: tile rows
+            thread_local std::vector<uint32_t> vpk;    // 64-byte aligned: tile rows, vectors
             if (vpk.size() < static_cast<size_t>(packed) + 16) vpk.resize(static_cast<size_t>(packed) + 16);
             const int64_t skew = ((64 - reinterpret_cast<uintptr_t>(vpk.data()) % 64) % 64) / 4;
-            for (auto& r : runs) r.vpk += skew;
-            flash_runs_amx<D, G>(reinterpret_cast<const uint16_t*>(q),
-                                 reinterpret_cast<const uint16_t*>(k_cache),
-                                 reinterpret_cast<const uint16_t*>(v_cache),
-                                 reinterpret_cast<uint16_t*>(out), runs, row_lens, block_tables,
-                                 table_width, heads, q_row, kv_heads, block_size, scale,
-                                 num_threads, vpk);
+            const auto* qq = reinterpret_cast<const uint16_t*>(q);
+            const auto* kk = reinterpret_cast<const uint16_t*>(k_cache);
+            const auto* vv = reinterpret_cast<const uint16_t*>(v_cache);
+            auto* oo = reinterpret_cast<uint16_t*>(out);
+#if defined(WEIR_AMX)
+            if (amx) {
+                for (auto& r : runs) r.vpk += skew;
+                flash_runs_amx<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width,
+                                     heads, q_row, kv_heads, block_size, scale, num_threads, vpk);
+            } else
+#endif
+            flash_runs_vec<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width, heads,
+                                 q_row, kv_heads, block_size, scale, num_threads, vpk, skew);
         }
     }
     if (tiles == 0) return;
+#endif
+#if defined(WEIR_AMX)
     if constexpr (sizeof(T) == 2) {
         if (amx) {
 #pragma omp parallel num_threads(num_threads)

@@ -258,19 +258,22 @@ def test_amx_kernel_matches_the_vector_kernel_and_reference(block_size, group, d
                                                    dim ** -0.5).float(), got)
 
 
-@pytest.mark.skipif(not native_lib.amx_supported(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("tiles", ["vector", "amx"])
 @pytest.mark.parametrize("block_size", [16, 32, 48])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("scale", [0.125, 2.0], ids=["scale/8", "scale2"])
-def test_amx_prefill_kernel_matches_the_reference(block_size, group, scale):
-    """Prompt chunks of 32 rows or more (the AMX prefill kernel: 16-row blocks, values
-    packed once per kv head, a lazily moving max) beside decode rows and short chunks (the
-    tile kernel), in one call: fresh prompts and chunks after cached context, lengths that
-    end mid-block. At a large scale (scores spread over ~±100) the running max moves many
-    times along a row, so the output tiles' rescaling is exercised."""
+def test_prompt_kernels_match_the_reference(tiles, block_size, group, scale):
+    """Prompt chunks of 32 rows or more (the prompt kernels, where the CPU has AVX512-BF16:
+    16-row blocks, keys and values packed once per kv head, a lazily moving max; on the AMX
+    tiles or by vdpbf16ps) beside decode rows and short chunks (the decode tiles), in one
+    call: fresh prompts and chunks after cached context, lengths that end mid-block. At a
+    large scale (scores spread over ~±100) the running max moves many times along a row, so
+    the outputs' rescaling is exercised. Elsewhere the same cases check the decode tiles."""
+    if tiles == "amx" and not native_lib.amx_supported():
+        pytest.skip("no AMX tiles on this CPU")
     rng = random.Random(block_size * 100 + group * 10 + int(scale))
     backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
-    backend.tiles = "amx"
+    backend.tiles = tiles
     for _ in range(3):
         kv_heads = rng.choice([1, 2, 3])
         qlens = [rng.choice([32, 33, 47, 64, 100, 257]) for _ in range(rng.randint(1, 3))]
