@@ -483,14 +483,7 @@ void flash_runs_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
                     const int32_t* block_tables, int64_t table_width, int64_t heads,
                     int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
                     int num_threads, std::vector<uint32_t>& vpk) {
-    struct Item { int64_t run, h, b0, keys; };
-    std::vector<Item> items;
-    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-        for (int64_t b0 = 0; b0 < runs[r].n; b0 += 16)
-            for (int64_t h = 0; h < kv_heads; ++h)
-                items.push_back({r, h, b0, row_lens[runs[r].i0 + std::min(b0 + 16, runs[r].n) - 1]});
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& a, const Item& b) { return a.keys > b.keys; });
+    const std::vector<FlashItem> items = flash_items(runs, row_lens, kv_heads);
     const int64_t per_head = D / 16 * 256;   // dwords per 32 keys
     const int64_t npack = static_cast<int64_t>(runs.size()) * kv_heads;
     const int64_t nitems = static_cast<int64_t>(items.size());
@@ -507,7 +500,7 @@ void flash_runs_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
         amx_configure();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t x = 0; x < nitems; ++x) {
-            const Item& it = items[x];
+            const FlashItem& it = items[x];
             const FlashRun& run = runs[it.run];
             flash_block_amx<D, G>(q, k_cache, out, run.i0 + it.b0,
                                   static_cast<int>(std::min<int64_t>(16, run.n - it.b0)), row_lens,

@@ -350,6 +350,21 @@ struct FlashRun {
     int64_t vpk;                       // where its packed keys and values start (dwords)
 };
 
+// a prompt kernel's work: 16 rows of a run and one kv head each, longest first (a run's last
+// blocks read the most keys), for threads to take as they come free
+struct FlashItem { int64_t run, h, b0, keys; };
+inline std::vector<FlashItem> flash_items(const std::vector<FlashRun>& runs,
+                                          const int32_t* row_lens, int64_t kv_heads) {
+    std::vector<FlashItem> items;
+    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
+        for (int64_t b0 = 0; b0 < runs[r].n; b0 += 16)
+            for (int64_t h = 0; h < kv_heads; ++h)
+                items.push_back({r, h, b0, row_lens[runs[r].i0 + std::min(b0 + 16, runs[r].n) - 1]});
+    std::stable_sort(items.begin(), items.end(),
+                     [](const FlashItem& a, const FlashItem& b) { return a.keys > b.keys; });
+    return items;
+}
+
 // a run's values for kv head h as P.V's pairs (the AMX kernel's B tiles): for each 32 keys, D / 16 tiles of 16 key
 // pairs x 16 dims (dword: key 2j's element low, 2j + 1's high; keys past len zeros)
 template <int D>
@@ -504,14 +519,7 @@ void flash_runs_vec(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
                     const int32_t* block_tables, int64_t table_width, int64_t heads,
                     int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
                     int num_threads, std::vector<uint32_t>& buf, int64_t base) {
-    struct Item { int64_t run, h, b0, keys; };
-    std::vector<Item> items;
-    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-        for (int64_t b0 = 0; b0 < runs[r].n; b0 += 16)
-            for (int64_t h = 0; h < kv_heads; ++h)
-                items.push_back({r, h, b0, row_lens[runs[r].i0 + std::min(b0 + 16, runs[r].n) - 1]});
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& a, const Item& b) { return a.keys > b.keys; });
+    const std::vector<FlashItem> items = flash_items(runs, row_lens, kv_heads);
     const int64_t npack = static_cast<int64_t>(runs.size()) * kv_heads;
     const int64_t nitems = static_cast<int64_t>(items.size());
     auto at = [&](const FlashRun& run, int64_t h, int which) {   // 0 values, 1 keys
@@ -532,7 +540,7 @@ void flash_runs_vec(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t x = 0; x < nitems; ++x) {
-            const Item& it = items[x];
+            const FlashItem& it = items[x];
             const FlashRun& run = runs[it.run];
             const int64_t rows = std::min<int64_t>(16, run.n - it.b0);
             for (int g = 0; g < G; ++g)

@@ -247,6 +247,22 @@ class PrefillBench:
         return 4.0 * spec.head_dim * spec.num_heads * keys * spec.num_layers
 
 
+def breakdown_line(model: LlamaModel, spent: dict[str, float], step, steps: int) -> str:
+    """``steps`` calls of ``step`` with the timers of :func:`time_parts` (``spent``) around
+    the model: each part's ms a step, largest first, then the rest (Python, the embedding,
+    the logits' cast)."""
+    spent.clear()
+    model.layer_seconds.zero_()
+    total = sum(step() for _ in range(steps))
+    for part, sec in zip(cpu_forward.LAYER_PARTS, model.layer_seconds.tolist()):
+        if sec:
+            spent[f"layers: {part}"] = sec
+    parts = sorted(spent.items(), key=lambda kv: -kv[1])
+    return (f"total {total / steps * 1e3:.2f}; "
+            + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in parts)
+            + f", rest {(total - sum(spent.values())) / steps * 1e3:.2f}")
+
+
 def prefill_table(model: LlamaModel, sizes: list[int], contexts: list[int], chunk: int,
                   steps: int, rate: float, breakdown: bool) -> None:
     """Each prefill step's ms against its floor: the step's linear layers at the fastest
@@ -275,17 +291,8 @@ def prefill_table(model: LlamaModel, sizes: list[int], contexts: list[int], chun
         return
     spent = time_parts(model)
     for bench in benches:
-        spent.clear()
-        model.layer_seconds.zero_()
-        total = sum(bench.step() for _ in range(steps))
-        for part, sec in zip(cpu_forward.LAYER_PARTS, model.layer_seconds.tolist()):
-            if sec:
-                spent[f"layers: {part}"] = sec
-        parts = sorted(spent.items(), key=lambda kv: -kv[1])
-        print(f"{bench.tokens} tokens after {bench.context}, ms/step (mean of {steps}): total "
-              f"{total / steps * 1e3:.1f}; "
-              + ", ".join(f"{k} {v / steps * 1e3:.1f}" for k, v in parts)
-              + f", rest {(total - sum(spent.values())) / steps * 1e3:.1f}")
+        print(f"{bench.tokens} tokens after {bench.context}, ms/step (mean of {steps}): "
+              + breakdown_line(model, spent, bench.step, steps))
 
 
 def interleaved(benches: dict[str, DecodeBench], steps: int) -> dict[str, list[float]]:
@@ -464,18 +471,9 @@ def main() -> None:
         bench = DecodeBench(model, b, args.context)
         for _ in range(2):
             bench.decode()
-        spent = time_parts(model)
-        n = args.steps
-        total = sum(bench.decode() for _ in range(n))
-        for part, sec in zip(cpu_forward.LAYER_PARTS, model.layer_seconds.tolist()):
-            if sec:
-                spent[f"layers: {part}"] = sec
-        parts = sorted(spent.items(), key=lambda kv: -kv[1])
-        print(f"batch {b} breakdown ({model.plan.layer_loop} layer loop), ms/step "
-              f"(mean of {n}): total {total / n * 1e3:.2f}; "
-              + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in parts)
-              + f", rest (Python, embedding, logits cast) "
-                f"{(total - sum(spent.values())) / n * 1e3:.2f}")
+        print(f"batch {b} breakdown ({model.plan.layer_loop} layer loop), ms/step (mean of "
+              f"{args.steps}): " + breakdown_line(model, time_parts(model), bench.decode,
+                                                    args.steps))
 
 
 if __name__ == "__main__":
