@@ -1,0 +1,127 @@
+"""The live config change's core: overlay, the refusal of restart-only fields, versions."""
+from __future__ import annotations
+
+from schemas.config import load_config
+from schemas.config_change import (
+    ConfigHistory,
+    ConfigVersion,
+    PolicySections,
+    Refused,
+    candidate,
+    changed_fields,
+)
+
+BOOT = load_config(None, topology={"run_dir": "/tmp/weir-test"}, kv={"num_blocks": 64},
+                   engine={"max_model_len": 512})
+
+
+def _history() -> ConfigHistory:
+    return ConfigHistory(BOOT, 1000.0)
+
+
+def test_version_zero_is_the_boot_config() -> None:
+    h = _history()
+    assert h.current == ConfigVersion(0, PolicySections.of(BOOT).digest(), "startup", 1000.0)
+    assert h.config == BOOT
+
+
+def test_a_candidate_keeps_what_it_leaves_out() -> None:
+    new = candidate(BOOT, '[admission]\npolicy = "fcfs"\n[scheduler]\nfairness = "fcfs"\n')
+    assert new.admission.policy == "fcfs" and new.scheduler.fairness == "fcfs"
+    assert new.admission.tenants == BOOT.admission.tenants
+    assert new.kv == BOOT.kv and new.scheduler.max_num_seqs == BOOT.scheduler.max_num_seqs
+    assert changed_fields(BOOT, new) == ["admission.policy", "scheduler.fairness"]
+
+
+def test_apply_numbers_hashes_and_records_who_and_when() -> None:
+    h = _history()
+    v = h.apply('[admission]\nttft_headroom = 0.3\n', "ops/alice", 1001.5)
+    assert isinstance(v, ConfigVersion)
+    assert (v.version, v.applied_by, v.applied_at, v.changed, v.rollback_of) == (
+        1, "ops/alice", 1001.5, ("admission.ttft_headroom",), None)
+    assert v.sha256 == PolicySections.of(h.config).digest() != h.versions[0].sha256
+    assert h.config.admission.ttft_headroom == 0.3
+
+
+def test_the_hash_is_the_policy_not_the_file_layout() -> None:
+    a, b = _history(), _history()
+    va = a.apply('[admission]\npolicy = "fcfs"\nkv_safety = 0.2\n', "x", 1.0)
+    vb = b.apply('# the same policy, in two steps\n[admission]\nkv_safety = 0.2\n', "y", 2.0)
+    vb2 = b.apply('[admission]\npolicy = "fcfs"\n', "y", 3.0)
+    assert isinstance(va, ConfigVersion) and isinstance(vb, ConfigVersion)
+    assert isinstance(vb2, ConfigVersion)
+    assert vb2.sha256 == va.sha256 != vb.sha256
+
+
+def test_restart_only_fields_are_refused_by_name_and_nothing_is_applied() -> None:
+    h = _history()
+    r = h.apply('[admission]\npolicy = "fcfs"\n[engine]\ndtype = "bfloat16"\n'
+                '[kv]\nnum_blocks = 128\n[topology]\nbase_port = 9000\n'
+                '[scheduler]\nmax_num_seqs = 4\n', "op", 5.0)
+    assert isinstance(r, Refused)
+    assert r.reasons == (
+        "engine.dtype needs a restart (the model, dtype and device are loaded at start)",
+        "kv.num_blocks needs a restart (the KV pool is sized and allocated at start)",
+        "scheduler.max_num_seqs needs a restart (the executor's batch buffers and step "
+        "pipeline are sized at start)",
+        "topology.base_port needs a restart (sockets are bound at start)")
+    assert h.current.version == 0 and h.config == BOOT
+
+
+def test_restating_a_restart_only_field_unchanged_is_fine() -> None:
+    h = _history()
+    v = h.apply('[kv]\nnum_blocks = 64\n[admission]\npolicy = "fcfs"\n', "op", 5.0)
+    assert isinstance(v, ConfigVersion) and v.changed == ("admission.policy",)
+
+
+def test_an_invalid_or_unknown_field_is_refused_with_the_config_error() -> None:
+    h = _history()
+    bad = h.apply('[admission]\nttft_headroom = 1.5\n', "op", 5.0)
+    unknown = h.apply('[admission]\nno_such = 1\n', "op", 5.0)
+    not_toml = h.apply('[admission\n', "op", 5.0)
+    assert isinstance(bad, Refused) and "ttft_headroom must be in [0, 1)" in bad.message
+    assert isinstance(unknown, Refused) and "no_such" in unknown.message
+    assert isinstance(not_toml, Refused) and not_toml.message.startswith(
+        "config not applied: not TOML")
+    assert len(h.versions) == 1
+
+
+def test_a_service_class_may_change_but_not_go() -> None:
+    h = _history()
+    names = list(BOOT.admission.service_classes())
+    assert len(names) >= 2
+    kept = "\n".join(f'[[admission.classes]]\nname = "{n}"\n' for n in names[1:])
+    r = h.apply(f'[[admission.tenants]]\nname = "default"\ndefault_class = "{names[1]}"\n'
+                + kept, "op", 5.0)
+    assert isinstance(r, Refused)
+    assert r.reasons == (f"admission.classes removes {names[0]}: requests in flight keep "
+                         "their class (change it or leave it unused)",)
+
+
+def test_speculation_may_drop_below_but_not_rise_above_its_start() -> None:
+    h = _history()
+    down = h.apply('[speculative]\nmax_k = 1\n', "op", 5.0)
+    assert isinstance(down, ConfigVersion) and down.changed == ("speculative.max_k",)
+    back = h.apply(f'[speculative]\nmax_k = {BOOT.speculative.max_k}\n', "op", 6.0)
+    assert isinstance(back, ConfigVersion)
+    up = h.apply(f'[speculative]\nmax_k = {BOOT.speculative.max_k + 1}\n', "op", 7.0)
+    assert isinstance(up, Refused) and "speculative.max_k" in up.message
+    method = h.apply('[speculative]\nmethod = "off"\n', "op", 7.0)
+    assert isinstance(method, Refused) and method.reasons == (
+        "speculative.method needs a restart (the draft method and model are loaded at start)",)
+
+
+def test_rollback_restores_an_earlier_policy_as_a_new_version() -> None:
+    h = _history()
+    h.apply('[admission]\npolicy = "fcfs"\n', "a", 1.0)
+    h.apply('[scheduler]\nchunking = "fixed"\n', "b", 2.0)
+    prev = h.rollback(None, "c", 3.0)             # the one before the current
+    assert isinstance(prev, ConfigVersion)
+    assert (prev.version, prev.rollback_of, prev.changed) == (3, 1, ("scheduler.chunking",))
+    assert prev.sha256 == h.versions[1].sha256
+    to_boot = h.rollback(0, "c", 4.0)
+    assert isinstance(to_boot, ConfigVersion) and to_boot.sha256 == h.versions[0].sha256
+    assert h.config == BOOT and [v.version for v in h.versions] == [0, 1, 2, 3, 4]
+    missing = h.rollback(9, "c", 5.0)
+    assert isinstance(missing, Refused) and missing.reasons == (
+        "no version 9 (versions 0..4)",)
