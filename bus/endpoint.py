@@ -11,7 +11,7 @@ Per frame, one at a time:
   cancels the requests of a client silent past its timeout, ``gone``);
 - ``Submit`` goes to the owner; ``Cancel`` ends a request only for the client that holds
   it; ``Heartbeat`` is answered with the owner's instance and whether it drains;
-  ``StatusQuery`` and ``ChangeReplicas`` with the owner's answers.
+  ``StatusQuery``, ``ChangeReplicas`` and ``ConfigCommand`` with the owner's answers.
 
 What a request is, who may submit it and how it ends is the owner's (``EndpointOwner``).
 """
@@ -28,6 +28,8 @@ from schemas.client import (
     Cancel,
     ChangeReplicas,
     ClientMsg,
+    ConfigAnswer,
+    ConfigCommand,
     Heartbeat,
     ProtocolError,
     Rejected,
@@ -68,6 +70,8 @@ class EndpointOwner(Protocol):
     def status(self, query_id: str, api_key: str | None) -> StatusReport: ...
 
     def change_replicas(self, change: ChangeReplicas) -> ReplicasChanged: ...
+
+    async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer: ...
 
     def malformed_answered(self, reply: Rejected | ProtocolError) -> None:
         """A malformed frame was answered with ``reply`` (for the owner's counts)."""
@@ -110,6 +114,8 @@ class ClientEndpoint:
                 await self.sock.send(owner.status(qid, key), to=who)
             case ChangeReplicas() as change:
                 await self.sock.send(owner.change_replicas(change), to=who)
+            case ConfigCommand() as cmd:
+                await self.sock.send(await owner.config_command(cmd), to=who)
 
     async def _reply_malformed(self, frame: MalformedFrame) -> None:
         if frame.identity is None:

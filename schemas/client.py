@@ -8,6 +8,8 @@ from typing import Literal
 
 import msgspec
 
+from schemas.config_change import ConfigVersion
+
 # "deadline": the request's end-to-end deadline passed while it was decoding; its output so
 # far is what it got (like "length", cut short; see Submit.e2e_deadline_ms)
 FinishReason = Literal["stop", "length", "deadline"]
@@ -180,7 +182,26 @@ class ChangeReplicas(msgspec.Struct, tag="change_replicas", frozen=True,
     api_key: str | None = None
 
 
-ClientMsg = Submit | Cancel | Heartbeat | StatusQuery | ChangeReplicas
+ConfigAction = Literal["apply", "rollback", "history"]
+
+
+class ConfigCommand(msgspec.Struct, tag="config", frozen=True, forbid_unknown_fields=True):
+    """To an engine, from an operator (an operator or the service key; anyone where no
+    keys are configured): ``apply`` the config ``toml`` (laid over the running one: the
+    policy sections change live, anything else is refused; ``schemas/config_change.py``),
+    ``rollback`` to ``version`` (None: the one before the current), or list the
+    ``history``. ``actor`` is who the operator says they are (recorded beside the key's
+    name). Answered by ``ConfigAnswer``; a router answers it with an error."""
+
+    query_id: str = ""
+    action: ConfigAction = "history"
+    toml: str = ""
+    version: int | None = None
+    actor: str = ""
+    api_key: str | None = None
+
+
+ClientMsg = Submit | Cancel | Heartbeat | StatusQuery | ChangeReplicas | ConfigCommand
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -361,6 +382,17 @@ class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
     retiring: tuple[str, ...] = ()      # removed, with requests still open on them
 
 
+class ConfigAnswer(msgspec.Struct, tag="config_answer", frozen=True):
+    """An engine's answer to ``ConfigCommand``: ``error`` None when it was done (a refused
+    config names every reason and changes nothing), the version in force now, and (for
+    ``history``) every version applied, oldest first."""
+
+    query_id: str
+    error: str | None = None
+    current: ConfigVersion | None = None
+    history: tuple[ConfigVersion, ...] = ()
+
+
 class Events(msgspec.Struct, tag="events", frozen=True):
     """Several events for one client, in order: what an engine step produced for its
     requests (sent only to clients that asked, by ``Submit.batch_events``). Each event
@@ -370,4 +402,4 @@ class Events(msgspec.Struct, tag="events", frozen=True):
 
 
 ServerMsg = (Accepted | TextDelta | Finished | Rejected | Cancelled | Failed | StatusReport
-             | ServerHeartbeat | ProtocolError | ReplicasChanged | Events)
+             | ServerHeartbeat | ProtocolError | ReplicasChanged | ConfigAnswer | Events)

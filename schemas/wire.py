@@ -52,6 +52,7 @@ from schemas.client import (  # noqa: F401 - the client protocol, re-exported
     TopLogprob,
     Usage,
 )
+from schemas.config_change import PolicySections
 
 T = TypeVar("T")
 
@@ -309,7 +310,20 @@ class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
     cached_tokens: int
 
 
-AdmissionMsg = Tokenized | CancelRequest | Released | SchedulerLoad | CacheAnswer | Holding
+class PolicyChange(msgspec.Struct, tag="policy_change", frozen=True):
+    """From the streamer to admission and the scheduler: the policy of config ``version``
+    (``schemas/config_change.py``), in force from the next decision each makes. What
+    either already decided stands: a request keeps the class, deadline and priority it
+    was admitted with; per-tenant state (budgets, token buckets, virtual counters)
+    carries over by tenant name."""
+
+    version: int
+    sha256: str
+    sections: PolicySections
+
+
+AdmissionMsg = (Tokenized | CancelRequest | Released | SchedulerLoad | CacheAnswer | Holding
+                | PolicyChange)
 
 
 # ---------------------------------------------------------------- scheduler inbox
@@ -439,7 +453,7 @@ class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
 
 
 SchedulerMsg = (Admitted | CancelRequest | StopRequest | StepResult | KvGrants | KvManagerUp
-                | ExecutorReady)
+                | ExecutorReady | PolicyChange)
 
 
 # ---------------------------------------------------------------- kv_manager inbox

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+from datetime import UTC
 from pathlib import Path
 
 from components.model.kv_sizing import sized
@@ -271,6 +272,42 @@ def _replicas(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> int:
+    """An engine's live config (an operator's key): apply a TOML file, roll back, or list
+    the versions."""
+    import getpass
+    from datetime import datetime
+
+    import msgspec
+
+    from weir.client import Client
+    from weir.errors import WeirError
+
+    try:
+        if args.action == "apply" and not args.target:
+            raise ValueError("apply needs a TOML file")
+        toml = Path(args.target).read_text() if args.action == "apply" else ""
+        version = int(args.target) if args.action == "rollback" and args.target else None
+        with Client(args.endpoint) as client:
+            answer = client.config(args.action, toml, version,
+                                   args.actor or getpass.getuser(), args.timeout)
+    except (WeirError, OSError, ValueError) as exc:
+        print(f"weir config {args.action}: {exc}", file=sys.stderr)
+        return 1
+    rows = answer.history if args.action == "history" else (answer.current,)
+    for v in rows:
+        if v is None:
+            continue
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(v)))
+            continue
+        when = datetime.fromtimestamp(v.applied_at, UTC).isoformat(timespec="seconds")
+        what = (f"rollback to {v.rollback_of}" if v.rollback_of is not None
+                else ", ".join(v.changed) or "-")
+        print(f"version {v.version:<4} sha256 {v.sha256[:16]} {when} by {v.applied_by}: {what}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -327,6 +364,11 @@ def _status(args: argparse.Namespace) -> int:
         # admission's policy and the service classes in force
         "policy": (comps["admission"].info.get("admission")
                    if "admission" in comps else None),
+        # the live config version admission and the scheduler decide by (weir config)
+        "config": {"admission_version": int(adm.get("config_version", 0)),
+                   "scheduler_version": int(sched.get("config_version", 0)),
+                   "sha256": (comps["admission"].info.get("config_sha256", "")
+                              if "admission" in comps else "")},
         # the executor's kernel plan: what runs each operation, and how it was chosen
         "kernels": {k.split(".", 1)[1]: v for k, v in (
             comps["executor"].info if "executor" in comps else {}).items()
@@ -363,6 +405,9 @@ def _status(args: argparse.Namespace) -> int:
     a = out["admission"]
     if out["policy"]:
         print(f"policy       {out['policy']}")
+    cv = out["config"]
+    print(f"config       version {cv['admission_version']} (scheduler "
+          f"{cv['scheduler_version']}){' sha256 ' + cv['sha256'][:16] if cv['sha256'] else ''}")
     print(f"admission    outstanding {a['outstanding']} queued {a['queued']} reserved_kv_blocks "
           f"{a['reserved_kv_blocks']}" + "".join(f" rejected[{k}] {v}"
                                                  for k, v in sorted(a["rejections"].items())))
@@ -504,6 +549,20 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--timeout", type=float, default=5.0)
     rp.add_argument("--endpoint", default=None, help=endpoint_help)
     rp.set_defaults(func=_replicas)
+
+    cf = sub.add_parser("config", help="an engine's live config (an operator's key): apply a "
+                                       "TOML's policy sections without a restart, list the "
+                                       "versions, or roll back")
+    cf.add_argument("action", choices=["apply", "history", "rollback"])
+    cf.add_argument("target", nargs="?", default=None, metavar="FILE | VERSION",
+                    help="apply: the TOML file (laid over the running config; only the "
+                         "policy sections may differ); rollback: the version to restore "
+                         "(default: the one before the current)")
+    cf.add_argument("--actor", default=None, help="who applies it (default: $USER)")
+    cf.add_argument("--json", action="store_true", help="one JSON object per version")
+    cf.add_argument("--timeout", type=float, default=5.0)
+    cf.add_argument("--endpoint", default=None, help=endpoint_help)
+    cf.set_defaults(func=_config)
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")

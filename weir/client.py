@@ -35,7 +35,15 @@ from opentelemetry import trace
 
 from bus.socket import BusSocket
 from bus.tracing import context_from, traceparent_of
-from schemas.client import ChangeReplicas, Events, ReplicaAddress, ReplicasChanged
+from schemas.client import (
+    ChangeReplicas,
+    ConfigAction,
+    ConfigAnswer,
+    ConfigCommand,
+    Events,
+    ReplicaAddress,
+    ReplicasChanged,
+)
 from schemas.config import DEFAULT_CLIENT_ENDPOINT
 from schemas.wire import (
     Accepted,
@@ -399,7 +407,7 @@ class AsyncClient:
     def _route(self, event: Any) -> str | None:
         """Put ``event`` in its stream's inbox; the request id to cancel if the inbox
         refused it (over its buffer policy), else None."""
-        if isinstance(event, (StatusReport, ReplicasChanged)):
+        if isinstance(event, (StatusReport, ReplicasChanged, ConfigAnswer)):
             key = "status:" + event.query_id
         elif isinstance(event, ProtocolError):
             key = next(iter(self._streams), None)
@@ -558,6 +566,27 @@ class AsyncClient:
             raise WeirError(answer.error)
         return answer
 
+    async def config(self, action: ConfigAction, toml: str = "", version: int | None = None,
+                     actor: str = "", timeout: float = 5.0) -> ConfigAnswer:
+        """An engine's live config (an operator's key): ``apply`` a TOML text (its policy
+        sections change live), ``rollback`` to ``version`` (None: the one before the
+        current), or the ``history``. Raises WeirError with every reason when the engine
+        changed nothing."""
+        qid = uuid.uuid4().hex
+        recv = self._open("status:" + qid)
+        try:
+            with anyio.fail_after(timeout):
+                await self._sock.send(ConfigCommand(qid, action, toml, version, actor,
+                                                    self.api_key))
+                answer = await recv.get()
+        except TimeoutError:
+            raise RequestTimeout(f"no answer from {self.endpoint} within {timeout}s") from None
+        finally:
+            self._close_stream("status:" + qid)
+        if answer.error is not None:
+            raise WeirError(answer.error)
+        return answer
+
 
 class Client:
     """Blocking client; runs an AsyncClient on a background event loop thread."""
@@ -597,6 +626,10 @@ class Client:
     def change_replicas(self, add: list[ReplicaAddress | str] = (), remove: list[str] = (),
                         timeout: float = 5.0) -> ReplicasChanged:
         return self._portal.call(self._async.change_replicas, add, remove, timeout)
+
+    def config(self, action: ConfigAction, toml: str = "", version: int | None = None,
+               actor: str = "", timeout: float = 5.0) -> ConfigAnswer:
+        return self._portal.call(self._async.config, action, toml, version, actor, timeout)
 
 
 class SyncStream:

@@ -7,6 +7,7 @@ fit instead (degrade). Reads the ledger and the live engine; changes neither.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 from components.admission.decision import Blocker, Estimate
@@ -129,6 +130,18 @@ class TenantBuckets:
         if tenant.name not in self._buckets:
             self._buckets[tenant.name] = TokenBucket(tenant.token_rate, tenant.token_burst, now)
         return self._buckets[tenant.name]
+
+    def retune(self, tenants: Mapping[str, TenantConfig]) -> None:
+        """New rates and bursts, each bucket's level kept (cut to its new burst); the
+        bucket of a tenant with no rate now, or no longer configured, is dropped."""
+        for name, bucket in list(self._buckets.items()):
+            t = tenants.get(name)
+            if t is None or t.token_rate <= 0:
+                del self._buckets[name]
+                continue
+            bucket.rate = t.token_rate
+            bucket.burst = t.token_burst if t.token_burst > 0 else t.token_rate
+            bucket.level = min(bucket.level, bucket.burst)
 
     def get(self, name: str) -> TokenBucket | None:
         """The bucket of tenant ``name`` if it has been made (no bucket is made here)."""

@@ -118,19 +118,24 @@ class LiveEngine:
     ``AdmissionPolicy.on_load``), and the idle cross-check's state."""
 
     def __init__(self, config: WeirConfig) -> None:
-        adm = config.admission
         self.num_blocks = config.kv.num_blocks
         self.watermark = config.kv.watermark_blocks
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.enabled = adm.decode_horizon
-        self.headroom = adm.tpot_headroom
-        self.targets = {name: c.tpot_slo_ms / 1e3
-                        for name, c in adm.service_classes().items() if c.tpot_slo_ms}
+        self.retune(config)
         self.load = SchedulerLoad(0, 0, 0, 0.0, 0.0)
         self.admitted_since = 0           # admitted since the last report
         self._idle_before = False         # the last report was of an idle scheduler
         self._verdict = ""                # the cross-check's, at the last report
         self.mismatches = 0
+
+    def retune(self, config: WeirConfig) -> None:
+        """The decode horizon's switch, headroom and class targets from ``config`` (at
+        start, and on a live config change; the reported load is kept)."""
+        adm = config.admission
+        self.enabled = adm.decode_horizon
+        self.headroom = adm.tpot_headroom
+        self.targets = {name: c.tpot_slo_ms / 1e3
+                        for name, c in adm.service_classes().items() if c.tpot_slo_ms}
 
     # ------------------------------------------------------------------ KV
     @property

@@ -118,6 +118,29 @@ class AdmissionPolicy:
         self.rule = DeadlineRule(config, self.capacity, self.queue, self.buckets,
                                  self.releases, self.tenants, self.classes)
 
+    def reconfigure(self, config: WeirConfig) -> None:
+        """Decide by ``config``'s admission section from now on (a live config change,
+        ``schemas/config_change.py``; only its policy sections differ). Nothing decided
+        is decided again: the ledger, the queue (each entry keeps the class and deadline
+        it was decided with), the TTFT model's learned state, the live pool and the
+        counters stay; the token buckets and virtual counters carry over by tenant name,
+        with the tenants' new rates and weights (a bucket over its new burst is cut to
+        it)."""
+        adm = config.admission
+        self.config = config
+        self.kind = adm.policy
+        self.tenants = adm.tenants_by_name
+        self.classes = adm.service_classes()
+        self.outputs.percentile = adm.output_percentile
+        self.buckets.retune(self.tenants)
+        self.vtc.weights = {t.name: t.weight for t in adm.tenants}
+        self.ttft.fairness = config.scheduler.fairness
+        self.live.retune(config)
+        self.capacity.config = config
+        self.capacity.checks_horizon = adm.policy == "deadline"
+        self.rule.config, self.rule.tenants, self.rule.classes = (
+            config, self.tenants, self.classes)
+
     def drops_late(self, d: Decision) -> bool:
         """Whether the engine ends this admitted request ``deadline_expired`` if its TTFT
         deadline passes before its first token: under the deadline policy, when it has a

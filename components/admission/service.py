@@ -21,6 +21,7 @@ from schemas.wire import (
     CancelRequest,
     EventBatch,
     Holding,
+    PolicyChange,
     Released,
     SchedulerLoad,
     Tokenized,
@@ -35,6 +36,8 @@ class AdmissionService(Component):
 
     async def setup(self) -> None:
         self.policy = AdmissionPolicy(self.config)
+        self.config_version = 0           # the live config's version (PolicyChange), 0: the TOML
+        self.config_sha256 = ""
         self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
         self.traceparents: dict[str, tuple[str | None, int | None]] = {}    # queued requests
         # the two timers below run only while they have something to do: set on the first
@@ -53,6 +56,7 @@ class AdmissionService(Component):
             "weir.request_id": req.request_id,
             "weir.tenant": req.tenant, "weir.service_class": d.service_class,
             "weir.admission.policy": policy.kind,
+            "weir.config.version": self.config_version,
             "weir.admission.decision": d.kind, "weir.admission.reason": d.reason,
             "weir.admission.retry_after_s": (d.rejected.retry_after_s or 0.0)
             if d.rejected else 0.0,
@@ -248,6 +252,12 @@ class AdmissionService(Component):
                                     pool_used_blocks=self.policy.live.used_blocks)
                     if self.policy.queued:
                         await self._drain_queue()
+                case PolicyChange(version=version, sha256=sha, sections=sections):
+                    # between two decisions: the next one is the new version's
+                    self.config = sections.onto(self.config)
+                    self.policy.reconfigure(self.config)
+                    self.config_version, self.config_sha256 = version, sha
+                    log.info("config_version", version=version, policy=self.policy.kind)
                 case Holding(requests=held):          # after our restart: resume the ledger
                     self.policy.holding(held)
                 case Released(request_ids=ids, output_tokens=outputs, ttft_s=ttft):
@@ -260,7 +270,9 @@ class AdmissionService(Component):
             self.policy.forget_all()
 
     def info(self) -> dict[str, str]:
-        return {"admission": self.config.admission.describe()}
+        return {"admission": self.config.admission.describe(),
+                "config_version": str(self.config_version),
+                "config_sha256": self.config_sha256}
 
     def stats(self) -> dict[str, float]:
-        return self.policy.stats(time.monotonic())
+        return {**self.policy.stats(time.monotonic()), "config_version": self.config_version}

@@ -53,6 +53,8 @@ from schemas.client import (
     Cancelled,
     ChangeReplicas,
     ClientMsg,
+    ConfigAnswer,
+    ConfigCommand,
     Failed,
     Finished,
     Heartbeat,
@@ -600,6 +602,10 @@ class RouterService(Component):
         self.endpoint.forget(gone)
 
     # ------------------------------------------------------------------ membership
+    async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer:
+        return ConfigAnswer(cmd.query_id, "a router's config is not yet applied live: apply "
+                            "it to each replica's engine, or restart the router")
+
     def change_replicas(self, c: ChangeReplicas) -> ReplicasChanged:
         """An operator's change of replicas: all of it, or (with the reason) none of it."""
         answer, added = self.members.change(c, self.keys.identify(c.api_key, "default"))

@@ -106,6 +106,17 @@ class SchedulerCore:
         self.planner = Planner(cfg, self.queues, self.leases, self.preemptor, kv.block_size,
                                max_model_len, self.spec, self.cost)
 
+    def reconfigure(self, cfg: SchedulerConfig, tenants: Sequence[TenantConfig],
+                    speculative: SpeculativeConfig) -> None:
+        """Plan by a live config change's policy from the next step on
+        (``schemas/config_change.py``: only fairness, chunking, urgency preemption, the
+        tenants' budgets and weights and the speculation limits differ). Every sequence
+        keeps what it was admitted with; the tenants' counters carry over by name."""
+        self.cfg = self.planner.cfg = self.preemptor.cfg = self.leases.cfg = cfg
+        self.preemptor.urgency = cfg.urgency_preemption
+        self.tenants.retune(cfg, tenants)
+        self.spec.cfg, self.spec.on = speculative, speculative.on
+
     # ------------------------------------------------------------------ inputs
     def add(self, req: Admitted, now_ns: int = 0) -> Seq:
         """Take an admitted request in at wall-clock ``now_ns`` (0: unknown), from which its

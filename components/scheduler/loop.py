@@ -49,6 +49,7 @@ from schemas.wire import (
     KvGrants,
     KvHello,
     KvManagerUp,
+    PolicyChange,
     Released,
     SchedulerLoad,
     StepPlan,
@@ -126,6 +127,7 @@ class SchedulerLoop:
         self.last_step_s = 0.0
         self.late = LateDrops()                 # admitted work past its TTFT or e2e bound
         self.finished: list[StepDone] = []      # the steps answered during the last call
+        self.config_version = 0                 # the live config's (PolicyChange); 0: the TOML
 
     @property
     def dropped_late(self) -> int:
@@ -169,6 +171,12 @@ class SchedulerLoop:
             case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw,
                                step_costs=step_costs):
                 core.on_executor(block_bytes, bw, step_costs)
+            case PolicyChange(version=version, sections=sections):
+                # between two plans: the next step is planned by the new version
+                self.cfg = msgspec.structs.replace(sections.scheduler,
+                                                   async_depth=self.cfg.async_depth)
+                core.reconfigure(self.cfg, sections.admission.tenants, sections.speculative)
+                self.config_version = version
             case KvManagerUp(instance=instance):
                 if self.kv_instance is not None and instance != self.kv_instance:
                     log.error("kv_manager_restarted")

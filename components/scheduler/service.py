@@ -124,6 +124,7 @@ class SchedulerService(Component):
                 "last_step_ms": round(self.loop.last_step_s * 1e3, 3),
                 "deadline_dropped": self.loop.dropped_late,
                 "deadline_finished": self.loop.finished_at_deadline,
+                "config_version": self.loop.config_version,
                 **backlog_tokens(c),
                 **c.spec_stats(),
                 **self.loop.usage.stats(c)}

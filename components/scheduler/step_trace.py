@@ -62,7 +62,8 @@ class StepTracer:
         choice = step.budget
         span = self._steps[plan.step_id] = _TRACER.start_span(
             "scheduler.step", context=Context(), links=links[:256], attributes={
-            "weir.step.id": plan.step_id, "weir.step.num_decode": num_decode,
+            "weir.step.id": plan.step_id, "weir.config.version": self.loop.config_version,
+            "weir.step.num_decode": num_decode,
             "weir.step.num_prefill": len(tokens) - num_decode,
             "weir.step.request_ids": rids, "weir.step.seq_tokens": tokens,
             "weir.step.token_budget": choice.tokens if choice else self.budget,

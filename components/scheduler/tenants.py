@@ -30,6 +30,25 @@ class Tenants:
         self.vtc = VirtualCounters(weights)
         self.fair = cfg.fairness == "vtc"
 
+    def retune(self, cfg: SchedulerConfig, tenants: Sequence[TenantConfig]) -> None:
+        """A live config change's tenants and fairness: budgets, caps, rates and weights
+        by tenant name; each counter and each bucket's level carried over (a bucket is cut
+        to its new burst; a tenant with no rate now has none)."""
+        limits = {t.name: t for t in tenants}
+        self.kv_budget = {name: t.kv_blocks for name, t in limits.items() if t.kv_blocks}
+        self.max_running = {name: t.max_running for name, t in limits.items() if t.max_running}
+        old, self.buckets = self.buckets, {}
+        for name, t in limits.items():
+            if not t.token_rate:
+                continue
+            bucket = old.get(name) or TokenBucket(t.token_rate, t.token_burst, 0.0)
+            bucket.rate = t.token_rate
+            bucket.burst = t.token_burst if t.token_burst > 0 else t.token_rate
+            bucket.level = min(bucket.level, bucket.burst)
+            self.buckets[name] = bucket
+        self.vtc.weights = {name: t.weight for name, t in limits.items()}
+        self.fair = cfg.fairness == "vtc"
+
     def over_rate(self, tenant: str, now_s: float) -> bool:
         """Has ``tenant`` used more than its token bucket holds?"""
         bucket = self.buckets.get(tenant)

@@ -32,10 +32,18 @@ from bus.endpoint import ClientEndpoint
 from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer import spans
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
+from components.streamer.live_config import LiveConfig
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
 from components.tenancy.retry import DrainRate
-from schemas.client import ChangeReplicas, Events, ProtocolError, ReplicasChanged
+from schemas.client import (
+    ChangeReplicas,
+    ConfigAnswer,
+    ConfigCommand,
+    Events,
+    ProtocolError,
+    ReplicasChanged,
+)
 from schemas.frames import client_frame_limit
 from schemas.limits import MAX_ID_CHARS
 from schemas.resolve import resolve
@@ -97,6 +105,9 @@ class StreamerService(Component):
         self.endpoint = ClientEndpoint(self.clients, self)
         self.inbox_sock = self.inbox(StreamerMsg)
         self.to_tokenizer = self.push_to("tokenizer")
+        self.to_admission = self.push_to("admission")      # config versions (live_config.py)
+        self.to_scheduler = self.push_to("scheduler")
+        self.live_config = LiveConfig(self.config, time.time())
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -120,6 +131,19 @@ class StreamerService(Component):
     def change_replicas(self, change: ChangeReplicas) -> ReplicasChanged:
         return ReplicasChanged(
             change.query_id, "this endpoint is an engine, not a router: it has no replicas")
+
+    async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer:
+        """An operator's config command (``live_config.py``); a new version is sent to
+        admission and the scheduler before the answer."""
+        answer, change = self.live_config.command(
+            cmd, self.keys.identify(cmd.api_key, "default"), time.time())
+        if change is not None:
+            await self.to_admission.send(change)
+            await self.to_scheduler.send(change)
+            log.info("config_applied", version=change.version, sha256=change.sha256[:16],
+                     applied_by=answer.current.applied_by if answer.current else "",
+                     changed=list(answer.current.changed) if answer.current else [])
+        return answer
 
     async def submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
@@ -367,7 +391,11 @@ class StreamerService(Component):
     async def peer_restarted(self, name: str) -> None:
         """Fail only the requests whose state died with ``name``; send again the ones that
         were only in flight through it. The gateway is a client: its death fails nothing
-        here (its requests are cancelled when its heartbeats stop)."""
+        here (its requests are cancelled when its heartbeats stop). A restarted admission
+        or scheduler is sent the config version in force (it started from the TOML)."""
+        if name in ("admission", "scheduler") and self.live_config.history.current.version:
+            await (self.to_admission if name == "admission" else self.to_scheduler).send(
+                self.live_config.change())
         if name in _HOLDS_ACCEPTED:
             for rid, req in self.registry.requests():
                 if req.pending is None:
