@@ -33,11 +33,11 @@ _TRACER = trace.get_tracer("weir.admission")
 
 class AdmissionService(Component):
     name = "admission"
+    config_version = 0                # the live config's version (PolicyChange); 0: the TOML
+    config_sha256 = ""
 
     async def setup(self) -> None:
         self.policy = AdmissionPolicy(self.config)
-        self.config_version = 0           # the live config's version (PolicyChange), 0: the TOML
-        self.config_sha256 = ""
         self.pending: dict[str, tuple[Tokenized, str | None, float]] = {}   # awaiting cache info
         self.traceparents: dict[str, tuple[str | None, int | None]] = {}    # queued requests
         # the two timers below run only while they have something to do: set on the first
@@ -252,18 +252,22 @@ class AdmissionService(Component):
                                     pool_used_blocks=self.policy.live.used_blocks)
                     if self.policy.queued:
                         await self._drain_queue()
-                case PolicyChange(version=version, sha256=sha, sections=sections):
-                    # between two decisions: the next one is the new version's
-                    self.config = sections.onto(self.config)
-                    self.policy.reconfigure(self.config)
-                    self.config_version, self.config_sha256 = version, sha
-                    log.info("config_version", version=version, policy=self.policy.kind)
+                case PolicyChange() as change:
+                    self.apply_policy(change)
                 case Holding(requests=held):          # after our restart: resume the ledger
                     self.policy.holding(held)
                 case Released(request_ids=ids, output_tokens=outputs, ttft_s=ttft):
                     self.policy.released(ids, time.monotonic(), outputs, ttft)
                     if self.policy.queued:
                         await self._drain_queue()
+
+    def apply_policy(self, change: PolicyChange) -> None:
+        """A live config version: between two decisions (one message at a time), so the
+        next decision, and its span's ``weir.config.version``, is the new version's."""
+        self.config = change.sections.onto(self.config)
+        self.policy.reconfigure(self.config)
+        self.config_version, self.config_sha256 = change.version, change.sha256
+        log.info("config_version", version=change.version, policy=self.policy.kind)
 
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held

@@ -71,3 +71,21 @@ def test_a_queued_request_keeps_the_decision_it_was_queued_with():
     out = p.release(0.1)
     assert [(r.request_id, d.service_class, d.priority) for r, d, _ in out] == \
         [("q", "batch", queued.priority)]
+
+
+def test_the_decision_span_carries_the_version_that_made_it(monkeypatch):
+    import anyio
+
+    from schemas.config_change import PolicySections
+    from schemas.wire import PolicyChange
+    from tests.components.admission.policies import traced_service
+
+    svc, exporter, _ = traced_service(monkeypatch, policy())
+    anyio.run(svc._admit, req("before"), None, 0)
+    new = candidate(svc.config, '[admission]\npolicy = "fcfs"\n')
+    svc.apply_policy(PolicyChange(7, "ab" * 32, PolicySections.of(new)))
+    anyio.run(svc._admit, req("after"), None, 0)
+    spans = [(s.attributes["weir.request_id"], s.attributes["weir.config.version"],
+              s.attributes["weir.admission.policy"]) for s in exporter.get_finished_spans()]
+    assert spans == [("before", 0, "deadline"), ("after", 7, "fcfs")]
+    assert svc.info()["config_version"] == "7" and svc.stats()["config_version"] == 7
