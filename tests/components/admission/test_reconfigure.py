@@ -64,8 +64,10 @@ def test_a_queued_request_keeps_the_decision_it_was_queued_with():
     assert queued.kind == Kind.QUEUE
     classes = [dict(c, priority=c["priority"] + 1) for c in
                msgspec.to_builtins(p.config.admission.classes)]
-    _apply(p, "".join("[[admission.classes]]\n" + "".join(
-        f"{k} = {msgspec.json.encode(v).decode()}\n" for k, v in c.items() if v is not None) for c in classes))
+    toml = "".join("[[admission.classes]]\n" + "".join(
+        f"{k} = {msgspec.json.encode(v).decode()}\n" for k, v in c.items() if v is not None)
+        for c in classes)
+    _apply(p, toml)
     assert p.classes["batch"].priority == 11
     p.released(["big"], 0.1, {"big": 16}, {"big": 0.05})
     out = p.release(0.1)
