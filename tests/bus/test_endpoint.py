@@ -16,6 +16,8 @@ from schemas.client import (
     Cancel,
     ChangeReplicas,
     ClientMsg,
+    ConfigAnswer,
+    ConfigCommand,
     Heartbeat,
     ProtocolError,
     Rejected,
@@ -60,6 +62,9 @@ class Desk:
 
     def change_replicas(self, change: ChangeReplicas) -> ReplicasChanged:
         return ReplicasChanged(change.query_id, "no replicas here")
+
+    async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer:
+        return ConfigAnswer(cmd.query_id, f"{cmd.action} {cmd.version} {cmd.api_key}")
 
     def malformed_answered(self, reply: Rejected | ProtocolError) -> None:
         self.malformed.append(reply)
@@ -123,6 +128,8 @@ async def test_the_endpoint_loop(tmp_path):
 
             bob.send(ChangeReplicas("c"))
             assert await bob.reply() == ReplicasChanged("c", "no replicas here")
+            bob.send(ConfigCommand("v", "rollback", version=3, api_key="op"))
+            assert await bob.reply() == ConfigAnswer("v", "rollback 3 op")
 
             bob.sock.send(malformed_submit("b-1"))      # open: not ended by a bad frame
             bad = await bob.reply()
