@@ -163,9 +163,18 @@ class FrameGen:
                 return [self.value(item) for _ in range(r.randint(1, 6))]
 
     def struct(self, cls, fields):
-        kwargs = {f.name: self.value(f.type) for f in fields
-                  if f.required or self.r.randrange(2)}
-        return cls(**kwargs)
+        """``cls`` with hostile values in its required fields and some optional ones. A
+        struct that checks its own values (a config section's ``__post_init__``, in a
+        ``PolicyChange``) refuses most of them with a ValueError: it is drawn again, and
+        after 8 tries from its required fields alone (the rest at their defaults)."""
+        for attempt in range(32):
+            try:
+                kwargs = {f.name: self.value(f.type) for f in fields
+                          if f.required or (attempt < 8 and self.r.randrange(2))}
+                return cls(**kwargs)
+            except ValueError:
+                continue
+        raise ValueError(f"no {cls.__name__} could be drawn that it accepts")
 
     def message(self, union):
         """A well-typed message of ``union`` with hostile values."""
