@@ -201,13 +201,22 @@ def test_after_a_router_restart_the_caps_are_rebuilt_from_the_replicas(replicas,
             except Exception:
                 return None
 
-        # the new router is up: acme is over its cap by the replicas' reports alone
-        first = wait_for(answer, 60, lambda _: "the router did not come back", interval=0.2)
-        stats = router.stats()
-        print(f"\nrestart: first answer {first} {time.monotonic() - killed:.1f}s after the "
-              f"kill; unplaced {stats.get('budget.unplaced.acme')}")
+        def rebuilt() -> dict | None:
+            try:
+                s = router.stats()
+            except Exception:                   # the router is not back yet
+                return None
+            return s if s.get("budget.unplaced.acme", 0) >= 9 else None
+
+        # the new router is up and has the replicas' reports: acme's streams, which it did
+        # not place, count against acme's cap (a request sent before the reports came
+        # would be refused by a replica's own backstop instead: not what this checks)
+        stats = wait_for(rebuilt, 60, "the restarted router counting acme's streams",
+                         interval=0.2)
+        first = wait_for(answer, 60, lambda _: "the router did not answer", interval=0.2)
+        print(f"\nrestart: caps rebuilt {time.monotonic() - killed:.1f}s after the kill "
+              f"(unplaced {stats.get('budget.unplaced.acme')}); first answer {first}")
         assert first == "tenant_over_budget", first
-        assert stats.get("budget.unplaced.acme", 0) >= 9
         with router.client(max_retries=0) as c:     # another tenant is not held back
             assert c.generate("Hi", max_tokens=2, tenant="default", timeout=30).usage
         # once the replicas finish the old streams, acme is served again
@@ -267,7 +276,10 @@ def test_fleet_token_rate_accuracy(replicas, tmp_path):
         out[name] = rate
         print(f"\n{name}: {rate:.1f} tokens/s against {RATE:g} "
               f"({100 * (rate / RATE - 1):+.1f}%), {refused} refused")
-    assert abs(out["fleet"] / RATE - 1) < 0.25
+    # never over the budget (it does not multiply by the replicas); under it by the
+    # charge held for requests in flight (prompt + max_tokens until their terminal), more
+    # on a slower machine: 36.5-38.3 alone, 29.3 in a full suite run (docs/perf-log.md)
+    assert 0.6 * RATE <= out["fleet"] <= 1.15 * RATE, out
     assert out["replicas_only"] > 1.5 * RATE
 
 
