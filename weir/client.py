@@ -551,20 +551,8 @@ class AsyncClient:
         (``ReplicaAddress`` or ``"name=endpoint[,kv_events]"``), retire those ``remove``
         names (no new requests; let go once their open ones end). Raises WeirError with
         the router's reason when it changed nothing."""
-        qid = uuid.uuid4().hex
-        recv = self._open("status:" + qid)
-        try:
-            with anyio.fail_after(timeout):
-                await self._sock.send(ChangeReplicas(qid, tuple(map(replica_address, add)),
-                                                     tuple(remove), self.api_key))
-                answer = await recv.get()
-        except TimeoutError:
-            raise RequestTimeout(f"no answer from {self.endpoint} within {timeout}s") from None
-        finally:
-            self._close_stream("status:" + qid)
-        if answer.error is not None:
-            raise WeirError(answer.error)
-        return answer
+        return await self._command(lambda qid: ChangeReplicas(
+            qid, tuple(map(replica_address, add)), tuple(remove), self.api_key), timeout)
 
     async def config(self, action: ConfigAction, toml: str = "", version: int | None = None,
                      actor: str = "", timeout: float = 5.0) -> ConfigAnswer:
@@ -572,12 +560,17 @@ class AsyncClient:
         sections change live), ``rollback`` to ``version`` (None: the one before the
         current), or the ``history``. Raises WeirError with every reason when the engine
         changed nothing."""
+        return await self._command(lambda qid: ConfigCommand(
+            qid, action, toml, version, actor, self.api_key), timeout)
+
+    async def _command(self, make, timeout: float):
+        """An operator's command (``make(query id)``) and its answer; raises WeirError with
+        the answer's error, RequestTimeout with none in ``timeout`` s."""
         qid = uuid.uuid4().hex
         recv = self._open("status:" + qid)
         try:
             with anyio.fail_after(timeout):
-                await self._sock.send(ConfigCommand(qid, action, toml, version, actor,
-                                                    self.api_key))
+                await self._sock.send(make(qid))
                 answer = await recv.get()
         except TimeoutError:
             raise RequestTimeout(f"no answer from {self.endpoint} within {timeout}s") from None

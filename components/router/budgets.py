@@ -42,7 +42,7 @@ replicas' own budgets (``admission.tenants``) stay as a per-replica backstop.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -88,33 +88,30 @@ def reported_outstanding(report: StatusReport | None) -> Counter[str]:
     """Requests per tenant a replica's admission holds by its load report (admitted and
     queued)."""
     out: Counter[str] = Counter()
-    if report is None:
-        return out
-    for c in report.components:
-        if c.name != "admission":
-            continue
-        for key, v in c.stats.items():
-            if key.startswith(OUTSTANDING):
-                out[key[len(OUTSTANDING):]] += int(v)
-            elif key.startswith(QUEUED):
-                out[key[len(QUEUED):]] += int(v)
+    for key, v in admission_stats(report):
+        if key.startswith(OUTSTANDING):
+            out[key[len(OUTSTANDING):]] += int(v)
+        elif key.startswith(QUEUED):
+            out[key[len(QUEUED):]] += int(v)
     return out
+
+
+def admission_stats(report: StatusReport | None) -> Iterator[tuple[str, float]]:
+    """The stats of the admission components in a replica's load report (none: no report)."""
+    for c in report.components if report is not None else ():
+        if c.name == "admission":
+            yield from c.stats.items()
 
 
 def reported_used(report: StatusReport | None) -> dict[str, dict[int, float]]:
     """Tokens per tenant a replica's admission says were used there over each trailing
     window (tenant -> window seconds -> tokens)."""
     out: dict[str, dict[int, float]] = {}
-    if report is None:
-        return out
-    for c in report.components:
-        if c.name != "admission":
-            continue
-        for key, v in c.stats.items():
-            if key.startswith(USED):
-                window, _, tenant = key[len(USED):].partition(".")
-                if window.endswith("s") and window[:-1].isdigit() and tenant:
-                    out.setdefault(tenant, {})[int(window[:-1])] = v
+    for key, v in admission_stats(report):
+        if key.startswith(USED):
+            window, _, tenant = key[len(USED):].partition(".")
+            if window.endswith("s") and window[:-1].isdigit() and tenant:
+                out.setdefault(tenant, {})[int(window[:-1])] = v
     return out
 
 
