@@ -58,12 +58,19 @@ def _flags() -> list[str]:
     flags = list(_FLAGS)
     # the kernels other CPUs run, built here for tests: "avx2" (no AVX-512), "scalar" (no
     # AVX2 either: what the compiler vectorizes by itself)
-    portable = os.environ.get("WEIR_CPU_KERNEL_PORTABLE")
-    if portable:
+    portable = variant()
+    if portable != "native":
         flags.append("-mno-avx512f")
         if portable == "scalar":
             flags += ["-mno-avx2", "-mno-fma"]
     return flags
+
+
+def variant() -> str:
+    """Which build of the library this process loads: "native" (-march=native), or the one
+    ``WEIR_CPU_KERNEL_PORTABLE`` names ("avx2": no AVX-512; "scalar": no AVX2 either), built
+    on any machine for tests and for benches run as such a CPU would."""
+    return os.environ.get("WEIR_CPU_KERNEL_PORTABLE") or "native"
 
 
 def build_key(cxx: str | None = None, flags: list[str] | None = None) -> str:

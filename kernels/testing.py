@@ -34,6 +34,23 @@ def random_paged_case(rng: random.Random, device, dtype, block_size: int, kv_hea
     return q, k, v, kc, vc, meta
 
 
+
+def random_prompt_case(rng: random.Random, dtype, block_size: int, kv_heads: int, group: int,
+                       dim: int = 64):
+    """A CPU case for the prompt kernels: 1-3 chunks of 32-257 rows (the prompt kernels' runs),
+    fresh or after 15-513 cached keys, beside two decode rows and a 9-row chunk (the decode
+    tiles), shuffled; ``(q, k_cache, v_cache, meta, query_lens, context_lens)``."""
+    qlens = [rng.choice([32, 33, 47, 64, 100, 257]) for _ in range(rng.randint(1, 3))]
+    ctx = [rng.choice([0, 0, 15, 31, 200, 513]) for _ in qlens]
+    qlens += [1, 1, 9]                                # decode rows and a short chunk
+    ctx += [rng.randint(0, 700) for _ in range(3)]
+    order = list(range(len(qlens)))
+    rng.shuffle(order)
+    qlens, ctx = [qlens[i] for i in order], [ctx[i] for i in order]
+    q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", dtype, block_size, kv_heads, group,
+                                              qlens, ctx, dim)
+    return q, kc, vc, meta, qlens, ctx
+
 def padded_decode_buffers(meta: AttentionMetadata, contexts: list[int], pad: int,
                           tables: torch.Tensor, max_seq_len: int) -> AttentionMetadata:
     """``meta``'s decode rows (at ``contexts``) as a CUDA graph replays them

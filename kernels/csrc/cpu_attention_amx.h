@@ -482,34 +482,23 @@ void flash_runs_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
                     uint16_t* out, const std::vector<FlashRun>& runs, const int32_t* row_lens,
                     const int32_t* block_tables, int64_t table_width, int64_t heads,
                     int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
-                    int num_threads, std::vector<uint32_t>& vpk) {
-    const std::vector<FlashItem> items = flash_items(runs, row_lens, kv_heads);
+                    int num_threads, uint32_t* vpk) {
     const int64_t per_head = D / 16 * 256;   // dwords per 32 keys
-    const int64_t npack = static_cast<int64_t>(runs.size()) * kv_heads;
-    const int64_t nitems = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t x = 0; x < npack; ++x) {
-            const FlashRun& run = runs[x / kv_heads];
-            const int64_t h = x % kv_heads;
-            pack_values<D>(v_cache, block_tables + run.seq * table_width, block_size,
-                           kv_heads * D, h, run.len,
-                           vpk.data() + run.vpk + h * ((run.len + 31) / 32) * per_head);
-        }
-        amx_configure();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t x = 0; x < nitems; ++x) {
-            const FlashItem& it = items[x];
-            const FlashRun& run = runs[it.run];
-            flash_block_amx<D, G>(q, k_cache, out, run.i0 + it.b0,
-                                  static_cast<int>(std::min<int64_t>(16, run.n - it.b0)), row_lens,
-                                  it.h, block_tables + run.seq * table_width, block_size, kv_heads,
-                                  heads, q_row, scale,
-                                  vpk.data() + run.vpk + it.h * ((run.len + 31) / 32) * per_head);
-        }
-        _tile_release();
-    }
+    auto at = [&](const FlashRun& run, int64_t h) {
+        return vpk + run.vpk + h * ((run.len + 31) / 32) * per_head;
+    };
+    auto pack = [&](const FlashRun& run, int64_t h) {
+        pack_values<D>(v_cache, block_tables + run.seq * table_width, block_size, kv_heads * D,
+                       h, run.len, at(run, h));
+    };
+    auto block = [&](const FlashRun& run, const FlashItem& it) {
+        flash_block_amx<D, G>(q, k_cache, out, run.i0 + it.b0,
+                              static_cast<int>(std::min<int64_t>(16, run.n - it.b0)), row_lens,
+                              it.h, block_tables + run.seq * table_width, block_size, kv_heads,
+                              heads, q_row, scale, at(run, it.h));
+    };
+    flash_schedule(runs, row_lens, kv_heads, num_threads, pack, block, [] { amx_configure(); },
+                   [] { _tile_release(); });
 }
 }  // namespace
 

@@ -335,35 +335,12 @@ inline void transpose16(const uint32_t* src, uint32_t* dst, int64_t stride = 16)
     }
 }
 
-constexpr int64_t kFlashRows = 32;     // a run of at least this many rows takes a prompt kernel
-constexpr float kLazyRescale = 8.0f;
 #ifndef WEIR_FLASH_KEYS
 #define WEIR_FLASH_KEYS 32
 #endif
 constexpr int kFlashKeys = WEIR_FLASH_KEYS;  // keys a block: 32, 64 and 128 measured
 // 6.1, 6.9 and 7.7 ms for a 2,048-token prompt's layer (2 AMX Xeon cores), 18.8, 18.4, 20.8 for
 // 2,048 after 2,048
-
-struct FlashRun {
-    int64_t i0, n;                     // its rows [i0, i0 + n)
-    int64_t seq, len;                  // its sequence, the keys its last row attends
-    int64_t vpk;                       // where its packed keys and values start (dwords)
-};
-
-// a prompt kernel's work: 16 rows of a run and one kv head each, longest first (a run's last
-// blocks read the most keys), for threads to take as they come free
-struct FlashItem { int64_t run, h, b0, keys; };
-inline std::vector<FlashItem> flash_items(const std::vector<FlashRun>& runs,
-                                          const int32_t* row_lens, int64_t kv_heads) {
-    std::vector<FlashItem> items;
-    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
-        for (int64_t b0 = 0; b0 < runs[r].n; b0 += 16)
-            for (int64_t h = 0; h < kv_heads; ++h)
-                items.push_back({r, h, b0, row_lens[runs[r].i0 + std::min(b0 + 16, runs[r].n) - 1]});
-    std::stable_sort(items.begin(), items.end(),
-                     [](const FlashItem& a, const FlashItem& b) { return a.keys > b.keys; });
-    return items;
-}
 
 // a run's values for kv head h as P.V's pairs (the AMX kernel's B tiles): for each 32 keys, D / 16 tiles of 16 key
 // pairs x 16 dims (dword: key 2j's element low, 2j + 1's high; keys past len zeros)
@@ -511,6 +488,15 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
 // kernel's) keys, per kv head
 template <int D> inline int64_t flash_span(int64_t len) { return (len + 31) / 32 * (D / 16) * 256; }
 
+// The prompt kernels here: bf16 q and caches, D = 64; their buffer's words (dwords) for a
+// run of len keys (the AMX kernel packs values only)
+template <typename T, typename KT, int D>
+constexpr bool kFlashFits = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
+using FlashWord = uint32_t;
+template <int D> inline int64_t flash_words(int64_t len, int64_t kv_heads, bool amx) {
+    return (amx ? 1 : 2) * kv_heads * flash_span<D>(len);
+}
+
 // the runs on the vector units: pack every run's keys and values per kv head, then the
 // blocks (16 rows, one kv head, each 4 rows at a time), longest first
 template <int D, int G>
@@ -518,38 +504,27 @@ void flash_runs_vec(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
                     uint16_t* out, const std::vector<FlashRun>& runs, const int32_t* row_lens,
                     const int32_t* block_tables, int64_t table_width, int64_t heads,
                     int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
-                    int num_threads, std::vector<uint32_t>& buf, int64_t base) {
-    const std::vector<FlashItem> items = flash_items(runs, row_lens, kv_heads);
-    const int64_t npack = static_cast<int64_t>(runs.size()) * kv_heads;
-    const int64_t nitems = static_cast<int64_t>(items.size());
+                    int num_threads, uint32_t* buf) {
     auto at = [&](const FlashRun& run, int64_t h, int which) {   // 0 values, 1 keys
-        return buf.data() + base + run.vpk + (2 * h + which) * flash_span<D>(run.len);
+        return buf + run.vpk + (2 * h + which) * flash_span<D>(run.len);
     };
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t x = 0; x < npack; ++x) {
-            const FlashRun& run = runs[x / kv_heads];
-            const int64_t h = x % kv_heads;
-            const int32_t* table = block_tables + run.seq * table_width;
-            pack_values<D>(v_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 0));
-            pack_keys_t<D>(k_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 1));
-            // the keys past len up to a whole 32 are zeros: pack_keys_t wrote the last 16
-            if ((run.len + 15) / 16 % 2 == 1)
-                std::memset(at(run, h, 1) + (run.len + 15) / 16 * (D / 2) * 16, 0, D / 2 * 16 * 4);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t x = 0; x < nitems; ++x) {
-            const FlashItem& it = items[x];
-            const FlashRun& run = runs[it.run];
-            const int64_t rows = std::min<int64_t>(16, run.n - it.b0);
-            for (int g = 0; g < G; ++g)
-                for (int64_t r = 0; r < rows; r += 4)
-                    flash_rows_vec<D>(q, q_row, it.h * G + g, run.i0 + it.b0 + r,
-                                      static_cast<int>(std::min<int64_t>(4, rows - r)), row_lens,
-                                      at(run, it.h, 1), at(run, it.h, 0), scale, out, heads);
-        }
-    }
+    auto pack = [&](const FlashRun& run, int64_t h) {
+        const int32_t* table = block_tables + run.seq * table_width;
+        pack_values<D>(v_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 0));
+        pack_keys_t<D>(k_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 1));
+        // the keys past len up to a whole 32 are zeros: pack_keys_t wrote the last 16
+        if ((run.len + 15) / 16 % 2 == 1)
+            std::memset(at(run, h, 1) + (run.len + 15) / 16 * (D / 2) * 16, 0, D / 2 * 16 * 4);
+    };
+    auto block = [&](const FlashRun& run, const FlashItem& it) {
+        const int64_t rows = std::min<int64_t>(16, run.n - it.b0);
+        for (int g = 0; g < G; ++g)
+            for (int64_t r = 0; r < rows; r += 4)
+                flash_rows_vec<D>(q, q_row, it.h * G + g, run.i0 + it.b0 + r,
+                                  static_cast<int>(std::min<int64_t>(4, rows - r)), row_lens,
+                                  at(run, it.h, 1), at(run, it.h, 0), scale, out, heads);
+    };
+    flash_schedule(runs, row_lens, kv_heads, num_threads, pack, block);
 }
 #endif  // __AVX512BF16__
 

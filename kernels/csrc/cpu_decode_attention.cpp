@@ -20,8 +20,10 @@
 // 4 x 128 0.89x, 2 x 256 after 1000 0.90x. On CPUs with AMX tiles a fourth, the AMX
 // kernel, runs q.k (and a prefill tile's P.V) on the tile unit where the plan measured it
 // faster (attention_tiles). The tiled kernels live in cpu_attention_avx512.h,
-// cpu_attention_amx.h and cpu_attention_avx2.h, included below; the portable kernel, the
-// dispatch and the entry points are here.
+// cpu_attention_amx.h and cpu_attention_avx2.h, included below, each with its prompt kernel
+// (flash attention over a prompt's chunk: flash_runs_amx, flash_runs_vec, flash_runs_avx2;
+// their runs and schedule are shared, below); the portable kernel, the dispatch and the
+// entry points are here.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -69,12 +71,99 @@ inline void prefetch_rows(const T* cache, const int32_t* table, int64_t block_si
     }
 }
 
+// ---- The prompt kernels' runs and schedule (AMX, AVX-512 BF16 and AVX2 alike) -----------
+// A run is kFlashRows or more consecutive rows of one sequence at consecutive positions (a
+// prompt's chunk). Each kernel packs a run's keys and values once per kv head, in its own
+// layout, into one buffer for the call (FlashRun::vpk: where the run's start, in words), then
+// works through items of 16 rows and one kv head, every one of its G query heads.
+constexpr int64_t kFlashRows = 32;     // a run of at least this many rows takes a prompt kernel
+constexpr float kLazyRescale = 8.0f;   // the running max moves only when passed by e^8
+
+struct FlashRun {
+    int64_t i0, n;                     // its rows [i0, i0 + n)
+    int64_t seq, len;                  // its sequence, the keys its last row attends
+    int64_t vpk;                       // where its packed keys and values start (words)
+};
+
+// a prompt kernel's work: 16 rows of a run and one kv head each, longest first (a run's last
+// blocks read the most keys), for threads to take as they come free
+struct FlashItem { int64_t run, h, b0, keys; };
+inline std::vector<FlashItem> flash_items(const std::vector<FlashRun>& runs,
+                                          const int32_t* row_lens, int64_t kv_heads) {
+    std::vector<FlashItem> items;
+    for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r)
+        for (int64_t b0 = 0; b0 < runs[r].n; b0 += 16)
+            for (int64_t h = 0; h < kv_heads; ++h)
+                items.push_back({r, h, b0, row_lens[runs[r].i0 + std::min(b0 + 16, runs[r].n) - 1]});
+    std::stable_sort(items.begin(), items.end(),
+                     [](const FlashItem& a, const FlashItem& b) { return a.keys > b.keys; });
+    return items;
+}
+
+struct NoOp { void operator()() const {} };
+
+// The prompt kernels' schedule, in one parallel region: pack(run, h) for every run and kv
+// head, then block(run, item) for the items, longest first, each as a thread comes free;
+// enter() runs on each thread before its items, leave() after (the AMX tile state)
+template <typename Pack, typename Block, typename Enter = NoOp, typename Leave = NoOp>
+void flash_schedule(const std::vector<FlashRun>& runs, const int32_t* row_lens,
+                    int64_t kv_heads, int num_threads, Pack pack, Block block, Enter enter = {},
+                    Leave leave = {}) {
+    const std::vector<FlashItem> items = flash_items(runs, row_lens, kv_heads);
+    const int64_t npack = static_cast<int64_t>(runs.size()) * kv_heads;
+    const int64_t nitems = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t x = 0; x < npack; ++x) pack(runs[x / kv_heads], x % kv_heads);
+        enter();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t x = 0; x < nitems; ++x) block(runs[items[x].run], items[x]);
+        leave();
+    }
+}
+
 }  // namespace
 #endif
 
 #include "cpu_attention_avx512.h"   // the AVX-512 tiled kernel
 #include "cpu_attention_amx.h"      // the AMX kernel (and weir_amx_supported)
 #include "cpu_attention_avx2.h"     // the AVX2 tiled kernel
+
+#if defined(WEIR_FLASH)
+namespace {
+// The prompt kernel this build has, for the runs of one call: on AVX-512 BF16 the AMX one
+// where the tiles were asked for, else the vector one; on AVX2 its own. buf: the call's
+// packed keys and values, 64-byte aligned (flash_words per run).
+template <typename T, typename KT, int D, int G>
+void flash_runs(const T* q, const KT* k_cache, const KT* v_cache, T* out,
+                const std::vector<FlashRun>& runs, const int32_t* row_lens,
+                const int32_t* block_tables, int64_t table_width, int64_t heads, int64_t q_row,
+                int64_t kv_heads, int64_t block_size, float scale, int num_threads, bool amx,
+                FlashWord* buf) {
+#if defined(__AVX512F__)
+    const auto* qq = reinterpret_cast<const uint16_t*>(q);
+    const auto* kk = reinterpret_cast<const uint16_t*>(k_cache);
+    const auto* vv = reinterpret_cast<const uint16_t*>(v_cache);
+    auto* oo = reinterpret_cast<uint16_t*>(out);
+#if defined(WEIR_AMX)
+    if (amx) {
+        flash_runs_amx<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width, heads,
+                             q_row, kv_heads, block_size, scale, num_threads, buf);
+        return;
+    }
+#endif
+    flash_runs_vec<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width, heads,
+                         q_row, kv_heads, block_size, scale, num_threads, buf);
+#else
+    (void)amx;
+    flash_runs_avx2<T, KT, D, G>(q, k_cache, v_cache, out, runs, row_lens, block_tables,
+                                 table_width, heads, q_row, kv_heads, block_size, scale,
+                                 num_threads, buf);
+#endif
+}
+}  // namespace
+#endif
 
 namespace {
 
@@ -146,15 +235,16 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
                       int num_threads, bool amx) {
 #if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
-    // (the AMX kernel: up to 16 / G, its queries' columns); with AMX, a run of kFlashRows or
-    // more (a prompt's chunk) takes the prefill kernel instead, where it has the shape
+    // (the AMX kernel: up to 16 / G, its queries' columns); a run of kFlashRows or more (a
+    // prompt's chunk) takes the build's prompt kernel instead, where it has the shape
     const int64_t tile_rows = amx ? 16 / G : kTile;
     std::vector<int64_t> starts, ends;         // each tile's rows [starts[i], ends[i])
     starts.reserve(static_cast<size_t>(n));
     ends.reserve(static_cast<size_t>(n));
 #if defined(WEIR_FLASH)
-    // a prompt kernel: the AMX one, or where the tiles are not asked for the vector one
-    constexpr bool flash_shape = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
+    // a prompt kernel (the AMX one, the AVX-512 BF16 vector one or the AVX2 one) for the
+    // shapes it takes
+    constexpr bool flash_shape = kFlashFits<T, KT, D>;
     thread_local std::vector<FlashRun> runs;
     runs.clear();
     int64_t packed = 0;
@@ -164,7 +254,7 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
 #if defined(WEIR_FLASH)
         if (flash_shape && j - i >= kFlashRows) {
             runs.push_back({i, j - i, seqs[i], row_lens[j - 1], packed});
-            packed += (amx ? 1 : 2) * kv_heads * flash_span<D>(row_lens[j - 1]);   // (+ keys)
+            packed += flash_words<D>(row_lens[j - 1], kv_heads, amx);
             continue;
         }
 #endif
@@ -177,22 +267,12 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
 #if defined(WEIR_FLASH)
     if constexpr (flash_shape) {
         if (!runs.empty()) {
-            thread_local std::vector<uint32_t> vpk;    // 64-byte aligned: tile rows, vectors
-            if (vpk.size() < static_cast<size_t>(packed) + 16) vpk.resize(static_cast<size_t>(packed) + 16);
-            const int64_t skew = ((64 - reinterpret_cast<uintptr_t>(vpk.data()) % 64) % 64) / 4;
-            const auto* qq = reinterpret_cast<const uint16_t*>(q);
-            const auto* kk = reinterpret_cast<const uint16_t*>(k_cache);
-            const auto* vv = reinterpret_cast<const uint16_t*>(v_cache);
-            auto* oo = reinterpret_cast<uint16_t*>(out);
-#if defined(WEIR_AMX)
-            if (amx) {
-                for (auto& r : runs) r.vpk += skew;
-                flash_runs_amx<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width,
-                                     heads, q_row, kv_heads, block_size, scale, num_threads, vpk);
-            } else
-#endif
-            flash_runs_vec<D, G>(qq, kk, vv, oo, runs, row_lens, block_tables, table_width, heads,
-                                 q_row, kv_heads, block_size, scale, num_threads, vpk, skew);
+            thread_local std::vector<FlashWord> buf;    // 64-byte aligned: tile rows, vectors
+            if (buf.size() < static_cast<size_t>(packed) + 16) buf.resize(static_cast<size_t>(packed) + 16);
+            const int64_t skew = ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64) / 4;
+            flash_runs<T, KT, D, G>(q, k_cache, v_cache, out, runs, row_lens, block_tables,
+                                    table_width, heads, q_row, kv_heads, block_size, scale,
+                                    num_threads, amx, buf.data() + skew);
         }
     }
     if (tiles == 0) return;

@@ -33,7 +33,7 @@ from components.executor.loader import load_model
 from components.executor.model import LlamaModel
 from components.executor.runner import ModelRunner
 from components.model.fetch import cache_dir, default_model_path
-from kernels import cpu_forward, machine, tuning
+from kernels import cpu_forward, machine, native_lib, tuning
 from kernels.kv_cache import cache_dtype, populate
 from schemas.wire import NewSeq, Penalties, SeqStep, StepPlan, StructuredOutput
 
@@ -401,6 +401,9 @@ def main() -> None:
     weight_bytes = params * elem            # tied lm_head: the embedding is read once per step
     bw, (rate, rate_by) = copy_bandwidth(), gemm_rate(dtype, model.device)
     print(f"machine: {machine.summary_line()}")
+    if native_lib.variant() != "native":
+        print(f"native kernels: the {native_lib.variant()} build (WEIR_CPU_KERNEL_PORTABLE), "
+              f"not this CPU's own; torch's linears still use every ISA it has")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, dtype {args.dtype}, "
           f"context {args.context}, attention backend {model.backend.name}")
     for name, m in models.items():
