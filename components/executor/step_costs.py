@@ -40,7 +40,7 @@ import torch
 from kernels import tuning
 from schemas.wire import NewSeq, SeqStep, StepPlan, StepSample
 
-VERSION = 2                 # bump when the shapes or the timing change
+VERSION = 3                 # bump when the shapes or the timing change
 REPS = 3
 PROBE_SEQ = 1 << 40                 # seq ids above any the scheduler hands out
 
@@ -56,7 +56,8 @@ class Probe(NamedTuple):
 def probe_shapes(budget: int, max_len: int, max_seqs: int, num_blocks: int,
                  block_size: int) -> list[Probe]:
     """The probe, clipped to what the engine can run: fresh chunks of 16, 128 and 256
-    tokens; 32 tokens after a quarter of, and after, a long context (4096, or the longest
+    tokens; a step of the budget's worth of 128-token prompts and one of a single prompt;
+    32 tokens after a quarter of, and after, a long context (4096, or the longest
     that fits); one decode, and a batch of 16 at 512."""
 
     def fits(p: Probe) -> bool:
@@ -67,7 +68,11 @@ def probe_shapes(budget: int, max_len: int, max_seqs: int, num_blocks: int,
 
     long = max(min(4096, max_len - 32, (num_blocks - 4) * block_size), 0)
     batch = min(16, max_seqs)
+    # and steps at the budget: a burst's (short prompts, many rows) and one long prompt's:
+    # the linear kernels change with the rows (the plan's per-size choice), so a fit of
+    # chunks up to 256 alone priced a full 2048-token step 1.4-1.8x what it took
     shapes = [Probe(1, 16, 0), Probe(1, 128, 0), Probe(1, 256, 0),
+              Probe(max(budget // 128, 1), 128, 0), Probe(1, budget, 0),
               Probe(1, 32, long // 4), Probe(1, 32, long),
               Probe(1, 1, 255), Probe(batch, 1, 511)]
     out: list[Probe] = []

@@ -2,10 +2,20 @@
 keep their time per output token.
 
 While sequences are decoding, a step that also prefills a long chunk makes every stream
-wait for it. The budget is capped so the step-cost model's predicted step time stays within
-the tightest TPOT SLO among the decoding sequences (less ``headroom``, and divided by how much
-slower than predicted recent steps ran at p90); with no decodes, or
-no TPOT SLO among them, the full budget is used. Pure: the caller passes the cost model."""
+wait for it. A stream's TPOT SLO is the mean time per output token it is promised (as TPOT
+is measured: from its first token on), with no single gap over ``GAP`` times it. So the
+step's budget is the largest whose predicted time (the step-cost model, divided by how much
+slower than predicted recent steps ran at p90) keeps, for every decoding stream with a TPOT
+SLO:
+
+- the gap: the step within ``GAP`` x its SLO (the slowdown is the margin for error);
+- its mean: what it has spent since its first token, this step, and its next ``HORIZON``
+  tokens at the pace of a decode step, within its SLO less ``headroom`` per token. A stream that has banked
+  time (decoding faster than its SLO) lends it to a burst's prompts; one that has spent
+  it gets steps that prefill little until its mean recovers.
+
+With no decodes, or no TPOT SLO among them, the full budget is used. Pure: the caller
+passes the cost model and the clock."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -18,8 +28,11 @@ from components.costs.cost_model import (
     prefill_shape,
 )
 from components.scheduler.core import SchedulerCore
+from components.scheduler.sequence import Seq
 
 MIN_CHUNK = 16            # prefill tokens a step may always take, so prompts still progress
+GAP = 1.5                 # one gap may reach this many times a stream's TPOT SLO; its mean may not
+HORIZON = 16              # tokens ahead, at the decode pace, over which a stream's mean is kept
 _PROBE = 256              # tokens over which the marginal cost of prefill is measured
 
 
@@ -32,7 +45,9 @@ class StepBudget(NamedTuple):
 
 
 def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
-                headroom: float = 0.2) -> StepBudget:
+                headroom: float = 0.2, now_ns: int | None = None) -> StepBudget:
+    """``now_ns``: the clock the sequences' ``first_token_ns`` are on; without it a stream
+    is taken to be exactly on its SLO so far (neither banked nor owed)."""
     decoding = [s for s in core.running if s.remaining == 1 and s.num_output > 0]
     if not decoding:
         return StepBudget(full, "no_decodes")
@@ -54,7 +69,10 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
         return StepBudget(full, "cost_unknown", tightest)
     # plan against the model's recent p90 error too: steps that run slower than predicted
     # would otherwise put the streams' p99 over their SLO
-    limit = tightest * (1 - headroom) / cost.slowdown()
+    slowdown = cost.slowdown()
+    pace = (base if base > 0 else mean * n) * slowdown      # a decode step's time
+    limit = min(stream_room(s, s.tpot_slo_s, headroom, pace, now_ns)
+                for s in decoding if s.tpot_slo_s) / slowdown
     if base <= 0:
         # the fit prices these decodes at nothing: decode steps (tokens == sequences) and a
         # few prefill chunks leave it free to extrapolate to a context it has not seen. It
@@ -71,6 +89,25 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
     if tokens >= full:
         return StepBudget(full, "full", tightest, cost.predict(with_chunk(full - n)))
     return StepBudget(tokens, "tpot_slo", tightest, cost.predict(with_chunk(tokens - n)))
+
+
+def stream_room(s: Seq, slo: float, headroom: float, pace: float,
+                now_ns: int | None) -> float:
+    """The longest next step (seconds) that keeps stream ``s`` within its TPOT SLO of
+    ``slo`` seconds: one gap at most ``GAP`` x ``slo``, and its mean, from its first token
+    through this step and its next ``HORIZON`` tokens at ``pace`` a token, within ``slo``
+    less ``headroom``. Negative when it is already behind (the step should prefill
+    little)."""
+    target = slo * (1 - headroom)
+    gaps = max(s.num_output - 1, 0)                 # gaps after its first token so far
+    if now_ns is not None and s.first_token_ns:
+        spent = max(now_ns - s.first_token_ns, 0) / 1e9
+    else:
+        spent = gaps * target
+    left = s.params.max_tokens
+    ahead = HORIZON if left is None else min(HORIZON, max(left - s.num_output - 1, 0))
+    mean_room = target * (gaps + 1 + ahead) - spent - ahead * pace
+    return min(GAP * slo, mean_room)
 
 
 def prefill_context(core: SchedulerCore) -> int:

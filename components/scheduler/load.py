@@ -134,4 +134,4 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                          window.error() if window else 1.0,
                          window.tpot_s() if window else {},
                          window.pure_steps if window else -1,
-                         step_budget(core, cost, budget).tokens if slack else 0)
+                         step_budget(core, cost, budget, now_ns=now_ns).tokens if slack else 0)

@@ -307,7 +307,8 @@ class SchedulerLoop:
     def _next_plan(self, now_ns: int, mono_ns: int) -> StepPlan | None:
         core, budget = self.core, None
         if self.cfg.chunking == "slack":
-            budget = step_budget(core, core.cost, self.cfg.max_num_batched_tokens)
+            budget = step_budget(core, core.cost, self.cfg.max_num_batched_tokens,
+                                 now_ns=now_ns)
         before = len(core.in_flight)
         plan = core.schedule(now_ns, budget.tokens if budget else None)
         if plan is not None:

@@ -222,6 +222,12 @@ def main() -> None:
                          "its own engine, labelled weir[VALUE]): slack keeps decoding streams "
                          "within their TPOT SLO each step, fixed fills max_num_batched_tokens "
                          "as vLLM does (default: the engine's, slack)")
+    ap.add_argument("--variant", action="append", default=[], metavar="TOML",
+                    help="also run Weir with this file's sections appended to its config "
+                         "(whole sections not otherwise set), labelled weir[FILE's stem]; "
+                         "repeatable")
+    ap.add_argument("--no-default", action="store_true",
+                    help="with --variant: run only the variants, not the default engine")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole comparison this many times; prints every run and the "
                          "medians (this machine is noisy: quote medians)")
@@ -231,12 +237,19 @@ def main() -> None:
     rows, notes = [], []                 # rows: (repeat, engine, rate, summary)
     for rep in range(args.repeats):
         for rate in args.rates.split(","):
-            chunkings = args.chunking.split(",") if args.chunking else [""]
-            for chunking in chunkings:
-                label = f"weir[{chunking}]" if len(chunkings) > 1 else "weir"
+            variants = [(f"weir[{c}]", c, "") for c in args.chunking.split(",")] \
+                if args.chunking else [("weir", "", "")]
+            variants += [(f"weir[{Path(f).stem}]", "", Path(f).read_text())
+                         for f in args.variant]
+            if len(variants) > 1 and variants[0][0] == "weir":
+                variants[0] = ("weir[default]", "", "")
+            if args.variant and args.no_default:
+                variants = [v for v in variants if v[0] != "weir[default]"]
+            for label, chunking, extra in variants:
                 weir = start_weir(args.weir_port, args.dtype, args.trace, args.budget,
                                   async_depth=args.async_depth, kv_dtype=args.kv_dtype,
-                                  admission_policy=args.admission_policy, chunking=chunking)
+                                  admission_policy=args.admission_policy, chunking=chunking,
+                                  extra_toml=extra)
                 try:
                     wait_http(f"http://127.0.0.1:{args.weir_port}/ready", weir)
                     cpu0 = machine.component_cpu(weir.pid)

@@ -47,10 +47,14 @@ method = "off"
 
 def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_factory,
                                                                    model_path):
-    """The slack budget keeps each step's predicted time within 80% of the tightest TPOT
-    SLO among the decoding streams, so while the burst is prefilled every stream's TPOT (the
-    mean of its inter-token gaps, the SLO's measure) and 90% of all gaps stay within the
-    SLO, and no gap stalls past 1.5x it; a fixed 2048-token step takes seconds on this CPU.
+    """The slack budget keeps each step's predicted time within 1.5x the tightest TPOT SLO
+    among the decoding streams, and each stream's mean over its next tokens within 80% of
+    it, so while the burst is prefilled every stream's TPOT (the mean of its inter-token
+    gaps, the SLO's measure) stays within the SLO, 90% of the gaps within 1.5x it, and no
+    gap past 2x it (a step's prediction off by a third); a fixed 2048-token step takes
+    seconds on this CPU.
+    (Until 2026-12-06 each step was held within 80% of the SLO itself: 90% of the gaps
+    within it, but a burst's prompts waited on steps shorter than the streams needed.)
 
     The worst gap is one step's time against its prediction, so it moves with the machine's
     noise: 395-489 ms here against a 500 ms SLO. It was this test's bar, and a neighbour's
@@ -86,8 +90,8 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
     report = {"worst stream TPOT": tpot, "gap p90": p90, "worst gap": worst}
     print("stall-free chunking, ms:", report)
     assert tpot["slack"] <= TPOT_SLO_MS < tpot["fixed"], report
-    assert p90["slack"] <= TPOT_SLO_MS < p90["fixed"], report
-    assert worst["slack"] <= 1.5 * TPOT_SLO_MS < worst["fixed"], report
+    assert p90["slack"] <= 1.5 * TPOT_SLO_MS < p90["fixed"], report
+    assert worst["slack"] <= 2.0 * TPOT_SLO_MS < worst["fixed"], report
 
 
 FAIRNESS = """

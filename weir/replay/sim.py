@@ -293,7 +293,8 @@ class Simulator:
             budget = None
             if self.config.scheduler.chunking == "slack":
                 budget = step_budget(core, self.cost,
-                                     self.config.scheduler.max_num_batched_tokens).tokens
+                                     self.config.scheduler.max_num_batched_tokens,
+                                     now_ns=self.now).tokens
             plan = core.schedule(self.now, budget)
             if plan is not None:
                 self._start_step(plan)

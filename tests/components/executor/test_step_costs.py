@@ -32,6 +32,7 @@ BLOCK = 16
 def test_probe_shapes_tell_the_features_apart_within_the_engine():
     assert probe_shapes(2048, 8192, 128, 2048, 16) == [
         Probe(1, 16, 0), Probe(1, 128, 0), Probe(1, 256, 0),      # fresh chunks
+        Probe(16, 128, 0), Probe(1, 2048, 0),                     # steps at the budget
         Probe(1, 32, 1024), Probe(1, 32, 4096),                   # attention at context
         Probe(1, 1, 255), Probe(16, 1, 511)]                      # decodes
     # a small engine: 64-token budget, 128-token context, 4 sequences, 16 blocks
