@@ -62,7 +62,8 @@ def load_operator_key() -> str | None:
 
 
 def generate_service_key(path: Path) -> None:
-    """Write a new random service key to ``path`` (mode 0600) unless one is there."""
+    """Write a new random key (the service's, or an operator's) to ``path`` (mode 0600)
+    unless one is there."""
     if not path.exists():
         path.write_text(secrets.token_urlsafe(32) + "\n")
         os.chmod(path, 0o600)

@@ -182,6 +182,8 @@ def _keys(args: argparse.Namespace) -> int:
 
     d = generate(args.dir)
     generate_service_key(d / "service.key")      # the gateway's credential to the streamer
+    # an operator's (weir config, weir replicas): WEIR_OPERATOR_KEY_FILE in a deployment
+    generate_service_key(d / "operator.key")
     print(d)
     return 0
 
@@ -542,8 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--config", required=True)
     sup.set_defaults(func=_supervise)
 
-    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve) and "
-                                     "the gateway's service key (service.key)")
+    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve), "
+                                     "the gateway's service key (service.key) and an "
+                                     "operator's key (operator.key)")
     ks.add_argument("action", choices=["generate"])
     ks.add_argument("dir", help="the directory for [security] curve_keys_dir")
     ks.set_defaults(func=_keys)
