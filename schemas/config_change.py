@@ -238,8 +238,9 @@ def live_fields(source: WeirConfig, running: WeirConfig, scope: Scope) -> WeirCo
     after a restart, puts back: the fields read only at start stay as they are)."""
     src, out = msgspec.to_builtins(source), msgspec.to_builtins(running)
     for section, live in scope.live.items():
-        if live is True:
-            out[section] = src[section]
+        if isinstance(live, bool):
+            if live:
+                out[section] = src[section]
         else:
             out[section] = {**out[section], **{k: src[section][k] for k in live
                                                if k in src[section]}}
@@ -307,7 +308,11 @@ class ConfigHistory:
 
     @property
     def config(self) -> WeirConfig:
-        return self.sections[-1].onto(self.boot)
+        return self._onto(-1)
+
+    def _onto(self, i: int) -> WeirConfig:
+        sections: Sections = self.sections[i]
+        return sections.onto(self.boot)
 
     def apply(self, toml_text: str, by: str, now: float) -> ConfigVersion | Refused:
         """Apply a candidate: its new version, or why none was made."""
@@ -324,8 +329,8 @@ class ConfigHistory:
         if not 0 <= target < len(self.versions):
             return Refused((f"no version {target} (versions 0..{self.current.version})",))
         running = self.config
-        return self._record(live_fields(self.sections[target].onto(self.boot), running,
-                                        self.scope), by, now, target)
+        return self._record(live_fields(self._onto(target), running, self.scope), by, now,
+                            target)
 
     def _record(self, new: WeirConfig, by: str, now: float,
                 rollback_of: int | None) -> ConfigVersion | Refused:

@@ -38,7 +38,8 @@ class Router:
                 str(run_dir), "--endpoint", self.endpoint, "--policy", policy]
         for name, eng in replicas.items():
             args += ["--replica", f"{name}={eng.endpoint},{eng.kv_events}"]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+        self.proc = subprocess.Popen(args, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
                                      stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
         def routing() -> bool:
             if b"weir: routing" in self.log_path.read_bytes():
