@@ -78,6 +78,12 @@ def read(path: Path) -> tuple[list[ConfigVersion], list[RouterSections], str]:
     return versions, sections, boot
 
 
+def config_stats(live: RouterLiveConfig) -> dict[str, float]:
+    """The version in force, and the writes that failed, for the router's stats."""
+    return {"config_version": live.history.current.version,
+            "config.persist_errors": live.persist_errors}
+
+
 class RouterLiveConfig:
     def __init__(self, boot: WeirConfig, path: Path | None, now: float) -> None:
         self.path = path

@@ -44,7 +44,7 @@ from components.router.budgets import (
 )
 from components.router.discovery import Discovery, DnsResolver, Resolver, plan
 from components.router.fleetq import FleetQueue
-from components.router.live_config import RouterLiveConfig, history_path
+from components.router.live_config import RouterLiveConfig, config_stats, history_path
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
@@ -702,7 +702,7 @@ class RouterService(Component):
     def status(self, query_id: str, api_key: str | None) -> StatusReport:
         """The router's own cluster, then each healthy replica's components
         (``Membership.components``); each tenant's usage only to itself or an operator."""
-        comps = [msgspec.structs.replace(c, stats={**c.stats, **self._config_stats()},
+        comps = [msgspec.structs.replace(c, stats={**c.stats, **config_stats(self.live)},
                                          info={**c.info, **self.info()})
                  if c.name == self.name else c
                  for c in self.members.components(self.cluster.components, self.name)]
@@ -711,10 +711,6 @@ class RouterService(Component):
             tenant = who.tenant if isinstance(who, Identity) else ""
             comps = [visible_status(c, tenant) for c in comps]
         return StatusReport(query_id, tuple(comps), self.draining or self.cluster.draining)
-
-    def _config_stats(self) -> dict[str, float]:
-        return {"config_version": self.live.history.current.version,
-                "config.persist_errors": self.live.persist_errors}
 
     def info(self) -> dict[str, str]:
         return {"config_sha256": self.live.history.current.sha256,
@@ -735,7 +731,7 @@ class RouterService(Component):
                 **({"discovery.polls": disc.polls, "discovery.failed": disc.failed,
                     "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
-                **self._config_stats(),
+                **config_stats(self.live),
                 **self.budgets.stats(),
                 **(self.fleetq.stats(time.monotonic()) if self.fleetq is not None else {}),
                 **self.members.stats(),
