@@ -186,12 +186,13 @@ ConfigAction = Literal["apply", "rollback", "history"]
 
 
 class ConfigCommand(msgspec.Struct, tag="config", frozen=True, forbid_unknown_fields=True):
-    """To an engine, from an operator (an operator or the service key; anyone where no
-    keys are configured): ``apply`` the config ``toml`` (laid over the running one: the
+    """To an engine or a router, from an operator (an operator or the service key; anyone
+    where no keys are configured): ``apply`` the config ``toml`` (laid over the running one: the
     policy sections change live, anything else is refused; ``schemas/config_change.py``),
     ``rollback`` to ``version`` (None: the one before the current), or list the
     ``history``. ``actor`` is who the operator says they are (recorded beside the key's
-    name). Answered by ``ConfigAnswer``; a router answers it with an error."""
+    name). Answered by ``ConfigAnswer``; an engine and a router each keep their own versions
+    (a router's changes its routing policy and fleet budgets, not its replicas')."""
 
     query_id: str = ""
     action: ConfigAction = "history"
@@ -383,8 +384,9 @@ class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
 
 
 class ConfigAnswer(msgspec.Struct, tag="config_answer", frozen=True):
-    """An engine's answer to ``ConfigCommand``: ``error`` None when it was done (a refused
-    config names every reason and changes nothing), the version in force now, and (for
+    """An engine's or a router's answer to ``ConfigCommand``: ``error`` None when it was
+    done (a refused config names every reason and changes nothing), the version in force
+    now, and (for
     ``history``) every version applied, oldest first."""
 
     query_id: str

@@ -629,6 +629,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     discovery_kv_events_port: int = 7470
     discovery_interval_s: float = 2.0
     discovery_misses: int = 3
+    # where the router keeps its live config versions (weir config; components/router/
+    # live_config.py) so that a restarted router goes on with them: "" is
+    # router_config_history.jsonl in topology.run_dir (kept across a restart of the router
+    # process; a pod mounts a volume and names a file on it)
+    config_history: str = ""
 
     def __post_init__(self) -> None:
         tenants = [t.name for t in self.tenants]

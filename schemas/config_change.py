@@ -1,81 +1,175 @@
-"""A config change applied to a running engine: what a candidate changes, whether it may be
-applied live, and the versions applied so far. Pure: no I/O, no clock (the caller passes
-the time and the actor).
+"""A config change applied to a running engine or router: what a candidate changes, whether
+it may be applied live, and the versions applied so far. Pure: no I/O, no clock (the caller
+passes the time and the actor).
 
 A candidate is a TOML text laid over the running config table by table: a field it gives
 replaces the running value, a field it leaves out keeps it (an array of tables, such as
 ``admission.tenants``, is one field: given whole). The result is validated as any config
 is (``WeirConfig``: a ``ConfigError`` names the bad field).
 
-What may change live is the policy (``LIVE``): all of ``[admission]``, the scheduler's
-order and preemption rules, and the speculation limits. Everything else was built into a
-process at its start (the model, dtype, the KV pool, sockets, the executor's buffers) and
-is refused, each field named with why, and nothing is applied. Two changes are refused
-inside the live sections too: removing a service class (a request admitted or queued
-under it keeps it until it ends: a class may be changed or left unused, not removed), and
-raising ``speculative.max_k`` past the engine's start (the draft buffers are sized by it).
+What may change live depends on the process (a ``Scope``). On an engine (``ENGINE``) it
+is the policy: all of ``[admission]``, the scheduler's order and preemption rules, and the
+speculation limits. On a router (``ROUTER``) it is the routing policy and weights, the
+fleet's tenant budgets and fleet-queue weights (``router.tenants``), the fleet queue's
+bounds and the overload and reroute thresholds, and ``[admission]`` (the router reads only
+the classes' deadlines and the tenants' classes from it, to rank replicas against a
+request's deadline). Everything else was built into the process at its start (the model,
+dtype, the KV pool, sockets, the executor's buffers, the router's replica list and
+discovery) and is refused, each field named with why, and nothing is applied. Two changes
+are refused inside the live sections too: removing a service class (a request admitted or
+queued under it keeps it until it ends: a class may be changed or left unused, not
+removed), and raising ``speculative.max_k`` past the engine's start (the draft buffers are
+sized by it).
 
 Every applied config is a ``ConfigVersion``: a number one past the last, the sha256 of
 its live sections (canonical JSON, so one policy has one hash whatever the file's
-layout), who applied it and when. Version 0 is the config the engine started with. A
-rollback applies an earlier version's live sections as a new version (history only
-grows).
+layout), who applied it and when. Version 0 is the config the process started with. A
+rollback applies an earlier version's live fields as a new version (history only grows).
+A history saved by a process (the router's, ``ConfigHistory.resumed``) goes on across its
+restart.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgspec
 
 from schemas.config import (
     AdmissionConfig,
     ConfigError,
+    RouterConfig,
     SchedulerConfig,
     SpeculativeConfig,
     WeirConfig,
 )
 
-# the fields that may change while the engine runs: a whole section (True) or some of its
-# fields
-LIVE: dict[str, bool | frozenset[str]] = {
-    "admission": True,
-    "scheduler": frozenset({"fairness", "chunking", "urgency_preemption"}),
-    "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"}),
-}
-
-# why a field outside ``LIVE`` needs a restart, by section (the refusal's words)
-_RESTART_WHY = {
-    "engine": "the model, dtype and device are loaded at start",
-    "kv": "the KV pool is sized and allocated at start",
-    "topology": "sockets are bound at start",
-    "scheduler": "the executor's batch buffers and step pipeline are sized at start",
-    "speculative": "the draft method and model are loaded at start",
-    "router": "a router's weights and policy are not yet applied live (restart it)",
-}
+Live = Mapping[str, bool | frozenset[str]]
 
 
-class PolicySections(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The live part of a config: what a version records and what is fanned out to
-    admission and the scheduler."""
-
-    admission: AdmissionConfig
-    scheduler: SchedulerConfig
-    speculative: SpeculativeConfig
-
-    @classmethod
-    def of(cls, config: WeirConfig) -> PolicySections:
-        return cls(config.admission, config.scheduler, config.speculative)
+class Sections(msgspec.Struct, frozen=True):
+    """The live sections of a config (a subclass names them as its fields): what a version
+    records and hashes."""
 
     def digest(self) -> str:
         """sha256 of the canonical encoding (sorted keys, every field, defaults included)."""
         canonical = msgspec.json.encode(msgspec.to_builtins(self), order="sorted")
         return hashlib.sha256(canonical).hexdigest()
 
+    @classmethod
+    def of(cls, config: WeirConfig) -> Any:
+        return cls(**{name: getattr(config, name) for name in cls.__struct_fields__})
+
     def onto(self, config: WeirConfig) -> WeirConfig:
         """``config`` with these sections in force."""
-        return msgspec.structs.replace(config, admission=self.admission,
-                                       scheduler=self.scheduler, speculative=self.speculative)
+        return msgspec.structs.replace(config, **{name: getattr(self, name)
+                                                  for name in self.__struct_fields__})
+
+
+class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
+    """An engine's live sections: what a version records and what is fanned out to
+    admission and the scheduler."""
+
+    admission: AdmissionConfig
+    scheduler: SchedulerConfig
+    speculative: SpeculativeConfig
+
+
+class RouterSections(Sections, frozen=True, forbid_unknown_fields=True):
+    """A router's live sections (its own, and the admission it resolves deadlines by)."""
+
+    admission: AdmissionConfig
+    router: RouterConfig
+
+
+def _engine_checks(running: WeirConfig, new: WeirConfig, boot: WeirConfig) -> list[str]:
+    if new.speculative.max_k > boot.speculative.max_k:
+        return [f"speculative.max_k {new.speculative.max_k} is above the "
+                f"{boot.speculative.max_k} the engine started with (its draft buffers are "
+                "sized by it; lower it, or restart)"]
+    return []
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one kind of process may change live: ``live``, the fields (a whole section:
+    True; or some of its fields); ``restart_why``, why any other field needs a restart, by
+    ``section.field`` or by section (the refusal's words); ``elsewhere``, the sections
+    another kind of process reads, and where to apply them instead; ``sections``, what a
+    version records; ``checks``, refusals inside the live fields beyond the common ones."""
+
+    kind: str
+    live: Live
+    restart_why: Mapping[str, str]
+    elsewhere: Mapping[str, str]
+    sections: type[Sections]
+    checks: Callable[[WeirConfig, WeirConfig, WeirConfig], list[str]] = lambda *_: []
+
+    def is_live(self, field: str) -> bool:
+        section, _, name = field.partition(".")
+        live = self.live.get(section, False)
+        return live is True or (isinstance(live, frozenset) and name in live)
+
+    def refusal(self, field: str) -> str:
+        """Why ``field`` is not changed live here (one line)."""
+        section = field.partition(".")[0]
+        if section in self.elsewhere:
+            return f"{field} is {self.elsewhere[section]}"
+        why = self.restart_why.get(field) or self.restart_why.get(
+            section, "it is read only at start")
+        return f"{field} needs a restart ({why})"
+
+
+_SOCKETS = "sockets are bound at start"
+ENGINE = Scope(
+    "engine",
+    {"admission": True,
+     "scheduler": frozenset({"fairness", "chunking", "urgency_preemption"}),
+     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"})},
+    {"engine": "the model, dtype and device are loaded at start",
+     "kv": "the KV pool is sized and allocated at start",
+     "topology": _SOCKETS,
+     "bus": _SOCKETS,
+     "scheduler": "the executor's batch buffers and step pipeline are sized at start",
+     "speculative": "the draft method and model are loaded at start"},
+    {"router": "a router's: apply it with --endpoint naming the router"},
+    PolicySections,
+    _engine_checks,
+)
+
+_DISCOVERY = "discovery is set up at start"
+_TIMING = "the replicas' heartbeat and load-report timing is set at start"
+ROUTER = Scope(
+    "router",
+    {"admission": True,
+     "router": frozenset({"policy", "weights", "overload_ttft_s", "kv_high",
+                          "reroute_attempts", "default_prefill_tokens_per_s", "tenants",
+                          "fleet_queue_max", "fleet_queue_max_wait_s"})},
+    {"router.replicas": "the replica list is read at start; change it live with "
+                        "`weir replicas add/remove`",
+     **{f"router.{f}": _DISCOVERY for f in (
+         "discovery", "discovery_name", "discovery_port", "discovery_kv_events_port",
+         "discovery_interval_s", "discovery_misses")},
+     **{f"router.{f}": _TIMING for f in (
+         "heartbeat_interval_s", "heartbeat_timeout_s", "load_interval_s")},
+     "router.session_ttl_s": "the session table is made at start",
+     "router.max_sessions": "the session table is made at start",
+     "router.fleet_queue": "the fleet queue is made or not at start; its bounds change "
+                           "live",
+     "engine": "the router's tokenizer and prompt bounds are loaded at start",
+     "kv": "the router hashes prompts in blocks of the size set at start",
+     "topology": _SOCKETS,
+     "bus": _SOCKETS,
+     "gateway": "the API keys and the HTTP gateway are read at start"},
+    {s: "an engine's: apply it to each replica with --endpoint naming it"
+     for s in ("scheduler", "speculative")},
+    RouterSections,
+)
+
+# the engine's (kept for the callers that predate scopes)
+LIVE = ENGINE.live
 
 
 class ConfigVersion(msgspec.Struct, frozen=True):
@@ -122,10 +216,8 @@ def _overlay(running: dict[str, Any], candidate: dict[str, Any]) -> dict[str, An
     return merged
 
 
-def is_live(field: str) -> bool:
-    section, _, name = field.partition(".")
-    live = LIVE.get(section, False)
-    return live is True or (isinstance(live, frozenset) and name in live)
+def is_live(field: str, scope: Scope = ENGINE) -> bool:
+    return scope.is_live(field)
 
 
 def candidate(running: WeirConfig, toml_text: str) -> WeirConfig:
@@ -141,40 +233,74 @@ def candidate(running: WeirConfig, toml_text: str) -> WeirConfig:
         raise ConfigError(f"invalid config: {exc}") from exc
 
 
+def live_fields(source: WeirConfig, running: WeirConfig, scope: Scope) -> WeirConfig:
+    """``running`` with ``source``'s live fields (what a rollback, or a history resumed
+    after a restart, puts back: the fields read only at start stay as they are)."""
+    src, out = msgspec.to_builtins(source), msgspec.to_builtins(running)
+    for section, live in scope.live.items():
+        if isinstance(live, bool):
+            if live:
+                out[section] = src[section]
+        else:
+            out[section] = {**out[section], **{k: src[section][k] for k in live
+                                               if k in src[section]}}
+    return msgspec.convert(out, WeirConfig)
+
+
 def changed_fields(running: WeirConfig, new: WeirConfig) -> list[str]:
     """The dotted names of the fields whose values differ, sorted."""
     a, b = _flatten(msgspec.to_builtins(running)), _flatten(msgspec.to_builtins(new))
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def check(running: WeirConfig, new: WeirConfig, boot: WeirConfig) -> list[str]:
+def check(running: WeirConfig, new: WeirConfig, boot: WeirConfig,
+          scope: Scope = ENGINE) -> list[str]:
     """Why ``new`` cannot replace ``running`` live (empty: it can). ``boot``: the config
-    the engine started with (what its buffers were sized by)."""
-    reasons = []
-    for name in changed_fields(running, new):
-        if not is_live(name):
-            section = name.partition(".")[0]
-            why = _RESTART_WHY.get(section, "it is read only at start")
-            reasons.append(f"{name} needs a restart ({why})")
+    the process started with (what its buffers were sized by)."""
+    reasons = [scope.refusal(name) for name in changed_fields(running, new)
+               if not scope.is_live(name)]
     gone = sorted(set(running.admission.service_classes()) - set(new.admission.service_classes()))
     if gone:
         reasons.append(f"admission.classes removes {', '.join(gone)}: requests in flight keep "
                        "their class (change it or leave it unused)")
-    if new.speculative.max_k > boot.speculative.max_k:
-        reasons.append(f"speculative.max_k {new.speculative.max_k} is above the "
-                       f"{boot.speculative.max_k} the engine started with (its draft "
-                       "buffers are sized by it; lower it, or restart)")
-    return reasons
+    return reasons + scope.checks(running, new, boot)
 
 
 class ConfigHistory:
-    """The versions applied to one engine, in order, and the config in force (the last
+    """The versions applied to one process, in order, and the config in force (the last
     one's sections on the boot config)."""
 
-    def __init__(self, boot: WeirConfig, started_at: float) -> None:
+    STARTUP: ClassVar[str] = "startup"
+
+    def __init__(self, boot: WeirConfig, started_at: float, scope: Scope = ENGINE) -> None:
         self.boot = boot
-        self.sections = [PolicySections.of(boot)]
-        self.versions = [ConfigVersion(0, self.sections[0].digest(), "startup", started_at)]
+        self.scope = scope
+        self.sections: list[Any] = [scope.sections.of(boot)]
+        self.versions = [ConfigVersion(0, self.sections[0].digest(), self.STARTUP,
+                                       started_at)]
+
+    @classmethod
+    def resumed(cls, boot: WeirConfig, versions: list[ConfigVersion], sections: list[Any],
+                last_boot: str, now: float, scope: Scope) -> ConfigHistory:
+        """A history saved before a restart, going on. ``last_boot``: the digest of the
+        config the process started with last time. The same file again: the version in
+        force then is in force now (its live fields over the file). A changed file: it is
+        a new version, applied by ``startup``, and in force (what the operator restarted
+        with wins over what was applied before)."""
+        h = cls(boot, now, scope)
+        if not versions or len(versions) != len(sections):
+            return h
+        h.versions, h.sections = list(versions), list(sections)
+        booted = scope.sections.of(boot)
+        if booted.digest() == last_boot:
+            h.sections[-1] = scope.sections.of(live_fields(
+                sections[-1].onto(boot), boot, scope))
+            return h
+        before = h.config
+        h.sections.append(booted)
+        h.versions.append(ConfigVersion(len(h.versions), booted.digest(), cls.STARTUP, now,
+                                        tuple(changed_fields(before, boot))))
+        return h
 
     @property
     def current(self) -> ConfigVersion:
@@ -182,7 +308,11 @@ class ConfigHistory:
 
     @property
     def config(self) -> WeirConfig:
-        return self.sections[-1].onto(self.boot)
+        return self._onto(-1)
+
+    def _onto(self, i: int) -> WeirConfig:
+        sections: Sections = self.sections[i]
+        return sections.onto(self.boot)
 
     def apply(self, toml_text: str, by: str, now: float) -> ConfigVersion | Refused:
         """Apply a candidate: its new version, or why none was made."""
@@ -193,19 +323,22 @@ class ConfigHistory:
         return self._record(new, by, now, None)
 
     def rollback(self, version: int | None, by: str, now: float) -> ConfigVersion | Refused:
-        """Apply version ``version``'s sections again (None: the one before the current)."""
+        """Apply version ``version``'s live fields again (None: the one before the
+        current)."""
         target = self.current.version - 1 if version is None else version
         if not 0 <= target < len(self.versions):
             return Refused((f"no version {target} (versions 0..{self.current.version})",))
-        return self._record(self.sections[target].onto(self.boot), by, now, target)
+        running = self.config
+        return self._record(live_fields(self._onto(target), running, self.scope), by, now,
+                            target)
 
     def _record(self, new: WeirConfig, by: str, now: float,
                 rollback_of: int | None) -> ConfigVersion | Refused:
         running = self.config
-        reasons = check(running, new, self.boot)
+        reasons = check(running, new, self.boot, self.scope)
         if reasons:
             return Refused(tuple(reasons))
-        sections = PolicySections.of(new)
+        sections = self.scope.sections.of(new)
         v = ConfigVersion(len(self.versions), sections.digest(), by, now,
                           tuple(changed_fields(running, new)), rollback_of)
         self.sections.append(sections)

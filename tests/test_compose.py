@@ -27,9 +27,17 @@ def test_compose_config_is_valid():
         svc = services[name]
         assert svc["image"] == "weir:latest" and "healthcheck" in svc, name
         assert svc["stop_signal"] == "SIGTERM"
+    named = set(spec.get("volumes") or ())
     for svc in services.values():
         for vol in svc.get("volumes", ()):
-            assert (ROOT / vol.split(":")[0]).exists(), vol
+            source = vol.split(":")[0]
+            assert source in named or (ROOT / source).exists(), vol
+    # an operator's key for `weir config` / `weir replicas`, from the keys volume; the
+    # router's config history on a writable volume of its own
+    assert all(services[n]["environment"]["WEIR_OPERATOR_KEY_FILE"] ==
+               "/etc/weir/keys/operator.key" for n in ("streamer", *ROUTER_PROFILE))
+    router = weir_toml.load((ROOT / "deploy/router/router.toml").read_text(), "route").router
+    assert f"router-state:{Path(router.config_history).parent}" in services["router"]["volumes"]
     assert (ROOT / "Dockerfile").exists()
 
 

@@ -182,6 +182,8 @@ def _keys(args: argparse.Namespace) -> int:
 
     d = generate(args.dir)
     generate_service_key(d / "service.key")      # the gateway's credential to the streamer
+    # an operator's (weir config, weir replicas): WEIR_OPERATOR_KEY_FILE in a deployment
+    generate_service_key(d / "operator.key")
     print(d)
     return 0
 
@@ -273,8 +275,8 @@ def _replicas(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    """An engine's live config (an operator's key): apply a TOML file, roll back, or list
-    the versions."""
+    """An engine's or a router's live config (an operator's key): apply a TOML file, roll
+    back, or list the versions."""
     import getpass
     from datetime import datetime
 
@@ -286,7 +288,8 @@ def _config(args: argparse.Namespace) -> int:
     try:
         if args.action == "apply" and not args.target:
             raise ValueError("apply needs a TOML file")
-        toml = Path(args.target).read_text() if args.action == "apply" else ""
+        toml = ("" if args.action != "apply" else sys.stdin.read() if args.target == "-"
+                else Path(args.target).read_text())
         version = int(args.target) if args.action == "rollback" and args.target else None
         with Client(args.endpoint) as client:
             answer = client.config(args.action, toml, version,
@@ -384,6 +387,10 @@ def _status(args: argparse.Namespace) -> int:
             "rerouted": int(rs.get("requests.rerouted", 0)),
             "decisions": {k.split(".", 2)[2]: int(v) for k, v in rs.items()
                           if k.startswith("requests.reason.")},
+            # the router's own live config version (weir config --endpoint ROUTER)
+            "config": {"version": int(rs.get("config_version", 0)),
+                       "sha256": comps["router"].info.get("config_sha256", ""),
+                       "policy": comps["router"].info.get("router_policy", "")},
             "replicas": {n: {k.split(".", 2)[2]: v for k, v in rs.items()
                              if k.startswith(f"replica.{n}.")} for n in names}}
     if args.json:
@@ -394,6 +401,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"router       active {r['active_requests']} sessions {r['sessions']} moves "
               f"{r['session_moves']} rerouted {r['rerouted']} " + " ".join(
                   f"{k} {v}" for k, v in sorted(r["decisions"].items())))
+        rcv = r["config"]
+        print(f"router       config version {rcv['version']} policy {rcv['policy']}"
+              + (f" sha256 {rcv['sha256'][:16]}" if rcv["sha256"] else ""))
         for n, rep in r["replicas"].items():
             print(f"replica {n:12} {'healthy' if rep.get('healthy') else 'OUT':7} open "
                   f"{int(rep.get('open', 0))} routed {int(rep.get('routed', 0))} cached view "
@@ -534,8 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--config", required=True)
     sup.set_defaults(func=_supervise)
 
-    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve) and "
-                                     "the gateway's service key (service.key)")
+    ks = sub.add_parser("keys", help="create CURVE keys for the bus ([security] curve), "
+                                     "the gateway's service key (service.key) and an "
+                                     "operator's key (operator.key)")
     ks.add_argument("action", choices=["generate"])
     ks.add_argument("dir", help="the directory for [security] curve_keys_dir")
     ks.set_defaults(func=_keys)
@@ -550,13 +561,15 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--endpoint", default=None, help=endpoint_help)
     rp.set_defaults(func=_replicas)
 
-    cf = sub.add_parser("config", help="an engine's live config (an operator's key): apply a "
-                                       "TOML's policy sections without a restart, list the "
-                                       "versions, or roll back")
+    cf = sub.add_parser("config", help="an engine's or a router's live config (an operator's "
+                                       "key): apply a TOML's policy sections without a "
+                                       "restart, list the versions, or roll back")
     cf.add_argument("action", choices=["apply", "history", "rollback"])
     cf.add_argument("target", nargs="?", default=None, metavar="FILE | VERSION",
-                    help="apply: the TOML file (laid over the running config; only the "
-                         "policy sections may differ); rollback: the version to restore "
+                    help="apply: the TOML file, - for standard input (laid over the running "
+                         "config; only the policy sections may differ: docs/operations.md "
+                         "lists them for an engine and a router); rollback: the version to "
+                         "restore "
                          "(default: the one before the current)")
     cf.add_argument("--actor", default=None, help="who applies it (default: $USER)")
     cf.add_argument("--json", action="store_true", help="one JSON object per version")

@@ -556,10 +556,10 @@ class AsyncClient:
 
     async def config(self, action: ConfigAction, toml: str = "", version: int | None = None,
                      actor: str = "", timeout: float = 5.0) -> ConfigAnswer:
-        """An engine's live config (an operator's key): ``apply`` a TOML text (its policy
-        sections change live), ``rollback`` to ``version`` (None: the one before the
-        current), or the ``history``. Raises WeirError with every reason when the engine
-        changed nothing."""
+        """An engine's or a router's live config (an operator's key): ``apply`` a TOML
+        text (its policy sections change live), ``rollback`` to ``version`` (None: the one
+        before the current), or the ``history``. Raises WeirError with every reason when
+        it changed nothing."""
         return await self._command(lambda qid: ConfigCommand(
             qid, action, toml, version, actor, self.api_key), timeout)
 

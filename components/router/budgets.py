@@ -132,6 +132,22 @@ class FleetBudgets:
         self.refusals: Counter[str] = Counter()
         self.refunded = 0
 
+    def retune(self, tenants: Iterable[TenantConfig], now: float) -> None:
+        """New budgets (a live config change), carried over by tenant name: what each
+        tenant holds is counted against its new cap; its bucket keeps its level (refilled
+        to ``now`` at the old rate, cut to a smaller new burst) and refills at the new
+        rate; a tenant with no rate now has no bucket, and one no longer named is no
+        longer governed (its requests in flight end as they would)."""
+        self.tenants = {t.name: t for t in tenants}
+        for name, b in list(self.buckets.items()):
+            t = self.tenants.get(name)
+            if t is None or t.token_rate <= 0:
+                del self.buckets[name]
+                continue
+            b.refill(now)
+            b.rate, b.burst = t.token_rate, t.token_burst or t.token_rate
+            b.level = min(b.level, b.burst)
+
     def governs(self, tenant: str) -> bool:
         return tenant in self.tenants
 

@@ -96,6 +96,16 @@ class FleetQueue:
         self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
         self.counts: Counter[str] = Counter()
 
+    def retune(self, tenants: Iterable[TenantConfig], max_held: int) -> None:
+        """New weights and bounds (a live config change), carried over by tenant name:
+        what is held stays held (a smaller bound refuses new requests until the queue is
+        under it), each counter keeps its value and is charged at the new weight from now
+        on."""
+        named = list(tenants)
+        self.limits = {t.name: t.max_queued for t in named}
+        self.vtc.weights = {t.name: t.weight for t in named}
+        self.max_held = max_held
+
     def __len__(self) -> int:
         return len(self.held)
 

@@ -44,6 +44,7 @@ from components.router.budgets import (
 )
 from components.router.discovery import Discovery, DnsResolver, Resolver, plan
 from components.router.fleetq import FleetQueue
+from components.router.live_config import RouterLiveConfig, config_stats, history_path
 from components.router.membership import Membership, Replica, load_query_id
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
@@ -68,6 +69,7 @@ from schemas.client import (
     Submit,
     TextDelta,
 )
+from schemas.config import WeirConfig
 from schemas.frames import client_frame_limit
 from schemas.validate import check_submit
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
@@ -106,6 +108,9 @@ class RouterService(Component):
     discovery: Discovery | None = None        # under router.discovery = "dns"
 
     async def setup(self) -> None:
+        # the config in force: the TOML, or the version a restarted router goes on with
+        self.live = RouterLiveConfig(self.config, history_path(self.config), time.time())
+        self.config = self.live.config
         rc = self.config.router
         if not rc.replicas and rc.discovery == "static":
             raise ValueError("router.replicas is empty: name at least one engine to route to")
@@ -266,6 +271,7 @@ class RouterService(Component):
         with _TRACER.start_as_current_span(
                 "router.route", context=tracing.context_from(f.traceparent)) as span:
             span.set_attributes(route_attributes(f, ranked, self.rc.policy))
+            span.set_attribute("weir.config.version", self.live.history.current.version)
             if f.held_at and not f.tried:
                 span.set_attribute("weir.fleetq.wait_ms", round((now - f.held_at) * 1e3, 3))
             if decision is None:
@@ -601,14 +607,38 @@ class RouterService(Component):
                 await self._cancel(f, "client gone")
         self.endpoint.forget(gone)
 
-    # ------------------------------------------------------------------ membership
+    # ------------------------------------------------------------------ live config
     async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer:
-        return ConfigAnswer(cmd.query_id, "a router's config is not yet applied live: apply "
-                            "it to each replica's engine, or restart the router")
+        """An operator's config command (``live_config.py``): a new version is in force
+        before the answer goes (saved first), from the next decision on."""
+        answer, new = self.live.command(cmd, self.keys.operator(cmd.api_key), time.time())
+        if new is not None:
+            self._adopt(new)
+            v = answer.current
+            assert v is not None
+            self.counts["config_changes"] += 1
+            log.info("config_applied", version=v.version, sha256=v.sha256[:16],
+                     applied_by=v.applied_by, changed=list(v.changed))
+        return answer
 
+    def _adopt(self, config: WeirConfig) -> None:
+        """``config``'s live fields in force (schemas/config_change.py: ROUTER). Nothing
+        placed is placed again: a request keeps its replica; the fleet queue keeps what it
+        holds, released in the new weights' order; each tenant's bucket, outstanding count
+        and virtual counter carry over by name (budgets.py, fleetq.py: ``retune``)."""
+        self.config = config
+        self.rc = rc = config.router
+        self.routing.rc, self.routing.admission = rc, config.admission
+        self.targets = targets_s(config.admission.classes)
+        self.budgets.retune(rc.tenants, time.monotonic())
+        if self.fleetq is not None:
+            self.fleetq.retune(rc.tenants, rc.fleet_queue_max)
+            self.freed = True                   # a larger bound or weight may release some
+
+    # ------------------------------------------------------------------ membership
     def change_replicas(self, c: ChangeReplicas) -> ReplicasChanged:
         """An operator's change of replicas: all of it, or (with the reason) none of it."""
-        answer, added = self.members.change(c, self.keys.identify(c.api_key, "default"))
+        answer, added = self.members.change(c, self.keys.operator(c.api_key))
         for r in added:
             self._connect(r)
             self._tg.start_soon(self._serve, r)
@@ -672,12 +702,19 @@ class RouterService(Component):
     def status(self, query_id: str, api_key: str | None) -> StatusReport:
         """The router's own cluster, then each healthy replica's components
         (``Membership.components``); each tenant's usage only to itself or an operator."""
-        comps = self.members.components(self.cluster.components, self.name)
+        comps = [msgspec.structs.replace(c, stats={**c.stats, **config_stats(self.live)},
+                                         info={**c.info, **self.info()})
+                 if c.name == self.name else c
+                 for c in self.members.components(self.cluster.components, self.name)]
         who = self.keys.identify(api_key, "default")
         if not (isinstance(who, Identity) and who.sees_all):
             tenant = who.tenant if isinstance(who, Identity) else ""
             comps = [visible_status(c, tenant) for c in comps]
         return StatusReport(query_id, tuple(comps), self.draining or self.cluster.draining)
+
+    def info(self) -> dict[str, str]:
+        return {"config_sha256": self.live.history.current.sha256,
+                "router_policy": self.rc.policy}
 
     def stats(self) -> dict[str, float]:
         sessions = self.routing.sessions
@@ -694,6 +731,7 @@ class RouterService(Component):
                 **({"discovery.polls": disc.polls, "discovery.failed": disc.failed,
                     "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
+                **config_stats(self.live),
                 **self.budgets.stats(),
                 **(self.fleetq.stats(time.monotonic()) if self.fleetq is not None else {}),
                 **self.members.stats(),

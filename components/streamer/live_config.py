@@ -10,7 +10,7 @@ version in force again (``resend``).
 """
 from __future__ import annotations
 
-from bus.identity import Identity, Refusal
+from bus.identity import Identity, Refusal, acting_operator
 from schemas.client import ConfigAnswer, ConfigCommand
 from schemas.config import WeirConfig
 from schemas.config_change import ConfigHistory, ConfigVersion
@@ -30,12 +30,12 @@ class LiveConfig:
                 now: float) -> tuple[ConfigAnswer, PolicyChange | None]:
         """The answer to ``cmd`` (from the key ``who``), and the change to send when it
         made a version."""
-        if not (isinstance(who, Identity) and who.sees_all):
+        by = acting_operator(who, cmd.actor)
+        if by is None:
             return ConfigAnswer(cmd.query_id, "config commands need an operator's key"), None
         h = self.history
         if cmd.action == "history":
             return ConfigAnswer(cmd.query_id, None, h.current, tuple(h.versions)), None
-        by = f"{who.role}:{who.tenant}" + (f" ({cmd.actor})" if cmd.actor else "")
         made = (h.apply(cmd.toml, by, now) if cmd.action == "apply"
                 else h.rollback(cmd.version, by, now))
         if not isinstance(made, ConfigVersion):

@@ -136,7 +136,7 @@ class StreamerService(Component):
         """An operator's config command (``live_config.py``); a new version is sent to
         admission and the scheduler before the answer."""
         answer, change = self.live_config.command(
-            cmd, self.keys.identify(cmd.api_key, "default"), time.time())
+            cmd, self.keys.operator(cmd.api_key), time.time())
         if change is not None:
             await self.to_admission.send(change)
             await self.to_scheduler.send(change)

@@ -211,6 +211,13 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                                 for e in c.get("env", ()) if e["name"] == "WEIR_SERVICE_KEY"), {})
             if service_key.get("name") not in secrets or service_key.get("key") != "service.key":
                 problems.append(f"{name}: WEIR_SERVICE_KEY is not the keys Secret's service.key")
+            operator_key = next((e.get("valueFrom", {}).get("secretKeyRef", {})
+                                 for e in c.get("env", ()) if e["name"] == "WEIR_OPERATOR_KEY"),
+                                {})
+            if operator_key.get("name") not in secrets or \
+                    operator_key.get("key") != "operator.key":
+                problems.append(f"{name}: WEIR_OPERATOR_KEY is not the keys Secret's "
+                                f"operator.key")
             if cfg.telemetry.exporter != "otlp" or not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
                 problems.append(f"{name}: traces go nowhere (exporter, "
                                 f"OTEL_EXPORTER_OTLP_ENDPOINT)")
@@ -231,6 +238,12 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 replicas.append((wl, cfg))
             elif cmd[:2] == ["weir", "route"]:
                 routers.append(cfg)
+                history = Path(cfg.router.config_history)
+                if not cfg.router.config_history or not any(
+                        m["mountPath"] == str(history.parent)
+                        and not m.get("readOnly") for m in c.get("volumeMounts", ())):
+                    problems.append(f"{name}: router.config_history is not on a writable "
+                                    f"volume of its own")
             else:
                 problems.append(f"{name}: runs neither weir serve nor weir route: {cmd}")
 
@@ -381,6 +394,8 @@ def test_the_router_discovers_the_replicas_and_scaling_needs_no_change_to_it():
     ("config_key", "subPath weir.toml is no key"),
     ("model", "engine.model / kv.block_size / max_model_len differ"),
     ("kv_port", "on other ports than it serves"),
+    ("operator_key", "WEIR_OPERATOR_KEY is not the keys Secret's operator.key"),
+    ("history_volume", "router.config_history is not on a writable volume"),
 ])
 def test_consistency_check_catches_breakage(breakage, reported):
     objects = copy.deepcopy(render(K8S / "base"))
@@ -414,6 +429,10 @@ def test_consistency_check_catches_breakage(breakage, reported):
                                                         "other.gguf", 1)
     elif breakage == "kv_port":
         cm["data"]["router.toml"] = _static(router_toml).replace(":7470", ":7469", 1)
+    elif breakage == "operator_key":
+        container["env"] = [e for e in container["env"] if e["name"] != "WEIR_OPERATOR_KEY"]
+    elif breakage == "history_volume":
+        cm["data"]["router.toml"] = router_toml.replace("/var/lib/weir/", "/tmp/weir/")
     problems = consistency_problems(objects)
     assert any(reported in p for p in problems), problems
 
@@ -476,6 +495,7 @@ def test_keys_secret_holds_what_weir_keys_generate_writes(tmp_path):
 
     keys = curve.generate(tmp_path / "keys")
     generate_service_key(keys / "service.key")
+    generate_service_key(keys / "operator.key")
     files = {p.name for p in keys.iterdir() if p.is_file()}
     if shutil.which("kubectl"):       # the Secret as docs/deploy.md makes it
         out = subprocess.run(["kubectl", "create", "secret", "generic", "weir-curve-keys",

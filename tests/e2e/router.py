@@ -23,8 +23,9 @@ def start_replica(run_dir: Path, toml: str, wait: bool = True) -> Engine:
 class Router:
     def __init__(self, run_dir: Path, replicas: dict[str, Engine], toml: str = "",
                  policy: str = "cache_aware", http_port: int | None = None,
-                 gateway_extra: str = "") -> None:
-        """``gateway_extra``: more ``[gateway]`` TOML lines (``api_keys``: the router's)."""
+                 gateway_extra: str = "", env: dict[str, str] | None = None) -> None:
+        """``gateway_extra``: more ``[gateway]`` TOML lines (``api_keys``: the router's);
+        ``env``: more environment for the router (``WEIR_OPERATOR_KEY``)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.endpoint = f"ipc://{run_dir}/client.sock"
@@ -37,7 +38,8 @@ class Router:
                 str(run_dir), "--endpoint", self.endpoint, "--policy", policy]
         for name, eng in replicas.items():
             args += ["--replica", f"{name}={eng.endpoint},{eng.kv_events}"]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        self.proc = subprocess.Popen(args, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
                                      stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb"))
         def routing() -> bool:
             if b"weir: routing" in self.log_path.read_bytes():

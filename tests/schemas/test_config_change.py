@@ -1,12 +1,16 @@
 """The live config change's core: overlay, the refusal of restart-only fields, versions."""
 from __future__ import annotations
 
-from schemas.config import load_config
+import msgspec
+
+from schemas.config import ReplicaSpec, load_config
 from schemas.config_change import (
+    ROUTER,
     ConfigHistory,
     ConfigVersion,
     PolicySections,
     Refused,
+    RouterSections,
     candidate,
     changed_fields,
 )
@@ -125,3 +129,89 @@ def test_rollback_restores_an_earlier_policy_as_a_new_version() -> None:
     missing = h.rollback(9, "c", 5.0)
     assert isinstance(missing, Refused) and missing.reasons == (
         "no version 9 (versions 0..4)",)
+
+
+# ---------------------------------------------------------------------- a router's scope
+ROUTER_BOOT = load_config(None, topology={"run_dir": "/tmp/weir-test"}, router={
+    "replicas": [{"name": "r0", "endpoint": "tcp://r0:7450"}],
+    "tenants": [{"name": "acme", "max_outstanding": 10}]})
+
+
+def _router() -> ConfigHistory:
+    return ConfigHistory(ROUTER_BOOT, 1000.0, ROUTER)
+
+
+def test_a_routers_weights_policy_budgets_and_queue_bounds_change_live() -> None:
+    h = _router()
+    v = h.apply('[router]\npolicy = "least_loaded"\nweights = { queue = 2.5 }\n'
+                'fleet_queue_max = 16\nfleet_queue_max_wait_s = 5.0\nreroute_attempts = 1\n'
+                'tenants = [{ name = "acme", max_outstanding = 4, weight = 3.0, '
+                'token_rate = 100.0 }]\n', "op", 1001.0)
+    assert isinstance(v, ConfigVersion)
+    assert v.changed == ("router.fleet_queue_max", "router.fleet_queue_max_wait_s",
+                         "router.policy", "router.reroute_attempts", "router.tenants",
+                         "router.weights")
+    rc = h.config.router
+    assert (rc.policy, rc.weights.queue, rc.weights.prefix, rc.tenants[0].weight) == (
+        "least_loaded", 2.5, 1.0, 3.0)
+    assert rc.replicas == ROUTER_BOOT.router.replicas
+    assert v.sha256 == RouterSections.of(h.config).digest()
+
+
+def test_a_routers_restart_only_fields_are_refused_by_name() -> None:
+    h = _router()
+    r = h.apply('[router]\npolicy = "round_robin"\nfleet_queue = false\n'
+                'heartbeat_timeout_s = 5.0\ndiscovery = "dns"\ndiscovery_name = "x"\n'
+                'replicas = [{ name = "r9", endpoint = "tcp://r9:7450" }]\n'
+                '[scheduler]\nfairness = "fcfs"\n[kv]\nblock_size = 32\n'
+                '[topology]\nclient_endpoint = "tcp://0.0.0.0:9"\n', "op", 5.0)
+    assert isinstance(r, Refused)
+    assert r.reasons == (
+        "kv.block_size needs a restart (the router hashes prompts in blocks of the size set "
+        "at start)",
+        "router.discovery needs a restart (discovery is set up at start)",
+        "router.discovery_name needs a restart (discovery is set up at start)",
+        "router.fleet_queue needs a restart (the fleet queue is made or not at start; its "
+        "bounds change live)",
+        "router.heartbeat_timeout_s needs a restart (the replicas' heartbeat and "
+        "load-report timing is set at start)",
+        "router.replicas needs a restart (the replica list is read at start; change it "
+        "live with `weir replicas add/remove`)",
+        "scheduler.fairness is an engine's: apply it to each replica with --endpoint "
+        "naming it",
+        "topology.client_endpoint needs a restart (sockets are bound at start)")
+    assert h.current.version == 0 and h.config == ROUTER_BOOT
+
+
+def test_an_engine_refuses_the_router_section_and_says_where_it_goes() -> None:
+    r = _history().apply('[router]\npolicy = "round_robin"\n', "op", 5.0)
+    assert isinstance(r, Refused) and r.reasons == (
+        "router.policy is a router's: apply it with --endpoint naming the router",)
+
+
+def test_a_rollback_restores_only_live_fields() -> None:
+    h = _router()
+    h.apply('[router]\npolicy = "round_robin"\n', "op", 1.0)
+    # the history resumed by a router started with another replica list (a changed file)
+    boot2 = msgspec.structs.replace(ROUTER_BOOT, router=msgspec.structs.replace(
+        h.config.router, replicas=(ReplicaSpec("r1", "tcp://r1:7450"),)))
+    h2 = ConfigHistory.resumed(boot2, h.versions, h.sections,
+                               RouterSections.of(ROUTER_BOOT).digest(), 2.0, ROUTER)
+    assert h2.current.version == 2 and h2.current.applied_by == "startup"
+    assert h2.current.changed == ("router.replicas",)
+    v = h2.rollback(0, "op", 3.0)
+    assert isinstance(v, ConfigVersion) and v.changed == ("router.policy",)
+    assert h2.config.router.policy == "cache_aware"
+    assert h2.config.router.replicas == (ReplicaSpec("r1", "tcp://r1:7450"),)
+
+
+def test_resumed_with_the_same_file_the_version_in_force_stays() -> None:
+    h = _router()
+    h.apply('[router]\nweights = { tenant = 0.7 }\n', "op", 1.0)
+    h.apply('[router]\nkv_high = 0.9\n', "op", 2.0)
+    again = ConfigHistory.resumed(ROUTER_BOOT, h.versions, h.sections,
+                                  RouterSections.of(ROUTER_BOOT).digest(), 9.0, ROUTER)
+    assert again.versions == h.versions and again.config == h.config
+    assert (again.config.router.weights.tenant, again.config.router.kv_high) == (0.7, 0.9)
+    fresh = ConfigHistory.resumed(ROUTER_BOOT, [], [], "", 9.0, ROUTER)
+    assert [v.version for v in fresh.versions] == [0] and fresh.config == ROUTER_BOOT

@@ -175,3 +175,30 @@ def test_after_a_restart_a_bucket_starts_from_what_the_replicas_report_used():
     # a replica lost takes its report with it; a bucket already made is not rebuilt again
     b.lost("r0")
     assert b.used == {"r1": r1} and b.buckets["acme"].refill(10.5) == 50.0
+
+
+def test_new_budgets_carry_over_by_tenant_name():
+    """A live config change (retune): acme's two placed requests count against its new cap
+    of 2, its bucket keeps its level (cut to the smaller burst) and refills at the new
+    rate; globex, now named, is governed from then on; a tenant dropped is not."""
+    b = FleetBudgets([TenantConfig("acme", max_outstanding=10, token_rate=100,
+                                   token_burst=1000),
+                      TenantConfig("old", max_outstanding=1, token_rate=5)])
+    b.place("a1", "acme", "r0", 100, 0.0)
+    b.place("a2", "acme", "r1", 200, 0.0)
+    b.place("o1", "old", "r0", 1, 0.0)
+    assert b.buckets["acme"].level == 700
+    b.retune([TenantConfig("acme", max_outstanding=2, token_rate=10, token_burst=500),
+              TenantConfig("globex", max_outstanding=1)], 1.0)
+    assert b.outstanding("acme") == 2 and b.placed["a1"].charged == 100
+    bucket = b.buckets["acme"]
+    assert (bucket.rate, bucket.burst, bucket.level) == (10, 500, 500)  # 700 + 100, cut
+    no = b.check("acme", 10, 1.0)
+    assert no is not None and no.reason == "tenant_over_budget" and "cap is 2" in no.message
+    b.ended("a1", 50, 2.0)                     # refunded 50 at the new burst's bound
+    assert b.outstanding("acme") == 1 and b.buckets["acme"].level == 500
+    assert "old" not in b.buckets and b.check("old", 1, 2.0) is None
+    b.ended("o1", 1, 2.0)                      # placed under the old config: ends once
+    assert b.own["old"] == 0
+    b.place("g1", "globex", "r0", 5, 2.0)
+    assert b.check("globex", 5, 2.0).reason == "tenant_over_budget"

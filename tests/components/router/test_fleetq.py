@@ -187,3 +187,20 @@ def test_a_lift_never_lowers_a_counter_and_an_idle_tenant_banks_nothing():
     q.ended("b0", (10, 0))
     q.ended("b1", (2000, 0))                 # nobody in flight: a passes alone
     assert q.passes("a")
+
+
+def test_new_weights_and_bounds_carry_over_what_is_held():
+    """A live config change (retune): what is held stays held and in order; each counter
+    keeps its value and is charged at the new weight; a smaller bound refuses new requests
+    until the queue is under it."""
+    q = queue(max_held=10, heavy={"weight": 1.0, "max_queued": 8})
+    q.placed("p0", "heavy", 100)
+    for i in range(3):
+        assert q.offer(f"h{i}", "heavy", 10, 0.0, 60.0) is None
+    q.retune([TenantConfig("heavy", weight=4.0, max_queued=2)], max_held=2)
+    assert len(q) == 3 and q.vtc.of("heavy") == 100.0
+    refused = q.offer("h3", "heavy", 10, 0.0, 60.0)
+    assert refused is not None and refused.reason == "queue_full"
+    assert drain(q) == ["h0", "h1", "h2"]
+    assert q.vtc.of("heavy") == 100.0 + 3 * 10 / 4.0
+    assert q.offer("h4", "heavy", 10, 1.0, 60.0) is None and q.limit("heavy") == 2

@@ -144,10 +144,13 @@ def test_the_router_service_stats_carry_the_signals():
         routing=SimpleNamespace(sessions=Sessions(), idempotent={},
                                 queue_s=lambda r, flights: 0.5 + len(flights)),
         counts=Counter(load_rejected=3), targets=TARGETS, handovers=[],
-        budgets=FleetBudgets(()), fleetq=FleetQueue((), 10))
+        budgets=FleetBudgets(()), fleetq=FleetQueue((), 10),
+        live=SimpleNamespace(history=SimpleNamespace(current=SimpleNamespace(version=3)),
+                             persist_errors=0))
     svc.fleetq.offer("q", "acme", 10, 0.0, 60.0)
     out = RouterService.stats(svc)
     assert out["fleetq.depth"] == 1 and out["fleetq.depth.acme"] == 1
     assert out["requests.load_rejected"] == 3 and out["fleet/load_rejections"] == 3
     assert out["signal/a/queue_s"] == 0.5 and out["fleet/headroom/interactive"] == 0.75
     assert out["signal/a/kv_used"] == 0.5 and out["replica.a.healthy"] == 1
+    assert out["config_version"] == 3
