@@ -49,11 +49,14 @@ def invariant_linear(cands: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
 
 
 def invariant_tiles(plan: KernelPlan) -> str:
-    """The paged attention's tiles in a deterministic step: the vector tiles (8 rows of
-    one sequence share each key read). The AMX tiles are invariant only one row to a tile
-    (a multi-row AMX tile does P.V on the tile unit, a one-row tile by vdpbf16ps), which
-    reads every key once per row: slower for prompts (design/executor.md)."""
-    return "vector"
+    """The paged attention's tiles in a deterministic step: the AMX tiles where the plan
+    measured them faster for the paged kernel, one row to a tile (a multi-row AMX tile
+    does P.V on the tile unit, a one-row tile by vdpbf16ps, so a row's bits would depend on
+    its tile); else the vector tiles (8 rows of a sequence share each key read, each row's
+    scores, softmax and P.V its own). On the 2-core AMX Xeon the one-row AMX tiles beat the
+    vector tiles at every shape timed, prompts included (scripts/bench/deterministic.py,
+    docs/perf-log.md)."""
+    return "amx" if plan.attention_tiles == "amx" else "vector"
 
 
 def is_invariant(plan: KernelPlan, device: torch.device | str = "cpu") -> bool:
