@@ -18,7 +18,6 @@ from kernels.kv_cache import is_fp8
 from kernels.metadata import AttentionMetadata
 from kernels.native_lib import DTYPES, KV_DTYPES, load
 
-
 MODE_AMX, MODE_INVARIANT = 1, 2      # weir_decode_attention's mode bits
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from components.executor import determinism
 from components.executor.candidates import (
     amx_possible,
     linear_candidates,
@@ -26,7 +27,6 @@ from components.executor.candidates import (
     shapes,
     triton_available,
 )
-from components.executor import determinism
 from components.executor.linear import GREEDY_HEAD
 from components.executor.measure import measure_plan
 from kernels import get_backend, native_lib, tuning

@@ -18,6 +18,7 @@ Prints ms/step, median of ``--steps``, each after one warm-up.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -33,6 +34,20 @@ BLOCK = 16
 # (decode rows, prompt chunks' lengths)
 SHAPES = [(1, []), (64, []), (256, []), (32, [256]), (0, [512]), (0, [128] * 8),
           (64, [512])]
+
+
+def _forward(model, kv, seqs: list[tuple[int, int]], tables: list[list[int]],
+             idx: list[int], invariant: bool):
+    """A call running the sequences ``idx`` of ``seqs`` (new tokens, context) as one
+    forward, on the invariant kernels or the plan's; None for no sequences."""
+    if not idx:
+        return None
+    sub = [seqs[i] for i in idx]
+    meta = AttentionMetadata.build([q for q, _ in sub], [c for _, c in sub],
+                                   [tables[i] for i in idx], BLOCK)
+    ids = torch.randint(0, SMOLLM2_135M.vocab_size, (meta.num_tokens,))
+    last = torch.tensor(meta.query_start_loc[1:].tolist()) - 1
+    return lambda: model.forward(ids, meta.positions, kv, meta, last, deterministic=invariant)
 
 
 def _timed(fn, steps: int) -> float:
@@ -51,8 +66,9 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--frac", default="0.1,1.0", help="shares of deterministic sequences")
-    p.add_argument("--tiles", default="vector",
-                   help="the invariant attention tiles to time: vector, amx or both")
+    p.add_argument("--tiles", default="amx,vector",
+                   help="the invariant attention tiles to time, comma-separated: amx, vector "
+                        "(the split runs on the first)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -78,16 +94,7 @@ def main(argv=None) -> None:
             tables.append(blocks[at:at + nb])
             at += nb
 
-        def forward(idx: list[int], invariant: bool):
-            if not idx:
-                return None
-            sub = [seqs[i] for i in idx]
-            meta = AttentionMetadata.build([q for q, _ in sub], [c for _, c in sub],
-                                           [tables[i] for i in idx], BLOCK)
-            ids = torch.randint(0, SMOLLM2_135M.vocab_size, (meta.num_tokens,))
-            last = torch.tensor(meta.query_start_loc[1:].tolist()) - 1
-            return lambda: model.forward(ids, meta.positions, kv, meta, last,
-                                         deterministic=invariant)
+        forward = functools.partial(_forward, model, kv, seqs, tables)
 
         every = list(range(len(seqs)))
         row = f"{f'{decodes}d+' + 'x'.join(map(str, prompts)) if prompts else f'{decodes}d':<22}"
@@ -100,7 +107,7 @@ def main(argv=None) -> None:
             det = set(rng.sample(every, max(1, round(f * len(seqs)))))
             a = forward(sorted(det), True)
             b = forward([i for i in every if i not in det], False)
-            row += f"{_timed(lambda: (a(), b and b()), args.steps):>12.2f}"
+            row += f"{_timed(lambda a=a, b=b: (a(), b and b()), args.steps):>12.2f}"
         print(row, flush=True)
 
 

@@ -2,10 +2,10 @@
 logprobs are bitwise the same alone, beside 8, 64 and 256 random neighbours (arriving at
 random steps), with its prompt chunked at random, computed one token at a time, after a
 preemption by recompute, from a prefix-cache hit, on a freshly built model (an executor
-restart) and on one thread. The model runs a plan whose kernels change with the step's rows (the native
-small-batch linear up to 256 rows, then oneDNN or torch; SDPA for fresh prompts; the prompt
-kernels for long runs), and the same comparisons without the flag differ, so the test can
-fail."""
+restart) and on one thread. The model runs a plan whose kernels change with the step's
+rows (the native small-batch linear up to 256 rows, then oneDNN or torch; SDPA for fresh
+prompts; the prompt kernels for long runs), and the same comparisons without the flag
+differ, so the test can fail."""
 from __future__ import annotations
 
 import random
