@@ -18,15 +18,26 @@ from kernels.kv_cache import is_fp8
 from kernels.metadata import AttentionMetadata
 from kernels.native_lib import DTYPES, KV_DTYPES, load
 
+MODE_AMX, MODE_INVARIANT = 1, 2      # weir_decode_attention's mode bits
+
+
+def attention_mode(amx: bool, invariant: bool) -> int:
+    """The native attention's mode: the AMX tiles, and the batch-invariant kernels (a
+    deterministic step: no prompt kernel, each row reduced in an order fixed by its own
+    key count; AMX tiles of one row each)."""
+    return (MODE_AMX if amx else 0) | (MODE_INVARIANT if invariant else 0)
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, amx: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, amx: bool = False,
+                    invariant: bool = False) -> torch.Tensor:
     """Every new token at once, decode and prefill alike: the token at position p attends
     keys 0..p of its sequence (causal), read in place from the blocks. ``q``'s rows may be
     apart (a view into the fused qkv projection); its heads must be packed. ``amx``: the
     AMX kernel (bf16, block size a multiple of 16,
-    :func:`~kernels.native_lib.amx_supported`). The caches are q's dtype, or fp8 (widened
-    as read)."""
+    :func:`~kernels.native_lib.amx_supported`). ``invariant``: each row's result depends
+    on its own query and keys only, not on the rows beside it (:func:`attention_mode`).
+    The caches are q's dtype, or fp8 (widened as read)."""
     if q.dtype not in DTYPES or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
         raise ValueError(f"native attention needs q in one of {list(DTYPES)} and the cache "
                          f"in q's dtype or fp8, not {q.dtype} and {k_cache.dtype}")
@@ -41,7 +52,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.data_ptr(), out.data_ptr(), seqs.data_ptr(), q.shape[0], tables.data_ptr(),
         tables.shape[1], row_lens.data_ptr(),
         heads, q.stride(0), k_cache.shape[2], dim, k_cache.shape[1], scale,
-        torch.get_num_threads(), int(amx))
+        torch.get_num_threads(), attention_mode(amx, invariant))
     if rc != 0:
         raise ValueError(f"native attention refused shapes: heads {heads}, kv heads "
                          f"{k_cache.shape[2]}, dim {dim}")
@@ -196,10 +207,14 @@ class CpuBackend:
         self.write_kv = write_kv
         self.fresh_prompts = "native"
         self.tiles = "vector"            # the paged kernel: "vector", or "amx" (bf16 only)
+        self.invariant_tiles = "vector"  # the same, in a deterministic step
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
-                        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        invariant: bool = False) -> torch.Tensor:
+        """``invariant`` (a deterministic step): every row through the paged kernel's
+        invariant form, on ``invariant_tiles``, no fresh prompt through SDPA."""
         fp8 = is_fp8(k_cache.dtype)
         native = supports(q.shape[1], k_cache.shape[2], q.shape[2]) and (
             q.dtype == k_cache.dtype or fp8)
@@ -208,10 +223,11 @@ class CpuBackend:
         # (an fp8 cache: every row reads the stored keys, so a prompt attends the same
         # rounded keys whether its first chunk is fresh, cached or chunked)
         fresh = self._fresh(meta) if new_kv is not None and self.fresh_prompts == "sdpa" \
-            and not fp8 else None
-        amx = self.tiles == "amx" and q.dtype == torch.bfloat16 and k_cache.shape[1] % 16 == 0
+            and not fp8 and not invariant else None
+        tiles = self.invariant_tiles if invariant else self.tiles
+        amx = tiles == "amx" and q.dtype == torch.bfloat16 and k_cache.shape[1] % 16 == 0
         if not fresh:
-            return paged_attention(q, k_cache, v_cache, meta, scale, amx)
+            return paged_attention(q, k_cache, v_cache, meta, scale, amx, invariant)
         groups, rest = fresh
         k, v = new_kv
         out = q.new_empty(q.shape)

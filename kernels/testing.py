@@ -86,3 +86,20 @@ def plain_draw_miss(sample, rows: int = 200, vocab: int = 49152, temperature: fl
     hi = c.gather(1, got[:, None])[:, 0]
     lo = hi - e.gather(1, got[:, None])[:, 0]
     return (torch.clamp(torch.maximum(lo - target, target - hi), min=0) / total).max().item()
+
+
+def rows_alone(attend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+    """Each row of ``meta``'s step attended alone, as a one-row decode step at its position
+    over the same caches (which already hold the step's keys): ``attend(q, k_cache, v_cache,
+    meta)`` once per row. A batch-invariant kernel gives every row the bits it gave in the
+    step."""
+    seqs, positions = meta.token_seq.tolist(), meta.positions.tolist()
+    bs = k_cache.shape[1]
+    tables = [meta.block_tables[i, :-(-(q + c) // bs)].tolist()
+              for i, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens))]
+    out = torch.empty_like(q)
+    for i, (s, p) in enumerate(zip(seqs, positions)):
+        one = AttentionMetadata.build([1], [p], [tables[s]], bs, q.device)
+        out[i:i + 1] = attend(q[i:i + 1].contiguous(), k_cache, v_cache, one)
+    return out

@@ -220,13 +220,16 @@ PARTITION_BLOCKS = 16                   # the plain function's default (see Trit
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, block_m: int = 16,
                     partition_blocks: int = PARTITION_BLOCKS,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """Same contract as :func:`kernels.torch_ref.paged_attention`.
 
     Decode splits each context into partitions of ``partition_blocks`` blocks, widened so
     that there are at most ``MAX_PARTITIONS`` of them. ``out``: where the result goes
     (``q``'s shape and dtype, unit stride along the head dimension; a CUDA graph's static
-    buffer), returned.
+    buffer), returned. ``invariant`` (a deterministic step): every row, decode rows too,
+    through the prefill kernel: one program per (sequence, query tile, head) walks the
+    keys block by block from position 0, so a row's reduction order depends on its own
+    position only (no partition chosen by the batch size or its longest context, no merge).
     """
     tokens, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -244,7 +247,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), bt.stride(0))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"   # (fp8 caches: q's)
-    if all(ql == 1 for ql in meta.query_lens):
+    if not invariant and all(ql == 1 for ql in meta.query_lens):
         max_blocks = -(-max(c + 1 for c in meta.context_lens) // block_size)
         partition_blocks = max(partition_blocks, -(-max_blocks // MAX_PARTITIONS))
         parts = -(-max_blocks // partition_blocks)
@@ -292,7 +295,8 @@ class TritonBackend:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+        """``invariant``: a deterministic step's form (:func:`paged_attention`)."""
         blocks = self.partition_blocks or decode_partition_blocks(len(meta.query_lens))
         return paged_attention(q, k_cache, v_cache, meta, scale, partition_blocks=blocks,
-                               out=out)
+                               out=out, invariant=invariant)

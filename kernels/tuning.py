@@ -189,6 +189,11 @@ class KernelPlan:
     key: str = ""
     seconds: float = 0.0                       # spent measuring (0 when cached)
     timings: dict[str, object] = field(default_factory=dict)
+    # a deterministic step's kernels (components/executor/determinism.py; derived from what
+    # can run here, never cached): each linear role's one kernel for every M (absent: none
+    # is batch-invariant here), and the paged attention's tiles ("vector" or "amx")
+    invariant_linear: dict[str, str] = field(default_factory=dict)
+    invariant_tiles: str = "vector"
 
     def layouts(self, role: str) -> set[str]:
         return {c for _, c in self.linear.get(role, [])}

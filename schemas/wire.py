@@ -580,6 +580,7 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     prompt_logprobs: int | None = None      # SamplingParams.prompt_logprobs, while owed
     structured: StructuredOutput | None = None  # SamplingParams.structured
     output_offset: int = 0                  # SamplingParams.output_offset
+    deterministic: bool = False             # batch-invariant numerics (issue 50)
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -603,6 +604,7 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
     steps: list[SeqStep]
     drop: list[int]
     copies: list[BlockCopy] = []
+    deterministic: bool = False     # some row is deterministic: run the invariant plan
 
 
 ExecutorMsg = StepPlan

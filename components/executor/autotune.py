@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from components.executor import determinism
 from components.executor.candidates import (
     amx_possible,
     linear_candidates,
@@ -85,8 +86,12 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                 plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
                 if path is not None:
                     tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
-    return _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
+    plan = _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
                          max_tokens)
+    # a deterministic step's kernels: derived from what runs here, not measured or cached
+    plan.invariant_linear = determinism.invariant_linear(cands)
+    plan.invariant_tiles = determinism.invariant_tiles(plan)
+    return plan
 
 
 def _cached_plan(path: Path | None, key: str) -> KernelPlan | None:

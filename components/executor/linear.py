@@ -120,31 +120,52 @@ RUN = {"torch": F.linear, "onednn": onednn_linear, "native": native_linear, "amx
 GREEDY_HEAD = "lm_head.greedy"
 
 
+class StepMode:
+    """Whether the step running now is deterministic: one object the model and its linear
+    layers share, set by the model for the length of a forward (a step runs on one thread)."""
+
+    __slots__ = ("invariant",)
+
+    def __init__(self) -> None:
+        self.invariant = False
+
+
 class Linear:
     """One weight, run by the kernel its plan picks for each step's token count M: the
     table ``[(up_to_m, candidate)]`` and the weight in each chosen candidate's layout only
     (kernels/tuning.py). ``runs`` maps a candidate to its function; it is the model's, so a
-    profiler can wrap one candidate for every weight."""
+    profiler can wrap one candidate for every weight. ``invariant``: the one candidate a
+    deterministic step runs for every M (components/executor/determinism.py; its layout is
+    kept too, a copy of the weight where the table has none of it), while ``mode`` says
+    the step is one."""
 
-    __slots__ = ("table", "greedy_table", "runs", "bias", "shape")
+    __slots__ = ("table", "greedy_table", "runs", "bias", "shape", "invariant", "mode")
 
     def __init__(self, w: torch.Tensor, table: list[tuple[int, str]],
                  runs: dict, bias: torch.Tensor | None = None,
-                 greedy_table: list[tuple[int, str]] | None = None) -> None:
+                 greedy_table: list[tuple[int, str]] | None = None,
+                 invariant: str | None = None, mode: StepMode | None = None) -> None:
         self.shape = tuple(w.shape)
         layouts: dict[str, object] = {}            # one copy per layout (amx runs native's)
-        for c in {c for _, c in table + (greedy_table or [])}:
+        extra = [invariant] if invariant is not None else []
+        for c in {c for _, c in table + (greedy_table or [])} | set(extra):
             if tuning.layout_of(c) not in layouts:
                 layouts[tuning.layout_of(c)] = PREPARE[c](w)
         self.table = [(m, c, layouts[tuning.layout_of(c)]) for m, c in table]
         # the lm_head's table for greedy rows (GREEDY_HEAD; None: the table's)
         self.greedy_table = None if greedy_table is None else \
             [(m, c, layouts[tuning.layout_of(c)]) for m, c in greedy_table]
+        self.invariant = None if invariant is None else \
+            (invariant, layouts[tuning.layout_of(invariant)])
+        self.mode = mode
         self.runs, self.bias = runs, bias
 
     def pick(self, m: int, greedy: bool = False) -> tuple[str, object]:
         """The candidate the plan runs ``m`` rows with, and the weight in its layout
-        (``greedy``: for :meth:`argmax`, from the greedy table where there is one)."""
+        (``greedy``: for :meth:`argmax`, from the greedy table where there is one); in a
+        deterministic step the invariant candidate, whatever ``m``."""
+        if self.invariant is not None and self.mode is not None and self.mode.invariant:
+            return self.invariant
         table = self.greedy_table if greedy and self.greedy_table else self.table
         for up_to, cand, w in table:
             if m <= up_to:

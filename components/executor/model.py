@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from components.executor.elementwise import ElementwiseOps, fused_ops
-from components.executor.linear import GREEDY_HEAD, RUN, Linear, amx_linear_f32
+from components.executor.linear import GREEDY_HEAD, RUN, Linear, StepMode, amx_linear_f32
 from kernels import (
     AttentionBackend,
     AttentionMetadata,
@@ -62,10 +62,12 @@ class LlamaModel:
                                   kv_dtype=self.kv_dtype)
         self.backend = backend
         self._new_kv = getattr(backend, "takes_new_kv", False)
+        self._invariant_attention = getattr(backend, "name", "") in ("cpu", "triton")
         if hasattr(backend, "fresh_prompts"):     # (an fp8 cache: every row reads it)
             backend.fresh_prompts = plan.fresh_prompts if self.kv_dtype == dtype else "native"
         if hasattr(backend, "tiles"):
             backend.tiles = plan.attention_tiles
+            backend.invariant_tiles = plan.invariant_tiles
         self.native = cpu_native if plan.elementwise == "native" else None
         self.ops = ElementwiseOps(spec, dtype, self.device, fused_ops(plan.elementwise))
         # RoPE and the KV write as one launch (attention_input): Triton's elementwise ops
@@ -77,12 +79,18 @@ class LlamaModel:
         self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
         self.runs["amx+argmax"] = cpu_linear.amx_argmax_linear    # greedy tokens (Linear)
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()
-        lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b)
+        # a deterministic step (forward(deterministic=True)) runs each linear layer by its
+        # invariant kernel, attention by the invariant paged kernel
+        self.mode = StepMode()
+        inv = plan.invariant_linear
+        lin = lambda role, w, b=None: Linear(w, plan.linear[role], self.runs, b,
+                                             invariant=inv.get(role), mode=self.mode)
         self.embed = put(weights["embed"])
         tied = spec.tie_word_embeddings or weights["lm_head"] is weights["embed"]
         self.lm_head = Linear(self.embed if tied else put(weights["lm_head"]),
                               plan.linear["lm_head"], self.runs,
-                              greedy_table=plan.linear.get(GREEDY_HEAD))
+                              greedy_table=plan.linear.get(GREEDY_HEAD),
+                              invariant=inv.get("lm_head"), mode=self.mode)
         self.norm = put(weights["norm"])
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
@@ -120,7 +128,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor,
-                logits_out: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None, greedy: bool = False,
+                deterministic: bool = False) -> torch.Tensor:
         """Run one step over ``T`` flat tokens and return float32 logits ``[S, vocab]``
         for the rows ``logits_indices`` (e.g. each sequence's last new token).
 
@@ -134,29 +143,51 @@ class LlamaModel:
 
         No host syncs and no branching on tensor values, so with a graph-safe backend and
         :meth:`AttentionMetadata.for_decode_buffers` a call can be captured in a CUDA graph.
+
+        ``deterministic``: every kernel computes each row in an order that depends on the
+        row alone (components/executor/determinism.py): its logits and KV are the same
+        whatever the rest of the step is, and however its sequence was chunked.
         """
+        self.mode.invariant = deterministic
+        try:
+            return self._forward(input_ids, positions, kv, meta, logits_indices, logits_out,
+                                 greedy, deterministic)
+        finally:
+            self.mode.invariant = False
+
+    __call__ = forward
+
+    def _forward(self, input_ids, positions, kv, meta, logits_indices, logits_out, greedy,
+                 invariant: bool) -> torch.Tensor:
         ops = self.ops
         rope = ops.rope_tables(positions)
         h, x = ops.add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
-        layers = self._native_layers(input_ids.shape[0], kv, meta)
+        layers = self._native_layers(input_ids.shape[0], kv, meta, invariant)
         if layers is not None:
-            h += self._run_native_layers(layers, h, x, kv, positions, meta)
+            h += self._run_native_layers(layers, h, x, kv, positions, meta, invariant)
         else:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.key(i), kv.value(i)
                 if self.rope_kv:
                     q = self.attention_input(i, x, positions, kv, meta.slot_mapping)
-                    attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                    attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                        **self._invariant_kw(invariant))
                 else:
                     q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
                     self.backend.write_kv(k_cache, v_cache, k, v, meta)
                     attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                        new_kv=(k, v)) if self._new_kv else \
-                        self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+                                                        new_kv=(k, v), invariant=invariant) \
+                        if self._new_kv else \
+                        self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                     **self._invariant_kw(invariant))
                 h, x = self.mlp(i, h, attn)
         return self.head(h, logits_indices, logits_out, greedy)
 
-    __call__ = forward
+    def _invariant_kw(self, invariant: bool) -> dict[str, bool]:
+        """The backend's argument for a deterministic step, where it has an invariant form
+        (the cpu and Triton backends; the torch reference computes each sequence on its
+        own and takes none)."""
+        return {"invariant": True} if invariant and self._invariant_attention else {}
 
     def attention_input(self, i: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                         slots: torch.Tensor, q_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,7 +233,8 @@ class LlamaModel:
             return logits_out.copy_(self.lm_head(x))
         return self.lm_head.float32(x)
 
-    def _native_layers(self, rows: int, kv: KVCache, meta: AttentionMetadata):
+    def _native_layers(self, rows: int, kv: KVCache, meta: AttentionMetadata,
+                       invariant: bool = False):
         """The decoder layers as one native call (``cpu_forward.LayerArgs`` for every layer)
         where this step would run each of their parts on the native CPU kernels anyway:
         the plan's ``layer_loop`` is "native", the elementwise ops are native, attention is
@@ -217,7 +249,7 @@ class LlamaModel:
         if not cpu_native.supports(s.num_heads, s.num_kv_heads, s.head_dim) \
                 or meta.slot_mapping.dtype != torch.long:
             return None
-        if not self.backend.paged_only(meta):
+        if not invariant and not self.backend.paged_only(meta):
             return None
         first = self.layers[0]
         picks = tuple(getattr(first, r).pick(rows)[0] for r in ("qkv", "o", "gate_up", "down"))
@@ -243,7 +275,8 @@ class LlamaModel:
         return args
 
     def _run_native_layers(self, layers, h: torch.Tensor, x: torch.Tensor, kv: KVCache,
-                           positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                           positions: torch.Tensor, meta: AttentionMetadata,
+                           invariant: bool = False) -> torch.Tensor:
         """Run ``layers`` over the residual stream ``h`` (in place) from the first layer's
         normed input ``x``; returns the last layer's down projection (forward adds it)."""
         s, rows = self.spec, h.shape[0]
@@ -257,7 +290,8 @@ class LlamaModel:
         seqs, row_lens, tables = cpu_native.kernel_rows(meta)
         pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         block_size = kv.block_size
-        amx = self.backend.tiles == "amx" and self.dtype == torch.bfloat16 and block_size % 16 == 0
+        tiles = self.plan.invariant_tiles if invariant else self.backend.tiles
+        amx = tiles == "amx" and self.dtype == torch.bfloat16 and block_size % 16 == 0
         step = cpu_forward.StepArgs(
             dtype=0 if self.dtype == torch.float32 else 1, threads=torch.get_num_threads(),
             rows=rows, hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads,
@@ -267,7 +301,7 @@ class LlamaModel:
             cos=self.ops.cos.data_ptr(), sin=self.ops.sin.data_ptr(), slots=slots.data_ptr(),
             seqs=seqs.data_ptr(), row_lens=row_lens.data_ptr(), tables=tables.data_ptr(),
             table_width=tables.shape[1], block_size=block_size, scale=self.scale,
-            eps=s.rms_norm_eps, amx_attention=int(amx),
+            eps=s.rms_norm_eps, amx_attention=cpu_native.attention_mode(amx, invariant),
             kv_dtype=native_lib.KV_DTYPES[kv.dtype],
             seconds=None if self.layer_seconds is None else self.layer_seconds.data_ptr())
         cpu_forward.forward_layers(layers, step)

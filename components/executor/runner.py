@@ -31,6 +31,7 @@ class SeqState:
     constraint: Constraint | None = None
     output_offset: int = 0            # output tokens before its prompt's end (a migration's)
     draft_len: int = 0                # positions a draft model's KV holds for it (drafting.py)
+    deterministic: bool = False       # its rows run the batch-invariant kernels
     _index: dict[int, list[int]] | None = None     # prompt lookup: positions by token
     _indexed: int = 0
 
@@ -158,7 +159,7 @@ class ModelRunner:
                                            else self.grammars.constraint(
                                                n.structured,
                                                n.token_ids[n.prompt_len - carried:]),
-                                           n.output_offset)
+                                           n.output_offset, deterministic=n.deterministic)
         drafted_ns = self.draft_ns
         drafts = self._draft(plan)
         drafted_ns = self.draft_ns - drafted_ns
@@ -171,8 +172,13 @@ class ModelRunner:
         # prompt_logprobs: (seq, first position, rows), each row's logits read the token at
         # the next position (the prompt's last row is the sampling row, not among them)
         prompt_rows: list[tuple[int, int, range]] = []
+        # a deterministic step (design/executor.md, "Deterministic steps"): the whole step
+        # on the invariant kernels when any row asks (the scheduler says so; a row's own
+        # flag too, so a plan that forgot cannot change that row's bits)
+        invariant = plan.deterministic
         for st in plan.steps:
             s = self.seqs[st.seq_id]
+            invariant = invariant or s.deterministic
             if s.prompt_logprobs is not None and s.num_computed < s.prompt_len - 1:
                 end = min(s.num_computed + st.num_tokens, s.prompt_len - 1)
                 prompt_rows.append((st.seq_id, s.num_computed + 1,
@@ -198,7 +204,7 @@ class ModelRunner:
             return StepResult(plan.step_id, [], [], time.perf_counter_ns() - start)
         states = [s for _, s, _, _ in sampled]
         greedy_tokens = None
-        if (self.graphs is not None and len(input_ids) == n == len(rows)
+        if (self.graphs is not None and not invariant and len(input_ids) == n == len(rows)
                 and self.graphs.can_replay(n, max(context_lens) + 1)):
             # decode only, one sample each: replay the captured graph of this batch bucket
             logits = self.graphs.replay(input_ids, context_lens, tables)
@@ -212,14 +218,14 @@ class ModelRunner:
             # the tokens (on the AMX tiles without writing the logits)
             greedy = bool(sampled) and not extra and self._plain_greedy(states)
             forward = self.model.forward
-            if self.pieces is not None and self.pieces.fits(len(input_ids)):
+            if self.pieces is not None and not invariant and self.pieces.fits(len(input_ids)):
                 # prefill, mixed and verify steps: the dense parts replay their bucket's
                 # graphs, attention runs eagerly between them
                 forward = self.pieces.forward
                 self.piecewise_steps += 1
             out = forward(ids, meta.positions, self.kv, meta,
                           torch.tensor(rows + extra, dtype=torch.long, device=self.kv.device),
-                          greedy=greedy)
+                          greedy=greedy, **({"deterministic": True} if invariant else {}))
             if greedy:
                 greedy_tokens = out.tolist()
             else:

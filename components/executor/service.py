@@ -14,6 +14,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from bus import tracing
 from bus.component import Component
+from components.executor import determinism
 from components.executor.build import build_model
 from components.executor.constraints import Grammars
 from components.executor.drafting import build_drafter
@@ -76,7 +77,7 @@ class ExecutorService(Component):
                  rss_mb=rss_bytes() >> 20, trimmed_mb=self.trimmed >> 20)
         plan = self.runner.model.plan
         log.info("kernels_chosen", how=plan.source, measuring_s=plan.seconds, key=plan.key,
-                 **plan.summary())
+                 deterministic_plan=self.deterministic_plan, **plan.summary())
         self.inbox_sock = self.inbox(ExecutorMsg)
         self.to_scheduler = self.push_to("scheduler")
         await self.to_scheduler.send(ExecutorReady(self.runner.block_bytes, self.bandwidth,
@@ -172,6 +173,9 @@ class ExecutorService(Component):
                 pieces = None
         self.runner = ModelRunner(model, kv_cache, kv.num_cpu_blocks, graphs, grammars,
                                   drafter, pieces)
+        # what a deterministic request's bits are pinned to (determinism.plan_id)
+        self.deterministic_plan = determinism.plan_id(model.plan, model.dtype, model.kv_dtype,
+                                                      model.device)
         # measured once, before any KV exists: it overwrites the first blocks of both tiers
         self.bandwidth = self.runner.measure_copy_bandwidth()
         self.spec, self.device = spec, device
@@ -227,6 +231,7 @@ class ExecutorService(Component):
     def info(self) -> dict[str, str]:
         return {**{f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()},
                 "kernel.threads": str(torch.get_num_threads()),   # what the plan was timed on
+                "kernel.deterministic_plan": self.deterministic_plan,
                 "kv.dtype": str(self.runner.kv.dtype).removeprefix("torch.")}
 
     def stats(self) -> dict[str, float]:

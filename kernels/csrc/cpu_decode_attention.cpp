@@ -40,6 +40,11 @@
 #endif
 #define WEIR_PART(n) (WEIR_ATTN_PART == 0 || WEIR_ATTN_PART == (n))
 
+// weir_decode_attention's mode bits: the AMX tiles; the batch-invariant kernels (a
+// deterministic step: every row reduced in an order fixed by its own key count)
+constexpr int kModeAmx = 1;
+constexpr int kModeInvariant = 2;
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define WEIR_TILED 1
 
@@ -232,12 +237,19 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
                       const int64_t* seqs, int64_t n, const int32_t* block_tables,
                       int64_t table_width, const int32_t* row_lens, int64_t heads,
                       int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
-                      int num_threads, bool amx) {
+                      int num_threads, int mode) {
+    const bool amx = mode & kModeAmx;
+    const bool invariant = mode & kModeInvariant;
 #if defined(WEIR_TILED)
     // tiles: runs of up to kTile consecutive rows of one sequence at consecutive positions
     // (the AMX kernel: up to 16 / G, its queries' columns); a run of kFlashRows or more (a
-    // prompt's chunk) takes the build's prompt kernel instead, where it has the shape
-    const int64_t tile_rows = amx ? 16 / G : kTile;
+    // prompt's chunk) takes the build's prompt kernel instead, where it has the shape.
+    // Invariant (a deterministic step): no prompt kernel, and each row's reduction order
+    // depends on its own key count only: the vector tiles (a row's scores, softmax and P.V
+    // never mix with its tile's other rows: keys past a row are -inf, probability 0), or
+    // AMX tiles of one row each (a multi-row AMX tile runs P.V on the tiles, a one-row tile
+    // by vdpbf16ps, so a row's bits would depend on its tile)
+    const int64_t tile_rows = amx ? (invariant ? 1 : 16 / G) : kTile;
     std::vector<int64_t> starts, ends;         // each tile's rows [starts[i], ends[i])
     starts.reserve(static_cast<size_t>(n));
     ends.reserve(static_cast<size_t>(n));
@@ -252,7 +264,7 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
     for (int64_t i = 0, j; i < n; i = j) {
         for (j = i + 1; j < n && seqs[j] == seqs[j - 1] && row_lens[j] == row_lens[j - 1] + 1; ++j) {}
 #if defined(WEIR_FLASH)
-        if (flash_shape && j - i >= kFlashRows) {
+        if (flash_shape && !invariant && j - i >= kFlashRows) {
             runs.push_back({i, j - i, seqs[i], row_lens[j - 1], packed});
             packed += flash_words<D>(row_lens[j - 1], kv_heads, amx);
             continue;
@@ -364,6 +376,7 @@ void decode_attention(const T* q, const KT* k_cache, const KT* v_cache, T* out,
     }
 #else
     (void)amx;
+    (void)invariant;          // one item per (row, kv head): invariant as it is
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < n * kv_heads; ++item) {
         const int64_t i = item / kv_heads, h = item % kv_heads;
@@ -383,7 +396,7 @@ template <typename T, typename KT, int D>
 int dispatch_g(int64_t g, const T* q, const KT* k, const KT* v, T* out, const int64_t* seqs,
                int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens, int64_t heads,
                int64_t q_row, int64_t kv_heads, int64_t bs, float scale, int threads,
-               bool amx) {
+               int amx) {
     switch (g) {
 #define WEIR_G(N) case N: decode_attention<T, KT, D, N>(q, k, v, out, seqs, n, bt, w, rlens, heads, \
                                                     q_row, kv_heads, bs, scale, threads, amx); \
@@ -398,7 +411,7 @@ template <typename T, typename KT>
 int dispatch(int64_t dim, int64_t g, const T* q, const KT* k, const KT* v, T* out,
              const int64_t* seqs, int64_t n, const int32_t* bt, int64_t w, const int32_t* rlens,
              int64_t heads, int64_t q_row, int64_t kv_heads, int64_t bs, float scale,
-             int threads, bool amx) {
+             int threads, int amx) {
     if (dim == 64)
         return dispatch_g<T, KT, 64>(g, q, k, v, out, seqs, n, bt, w, rlens, heads, q_row, kv_heads,
                                  bs, scale, threads, amx);
@@ -443,7 +456,7 @@ int attention_part(int dtype, const void* q, const void* k_cache, const void* v_
         return dispatch(dim, g, static_cast<const T*>(q), static_cast<const K*>(k_cache),
                         static_cast<const K*>(v_cache), static_cast<T*>(out), seqs, n,
                         block_tables, table_width, row_lens, heads, q_row, kv_heads, block_size,
-                        scale, num_threads, amx != 0);
+                        scale, num_threads, amx);
     };
     if (dtype == 0) return run(static_cast<const float*>(nullptr));
     if (dtype == 1) return run(static_cast<const uint16_t*>(nullptr));
@@ -544,8 +557,9 @@ int weir_write_kv_fp8(int dtype, int kv_dtype, const void* k, const void* v,
 // E4M3, 3 = fp8 E5M2 (widened as read). Returns 0, or -1 if the shape is not compiled in
 // (head_dim 64 or 128, 1..8 query heads per kv head, at most 64 heads). Query row i
 // attends the first row_lens[i] keys of sequence seqs[i]: a token at position p passes
-// p + 1, which makes prefill causal. amx = 1: the AMX kernel (bf16 q, block_size a
-// multiple of 16, weir_amx_supported()), else -1.
+// p + 1, which makes prefill causal. amx: bit 0 (kModeAmx) the AMX kernel (bf16 q,
+// block_size a multiple of 16, weir_amx_supported()), else -1; bit 1 (kModeInvariant) the
+// batch-invariant kernels (decode_attention). Returns 0 or -1.
 int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_cache,
                           const void* v_cache, void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
@@ -553,7 +567,7 @@ int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_
                           int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
                           int num_threads, int amx) {
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads > 64) return -1;
-    if (amx && (dtype != 1 || block_size % 16 != 0 || !weir_amx_supported())) return -1;
+    if ((amx & kModeAmx) && (dtype != 1 || block_size % 16 != 0 || !weir_amx_supported())) return -1;
     if (dtype != 0 && dtype != 1) return -1;
     if (kv_dtype == dtype) return weir_attention_same(WEIR_PART_CALL);
     if (kv_dtype == 2) return weir_attention_e4m3(WEIR_PART_CALL);

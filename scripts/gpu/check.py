@@ -67,6 +67,7 @@ from scripts.gpu.checks import (
     check_graphs,
     check_logit_processing,
     check_triton,
+    check_triton_invariant,
     check_verify,
 )
 from scripts.gpu.prefill import (
@@ -161,6 +162,9 @@ def gpu_main(args) -> int:
 
     print("[1] Triton kernels vs torch reference", flush=True)
     check_triton(report, device, [torch.float32, torch.bfloat16])
+    print("[1c] Triton attention of deterministic steps: each row alone == in the step",
+          flush=True)
+    check_triton_invariant(report, device, [torch.float32, torch.bfloat16])
     print("[1b] fused RoPE + KV write vs rope_ + write_kv and torch", flush=True)
     check_rope_kv(report, device, [torch.float32, torch.bfloat16])
     print("[2] flash-attn adapter", flush=True)
@@ -337,6 +341,9 @@ def cpu_dry_run(args) -> int:
     if importlib.util.find_spec("triton") is not None:
         print("[1] Triton kernels vs torch reference (interpreter)", flush=True)
         check_triton(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)
+        print("[1c] Triton attention of deterministic steps: each row alone == in the step "
+              "(interpreter)", flush=True)
+        check_triton_invariant(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)
         print("[1b] fused RoPE + KV write vs rope_ + write_kv and torch (interpreter)",
               flush=True)
         check_rope_kv(report, "cpu", [torch.float32, torch.bfloat16], tiny=True)

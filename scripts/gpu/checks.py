@@ -114,6 +114,41 @@ def check_triton(report, device, dtypes, tiny: bool = False) -> None:
                          + ("" if kv_ok else " PAD ROWS WROTE KV"))
 
 
+def check_triton_invariant(report, device, dtypes, tiny: bool = False) -> None:
+    """A deterministic step's attention (``invariant=True``: every row through the prefill
+    kernel, no FlashDecoding split): each row of decode, prefill and mixed steps is bitwise
+    what it is alone, as a one-row step at its position; and the plain kernel is within
+    tolerance of the torch reference there too."""
+    import torch
+
+    from kernels import torch_ref
+    from kernels.testing import rows_alone
+    from kernels.triton_paged import TritonBackend
+    backend = TritonBackend()
+    rng = random.Random(50)
+    attend = lambda q, kc, vc, m: backend.paged_attention(q, kc, vc, m, q.shape[-1] ** -0.5,
+                                                          invariant=True)
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        for kind, bs, kvh, group, qls, cls in _kernel_cases(rng, tiny)[:3]:
+            q, k, v, kc, vc, meta = _attention_case(rng, device, dtype, bs, kvh, group, qls,
+                                                    cls)
+            backend.write_kv(kc, vc, k, v, meta)
+            got = attend(q, kc, vc, meta)
+            alone = rows_alone(attend, q, kc, vc, meta)
+            want = torch_ref.paged_attention(q.float(), kc.float(), vc.float(), meta,
+                                             q.shape[-1] ** -0.5)
+            tol = _tolerance(dtype)
+            differ = int((got.view(torch.uint8) != alone.view(torch.uint8)).reshape(
+                got.shape[0], -1).any(1).sum())
+            err = (got.float() - want).abs().max().item()
+            report.check(f"triton invariant {kind:<7} {name:<8} block {bs} gqa {group}: "
+                         f"rows alone == in the step",
+                         differ == 0 and torch.allclose(got.float(), want, rtol=tol, atol=tol),
+                         f"{differ} of {got.shape[0]} rows differ, max|err| vs torch "
+                         f"{err:.2e}")
+
+
 def check_flash_attn(report, device, tiny: bool = False) -> None:
     import torch
 

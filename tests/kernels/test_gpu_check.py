@@ -1,5 +1,6 @@
 """scripts/gpu_check (scripts/gpu/check.py) on the CPU: --help, the no-CUDA exit, the
---cpu-dry-run pass (Triton checks under the interpreter, the fused RoPE + KV write,
+--cpu-dry-run pass (Triton checks under the interpreter, deterministic steps' attention
+row by row, the fused RoPE + KV write,
 static-buffer decode, piecewise prefill and mixed steps in every token bucket, speculative
 verify steps, prefill timed eager against piecewise, the timing table, verify steps timed
 against decode, the step grid), the byte accounting behind its roofline numbers, and the
@@ -54,6 +55,8 @@ def test_cpu_dry_run(tmp_path):
     assert "FAIL" not in out and " 0 failed" in out
     if importlib.util.find_spec("triton") is not None:
         assert "ok   triton static-decode" in out and "stray KV writes 0" in out
+        for kind in ("decode ", "prefill", "mixed  "):  # a deterministic step's attention
+            assert f"ok   triton invariant {kind} bfloat16" in out
         for fp8 in ("float8_e4m3fn", "float8_e5m2"):       # fp8 caches under a bf16 model
             assert f"ok   triton decode  bfloat16 kv {fp8}" in out
         for k in (1, 2, 4):     # speculative verify rows through the model on Triton
