@@ -136,11 +136,13 @@ class Planner:
             n = min(seq.remaining, budget, limit, seq.capacity(bs) - seq.num_computed)
             if seq.deterministic:                     # its chunk whole, or not yet
                 whole = chunk_tokens(seq.num_computed, seq.remaining, self.det_chunk)
-                n = whole if n >= whole else 0
+                room = seq.capacity(bs) - seq.num_computed
+                n = whole if whole <= room and self._det_fits(
+                    whole, min(budget, limit), chosen) else 0
             if n > 0:
                 started.append(len(chosen))
                 chosen.append((seq, n))
-                budget -= n
+                budget = max(budget - n, 0)
                 taken[seq.tenant] += n
         for i in started:                             # what the shares left, in order
             seq, n = chosen[i]
@@ -213,10 +215,7 @@ class Planner:
             room = seq.capacity(self.block_size) - seq.planned
             if seq.deterministic:
                 n = chunk_tokens(seq.planned, seq.todo, self.det_chunk)
-                first = all(c <= 1 for _, c in chosen)
-                used = sum(c for _, c in chosen)
-                fits = n <= budget or (first and n <= self.cfg.max_num_batched_tokens - used)
-                if n <= room and fits:
+                if n <= room and self._det_fits(n, budget, chosen):
                     chosen.append((seq, n))
                     budget = max(budget - n, 0)
                 continue
@@ -226,6 +225,15 @@ class Planner:
                     chosen.append((seq, n))
                     budget -= n
         return budget
+
+    def _det_fits(self, n: int, budget: int, chosen: list[tuple[Seq, int]]) -> bool:
+        """May a deterministic chunk of ``n`` tokens join the step, ``budget`` left?
+        Within it, or as the step's first prefill chunk within ``max_num_batched_tokens``
+        (``_prefill_chunks``)."""
+        if n <= budget:
+            return True
+        first = all(c <= 1 for _, c in chosen)
+        return first and n <= self.cfg.max_num_batched_tokens - sum(c for _, c in chosen)
 
     def _drafts(self, chosen: list[tuple[Seq, int]], budget: int) -> dict[int, int]:
         """Speculation's k for this step's decode rows (speculation.py), from the budget
