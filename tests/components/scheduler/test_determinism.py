@@ -23,8 +23,8 @@ from schemas.config import (
     SchedulerConfig,
     ServiceClass,
     deterministic_chunk,
+    load_config as load,
 )
-from schemas.config import load_config as load
 from schemas.resolve import deterministic
 from schemas.validate import check_params
 from schemas.wire import AllocRequest, KvOps, SeqStep
@@ -111,7 +111,7 @@ def test_a_stall_free_budget_below_the_chunk_does_not_starve_the_first_prefill()
 
 
 def test_a_deterministic_prompt_takes_a_prefix_hit_only_to_a_chunk_boundary():
-    core, kv, toks = make(chunk=16), Kv(64), prompt(40)
+    core, toks = make(chunk=16), prompt(40)
     core.add(admitted("r", toks, deterministic=True))
     ops = core.take_kv_ops()
     assert ops == KvOps(EPOCH, [], [AllocRequest(
