@@ -117,6 +117,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # has read them, the detokenizer takes them as text already streamed (a stop string
     # may have begun in them); min_tokens and max_tokens count the new tokens alone
     output_offset: int = 0
+    # the deterministic serving mode: its logits, logprobs and tokens are bitwise the same
+    # whatever else is in the batch, however its prompt is chunked or cached, across
+    # restarts on the same machine and build (slower: docs/design/determinism.md). Also set
+    # by its class (``deterministic = true``) or the engine (engine.deterministic = "all");
+    # refused where engine.deterministic is "off"
+    deterministic: bool = False
 
 
 class Submit(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
@@ -223,6 +229,19 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
                                 # queue (tokenizer, cache lookup, hops between processes)
 
 
+class Pinned(msgspec.Struct, frozen=True):
+    """What a deterministic request's output is pinned to: the same values and the same
+    request give the same bits. ``fingerprint`` is a digest of the other four (the HTTP
+    API's ``system_fingerprint``). On another machine, or with other kernels, the plan
+    and so the bits may differ."""
+
+    model_sha256: str                # the weights' files
+    chat_template_sha256: str        # the chat template the tokenizer applies ("": none)
+    kernel_plan: str                 # the executor's kernel plan id
+    engine_version: str              # weir's version
+    fingerprint: str
+
+
 class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     request_id: str
     prompt_tokens: int
@@ -237,6 +256,9 @@ class Accepted(msgspec.Struct, tag="accepted", frozen=True):
     # the end-to-end deadline in force (the client's, clamped to its class's e2e_slo_ms):
     # this long after arrival the engine ends it wherever it is; None: no bound
     e2e_deadline_ms: int | None = None
+    # a deterministic request (SamplingParams.deterministic, its class's or the engine's
+    # setting): what its output is pinned to; None for any other request
+    pinned: Pinned | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -135,6 +135,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # their buckets, ascending; empty: 16, 32, 64, 128, 256, then every 256 up to the
     # scheduler's max_num_batched_tokens
     cuda_graph_token_buckets: tuple[int, ...] = ()
+    # the deterministic serving mode (docs/design/determinism.md): "requested" runs a
+    # request batch-invariantly when it asks (``deterministic: true``) or its class says
+    # so, and every other request as fast as it can; "all" runs every request so; "off"
+    # refuses a request that asks (invalid_request), and a class that says so is a
+    # config error
+    deterministic: Literal["off", "requested", "all"] = "requested"
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 16, "engine.max_model_len must be >= 16")
@@ -161,9 +167,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     async_depth: int = 0      # steps in flight at the executor: 2 plans step N+1 while step N
                               # runs (overlap, loop.py); 1 waits for each result before planning;
                               # 0 = auto: 2 when the executor's threads leave a core free
+    # a deterministic prompt is computed in chunks of exactly this many tokens (its last
+    # one shorter), aligned at position 0 whatever the load: the boundaries fall at its
+    # multiples (chunking.py). Taken down to a multiple of kv.block_size, and to at most
+    # max_num_batched_tokens (``WeirConfig.deterministic_chunk``)
+    deterministic_chunk: int = 512
+    # a deterministic step's time over the same step's in the fast plan, until the
+    # scheduler has timed deterministic steps itself (cost_model.py, StepCostModel.
+    # deterministic_factor); what the executor measures at startup replaces it
+    deterministic_cost_factor: float = 1.5
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs must be >= 1")
+        _require(self.deterministic_chunk >= 16, "scheduler.deterministic_chunk must be >= 16")
+        _require(1.0 <= self.deterministic_cost_factor <= 100.0,
+                 "scheduler.deterministic_cost_factor must be in [1, 100]")
         _require(self.max_num_batched_tokens >= self.max_num_seqs
                  or self.max_num_batched_tokens >= 16,
                  "scheduler.max_num_batched_tokens is too small")
@@ -249,6 +267,10 @@ class ServiceClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # tokens, else deadline_expired. A request's own e2e_deadline_ms may only tighten it.
     # Either policy; opt-in (the shipped classes have none)
     e2e_slo_ms: float | None = None
+    # its requests run in the deterministic serving mode whether they ask or not (eval
+    # tenants: the same request gives the same bits, whoever else is in the batch); needs
+    # engine.deterministic other than "off"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "admission.classes: a class needs a name")
@@ -723,6 +745,18 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.kv.memory_gib > 0
                  or self.engine.max_model_len <= self.kv.num_blocks * self.kv.block_size,
                  "engine.max_model_len exceeds the KV pool (kv.num_blocks * kv.block_size)")
+        det = [c.name for c in self.admission.classes if c.deterministic]
+        _require(not det or self.engine.deterministic != "off",
+                 f"admission.classes {', '.join(det)} set deterministic = true, but "
+                 f"engine.deterministic is \"off\"")
+
+
+def deterministic_chunk(sched: SchedulerConfig, block_size: int) -> int:
+    """The chunk a deterministic prompt is computed in: ``scheduler.deterministic_chunk``
+    taken down to a multiple of the KV block size (so a prefix-cache hit can end on a
+    boundary) and to the step's token budget, and at least one block."""
+    fits = min(sched.deterministic_chunk, sched.max_num_batched_tokens)
+    return max(fits // block_size, 1) * block_size
 
 
 def load_config(path: str | os.PathLike[str] | None = None,

@@ -43,6 +43,18 @@ class Resolved:
     deadline_ms: float | None        # its TTFT deadline from arrival (see the module doc)
 
 
+def deterministic(mode: str, asked: bool, cls: ServiceClass | None) -> bool | str:
+    """Whether a request runs in the deterministic serving mode, under the engine's
+    ``engine.deterministic`` ``mode``, having ``asked`` for it (``SamplingParams.
+    deterministic``), in class ``cls`` (the one it is granted; None: refused): under "all"
+    always; under "requested" when it asked or its class says so; under "off" never, and
+    a request that asked is refused: the message, as a str."""
+    if mode == "off":
+        return ('this engine does not serve deterministic requests (engine.deterministic = '
+                '"off")') if asked else False
+    return mode == "all" or asked or (cls is not None and cls.deterministic)
+
+
 def ttft_deadline_ms(own_ms: float | None, cls: ServiceClass | None) -> float | None:
     """The TTFT deadline from arrival: the client's own, else the class's ``ttft_slo_ms``
     (None without either)."""

@@ -114,6 +114,8 @@ def check_params(p: SamplingParams) -> str | None:
             return "logit_bias must map token ids to biases"
         if (why := _bias_bad(p.logit_bias, lambda k: _is_int(k) and 0 <= k <= MAX_TOKEN_ID)):
             return why
+    if not isinstance(p.deterministic, bool):
+        return f"deterministic must be true or false, got {p.deterministic!r:.40}"
     if p.structured is not None:
         if p.min_tokens:
             return "min_tokens cannot be combined with structured output"

@@ -264,6 +264,11 @@ class SchedulerLoad(msgspec.Struct, tag="scheduler_load", frozen=True):
     # (0: the configured max_num_batched_tokens). Prefill ahead of a new prompt moves at
     # this many tokens a step, not the whole budget, while streams decode beside it
     prefill_budget: int = 0
+    # the rates above are the batch-invariant plan's (a deterministic request is held, so
+    # the steps run that plan), and that plan's time over the fast plan's: admission
+    # prices a new deterministic request's prefill at this factor when they are not
+    deterministic: bool = False
+    deterministic_factor: float = 1.0
 
 
 class Released(msgspec.Struct, tag="released", frozen=True, gc=False):
@@ -443,6 +448,10 @@ class ExecutorReady(msgspec.Struct, tag="executor_ready", frozen=True):
     copy_bytes_per_s: float          # measured at startup, device -> host -> device average
     num_cpu_blocks: int
     step_costs: list[StepSample] = []
+    # the batch-invariant kernel plan's step time over the fast plan's, as the executor
+    # measured it (0: not measured; the scheduler then starts from
+    # scheduler.deterministic_cost_factor)
+    deterministic_factor: float = 0.0
 
 
 class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):
@@ -471,6 +480,9 @@ class AllocRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     public_scope: str = ""
     public_blocks: int = 0
     promote: bool = True             # take host-tier prefix hits (a copy each) if any
+    # a prefix hit is taken down to a multiple of this many blocks (a deterministic
+    # prompt's hit ends on one of its chunk boundaries; 1: any hit)
+    cached_multiple: int = 1
 
 
 class ForkRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -580,7 +592,9 @@ class NewSeq(msgspec.Struct, frozen=True, array_like=True, gc=False):
     prompt_logprobs: int | None = None      # SamplingParams.prompt_logprobs, while owed
     structured: StructuredOutput | None = None  # SamplingParams.structured
     output_offset: int = 0                  # SamplingParams.output_offset
-    deterministic: bool = False             # batch-invariant numerics (issue 50)
+    # SamplingParams.deterministic as in force (the request's, its class's or the engine's):
+    # its rows run batch-invariantly, in every step it is in (StepPlan.deterministic)
+    deterministic: bool = False
 
 
 class SeqStep(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -604,7 +618,9 @@ class StepPlan(msgspec.Struct, tag="step_plan", frozen=True, gc=False):
     steps: list[SeqStep]
     drop: list[int]
     copies: list[BlockCopy] = []
-    deterministic: bool = False     # some row is deterministic: run the invariant plan
+    # a row of the step is deterministic (NewSeq.deterministic): the whole step runs the
+    # batch-invariant kernel plan, so that row's numerics do not depend on the rest
+    deterministic: bool = False
 
 
 ExecutorMsg = StepPlan

@@ -41,6 +41,7 @@ from schemas.client import (
     ConfigAnswer,
     ConfigCommand,
     Events,
+    Pinned,
     ReplicaAddress,
     ReplicasChanged,
 )
@@ -150,6 +151,10 @@ class Completion:
     queued_s: float = 0.0
     logprobs: list[TokenLogprob] | None = None      # choice 0's, when asked for
     prompt: PromptLogprobs | None = None            # with prompt_logprobs
+    # a deterministic request's pin (``deterministic=True``, or its class's or the
+    # engine's setting): model, chat template, kernel plan and version digests, and their
+    # fingerprint; the same request with the same pin gives the same bits
+    pinned: Pinned | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
@@ -166,6 +171,8 @@ class Completion:
             out["prompt"] = {"token_ids": list(self.prompt.token_ids), "text": self.prompt.text,
                              "first_token": self.prompt.first_token,
                              "logprobs": [_entry(e) for e in self.prompt.logprobs]}
+        if self.pinned is not None:
+            out["pinned"] = msgspec.structs.asdict(self.pinned)
         if len(self.choices) > 1:
             out["choices"] = [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                                "finish_reason": c.finish_reason} for c in self.choices]
@@ -316,7 +323,8 @@ class Stream:
         self.result = Completion(self.request_id, "".join(self.text), self.token_ids, reason,
                                  usage, ttft, (now - self.started) * 1e3, queue_time_s, timing,
                                  choices, acc.service_class, acc.degraded, acc.max_tokens,
-                                 acc.queued_s, self.choice_logprobs.get(0), self.prompt)
+                                 acc.queued_s, self.choice_logprobs.get(0), self.prompt,
+                                 acc.pinned)
 
     async def cancel(self) -> None:
         self._cancelled_by_user = True
@@ -494,7 +502,9 @@ class AsyncClient:
         ``{"choice": [...]}``, ``{"grammar": lark}``, ``{"json_object": True}``). ``tools``:
         functions for the chat template (OpenAI's shape), shown to the model where the
         template takes tools; to hold the output to a call, ask for its JSON with
-        ``structured`` (the gateway's ``tool_choice`` does)."""
+        ``structured`` (the gateway's ``tool_choice`` does). ``deterministic=True``: the
+        deterministic serving mode (the same bits whoever else is in the batch; slower);
+        the Completion's ``pinned`` says what they are pinned to."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already open on this client")

@@ -210,7 +210,8 @@ class AdmissionPolicy:
         uncached, done = max(prompt - cached, 0), min(cached, prompt)
         deadline = self.deadline_ms(req, cls, uncached, done)
         raw = self.ttft.predicted_s(uncached, req.tenant, done,
-                                    max(cls.priority, req.header.priority), due_ns(req, deadline))
+                                    max(cls.priority, req.header.priority), due_ns(req, deadline),
+                                    req.params.deterministic)
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
 
@@ -260,7 +261,8 @@ class AdmissionPolicy:
         expected = self.outputs.expected(req.tenant, cls.name, cap, cap)
         deadline = self.deadline_ms(req, cls, uncached, prompt - uncached)
         raw = self.ttft.predicted_s(uncached, req.tenant, prompt - uncached,
-                                    max(cls.priority, req.header.priority), due_ns(req, deadline))
+                                    max(cls.priority, req.header.priority), due_ns(req, deadline),
+                                    req.params.deterministic)
         context = prompt + expected // 2           # each choice's mean over its decode
         horizon = self.capacity.horizon(cls.name, req.params.n, context)
         return Estimate(uncached, expected,
@@ -274,7 +276,8 @@ class AdmissionPolicy:
         """The request's TTFT deadline (``decision.ttft_deadline_ms``: its own, else its
         class's target stretched for a prompt whose own prefill takes most of it)."""
         return ttft_deadline_ms(req.header.ttft_deadline_ms, cls,
-                                self.ttft.alone_s(uncached, cached))
+                                self.ttft.alone_s(uncached, cached,
+                                                  req.params.deterministic))
 
     # ------------------------------------------------------------------ ledger
     def _admit(self, req: Tokenized, decision: Decision, now: float) -> None:

@@ -63,7 +63,7 @@ class TtftModel:
 
     def predicted_s(self, uncached_tokens: int, tenant: str | None = None,
                     cached_tokens: int = 0, priority: int | None = None,
-                    deadline_ns: int = 0) -> float | None:
+                    deadline_ns: int = 0, deterministic: bool = False) -> float | None:
         """Prefill work ahead (``prefill_ahead``: what the scheduler computes before this
         request of ``tenant`` and class ``priority``, due by ``deadline_ns``, starts) plus
         this prompt's uncached
@@ -71,10 +71,13 @@ class TtftModel:
         prefill rate, plus one decode step for the current batch, plus the attention of
         all that prefill: the prompt's own pairs (its ``uncached_tokens`` after its
         ``cached_tokens``) and the backlog's, in proportion to the share of it ahead. None
-        while the scheduler has no rates (before its first report)."""
+        while the scheduler has no rates (before its first report). A ``deterministic``
+        request makes the steps run the batch-invariant plan: at the report's factor over
+        its rates where they are the fast plan's."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
+        scale = self._det_scale(deterministic)
         before = self.prefill_ahead(tenant, priority, deadline_ns)
         ahead = before + uncached_tokens
         # each step decodes every running sequence and prefills what is left of the budget
@@ -87,18 +90,24 @@ class TtftModel:
         base = steps * step_s if steps >= 1 else \
             ahead / load.prefill_tokens_per_s + load.decode_step_s
         if load.attention_s_per_pair <= 0:
-            return base
-        return base + load.attention_s_per_pair * (
-            self.pairs_ahead(before) + row_pairs(uncached_tokens, cached_tokens))
+            return base * scale
+        return scale * (base + load.attention_s_per_pair * (
+            self.pairs_ahead(before) + row_pairs(uncached_tokens, cached_tokens)))
 
-    def alone_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float | None:
+    def _det_scale(self, deterministic: bool) -> float:
+        load = self.load
+        return load.deterministic_factor if deterministic and not load.deterministic else 1.0
+
+    def alone_s(self, uncached_tokens: int, cached_tokens: int = 0,
+                deterministic: bool = False) -> float | None:
         """This prompt's own prefill on an idle engine, at the reported rates (its tokens
         and its attention pairs, nothing ahead of it); None before the first report."""
         load = self.load
         if load.prefill_tokens_per_s <= 0:
             return None
-        return uncached_tokens / load.prefill_tokens_per_s + max(
-            load.attention_s_per_pair, 0.0) * row_pairs(uncached_tokens, cached_tokens)
+        return self._det_scale(deterministic) * (uncached_tokens / load.prefill_tokens_per_s
+                                                 + max(load.attention_s_per_pair, 0.0)
+                                                 * row_pairs(uncached_tokens, cached_tokens))
 
     def pairs_ahead(self, tokens: int) -> float:
         """The attention pairs of ``tokens`` of the backlog (reported and unreported): all

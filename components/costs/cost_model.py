@@ -12,7 +12,14 @@ or without a prior from the average time per token. The prior is a fit of the st
 executor measured at startup (``ExecutorReady.step_costs``): with it the model predicts
 from the first request on, and a live window that cannot tell two features apart (decode
 steps alone: pairs == context, tokens == seqs) keeps the prior's split of them instead of
-an arbitrary one. Pure and synchronous.
+an arbitrary one.
+
+The kernel plan is an input: a step with a deterministic row (``StepPlan.deterministic``)
+runs the batch-invariant plan, slower by a factor (``deterministic_factor``): the median
+of the deterministic steps' measured time over the fast plan's prediction for the same
+shape, over the last ``DET_WINDOW`` of them, or, until ``DET_MIN`` were seen, the prior
+(``scheduler.deterministic_cost_factor``, or what the executor measured). Deterministic
+steps teach only the factor; the fit stays the fast plan's. Pure and synchronous.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ FEATURES = ("const", "tokens", "pairs", "seqs", "context")
 # first 8 steps it steadies a fit of five features; against a full window of 256 it moves
 # a well-measured prediction by under 1%
 PRIOR_STEPS = 1.0
+DET_WINDOW = 64           # deterministic steps the factor is the median of
+DET_MIN = 8               # ... before which the prior factor is used
 
 
 class StepShape(NamedTuple):
@@ -105,7 +114,10 @@ def fit_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> l
 
 class StepCostModel:
     def __init__(self, window: int = 256, min_samples: int = 8,
-                 prior: Sequence[float] | None = None) -> None:
+                 prior: Sequence[float] | None = None,
+                 deterministic_factor: float = 1.0) -> None:
+        self.det_prior = deterministic_factor
+        self._det: deque[float] = deque(maxlen=DET_WINDOW)   # measured / fast prediction
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._coef: list[float] = []
@@ -138,7 +150,23 @@ class StepCostModel:
                        [shape for shape, _ in good])
         return True
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def deterministic_factor(self) -> float:
+        """How much slower the batch-invariant plan runs a step than the fast plan: the
+        median over the recent deterministic steps, else the prior."""
+        if len(self._det) < DET_MIN:
+            return self.det_prior
+        ordered = sorted(self._det)
+        return ordered[len(ordered) // 2]
+
+    def observe(self, shape: StepShape, seconds: float, deterministic: bool = False) -> None:
+        if deterministic:
+            fast = self.predict(shape)
+            if fast > 0:
+                self._det.append(seconds / fast)
+                return
+            # nothing to compare with yet (no prior, no fast step): the fit learns the
+            # step as the fast plan would have run it, at the factor known now
+            seconds /= self.deterministic_factor()
         if self._fitted():                   # how the step compares with what was predicted
             predicted = self.predict(shape)
             if predicted > 0:
@@ -165,8 +193,11 @@ class StepCostModel:
         tokens = sum(x[1] for x in self._x)
         return sum(self._y) / tokens if tokens else 0.0
 
-    def predict(self, shape: StepShape) -> float:
-        """Predicted seconds for a step: 0.0 before any observation and without a prior."""
+    def predict(self, shape: StepShape, deterministic: bool = False) -> float:
+        """Predicted seconds for a step (``deterministic``: in the batch-invariant plan):
+        0.0 before any observation and without a prior."""
+        if deterministic:
+            return self.predict(shape) * self.deterministic_factor()
         coef = self._current()
         if coef is None:
             if not self._y:

@@ -22,6 +22,7 @@ from components.executor.loader import load_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import step_costs
 from components.model.fetch import cache_dir, resolve_model
+from components.model.identity import MODEL_SHA256, model_sha256
 from components.model.structured import ll_tokenizer
 from components.model.vocab import load_tokenizer
 from kernels.kv_cache import cache_dtype, populate
@@ -93,6 +94,7 @@ class ExecutorService(Component):
         torch.set_num_threads(eng.num_threads or usable_cores())
         t0 = time.perf_counter()
         path = resolve_model(eng.model)
+        self.model_sha256 = model_sha256(path, cache_dir() / "model_sha256.json")
         spec, weights = load_model(path)
         if eng.max_model_len > spec.max_position:
             raise ValueError(f"engine.max_model_len {eng.max_model_len} exceeds the model's "
@@ -232,7 +234,8 @@ class ExecutorService(Component):
         return {**{f"kernel.{k}": v for k, v in self.runner.model.plan.summary().items()},
                 "kernel.threads": str(torch.get_num_threads()),   # what the plan was timed on
                 "kernel.deterministic_plan": self.deterministic_plan,
-                "kv.dtype": str(self.runner.kv.dtype).removeprefix("torch.")}
+                "kv.dtype": str(self.runner.kv.dtype).removeprefix("torch."),
+                MODEL_SHA256: self.model_sha256}
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "busy_s": round(self.busy_ns / 1e9, 3),

@@ -138,6 +138,8 @@ async def _generate_in_span(state: GatewayState, request: Request, kind: type, c
         # the response starts, so its headers go out with it.
         if (acc := stream.accepted) is not None:
             headers.update(degraded_headers(acc.degraded, acc.max_tokens))
+            if acc.pinned is not None:
+                shaper.fingerprint = acc.pinned.fingerprint
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _sse(state, stream, events, first, shaper, include_usage, started, span, req.n)
         return GuardedStreamingResponse(
@@ -207,6 +209,8 @@ async def _collect(state: GatewayState, request: Request, stream: Stream, events
     _record(state, res, started)
     prompts = stream.prompts if isinstance(stream, StreamGroup) else [res.prompt]
     shaper.prompts.update(enumerate(prompts))
+    if res.pinned is not None:
+        shaper.fingerprint = res.pinned.fingerprint
     body = shaper.full([(c.text, c.finish_reason, c.logprobs) for c in res.choices],
                        res.usage, _granted(res))
     headers.update(degraded_headers(res.degraded, res.max_tokens))
@@ -287,7 +291,7 @@ def _granted(res: Completion) -> dict[str, Any]:
     """The usage's ``weir`` object: what admission granted the finished request, and
     whether its end-to-end deadline cut it short."""
     return weir_usage(res.service_class, res.degraded, res.max_tokens, res.queued_s,
-                      any(c.finish_reason == "deadline" for c in res.choices))
+                      any(c.finish_reason == "deadline" for c in res.choices), res.pinned)
 
 
 async def _unless_disconnected(request: Request, work) -> tuple[bool, Any]:

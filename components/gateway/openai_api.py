@@ -94,6 +94,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     # Weir's: the end-to-end deadline from arrival (Submit.e2e_deadline_ms); past it the
     # answer so far comes back with finish_reason "length" (the engine's "deadline")
     e2e_deadline_ms: int | None = None
+    # Weir's: the deterministic serving mode (SamplingParams.deterministic); the response's
+    # system_fingerprint and ``weir.pinned`` then say what its bits are pinned to
+    deterministic: bool | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
     # older guided_* fields; one of them (structured_of)
     response_format: ResponseFormat | None = None
@@ -220,6 +223,8 @@ def submit_batch(req: CompletionRequest | ChatCompletionRequest, served_model: s
         params["service_class"] = service_class
     if req.e2e_deadline_ms is not None:
         params["e2e_deadline_ms"] = req.e2e_deadline_ms
+    if req.deterministic:
+        params["deterministic"] = True
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens"):
         if (value := getattr(req, name)) is not None:

@@ -6,9 +6,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from components.gateway.openai_api import CompletionRequest, prompts_of
 from components.gateway.tools import CallStream, ToolMode, call_id, calls_of
-from schemas.client import PromptLogprobs, TokenLogprob
+from schemas.client import Pinned, PromptLogprobs, TokenLogprob
 from schemas.wire import Usage
 
 
@@ -22,13 +24,17 @@ def usage_dict(u: Usage, weir: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def weir_usage(service_class: str, degraded: bool, max_tokens: int | None,
-               queued_s: float, deadline: bool = False) -> dict[str, Any]:
-    """The ``weir`` object in a response's usage: what admission granted the request, and
-    (``deadline``, only when set) that its end-to-end deadline cut it short."""
-    out = {"service_class": service_class, "degraded": degraded, "max_tokens": max_tokens,
-           "queued_ms": round(queued_s * 1e3, 1)}
+               queued_s: float, deadline: bool = False,
+               pinned: Pinned | None = None) -> dict[str, Any]:
+    """The ``weir`` object in a response's usage: what admission granted the request,
+    (``deadline``, only when set) that its end-to-end deadline cut it short, and (a
+    deterministic request's) what its output is pinned to."""
+    out: dict[str, Any] = {"service_class": service_class, "degraded": degraded,
+                           "max_tokens": max_tokens, "queued_ms": round(queued_s * 1e3, 1)}
     if deadline:
         out["deadline"] = True
+    if pinned is not None:
+        out["pinned"] = msgspec.structs.asdict(pinned)
     return out
 
 
@@ -112,9 +118,15 @@ class Shaper:
                            for p in prompts_of(echo.prompt)] if self.echo else []
         self.prompts: dict[int, PromptLogprobs] = {}    # by prompt, from its first delta
         self.echoed: set[int] = set()                   # choices whose prompt went out
+        # a deterministic request's ``Pinned.fingerprint``: OpenAI's system_fingerprint
+        # (the backend configuration the output came from) in every body and chunk
+        self.fingerprint: str | None = None
 
     def _base(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
+        return out
 
     def _logprobs(self, entries: Sequence[TokenLogprob] | None, index: int,
                   prompt: PromptLogprobs | None = None) -> Any:

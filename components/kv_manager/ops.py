@@ -26,5 +26,6 @@ def apply_ops(pool: BlockPool, ops: KvOps) -> list[KvGrant]:
         grant(a.seq_id, "alloc", pool.allocate(
             a.seq_id, a.num_blocks, epoch=ops.epoch, scope=a.scope, block_hashes=a.block_hashes,
             token_ids=a.token_ids, max_cached_blocks=a.max_cached_blocks,
-            public_scope=a.public_scope, public_blocks=a.public_blocks, promote=a.promote))
+            public_scope=a.public_scope, public_blocks=a.public_blocks, promote=a.promote,
+            cached_multiple=a.cached_multiple))
     return grants

@@ -198,10 +198,11 @@ class BlockPool:
     def allocate(self, seq_id: int, num_blocks: int, *, epoch: int = 0, scope: str = "",
                  block_hashes: Sequence[int] = (), token_ids: Sequence[int] = (),
                  max_cached_blocks: int = 0, public_scope: str = "", public_blocks: int = 0,
-                 promote: bool = True) -> Grant:
+                 promote: bool = True, cached_multiple: int = 1) -> Grant:
         """Lease ``num_blocks`` more main-tier blocks to ``seq_id``. The first allocation of
         a sequence may satisfy up to ``max_cached_blocks`` leading blocks from the cache
-        (cpu-tier hits only if ``promote``: each costs a copy back). A first allocation
+        (cpu-tier hits only if ``promote``: each costs a copy back), in a multiple of
+        ``cached_multiple`` blocks (a deterministic prompt's chunk). A first allocation
         must also leave ``watermark_blocks`` free; growth may dip below. Refused if the
         blocks the lease's tenant would newly hold (fresh blocks, and hits it does not hold
         yet) take it over its budget."""
@@ -225,6 +226,7 @@ class BlockPool:
                            public_blocks)
             if self.prefix_cache:
                 hits = self._match(lease, best, promote)
+                del hits[len(hits) - len(hits) % max(cached_multiple, 1):]
         resident = [b for b in hits if b < self.num_blocks]
         need = num_blocks - len(resident)
         held: Mapping[int, int] = self._held.get(tenant, {})

@@ -93,16 +93,28 @@ class PromptHasher:
             out["tool_call_id"] = m.tool_call_id
         return out
 
-    def hashes(self, tenant: str, ids: list[int]) -> tuple[list[int], str, int]:
+    def hashes(self, tenant: str, ids: list[int],
+               deterministic: bool = False) -> tuple[list[int], str, int]:
         """The chained hashes of the prompt's full blocks, and its public scope and the
         number of leading blocks in it: blocks in a public scope first, the rest scoped to
-        the tenant."""
+        the tenant. A deterministic prompt's blocks are in a scope of their own
+        (``deterministic_scope``): the KV of blocks computed in the batch-invariant kernel
+        plan is shared only with prompts that would compute it so, never with one computed
+        by the fast plan (other bits), and never public."""
         bs = self.block_size
+        if deterministic:
+            return block_hashes(ids, bs, deterministic_scope(tenant), self.model_id), "", 0
         public_scope, public_blocks = self.scope_prefix(tenant, ids)
         hashes = block_hashes(ids[:public_blocks * bs], bs, public_scope, self.model_id)
         hashes += block_hashes(ids[public_blocks * bs:], bs, tenant, self.model_id,
                                hashes[-1] if hashes else None)
         return hashes, public_scope, public_blocks
+
+
+def deterministic_scope(tenant: str) -> str:
+    """The prefix-cache scope of a tenant's deterministic prompts (a tenant name never
+    holds the NUL)."""
+    return f"{tenant}\0deterministic"
 
 
 def _json_or_text(text: str | None):

@@ -56,14 +56,20 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
         return StepBudget(full, "no_tpot_slo")
     tightest = min(slos)
     n, ctx = len(decoding), sum(s.num_tokens for s in decoding)
+    # a deterministic row among the running makes the step run the batch-invariant plan
+    det = any(s.deterministic for s in core.running)
+
+    def predict(shape: StepShape) -> float:
+        return cost.predict(shape, det)
+
     decodes = joined(decode_shape(n, ctx), StepShape(0, 0, 1, 0))   # and a prefilling row
     done = prefill_context(core)
 
     def with_chunk(tokens: int) -> StepShape:
         return joined(decode_shape(n, ctx), prefill_shape(tokens, done))
 
-    base = cost.predict(decodes)
-    marginal = (cost.predict(with_chunk(_PROBE)) - base) / _PROBE
+    base = predict(decodes)
+    marginal = (predict(with_chunk(_PROBE)) - base) / _PROBE
     mean = cost.mean_per_token() if base <= 0 or marginal <= 0 else 0.0
     if mean <= 0 and (base <= 0 or marginal <= 0):
         return StepBudget(full, "cost_unknown", tightest)
@@ -87,8 +93,8 @@ def step_budget(core: SchedulerCore, cost: StepCostModel, full: int,
     room = int((limit - base) / marginal)
     tokens = min(full, n + max(room, MIN_CHUNK))
     if tokens >= full:
-        return StepBudget(full, "full", tightest, cost.predict(with_chunk(full - n)))
-    return StepBudget(tokens, "tpot_slo", tightest, cost.predict(with_chunk(tokens - n)))
+        return StepBudget(full, "full", tightest, predict(with_chunk(full - n)))
+    return StepBudget(tokens, "tpot_slo", tightest, predict(with_chunk(tokens - n)))
 
 
 def stream_room(s: Seq, slo: float, headroom: float, pace: float,

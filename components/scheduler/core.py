@@ -89,7 +89,8 @@ class SchedulerCore:
                  speculative: SpeculativeConfig | None = None) -> None:
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.cost = StepCostModel()             # learned from measured steps (loop.py)
+        # learned from measured steps (loop.py)
+        self.cost = StepCostModel(deterministic_factor=cfg.deterministic_cost_factor)
         self.tenants = Tenants(cfg, tenants, weights)
         self.queues = Queues(self.tenants, kv.num_blocks)
         self.prices = Prices(self.cost, kv.block_size)
@@ -150,11 +151,15 @@ class SchedulerCore:
         return self.output.on_result(result, planned, now_ns)
 
     def on_executor(self, block_bytes: int, copy_bytes_per_s: float,
-                    step_costs: Sequence[StepSample] = ()) -> None:
+                    step_costs: Sequence[StepSample] = (),
+                    deterministic_factor: float = 0.0) -> None:
         """The executor reported what moving a block to and from its host tier costs, and
         the steps it timed at startup: the step-cost model starts from their fit (the steps
-        this scheduler measures then refine it)."""
+        this scheduler measures then refine it), and from the batch-invariant plan's
+        factor where it measured one."""
         self.prices.block_bytes, self.prices.copy_bytes_per_s = block_bytes, copy_bytes_per_s
+        if deterministic_factor > 0:
+            self.cost.det_prior = deterministic_factor
         self.cost.prior_from((StepShape(s.tokens, s.context, s.seqs, s.pairs), s.seconds)
                              for s in step_costs)
 

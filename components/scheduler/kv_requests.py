@@ -35,10 +35,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Protocol
 
+from components.scheduler.determinism import cached_blocks
 from components.scheduler.prices import Prices
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import TENANT_BUDGET, Event, Seq, State
-from schemas.config import SchedulerConfig
+from schemas.config import SchedulerConfig, deterministic_chunk
 from schemas.wire import (
     AllocRequest,
     BlockCopy,
@@ -69,6 +70,7 @@ class LeaseBook:
         self.max_model_len = max_model_len
         self.epoch = epoch
         self.draft_room = 0        # speculation's max_k: growth keeps room for the drafts
+        self.det_chunk = deterministic_chunk(cfg, block_size)
         self._allocs: list[AllocRequest] = []
         self._frees: list[FreeRequest] = []
         self._forks: list[ForkRequest] = []
@@ -179,12 +181,17 @@ class LeaseBook:
             if seq.to(Event.ASK) is State.SWAPPING_IN:
                 self._swap_ins.append(seq.seq_id)
                 continue
-            # a prompt owed prompt_logprobs is computed whole: no cached block is read
-            max_cached = 0 if seq.owes_prompt_logprobs else (seq.num_tokens - 1) // bs
+            # a prompt owed prompt_logprobs is computed whole: no cached block is read; a
+            # deterministic one's hit ends on a chunk boundary (determinism.py)
+            max_cached, multiple = (seq.num_tokens - 1) // bs, 1
+            if seq.deterministic:
+                max_cached, multiple = cached_blocks(seq.num_tokens, self.det_chunk, bs)
+            if seq.owes_prompt_logprobs:
+                max_cached = 0
             self._allocs.append(AllocRequest(
                 seq.seq_id, -(-(seq.num_tokens + 1) // bs), seq.tenant, seq.block_hashes,
                 seq.token_ids[:len(seq.block_hashes) * bs], max_cached, seq.public_scope,
-                seq.public_blocks, self.prices.promote_pays()))
+                seq.public_blocks, self.prices.promote_pays(), multiple))
 
     def fork(self, parent: Seq, child: Seq) -> None:
         """``child`` shares ``parent``'s computed blocks, copy-on-write."""

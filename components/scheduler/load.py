@@ -116,22 +116,30 @@ def load_report(core: SchedulerCore, cost: StepCostModel, budget: int,
                                 running.get(t, 0), resumed.get(t, 0), waiting_by.get(t, {}),
                                 running_by.get(t, {}))
                for t in set(core.vtc.counters) | set(waiting) | set(running)}
-    chunk_s = cost.predict(prefill_shape(budget)._replace(pairs=0))
+    # priced in the plan the steps run: the batch-invariant one while a deterministic
+    # request is held
+    det = any(s.deterministic for s in core.running) or any(
+        s.deterministic for s in core.waiting)
+    chunk_s = cost.predict(prefill_shape(budget)._replace(pairs=0), det)
     n_running = len(core.running)
-    decode_s = cost.predict(decode_shape(n_running or 1, context))
+    decode_s = cost.predict(decode_shape(n_running or 1, context), det)
     awaiting = {rid: max(now_ns - arrival, 0) / 1e9
                 for arrival, rid in heapq.nsmallest(AWAITING_MAX, first)}
     rates = cost.decode_rates()
+    scale = cost.deterministic_factor() if det else 1.0
+    if rates is not None and det:
+        rates = tuple(r * scale for r in rates)
     if window is not None and now_ns is not None:
         window.expire(now_ns)
     return SchedulerLoad(n_running, len(core.waiting),
                          sum(waiting.values()) + sum(running.values()),
                          budget / chunk_s if chunk_s > 0 else 0.0, decode_s, tenants, awaiting,
-                         cost.pair_s() if chunk_s > 0 else 0.0, pairs,
+                         cost.pair_s() * scale if chunk_s > 0 else 0.0, pairs,
                          pool.free_blocks, pool.evictable_blocks, context,
                          DecodeRates(*rates) if rates is not None else None,
                          window.measured_s() if window else 0.0,
                          window.error() if window else 1.0,
                          window.tpot_s() if window else {},
                          window.pure_steps if window else -1,
-                         step_budget(core, cost, budget, now_ns=now_ns).tokens if slack else 0)
+                         step_budget(core, cost, budget, now_ns=now_ns).tokens if slack else 0,
+                         det, cost.deterministic_factor())

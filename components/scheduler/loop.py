@@ -88,6 +88,7 @@ class PlannedStep(NamedTuple):
     plan: StepPlan | None = None           # speculating: its shape is taken again from the
     starts: dict[int, int] | None = None   # drafts the executor verified (``plan_shape``)
     speculation: Choice | None = None      # the planner's k per row and why
+    deterministic: bool = False            # it runs the batch-invariant kernel plan
 
 
 class Send(NamedTuple):
@@ -169,8 +170,8 @@ class SchedulerLoop:
             case CancelRequest(request_id=rid):
                 out = core.cancel(rid)
             case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw,
-                               step_costs=step_costs):
-                core.on_executor(block_bytes, bw, step_costs)
+                               step_costs=step_costs, deterministic_factor=det):
+                core.on_executor(block_bytes, bw, step_costs, det)
             case PolicyChange(version=version, sections=sections):
                 # between two plans: the next step is planned by the new version
                 self.cfg = msgspec.structs.replace(sections.scheduler,
@@ -230,7 +231,7 @@ class SchedulerLoop:
         if res.drafts:                          # the target's step, apart from drafting
             core.spec.drafting_took(res.draft_ns / 1e9, sum(d for _, d, _ in res.drafts))
             target_s = max(measured - res.draft_ns / 1e9, 1e-6)
-        core.cost.observe(shape, target_s)
+        core.cost.observe(shape, target_s, deterministic=step.deterministic)
         self.decodes.step(now_ns, measured, step.predicted_s, step.decode_classes,
                           pure=shape.tokens == shape.seqs)
         self.finished.append(StepDone(shape, step.predicted_s, measured,
@@ -319,12 +320,13 @@ class SchedulerLoop:
             spec = core.planner.last_spec
             speculating = any(st.draft_k for st in plan.steps)
             self.steps[plan.step_id] = PlannedStep(
-                mono_ns, shape, core.cost.predict(shape), budget,
+                mono_ns, shape, core.cost.predict(shape, plan.deterministic), budget,
                 [(seq.request_id, starts[seq.seq_id], seq.prompt_len) for seq in seqs], before,
                 core.last_preempted, core.last_urgency, decode_classes(
                     (st.num_tokens, starts[st.seq_id], seq.prompt_len,
                      (seq.group[0] if seq.group else seq).service_class)
                     for st, seq in zip(plan.steps, seqs)),
-                plan if speculating else None, starts if speculating else None, spec)
+                plan if speculating else None, starts if speculating else None, spec,
+                plan.deterministic)
             self.usage.planned(core, plan)
         return plan

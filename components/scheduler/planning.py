@@ -22,12 +22,13 @@ from collections import Counter
 from collections.abc import Iterable
 
 from components.costs.cost_model import StepCostModel, joined, prefill_shape
+from components.scheduler.determinism import chunk_tokens
 from components.scheduler.kv_requests import LeaseBook
 from components.scheduler.preemption import Preemptor
 from components.scheduler.queues import Queues
 from components.scheduler.sequence import Event, InFlight, Seq, State
 from components.scheduler.speculation import Choice, Speculation
-from schemas.config import SchedulerConfig
+from schemas.config import SchedulerConfig, deterministic_chunk
 from schemas.wire import NewSeq, Penalties, SamplingParams, SeqStep, StepPlan
 
 
@@ -57,6 +58,7 @@ class Planner:
         self.leases = leases
         self.preemptor = preemptor
         self.block_size = block_size
+        self.det_chunk = deterministic_chunk(cfg, block_size)   # determinism.py
         self.max_model_len = max_model_len
         self._step_ids = itertools.count(1)
         # the steps sent to the executor and not answered, oldest first:
@@ -132,13 +134,20 @@ class Planner:
             # a sequence back from the host tier holds only its computed blocks: it runs
             # once growth (asked below, as for any running sequence) is granted
             n = min(seq.remaining, budget, limit, seq.capacity(bs) - seq.num_computed)
+            if seq.deterministic:                     # its chunk whole, or not yet
+                whole = chunk_tokens(seq.num_computed, seq.remaining, self.det_chunk)
+                room = seq.capacity(bs) - seq.num_computed
+                n = whole if whole <= room and self._det_fits(
+                    whole, min(budget, limit), chosen) else 0
             if n > 0:
                 started.append(len(chosen))
                 chosen.append((seq, n))
-                budget -= n
+                budget = max(budget - n, 0)
                 taken[seq.tenant] += n
         for i in started:                             # what the shares left, in order
             seq, n = chosen[i]
+            if seq.deterministic:
+                continue                              # its chunk is fixed
             more = min(seq.remaining - n, budget, seq.capacity(bs) - seq.num_computed - n)
             if more > 0:
                 chosen[i] = (seq, n + more)
@@ -194,13 +203,37 @@ class Planner:
 
     def _prefill_chunks(self, seqs: list[Seq], budget: int,
                         chosen: list[tuple[Seq, int]]) -> int:
+        """Each prefilling sequence's next chunk, from what the budget leaves. A
+        deterministic one's chunk is fixed (determinism.py): planned whole or not at all.
+        One that does not fit what is left is still planned whole when it would be the
+        step's first prefill chunk and fits ``max_num_batched_tokens``: the stall-free cap
+        (chunking.py) is exceeded for that step rather than the prompt left waiting on a
+        budget its chunk never fits."""
         for seq in seqs:
-            if budget and seq.todo > 1:
-                n = min(seq.todo, budget, seq.capacity(self.block_size) - seq.planned)
+            if seq.todo <= 1:
+                continue
+            room = seq.capacity(self.block_size) - seq.planned
+            if seq.deterministic:
+                n = chunk_tokens(seq.planned, seq.todo, self.det_chunk)
+                if n <= room and self._det_fits(n, budget, chosen):
+                    chosen.append((seq, n))
+                    budget = max(budget - n, 0)
+                continue
+            if budget:
+                n = min(seq.todo, budget, room)
                 if n > 0:
                     chosen.append((seq, n))
                     budget -= n
         return budget
+
+    def _det_fits(self, n: int, budget: int, chosen: list[tuple[Seq, int]]) -> bool:
+        """May a deterministic chunk of ``n`` tokens join the step, ``budget`` left?
+        Within it, or as the step's first prefill chunk within ``max_num_batched_tokens``
+        (``_prefill_chunks``)."""
+        if n <= budget:
+            return True
+        first = all(c <= 1 for _, c in chosen)
+        return first and n <= self.cfg.max_num_batched_tokens - sum(c for _, c in chosen)
 
     def _drafts(self, chosen: list[tuple[Seq, int]], budget: int) -> dict[int, int]:
         """Speculation's k for this step's decode rows (speculation.py), from the budget
@@ -213,7 +246,9 @@ class Planner:
         bs, max_len = self.block_size, self.max_model_len
         rows = []
         for seq, n in chosen:
-            if (n == 1 and not seq.in_flight and seq.todo == 1
+            # a deterministic row never drafts: its output is what decoding alone gives,
+            # bit for bit, and a verify is a step of another shape
+            if (n == 1 and not seq.in_flight and seq.todo == 1 and not seq.deterministic
                     and (seq.n == 1 or seq.forked)):
                 # its blocks hold the verify's positions (the decode's and k drafts'), and
                 # its 1 + k tokens stay within the model's length
@@ -249,7 +284,8 @@ class Planner:
                                        p.top_p, p.top_k, seed,
                                        penalties_of(p, seq.eos_token_ids), p.logprobs,
                                        p.prompt_logprobs if seq.owes_prompt_logprobs
-                                       else None, p.structured, p.output_offset))
+                                       else None, p.structured, p.output_offset,
+                                       deterministic=p.deterministic))
                 seq.known_to_executor = True
                 steps.append(SeqStep(seq.seq_id, n, [], sample, samples, k))
             else:
@@ -257,4 +293,5 @@ class Planner:
                                      samples, k))
             seq.blocks_sent = len(seq.block_ids)
         drop, copies = self.leases.take_plan_notes()
-        return StepPlan(step_id, new_seqs, steps, drop, copies)
+        return StepPlan(step_id, new_seqs, steps, drop, copies,
+                        deterministic=any(seq.deterministic for seq, _ in chosen))

@@ -198,6 +198,13 @@ class Seq:
         return self.header.ttft_deadline_ns or 0
 
     @property
+    def deterministic(self) -> bool:
+        """It runs batch-invariantly (``SamplingParams.deterministic`` as in force): fixed
+        chunk boundaries (determinism.py), no drafts, and every step it is in runs the
+        batch-invariant kernel plan."""
+        return self.header.params.deterministic
+
+    @property
     def tpot_slo_s(self) -> float | None:
         """Its class's time-per-output-token objective, seconds (None: none)."""
         slo = self.header.tpot_slo_ms

@@ -55,6 +55,7 @@ class Active:
     traceparent: str | None = None
     idempotent: bool = False
     batched: bool = False            # its client takes Events (Submit.batch_events)
+    deterministic: bool = False      # its Accepted carries what it is pinned to
     # with an end-to-end bound (Accepted.e2e_deadline_ms): what the client has had, so the
     # backstop can finish it "deadline" with its usage (output tokens by choice)
     accepted: Accepted | None = None

@@ -33,6 +33,7 @@ from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer import spans
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
 from components.streamer.live_config import LiveConfig
+from components.streamer.pinned import engine_version, pinned
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
 from components.tenancy.retry import DrainRate
@@ -41,12 +42,13 @@ from schemas.client import (
     ConfigAnswer,
     ConfigCommand,
     Events,
+    Pinned,
     ProtocolError,
     ReplicasChanged,
 )
 from schemas.frames import client_frame_limit
 from schemas.limits import MAX_ID_CHARS
-from schemas.resolve import resolve
+from schemas.resolve import deterministic, resolve
 from schemas.validate import check_submit
 from schemas.wire import (
     Accepted,
@@ -108,6 +110,9 @@ class StreamerService(Component):
         self.to_admission = self.push_to("admission")      # config versions (live_config.py)
         self.to_scheduler = self.push_to("scheduler")
         self.live_config = LiveConfig(self.config, time.time())
+        self.admission = self.config.admission     # in force: the live config's
+        self.pin: Pinned | None = None             # what deterministic requests are pinned to
+        self.version = engine_version()
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -138,6 +143,7 @@ class StreamerService(Component):
         answer, change = self.live_config.command(
             cmd, self.keys.operator(cmd.api_key), time.time())
         if change is not None:
+            self.admission = self.live_config.history.config.admission
             await self.to_admission.send(change)
             await self.to_scheduler.send(change)
             log.info("config_applied", version=change.version, sha256=change.sha256[:16],
@@ -165,12 +171,16 @@ class StreamerService(Component):
             return
         record = self.config.telemetry.record_content
         span = spans.start_request(sub, tenant, traceparent, record)
-        clock = RequestClock(time.monotonic(), sub.deadline_ms,
-                             resolve(self.config.admission, tenant, sub.service_class,
-                                     sub.deadline_ms).label)
-        req = Active(who, tenant, time.time_ns(), clock, span, batched=sub.batch_events)
+        resolved = resolve(self.admission, tenant, sub.service_class, sub.deadline_ms)
+        clock = RequestClock(time.monotonic(), sub.deadline_ms, resolved.label)
+        det = deterministic(self.config.engine.deterministic, sub.params.deterministic is True,
+                            resolved.granted)
+        req = Active(who, tenant, time.time_ns(), clock, span, batched=sub.batch_events,
+                     deterministic=det is True)
         if record:
             req.completion = []
+        if isinstance(det, str) and invalid is None:
+            invalid = Rejected(rid, "invalid_request", det)
         if (rejected := invalid or self._check_capacity(sub, tenant)) is not None:
             spans.end_request(req, "rejected", rejected.reason)
             self.slo.ended(clock, rejected, clock.started)
@@ -180,7 +190,10 @@ class StreamerService(Component):
         if sub.idempotency_key:
             self.idempotency.start(tenant, sub.idempotency_key, rid, digest)
             req.idempotent = True
-        header = RequestHeader(rid, tenant, sub.params, req.arrival_ns, sub.priority,
+        params = sub.params
+        if req.deterministic and not params.deterministic:     # its class's, or "all"
+            params = msgspec.structs.replace(params, deterministic=True)
+        header = RequestHeader(rid, tenant, params, req.arrival_ns, sub.priority,
                                sub.service_class,
                                ttft_deadline_ns=deadline_ns(req.arrival_ns, sub.deadline_ms),
                                e2e_deadline_ns=deadline_ns(req.arrival_ns, sub.e2e_deadline_ms))
@@ -362,6 +375,14 @@ class StreamerService(Component):
                                                 to=who)
                 case ClusterStatus() as status:
                     self.cluster, self.cluster_at = status, time.monotonic()
+                    self.pin = None
+
+    def _pinned(self) -> Pinned:
+        """What deterministic requests are pinned to now (the components' facts as the
+        supervisor last reported them)."""
+        if self.pin is None:
+            self.pin = pinned(self.cluster.components, self.version)
+        return self.pin
 
     async def _on_event(self, event: Any, out: dict[bytes, list] | None = None) -> None:
         rid = event.request_id
@@ -374,6 +395,8 @@ class StreamerService(Component):
                 await self.to_tokenizer.send(CancelRequest(rid, "orphaned"))
             return
         if isinstance(event, Accepted):
+            if req.deterministic:
+                event = msgspec.structs.replace(event, pinned=self._pinned())
             self.slo.accepted(req.clock, event)
             self.registry.accepted(rid, req, event)
         if isinstance(event, TextDelta):

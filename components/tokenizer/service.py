@@ -9,6 +9,7 @@ from opentelemetry import trace
 from bus import tracing
 from bus.component import Component
 from components.model import structured
+from components.model.identity import TEMPLATE_SHA256, text_sha256
 from components.model.prompt import PromptHasher
 from schemas.wire import (
     CancelRequest,
@@ -30,6 +31,7 @@ class TokenizerService(Component):
     async def setup(self) -> None:
         self.prompts = PromptHasher(self.config)
         self.bundle = self.prompts.bundle
+        self.template_sha256 = text_sha256(self.bundle.chat_template)
         self.inbox_sock = self.inbox(TokenizerMsg)
         self.to_admission = self.push_to("admission")
         self.to_streamer = self.push_to("streamer")
@@ -67,8 +69,8 @@ class TokenizerService(Component):
                             await self.to_streamer.send(EventBatch(
                                 [Rejected(req.request_id, "invalid_request", ids)]))
                             continue
-                        hashes, public_scope, public_blocks = self.prompts.hashes(req.tenant,
-                                                                                  ids)
+                        hashes, public_scope, public_blocks = self.prompts.hashes(
+                            req.tenant, ids, req.params.deterministic)
                         span.set_attributes({"gen_ai.usage.input_tokens": len(ids),
                                              "weir.prefix.full_blocks": len(hashes),
                                              "weir.chat": req.messages is not None,
@@ -88,3 +90,6 @@ class TokenizerService(Component):
 
     def stats(self) -> dict[str, float]:
         return {"tokenized": self.tokenized}
+
+    def info(self) -> dict[str, str]:
+        return {TEMPLATE_SHA256: self.template_sha256}

@@ -24,7 +24,8 @@ def seq(tenant: str, remaining: int, num_tokens: int = 0, rid: str = "",
     s = SimpleNamespace(tenant=tenant, remaining=remaining, num_tokens=num_tokens,
                         num_computed=max(num_tokens - remaining, 0), request_id=rid,
                         arrival_ns=arrival_ns, first_token_ns=first_token_ns,
-                        priority=priority, aging_per_s=aging_per_s, resumes=resumes)
+                        priority=priority, aging_per_s=aging_per_s, resumes=resumes,
+                        deterministic=False)
     s.aged_priority = lambda now_ns: Seq.aged_priority(s, now_ns)
     return s
 
