@@ -37,6 +37,8 @@ FEATURES = ("const", "tokens", "pairs", "seqs", "context")
 # first 8 steps it steadies a fit of five features; against a full window of 256 it moves
 # a well-measured prediction by under 1%
 PRIOR_STEPS = 1.0
+# how far the first steps may scale the prior, either way, before the model fits them
+PRIOR_SCALE_MAX = 3.0
 DET_WINDOW = 64           # deterministic steps the factor is the median of
 DET_MIN = 8               # ... before which the prior factor is used
 
@@ -240,7 +242,8 @@ class StepCostModel:
 
     def _refit(self) -> None:
         """Without a prior: least squares over the window. With one, fewer than
-        ``min_samples`` steps scale it (measured ÷ predicted, summed over the steps seen);
+        ``min_samples`` steps scale it (the median step's measured ÷ predicted, within
+        ``PRIOR_SCALE_MAX`` either way);
         more fit ``coef = prior + delta``, each delta's square weighed ``PRIOR_STEPS`` ×
         the mean square of its feature over the window, or over the prior's own steps
         where larger: a direction the window pins down follows the window, one it cannot
@@ -259,8 +262,14 @@ class StepCostModel:
             return
         p = np.array(self.prior)
         if not self._fitted():
-            expected = float((x @ p).sum())
-            ratio = float(y.sum()) / expected if expected > 0 else 1.0
+            # the median step's measured ÷ predicted, within PRIOR_SCALE_MAX either way: the
+            # prior was measured on this machine, so one step far off it is a transient (an
+            # engine's first step, cold, read 8.5x and scaled every prediction of the
+            # burst behind it by that: a TTFT p99 of 2.5 s where 1.8 was the machine's)
+            expected = x @ p
+            ratios = [yi / ei for yi, ei in zip(y, expected) if ei > 0]
+            ratio = float(np.median(ratios)) if ratios else 1.0
+            ratio = min(max(ratio, 1 / PRIOR_SCALE_MAX), PRIOR_SCALE_MAX)
             self._coef = [float(c) for c in p * ratio]
             return
         held = np.maximum(scale, self._prior_scale)

@@ -10,9 +10,9 @@ SLO:
 
 - the gap: the step within ``GAP`` x its SLO (the slowdown is the margin for error);
 - its mean: what it has spent since its first token, this step, and its next ``HORIZON``
-  tokens at the pace of a decode step, within its SLO less ``headroom`` per token. A stream that has banked
-  time (decoding faster than its SLO) lends it to a burst's prompts; one that has spent
-  it gets steps that prefill little until its mean recovers.
+  tokens at the pace of a decode step, within its SLO less ``headroom`` per token. A
+  stream that has banked time (decoding faster than its SLO) lends it to a burst's
+  prompts; one that has spent it gets steps that prefill little until its mean recovers.
 
 With no decodes, or no TPOT SLO among them, the full budget is used. Pure: the caller
 passes the cost model and the clock."""

@@ -3,6 +3,7 @@ term, the fit, and the prior it starts from (the executor's startup steps)."""
 import pytest
 
 from components.costs.cost_model import (
+    PRIOR_SCALE_MAX,
     PRIOR_STEPS,
     StepCostModel,
     StepShape,
@@ -77,6 +78,19 @@ def test_first_steps_scale_the_prior():
     m.observe(decode_shape(8, 8000), 1.5 * truth(decode_shape(8, 8000)))
     assert m.predict(prefill_shape(512, 7000)) == pytest.approx(1.5 * 4.006552, rel=1e-9)
     assert m.pair_s() == pytest.approx(1.5e-6, rel=1e-9)
+
+
+def test_a_cold_first_step_does_not_scale_the_prior_by_its_outlier():
+    """An engine's first step ran 8.5x its prediction (cold), the next two 1.2x: the
+    median step scales the prior (1.2x), not the sum (which the outlier dominates); alone,
+    the outlier scales it by at most PRIOR_SCALE_MAX."""
+    m = StepCostModel(prior=TRUTH, min_samples=8)
+    m.observe(prefill_shape(128), 8.5 * truth(prefill_shape(128)))
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(
+        PRIOR_SCALE_MAX * 4.006552, rel=1e-9)
+    m.observe(prefill_shape(256), 1.2 * truth(prefill_shape(256)))
+    m.observe(decode_shape(8, 8000), 1.2 * truth(decode_shape(8, 8000)))
+    assert m.predict(prefill_shape(512, 7000)) == pytest.approx(1.2 * 4.006552, rel=1e-9)
 
 
 def test_a_window_that_cannot_tell_attention_keeps_the_prior():
