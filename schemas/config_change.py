@@ -20,6 +20,16 @@ its live sections (canonical JSON, so one policy has one hash whatever the file'
 layout), who applied it and when. Version 0 is the config the engine started with. A
 rollback applies an earlier version's live sections as a new version (history only
 grows).
+
+A candidate whose ``[rollout] mode`` is "shadow" or "canary" is a *trial*: it gets a
+version, but the version before it stays *settled* (in force for every request the trial
+does not decide: all of them in shadow, the tenants outside the canary's share). A trial
+ends by a new version: the candidate promoted (its sections, ``rollout.mode = "off"``:
+``promote``), the settled config restored (``rollback`` with no version), or another
+apply. While a trial runs a candidate is laid over the settled config, not over the
+trial. A trial may not add a service class or a tenant: what it admitted under one would
+outlive its rollback (add it with mode "off" first). The TOML an engine starts with is
+never a trial (its mode is taken as "off": there is nothing to compare it with).
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import msgspec
 from schemas.config import (
     AdmissionConfig,
     ConfigError,
+    RolloutConfig,
     SchedulerConfig,
     SpeculativeConfig,
     WeirConfig,
@@ -42,6 +53,7 @@ LIVE: dict[str, bool | frozenset[str]] = {
     "admission": True,
     "scheduler": frozenset({"fairness", "chunking", "urgency_preemption"}),
     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"}),
+    "rollout": True,
 }
 
 # why a field outside ``LIVE`` needs a restart, by section (the refusal's words)
@@ -62,10 +74,11 @@ class PolicySections(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig
+    rollout: RolloutConfig = RolloutConfig()
 
     @classmethod
     def of(cls, config: WeirConfig) -> PolicySections:
-        return cls(config.admission, config.scheduler, config.speculative)
+        return cls(config.admission, config.scheduler, config.speculative, config.rollout)
 
     def digest(self) -> str:
         """sha256 of the canonical encoding (sorted keys, every field, defaults included)."""
@@ -75,13 +88,22 @@ class PolicySections(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def onto(self, config: WeirConfig) -> WeirConfig:
         """``config`` with these sections in force."""
         return msgspec.structs.replace(config, admission=self.admission,
-                                       scheduler=self.scheduler, speculative=self.speculative)
+                                       scheduler=self.scheduler, speculative=self.speculative,
+                                       rollout=self.rollout)
+
+    @property
+    def trial(self) -> bool:
+        """Whether these sections are a candidate on trial (shadow or canary)."""
+        return self.rollout.mode != "off"
 
 
 class ConfigVersion(msgspec.Struct, frozen=True):
     """One applied config: its number, the sha256 of its live sections, who applied it
     (the operator key's name, and the actor the client named), when (unix seconds), and
-    what it changed (dotted field names; a rollback says which version it restored)."""
+    what it changed (dotted field names; a rollback says which version it restored).
+    ``rollout``: "off" for a config put in force, "shadow" or "canary" for a trial;
+    ``promotion_of``: the trial a promotion put in force; ``reason``: why the watchdog
+    promoted or rolled back."""
 
     version: int
     sha256: str
@@ -89,6 +111,9 @@ class ConfigVersion(msgspec.Struct, frozen=True):
     applied_at: float
     changed: tuple[str, ...] = ()
     rollback_of: int | None = None
+    rollout: str = "off"
+    promotion_of: int | None = None
+    reason: str = ""
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -167,14 +192,34 @@ def check(running: WeirConfig, new: WeirConfig, boot: WeirConfig) -> list[str]:
     return reasons
 
 
+def check_trial(running: WeirConfig, new: WeirConfig) -> list[str]:
+    """Why ``new`` cannot go on trial beside ``running`` (empty: it can)."""
+    reasons = []
+    for what, old, now in (
+            ("service class", running.admission.service_classes(),
+             new.admission.service_classes()),
+            ("tenant", running.admission.tenants_by_name, new.admission.tenants_by_name)):
+        added = sorted(set(now) - set(old))
+        if added:
+            reasons.append(f"a {new.rollout.mode} trial adds the {what} {', '.join(added)}: "
+                           "what it admitted under it would outlive a rollback (add it with "
+                           "rollout.mode = \"off\" first)")
+    return reasons
+
+
 class ConfigHistory:
-    """The versions applied to one engine, in order, and the config in force (the last
-    one's sections on the boot config)."""
+    """The versions applied to one engine, in order; the settled config (in force) and
+    the trial beside it, if one runs."""
 
     def __init__(self, boot: WeirConfig, started_at: float) -> None:
+        if boot.rollout.mode != "off":
+            boot = msgspec.structs.replace(
+                boot, rollout=msgspec.structs.replace(boot.rollout, mode="off"))
         self.boot = boot
         self.sections = [PolicySections.of(boot)]
         self.versions = [ConfigVersion(0, self.sections[0].digest(), "startup", started_at)]
+        self.settled = 0                      # the version in force
+        self.trial: int | None = None         # the version on trial beside it
 
     @property
     def current(self) -> ConfigVersion:
@@ -182,7 +227,17 @@ class ConfigHistory:
 
     @property
     def config(self) -> WeirConfig:
-        return self.sections[-1].onto(self.boot)
+        """The settled config (what a candidate is laid over)."""
+        return self.sections[self.settled].onto(self.boot)
+
+    def promote(self, by: str, now: float, reason: str = "") -> ConfigVersion | Refused:
+        """Put the trial's candidate in force (its sections with ``rollout.mode = "off"``)."""
+        if self.trial is None:
+            return Refused(("no candidate is on trial",))
+        sections = self.sections[self.trial]
+        off = msgspec.structs.replace(sections.rollout, mode="off")
+        new = msgspec.structs.replace(sections, rollout=off).onto(self.boot)
+        return self._record(new, by, now, None, self.trial, reason)
 
     def apply(self, toml_text: str, by: str, now: float) -> ConfigVersion | Refused:
         """Apply a candidate: its new version, or why none was made."""
@@ -192,22 +247,40 @@ class ConfigHistory:
             return Refused((str(exc),))
         return self._record(new, by, now, None)
 
-    def rollback(self, version: int | None, by: str, now: float) -> ConfigVersion | Refused:
-        """Apply version ``version``'s sections again (None: the one before the current)."""
-        target = self.current.version - 1 if version is None else version
+    def rollback(self, version: int | None, by: str, now: float,
+                 reason: str = "") -> ConfigVersion | Refused:
+        """Apply version ``version``'s sections again (None: while a trial runs, the
+        settled config, which ends the trial; else the version before the current)."""
+        if version is None:
+            target = self.settled if self.trial is not None else self.current.version - 1
+        else:
+            target = version
         if not 0 <= target < len(self.versions):
             return Refused((f"no version {target} (versions 0..{self.current.version})",))
-        return self._record(self.sections[target].onto(self.boot), by, now, target)
+        if self.sections[target].trial:
+            return Refused((f"version {target} was a {self.versions[target].rollout} trial, "
+                            "never in force: apply its file again to try it again",))
+        return self._record(self.sections[target].onto(self.boot), by, now, target,
+                            reason=reason)
 
-    def _record(self, new: WeirConfig, by: str, now: float,
-                rollback_of: int | None) -> ConfigVersion | Refused:
+    def _record(self, new: WeirConfig, by: str, now: float, rollback_of: int | None,
+                promotion_of: int | None = None, reason: str = "") -> ConfigVersion | Refused:
         running = self.config
         reasons = check(running, new, self.boot)
+        if new.rollout.mode != "off":
+            reasons += check_trial(running, new)
         if reasons:
             return Refused(tuple(reasons))
         sections = PolicySections.of(new)
+        # what it changes for someone: against the trial while one runs
+        before = running if self.trial is None else self.sections[self.trial].onto(self.boot)
         v = ConfigVersion(len(self.versions), sections.digest(), by, now,
-                          tuple(changed_fields(running, new)), rollback_of)
+                          tuple(changed_fields(before, new)), rollback_of,
+                          new.rollout.mode, promotion_of, reason)
         self.sections.append(sections)
         self.versions.append(v)
+        if sections.trial:
+            self.trial = v.version
+        else:
+            self.settled, self.trial = v.version, None
         return v
