@@ -100,7 +100,7 @@ class Rollout:
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"rollout.version": self.version,
-                                 "rollout.shadow": self.mode == "shadow",
+                                 "rollout.shadow": float(self.mode == "shadow"),
                                  "rollout.canary_share": self.share if self.mode == "canary"
                                  else 0.0}
         if self.mode == "shadow":

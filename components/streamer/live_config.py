@@ -117,6 +117,6 @@ class LiveConfig:
         out: dict[str, float] = {f"rollout.{k}": v for k, v in self.counts.items()}
         trial = h.versions[h.trial] if h.trial is not None else None
         out["rollout.trial_version"] = trial.version if trial else 0
-        out["rollout.shadow"] = trial is not None and trial.rollout == "shadow"
+        out["rollout.shadow"] = float(trial is not None and trial.rollout == "shadow")
         out["rollout.canary_share"] = self.watchdog.cfg.share if self.watchdog else 0.0
         return out
