@@ -31,7 +31,7 @@ def _canary(mono: float = 100.0) -> LiveConfig:
 def test_a_bad_canary_is_rolled_back_by_the_watchdog():
     lc = _canary()
     assert (lc.canary("b"), lc.canary("a")) == (True, False)
-    for i in range(2):
+    for _ in range(2):
         lc.ended(Ended(101.0, True, "interactive", missed=True), started=100.5)
         lc.ended(Ended(101.0, False, "interactive", good_tokens=4, computed_tokens=8),
                  started=100.5)

@@ -81,7 +81,7 @@ def test_decisions_flipping_for_one_tenant_and_class():
     w = Watchdog(CFG, 0.0)
     for i, admitted in enumerate([True, False, True, True]):      # 2 flips of 4: 0.5
         w.decided(Decided(1.0 + i / 10, True, "t", "interactive", admitted))
-    for i, admitted in enumerate([True, False, True, False]):     # baseline 3 of 4
+    for admitted in [True, False, True, False]:                   # baseline 3 of 4
         w.decided(Decided(1.0, False, "u", "interactive", admitted))
     assert w.verdict(2.0) is None
     # other tenants' and classes' decisions never flip against t's
