@@ -723,6 +723,47 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         return self.method != "off" and self.max_k > 0
 
 
+class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a candidate config is rolled out (docs/operations.md). A live section: it
+    travels with the candidate that ``weir config apply`` lays over the running config.
+
+    Shadow and canary (``components/admission/rollout.py``, the streamer's
+    ``watchdog.py``): ``mode`` "off" applies the candidate at once; "shadow" keeps the
+    policy in force and has admission decide every request by the candidate too, beside
+    it, recording what it would have done (nothing enforced); "canary" has the candidate's
+    admission decide for the tenants whose name hashes under ``share``
+    (``components/tenancy/canary.py``: sticky) while the watchdog compares them with the
+    rest over the last ``window_s``: a class's deadline-miss rate, the longest wait to a
+    first token, the rejection rate, decisions flipping for one tenant and class, and the
+    tokens computed per good token. Past any ``max_*`` (once each side has
+    ``min_requests`` in the window) it rolls the candidate back; after
+    ``promote_after_s`` with none crossed and ``min_requests`` canary requests ended, it
+    promotes it. Either is a new version by the actor ``watchdog``. A candidate's
+    scheduler and speculative sections take effect at its promotion (the scheduler runs
+    one batch: it has no per-tenant policy to canary)."""
+
+    mode: Literal["off", "shadow", "canary"] = "off"
+    share: float = 0.1
+    window_s: float = 30.0
+    min_requests: int = 10
+    max_miss_rate_increase: float = 0.10      # a class's misses ÷ ended, canary less baseline
+    max_reject_rate_increase: float = 0.20    # rejections ÷ decisions, canary less baseline
+    max_wait_increase_s: float = 5.0          # a class's longest wait, canary less baseline
+    max_flip_rate_increase: float = 0.25      # admit/reject flips ÷ decisions, the same
+    max_cost_ratio: float = 1.5               # computed ÷ good tokens, canary over baseline
+    promote_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.share <= 1, "rollout.share must be in (0, 1]")
+        _require(self.window_s > 0 and self.promote_after_s > 0,
+                 "rollout.window_s and rollout.promote_after_s must be > 0")
+        _require(self.min_requests >= 1, "rollout.min_requests must be >= 1")
+        _require(min(self.max_miss_rate_increase, self.max_reject_rate_increase,
+                     self.max_wait_increase_s, self.max_flip_rate_increase) >= 0
+                 and self.max_cost_ratio >= 1,
+                 "rollout.max_* increases must be >= 0 and max_cost_ratio >= 1")
+
+
 class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     topology: Topology
     engine: EngineConfig = EngineConfig()
@@ -736,6 +777,7 @@ class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     security: SecurityConfig = SecurityConfig()
     router: RouterConfig = RouterConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    rollout: RolloutConfig = RolloutConfig()
     bus: BusConfig = BusConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -27,6 +27,17 @@ layout), who applied it and when. Version 0 is the config the process started wi
 rollback applies an earlier version's live fields as a new version (history only grows).
 A history saved by a process (the router's, ``ConfigHistory.resumed``) goes on across its
 restart.
+
+On an engine, a candidate whose ``[rollout] mode`` is "shadow" or "canary" is a *trial*:
+it gets a version, but the version before it stays *settled* (in force for every request
+the trial does not decide: all of them in shadow, the tenants outside the canary's share).
+A trial ends by a new version: the candidate promoted (its sections, ``rollout.mode =
+"off"``: ``promote``), the settled config restored (``rollback`` with no version), or
+another apply. While a trial runs a candidate is laid over the settled config, not over
+the trial. A trial may not add a service class or a tenant: what it admitted under one
+would outlive its rollback (add it with mode "off" first). The TOML a process starts with
+is never a trial (its mode is taken as "off": there is nothing to compare it with). A
+router has no trials (``[rollout]`` is an engine's section: its sections have none).
 """
 from __future__ import annotations
 
@@ -40,6 +51,7 @@ import msgspec
 from schemas.config import (
     AdmissionConfig,
     ConfigError,
+    RolloutConfig,
     RouterConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -67,6 +79,13 @@ class Sections(msgspec.Struct, frozen=True):
         return msgspec.structs.replace(config, **{name: getattr(self, name)
                                                   for name in self.__struct_fields__})
 
+    @property
+    def trial(self) -> bool:
+        """Whether these sections are a candidate on trial (shadow or canary): only an
+        engine's sections have a ``rollout`` (a router's are never a trial)."""
+        rollout: RolloutConfig | None = getattr(self, "rollout", None)
+        return rollout is not None and rollout.mode != "off"
+
 
 class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
     """An engine's live sections: what a version records and what is fanned out to
@@ -75,6 +94,7 @@ class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig
+    rollout: RolloutConfig = RolloutConfig()
 
 
 class RouterSections(Sections, frozen=True, forbid_unknown_fields=True):
@@ -127,7 +147,8 @@ ENGINE = Scope(
     "engine",
     {"admission": True,
      "scheduler": frozenset({"fairness", "chunking", "urgency_preemption"}),
-     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"})},
+     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"}),
+     "rollout": True},
     {"engine": "the model, dtype and device are loaded at start",
      "kv": "the KV pool is sized and allocated at start",
      "topology": _SOCKETS,
@@ -164,7 +185,7 @@ ROUTER = Scope(
      "bus": _SOCKETS,
      "gateway": "the API keys and the HTTP gateway are read at start"},
     {s: "an engine's: apply it to each replica with --endpoint naming it"
-     for s in ("scheduler", "speculative")},
+     for s in ("scheduler", "speculative", "rollout")},
     RouterSections,
 )
 
@@ -175,7 +196,10 @@ LIVE = ENGINE.live
 class ConfigVersion(msgspec.Struct, frozen=True):
     """One applied config: its number, the sha256 of its live sections, who applied it
     (the operator key's name, and the actor the client named), when (unix seconds), and
-    what it changed (dotted field names; a rollback says which version it restored)."""
+    what it changed (dotted field names; a rollback says which version it restored).
+    ``rollout``: "off" for a config put in force, "shadow" or "canary" for a trial;
+    ``promotion_of``: the trial a promotion put in force; ``reason``: why the watchdog
+    promoted or rolled back."""
 
     version: int
     sha256: str
@@ -183,6 +207,9 @@ class ConfigVersion(msgspec.Struct, frozen=True):
     applied_at: float
     changed: tuple[str, ...] = ()
     rollback_of: int | None = None
+    rollout: str = "off"
+    promotion_of: int | None = None
+    reason: str = ""
 
 
 class Refused(msgspec.Struct, frozen=True):
@@ -266,18 +293,39 @@ def check(running: WeirConfig, new: WeirConfig, boot: WeirConfig,
     return reasons + scope.checks(running, new, boot)
 
 
+def check_trial(running: WeirConfig, new: WeirConfig) -> list[str]:
+    """Why ``new`` cannot go on trial beside ``running`` (empty: it can)."""
+    reasons = []
+    for what, old, now in (
+            ("service class", running.admission.service_classes(),
+             new.admission.service_classes()),
+            ("tenant", running.admission.tenants_by_name, new.admission.tenants_by_name)):
+        added = sorted(set(now) - set(old))
+        if added:
+            reasons.append(f"a {new.rollout.mode} trial adds the {what} {', '.join(added)}: "
+                           "what it admitted under it would outlive a rollback (add it with "
+                           "rollout.mode = \"off\" first)")
+    return reasons
+
+
 class ConfigHistory:
-    """The versions applied to one process, in order, and the config in force (the last
-    one's sections on the boot config)."""
+    """The versions applied to one process, in order; the settled config (in force: a
+    version's sections on the boot config) and, on an engine, the trial beside it, if one
+    runs."""
 
     STARTUP: ClassVar[str] = "startup"
 
     def __init__(self, boot: WeirConfig, started_at: float, scope: Scope = ENGINE) -> None:
+        if boot.rollout.mode != "off":
+            boot = msgspec.structs.replace(
+                boot, rollout=msgspec.structs.replace(boot.rollout, mode="off"))
         self.boot = boot
         self.scope = scope
         self.sections: list[Any] = [scope.sections.of(boot)]
         self.versions = [ConfigVersion(0, self.sections[0].digest(), self.STARTUP,
                                        started_at)]
+        self.settled = 0                      # the version in force
+        self.trial: int | None = None         # the version on trial beside it
 
     @classmethod
     def resumed(cls, boot: WeirConfig, versions: list[ConfigVersion], sections: list[Any],
@@ -286,20 +334,23 @@ class ConfigHistory:
         config the process started with last time. The same file again: the version in
         force then is in force now (its live fields over the file). A changed file: it is
         a new version, applied by ``startup``, and in force (what the operator restarted
-        with wins over what was applied before)."""
+        with wins over what was applied before). A trial running then is over (its
+        comparison did not survive the restart): the settled version is in force."""
         h = cls(boot, now, scope)
         if not versions or len(versions) != len(sections):
             return h
         h.versions, h.sections = list(versions), list(sections)
-        booted = scope.sections.of(boot)
+        h.settled = max(i for i, s in enumerate(h.sections) if not s.trial)
+        booted = scope.sections.of(h.boot)
         if booted.digest() == last_boot:
-            h.sections[-1] = scope.sections.of(live_fields(
-                sections[-1].onto(boot), boot, scope))
+            h.sections[h.settled] = scope.sections.of(live_fields(
+                h.sections[h.settled].onto(h.boot), h.boot, scope))
             return h
         before = h.config
         h.sections.append(booted)
         h.versions.append(ConfigVersion(len(h.versions), booted.digest(), cls.STARTUP, now,
-                                        tuple(changed_fields(before, boot))))
+                                        tuple(changed_fields(before, h.boot))))
+        h.settled = len(h.versions) - 1
         return h
 
     @property
@@ -308,11 +359,22 @@ class ConfigHistory:
 
     @property
     def config(self) -> WeirConfig:
-        return self._onto(-1)
+        """The settled config (what a candidate is laid over)."""
+        return self._onto(self.settled)
 
     def _onto(self, i: int) -> WeirConfig:
         sections: Sections = self.sections[i]
         return sections.onto(self.boot)
+
+    def promote(self, by: str, now: float, reason: str = "") -> ConfigVersion | Refused:
+        """Put the trial's candidate in force (its sections with ``rollout.mode = "off"``)."""
+        if self.trial is None:
+            return Refused(("no candidate is on trial",))
+        sections = self.sections[self.trial]
+        off = msgspec.structs.replace(sections.rollout, mode="off")
+        new = msgspec.structs.replace(sections, rollout=off).onto(self.boot)
+        return self._record(live_fields(new, self.config, self.scope), by, now, None,
+                            self.trial, reason)
 
     def apply(self, toml_text: str, by: str, now: float) -> ConfigVersion | Refused:
         """Apply a candidate: its new version, or why none was made."""
@@ -322,25 +384,40 @@ class ConfigHistory:
             return Refused((str(exc),))
         return self._record(new, by, now, None)
 
-    def rollback(self, version: int | None, by: str, now: float) -> ConfigVersion | Refused:
-        """Apply version ``version``'s live fields again (None: the one before the
-        current)."""
-        target = self.current.version - 1 if version is None else version
+    def rollback(self, version: int | None, by: str, now: float,
+                 reason: str = "") -> ConfigVersion | Refused:
+        """Apply version ``version``'s live fields again (None: while a trial runs, the
+        settled config, which ends the trial; else the version before the current)."""
+        if version is None:
+            target = self.settled if self.trial is not None else self.current.version - 1
+        else:
+            target = version
         if not 0 <= target < len(self.versions):
             return Refused((f"no version {target} (versions 0..{self.current.version})",))
-        running = self.config
-        return self._record(live_fields(self._onto(target), running, self.scope), by, now,
-                            target)
+        if self.sections[target].trial:
+            return Refused((f"version {target} was a {self.versions[target].rollout} trial, "
+                            "never in force: apply its file again to try it again",))
+        return self._record(live_fields(self._onto(target), self.config, self.scope), by,
+                            now, target, reason=reason)
 
-    def _record(self, new: WeirConfig, by: str, now: float,
-                rollback_of: int | None) -> ConfigVersion | Refused:
+    def _record(self, new: WeirConfig, by: str, now: float, rollback_of: int | None,
+                promotion_of: int | None = None, reason: str = "") -> ConfigVersion | Refused:
         running = self.config
         reasons = check(running, new, self.boot, self.scope)
+        sections: Sections = self.scope.sections.of(new)
+        if sections.trial:
+            reasons += check_trial(running, new)
         if reasons:
             return Refused(tuple(reasons))
-        sections = self.scope.sections.of(new)
+        # what it changes for someone: against the trial while one runs
+        before = running if self.trial is None else self._onto(self.trial)
         v = ConfigVersion(len(self.versions), sections.digest(), by, now,
-                          tuple(changed_fields(running, new)), rollback_of)
+                          tuple(changed_fields(before, new)), rollback_of,
+                          new.rollout.mode if sections.trial else "off", promotion_of, reason)
         self.sections.append(sections)
         self.versions.append(v)
+        if sections.trial:
+            self.trial = v.version
+        else:
+            self.settled, self.trial = v.version, None
         return v

@@ -315,16 +315,28 @@ class CacheAnswer(msgspec.Struct, tag="cache_answer", frozen=True):
     cached_tokens: int
 
 
+class PolicyTrial(msgspec.Struct, frozen=True):
+    """A candidate config on trial beside the settled one: its version, its sha256 and its
+    sections (``sections.rollout``: shadow or canary, the canary's share)."""
+
+    version: int
+    sha256: str
+    sections: PolicySections
+
+
 class PolicyChange(msgspec.Struct, tag="policy_change", frozen=True):
     """From the streamer to admission and the scheduler: the policy of config ``version``
     (``schemas/config_change.py``), in force from the next decision each makes. What
     either already decided stands: a request keeps the class, deadline and priority it
     was admitted with; per-tenant state (budgets, token buckets, virtual counters)
-    carries over by tenant name."""
+    carries over by tenant name. ``trial``: a candidate beside it, for admission alone
+    (shadow: decided beside every request and not enforced; canary: deciding for the
+    tenants in its share); the scheduler runs ``sections``."""
 
     version: int
     sha256: str
     sections: PolicySections
+    trial: PolicyTrial | None = None
 
 
 AdmissionMsg = (Tokenized | CancelRequest | Released | SchedulerLoad | CacheAnswer | Holding

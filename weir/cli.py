@@ -306,7 +306,12 @@ def _config(args: argparse.Namespace) -> int:
             continue
         when = datetime.fromtimestamp(v.applied_at, UTC).isoformat(timespec="seconds")
         what = (f"rollback to {v.rollback_of}" if v.rollback_of is not None
+                else f"promotion of {v.promotion_of}" if v.promotion_of is not None
                 else ", ".join(v.changed) or "-")
+        if v.rollout != "off":
+            what = f"{v.rollout} trial: {what}"
+        if v.reason:
+            what += f" ({v.reason})"
         print(f"version {v.version:<4} sha256 {v.sha256[:16]} {when} by {v.applied_by}: {what}")
     return 0
 

@@ -56,7 +56,9 @@ no running class's measured TPOT is over its target.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from typing import cast
 
 import msgspec
 
@@ -77,6 +79,7 @@ from components.admission.decision import (
 from components.admission.ledger import Ledger
 from components.admission.live import LiveEngine
 from components.admission.queue import AdmissionQueue
+from components.admission.rollout import Rollout
 from components.admission.stats import decision_stats, live_stats, ttft_stats
 from components.admission.ttft import TtftModel
 from components.costs.estimate import OutputStats
@@ -117,6 +120,42 @@ class AdmissionPolicy:
         self.capacity = Capacity(config, self.ledger, self.live)
         self.rule = DeadlineRule(config, self.capacity, self.queue, self.buckets,
                                  self.releases, self.tenants, self.classes)
+        self.trial: Rollout | None = None          # a candidate beside it (rollout.py)
+
+    def view(self, config: WeirConfig) -> AdmissionPolicy:
+        """A policy deciding by ``config``'s admission section over this one's state: the
+        same ledger, queue, TTFT model, live pool, buckets, virtual counters and counters
+        (what it admits or queues is held and counted here); its own classes, tenants,
+        capacity rule and deadline rule (``rollout.py``)."""
+        other = copy.copy(self)
+        adm = config.admission
+        other.config, other.kind, other.trial = config, adm.policy, None
+        other.tenants, other.classes = adm.tenants_by_name, adm.service_classes()
+        other.capacity = Capacity(config, self.ledger, self.live)
+        other.rule = DeadlineRule(config, other.capacity, self.queue, self.buckets,
+                                  self.releases, other.tenants, other.classes)
+        return other
+
+    def try_candidate(self, candidate: WeirConfig | None, version: int = 0,
+                      sha256: str = "") -> None:
+        """Run ``candidate`` (a config on trial: ``rollout.mode`` shadow or canary) beside
+        this policy from the next decision, or none (None). A canary's tenants get the
+        candidate's token rates and VTC weights; the others keep this policy's."""
+        self.trial = None if candidate is None else Rollout(self, self.view(candidate),
+                                                            version, sha256)
+        tenants = dict(self.tenants)
+        if self.trial is not None:
+            tenants.update({name: t for name, t in self.trial.candidate.tenants.items()
+                            if self.trial.takes(name)})
+        self.buckets.retune(tenants)
+        self.vtc.weights = {t.name: t.weight for t in tenants.values()}
+
+    def _side(self, tenant: str) -> tuple[AdmissionPolicy, Rollout | None]:
+        """The policy that decides for ``tenant``, and the canary if it is the candidate."""
+        trial = self.trial
+        if trial is not None and trial.takes(tenant):
+            return cast(AdmissionPolicy, trial.candidate), trial
+        return self, None
 
     def reconfigure(self, config: WeirConfig) -> None:
         """Decide by ``config``'s admission section from now on (a live config change,
@@ -153,6 +192,9 @@ class AdmissionPolicy:
         queue: its cap, the deadline decided on, its class's TPOT target, aging and late
         rule, and its ledger entry. The admission service and the replay simulator both
         send this, so the simulated scheduler drops and ages what the live one does."""
+        side, _ = self._side(req.tenant)
+        if side is not self:
+            return side.admitted(req, d, queued_s)
         params = req.params
         if d.max_tokens != params.max_tokens:
             params = msgspec.structs.replace(params, max_tokens=d.max_tokens)
@@ -184,7 +226,12 @@ class AdmissionPolicy:
     def decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         """Decide for ``req`` (``cached``: prompt tokens the pool already holds). An
         accepted or degraded request is in the ledger when this returns; a queued one is
-        held until ``release`` or ``expire`` hands it back."""
+        held until ``release`` or ``expire`` hands it back. A canary's tenant is decided
+        by the candidate (``rollout.py``)."""
+        side, canary = self._side(req.tenant)
+        if canary is not None:
+            with canary.tuned():
+                return side.decide(req, cached, now)
         decision = self._decide(req, cached, now)
         self.decisions[decision.kind, decision.service_class] += 1
         if decision.kind == Kind.REJECT:
@@ -201,6 +248,10 @@ class AdmissionPolicy:
         the uncached prompt, so such a request is rejected as ``deadline_unmeetable`` by
         whatever the lookup finds: the service decides it without asking the kv_manager,
         which makes a rejection under overload one hop cheaper."""
+        side, canary = self._side(req.tenant)
+        if canary is not None:
+            with canary.tuned():
+                return side.beyond_deadline(req, cached)
         if self.kind != "deadline":
             return False
         cls = resolve(self.config.admission, req.tenant, req.header.asked_class, None).granted
@@ -214,6 +265,11 @@ class AdmissionPolicy:
                                     req.params.deterministic)
         return deadline is not None and raw is not None and \
             (raw + self.ttft.bias_s) * 1e3 > deadline * (1.0 - self.config.admission.ttft_headroom)
+
+    def judge(self, req: Tokenized, cached: int, now: float) -> Decision:
+        """The decision for ``req``, changing nothing (no ledger, queue or counter; a
+        token bucket is refilled to ``now``): a shadow's (``rollout.py``)."""
+        return self._decide(req, cached, now)
 
     def _decide(self, req: Tokenized, cached: int, now: float) -> Decision:
         cfg = self.config
@@ -381,14 +437,19 @@ class AdmissionPolicy:
         for item in self.queue.in_order(now):
             if item.tenant in capped:
                 continue
-            decision, blocker = self.rule.fits_now(item, now)
+            side, canary = self._side(item.tenant)
+            if canary is not None:
+                with canary.tuned():
+                    decision, blocker = side.rule.fits_now(item, now)
+            else:
+                decision, blocker = self.rule.fits_now(item, now)
             if decision is None:
                 if blocker is not None and blocker.tenants_own:
                     capped.add(item.tenant)
                     continue
                 break
             self.queue.remove(item.request_id)
-            self._admit(item.req, decision, now)
+            side._admit(item.req, decision, now)
             out.append((item.req, decision, now - item.queued_at))
         return out
 
@@ -408,6 +469,8 @@ class AdmissionPolicy:
         if now is not None:
             out.update(self.usage.stats(now))
         out.update(self.live_stats())
+        if self.trial is not None:
+            out.update(self.trial.stats())
         return out
 
     def live_stats(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ from bus import tracing
 from bus.component import Component
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
+from components.admission.rollout import Rollout
 from schemas.wire import (
     Accepted,
     AdmissionMsg,
@@ -103,6 +104,23 @@ class AdmissionService(Component):
             **self._live_attributes(d),
         }
 
+    @staticmethod
+    def _trial_attributes(trial: Rollout, req: Tokenized, d: Decision,
+                          shadow: Decision | None) -> dict:
+        """A candidate on trial (``rollout.py``): what it would have decided (shadow), or
+        which side decided (canary: a canary decision's version is the trial's)."""
+        out: dict = {"weir.rollout.mode": trial.mode, "weir.rollout.version": trial.version}
+        if shadow is not None:
+            trial.compare(shadow, d)
+            out.update({"weir.shadow.decision": shadow.kind, "weir.shadow.reason": shadow.reason,
+                        "weir.shadow.service_class": shadow.service_class,
+                        "weir.shadow.agrees": shadow.kind == d.kind})
+        elif trial.takes(req.tenant):
+            out.update({"weir.rollout.arm": "canary", "weir.config.version": trial.version})
+        else:
+            out["weir.rollout.arm"] = "baseline"
+        return out
+
     def _live_attributes(self, d: Decision) -> dict:
         """The live engine the decision saw (``live.py``): the pool's counts and the room a
         reservation had by it (-1: not reported yet), and the decode horizon: the step
@@ -130,9 +148,13 @@ class AdmissionService(Component):
         ``cached`` is the kv_manager's count of already-cached prompt tokens (None: unknown).
         ``best_case``: not looked up, decided as if that many were cached (see
         ``AdmissionPolicy.beyond_deadline``)."""
-        d = self.policy.decide(req, best_case if best_case is not None else cached or 0,
-                               time.monotonic())
+        now, known = time.monotonic(), best_case if best_case is not None else cached or 0
+        trial = self.policy.trial
+        shadow = trial.shadow(req, known, now) if trial and trial.mode == "shadow" else None
+        d = self.policy.decide(req, known, now)
         attributes = self._decision_attributes(req, d, cached)
+        if trial is not None:
+            attributes.update(self._trial_attributes(trial, req, d, shadow))
         attributes["weir.admission.cache_lookup"] = (
             "skipped_beyond_deadline" if best_case is not None
             else "none" if not (self.config.kv.enable_prefix_cache and req.block_hashes)
@@ -267,7 +289,21 @@ class AdmissionService(Component):
         self.config = change.sections.onto(self.config)
         self.policy.reconfigure(self.config)
         self.config_version, self.config_sha256 = change.version, change.sha256
+        trial = change.trial
+        self.policy.try_candidate(None if trial is None else trial.sections.onto(self.config),
+                                  trial.version if trial else 0, trial.sha256 if trial else "")
         log.info("config_version", version=change.version, policy=self.policy.kind)
+        if trial is not None:
+            rollout = trial.sections.rollout
+            with _TRACER.start_as_current_span("admission.rollout", attributes={
+                    "weir.config.version": change.version,
+                    "weir.rollout.version": trial.version, "weir.rollout.mode": rollout.mode,
+                    "weir.rollout.share": rollout.share if rollout.mode == "canary" else 0.0,
+                    "weir.rollout.policy": trial.sections.admission.policy}):
+                log.info("rollout_" + ("shadowing" if rollout.mode == "shadow" else "canary"),
+                         version=trial.version, settled=change.version,
+                         share=rollout.share if rollout.mode == "canary" else None,
+                         policy=trial.sections.admission.policy)
 
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held

@@ -2,34 +2,58 @@
 an operator's ``ConfigCommand`` checked and answered, and the ``PolicyChange`` admission
 and the scheduler are sent when a version is made (``schemas/config_change.py`` decides).
 
+A candidate on trial (``[rollout] mode``) travels in the change beside the settled
+config. A canary's is watched (``watchdog.py``): the streamer feeds the watchdog each
+request's decision and end, labelled canary or baseline by its tenant
+(``components/tenancy/canary.py``, as admission decides them), and ``watch`` turns its
+verdict into a new version by the actor ``watchdog``: the candidate promoted, or the
+settled config restored. Requests that arrived before the trial began are not counted.
+
 The history is in the streamer's memory: it lives as long as the engine (a restarted
 streamer starts again at version 0, the TOML the engine was started with, and sends that
-to nobody: admission and the scheduler keep the version they run until a new one comes).
+to nobody: admission and the scheduler keep the version they run until a new one comes;
+a trial running then runs on unwatched until an operator applies or rolls back).
 A restarted admission or scheduler starts from the TOML: the streamer sends it the
 version in force again (``resend``).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from bus.identity import Identity, Refusal, acting_operator
+from components.streamer.watchdog import Decided, Ended, Verdict, Watchdog
+from components.tenancy.canary import in_canary
 from schemas.client import ConfigAnswer, ConfigCommand
-from schemas.config import WeirConfig
-from schemas.config_change import ConfigHistory, ConfigVersion
-from schemas.wire import PolicyChange
+from schemas.config import AdmissionConfig, WeirConfig
+from schemas.config_change import ConfigHistory, ConfigVersion, PolicySections
+from schemas.wire import PolicyChange, PolicyTrial
+
+WATCHDOG = "watchdog"
 
 
 class LiveConfig:
     def __init__(self, boot: WeirConfig, now: float) -> None:
         self.history = ConfigHistory(boot, now)
+        self.watchdog: Watchdog | None = None
+        self.counts: Counter[str] = Counter({"applied": 0, "shadowing": 0, "canaries": 0,
+                                             "promoted": 0, "rolled_back": 0})
 
     def change(self) -> PolicyChange:
-        """The version in force, as admission and the scheduler are sent it."""
-        v = self.history.current
-        return PolicyChange(v.version, v.sha256, self.history.sections[-1])
+        """The version in force (and the trial beside it), as admission and the scheduler
+        are sent it."""
+        h = self.history
+        settled = h.versions[h.settled]
+        trial = None
+        if h.trial is not None:
+            t = h.versions[h.trial]
+            trial = PolicyTrial(t.version, t.sha256, h.sections[h.trial])
+        return PolicyChange(settled.version, settled.sha256, h.sections[h.settled], trial)
 
-    def command(self, cmd: ConfigCommand, who: Identity | Refusal,
-                now: float) -> tuple[ConfigAnswer, PolicyChange | None]:
+    def command(self, cmd: ConfigCommand, who: Identity | Refusal, now: float,
+                mono: float = 0.0) -> tuple[ConfigAnswer, PolicyChange | None]:
         """The answer to ``cmd`` (from the key ``who``), and the change to send when it
-        made a version."""
+        made a version. ``now``: wall seconds (the history's); ``mono``: monotonic (the
+        watchdog's)."""
         by = acting_operator(who, cmd.actor)
         if by is None:
             return ConfigAnswer(cmd.query_id, "config commands need an operator's key"), None
@@ -40,4 +64,70 @@ class LiveConfig:
                 else h.rollback(cmd.version, by, now))
         if not isinstance(made, ConfigVersion):
             return ConfigAnswer(cmd.query_id, made.message, h.current), None
+        self._made(made, mono)
         return ConfigAnswer(cmd.query_id, None, made), self.change()
+
+    def _made(self, v: ConfigVersion, mono: float) -> None:
+        self.counts["applied"] += 1
+        self.counts[{"off": "settled", "shadow": "shadowing", "canary": "canaries"}[
+            v.rollout]] += 1
+        trial = self.history.trial
+        self.watchdog = None if v.rollout != "canary" or trial is None else Watchdog(
+            self.history.sections[trial].rollout, mono)
+
+    # ------------------------------------------------------------------ the canary
+    def admission(self, tenant: str) -> AdmissionConfig:
+        """The admission config that decides ``tenant``'s requests (what the streamer
+        resolves a request's class and deadline by): a canary's candidate for the tenants
+        under its share, the settled config's for the rest (and for all in shadow)."""
+        h = self.history
+        if h.trial is not None:
+            trial: PolicySections = h.sections[h.trial]
+            if trial.rollout.mode == "canary" and in_canary(tenant, trial.rollout.share):
+                return trial.admission
+        return h.config.admission
+
+    def canary(self, tenant: str) -> bool | None:
+        """Whether the canary watched now takes ``tenant`` (None: none is watched)."""
+        if self.watchdog is None:
+            return None
+        return in_canary(tenant, self.watchdog.cfg.share)
+
+    def decided(self, at: float, started: float, tenant: str, service_class: str,
+                admitted: bool) -> None:
+        """Admission decided a request of ``tenant`` (arrived at ``started``)."""
+        w = self.watchdog
+        if w is not None and started >= w.started:
+            w.decided(Decided(at, in_canary(tenant, w.cfg.share), tenant, service_class,
+                              admitted))
+
+    def ended(self, e: Ended, started: float) -> None:
+        """A request (arrived at ``started``) ended as ``e`` (its side set here)."""
+        w = self.watchdog
+        if w is not None and started >= w.started:
+            w.ended(e)
+
+    def watch(self, now: float, mono: float, waiting: dict[tuple[bool, str], float]
+              ) -> tuple[Verdict, ConfigVersion, PolicyChange] | None:
+        """The watchdog's verdict now, carried out: the new version and the change to send
+        (None: no canary, or no verdict yet)."""
+        if self.watchdog is None or (verdict := self.watchdog.verdict(mono, waiting)) is None:
+            return None
+        h = self.history
+        made = (h.promote(WATCHDOG, now, verdict.reason) if verdict.action == "promote"
+                else h.rollback(None, WATCHDOG, now, verdict.reason))
+        self.watchdog = None
+        if not isinstance(made, ConfigVersion):        # the settled config always applies
+            raise RuntimeError(made.message)
+        self.counts["applied"] += 1
+        self.counts["promoted" if verdict.action == "promote" else "rolled_back"] += 1
+        return verdict, made, self.change()
+
+    def stats(self) -> dict[str, float]:
+        h = self.history
+        out: dict[str, float] = {f"rollout.{k}": v for k, v in self.counts.items()}
+        trial = h.versions[h.trial] if h.trial is not None else None
+        out["rollout.trial_version"] = trial.version if trial else 0
+        out["rollout.shadow"] = float(trial is not None and trial.rollout == "shadow")
+        out["rollout.canary_share"] = self.watchdog.cfg.share if self.watchdog else 0.0
+        return out

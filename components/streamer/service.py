@@ -25,6 +25,7 @@ import anyio
 import msgspec
 import structlog
 import zmq
+from opentelemetry import trace
 
 from bus import tracing
 from bus.component import Component
@@ -36,6 +37,7 @@ from components.streamer.live_config import LiveConfig
 from components.streamer.pinned import engine_version, pinned
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
+from components.streamer.watchdog import Ended
 from components.tenancy.retry import DrainRate
 from schemas.client import (
     ChangeReplicas,
@@ -46,6 +48,7 @@ from schemas.client import (
     ProtocolError,
     ReplicasChanged,
 )
+from schemas.config_change import ConfigVersion
 from schemas.frames import client_frame_limit
 from schemas.limits import MAX_ID_CHARS
 from schemas.resolve import deterministic, resolve
@@ -60,6 +63,7 @@ from schemas.wire import (
     Failed,
     Finished,
     NewRequest,
+    PolicyChange,
     Rejected,
     RequestHeader,
     StatusReport,
@@ -70,6 +74,7 @@ from schemas.wire import (
 )
 
 log = structlog.get_logger("streamer")
+_TRACER = trace.get_tracer("weir.streamer")
 # Whose death loses what (see ARCHITECTURE.md, "Restart policy"): requests the engine
 # accepted live in these components' state, so they fail; requests not yet accepted are
 # sent again (they are only NewRequests in flight through stateless steps).
@@ -110,7 +115,6 @@ class StreamerService(Component):
         self.to_admission = self.push_to("admission")      # config versions (live_config.py)
         self.to_scheduler = self.push_to("scheduler")
         self.live_config = LiveConfig(self.config, time.time())
-        self.admission = self.config.admission     # in force: the live config's
         self.pin: Pinned | None = None             # what deterministic requests are pinned to
         self.version = engine_version()
 
@@ -119,6 +123,7 @@ class StreamerService(Component):
             tg.start_soon(self.endpoint.serve)
             tg.start_soon(self._engine_loop)
             tg.start_soon(self._reaper)
+            tg.start_soon(self._watch)
 
     # ------------------------------------------------------------------ clients
     # (the client endpoint's loop, bus/endpoint.py, asks these)
@@ -141,15 +146,71 @@ class StreamerService(Component):
         """An operator's config command (``live_config.py``); a new version is sent to
         admission and the scheduler before the answer."""
         answer, change = self.live_config.command(
-            cmd, self.keys.operator(cmd.api_key), time.time())
-        if change is not None:
-            self.admission = self.live_config.history.config.admission
-            await self.to_admission.send(change)
-            await self.to_scheduler.send(change)
-            log.info("config_applied", version=change.version, sha256=change.sha256[:16],
-                     applied_by=answer.current.applied_by if answer.current else "",
-                     changed=list(answer.current.changed) if answer.current else [])
+            cmd, self.keys.operator(cmd.api_key), time.time(), time.monotonic())
+        if change is not None and answer.current is not None:
+            await self._send_change(change, answer.current, "config_applied")
         return answer
+
+    async def _send_change(self, change: PolicyChange, v: ConfigVersion, event: str) -> None:
+        """Send a new version to admission and the scheduler; log and trace it."""
+        await self.to_admission.send(change)
+        await self.to_scheduler.send(change)
+        rollout = change.trial.sections.rollout if change.trial else None
+        attributes = {"weir.config.version": v.version, "weir.config.settled": change.version,
+                      "weir.config.applied_by": v.applied_by,
+                      "weir.rollout.mode": v.rollout,
+                      "weir.rollout.share": rollout.share if rollout and v.rollout == "canary"
+                      else 0.0, "weir.rollout.reason": v.reason,
+                      "weir.config.rollback_of": -1 if v.rollback_of is None else v.rollback_of,
+                      "weir.config.promotion_of": -1 if v.promotion_of is None
+                      else v.promotion_of}
+        with _TRACER.start_as_current_span(f"config.{event}", attributes=attributes):
+            log.info(event, version=v.version, sha256=v.sha256[:16], applied_by=v.applied_by,
+                     changed=list(v.changed), rollout=v.rollout, settled=change.version,
+                     share=attributes["weir.rollout.share"] or None, reason=v.reason or None,
+                     rollback_of=v.rollback_of, promotion_of=v.promotion_of)
+
+    async def _watch(self) -> None:
+        """Every 0.25 s while a canary is watched: the watchdog's verdict, carried out
+        (``live_config.py``)."""
+        while True:
+            await anyio.sleep(0.25)
+            if self.live_config.watchdog is None:
+                continue
+            now = time.monotonic()
+            waiting: dict[tuple[bool, str], float] = {}
+            since = self.live_config.watchdog.started
+            for _, req in self.registry.requests():
+                clock = req.clock
+                if clock.first_token is None and clock.started >= since:
+                    key = (bool(self.live_config.canary(req.tenant)), clock.service_class)
+                    waiting[key] = max(waiting.get(key, 0.0), now - clock.started)
+            done = self.live_config.watch(time.time(), now, waiting)
+            if done is not None:
+                verdict, v, change = done
+                await self._send_change(change, v, "promoted" if verdict.action == "promote"
+                                        else "rolled_back")
+
+    def _outcome(self, req: Active, event: Any, now: float) -> None:
+        """Count a request's end (the SLO counts, and the canary's watchdog)."""
+        clock = req.clock
+        outcome = self.slo.ended(clock, event, now)
+        if self.live_config.watchdog is None or outcome in (None, "failed", "cancelled"):
+            return
+        if outcome == "rejected" and not clock.admitted:      # admission's refusal
+            self.live_config.decided(now, clock.started, req.tenant, clock.service_class,
+                                     False)
+        wait = (clock.first_token - clock.started if clock.first_token is not None
+                else now - clock.started if clock.admitted else None)
+        computed = good = 0
+        if isinstance(event, Finished):
+            u = event.usage
+            computed = max(u.prompt_tokens - u.cached_tokens, 0) + u.completion_tokens
+            good = u.completion_tokens if outcome == "good" else 0
+        self.live_config.ended(Ended(
+            now, bool(self.live_config.canary(req.tenant)), clock.service_class,
+            outcome in ("ttft", "tpot", "both", "deadline", "expired"),
+            outcome == "rejected", wait, computed, good), clock.started)
 
     async def submit(self, who: bytes, sub: Submit, traceparent: str | None) -> None:
         rid = sub.request_id
@@ -171,7 +232,8 @@ class StreamerService(Component):
             return
         record = self.config.telemetry.record_content
         span = spans.start_request(sub, tenant, traceparent, record)
-        resolved = resolve(self.admission, tenant, sub.service_class, sub.deadline_ms)
+        resolved = resolve(self.live_config.admission(tenant), tenant, sub.service_class,
+                           sub.deadline_ms)
         clock = RequestClock(time.monotonic(), sub.deadline_ms, resolved.label)
         det = deterministic(self.config.engine.deterministic, sub.params.deterministic is True,
                             resolved.granted)
@@ -288,7 +350,7 @@ class StreamerService(Component):
         reason = event.finish_reason if isinstance(event, Finished) else event.reason
         spans.end_request(req, terminal, reason, getattr(event, "usage", None))
         self.counts[terminal] += 1
-        self.slo.ended(req.clock, event, time.monotonic())
+        self._outcome(req, event, time.monotonic())
         await self._deliver(rid, req, event, terminal=True)
         await self.to_tokenizer.send(CancelRequest(rid, reason))
 
@@ -399,6 +461,8 @@ class StreamerService(Component):
                 event = msgspec.structs.replace(event, pinned=self._pinned())
             self.slo.accepted(req.clock, event)
             self.registry.accepted(rid, req, event)
+            self.live_config.decided(time.monotonic(), req.clock.started, req.tenant,
+                                     event.service_class, True)
         if isinstance(event, TextDelta):
             self.registry.streamed(req, event, time.monotonic())
             spans.start_stream(req)
@@ -406,7 +470,7 @@ class StreamerService(Component):
             self.ends.ended(time.monotonic())
             kind = type(event).__name__.lower()
             self.counts[kind] += 1
-            self.slo.ended(req.clock, event, time.monotonic())
+            self._outcome(req, event, time.monotonic())
             spans.end_request(req, kind, getattr(event, "finish_reason", None)
                       or getattr(event, "reason", ""), getattr(event, "usage", None))
         await self._deliver(rid, req, event, terminal, out)
@@ -457,4 +521,4 @@ class StreamerService(Component):
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 "requests.late_events": self.registry.late_events,
                 "requests.orphans_cancelled": self.registry.orphans_cancelled,
-                **self.slo.stats()}
+                **self.slo.stats(), **self.live_config.stats()}

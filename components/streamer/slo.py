@@ -91,6 +91,7 @@ class RequestClock:
     deadline_ms: int | None = None      # the request's own TTFT deadline
     service_class: str = ""             # admission's grant (``Accepted``), else its guess
     degraded: bool = False
+    admitted: bool = False              # admission accepted it (``Accepted``)
     first_token: float | None = None
     last_token: float | None = None     # choice 0's latest delta
     itl: Histogram | None = None        # its class's, once ``Accepted`` names the class
@@ -125,21 +126,23 @@ class SloStats:
 
     def accepted(self, clock: RequestClock, event: Accepted) -> None:
         name = clock.service_class = event.service_class
-        clock.degraded = event.degraded
+        clock.degraded, clock.admitted = event.degraded, True
         clock.itl = self._histogram("itl", name)
         self._histogram("admission_queue", name).observe(event.queued_s * 1e3)
 
     def ended(self, clock: RequestClock, event: Finished | Rejected | Failed | Cancelled,
-              now: float) -> None:
-        """Count a request's end: its latencies if it finished, and good or missed."""
+              now: float) -> str | None:
+        """Count a request's end: its latencies if it finished, and good or missed.
+        Returns "good", the reason it missed (``MISSED``), or None (counted on neither
+        side)."""
         name = clock.service_class
         match event:
             case Finished():
                 return self._finished(clock, now, event)
             case Rejected(reason=why) if why in NOT_SERVABLE:
-                return
+                return None
             case Failed(reason=why) if why.startswith(STRUCTURED_OUTPUT_ERROR):
-                return                                  # its own language: a retry fails too
+                return None                             # its own language: a retry fails too
             case Rejected(reason="deadline_expired"):
                 missed = "expired"
             case Rejected():
@@ -149,8 +152,9 @@ class SloStats:
             case _:
                 missed = "cancelled"
         self.outcomes[f"goodput.missed.{missed}.{name}"] += 1
+        return missed
 
-    def _finished(self, clock: RequestClock, now: float, event: Finished) -> None:
+    def _finished(self, clock: RequestClock, now: float, event: Finished) -> str:
         name = clock.service_class
         cls = self.classes.get(name)
         self._observe("e2e", name, (now - clock.started) * 1e3)
@@ -178,9 +182,10 @@ class SloStats:
                 "both" if ttft_late and tpot_late else "ttft" if ttft_late else "tpot"
             self.outcomes[f"goodput.missed.{missed}.{name}"] += 1
             self.outcomes[f"goodput.missed_tokens.{name}"] += event.usage.completion_tokens
-        else:
-            self.outcomes[f"goodput.requests.{name}"] += 1
-            self.outcomes[f"goodput.tokens.{name}"] += event.usage.completion_tokens
+            return missed
+        self.outcomes[f"goodput.requests.{name}"] += 1
+        self.outcomes[f"goodput.tokens.{name}"] += event.usage.completion_tokens
+        return "good"
 
     def _histogram(self, kind: str, name: str) -> Histogram:
         hist = self.histograms.get((kind, name))

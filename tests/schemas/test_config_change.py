@@ -215,3 +215,96 @@ def test_resumed_with_the_same_file_the_version_in_force_stays() -> None:
     assert (again.config.router.weights.tenant, again.config.router.kv_high) == (0.7, 0.9)
     fresh = ConfigHistory.resumed(ROUTER_BOOT, [], [], "", 9.0, ROUTER)
     assert [v.version for v in fresh.versions] == [0] and fresh.config == ROUTER_BOOT
+
+
+# ---------------------------------------------------------------- trials (shadow, canary)
+def _trial_history() -> ConfigHistory:
+    boot = load_config(None, topology={"run_dir": "/x"},
+                       admission={"tenants": [{"name": "default"}, {"name": "a"},
+                                              {"name": "b"}]})
+    return ConfigHistory(boot, 100.0)
+
+
+def test_a_canary_is_a_trial_beside_the_settled_config():
+    h = _trial_history()
+    v1 = h.apply('[admission]\nkv_safety = 0.3\n', "ops", 101.0)
+    v2 = h.apply('[admission]\npolicy = "fcfs"\n[rollout]\nmode = "canary"\nshare = 0.5\n',
+                 "ops", 102.0)
+    assert (v2.version, v2.rollout, v2.changed) == (
+        2, "canary", ("admission.policy", "rollout.mode", "rollout.share"))
+    assert (h.settled, h.trial) == (1, 2)
+    assert h.config.admission.policy == "deadline" and h.config.admission.kv_safety == 0.3
+    assert h.sections[2].admission.kv_safety == 0.3      # laid over the settled config
+    p = h.promote("watchdog", 103.0, "held")
+    assert (p.version, p.promotion_of, p.rollout, p.reason, p.applied_by) == (
+        3, 2, "off", "held", "watchdog")
+    assert p.changed == ("rollout.mode",)                 # against the trial
+    assert (h.settled, h.trial) == (3, None)
+    assert h.config.admission.policy == "fcfs" and h.config.rollout.share == 0.5
+    assert h.config.rollout.mode == "off"
+    assert v1.rollout == "off"
+
+
+def test_a_rollback_during_a_trial_restores_the_settled_config():
+    h = _trial_history()
+    h.apply('[admission]\npolicy = "fcfs"\n[rollout]\nmode = "shadow"\n', "ops", 101.0)
+    assert (h.settled, h.trial) == (0, 1)
+    v = h.rollback(None, "watchdog", 102.0, "misses")
+    assert (v.version, v.rollback_of, v.reason, v.changed) == (
+        2, 0, "misses", ("admission.policy", "rollout.mode"))
+    assert (h.settled, h.trial) == (2, None) and h.config.admission.policy == "deadline"
+    assert h.sections[2].digest() == h.sections[0].digest()
+    assert h.promote("watchdog", 103.0).reasons == ("no candidate is on trial",)
+    refused = h.rollback(1, "ops", 103.0)
+    assert refused.reasons == ("version 1 was a shadow trial, never in force: apply its "
+                               "file again to try it again",)
+
+
+def test_a_trial_may_not_add_tenants_or_classes():
+    h = _trial_history()
+    refused = h.apply('[admission]\ntenants = [{ name = "default" }, { name = "a" }, '
+                      '{ name = "b" }, { name = "c" }]\n[rollout]\nmode = "canary"\n',
+                      "ops", 101.0)
+    assert refused.reasons == (
+        'a canary trial adds the tenant c: what it admitted under it would outlive a '
+        'rollback (add it with rollout.mode = "off" first)',)
+    assert h.current.version == 0 and h.trial is None
+    ok = h.apply('[admission]\ntenants = [{ name = "default" }, { name = "a" }, '
+                 '{ name = "b" }, { name = "c" }]\n', "ops", 101.0)
+    assert ok.version == 1
+
+
+def test_an_engine_started_with_a_rollout_mode_is_settled():
+    h = ConfigHistory(load_config(None, topology={"run_dir": "/x"},
+                                  rollout={"mode": "canary"}), 0.0)
+    assert h.trial is None and h.config.rollout.mode == "off"
+
+
+# ------------------------------------------------------- a router's history and the trials
+def test_a_router_has_no_trials_and_refuses_the_rollout_section() -> None:
+    h = _router()
+    assert not h.sections[0].trial and not hasattr(h.sections[0], "rollout")
+    r = h.apply('[rollout]\nmode = "canary"\n', "op", 1.0)
+    assert isinstance(r, Refused) and r.reasons == (
+        "rollout.mode is an engine's: apply it to each replica with --endpoint naming it",)
+    v = h.apply('[router]\npolicy = "round_robin"\n', "op", 2.0)
+    assert isinstance(v, ConfigVersion) and v.rollout == "off"
+    assert (h.settled, h.trial) == (1, None)
+    assert h.promote("op", 3.0) == Refused(("no candidate is on trial",))
+    back = h.rollback(None, "op", 3.0)
+    assert isinstance(back, ConfigVersion) and back.rollback_of == 0
+    assert h.config.router.policy == "cache_aware"
+
+
+def test_a_router_history_saved_before_the_trial_fields_resumes() -> None:
+    h = _router()
+    h.apply('[router]\nkv_high = 0.9\n', "op", 1.0)
+    old = [msgspec.json.encode({k: v for k, v in msgspec.to_builtins(x).items()
+                                if k not in ("rollout", "promotion_of", "reason")})
+           for x in h.versions]
+    versions = [msgspec.json.decode(raw, type=ConfigVersion) for raw in old]
+    assert [(v.rollout, v.promotion_of, v.reason) for v in versions] == [("off", None, "")] * 2
+    again = ConfigHistory.resumed(ROUTER_BOOT, versions, h.sections,
+                                  RouterSections.of(ROUTER_BOOT).digest(), 9.0, ROUTER)
+    assert (again.settled, again.trial) == (1, None)
+    assert again.config.router.kv_high == 0.9 and again.versions == h.versions
