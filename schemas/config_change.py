@@ -8,8 +8,9 @@ replaces the running value, a field it leaves out keeps it (an array of tables, 
 is (``WeirConfig``: a ``ConfigError`` names the bad field).
 
 What may change live depends on the process (a ``Scope``). On an engine (``ENGINE``) it
-is the policy: all of ``[admission]``, the scheduler's order and preemption rules, and the
-speculation limits. On a router (``ROUTER``) it is the routing policy and weights, the
+is the policy: all of ``[admission]``, the scheduler's order and preemption rules, the
+speculation limits, and ``[rollout]`` (the bars a candidate is judged by: a candidate file
+carries its own). On a router (``ROUTER``) it is the routing policy and weights, the
 fleet's tenant budgets and fleet-queue weights (``router.tenants``), the fleet queue's
 bounds and the overload and reroute thresholds, and ``[admission]`` (the router reads only
 the classes' deadlines and the tenants' classes from it, to rank replicas against a
@@ -40,6 +41,7 @@ import msgspec
 from schemas.config import (
     AdmissionConfig,
     ConfigError,
+    RolloutConfig,
     RouterConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -75,6 +77,7 @@ class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig
+    rollout: RolloutConfig = RolloutConfig()   # the bars a candidate is judged by
 
 
 class RouterSections(Sections, frozen=True, forbid_unknown_fields=True):
@@ -127,7 +130,8 @@ ENGINE = Scope(
     "engine",
     {"admission": True,
      "scheduler": frozenset({"fairness", "chunking", "urgency_preemption"}),
-     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"})},
+     "speculative": frozenset({"max_k", "control", "acceptance_prior", "class_priors"}),
+     "rollout": True},
     {"engine": "the model, dtype and device are loaded at start",
      "kv": "the KV pool is sized and allocated at start",
      "topology": _SOCKETS,
