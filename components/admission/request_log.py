@@ -3,7 +3,7 @@ per request admission saw, written when the request leaves it, as a Weir JSONL t
 (docs/replay.md, "Weir JSONL"): lengths and ids only, never text.
 
 A line keeps the request's tenant, the class it asked for (the policy under test resolves
-it again), its arrival (the streamer's wall clock, unix seconds), its prompt length, its
+it again), its arrival (the streamer's wall clock, unix milliseconds), its prompt length, its
 prefix blocks, its output length, its own TTFT deadline, ``n``, and, for one the client
 cancelled, how long after arrival. Prefix blocks are the tokenizer's block hashes (chained,
 scoped per tenant, a public prefix in its own scope) renumbered 0, 1, 2, ... in the order
@@ -136,7 +136,8 @@ class RequestLog:
             output = -(-output_tokens // row.n)
         else:
             output = row.max_tokens if row.max_tokens is not None else row.expected_output
-        line: dict = {"arrival_s": row.arrival_ns / 1e9, "input_tokens": row.input_tokens}
+        line: dict = {"arrival_ms": round(row.arrival_ns / 1e6),
+                      "input_tokens": row.input_tokens}
         if row.hash_ids:
             line["hash_ids"] = row.hash_ids
         if output is not None:

@@ -38,6 +38,7 @@ class AdmissionService(Component):
     name = "admission"
     config_version = 0                # the live config's version (PolicyChange); 0: the TOML
     config_sha256 = ""
+    request_log: RequestLog | None = None    # the recorded request log (request_log.py)
 
     async def setup(self) -> None:
         self.policy = AdmissionPolicy(self.config)
