@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -78,7 +79,7 @@ class RequestLog:
     """Rows of the requests admission holds, each written when the request leaves."""
 
     def __init__(self, path: Path, block_size: int, *, max_bytes: int, remember: int,
-                 clock=time.time_ns) -> None:
+                 clock: Callable[[], int] = time.time_ns) -> None:
         self.path, self.block_size, self.max_bytes = Path(path), block_size, max_bytes
         self.blocks = BlockIds(remember)
         self.clock = clock
@@ -136,7 +137,7 @@ class RequestLog:
             output = -(-output_tokens // row.n)
         else:
             output = row.max_tokens if row.max_tokens is not None else row.expected_output
-        line: dict = {"arrival_ms": round(row.arrival_ns / 1e6),
+        line: dict[str, object] = {"arrival_ms": round(row.arrival_ns / 1e6),
                       "input_tokens": row.input_tokens}
         if row.hash_ids:
             line["hash_ids"] = row.hash_ids

@@ -116,7 +116,8 @@ def test_measure_counts_each_request_in_the_current_class_with_its_slo() -> None
 
 
 # ------------------------------------------------------------------ the command, end to end
-CURRENT = '[engine]\nmax_model_len = 8192\n[admission]\ntenants = [{ name = "a" }, { name = "b" }]\n'
+CURRENT = ('[engine]\nmax_model_len = 8192\n'
+           '[admission]\ntenants = [{ name = "a" }, { name = "b" }]\n')
 ARGS = ["--trace", str(DATA), "--limit", "120", "--length-scale", "0.0625",
         "--time-scale", "2", "--class-mix", "interactive=0.7,batch=0.3",
         "--tenant-mix", "a=0.5,b=0.5", "--profile", str(REFERENCE), "--json"]
