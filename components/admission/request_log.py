@@ -133,12 +133,13 @@ class RequestLog:
         row = self.rows.pop(request_id, None)
         if row is None:
             return
+        output: int | None
         if output_tokens is not None:
             output = -(-output_tokens // row.n)
         else:
             output = row.max_tokens if row.max_tokens is not None else row.expected_output
         line: dict[str, object] = {"arrival_ms": round(row.arrival_ns / 1e6),
-                      "input_tokens": row.input_tokens}
+                                   "input_tokens": row.input_tokens}
         if row.hash_ids:
             line["hash_ids"] = row.hash_ids
         if output is not None:
