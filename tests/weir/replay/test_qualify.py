@@ -135,7 +135,7 @@ def test_a_candidate_that_admits_everything_fails(tmp_path, model_path, capsys) 
     rc, out = _qualify(tmp_path, '[admission]\npolicy = "fcfs"\n', capsys)
     assert rc == 1 and out["verdict"] == "FAIL" and out["requests"] == 120
     failed = {c["name"] for c in out["checks"] if not c["passed"]}
-    assert {"goodput", "miss rate [interactive]"} <= failed
+    assert "goodput" in failed
     assert out["candidate"]["goodput"] < out["current"]["goodput"] - 0.02
 
 
