@@ -492,9 +492,17 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jsonl_path: str = ""
     sample_ratio: float = 1.0
     record_content: bool = False
+    # the recorded request log (components/admission/request_log.py): one line of lengths
+    # and ids per request admission saw, what `weir qualify` replays a candidate on. A
+    # path relative to topology.run_dir (none there: off), or absolute; "" turns it off.
+    # Past request_log_max_mib the file is renamed NAME.1 and a new one begun. On by
+    # default: one small write per request (docs/perf-log.md has its cost)
+    request_log: str = "requests.jsonl"
+    request_log_max_mib: float = 64.0
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.sample_ratio <= 1.0, "telemetry.sample_ratio must be in [0, 1]")
+        _require(self.request_log_max_mib > 0, "telemetry.request_log_max_mib must be > 0")
         _require(self.exporter != "jsonl" or bool(self.jsonl_path),
                  "telemetry.jsonl_path is required for the jsonl exporter")
 
@@ -724,8 +732,27 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a candidate config is rolled out (docs/operations.md). A live section: it
-    travels with the candidate that ``weir config apply`` lays over the running config.
+    """How a candidate config is judged before and while it replaces the running one. A
+    candidate carries its own ``[rollout]``: the bars it must clear.
+
+    Qualification (``weir qualify``, weir/replay/qualify.py): the candidate and the config
+    it would replace run through the simulator on recorded traffic, each request judged in
+    the class the current config gives it; every limit is checked, ``None`` turns one off:
+
+    - ``max_goodput_drop``: goodput (share of arrived requests within their SLO) may fall
+      at most this far below the current's (absolute, 0.02 = two points);
+    - ``max_class_miss_increase``: in each class, the share of requests that missed their
+      SLO (rejected ones included) may rise at most this far above the current's;
+    - ``max_class_miss_rate``: class -> the most of that class that may miss ("*": any
+      class not named);
+    - ``max_starvation_increase_s``: in each class, the longest wait (arrival to first
+      scheduled, or to its end for one never scheduled) may grow at most this much;
+      ``max_starvation_s``: the longest wait in any class, at most this;
+    - ``max_fairness_gap_increase``: the largest service gap between backlogged tenants
+      (VTC's measure, weighted tokens) may grow at most this fraction over the current's;
+      ``max_fairness_gap``: at most this many weighted tokens;
+    - ``max_cost_increase``: busy time (seconds with a step in flight) may grow at most
+      this fraction over the current's.
 
     Shadow and canary (``components/admission/rollout.py``, the streamer's
     ``watchdog.py``): ``mode`` "off" applies the candidate at once; "shadow" keeps the
@@ -742,6 +769,17 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler and speculative sections take effect at its promotion (the scheduler runs
     one batch: it has no per-tenant policy to canary)."""
 
+    # -- qualification on recorded traffic (weir qualify)
+    max_goodput_drop: float | None = 0.02
+    max_class_miss_increase: float | None = 0.05
+    max_class_miss_rate: dict[str, float] = {}
+    max_starvation_increase_s: float | None = 2.0
+    max_starvation_s: float | None = None
+    max_fairness_gap_increase: float | None = 0.5
+    max_fairness_gap: float | None = None
+    max_cost_increase: float | None = 0.10
+
+    # -- shadow decisions and canaries (the engine's admission and the watchdog)
     mode: Literal["off", "shadow", "canary"] = "off"
     share: float = 0.1
     window_s: float = 30.0
@@ -762,6 +800,17 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      self.max_wait_increase_s, self.max_flip_rate_increase) >= 0
                  and self.max_cost_ratio >= 1,
                  "rollout.max_* increases must be >= 0 and max_cost_ratio >= 1")
+        limits = {"max_goodput_drop": self.max_goodput_drop,
+                  "max_class_miss_increase": self.max_class_miss_increase,
+                  "max_starvation_increase_s": self.max_starvation_increase_s,
+                  "max_starvation_s": self.max_starvation_s,
+                  "max_fairness_gap_increase": self.max_fairness_gap_increase,
+                  "max_fairness_gap": self.max_fairness_gap,
+                  "max_cost_increase": self.max_cost_increase}
+        for name, value in limits.items():
+            _require(value is None or value >= 0, f"rollout.{name} must be >= 0")
+        _require(all(0.0 <= v <= 1.0 for v in self.max_class_miss_rate.values()),
+                 "rollout.max_class_miss_rate values must be in [0, 1]")
 
 
 class WeirConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

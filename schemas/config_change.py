@@ -8,8 +8,9 @@ replaces the running value, a field it leaves out keeps it (an array of tables, 
 is (``WeirConfig``: a ``ConfigError`` names the bad field).
 
 What may change live depends on the process (a ``Scope``). On an engine (``ENGINE``) it
-is the policy: all of ``[admission]``, the scheduler's order and preemption rules, and the
-speculation limits. On a router (``ROUTER``) it is the routing policy and weights, the
+is the policy: all of ``[admission]``, the scheduler's order and preemption rules, the
+speculation limits, and ``[rollout]`` (the bars a candidate is judged by: a candidate file
+carries its own). On a router (``ROUTER``) it is the routing policy and weights, the
 fleet's tenant budgets and fleet-queue weights (``router.tenants``), the fleet queue's
 bounds and the overload and reroute thresholds, and ``[admission]`` (the router reads only
 the classes' deadlines and the tenants' classes from it, to rank replicas against a
@@ -94,7 +95,7 @@ class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
     admission: AdmissionConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig
-    rollout: RolloutConfig = RolloutConfig()
+    rollout: RolloutConfig = RolloutConfig()   # the bars a candidate is judged by
 
 
 class RouterSections(Sections, frozen=True, forbid_unknown_fields=True):

@@ -3,7 +3,9 @@ admission policy (``policy.AdmissionPolicy``, shared with ``weir simulate``), tr
 decision, and passes the request on or rejects it early with a reason and a retry-after."""
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import anyio
 import structlog
@@ -13,6 +15,7 @@ from bus import tracing
 from bus.component import Component
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
+from components.admission.request_log import RequestLog
 from components.admission.rollout import Rollout
 from schemas.wire import (
     Accepted,
@@ -36,6 +39,7 @@ class AdmissionService(Component):
     name = "admission"
     config_version = 0                # the live config's version (PolicyChange); 0: the TOML
     config_sha256 = ""
+    request_log: RequestLog | None = None    # the recorded request log (request_log.py)
 
     async def setup(self) -> None:
         self.policy = AdmissionPolicy(self.config)
@@ -48,6 +52,17 @@ class AdmissionService(Component):
         self.to_scheduler = self.push_to("scheduler")
         self.to_streamer = self.push_to("streamer")
         self.to_kv = self.push_to("kv_manager")
+        self.request_log = self._request_log()
+
+    def _request_log(self) -> RequestLog | None:
+        """The recorded request log (``request_log.py``; ``telemetry.request_log``)."""
+        t, kv = self.config.telemetry, self.config.kv
+        name, run_dir = t.request_log, self.config.topology.run_dir
+        if not name or not (os.path.isabs(name) or run_dir):
+            return None
+        return RequestLog(Path(run_dir) / name, kv.block_size,
+                          max_bytes=round(t.request_log_max_mib * 2**20),
+                          remember=max(65536, kv.num_blocks + kv.num_cpu_blocks))
 
     def _decision_attributes(self, req: Tokenized, d: Decision, cached: int | None) -> dict:
         policy, ledger, est = self.policy, self.policy.ledger, d.estimate
@@ -152,6 +167,10 @@ class AdmissionService(Component):
         trial = self.policy.trial
         shadow = trial.shadow(req, known, now) if trial and trial.mode == "shadow" else None
         d = self.policy.decide(req, known, now)
+        if self.request_log is not None:
+            self.request_log.expected(req.request_id, d.estimate.expected_output)
+            if d.kind == Kind.REJECT:
+                self.request_log.end(req.request_id)
         attributes = self._decision_attributes(req, d, cached)
         if trial is not None:
             attributes.update(self._trial_attributes(trial, req, d, shadow))
@@ -188,6 +207,8 @@ class AdmissionService(Component):
         expired = self.policy.expire(now)
         for rej in expired:
             self.traceparents.pop(rej.request_id, None)
+            if self.request_log is not None:
+                self.request_log.end(rej.request_id)
         if expired:
             await self.to_streamer.send(EventBatch(expired))
         for req, d, waited in self.policy.release(now):
@@ -240,6 +261,8 @@ class AdmissionService(Component):
                                             or req.request_id in self.traceparents):
                     pass             # the streamer replayed it after a restart: already here
                 case Tokenized() as req:
+                    if self.request_log is not None:
+                        self.request_log.arrived(req)
                     bs = self.config.kv.block_size
                     best = min(len(req.block_hashes) * bs, len(req.prompt_token_ids) - 1)
                     if not (self.config.kv.enable_prefix_cache and req.block_hashes):
@@ -259,10 +282,14 @@ class AdmissionService(Component):
                     if (pending := self.pending.pop(rid, None)) is not None:
                         await self._admit(pending[0], pending[1], cached)
                 case CancelRequest() as cancel:
+                    if self.request_log is not None:
+                        self.request_log.cancelled(cancel.request_id)
                     if self.pending.pop(cancel.request_id, None) is not None:
+                        self._logged_end(cancel.request_id)
                         continue                      # never admitted; the streamer answered
                     if self.policy.cancel(cancel.request_id):
                         self.traceparents.pop(cancel.request_id, None)
+                        self._logged_end(cancel.request_id)
                         continue                      # queued here: gone, the engine never saw it
                     if cancel.request_id in self.policy.ledger:
                         await self.to_scheduler.send(cancel)
@@ -280,6 +307,8 @@ class AdmissionService(Component):
                     self.policy.holding(held)
                 case Released(request_ids=ids, output_tokens=outputs, ttft_s=ttft):
                     self.policy.released(ids, time.monotonic(), outputs, ttft)
+                    for rid in ids:
+                        self._logged_end(rid, outputs.get(rid))
                     if self.policy.queued:
                         await self._drain_queue()
 
@@ -305,8 +334,14 @@ class AdmissionService(Component):
                          share=rollout.share if rollout.mode == "canary" else None,
                          policy=trial.sections.admission.policy)
 
+    def _logged_end(self, request_id: str, output_tokens: int | None = None) -> None:
+        if self.request_log is not None:
+            self.request_log.end(request_id, output_tokens)
+
     async def peer_restarted(self, name: str) -> None:
         if name == "scheduler":                        # it dropped everything it held
+            for rid in list(self.policy.ledger.entries):
+                self._logged_end(rid)
             self.policy.forget_all()
 
     def info(self) -> dict[str, str]:
@@ -315,4 +350,7 @@ class AdmissionService(Component):
                 "config_sha256": self.config_sha256}
 
     def stats(self) -> dict[str, float]:
-        return {**self.policy.stats(time.monotonic()), "config_version": self.config_version}
+        log_ = self.request_log
+        return {**self.policy.stats(time.monotonic()), "config_version": self.config_version,
+                **({"request_log.written": log_.written, "request_log.errors": log_.errors}
+                   if log_ is not None else {})}

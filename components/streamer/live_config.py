@@ -9,34 +9,91 @@ request's decision and end, labelled canary or baseline by its tenant
 verdict into a new version by the actor ``watchdog``: the candidate promoted, or the
 settled config restored. Requests that arrived before the trial began are not counted.
 
-The history is in the streamer's memory: it lives as long as the engine (a restarted
-streamer starts again at version 0, the TOML the engine was started with, and sends that
-to nobody: admission and the scheduler keep the version they run until a new one comes;
-a trial running then runs on unwatched until an operator applies or rolls back).
-A restarted admission or scheduler starts from the TOML: the streamer sends it the
-version in force again (``resend``).
+The history is written to ``config_history.json`` in the engine's run directory (which
+the supervisor keeps across a restart of the streamer) each time a version is made,
+before admission and the scheduler are sent it. A restarted streamer reads it back
+(``ConfigHistory.resumed``: the engine's TOML is the same, so the version in force goes
+on) and sends that version again, so one its predecessor recorded but died before sending
+reaches them. A file that cannot be read is set aside (``.unreadable``) and the history
+starts again at version 0; a write that fails keeps the version in memory. A new engine
+(a new run directory) starts from its TOML. A trial running when the streamer
+restarted counts as over (the settled version is in force; its watch is not kept). A
+restarted admission or scheduler starts from the TOML: the streamer sends it the version
+in force again (``resend``).
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
+
+import msgspec
+import structlog
 
 from bus.identity import Identity, Refusal, acting_operator
 from components.streamer.watchdog import Decided, Ended, Verdict, Watchdog
 from components.tenancy.canary import in_canary
 from schemas.client import ConfigAnswer, ConfigCommand
 from schemas.config import AdmissionConfig, WeirConfig
-from schemas.config_change import ConfigHistory, ConfigVersion, PolicySections
+from schemas.config_change import ENGINE, ConfigHistory, ConfigVersion, PolicySections
 from schemas.wire import PolicyChange, PolicyTrial
 
 WATCHDOG = "watchdog"
+log = structlog.get_logger("streamer")
+HISTORY_FILE = "config_history.json"
+
+
+class SavedHistory(msgspec.Struct, frozen=True):
+    """The history on disk: the digest of the config the engine started with, every
+    version and the sections it put in force."""
+
+    boot: str
+    versions: tuple[ConfigVersion, ...]
+    sections: tuple[PolicySections, ...]
+
+
 
 
 class LiveConfig:
-    def __init__(self, boot: WeirConfig, now: float) -> None:
+    """``path``: where the history is kept (None: in memory only)."""
+
+    def __init__(self, boot: WeirConfig, now: float, path: Path | None = None) -> None:
+        self.path = path
+        self.restored = False              # the history was read back from ``path``
         self.history = ConfigHistory(boot, now)
         self.watchdog: Watchdog | None = None
         self.counts: Counter[str] = Counter({"applied": 0, "shadowing": 0, "canaries": 0,
                                              "promoted": 0, "rolled_back": 0})
+        if path is None or not path.exists():
+            return
+        try:
+            saved = msgspec.json.decode(path.read_bytes(), type=SavedHistory)
+        except (OSError, msgspec.DecodeError, ValueError) as exc:
+            log.warning("config_history_unreadable", path=str(path), error=str(exc)[:200])
+            try:
+                path.replace(path.with_name(path.name + ".unreadable"))
+            except OSError:
+                pass
+            return
+        self.history = ConfigHistory.resumed(boot, list(saved.versions), list(saved.sections),
+                                             saved.boot, now, ENGINE)
+        self.restored = len(saved.versions) > 0
+        log.info("config_history_resumed", version=self.history.current.version)
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        h = self.history
+        saved = SavedHistory(ENGINE.sections.of(h.boot).digest(), tuple(h.versions),
+                             tuple(h.sections))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.encode(saved))
+            os.replace(tmp, self.path)
+        except OSError as exc:       # applied all the same; a restart would not know it
+            log.warning("config_history_not_saved", path=str(self.path), error=str(exc))
 
     def change(self) -> PolicyChange:
         """The version in force (and the trial beside it), as admission and the scheduler
@@ -68,6 +125,7 @@ class LiveConfig:
         return ConfigAnswer(cmd.query_id, None, made), self.change()
 
     def _made(self, v: ConfigVersion, mono: float) -> None:
+        self._save()
         self.counts["applied"] += 1
         self.counts[{"off": "settled", "shadow": "shadowing", "canary": "canaries"}[
             v.rollout]] += 1
@@ -119,6 +177,7 @@ class LiveConfig:
         self.watchdog = None
         if not isinstance(made, ConfigVersion):        # the settled config always applies
             raise RuntimeError(made.message)
+        self._save()
         self.counts["applied"] += 1
         self.counts["promoted" if verdict.action == "promote" else "rolled_back"] += 1
         return verdict, made, self.change()

@@ -19,6 +19,7 @@ its deadline (``drain_timeout``).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -33,7 +34,7 @@ from bus.endpoint import ClientEndpoint
 from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer import spans
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
-from components.streamer.live_config import LiveConfig
+from components.streamer.live_config import HISTORY_FILE, LiveConfig
 from components.streamer.pinned import engine_version, pinned
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
@@ -114,11 +115,17 @@ class StreamerService(Component):
         self.to_tokenizer = self.push_to("tokenizer")
         self.to_admission = self.push_to("admission")      # config versions (live_config.py)
         self.to_scheduler = self.push_to("scheduler")
-        self.live_config = LiveConfig(self.config, time.time())
+        run_dir = self.config.topology.run_dir
+        self.live_config = LiveConfig(self.config, time.time(),
+                                      Path(run_dir) / HISTORY_FILE if run_dir else None)
         self.pin: Pinned | None = None             # what deterministic requests are pinned to
         self.version = engine_version()
 
     async def run(self) -> None:
+        if self.live_config.restored and self.live_config.history.current.version:
+            change = self.live_config.change()      # in case the last one was never sent
+            await self.to_admission.send(change)
+            await self.to_scheduler.send(change)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.endpoint.serve)
             tg.start_soon(self._engine_loop)

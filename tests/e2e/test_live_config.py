@@ -1,20 +1,22 @@
 """Live config changes on a running engine (``weir config``): a change every second under
 load loses no request and gives none two terminals, and the ledgers are exact after the
 drain; restart-only fields and tenant keys are refused; history and rollback over the
-CLI."""
+CLI; the history across a streamer restart, and the request log of the load."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import anyio
 import pytest
 
-from tests.e2e.engine import ROOT, Engine
+from tests.e2e.engine import ROOT, Engine, wait_for
 from weir.errors import RequestRejected, WeirError
+from weir.replay.traces import load_trace, request_log_block_size
 
 OPERATOR_KEY, TENANT_KEY = "sk-live-operator", "sk-live-tenant"
 CONFIG = """
@@ -149,3 +151,39 @@ def test_history_and_rollback_over_the_cli(eng, tmp_path):
     assert rows[0]["applied_by"] == "startup" and rows[-1]["sha256"] == rows[-3]["sha256"]
     eng.wait_stat("admission", "config_version", applied + 1, timeout=5.0)
     assert _cli(eng, "history", key=TENANT_KEY).returncode == 1
+
+
+def test_history_survives_a_streamer_restart_and_the_request_log_records_the_load(eng):
+    """Last in the module: it kills the streamer. The history comes back from the run
+    directory; the load above is in admission's request log, lengths and ids only."""
+    with eng.client(api_key=OPERATOR_KEY) as ops:
+        before = ops.config("history")
+    assert before.current.version >= len(CHANGES)
+    pid = eng.status()["streamer"].pid
+    os.kill(pid, signal.SIGKILL)
+
+    def back():
+        try:
+            comps = eng.status()
+            if comps["streamer"].pid == pid or not all(
+                    c.alive and c.state == "ready" for c in comps.values()):
+                return None
+            with eng.client(api_key=OPERATOR_KEY, max_retries=0) as ops:
+                return ops.config("history")
+        except Exception:                              # not back yet: polled until it is
+            return None
+
+    after = wait_for(back, 120, "the restarted streamer's history")
+    assert after.history == before.history and after.current == before.current
+    eng.wait_stat("admission", "config_version", before.current.version, timeout=5.0)
+    with eng.client(api_key=OPERATOR_KEY) as ops:     # and it goes on from there
+        made = ops.config("apply", '[admission]\nkv_safety = 0.15\n', actor="after")
+    assert made.current.version == before.current.version + 1
+
+    log_path = eng.run_dir / "requests.jsonl"
+    assert request_log_block_size(log_path) == 16
+    rows = load_trace(log_path)
+    live = [r for r in rows if r.tenant in ("a", "b")]
+    assert len(live) >= 48                             # the churn's load, each once
+    assert all(r.prompt is None and r.input_tokens and r.output_tokens for r in live)
+    assert b"Count to ten" not in log_path.read_bytes()

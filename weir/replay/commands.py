@@ -14,8 +14,10 @@ from weir.replay.types import RunResult, Scaling, Slo, TraceRequest
 DEFAULT_SLO = Slo(2000.0, 200.0)
 
 
-def add_trace_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a trace file: Mooncake/Weir/OTel JSONL, Azure or BurstGPT CSV")
+def add_trace_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("trace",
+                       help="a trace file: Mooncake/Weir/OTel JSONL, Azure or BurstGPT CSV")
     p.add_argument("--format", default="auto",
                    help="auto (default), mooncake, azure, burstgpt, weir or otel")
     p.add_argument("--length-scale", type=float, default=1.0,
@@ -23,7 +25,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (> 1 stretches, lowering the rate)")
     p.add_argument("--block-size", type=int, default=512,
-                   help="the trace's prefix block in tokens, before scaling (Mooncake: 512)")
+                   help="the trace's prefix block in tokens, before scaling (Mooncake: 512; "
+                        "a request log names its own)")
     p.add_argument("--seed", type=int, default=0,
                    help="prompt synthesis seed (and the simulator's draws of accepted drafts)")
     p.add_argument("--start", type=int, default=0, help="skip this many requests first")
@@ -180,6 +183,33 @@ def with_speculative(cfg, text: str | None):
     return msgspec.structs.replace(cfg, speculative=spec)
 
 
+def pick_profile(given: str | None, command: str) -> tuple[Path, bool] | None:
+    """The cost profile to simulate with: ``given``, else this machine's, else the shipped
+    reference profile (said on stderr), and whether it is the reference; None (said) when
+    ``given`` does not exist."""
+    from weir.replay import profile as profiles
+
+    prof_path = Path(given) if given else profiles.default_path()
+    if prof_path.exists():
+        return prof_path, False
+    if given:
+        print(f"weir {command}: no cost profile at {prof_path}", file=sys.stderr)
+        return None
+    # a new machine: the shipped profile, until `weir calibrate` measures this one
+    print(f"weir {command}: no local cost profile at {prof_path}; using the shipped "
+          f"reference profile ({profiles.reference_path().name}): its step times are another "
+          f"machine's, so run `weir calibrate` to measure this one", file=sys.stderr)
+    return profiles.reference_path(), True
+
+
+def class_slos(cfg) -> dict[str, Slo]:
+    """The SLOs a config's service classes set."""
+    return {cls.name: Slo(cls.ttft_slo_ms if cls.ttft_slo_ms is not None else math.inf,
+                          cls.tpot_slo_ms if cls.tpot_slo_ms is not None else math.inf)
+            for cls in cfg.admission.classes
+            if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None}
+
+
 def simulate_cmd(args) -> int:
     import msgspec
 
@@ -190,17 +220,10 @@ def simulate_cmd(args) -> int:
     from weir.replay.synth import PromptSynth, load_tokenizer
 
     requests, scaling = load_scaled(args)
-    prof_path = Path(args.profile) if args.profile else profiles.default_path()
-    reference = False
-    if not prof_path.exists():
-        if args.profile:
-            print(f"weir simulate: no cost profile at {prof_path}", file=sys.stderr)
-            return 2
-        # a new machine: the shipped profile, until `weir calibrate` measures this one
-        reference, local, prof_path = True, prof_path, profiles.reference_path()
-        print(f"weir simulate: no local cost profile at {local}; using the shipped "
-              f"reference profile ({prof_path.name}): its step times are another "
-              f"machine's, so run `weir calibrate` to measure this one", file=sys.stderr)
+    picked = pick_profile(args.profile, "simulate")
+    if picked is None:
+        return 2
+    prof_path, reference = picked
     prof = profiles.load(prof_path)
     synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
     if args.autoscale:
@@ -214,11 +237,8 @@ def simulate_cmd(args) -> int:
     for path, text in ((p, t) for p in args.config or [None] for t in specs):
         cfg = with_speculative(sized(load_config(path, topology={"run_dir": "/nonexistent"})),
                                text)
-        for cls in cfg.admission.classes:      # SLOs from the configs' service classes
-            if cls.ttft_slo_ms is not None or cls.tpot_slo_ms is not None:
-                args.config_slos.setdefault(cls.name, Slo(
-                    cls.ttft_slo_ms if cls.ttft_slo_ms is not None else math.inf,
-                    cls.tpot_slo_ms if cls.tpot_slo_ms is not None else math.inf))
+        for name, slo in class_slos(cfg).items():   # SLOs from the configs' service classes
+            args.config_slos.setdefault(name, slo)
         label = (path or "defaults") + (f" spec={text}" if text is not None else "")
         # compared with and without speculation, every run's scheduler starts from the
         # profile's step costs (k is chosen from them)
@@ -312,6 +332,66 @@ def _fleet(args, requests, scaling, prof, prof_path, reference, synth) -> int:
         (out / f"fleet-{i}-{_slug(res.rule.label)}.tsv").write_text(render_timeline(res))
     print(f"wrote {out}/")
     return 0
+
+
+# ---------------------------------------------------------------------------- qualify
+def qualify_cmd(args) -> int:
+    """A candidate against the current config on one trace: exit 0 PASS, 1 FAIL."""
+    from components.model.kv_sizing import sized
+    from schemas.config import load_config
+    from schemas.config_change import candidate, check
+    from weir.replay import profile as profiles
+    from weir.replay.qualify import judge, measure, render
+    from weir.replay.sim import Simulator, fast_block_hashes
+    from weir.replay.synth import PromptSynth, load_tokenizer
+    from weir.replay.traces import request_log_block_size
+
+    current = sized(load_config(args.against, topology={"run_dir": "/nonexistent"}))
+    try:
+        text = Path(args.candidate).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the candidate {args.candidate}: {exc.strerror}") from None
+    cand = sized(candidate(current, text))         # a partial file lays over the current
+    refused = check(current, cand, current)
+    if args.block_size is None:                    # a request log names its own blocks
+        args.block_size = request_log_block_size(args.trace) or 512
+    requests, scaling = load_scaled(args)
+    picked = pick_profile(args.profile, "qualify")
+    if picked is None:
+        return 2
+    prof_path, reference = picked
+    prof = profiles.load(prof_path)
+    synth = PromptSynth.for_scaling(load_tokenizer(args.model), scaling)
+    runs = []
+    for label, cfg in ((args.against, current), (args.candidate, cand)):
+        sim = Simulator(cfg, prof, label=label, tokens=synth.token_ids,
+                        hashes=fast_block_hashes(cfg.kv.block_size), seed=args.seed)
+        runs.append(sim.run(requests, scaling))
+        print(f"weir qualify: {label}: {len(requests)} requests in "
+              f"{runs[-1].meta['sim_wall_s']:.2f} s", file=sys.stderr)
+    slos, default = _slos(args)
+    for cls in current.admission.classes:          # a class with no target: completing is met
+        slos.setdefault(cls.name, class_slos(current).get(cls.name, Slo(math.inf, math.inf)))
+    classes = {r.index: r.service_class for r in runs[0].records}
+    verdict = judge(measure(runs[0], classes, slos, default),
+                    measure(runs[1], classes, slos, default), cand.rollout, refused)
+    if args.out:
+        args.config_slos = {}
+        write_outputs(runs, args, _out_dir(args))
+    if args.json:
+        import msgspec
+
+        print(msgspec.json.encode({
+            "verdict": "PASS" if verdict.passed else "FAIL", **msgspec.to_builtins(verdict),
+            "trace": args.trace, "requests": len(requests),
+            "scaling": msgspec.to_builtins(scaling),
+            "profile": str(prof_path), "reference_profile": reference}).decode())
+    else:
+        print(f"trace: {args.trace}, {len(requests)} requests, lengths x{scaling.length:g}, "
+              f"time x{scaling.time:g}, block {scaling.block_size}; profile "
+              f"{'(the shipped reference) ' if reference else ''}{prof_path}")
+        print(render(verdict))
+    return 0 if verdict.passed else 1
 
 
 # ---------------------------------------------------------------------------- replay
@@ -427,6 +507,23 @@ def add_commands(sub) -> None:
                    help="the headroom rule reads the predicted queue scraped at each "
                         "evaluation (default: its mean over the interval's load reports)")
     s.set_defaults(func=_guard(simulate_cmd, "simulate"))
+
+    q = sub.add_parser("qualify", help="a candidate config against the current one on "
+                                       "recorded traffic, simulated: PASS or FAIL against "
+                                       "the candidate's [rollout] bars")
+    q.add_argument("candidate", help="the candidate TOML (may be partial: laid over "
+                                     "--against, as `weir config apply` lays it)")
+    q.add_argument("--against", required=True, help="the config running now (TOML)")
+    q.add_argument("--trace", required=True,
+                   help="the traffic: an engine's request log (run dir requests.jsonl), "
+                        "its span export, or a Mooncake/Azure/BurstGPT/Weir trace")
+    add_trace_args(q, positional=False)
+    q.set_defaults(block_size=None)
+    q.add_argument("--profile", default=None,
+                   help="a cost profile from `weir calibrate` (default: this machine's, else "
+                        "the shipped reference profile)")
+    q.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    q.set_defaults(func=_guard(qualify_cmd, "qualify"))
 
     c = sub.add_parser("calibrate", help="measure step costs on a local engine and write "
                                          "the cost profile `weir simulate` uses")

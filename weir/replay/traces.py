@@ -32,6 +32,7 @@ _EPOCH, _SECOND = datetime(1970, 1, 1), timedelta(seconds=1)
 _AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?", re.ASCII)
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+_REQUEST_LOG = re.compile(rb"# weir request log v1: block_size=(\d+)")
 _WEIR_STRINGS = {"tenant": "tenant", "api_key": "api_key", "class": "service_class",
                  "session_id": "session_id"}
 _WEIR_REQUIRED = ("arrival_s", "arrival_ms", "prompt", "input_tokens")   # one of each pair
@@ -378,6 +379,18 @@ def _decision(attrs: dict) -> dict:
         if key in attrs:
             fields[field] = _text(attrs[key], f"admission.decide span's {key}")
     return fields
+
+
+def request_log_block_size(path: str | os.PathLike) -> int | None:
+    """The block size a recorded request log (components/admission/request_log.py) names
+    on its first line, its prefix blocks' size in tokens; None for any other file."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256).removeprefix(b"\xef\xbb\xbf")
+    except OSError:
+        return None
+    m = _REQUEST_LOG.match(first)
+    return int(m[1]) if m else None
 
 
 def write_weir(requests: Iterable[TraceRequest], path: str | os.PathLike) -> None:
