@@ -131,13 +131,36 @@ def weir_engine_stats(run_dir: str) -> str:
             f" seqs; preemptions {int(sc.get('preemptions', 0))}")
 
 
+def merge_toml(base: str, extra: str) -> str:
+    """``base`` with ``extra``'s sections: a ``[section]`` that ``base`` has gets
+    ``extra``'s lines under its own header (TOML allows a table once), any other is
+    appended as given."""
+    blocks: list[tuple[str, list[str]]] = [("", [])]
+    for line in extra.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("[") and not stripped.startswith("[["):
+            blocks.append((stripped, []))
+        else:
+            blocks[-1][1].append(line)
+    out = base if base.endswith("\n") else base + "\n"
+    tail = "\n".join(blocks[0][1])
+    for header, lines in blocks[1:]:
+        at = out.find(header + "\n")
+        if at >= 0 and (at == 0 or out[at - 1] == "\n"):
+            at += len(header) + 1
+            out = out[:at] + "\n".join(lines) + "\n" + out[at:]
+        else:
+            tail += "\n" + header + "\n" + "\n".join(lines)
+    return out + tail.strip("\n") + ("\n" if tail.strip() else "")
+
+
 def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                max_model_len: int = 0, async_depth: int = 0,
                kv_dtype: str = "auto", admission_policy: str = "",
                extra_toml: str = "", chunking: str = "") -> subprocess.Popen:
     """Weir with its gateway on ``port``; ``budget`` and ``max_model_len`` of 0 and an empty
-    ``admission_policy`` keep the engine's defaults; ``extra_toml`` (whole sections, e.g.
-    ``[speculative]``) is appended to the config as given."""
+    ``admission_policy`` keep the engine's defaults; ``extra_toml``'s sections are added
+    to the config (``merge_toml``: one the config has already gets its lines)."""
     run_dir = tempfile.mkdtemp(prefix="weir-serve-")
     cfg = Path(run_dir) / "bench.toml"
     cfg.write_text(f"[engine]\ndtype = \"{dtype}\"\n"
@@ -152,7 +175,8 @@ def start_weir(port: int, dtype: str, trace: str = "", budget: int = 0,
                       else "")
                    + (f'[telemetry]\nexporter = "jsonl"\njsonl_path = "{trace}"\n'
                       if trace else "")
-                   + extra_toml)
+                   )
+    cfg.write_text(merge_toml(cfg.read_text(), extra_toml))
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "serve", "--config", str(cfg),
                              "--run-dir", run_dir, "--endpoint", f"ipc://{run_dir}/client.sock"],
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT),
@@ -223,9 +247,8 @@ def main() -> None:
                          "within their TPOT SLO each step, fixed fills max_num_batched_tokens "
                          "as vLLM does (default: the engine's, slack)")
     ap.add_argument("--variant", action="append", default=[], metavar="TOML",
-                    help="also run Weir with this file's sections appended to its config "
-                         "(whole sections not otherwise set), labelled weir[FILE's stem]; "
-                         "repeatable")
+                    help="also run Weir with this file's sections added to its config, "
+                         "labelled weir[FILE's stem]; repeatable")
     ap.add_argument("--no-default", action="store_true",
                     help="with --variant: run only the variants, not the default engine")
     ap.add_argument("--repeats", type=int, default=1,
