@@ -460,10 +460,6 @@ class ExecutorReady(msgspec.Struct, tag="executor_ready", frozen=True):
     copy_bytes_per_s: float          # measured at startup, device -> host -> device average
     num_cpu_blocks: int
     step_costs: list[StepSample] = []
-    # the batch-invariant kernel plan's step time over the fast plan's, as the executor
-    # measured it (0: not measured; the scheduler then starts from
-    # scheduler.deterministic_cost_factor)
-    deterministic_factor: float = 0.0
 
 
 class KvManagerUp(msgspec.Struct, tag="kv_up", frozen=True):

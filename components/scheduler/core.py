@@ -151,15 +151,11 @@ class SchedulerCore:
         return self.output.on_result(result, planned, now_ns)
 
     def on_executor(self, block_bytes: int, copy_bytes_per_s: float,
-                    step_costs: Sequence[StepSample] = (),
-                    deterministic_factor: float = 0.0) -> None:
+                    step_costs: Sequence[StepSample] = ()) -> None:
         """The executor reported what moving a block to and from its host tier costs, and
         the steps it timed at startup: the step-cost model starts from their fit (the steps
-        this scheduler measures then refine it), and from the batch-invariant plan's
-        factor where it measured one."""
+        this scheduler measures then refine it)."""
         self.prices.block_bytes, self.prices.copy_bytes_per_s = block_bytes, copy_bytes_per_s
-        if deterministic_factor > 0:
-            self.cost.det_prior = deterministic_factor
         self.cost.prior_from((StepShape(s.tokens, s.context, s.seqs, s.pairs), s.seconds)
                              for s in step_costs)
 

@@ -170,8 +170,8 @@ class SchedulerLoop:
             case CancelRequest(request_id=rid):
                 out = core.cancel(rid)
             case ExecutorReady(block_bytes=block_bytes, copy_bytes_per_s=bw,
-                               step_costs=step_costs, deterministic_factor=det):
-                core.on_executor(block_bytes, bw, step_costs, det)
+                               step_costs=step_costs):
+                core.on_executor(block_bytes, bw, step_costs)
             case PolicyChange(version=version, sections=sections):
                 # between two plans: the next step is planned by the new version
                 self.cfg = msgspec.structs.replace(sections.scheduler,
