@@ -142,7 +142,9 @@ async def test_replicas_found_and_gone_under_load_lose_no_request(engines, tmp_p
             # there when it is retired finishes there, and only then is it let go
             long: list = []
             async with AsyncClient(svc.topology.client_endpoint) as c:
-                for i in range(8):
+                # least_loaded may send several in a row to r1 (it was idle while r0 ran
+                # the workers' load), so keep opening until one is placed on r0
+                for i in range(48):
                     stream = await c.stream(f"Tell a long story, number {i}.",
                                             max_tokens=LONG, temperature=0.0, ignore_eos=True,
                                             timeout=120)
@@ -153,6 +155,8 @@ async def test_replicas_found_and_gone_under_load_lose_no_request(engines, tmp_p
                     if svc.flights[rid].replica == "r0":
                         break
                 on_r0 = long[-1].request_id
+                assert svc.flights[on_r0].replica == "r0", \
+                    f"none of {len(long)} long requests was routed to r0"
                 assert on_r0 in members["r0"].open
                 calls = resolver.calls
                 resolver.names = ("r1",)
