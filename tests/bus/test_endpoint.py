@@ -113,7 +113,11 @@ async def test_the_endpoint_loop(tmp_path):
             alice.send(Heartbeat())
             assert await alice.reply() == ServerHeartbeat(42, True)
 
+            # each peer's frames are handled in order, but the ROUTER fair-queues between
+            # peers: each waits for its own heartbeat's answer before the other sends
             alice.send(Submit("a-1", prompt="hi"), traceparent="00-tp")
+            alice.send(Heartbeat())
+            assert await alice.reply() == ServerHeartbeat(42, True)
             bob.send(Submit("b-1", prompt="hi"))
             bob.send(Heartbeat())
             assert await bob.reply() == ServerHeartbeat(42, True)   # both handled by now
