@@ -47,10 +47,11 @@ import torch
 
 from kernels.machine import cpu_info
 
-VERSION = 14                     # bump when candidates, the timing method or the choice change
+VERSION = 15                     # bump when candidates, the timing method or the choice change
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 KEEP_MARGIN = 0.10               # a further weight layout must save at least 10% where used
-LINEAR = ("native", "amx", "onednn", "torch", "fp32", "fp32_onednn")
+LINEAR = ("native", "amx", "onednn", "torch", "fp32", "fp32_onednn", "onednn_silu",
+          "fp32_onednn_silu")
 # candidates that run another's weight layout: both chosen, the weight exists once
 SHARED_LAYOUT = {"amx": "native"}
 

@@ -50,7 +50,9 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     kv_dtype = kv_dtype or dtype
     forced = {k: v for k, v in (forced or {}).items() if v != "auto"}
     shp = shapes(spec)
-    cands = {role: linear_candidates(dtype, device, s) for role, s in shp.items()}
+    native_ops = native_ops_possible(spec, dtype, device)
+    cands = {role: linear_candidates(dtype, device, s, silu=role == "gate_up" and native_ops)
+             for role, s in shp.items()}
     if device.type != "cpu":
         # a GPU: torch's GEMMs; the elementwise ops as Triton's fused kernels where Triton
         # is installed (one launch each instead of ~28 per layer, and a small model's decode
@@ -64,7 +66,6 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
             plan.elementwise = _elementwise_forced(forced["elementwise"], False, device)
             plan.source = "forced"
         return plan
-    native_ops = native_ops_possible(spec, dtype, device)
     machine = {**tuning.machine_info(), "native_ops": native_ops,
                "native_build": native_lib.build_key() if native_lib.available() else "",
                "candidates": {r: sorted(c) for r, c in cands.items()}}

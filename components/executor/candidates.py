@@ -25,8 +25,11 @@ def shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 
 def linear_candidates(dtype: torch.dtype, device: torch.device,
-                      shape: tuple[int, int]) -> dict[str, int]:
-    """The candidates that can run a weight of ``shape`` here: name -> largest M."""
+                      shape: tuple[int, int], silu: bool = False) -> dict[str, int]:
+    """The candidates that can run a weight of ``shape`` here: name -> largest M.
+    ``silu``: the weight is gate_up and the plan times it with the SiLU x up that follows
+    (the native elementwise ops): also oneDNN's GEMMs with SiLU x up in their epilogue
+    (``onednn_silu``, ``fp32_onednn_silu``: components/executor/linear.py)."""
     if device.type != "cpu":
         return {"torch": 1 << 30}
     out = {"torch": 1 << 30}
@@ -36,6 +39,11 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
         out["fp32"] = 1 << 30
         if can_pack(torch.float32):
             out["fp32_onednn"] = 1 << 30
+    if silu and n_even(shape):
+        if "onednn" in out:
+            out["onednn_silu"] = 1 << 30
+        if "fp32_onednn" in out:
+            out["fp32_onednn_silu"] = 1 << 30
     n, k = shape
     if (cpu_linear.small_batch_fits(dtype, n, k) and native_lib.available()
             and cpu_linear.small_batch_supported(dtype)):
@@ -43,6 +51,10 @@ def linear_candidates(dtype: torch.dtype, device: torch.device,
     if cpu_linear.amx_linear_fits(dtype, n, k):       # (it checks the library builds)
         out["amx"] = 1 << 30                # one pass over the weights for any M
     return out
+
+
+def n_even(shape: tuple[int, int]) -> bool:
+    return shape[0] % 2 == 0
 
 
 def amx_possible(dtype: torch.dtype, block_size: int) -> bool:

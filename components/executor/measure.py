@@ -11,7 +11,7 @@ import torch
 
 from components.executor.candidates import amx_possible
 from components.executor.elementwise import ElementwiseOps
-from components.executor.linear import GREEDY_HEAD, PREPARE, RUN, amx_linear_f32
+from components.executor.linear import GREEDY_HEAD, PREPARE, RUN, SILU_FUSED, amx_linear_f32
 from components.executor.sampling import greedy, sample
 from kernels import AttentionMetadata, KVCache, cpu_linear, cpu_native, get_backend, tuning
 from kernels.kv_cache import quantize
@@ -37,6 +37,8 @@ def run_as_used(role: str, cand: str, native_ops: bool = False):
     if role == "lm_head":
         return amx_linear_f32 if cand == "amx" else \
             lambda x, w, b=None: run(x, w, b).float()
+    if cand in SILU_FUSED:            # gate_up with SiLU x up in the GEMM's epilogue
+        return SILU_FUSED[cand]
     if role == "gate_up" and native_ops:
         return (lambda x, w, b=None: cpu_linear.amx_silu_mul_linear(x, w)) if cand == "amx" \
             else lambda x, w, b=None: cpu_native.silu_mul(run(x, w, b))

@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from components.executor.elementwise import ElementwiseOps, fused_ops
-from components.executor.linear import GREEDY_HEAD, RUN, Linear, StepMode, amx_linear_f32
+from components.executor.linear import (
+    GREEDY_HEAD,
+    RUN,
+    SILU_FUSED,
+    Linear,
+    StepMode,
+    amx_linear_f32,
+)
 from kernels import (
     AttentionBackend,
     AttentionMetadata,
@@ -78,6 +85,8 @@ class LlamaModel:
         self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
         self.runs["amx+argmax"] = cpu_linear.amx_argmax_linear    # greedy tokens (Linear)
+        for cand, run in SILU_FUSED.items():                      # SiLU x up in the epilogue
+            self.runs[cand + "+silu"] = run
         put = lambda t: t.to(device=self.device, dtype=dtype).contiguous()
         # a deterministic step (forward(deterministic=True)) runs each linear layer by its
         # invariant kernel, attention by the invariant paged kernel

@@ -125,6 +125,77 @@ def test_gate_up_candidates_are_timed_with_the_silu_that_follows_them():
                            cpu_linear.amx_silu_mul_linear(x, packed))
 
 
+@pytest.mark.parametrize("cand", ["onednn_silu", "fp32_onednn_silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_in_the_onednn_epilogue_is_silu_times_up(cand, dtype):
+    """oneDNN's GEMMs with SiLU x up as post-ops (swish on the gate's accumulators, the up
+    GEMM's multiplied by it) give silu(x gate^T + b_g) * (x up^T + b_u) for every row, the
+    padded sizes included: within the output's rounding of the fp32 reference (one ulp in
+    bf16, and the unfused path is as far), and its plain run is the two halves' linear."""
+    if dtype == torch.float32 and cand == "fp32_onednn_silu":
+        pytest.skip("an fp32 model's oneDNN candidate is onednn_silu")
+    base = "onednn" if cand == "onednn_silu" else "fp32_onednn"
+    if base not in candidates.linear_candidates(dtype, torch.device("cpu"), (192, 64)):
+        pytest.skip(f"no {base} linear here for {dtype}")
+    assert cand in candidates.linear_candidates(dtype, torch.device("cpu"), (192, 64), silu=True)
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(192, 64, generator=g) * 0.2).to(dtype)
+    b = torch.randn(192, generator=g).to(dtype)
+    packed = linear_mod.PREPARE[cand](w)
+    fused = linear_mod.SILU_FUSED[cand]
+    for m in (1, 5, 256, 257, 300, 1030):
+        x = torch.randn(m, 64, generator=g).to(dtype)
+        y = F.linear(x.float(), w.float(), b.float())
+        want = F.silu(y[:, :96]) * y[:, 96:]
+        got = fused(x, packed, b)
+        assert got.shape == (m, 96) and got.dtype == dtype and got.is_contiguous()
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+        err = ((got.float() - want).abs() / want.abs().clamp_min(1e-2)).max().item()
+        assert err <= 2 * ulp, (m, err)
+        plain = linear_mod.RUN[cand](x, packed, b)
+        assert torch.equal(plain, linear_mod.RUN[base](x, linear_mod.PREPARE[base](w), b))
+
+
+def test_gate_up_takes_the_onednn_silu_only_where_its_plan_does():
+    """A plan whose gate_up table names ``onednn_silu`` runs those rows through the fused
+    GEMMs in every layer (no native SiLU x up pass), other rows and a deterministic step by
+    their own kernels; the logits stay the reference's within the dtype's tolerance. Only
+    gate_up with the native elementwise ops has the candidate."""
+    dtype = torch.bfloat16
+    if "onednn" not in _available(dtype) or \
+            not candidates.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 linear or native elementwise ops here")
+    cands = {role: candidates.linear_candidates(dtype, torch.device("cpu"), s,
+                                                silu=role == "gate_up")
+             for role, s in candidates.shapes(SHAPE).items()}
+    assert "onednn_silu" in cands["gate_up"] and "onednn_silu" not in cands["qkv"]
+    assert measure.run_as_used("gate_up", "onednn_silu", True) is \
+        linear_mod.SILU_FUSED["onednn_silu"]
+    weights = random_weights(SHAPE, seed=4)
+    plan = KernelPlan({role: [(1 << 30, "onednn")] for role in autotune.ROLES},
+                      elementwise="native", sampling="torch", attention="cpu",
+                      source="forced", layer_loop="python")
+    plan.linear["gate_up"] = [(5, "onednn"), (1 << 30, "onednn_silu")]
+    plan.invariant_linear = autotune.determinism.invariant_linear(cands)
+    model = LlamaModel(SHAPE, weights, plan=plan, dtype=dtype)
+    fused, calls = model.runs["onednn_silu+silu"], []
+    model.runs["onednn_silu+silu"] = lambda x, w, b: calls.append(x.shape[0]) or fused(x, w, b)
+    silu, passes = model.ops.silu_mul, []
+    model.ops.silu_mul = lambda gu: passes.append(gu.shape[0]) or silu(gu)
+    got = _logits(model)
+    assert calls == [26] * SHAPE.num_layers      # the 26-row step; the 5-row one: onednn
+    assert passes == [5] * SHAPE.num_layers
+    want = _logits(build_model(SHAPE, weights, dtype=dtype, backend="torch", kernels=REFERENCE))
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= TOL[dtype], err
+    calls.clear()
+    kv = model.new_kv_cache(8, 16)
+    meta = AttentionMetadata.build([26], [0], [[0, 1]], 16)
+    model.forward(torch.arange(26), meta.positions, kv, meta, torch.tensor([25]),
+                  deterministic=True)
+    assert calls == []                            # the invariant kernel, not oneDNN
+
+
 def _steps(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_logits`, and the KV cache the two steps wrote."""
     kv = model.new_kv_cache(8, 16)
