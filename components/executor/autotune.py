@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from schemas.model import ModelSpec
 
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+# gate_up's candidates with SiLU x up in the epilogue, and the GEMM they fuse it into
+SILU_BASE = {"onednn_silu": "onednn", "fp32_onednn_silu": "fp32_onednn"}
 
 
 def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -106,8 +108,11 @@ def _apply_forced(plan: KernelPlan, forced: Mapping[str, str],
                   kv_block_size: int | None, dtype: torch.dtype,
                   max_tokens: int) -> KernelPlan:
     if "linear" in forced:
-        only = forced["linear"]
         for role in cands:
+            # SiLU x up in oneDNN's epilogue is gate_up's: forced, the other weights run
+            # the same GEMM without it
+            only = forced["linear"] if role == "gate_up" else \
+                SILU_BASE.get(forced["linear"], forced["linear"])
             if only not in cands[role]:
                 raise ValueError(f"engine.kernels.linear = {only!r} cannot run here "
                                  f"(the {role} weight can use: {', '.join(sorted(cands[role]))})")
