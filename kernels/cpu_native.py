@@ -175,10 +175,16 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
                      torch.get_num_threads())
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for contiguous fused rows [T, 2 * inter]."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous fused rows [T, 2 * inter], into ``out`` (contiguous
+    [T, inter]) where given."""
     inter = gate_up.shape[1] // 2
-    out = gate_up.new_empty(gate_up.shape[0], inter)
+    if out is None:
+        out = gate_up.new_empty(gate_up.shape[0], inter)
+    elif out.shape != (gate_up.shape[0], inter) or not out.is_contiguous() \
+            or out.dtype != gate_up.dtype:
+        raise ValueError(f"silu_mul writes contiguous {gate_up.dtype} "
+                         f"[{gate_up.shape[0]}, {inter}], not {out.dtype} {tuple(out.shape)}")
     load().weir_silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
                          gate_up.shape[0], inter, torch.get_num_threads())
     return out

@@ -146,6 +146,26 @@ def onednn_halves(x: torch.Tensor, w: tuple, b: torch.Tensor | None = None):
     return torch.cat([onednn_linear(x, w[0], bg), onednn_linear(x, w[1], bu)], dim=-1)
 
 
+# The unfused gate_up writes an [M, 2 x inter] intermediate for the SiLU x up pass. glibc
+# serves an allocation above its mmap threshold (which adapts, but never past 32 MiB on
+# 64-bit) by a fresh mmap, so every layer faulted in and zeroed that many new pages: at
+# 8,192 rows of SmolLM2 (48 MiB) the step's MLPs took ~600 ms more than SiLU x up in the
+# GEMMs' epilogue, whose largest output is half that (perf log, 2026-12-06). So above
+# SILU_BLOCK_BYTES the GEMM and the pass run a block of rows at a time (the largest power
+# of two of rows within it; 2,048 for SmolLM2 in bf16), each block's intermediate reused
+# from the heap. Below it (every step of the default 2,048-token budget) nothing changes.
+SILU_BLOCK_BYTES = 16 << 20
+
+
+def silu_block_rows(n: int, elem: int) -> int:
+    """Rows of an ``[rows, n]`` gate_up intermediate of ``elem``-byte elements within
+    ``SILU_BLOCK_BYTES``: the largest power of two, at least 64."""
+    rows = 64
+    while rows * 2 * n * elem <= SILU_BLOCK_BYTES:
+        rows *= 2
+    return rows
+
+
 # the SiLU x up candidates (gate_up's only): each one's fused run; RUN has their plain one
 SILU_FUSED = {"onednn_silu": onednn_silu_mul, "fp32_onednn_silu": upcast(onednn_silu_mul)}
 
@@ -255,4 +275,12 @@ class Linear:
             return self.runs["amx+silu"](x, w)
         if cand in SILU_FUSED:              # SiLU x up in the GEMM's epilogue
             return self.runs[cand + "+silu"](x, w, self.bias)
+        m, rows = x.shape[0], silu_block_rows(self.shape[0], x.element_size())
+        if m > rows and ops.fused is cpu_native:
+            # the [M, 2 x inter] intermediate a block of rows at a time (SILU_BLOCK_BYTES)
+            out = x.new_empty(m, self.shape[0] // 2)
+            for i in range(0, m, rows):
+                cpu_native.silu_mul(self.runs[cand](x[i:i + rows], w, self.bias),
+                                    out[i:i + rows])
+            return out
         return ops.silu_mul(self.runs[cand](x, w, self.bias))

@@ -9,15 +9,11 @@ from kernels.tuning import KernelPlan, choose_fastest, choose_linear, pick
 ALL = (1, 8, 64, 512)
 
 
-def table(native=None, onednn=None, torch=None, fp32=None, fp32_onednn=None, amx=None):
-    """Seconds per bucket for each candidate given (a list aligned with ALL; None: that
-    candidate cannot run the bucket)."""
-    out = {}
-    for name, times in (("native", native), ("onednn", onednn), ("torch", torch),
-                        ("fp32", fp32), ("fp32_onednn", fp32_onednn), ("amx", amx)):
-        if times is not None:
-            out[name] = {b: t for b, t in zip(ALL, times) if t is not None}
-    return out
+def table(**candidates):
+    """Seconds per bucket for each candidate given (name=[...], a list aligned with ALL;
+    None: that candidate cannot run the bucket)."""
+    return {name: {b: t for b, t in zip(ALL, times) if t is not None}
+            for name, times in candidates.items() if times is not None}
 
 
 @pytest.mark.parametrize("winner", tuning.LINEAR)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from components.executor import autotune, candidates, linear as linear_mod, measure
 from components.executor.build import build_model
+from components.executor.elementwise import ElementwiseOps
 from components.executor.linear import Linear
 from components.executor.model import LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
@@ -194,6 +195,37 @@ def test_gate_up_takes_the_onednn_silu_only_where_its_plan_does():
     model.forward(torch.arange(26), meta.positions, kv, meta, torch.tensor([25]),
                   deterministic=True)
     assert calls == []                            # the invariant kernel, not oneDNN
+
+
+def test_a_large_gate_up_runs_its_silu_a_block_of_rows_at_a_time(monkeypatch):
+    """Above SILU_BLOCK_BYTES of [M, 2 x inter] intermediate, the GEMM and the native SiLU
+    x up run a block of rows at a time into one output: the same bits as the whole (a
+    row-invariant kernel), and no GEMM sees more rows than the block."""
+    if not candidates.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")) or \
+            "native" not in _available(torch.bfloat16):
+        pytest.skip("no native kernels here")
+    assert linear_mod.silu_block_rows(3072, 2) == 2048       # SmolLM2, bf16: 12 MiB
+    assert linear_mod.silu_block_rows(16384, 2) == 512       # a 1B Llama's
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(192, 64, generator=g) * 0.2).to(torch.bfloat16)
+    x = torch.randn(200, 64, generator=g).to(torch.bfloat16)
+    runs, seen = dict(linear_mod.RUN), []
+    runs["native"] = lambda x, w, b=None: seen.append(x.shape[0]) or \
+        linear_mod.native_linear(x, w, b)
+    lin = Linear(w, [(1 << 30, "native")], runs)
+    ops = ElementwiseOps(SHAPE, torch.bfloat16, torch.device("cpu"), cpu_native)
+    whole = lin.silu_mul(x, ops)
+    assert seen == [200]
+    monkeypatch.setattr(linear_mod, "SILU_BLOCK_BYTES", 1)  # blocks of 64 rows
+    seen.clear()
+    got = lin.silu_mul(x, ops)
+    assert seen == [64, 64, 64, 8]
+    assert torch.equal(got, whole)
+    assert torch.equal(whole, cpu_native.silu_mul(linear_mod.native_linear(
+        x, linear_mod.PREPARE["native"](w))))
+    with pytest.raises(ValueError, match="silu_mul writes"):
+        cpu_native.silu_mul(torch.zeros(4, 192, dtype=torch.bfloat16),
+                            torch.zeros(4, 97, dtype=torch.bfloat16))
 
 
 def _steps(model: LlamaModel) -> tuple[torch.Tensor, torch.Tensor]:
