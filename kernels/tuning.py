@@ -18,6 +18,9 @@ here, at the model's own shapes, and keeps the fastest.
   fp32 weight). Each layout is a copy of the weights, so a layout is kept only where it
   beats the layouts already kept by ``KEEP_MARGIN``: no second copy of the weights for a
   marginal gain, and none for a kernel that was not chosen (:func:`choose_linear`).
+  gate_up, timed with the SiLU x up that follows it, also has ``onednn_silu`` and
+  ``fp32_onednn_silu``: oneDNN's GEMMs with SiLU x up in their epilogue (a layout of their
+  own: the gate and up halves packed apart).
 - **Fused elementwise ops** (add+RMSNorm, RoPE, SiLU x up) and **sampling** (argmax and the
   temperature / top-k / top-p draw):
   ``native`` or ``torch``.
