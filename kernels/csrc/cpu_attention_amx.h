@@ -322,48 +322,104 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // value row into B tiles, and writing its whole score row (L x 16 floats) out and reading it
 // back three times. 2 AMX Xeon cores, 30 layers, a 2,048-token prompt: 326 ms of a 610 ms
 // step, 0.44 TFLOP/s against the GEMM's 2.4.
-// This one is flash attention on the tiles. Per call, each kv head's values are interleaved
-// into P.V's B tiles once (``pack_values``: 32 keys, 4 tiles for D = 64), for every query
-// block to share. A work item is 16 consecutive rows of a run and one kv head; for each of
-// its G query heads the queries are one B tile pair (Q^T, transposed once), the keys A tiles
-// read straight from the cache (16 rows of a block), so S^T = K.Q^T lands a key per vector,
-// 16 queries across (the softmax is vertical: one vector op per key for all 16 rows). P, in
-// bf16 pairs, transposed, is P.V's A tile, and the output stays in four tiles (tmm4-7) over
-// the whole key loop. The running max is lazy: it moves only when a block's max passes it by
-// more than kLazyRescale (e^8: P's bf16 and the fp32 sums have room), so the output tiles are
-// stored, rescaled and reloaded a few times per row, not once per block. Only D = 64 and bf16
-// caches; other shapes take the tile kernel.
+// This one is flash attention on the tiles, with no transpose in its key loop. Per call, each
+// kv head's values are packed once as P.V's A tiles, transposed (``pack_values_t``: per 32
+// keys, 4 tiles of 16 dims x 32 keys for D = 64), for every query block to share. A work item
+// is 16 consecutive rows of a run and one kv head; for each of its G query heads the queries
+// are one B tile pair (Q^T, transposed once), the keys A tiles read straight from the cache
+// (16 rows of a block), so S^T = K.Q^T lands a key per vector, 16 queries across (the
+// softmax is vertical: one vector op per key for all 16 rows). P is then already in the B
+// tile's layout: two neighbouring keys' rows, rounded to bf16 by one vcvtne2ps2bf16 and
+// interleaved by one vpermw, are a row of pairs, a query per dword. So the output is kept
+// transposed, O^T = V^T.P (four tiles, tmm4-7, 16 dims x 16 queries each, over the whole key
+// loop), and transposed back once per item. (The first form, O = P^T.V, transposed every
+// 32 keys' P by 16 x 16 dword shuffles and widened it to pairs by vpmovzxwd, all on the one
+// shuffle port: 2 AMX Xeon cores, one layer of a 2,048-token prompt 12.1-13.0 ms of CPU.)
+// The running max is lazy: it moves only when a block's max passes it by more than
+// kLazyRescale (e^8: P's bf16 and the fp32 sums have room), so the output tiles are stored,
+// rescaled (a query per lane: one multiply a dim row) and reloaded a few times per row, not
+// once per block. Only D = 64 and bf16 caches; other shapes take the tile kernel.
 inline void zero_output_tiles() { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
-inline void store_output_tiles(float* o) {      // [16 queries][64 dims], rows 256 bytes apart
-    _tile_stored(4, o, 256); _tile_stored(5, o + 16, 256);
-    _tile_stored(6, o + 32, 256); _tile_stored(7, o + 48, 256);
+inline void store_output_tiles(float* o) {      // O^T: [64 dims][16 queries], tile i at o + 256 i
+    _tile_stored(4, o, 64); _tile_stored(5, o + 256, 64);
+    _tile_stored(6, o + 512, 64); _tile_stored(7, o + 768, 64);
 }
 inline void load_output_tiles(const float* o) {
-    _tile_loadd(4, o, 256); _tile_loadd(5, o + 16, 256);
-    _tile_loadd(6, o + 32, 256); _tile_loadd(7, o + 48, 256);
+    _tile_loadd(4, o, 64); _tile_loadd(5, o + 256, 64);
+    _tile_loadd(6, o + 512, 64); _tile_loadd(7, o + 768, 64);
+}
+
+// a run's values for kv head h as P.V's A tiles (V^T): for each 32 keys, D / 16 tiles of 16
+// dims x 16 key pairs (dword: key 2j's element low, 2j + 1's high; keys past len zeros):
+// pack_values' B tiles, each transposed
+template <int D>
+void pack_values_t(const uint16_t* v_cache, const int32_t* table, int64_t block_size,
+                   int64_t row_stride, int64_t h, int64_t len, uint32_t* dst) {
+    pack_values<D>(v_cache, table, block_size, row_stride, h, len, dst);
+    const int64_t tiles = (len + 31) / 32 * (D / 16);
+    for (int64_t i = 0; i < tiles; ++i) transpose16(dst + i * 256, dst + i * 256);
+}
+
+// a run's keys for kv head h as q.k's A tiles, each one contiguous kilobyte: for each 16
+// keys, D / 32 tiles of 16 keys x 32 dims (keys past len, up to a whole 32, zeros)
+template <int D>
+void pack_keys(const uint16_t* k_cache, const int32_t* table, int64_t block_size,
+               int64_t row_stride, int64_t h, int64_t len, uint32_t* dst) {
+    const int64_t len32 = (len + 31) / 32 * 32;
+    for (int64_t t = 0; t < len32; ++t) {
+        uint16_t* tile = reinterpret_cast<uint16_t*>(dst + (t / 16) * (D / 32) * 256) + (t % 16) * 32;
+        const uint16_t* k = k_cache + weir::slot_of(table, block_size, std::min(t, len - 1)) * row_stride + h * D;
+        for (int c = 0; c < D / 32; ++c) {
+            const __m512i x = t < len ? _mm512_loadu_si512(k + 32 * c) : _mm512_setzero_si512();
+            _mm512_store_si512(tile + c * 512, x);
+        }
+    }
+}
+
+// 2^x for the prompt kernel's probabilities: f = x - floor(x) by one vreduceps, 2^f by a
+// degree-6 fit on [0, 1) (8.4e-8 relative, as weir::exp16's ~2 ulp), times 2^floor(x) by
+// vscalefps (which floors x itself): 9 vector ops with the argument's fmsub, against 17 for
+// exp16 (its clamps, its range reduction in two steps, its degree 5 in r and r^2). Below
+// -149 it is 0; +inf or NaN (a column's max still -inf) give NaN, which the caller checks.
+inline __m512 exp2_softmax(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
+    __m512 p = _mm512_set1_ps(2.1702231606468558e-4f);    // exception
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2439694255590439e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.678840637207031e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483341217041016e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022983014583588f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, x);
 }
 
 // rows [row0, row0 + nr) of a run (nr <= 16), kv head h: every one of its G query heads,
 // KB keys (a multiple of 32) a block
 template <int D, int G, int KB = kFlashKeys>
-void flash_block_amx(const uint16_t* q, const uint16_t* k_cache, uint16_t* out, int64_t row0,
-                     int nr, const int32_t* row_lens, int64_t h, const int32_t* table,
-                     int64_t block_size, int64_t kv_heads, int64_t heads, int64_t q_row,
+void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int64_t row0,
+                     int nr, const int32_t* row_lens, int64_t h, int64_t heads, int64_t q_row,
                      float scale, const uint32_t* vpk) {
     static_assert(D == 64, "the prefill kernel's output is four 16-dim tiles");
     alignas(64) uint32_t qrows[16 * 32];     // [16 queries][32 dwords]
     alignas(64) uint32_t qt[2 * 256];        // Q^T: [d half][16 d pairs][16 queries]
-    alignas(64) float sbuf[KB * 16];         // S^T: [KB keys][16 queries]
-    alignas(64) uint32_t pbuf[KB / 2 * 16];  // P: [KB / 2 key pairs][16 queries], transposed by 16
-    alignas(64) float obuf[16 * 64];         // O: [16 queries][64 dims]
-    const int64_t row_stride = kv_heads * D;
+    alignas(64) float sbufs[2][KB * 16];     // S^T: [KB keys][16 queries], two blocks'
+    alignas(64) uint32_t pbuf[KB / 2 * 16];  // P: [KB / 2 key pairs][16 queries]
+    alignas(64) float obuf[64 * 16];         // O^T: [64 dims][16 queries]
     const int64_t L = row_lens[row0 + nr - 1];
     const int64_t full = nr < 16 ? 0 : row_lens[row0];   // keys every column attends
     alignas(64) float lenf[16];
     for (int c = 0; c < 16; ++c) lenf[c] = c < nr ? static_cast<float>(row_lens[row0 + c]) : 0.0f;
     const __m512 lenv = _mm512_load_ps(lenf);
     const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 log2e = _mm512_set1_ps(weir::kLog2e);
+    const __m512 sc2 = _mm512_set1_ps(scale * weir::kLog2e);
+    const __m512 lazy_sum = _mm512_set1_ps(std::exp(kLazyRescale));
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    // words 2c and 2c + 1 of a pair row: query c's probability for the even key, the odd
+    const __m512i pair_idx = _mm512_setr_epi32(
+        0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006,
+        0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d,
+        0x001e000e, 0x001f000f);
     for (int g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
         for (int c = 0; c < 16; ++c) {
@@ -376,28 +432,79 @@ void flash_block_amx(const uint16_t* q, const uint16_t* k_cache, uint16_t* out, 
         transpose16(qrows + 16, qt + 256, 32);
         zero_output_tiles();
         __m512 m = ninf, l = _mm512_setzero_ps();
-        for (int64_t t0 = 0; t0 < L; t0 += KB) {
-            // S^T, 16 keys at a time (tmm0 and tmm1 in turn): chunks past L are not read
+        // S^T of the keys [t0, t0 + KB), 16 at a time (tmm0 and tmm1 in turn), into sb:
+        // chunks past L are not read
+        auto scores = [&](int64_t t0, float* sb) {
             for (int c = 0; c < KB / 16 && t0 + 16 * c < L; ++c) {
-                const uint16_t* kc = k_cache + weir::slot_of(table, block_size, t0 + 16 * c) * row_stride
-                                     + h * D;
+                const uint32_t* kc = kpk + (t0 / 16 + c) * (D / 32) * 256;
                 if (c % 2 == 0) {
                     _tile_zero(0);
-                    _tile_loadd(2, kc, row_stride * 2); _tile_loadd(3, qt, 64); _tile_dpbf16ps(0, 2, 3);
-                    _tile_loadd(2, kc + 32, row_stride * 2); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(0, 2, 3);
-                    _tile_stored(0, sbuf + c * 256, 64);
+                    _tile_loadd(2, kc, 64); _tile_loadd(3, qt, 64); _tile_dpbf16ps(0, 2, 3);
+                    _tile_loadd(2, kc + 256, 64); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(0, 2, 3);
+                    _tile_stored(0, sb + c * 256, 64);
                 } else {
                     _tile_zero(1);
-                    _tile_loadd(2, kc, row_stride * 2); _tile_loadd(3, qt, 64); _tile_dpbf16ps(1, 2, 3);
-                    _tile_loadd(2, kc + 32, row_stride * 2); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(1, 2, 3);
-                    _tile_stored(1, sbuf + c * 256, 64);
+                    _tile_loadd(2, kc, 64); _tile_loadd(3, qt, 64); _tile_dpbf16ps(1, 2, 3);
+                    _tile_loadd(2, kc + 256, 64); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(1, 2, 3);
+                    _tile_stored(1, sb + c * 256, 64);
                 }
             }
-            // the block's max of the scaled scores; at the edge (keys past some column's
-            // length, or past L) those scores are set to -inf first
-            const bool edge = t0 + KB > full;
-            __m512 bm = ninf;
-            if (edge) {
+        };
+        scores(0, sbufs[0]);
+        for (int64_t t0 = 0; t0 < L; t0 += KB) {
+            // the next block's scores go to the tile unit first, to run while this block's
+            // softmax runs on the vector units
+            float* sbuf = sbufs[(t0 / KB) & 1];
+            if (t0 + KB < L) scores(t0 + KB, sbufs[((t0 / KB) + 1) & 1]);
+            // P in bf16 pairs of neighbouring keys, a column per query: 2^(s x scale x log2 e
+            // - m x log2 e); masked at the edge. Returns the block's sum per column.
+            __mmask16 live_m = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+            auto probabilities = [&](bool masked) {
+                const __m512 m2 = _mm512_mul_ps(m, log2e);
+                __m512 bs = _mm512_setzero_ps();
+                for (int t = 0; t < KB; t += 2) {
+                    const __m512 s0 = _mm512_load_ps(sbuf + t * 16), s1 = _mm512_load_ps(sbuf + (t + 1) * 16);
+                    __m512 e0, e1;
+                    if (!masked) {
+                        e0 = exp2_softmax(_mm512_fmsub_ps(s0, sc2, m2));
+                        e1 = exp2_softmax(_mm512_fmsub_ps(s1, sc2, m2));
+                    } else {
+                        e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, ninf, _CMP_NEQ_OQ) & live_m,
+                                                 exp2_softmax(_mm512_fmsub_ps(s0, log2e, m2)));
+                        e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_OQ) & live_m,
+                                                 exp2_softmax(_mm512_fmsub_ps(s1, log2e, m2)));
+                    }
+                    bs = _mm512_add_ps(bs, _mm512_add_ps(e0, e1));
+                    _mm512_store_si512(pbuf + t / 2 * 16, _mm512_permutexvar_epi16(
+                        pair_idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+                }
+                return bs;
+            };
+            // where the block's max bm (scaled) passes m by more than kLazyRescale, m moves
+            // to it and what was summed so far is rescaled; returns whether any column moved
+            auto move_max = [&](__m512 bm) {
+                const __mmask16 up = _mm512_cmp_ps_mask(
+                    bm, _mm512_add_ps(m, _mm512_set1_ps(kLazyRescale)), _CMP_GT_OQ);
+                if (!up) return false;
+                const __m512 m1 = _mm512_mask_mov_ps(m, up, bm);
+                const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+                const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
+                    _mm512_maskz_mov_ps(had, weir::exp16(_mm512_sub_ps(m, m1))));
+                l = _mm512_mul_ps(l, alpha);
+                if (up & had) {
+                    store_output_tiles(obuf);
+                    for (int d = 0; d < 64; ++d)
+                        _mm512_store_ps(obuf + d * 16, _mm512_mul_ps(_mm512_load_ps(obuf + d * 16), alpha));
+                    load_output_tiles(obuf);
+                }
+                m = m1;
+                return true;
+            };
+            __m512 bs;
+            if (t0 + KB > full) {
+                // the edge (keys past some column's length, or past L): those scores are set
+                // to -inf, and the max is taken first
+                __m512 bm = ninf;
                 for (int t = 0; t < KB; ++t) {
                     __m512 s = t0 + t < L ? _mm512_mul_ps(_mm512_load_ps(sbuf + t * 16), sc) : ninf;
                     s = _mm512_mask_mov_ps(ninf, _mm512_cmp_ps_mask(
@@ -405,72 +512,44 @@ void flash_block_amx(const uint16_t* q, const uint16_t* k_cache, uint16_t* out, 
                     _mm512_store_ps(sbuf + t * 16, s);
                     bm = _mm512_max_ps(bm, s);
                 }
-            } else {                        // every score live: scaled in the exponent below
-                for (int t = 0; t < KB; ++t) bm = _mm512_max_ps(bm, _mm512_load_ps(sbuf + t * 16));
-                bm = _mm512_mul_ps(bm, sc);
-            }
-            const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m, _mm512_set1_ps(kLazyRescale)),
-                                                    _CMP_GT_OQ);
-            if (up) {                       // the max moves: rescale what was summed so far
-                const __m512 m1 = _mm512_mask_mov_ps(m, up, bm);
-                const __mmask16 had = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
-                const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), up,
-                    _mm512_maskz_mov_ps(had, weir::exp16(_mm512_sub_ps(m, m1))));
-                l = _mm512_mul_ps(l, alpha);
-                if (up & had) {
-                    alignas(64) float a[16];
-                    _mm512_store_ps(a, alpha);
-                    store_output_tiles(obuf);
-                    for (int c = 0; c < 16; ++c) {
-                        const __m512 ac = _mm512_set1_ps(a[c]);
-                        for (int d = 0; d < 64; d += 16)
-                            _mm512_store_ps(obuf + c * 64 + d,
-                                            _mm512_mul_ps(_mm512_load_ps(obuf + c * 64 + d), ac));
-                    }
-                    load_output_tiles(obuf);
+                move_max(bm);
+                live_m = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
+                bs = probabilities(true);
+            } else {
+                // every score live: the probabilities at the max so far, and only where a
+                // column's block sum passes e^kLazyRescale (or is not a number: m is -inf
+                // before a column's first block) its max is looked at, and moved if it must
+                // be (each term is at most the sum: none passes e^kLazyRescale unnoticed)
+                bs = probabilities(false);
+                if (_mm512_cmp_ps_mask(bs, lazy_sum, _CMP_NLE_UQ)) {
+                    __m512 bm = ninf;
+                    for (int t = 0; t < KB; ++t) bm = _mm512_max_ps(bm, _mm512_load_ps(sbuf + t * 16));
+                    if (move_max(_mm512_mul_ps(bm, sc))) bs = probabilities(false);
                 }
-                m = m1;
             }
-            // P in bf16 pairs of neighbouring keys, a column per query: exp(s x scale - m)
-            // where every score is live, masked at the edge
-            const __mmask16 live_m = _mm512_cmp_ps_mask(m, ninf, _CMP_NEQ_OQ);
-            for (int t = 0; t < KB; t += 2) {
-                const __m512 s0 = _mm512_load_ps(sbuf + t * 16), s1 = _mm512_load_ps(sbuf + (t + 1) * 16);
-                __m512 e0, e1;
-                if (!edge) {
-                    e0 = weir::exp16(_mm512_fmsub_ps(s0, sc, m));
-                    e1 = weir::exp16(_mm512_fmsub_ps(s1, sc, m));
-                } else {
-                    e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, ninf, _CMP_NEQ_OQ) & live_m,
-                                             weir::exp16(_mm512_sub_ps(s0, m)));
-                    e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_OQ) & live_m,
-                                             weir::exp16(_mm512_sub_ps(s1, m)));
-                }
-                l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
-                const __m512i p0 = _mm512_cvtepu16_epi32(weir::bf16_16(e0));
-                const __m512i p1 = _mm512_cvtepu16_epi32(weir::bf16_16(e1));
-                _mm512_store_si512(pbuf + t / 2 * 16, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
-            }
-            // P.V: per 32 keys, P transposed is the A tile, the packed values the B tiles
+            l = _mm512_add_ps(l, bs);
+            // P.V, transposed: per 32 keys, the packed values are the A tiles, P the B tile
             for (int j = 0; j < KB / 32 && t0 + 32 * j < L; ++j) {
-                transpose16(pbuf + j * 256, pbuf + j * 256);
-                _tile_loadd(2, pbuf + j * 256, 64);
+                _tile_loadd(3, pbuf + j * 256, 64);
                 const uint32_t* vt = vpk + (t0 / 32 + j) * (D / 16) * 256;
-                _tile_loadd(3, vt, 64); _tile_dpbf16ps(4, 2, 3);
-                _tile_loadd(3, vt + 256, 64); _tile_dpbf16ps(5, 2, 3);
-                _tile_loadd(3, vt + 512, 64); _tile_dpbf16ps(6, 2, 3);
-                _tile_loadd(3, vt + 768, 64); _tile_dpbf16ps(7, 2, 3);
+                _tile_loadd(2, vt, 64); _tile_dpbf16ps(4, 2, 3);
+                _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(5, 2, 3);
+                _tile_loadd(2, vt + 512, 64); _tile_dpbf16ps(6, 2, 3);
+                _tile_loadd(2, vt + 768, 64); _tile_dpbf16ps(7, 2, 3);
             }
         }
+        // O^T normalized (a query per lane), transposed back to rows, 16 dims at a time
         store_output_tiles(obuf);
-        alignas(64) float inv[16];
-        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+        for (int d = 0; d < 64; ++d)
+            _mm512_store_ps(obuf + d * 16, _mm512_mul_ps(_mm512_load_ps(obuf + d * 16), inv));
+        auto* ob = reinterpret_cast<uint32_t*>(obuf);
+        for (int i = 0; i < 4; ++i) transpose16(ob + i * 256, ob + i * 256);
         for (int c = 0; c < nr; ++c) {
             uint16_t* o = out + ((row0 + c) * heads + head) * D;
-            const __m512 ic = _mm512_set1_ps(inv[c]);
-            for (int d = 0; d < D; d += 16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
-                                    weir::bf16_16(_mm512_mul_ps(_mm512_load_ps(obuf + c * 64 + d), ic)));
+            for (int i = 0; i < 4; ++i)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * i),
+                                    weir::bf16_16(_mm512_load_ps(obuf + i * 256 + c * 16)));
         }
     }
 }
@@ -483,19 +562,18 @@ void flash_runs_amx(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
                     const int32_t* block_tables, int64_t table_width, int64_t heads,
                     int64_t q_row, int64_t kv_heads, int64_t block_size, float scale,
                     int num_threads, uint32_t* vpk) {
-    const int64_t per_head = D / 16 * 256;   // dwords per 32 keys
-    auto at = [&](const FlashRun& run, int64_t h) {
-        return vpk + run.vpk + h * ((run.len + 31) / 32) * per_head;
+    auto at = [&](const FlashRun& run, int64_t h, int which) {   // 0 values, 1 keys
+        return vpk + run.vpk + (2 * h + which) * flash_span<D>(run.len);
     };
     auto pack = [&](const FlashRun& run, int64_t h) {
-        pack_values<D>(v_cache, block_tables + run.seq * table_width, block_size, kv_heads * D,
-                       h, run.len, at(run, h));
+        const int32_t* table = block_tables + run.seq * table_width;
+        pack_values_t<D>(v_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 0));
+        pack_keys<D>(k_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 1));
     };
     auto block = [&](const FlashRun& run, const FlashItem& it) {
-        flash_block_amx<D, G>(q, k_cache, out, run.i0 + it.b0,
+        flash_block_amx<D, G>(q, at(run, it.h, 1), out, run.i0 + it.b0,
                               static_cast<int>(std::min<int64_t>(16, run.n - it.b0)), row_lens,
-                              it.h, block_tables + run.seq * table_width, block_size, kv_heads,
-                              heads, q_row, scale, at(run, it.h));
+                              it.h, heads, q_row, scale, at(run, it.h, 0));
     };
     flash_schedule(runs, row_lens, kv_heads, num_threads, pack, block, [] { amx_configure(); },
                    [] { _tile_release(); });

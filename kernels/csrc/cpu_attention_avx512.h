@@ -494,7 +494,8 @@ template <typename T, typename KT, int D>
 constexpr bool kFlashFits = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
 using FlashWord = uint32_t;
 template <int D> inline int64_t flash_words(int64_t len, int64_t kv_heads, bool amx) {
-    return (amx ? 1 : 2) * kv_heads * flash_span<D>(len);
+    (void)amx;
+    return 2 * kv_heads * flash_span<D>(len);
 }
 
 // the runs on the vector units: pack every run's keys and values per kv head, then the
