@@ -323,22 +323,30 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // back three times. 2 AMX Xeon cores, 30 layers, a 2,048-token prompt: 326 ms of a 610 ms
 // step, 0.44 TFLOP/s against the GEMM's 2.4.
 // This one is flash attention on the tiles, with no transpose in its key loop. Per call, each
-// kv head's values are packed once as P.V's A tiles, transposed (``pack_values_t``: per 32
-// keys, 4 tiles of 16 dims x 32 keys for D = 64), for every query block to share. A work item
-// is 16 consecutive rows of a run and one kv head; for each of its G query heads the queries
-// are one B tile pair (Q^T, transposed once), the keys A tiles read straight from the cache
-// (16 rows of a block), so S^T = K.Q^T lands a key per vector, 16 queries across (the
-// softmax is vertical: one vector op per key for all 16 rows). P is then already in the B
-// tile's layout: two neighbouring keys' rows, rounded to bf16 by one vcvtne2ps2bf16 and
-// interleaved by one vpermw, are a row of pairs, a query per dword. So the output is kept
-// transposed, O^T = V^T.P (four tiles, tmm4-7, 16 dims x 16 queries each, over the whole key
-// loop), and transposed back once per item. (The first form, O = P^T.V, transposed every
-// 32 keys' P by 16 x 16 dword shuffles and widened it to pairs by vpmovzxwd, all on the one
-// shuffle port: 2 AMX Xeon cores, one layer of a 2,048-token prompt 12.1-13.0 ms of CPU.)
+// kv head's keys are packed once as q.k's A tiles (``pack_keys``: 16 keys x 32 dims, each
+// tile one contiguous kilobyte) and its values as P.V's A tiles, transposed
+// (``pack_values_t``: per 32 keys, 4 tiles of 16 dims x 32 keys for D = 64), for every query
+// block to share. A work item is 16 consecutive rows of a run and one kv head; for each of its
+// G query heads the queries are one B tile pair (Q^T, transposed once), so S^T = K.Q^T lands
+// a key per vector, 16 queries across (the softmax is vertical: one vector op per key for all
+// 16 rows). P is then already in a B tile's layout: two neighbouring keys' rows, rounded to
+// bf16 by one vcvtne2ps2bf16 and interleaved by one vpermw, are a row of pairs, a query per
+// dword. So the output is kept transposed, O^T = V^T.P (four tiles, tmm4-7, 16 dims x 16
+// queries each, over the whole key loop), and transposed back once per item. Each block's
+// scores go to the tile unit before the block before it runs its softmax (two score buffers),
+// and the probabilities are 2^x by 9 vector ops (exp2_softmax).
 // The running max is lazy: it moves only when a block's max passes it by more than
 // kLazyRescale (e^8: P's bf16 and the fp32 sums have room), so the output tiles are stored,
 // rescaled (a query per lane: one multiply a dim row) and reloaded a few times per row, not
-// once per block. Only D = 64 and bf16 caches; other shapes take the tile kernel.
+// once per block; and away from the edge the max is not even looked at unless a column's
+// block sum passes e^8 (a term larger than that would have to be in the sum).
+// One layer of a 2,048-token prompt (9 q / 3 kv heads), one Xeon core's CPU time, each step
+// against the one before it (docs/perf-log.md, 2026-12-06): 17.0-18.0 ms the first form (keys
+// A tiles read from the cache, 384 bytes a row apart; O = P^T.V with P transposed every 32
+// keys and widened by vpmovzxwd on the shuffle port); 16.6 O^T = V^T.P; 12.9-13.6 the keys
+// packed (the loads from the cache were the kernel's largest stall); 13.0 the next block's
+// scores first; 9.6-11.2 2^x and the sum-checked max. Only D = 64 and bf16 caches; other
+// shapes take the tile kernel.
 inline void zero_output_tiles() { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
 inline void store_output_tiles(float* o) {      // O^T: [64 dims][16 queries], tile i at o + 256 i
     _tile_stored(4, o, 64); _tile_stored(5, o + 256, 64);

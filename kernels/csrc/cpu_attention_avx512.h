@@ -484,17 +484,16 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
     }
 }
 
-// Where a run's packed keys and values lie in the call's buffer: values, then (the vector
-// kernel's) keys, per kv head
+// Where a run's packed keys and values lie in the call's buffer: values, then keys, per kv
+// head (each kernel in its own layout, the same size)
 template <int D> inline int64_t flash_span(int64_t len) { return (len + 31) / 32 * (D / 16) * 256; }
 
 // The prompt kernels here: bf16 q and caches, D = 64; their buffer's words (dwords) for a
-// run of len keys (the AMX kernel packs values only)
+// run of len keys (both kernels pack keys and values)
 template <typename T, typename KT, int D>
 constexpr bool kFlashFits = D == 64 && sizeof(T) == 2 && std::is_same_v<KT, uint16_t>;
 using FlashWord = uint32_t;
-template <int D> inline int64_t flash_words(int64_t len, int64_t kv_heads, bool amx) {
-    (void)amx;
+template <int D> inline int64_t flash_words(int64_t len, int64_t kv_heads, bool) {
     return 2 * kv_heads * flash_span<D>(len);
 }
 
