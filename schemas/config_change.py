@@ -26,8 +26,8 @@ Every applied config is a ``ConfigVersion``: a number one past the last, the sha
 its live sections (canonical JSON, so one policy has one hash whatever the file's
 layout), who applied it and when. Version 0 is the config the process started with. A
 rollback applies an earlier version's live fields as a new version (history only grows).
-A history saved by a process (the router's, ``ConfigHistory.resumed``) goes on across its
-restart.
+A history saved by a process (an engine's streamer, a router: ``ConfigHistory.resumed``)
+goes on across its restart, a trial running then included.
 
 On an engine, a candidate whose ``[rollout] mode`` is "shadow" or "canary" is a *trial*:
 it gets a version, but the version before it stays *settled* (in force for every request
@@ -333,10 +333,11 @@ class ConfigHistory:
                 last_boot: str, now: float, scope: Scope) -> ConfigHistory:
         """A history saved before a restart, going on. ``last_boot``: the digest of the
         config the process started with last time. The same file again: the version in
-        force then is in force now (its live fields over the file). A changed file: it is
-        a new version, applied by ``startup``, and in force (what the operator restarted
-        with wins over what was applied before). A trial running then is over (its
-        comparison did not survive the restart): the settled version is in force."""
+        force then is in force now (its live fields over the file), and a trial running
+        then (the last version) goes on beside it (its watch is the caller's to resume).
+        A changed file: it is a new version, applied by ``startup``, and in force (what the
+        operator restarted with wins over what was applied before); a trial running then
+        is over."""
         h = cls(boot, now, scope)
         if not versions or len(versions) != len(sections):
             return h
@@ -346,6 +347,8 @@ class ConfigHistory:
         if booted.digest() == last_boot:
             h.sections[h.settled] = scope.sections.of(live_fields(
                 h.sections[h.settled].onto(h.boot), h.boot, scope))
+            if h.sections[-1].trial:
+                h.trial = len(h.sections) - 1
             return h
         before = h.config
         h.sections.append(booted)

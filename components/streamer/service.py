@@ -117,7 +117,8 @@ class StreamerService(Component):
         self.to_scheduler = self.push_to("scheduler")
         run_dir = self.config.topology.run_dir
         self.live_config = LiveConfig(self.config, time.time(),
-                                      Path(run_dir) / HISTORY_FILE if run_dir else None)
+                                      Path(run_dir) / HISTORY_FILE if run_dir else None,
+                                      time.monotonic())
         self.pin: Pinned | None = None             # what deterministic requests are pinned to
         self.version = engine_version()
 

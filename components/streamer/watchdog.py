@@ -23,21 +23,32 @@ per-class ones); the baseline's counts as 0 (cost: is not compared) until it has
 itself, so a candidate is never judged on a handful of requests and never excused by a
 baseline that has none. It promotes once ``promote_after_s`` passed since the trial began
 with ``min_requests`` canary requests ended and no threshold crossed at that moment.
+
+A trial's watch survives a restart of the streamer (``resumed``): the streamer keeps what
+it fed the watchdog in a journal beside the config history, and a restarted one rebuilds
+the watch from it and from the trial's version. The trial keeps its start (the version's
+``applied_at``: ``promote_after_s`` counts from it, the time the streamer was down
+included), its thresholds (the version's ``[rollout]``) and the canary requests it saw
+end; its windows hold what the journal holds of the last ``window_s``. A resumed watch
+rolls back as any does, but promotes only once the canary has ``min_requests`` ended
+within the window it sees now (not on counts from before the gap alone).
 """
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from schemas.config import RolloutConfig
 
 _MAX_SAMPLES = 100_000          # per side and kind: a window longer than this forgets more
 
 
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """One request's end as the watchdog counts it."""
+class Ended(msgspec.Struct, frozen=True, array_like=True, tag="e"):
+    """One request's end as the watchdog counts it (a line of the journal, too)."""
 
     at: float                   # monotonic seconds
     canary: bool
@@ -50,8 +61,9 @@ class Ended:
     good_tokens: int = 0        # its output tokens if it was good
 
 
-@dataclass(frozen=True, slots=True)
-class Decided:
+class Decided(msgspec.Struct, frozen=True, array_like=True, tag="d"):
+    """One of admission's decisions, as the watchdog counts it."""
+
     at: float
     canary: bool
     tenant: str
@@ -86,9 +98,10 @@ class Side:
 class Watchdog:
     """The trial of one canary, begun at ``started`` (monotonic seconds)."""
 
-    def __init__(self, rollout: RolloutConfig, started: float) -> None:
+    def __init__(self, rollout: RolloutConfig, started: float, resumed: bool = False) -> None:
         self.cfg = rollout
         self.started = started
+        self.resumed = resumed          # rebuilt after a restart (``resumed``)
         self.ends: deque[Ended] = deque(maxlen=2 * _MAX_SAMPLES)
         self.decisions: deque[Decided] = deque(maxlen=2 * _MAX_SAMPLES)
         self.canary_ended = 0                    # since the trial began
@@ -141,7 +154,8 @@ class Watchdog:
         if why is not None:
             return Verdict("rollback", why)
         if now - self.started >= self.cfg.promote_after_s \
-                and self.canary_ended >= self.cfg.min_requests:
+                and self.canary_ended >= self.cfg.min_requests \
+                and (not self.resumed or can.ended >= self.cfg.min_requests):
             return Verdict("promote", f"held {now - self.started:.1f} s over "
                                       f"{self.canary_ended} canary requests")
         return None
@@ -185,3 +199,27 @@ class Watchdog:
                 return (f"cost {c:.2f} tokens computed per good token on the canary against "
                         f"{b:.2f} (more than {cfg.max_cost_ratio:g}x)")
         return None
+
+
+def resumed(rollout: RolloutConfig, started_at: float, samples: Iterable[Ended | Decided],
+            ended_before: int, now: float, mono: float) -> Watchdog:
+    """A trial's watch rebuilt after a restart of the streamer (the rule in the module's
+    docstring). ``started_at``: the trial's start, wall seconds (its version's
+    ``applied_at``); ``samples``: what the journal kept, ``at`` in wall seconds;
+    ``ended_before``: the canary requests that ended in the trial before the journal's
+    first sample; ``now``, ``mono``: the wall and monotonic clocks now (the watch runs on
+    the monotonic one: every time moves by their difference). A sample from before the
+    trial is dropped; one stamped after ``now`` (the wall clock stepped back) counts as
+    now."""
+    shift = now - mono
+    w = Watchdog(rollout, started_at - shift, resumed=True)
+    w.canary_ended = ended_before
+    for s in sorted(samples, key=lambda s: s.at):
+        if s.at < started_at:
+            continue
+        moved = msgspec.structs.replace(s, at=min(s.at, now) - shift)
+        if isinstance(moved, Ended):
+            w.ended(moved)
+        else:
+            w.decided(moved)
+    return w
