@@ -4,8 +4,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import msgspec
 import yaml
 
+from components.admission.request_log import log_path
+from components.streamer.live_config import HISTORY_FILE, WATCH_FILE, history_path
 from schemas.config import COMPONENTS, SLO_CLASSES, load_config
 from tests.deploy import weir_toml
 
@@ -53,6 +56,46 @@ def test_compose_topology_config_is_tcp_and_traced():
     # the stack ships the SLO-first defaults, as weir serve with no config does
     assert cfg.admission == load_config(topology={"run_dir": "/tmp"}).admission
     assert cfg.admission.policy == "deadline" and cfg.admission.classes == SLO_CLASSES
+
+
+def test_compose_engine_keeps_a_run_directory_on_a_volume():
+    """topology.run_dir is set, and over tcp it places no socket; admission's request log
+    and the streamer's history resolve there, on the one named volume both mount
+    writable."""
+    spec = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = spec["services"]
+    cfg = load_config(ROOT / "deploy" / "compose.toml")
+    t = cfg.topology
+    assert t.transport == "tcp" and t.run_dir == "/var/lib/weir"
+    bare = msgspec.structs.replace(t, run_dir="")
+    for bind in (False, True):
+        assert [t.inbox(c, bind) for c in COMPONENTS] == [bare.inbox(c, bind)
+                                                         for c in COMPONENTS]
+        assert (t.heartbeats(bind), t.control(bind), t.kv_events(bind)) == (
+            bare.heartbeats(bind), bare.control(bind), bare.kv_events(bind))
+        assert not any(a.startswith("ipc://") for a in (
+            *(t.inbox(c, bind) for c in COMPONENTS), t.heartbeats(bind), t.control(bind),
+            t.kv_events(bind)))
+    assert (t.client_endpoint, t.client_connect) == (bare.client_endpoint,
+                                                     bare.client_connect)
+    # the request log is on (the default), both files in the run directory
+    assert log_path(cfg) == Path(t.run_dir) / "requests.jsonl"
+    assert history_path(cfg) == Path(t.run_dir) / HISTORY_FILE
+    assert history_path(cfg).with_name(WATCH_FILE).parent == Path(t.run_dir)
+
+    def volume_at(name: str, path: Path) -> str:
+        for vol in services[name]["volumes"]:
+            src, dst, *mode = vol.split(":")
+            if Path(dst) == path.parent and "ro" not in mode:
+                assert src in (spec.get("volumes") or {}), f"{name}: {vol} is no named volume"
+                return src
+        raise AssertionError(f"{name}: nothing writable mounted at {path.parent}")
+
+    assert volume_at("admission", log_path(cfg)) == volume_at("streamer", history_path(cfg))
+    # and both still mount the config and the keys (their volumes replace the anchor's)
+    for name in ("admission", "streamer"):
+        assert _mounted(services[name], "deploy/compose.toml") == "/etc/weir/weir.toml"
+        assert _mounted(services[name], "deploy/keys") == cfg.security.curve_keys_dir
 
 
 def _mounted(svc: dict, host_path: str) -> str:

@@ -31,10 +31,22 @@ from pathlib import Path
 
 import msgspec
 
+from schemas.config import WeirConfig
 from schemas.wire import Tokenized
 
 HEADER = "# weir request log v1: block_size={block_size}\n"
 _encode = msgspec.json.Encoder().encode
+
+
+def log_path(config: WeirConfig) -> Path | None:
+    """Where admission writes the log: ``telemetry.request_log`` under
+    ``topology.run_dir`` (an absolute one as it is). None: off (no name, or a relative
+    one and no run directory). The run directory also holds the ipc sockets, but only with
+    ipc transport: over tcp it is only where these files go."""
+    name, run_dir = config.telemetry.request_log, config.topology.run_dir
+    if not name or not (os.path.isabs(name) or run_dir):
+        return None
+    return Path(run_dir) / name
 
 
 class _Row(msgspec.Struct):

@@ -3,9 +3,7 @@ admission policy (``policy.AdmissionPolicy``, shared with ``weir simulate``), tr
 decision, and passes the request on or rejects it early with a reason and a retry-after."""
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import anyio
 import structlog
@@ -15,7 +13,7 @@ from bus import tracing
 from bus.component import Component
 from components.admission.decision import Decision, Kind
 from components.admission.policy import AdmissionPolicy
-from components.admission.request_log import RequestLog
+from components.admission.request_log import RequestLog, log_path
 from components.admission.rollout import Rollout
 from schemas.wire import (
     Accepted,
@@ -57,10 +55,10 @@ class AdmissionService(Component):
     def _request_log(self) -> RequestLog | None:
         """The recorded request log (``request_log.py``; ``telemetry.request_log``)."""
         t, kv = self.config.telemetry, self.config.kv
-        name, run_dir = t.request_log, self.config.topology.run_dir
-        if not name or not (os.path.isabs(name) or run_dir):
+        path = log_path(self.config)
+        if path is None:
             return None
-        return RequestLog(Path(run_dir) / name, kv.block_size,
+        return RequestLog(path, kv.block_size,
                           max_bytes=round(t.request_log_max_mib * 2**20),
                           remember=max(65536, kv.num_blocks + kv.num_cpu_blocks))
 

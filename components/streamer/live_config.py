@@ -56,6 +56,13 @@ WATCH_FILE = "canary_watch.jsonl"
 _JOURNAL_COMPACT_BYTES = 8 * 2**20
 
 
+def history_path(config: WeirConfig) -> Path | None:
+    """Where the engine's history is kept: in ``topology.run_dir`` (None: no run
+    directory, so in memory only)."""
+    run_dir = config.topology.run_dir
+    return Path(run_dir) / HISTORY_FILE if run_dir else None
+
+
 class SavedHistory(msgspec.Struct, frozen=True):
     """The history on disk: the digest of the config the engine started with, every
     version and the sections it put in force."""
@@ -334,4 +341,5 @@ class LiveConfig:
         out["rollout.trial_version"] = trial.version if trial else 0
         out["rollout.shadow"] = float(trial is not None and trial.rollout == "shadow")
         out["rollout.canary_share"] = self.watchdog.cfg.share if self.watchdog else 0.0
+        out["rollout.canary_ended"] = self.watchdog.canary_ended if self.watchdog else 0
         return out

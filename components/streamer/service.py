@@ -19,7 +19,6 @@ its deadline (``drain_timeout``).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -34,7 +33,7 @@ from bus.endpoint import ClientEndpoint
 from bus.identity import Identity, Keyring, Refusal, visible_status
 from components.streamer import spans
 from components.streamer.idempotency import IdempotencyTable, Refused, rename, request_digest
-from components.streamer.live_config import HISTORY_FILE, LiveConfig
+from components.streamer.live_config import LiveConfig, history_path
 from components.streamer.pinned import engine_version, pinned
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
@@ -115,9 +114,7 @@ class StreamerService(Component):
         self.to_tokenizer = self.push_to("tokenizer")
         self.to_admission = self.push_to("admission")      # config versions (live_config.py)
         self.to_scheduler = self.push_to("scheduler")
-        run_dir = self.config.topology.run_dir
-        self.live_config = LiveConfig(self.config, time.time(),
-                                      Path(run_dir) / HISTORY_FILE if run_dir else None,
+        self.live_config = LiveConfig(self.config, time.time(), history_path(self.config),
                                       time.monotonic())
         self.pin: Pinned | None = None             # what deterministic requests are pinned to
         self.version = engine_version()

@@ -235,6 +235,18 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                 if "--endpoint" in cmd and cmd[cmd.index("--endpoint") + 1] != \
                         cfg.topology.client_endpoint:
                     problems.append(f"{name}: --endpoint differs from the config's")
+                # the run directory (request log, config history) on a writable volume
+                # that outlives the container: not the container's own /tmp
+                run_dir = cmd[cmd.index("--run-dir") + 1] if "--run-dir" in cmd else ""
+                claims = {t["metadata"]["name"]
+                          for t in wl["spec"].get("volumeClaimTemplates", ())}
+                if not any(m["mountPath"] == run_dir and not m.get("readOnly")
+                           and (m["name"] in claims or any(
+                               k in volumes.get(m["name"], {})
+                               for k in ("emptyDir", "persistentVolumeClaim")))
+                           for m in c.get("volumeMounts", ())):
+                    problems.append(f"{name}: the run directory is not on a writable volume "
+                                    f"of its own")
                 replicas.append((wl, cfg))
             elif cmd[:2] == ["weir", "route"]:
                 routers.append(cfg)
@@ -396,6 +408,8 @@ def test_the_router_discovers_the_replicas_and_scaling_needs_no_change_to_it():
     ("kv_port", "on other ports than it serves"),
     ("operator_key", "WEIR_OPERATOR_KEY is not the keys Secret's operator.key"),
     ("history_volume", "router.config_history is not on a writable volume"),
+    ("run_dir_flag", "the run directory is not on a writable volume"),
+    ("run_dir_volume", "the run directory is not on a writable volume"),
 ])
 def test_consistency_check_catches_breakage(breakage, reported):
     objects = copy.deepcopy(render(K8S / "base"))
@@ -433,6 +447,12 @@ def test_consistency_check_catches_breakage(breakage, reported):
         container["env"] = [e for e in container["env"] if e["name"] != "WEIR_OPERATOR_KEY"]
     elif breakage == "history_volume":
         cm["data"]["router.toml"] = router_toml.replace("/var/lib/weir/", "/tmp/weir/")
+    elif breakage == "run_dir_flag":      # `weir serve` makes one in the container's /tmp
+        i = container["command"].index("--run-dir")
+        del container["command"][i:i + 2]
+    elif breakage == "run_dir_volume":
+        container["volumeMounts"] = [m for m in container["volumeMounts"]
+                                     if m["mountPath"] != "/var/lib/weir"]
     problems = consistency_problems(objects)
     assert any(reported in p for p in problems), problems
 

@@ -3,18 +3,25 @@ that admits everything (fcfs: it serves doomed requests, ones whose first-token 
 no prefill can meet) is rolled back by the watchdog within its window, and the share of
 output tokens that were good comes back; a candidate as good as the settled one is
 promoted. Tenant "b" is the canary's at share 0.5, "a" is not. In both paths every
-request ends exactly once and the pool is whole after the drain."""
+request ends exactly once and the pool is whole after the drain. Last, a bad candidate's
+watch survives a kill -9 of the streamer mid-trial: the restarted streamer rolls it back,
+and only the requests open at the kill are lost (they fail, as any streamer crash fails
+them: tests/e2e/test_kill_matrix.py)."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import anyio
 import pytest
 
+from components.streamer.live_config import WATCH_FILE, WatchJournal
+from components.streamer.watchdog import Ended
 from components.tenancy.canary import in_canary
-from tests.e2e.engine import Engine, wait_for
+from tests.e2e.engine import Engine, await_for, wait_for
 from tests.e2e.test_live_config import OPERATOR_KEY, _key
-from weir.errors import RequestRejected
+from weir.errors import RequestFailed, RequestRejected
 
 CONFIG = """
 [kv]
@@ -172,3 +179,144 @@ def test_a_good_candidate_is_promoted(eng):
     eng.wait_stat("scheduler", "config_version", v.version, timeout=5.0)
     eng.wait_stat("streamer", "rollout.promoted", 1, timeout=5.0)   # on its heartbeat
     _drained(eng, load)
+
+
+# -- the watch across a restart of the streamer (last in the module: it kills it) -----
+
+# a bad candidate judged on more requests than one wave brings, so that the kill lands
+# mid-trial: the rollback needs canary requests from both sides of the restart
+SLOW_BAD = ('[admission]\npolicy = "fcfs"\n[rollout]\nmode = "canary"\nshare = 0.5\n'
+            'window_s = 120.0\nmin_requests = 16\nmax_miss_rate_increase = 0.25\n'
+            'max_wait_increase_s = 15.0\npromote_after_s = 600.0\n')
+
+
+class KilledLoad(Load):
+    """Waves as ``Load``'s, each request's end recorded (failed ones too), and the ids open
+    at any moment (``open``)."""
+
+    def __init__(self, eng: Engine) -> None:
+        super().__init__(eng)
+        self.open: set[str] = set()
+        self.waves = 0
+
+    async def one(self, client, tenant: str, doomed: bool) -> None:
+        self.n += 1
+        rid = f"{tenant}-{'doomed' if doomed else 'ok'}-{self.n}"
+        self.open.add(rid)
+        try:
+            done = await client.generate(f"Count to ten, number {self.n}:", request_id=rid,
+                                         tenant=tenant, max_tokens=16, temperature=0,
+                                         deadline_ms=DOOMED_MS if doomed else None,
+                                         timeout=120)
+            outcome = f"finished:{done.finish_reason}"
+        except RequestRejected as exc:
+            outcome = f"rejected:{exc}"
+        except RequestFailed as exc:
+            outcome = f"failed:{exc.reason}"
+        self.open.discard(rid)
+        assert rid not in self.results                   # one answer per request
+        self.results[rid] = outcome
+
+    async def waves_until(self, until, limit_s: float) -> None:
+        """Waves from one client until ``until()``; after a wave with a failure (the
+        streamer was killed), the next waits for the engine to be whole again. ``waves``:
+        the waves done. (One client for all: it has heard the streamer's instance by its
+        second wave. A client that never heard the killed instance cannot tell its open
+        requests went to it; they would end only at their timeout.)"""
+        deadline = time.monotonic() + limit_s
+        async with self.eng.async_client() as client:
+            while time.monotonic() < deadline and not until():
+                failed = sum(o.startswith("failed") for o in self.results.values())
+                async with anyio.create_task_group() as tg:
+                    for tenant in ("a", "b"):
+                        for doomed in (False, True, False, True):
+                            tg.start_soon(self.one, client, tenant, doomed)
+                self.waves += 1
+                if sum(o.startswith("failed") for o in self.results.values()) > failed:
+                    await anyio.to_thread.run_sync(_whole, self.eng)
+
+
+def _whole(eng: Engine) -> dict:
+    def probe():
+        try:
+            comps = eng.status()
+        except Exception:                              # not back yet: polled until it is
+            return None
+        return comps if all(c.alive and c.state == "ready" for c in comps.values()) else None
+    return wait_for(probe, 120, "every component ready again")
+
+
+def _journal_canary_ends(eng: Engine) -> int:
+    path = eng.run_dir / WATCH_FILE
+    if not path.exists():
+        return 0
+    got = WatchJournal.read(path)
+    return 0 if got is None else got[0].canary_ended_before + sum(
+        isinstance(s, Ended) and s.canary for s in got[1])
+
+
+def test_the_watch_survives_a_kill_of_the_streamer_and_still_rolls_back(eng):
+    load = KilledLoad(eng)
+    with eng.client(api_key=OPERATOR_KEY) as ops:
+        trial = ops.config("apply", SLOW_BAD, actor="test").current
+    assert trial.rollout == "canary"
+    eng.wait_stat("admission", "rollout.version", trial.version, timeout=5.0)
+    mark = len(load.results)
+    anyio.run(load.waves_until, lambda: len(load.results) >= mark + 8, 60.0)   # one wave
+    written = wait_for(lambda: _journal_canary_ends(eng), 5.0, "the journal's first ends",
+                       until=lambda n: n >= 4)
+    assert _history(eng)[-1].version == trial.version               # still on trial
+    pid = eng.status()["streamer"].pid
+    killed: set[str] = set()
+
+    def rolled_back():
+        last = _history_or_none(eng)
+        return last if last is not None and last.applied_by == "watchdog" else None
+
+    async def kill_mid_wave() -> None:
+        await await_for(lambda: load.waves >= 2 and len(load.open) >= 4, 60.0,
+                        "a later wave in flight")
+        killed.update(load.open)
+        os.kill(pid, signal.SIGKILL)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_mid_wave)
+            tg.start_soon(load.waves_until, lambda: bool(killed) and rolled_back(), 180.0)
+
+    anyio.run(run)
+    back = wait_for(rolled_back, 30.0, "the watchdog's rollback after the restart")
+    comps = eng.status()
+    assert comps["streamer"].pid != pid
+    s = eng.stats("streamer")
+    assert (s["rollout.resumed"], s["rollout.rolled_back"]) == (1, 1)
+    assert (back.version, back.rollback_of, back.rollout) == (
+        trial.version + 1, trial.version - 1, "off")
+    assert back.reason.startswith(("deadline-miss rate of class interactive", "cost")), \
+        back.reason
+    assert not (eng.run_dir / WATCH_FILE).exists()
+    eng.wait_stat("admission", "config_version", back.version, timeout=5.0)
+    assert "rollout.version" not in eng.stats("admission")
+
+    # lost: only what was open at the kill (it fails: the client sees a new streamer)
+    failed = {rid: o for rid, o in load.results.items() if o.startswith("failed")}
+    assert set(failed) <= killed, (failed, killed)
+    assert all(o.startswith(("failed:engine_restarted", "failed:engine_unreachable"))
+               for o in failed.values()), failed
+    assert len(load.results) == load.n and not load.open      # every request answered
+    print(f"\nkilled the streamer with {len(killed)} requests open ({len(failed)} failed); "
+          f"{written} canary ends in the journal before; rolled back "
+          f"{back.applied_at - trial.applied_at:.2f} s into the trial: {back.reason}")
+    eng.wait_stat("admission", "outstanding", 0, timeout=10.0)
+    eng.wait_kv_free(timeout=10.0)
+    adm = eng.settled_stats("admission")
+    assert (adm["reserved_kv_blocks"], adm["queued"]) == (0, 0)
+    assert eng.settled_stats("streamer")["active_requests"] == 0
+
+
+def _history_or_none(eng: Engine):
+    try:
+        with eng.client(api_key=OPERATOR_KEY, max_retries=0) as ops:
+            return ops.config("history").history[-1]
+    except Exception:                                  # the streamer is restarting
+        return None
