@@ -198,6 +198,7 @@ class KilledLoad(Load):
         super().__init__(eng)
         self.open: set[str] = set()
         self.waves = 0
+        self.resumed: dict[str, float] = {}
 
     async def one(self, client, tenant: str, doomed: bool) -> None:
         self.n += 1
@@ -234,6 +235,9 @@ class KilledLoad(Load):
                 self.waves += 1
                 if sum(o.startswith("failed") for o in self.results.values()) > failed:
                     await anyio.to_thread.run_sync(_whole, self.eng)
+                    # the restarted streamer's watch, before any new request
+                    self.resumed = await anyio.to_thread.run_sync(
+                        lambda: self.eng.settled_stats("streamer"))
 
 
 def _whole(eng: Engine) -> dict:
@@ -268,6 +272,7 @@ def test_the_watch_survives_a_kill_of_the_streamer_and_still_rolls_back(eng):
     assert _history(eng)[-1].version == trial.version               # still on trial
     pid = eng.status()["streamer"].pid
     killed: set[str] = set()
+    at_kill: list[int] = []
 
     def rolled_back():
         last = _history_or_none(eng)
@@ -278,6 +283,7 @@ def test_the_watch_survives_a_kill_of_the_streamer_and_still_rolls_back(eng):
                         "a later wave in flight")
         killed.update(load.open)
         os.kill(pid, signal.SIGKILL)
+        at_kill.append(_journal_canary_ends(eng))       # before a new streamer starts
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
@@ -290,6 +296,10 @@ def test_the_watch_survives_a_kill_of_the_streamer_and_still_rolls_back(eng):
     assert comps["streamer"].pid != pid
     s = eng.stats("streamer")
     assert (s["rollout.resumed"], s["rollout.rolled_back"]) == (1, 1)
+    # the restarted streamer went on with the canary ends the journal held at the kill
+    assert load.resumed["rollout.resumed"] == 1 and load.resumed["rollout.trial_version"] \
+        == trial.version
+    assert load.resumed["rollout.canary_ended"] == at_kill[0] >= written
     assert (back.version, back.rollback_of, back.rollout) == (
         trial.version + 1, trial.version - 1, "off")
     assert back.reason.startswith(("deadline-miss rate of class interactive", "cost")), \
@@ -305,7 +315,7 @@ def test_the_watch_survives_a_kill_of_the_streamer_and_still_rolls_back(eng):
                for o in failed.values()), failed
     assert len(load.results) == load.n and not load.open      # every request answered
     print(f"\nkilled the streamer with {len(killed)} requests open ({len(failed)} failed); "
-          f"{written} canary ends in the journal before; rolled back "
+          f"{at_kill[0]} canary ends in the journal at the kill; rolled back "
           f"{back.applied_at - trial.applied_at:.2f} s into the trial: {back.reason}")
     eng.wait_stat("admission", "outstanding", 0, timeout=10.0)
     eng.wait_kv_free(timeout=10.0)
