@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -94,7 +95,7 @@ class WatchJournal:
         self.size = 0                                 # bytes in the file
         self.compacted = 0                            # its size after the last rewrite
 
-    def begin(self, head: WatchHead, samples: list[Ended | Decided] = (),
+    def begin(self, head: WatchHead, samples: Sequence[Ended | Decided] = (),
               shift: float = 0.0) -> None:
         """Write a new journal: ``head`` and ``samples`` (their ``at`` + ``shift``: wall)."""
         self.pending.clear()
@@ -195,9 +196,12 @@ class LiveConfig:
             return
         trial, rollout = h.versions[h.trial], h.sections[h.trial].rollout
         got = WatchJournal.read(journal.path)
+        head = WatchHead(trial.version, trial.sha256)
+        samples: list[Ended | Decided] = []
         ours = got is not None and (got[0].trial, got[0].sha256) == (trial.version,
                                                                      trial.sha256)
-        head, samples = got if ours else (WatchHead(trial.version, trial.sha256), [])
+        if ours and got is not None:
+            head, samples = got
         self.watchdog = resumed(rollout, trial.applied_at, samples,
                                 head.canary_ended_before, now, mono)
         self.counts["resumed"] += 1
@@ -212,7 +216,8 @@ class LiveConfig:
         if self.journal is None or w is None or h.trial is None:
             return
         trial = h.versions[h.trial]
-        held = sorted([*w.ends, *w.decisions], key=lambda s: s.at)
+        held: list[Ended | Decided] = [*w.ends, *w.decisions]
+        held.sort(key=lambda s: s.at)
         before = w.canary_ended - sum(e.canary for e in w.ends)
         self.journal.begin(WatchHead(trial.version, trial.sha256, before), held, shift)
 
