@@ -374,6 +374,7 @@ class AsyncClient:
         self._streams: dict[str, Inbox] = {}
         self._instance_of: dict[str, int | None] = {}   # request -> streamer it went to
         self._instance: int | None = None
+        self._instance_known: anyio.Event | None = None   # set at the first heartbeat answer
         self._last_answer = time.monotonic()
         self._tg = None
         self._sock: BusSocket | None = None
@@ -428,8 +429,20 @@ class AsyncClient:
             return key
         return None
 
+    async def _learn_instance(self) -> None:
+        """Wait for the streamer's instance (a heartbeat's answer) before a first submit: a
+        request sent to an instance not yet known could not be told lost if that streamer
+        restarted before answering, and would wait for a terminal that never comes."""
+        if self._instance_known is None:
+            self._instance_known = anyio.Event()
+        known = self._instance_known
+        await self._sock.send(Heartbeat())
+        await known.wait()
+
     def _on_instance(self, instance: int) -> None:
         """A new streamer instance has none of the requests sent to the old one."""
+        if self._instance_known is not None:
+            self._instance_known.set()
         old, self._instance = self._instance, instance
         if old is None or old == instance:
             return
@@ -534,6 +547,9 @@ class AsyncClient:
         return stream
 
     async def _send_submit(self, sub: Submit, span: Any) -> None:
+        if self._instance is None:             # bounded: an engine that never answers is
+            with anyio.move_on_after(self.engine_timeout):   # caught by the heartbeats
+                await self._learn_instance()
         self._instance_of[sub.request_id] = self._instance
         await self._sock.send(sub, traceparent=traceparent_of(span))
 
