@@ -173,6 +173,7 @@ class ReplicaAddress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     endpoint: str
     kv_events: str = ""
+    pool: str = "default"               # its replica pool (schemas.config.ReplicaSpec)
 
 
 class ChangeReplicas(msgspec.Struct, tag="change_replicas", frozen=True,
@@ -403,6 +404,7 @@ class ReplicasChanged(msgspec.Struct, tag="replicas_changed", frozen=True):
     error: str | None = None
     replicas: tuple[str, ...] = ()
     retiring: tuple[str, ...] = ()      # removed, with requests still open on them
+    pools: dict[str, str] = {}          # each replica (routed to or retiring) -> its pool
 
 
 class ConfigAnswer(msgspec.Struct, tag="config_answer", frozen=True):

@@ -577,17 +577,29 @@ class BusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.max_message_mib << 20
 
 
+def valid_pool(name: str) -> bool:
+    """A pool's name: 1 to 64 of lowercase letters, digits, '-' and '_' (it is a stats key
+    and a Kubernetes label value)."""
+    return 0 < len(name) <= 64 and all(c.isdigit() or "a" <= c <= "z" or c in "-_"
+                                       for c in name)
+
+
 class ReplicaSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One Weir engine behind the router: its client endpoint, and the address its
-    kv_manager publishes prefix-cache events on (``topology.kv_events_endpoint`` there)."""
+    """One Weir engine behind the router: its client endpoint, the address its
+    kv_manager publishes prefix-cache events on (``topology.kv_events_endpoint`` there),
+    and its pool (a label: a canary by pool, ``[rollout] pool``, puts a candidate on the
+    replicas of one pool; components/router/pool_canary.py)."""
 
     name: str
     endpoint: str
     kv_events: str = ""                 # empty: no prefix index for it (load only)
+    pool: str = "default"
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name,
                  "router.replicas: a name is required, without '/'")
+        _require(valid_pool(self.pool),
+                 f"router.replicas[{self.name}].pool must be 1-64 of a-z, 0-9, '-' and '_'")
         _require(self.endpoint.startswith(("tcp://", "ipc://")),
                  f"router.replicas[{self.name}].endpoint must be tcp:// or ipc://")
 
@@ -659,6 +671,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     discovery_kv_events_port: int = 7470
     discovery_interval_s: float = 2.0
     discovery_misses: int = 3
+    # one name per pool under discovery "dns": pool -> the headless Service that resolves
+    # to that pool's replicas (each found there is labelled with the pool; ``discovery_name``
+    # is the pool "default"'s and may then be empty)
+    discovery_pools: dict[str, str] = {}
     # where the router keeps its live config versions (weir config; components/router/
     # live_config.py) so that a restarted router goes on with them: "" is
     # router_config_history.jsonl in topology.run_dir (kept across a restart of the router
@@ -670,7 +686,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(len(set(tenants)) == len(tenants), "router.tenants has duplicate names")
         names = [r.name for r in self.replicas]
         _require(len(set(names)) == len(names), "router.replicas: names must be unique")
-        _require(self.discovery == "static" or bool(self.discovery_name),
+        _require(all(valid_pool(p) and n for p, n in self.discovery_pools.items()),
+                 "router.discovery_pools: pool -> a DNS name, each pool 1-64 of a-z, 0-9, "
+                 "'-' and '_'")
+        _require(self.discovery == "static" or bool(self.discovery_name)
+                 or bool(self.discovery_pools),
                  "router.discovery = \"dns\" needs router.discovery_name (the headless "
                  "Service's DNS name)")
         _require(0 < self.discovery_port < 65536 and 0 <= self.discovery_kv_events_port < 65536,
@@ -790,9 +810,16 @@ class RolloutConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_flip_rate_increase: float = 0.25      # admit/reject flips ÷ decisions, the same
     max_cost_ratio: float = 1.5               # computed ÷ good tokens, canary over baseline
     promote_after_s: float = 300.0
+    # a canary by replica pool: "" (the engine's canary, by tenant share), or the pool whose
+    # replicas a router puts the candidate on while its other pools keep the running config
+    # (applied to the router: components/router/pool_canary.py)
+    pool: str = ""
 
     def __post_init__(self) -> None:
         _require(0 < self.share <= 1, "rollout.share must be in (0, 1]")
+        _require(self.pool == "" or (valid_pool(self.pool) and self.mode == "canary"),
+                 "rollout.pool names a replica pool (1-64 of a-z, 0-9, '-' and '_') and "
+                 "goes with mode = \"canary\"")
         _require(self.window_s > 0 and self.promote_after_s > 0,
                  "rollout.window_s and rollout.promote_after_s must be > 0")
         _require(self.min_requests >= 1, "rollout.min_requests must be >= 1")

@@ -38,7 +38,10 @@ another apply. While a trial runs a candidate is laid over the settled config, n
 the trial. A trial may not add a service class or a tenant: what it admitted under one
 would outlive its rollback (add it with mode "off" first). The TOML a process starts with
 is never a trial (its mode is taken as "off": there is nothing to compare it with). A
-router has no trials (``[rollout]`` is an engine's section: its sections have none).
+router's one trial is a canary by replica pool (``[rollout] pool``): the candidate runs on
+that pool's replicas, the router records it (``begin_trial``) and its watchdog ends it by
+``promote`` or ``rollback`` (components/router/pool_canary.py); ``[rollout] pool`` applied
+to an engine is refused.
 """
 from __future__ import annotations
 
@@ -82,8 +85,8 @@ class Sections(msgspec.Struct, frozen=True):
 
     @property
     def trial(self) -> bool:
-        """Whether these sections are a candidate on trial (shadow or canary): only an
-        engine's sections have a ``rollout`` (a router's are never a trial)."""
+        """Whether these sections are a candidate on trial (shadow or canary; a router's:
+        a canary by pool)."""
         rollout: RolloutConfig | None = getattr(self, "rollout", None)
         return rollout is not None and rollout.mode != "off"
 
@@ -99,13 +102,21 @@ class PolicySections(Sections, frozen=True, forbid_unknown_fields=True):
 
 
 class RouterSections(Sections, frozen=True, forbid_unknown_fields=True):
-    """A router's live sections (its own, and the admission it resolves deadlines by)."""
+    """A router's live sections (its own, and the admission it resolves deadlines by); and
+    what a canary by pool tries on its replicas (``begin_trial``): the engine's policy
+    sections and the ``[rollout]`` bars (outside a trial, those of the router's TOML)."""
 
     admission: AdmissionConfig
     router: RouterConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    rollout: RolloutConfig = RolloutConfig()
 
 
 def _engine_checks(running: WeirConfig, new: WeirConfig, boot: WeirConfig) -> list[str]:
+    if new.rollout.pool:
+        return [f"rollout.pool {new.rollout.pool!r}: a canary by replica pool is a router's "
+                "(apply it with --endpoint naming the router)"]
     if new.speculative.max_k > boot.speculative.max_k:
         return [f"speculative.max_k {new.speculative.max_k} is above the "
                 f"{boot.speculative.max_k} the engine started with (its draft buffers are "
@@ -172,7 +183,8 @@ ROUTER = Scope(
     {"router.replicas": "the replica list is read at start; change it live with "
                         "`weir replicas add/remove`",
      **{f"router.{f}": _DISCOVERY for f in (
-         "discovery", "discovery_name", "discovery_port", "discovery_kv_events_port",
+         "discovery", "discovery_name", "discovery_pools", "discovery_port",
+         "discovery_kv_events_port",
          "discovery_interval_s", "discovery_misses")},
      **{f"router.{f}": _TIMING for f in (
          "heartbeat_interval_s", "heartbeat_timeout_s", "load_interval_s")},
@@ -375,10 +387,23 @@ class ConfigHistory:
         if self.trial is None:
             return Refused(("no candidate is on trial",))
         sections = self.sections[self.trial]
-        off = msgspec.structs.replace(sections.rollout, mode="off")
+        off = msgspec.structs.replace(sections.rollout, mode="off", pool="")
         new = msgspec.structs.replace(sections, rollout=off).onto(self.boot)
         return self._record(live_fields(new, self.config, self.scope), by, now, None,
                             self.trial, reason)
+
+    def begin_trial(self, new: WeirConfig, by: str, now: float) -> ConfigVersion:
+        """Record ``new`` (a trial: its ``rollout.mode`` is not "off"; checked by the
+        caller) beside the settled config: a router's canary by pool, which its replicas
+        run, not the router."""
+        sections: Sections = self.scope.sections.of(new)
+        assert sections.trial, "begin_trial takes a trial"
+        v = ConfigVersion(len(self.versions), sections.digest(), by, now,
+                          tuple(changed_fields(self.config, new)), None, new.rollout.mode)
+        self.sections.append(sections)
+        self.versions.append(v)
+        self.trial = v.version
+        return v
 
     def apply(self, toml_text: str, by: str, now: float) -> ConfigVersion | Refused:
         """Apply a candidate: its new version, or why none was made."""

@@ -252,13 +252,15 @@ def _replicas(args: argparse.Namespace) -> int:
     try:
         with Client(args.endpoint) as client:
             if args.action == "list":
-                stats = next((c.stats for c in client.status(timeout=args.timeout).components
-                              if c.name == "router"), None)
-                if stats is None:
+                router = next((c for c in client.status(timeout=args.timeout).components
+                               if c.name == "router"), None)
+                if router is None:
                     print("weir replicas: this endpoint is not a router", file=sys.stderr)
                     return 1
+                stats = router.stats
                 names = sorted({k.split(".")[1] for k in stats if k.startswith("replica.")})
-                out = {n: {"healthy": bool(stats.get(f"replica.{n}.healthy")),
+                out = {n: {"pool": router.info.get(f"replica.{n}.pool", "default"),
+                           "healthy": bool(stats.get(f"replica.{n}.healthy")),
                            "retiring": bool(stats.get(f"replica.{n}.retiring")),
                            "discovered": bool(stats.get(f"replica.{n}.discovered")),
                            "open": int(stats.get(f"replica.{n}.open", 0))} for n in names}
@@ -266,7 +268,8 @@ def _replicas(args: argparse.Namespace) -> int:
                 done = (client.change_replicas(add=args.replicas, timeout=args.timeout)
                         if args.action == "add" else
                         client.change_replicas(remove=args.replicas, timeout=args.timeout))
-                out = {"replicas": list(done.replicas), "retiring": list(done.retiring)}
+                out = {"replicas": list(done.replicas), "retiring": list(done.retiring),
+                       "pools": dict(done.pools)}
     except (WeirError, ValueError) as exc:
         print(f"weir replicas: {exc}", file=sys.stderr)
         return 1
@@ -396,8 +399,12 @@ def _status(args: argparse.Namespace) -> int:
             "config": {"version": int(rs.get("config_version", 0)),
                        "sha256": comps["router"].info.get("config_sha256", ""),
                        "policy": comps["router"].info.get("router_policy", "")},
-            "replicas": {n: {k.split(".", 2)[2]: v for k, v in rs.items()
-                             if k.startswith(f"replica.{n}.")} for n in names}}
+            "replicas": {n: {"pool": comps["router"].info.get(f"replica.{n}.pool", "default"),
+                             **{k.split(".", 2)[2]: v for k, v in rs.items()
+                                if k.startswith(f"replica.{n}.")}} for n in names},
+            # a canary by pool (components/router/pool_canary.py): 0 when none runs
+            "pool_canary": {k.split(".", 1)[1]: v for k, v in rs.items()
+                            if k.startswith("pool_canary.")}}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -410,7 +417,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"router       config version {rcv['version']} policy {rcv['policy']}"
               + (f" sha256 {rcv['sha256'][:16]}" if rcv["sha256"] else ""))
         for n, rep in r["replicas"].items():
-            print(f"replica {n:12} {'healthy' if rep.get('healthy') else 'OUT':7} open "
+            print(f"replica {n:12} pool {rep.get('pool', 'default'):10} "
+                  f"{'healthy' if rep.get('healthy') else 'OUT':7} open "
                   f"{int(rep.get('open', 0))} routed {int(rep.get('routed', 0))} cached view "
                   f"{int(rep.get('index_blocks', 0))} blocks "
                   f"(gaps {int(rep.get('index_gaps', 0))})")
@@ -479,8 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--config", default=None, help="a TOML config ([router] and the "
                     "replicas' model, max_model_len, kv.block_size, tenants and classes)")
     ro.add_argument("--replica", action="append", default=[],
-                    metavar="NAME=ENDPOINT[,KV_EVENTS]",
-                    help="an engine's client endpoint and its KV events address (repeat)")
+                    metavar="NAME=ENDPOINT[,KV_EVENTS[,POOL]]",
+                    help="an engine's client endpoint, its KV events address and its replica "
+                         "pool (default: default) (repeat)")
     ro.add_argument("--policy", choices=["cache_aware", "least_loaded", "round_robin"],
                     default=None)
     ro.add_argument("--model", default=None,
@@ -560,8 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "them while it runs (an operator's key)")
     rp.add_argument("action", choices=["list", "add", "remove"])
     rp.add_argument("replicas", nargs="*", metavar="REPLICA",
-                    help="add: NAME=ENDPOINT[,KV_EVENTS] (as `weir route --replica`); remove: "
-                         "NAME (no new requests go there; it is let go once its open ones end)")
+                    help="add: NAME=ENDPOINT[,KV_EVENTS[,POOL]] (as `weir route "
+                         "--replica`); remove: NAME (no new requests go there; it is let go once "
+                         "its open ones end)")
     rp.add_argument("--timeout", type=float, default=5.0)
     rp.add_argument("--endpoint", default=None, help=endpoint_help)
     rp.set_defaults(func=_replicas)

@@ -11,14 +11,16 @@ from schemas.client import ChatMessage, ReplicaAddress, StructuredOutput, Tool, 
 
 
 def replica_address(spec: ReplicaAddress | str) -> ReplicaAddress:
-    """``"name=endpoint[,kv_events]"`` (as ``weir route --replica`` takes it) or itself."""
+    """``"name=endpoint[,kv_events[,pool]]"`` (as ``weir route --replica`` takes it) or
+    itself."""
     if isinstance(spec, ReplicaAddress):
         return spec
     name, sep, rest = spec.partition("=")
     if not sep:
-        raise ValueError(f"a replica is NAME=ENDPOINT[,KV_EVENTS], got {spec!r}")
-    endpoint, _, kv_events = rest.partition(",")
-    return ReplicaAddress(name, endpoint, kv_events)
+        raise ValueError(f"a replica is NAME=ENDPOINT[,KV_EVENTS[,POOL]], got {spec!r}")
+    endpoint, _, rest = rest.partition(",")
+    kv_events, _, pool = rest.partition(",")
+    return ReplicaAddress(name, endpoint, kv_events, pool or "default")
 
 
 def json_text(value: Any) -> str | None:

@@ -18,7 +18,10 @@ replicas' headless Service in Kubernetes), pure, with the lookup behind a ``Reso
 
 ``DnsResolver`` is the production lookup (stdlib only): the Service name's A records, one
 per pod, each named by its PTR record (docs/design/router.md says why DNS and not the
-EndpointSlice API).
+EndpointSlice API). Replica pools (a canary by pool) are one name per pool
+(``router.discovery_pools``; ``discovery_name`` is the pool "default"'s): ``Pools`` asks
+each and labels what it finds with that pool; one failed lookup makes the whole poll no
+evidence (a pool's replicas must not look gone because its name did not answer once).
 """
 from __future__ import annotations
 
@@ -107,6 +110,7 @@ class DnsResolver:
     name: str
     port: int
     kv_events_port: int = 0
+    pool: str = "default"                                      # what it finds is labelled
     names: dict[str, str] = field(default_factory=dict)       # address -> replica name
 
     def __call__(self) -> Found:
@@ -131,9 +135,38 @@ class DnsResolver:
             try:
                 found[name] = ReplicaSpec(
                     name, f"tcp://{address}:{self.port}",
-                    f"tcp://{address}:{self.kv_events_port}" if self.kv_events_port else "")
+                    f"tcp://{address}:{self.kv_events_port}" if self.kv_events_port else "",
+                    self.pool)
             except ConfigError:
                 continue
         # forget the names of addresses gone (an address may come back as another pod's)
         self.names = {a: n for a, n in self.names.items() if a in addresses}
         return found
+
+
+@dataclass
+class Pools:
+    """Several resolvers, one per pool: what they all find (a name found under two pools
+    is the first's); None when any lookup failed."""
+
+    resolvers: list[Resolver]
+
+    def __call__(self) -> Found:
+        found: dict[str, ReplicaSpec] = {}
+        for resolve in self.resolvers:
+            got = resolve()
+            if got is None:
+                return None
+            for name, spec in got.items():
+                found.setdefault(name, spec)
+        return found
+
+
+def resolver_for(name: str, pools: Mapping[str, str], port: int,
+                 kv_events_port: int) -> Resolver:
+    """The production lookup for ``router.discovery = "dns"``: ``name`` (the pool
+    "default"; "" for none) and each of ``pools`` (pool -> name)."""
+    by_pool = ({"default": name} if name else {}) | dict(pools)
+    resolvers: list[Resolver] = [DnsResolver(n, port, kv_events_port, pool)
+                                 for pool, n in by_pool.items()]
+    return resolvers[0] if len(resolvers) == 1 else Pools(resolvers)

@@ -25,7 +25,13 @@ import structlog
 from bus.identity import Identity, Refusal, acting_operator
 from schemas.client import ConfigAnswer, ConfigCommand
 from schemas.config import WeirConfig
-from schemas.config_change import ROUTER, ConfigHistory, ConfigVersion, RouterSections
+from schemas.config_change import (
+    ROUTER,
+    ConfigHistory,
+    ConfigVersion,
+    Refused,
+    RouterSections,
+)
 
 log = structlog.get_logger("router")
 HISTORY_FILE = "router_config_history.jsonl"
@@ -98,12 +104,24 @@ class RouterLiveConfig:
                 self._set_aside(path)
         self.resumed_from = len(saved[0])
         self.history = ConfigHistory.resumed(boot, *saved, now, ROUTER)
+        # a canary by pool that ran when the router stopped: (its version, its pool); its
+        # watch is over, so it is rolled back (a version by ``watchdog``, and each replica
+        # of its pool that still runs it, as it answers: service.py)
+        self.orphan: tuple[int, str] | None = None
+        h = self.history
+        last = len(saved[0]) - 1
+        if last >= 0 and h.sections[last].trial:
+            self.orphan = (last, h.sections[last].rollout.pool)
         booted = ROUTER.sections.of(boot).digest()
         new = self.history.versions[len(saved[0]):]
         if new or booted != saved[2]:
             self._write([StartLine(booted, now)] + [
                 VersionLine(v, s) for v, s in zip(new, self.history.sections[len(saved[0]):],
                                                   strict=True)])
+        if self.orphan is not None and h.current.version == self.orphan[0]:
+            h.trial = self.orphan[0]
+            self.end_trial(False, "watchdog", now, "the router restarted during the trial: "
+                                                  "its watch is over")
         if saved[0]:
             log.info("config_history_resumed", versions=len(saved[0]),
                      version=self.history.current.version, file_changed=bool(new))
@@ -129,6 +147,23 @@ class RouterLiveConfig:
             return ConfigAnswer(cmd.query_id, made.message, h.current), None
         self._write([VersionLine(made, h.sections[-1])])
         return ConfigAnswer(cmd.query_id, None, made), h.config
+
+    def begin_trial(self, new: WeirConfig, by: str, now: float) -> ConfigVersion:
+        """A canary by pool in force on its replicas (pool_canary.py): its trial version,
+        saved."""
+        v = self.history.begin_trial(new, by, now)
+        self._write([VersionLine(v, self.history.sections[-1])])
+        return v
+
+    def end_trial(self, promote: bool, by: str, now: float,
+                  reason: str) -> ConfigVersion | Refused:
+        """The trial promoted (its admission in force here too) or rolled back (the settled
+        version again): the new version, saved."""
+        h = self.history
+        made = h.promote(by, now, reason) if promote else h.rollback(None, by, now, reason)
+        if isinstance(made, ConfigVersion):
+            self._write([VersionLine(made, h.sections[-1])])
+        return made
 
     def _write(self, lines: list[StartLine | VersionLine]) -> None:
         if self.path is None or not lines:

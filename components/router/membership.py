@@ -183,12 +183,26 @@ class Membership:
             isinstance(who, Identity) and who.sees_all) else self.check(c)
         added: list[Replica] = []
         if error is None:
-            added = [self.add(ReplicaSpec(a.name, a.endpoint, a.kv_events)) for a in c.add]
+            added = [self.add(ReplicaSpec(a.name, a.endpoint, a.kv_events, a.pool))
+                     for a in c.add]
             for name in c.remove:
                 self.replicas[name].retiring = True
         return ReplicasChanged(
             c.query_id, error, tuple(n for n, r in self.replicas.items() if not r.retiring),
-            tuple(n for n, r in self.replicas.items() if r.retiring)), added
+            tuple(n for n, r in self.replicas.items() if r.retiring),
+            {n: r.spec.pool for n, r in self.replicas.items()}), added
+
+    def pool(self, name: str) -> list[Replica]:
+        """The replicas of pool ``name`` (retiring ones included: what runs there runs the
+        pool's config)."""
+        return [r for r in self.replicas.values() if r.spec.pool == name]
+
+    def pools(self) -> dict[str, int]:
+        """Each pool, with how many replicas it has."""
+        out: dict[str, int] = {}
+        for r in self.replicas.values():
+            out[r.spec.pool] = out.get(r.spec.pool, 0) + 1
+        return out
 
     def check(self, c: ChangeReplicas) -> str | None:
         """Why ``c`` cannot be made (None: it can)."""
@@ -203,7 +217,7 @@ class Membership:
                     " (retiring: add it again once it is gone)"
                     if self.replicas[a.name].retiring else "")
             try:
-                ReplicaSpec(a.name, a.endpoint, a.kv_events)      # its own checks
+                ReplicaSpec(a.name, a.endpoint, a.kv_events, a.pool)    # its own checks
             except ConfigError as exc:
                 return str(exc)[:300]
             if len(a.name) > MAX_ID_CHARS:
@@ -254,4 +268,10 @@ class Membership:
                         **{f"replica.{name}.{k}": v for k, v in r.counts.items()}})
             if r.discovered:
                 out[f"replica.{name}.discovered"] = 1
+        for pool, n in self.pools().items():
+            out[f"pool.{pool}.replicas"] = n
         return out
+
+    def info(self) -> dict[str, str]:
+        """Each replica's pool (``replica.NAME.pool``), for the router's status."""
+        return {f"replica.{name}.pool": r.spec.pool for name, r in self.replicas.items()}

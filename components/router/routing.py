@@ -85,6 +85,7 @@ class Flight:
     migrated_at: float = 0.0            # when its latest migration began (0: none open)
     first_token_at: float = 0.0         # when its client's first token came
     held_at: float = 0.0                # when the fleet queue took it (0: never held)
+    placed_at: float = 0.0              # when its latest placement was sent (0: none)
 
     @property
     def request_id(self) -> str:

@@ -32,22 +32,32 @@ from bus import tracing
 from bus.codec import Codec
 from bus.component import Component
 from bus.endpoint import ClientEndpoint
-from bus.identity import Identity, Keyring, Refusal, load_service_key, visible_status
+from bus.identity import (
+    Identity,
+    Keyring,
+    Refusal,
+    acting_operator,
+    load_operator_key,
+    load_service_key,
+    visible_status,
+)
 from bus.socket import BusSocket
 from components.model.prompt import PromptHasher
-from components.router import intake, migration
+from components.router import intake, migration, pool_canary
 from components.router.budgets import (
     FleetBudgets,
     estimate,
     reported_outstanding,
     reported_used,
 )
-from components.router.discovery import Discovery, DnsResolver, Resolver, plan
+from components.router.discovery import Discovery, Resolver, plan, resolver_for
 from components.router.fleetq import FleetQueue
 from components.router.live_config import RouterLiveConfig, config_stats, history_path
 from components.router.membership import Membership, Replica, load_query_id
+from components.router.pool_canary import Placed, PoolTrial
 from components.router.routing import REROUTE, Flight, RoutingCore, route_attributes
 from components.router.signals import signal_stats, targets_s
+from components.tenancy.watchdog import Watchdog
 from schemas.client import (
     Accepted,
     Cancel,
@@ -70,7 +80,9 @@ from schemas.client import (
     TextDelta,
 )
 from schemas.config import WeirConfig
+from schemas.config_change import ConfigVersion, Refused
 from schemas.frames import client_frame_limit
+from schemas.resolve import resolve
 from schemas.validate import check_submit
 from schemas.wire import ClusterStatus, KvEventsMsg, StreamerMsg
 
@@ -117,8 +129,8 @@ class RouterService(Component):
         if rc.discovery == "dns":
             self.discovery = Discovery(rc.discovery_misses)
         if rc.discovery == "dns" and self.resolver is None:
-            self.resolver = DnsResolver(rc.discovery_name, rc.discovery_port,
-                                        rc.discovery_kv_events_port)
+            self.resolver = resolver_for(rc.discovery_name, rc.discovery_pools,
+                                         rc.discovery_port, rc.discovery_kv_events_port)
         self.rc = rc
         self.targets = targets_s(self.config.admission.classes)    # TTFT objectives (s)
         self.prompts = PromptHasher(self.config)
@@ -154,6 +166,15 @@ class RouterService(Component):
         self.inbox_sock = self.socket(zmq.PULL, "inbox", StreamerMsg).bind(
             self.topology.inbox("streamer", bind=True))
         self.members = Membership(rc.replicas)
+        # a canary by pool (pool_canary.py): the one under watch, the replicas' answers to
+        # the router's own config commands by query id, and a trial the router's last run
+        # left (its pool's replicas are rolled back as they answer)
+        self.trial: PoolTrial | None = None
+        self.engine_answers: dict[str, ConfigAnswer | anyio.Event] = {}
+        self.config_serial = 0
+        self.orphan = self.live.orphan
+        self.pool_rollbacks: deque[float] = deque(maxlen=256)   # trial start -> rolled back
+        self.pool_counts: Counter[str] = Counter()
         self.links: dict[str, Link] = {}
         for r in self.members:
             self._connect(r)
@@ -171,6 +192,7 @@ class RouterService(Component):
             tg.start_soon(self.endpoint.serve)
             tg.start_soon(self._cluster_loop)
             tg.start_soon(self._ticker)
+            tg.start_soon(self._pool_watch)
             if self.rc.discovery == "dns":
                 tg.start_soon(self._discovery_loop)
             for r in self.members:
@@ -299,6 +321,7 @@ class RouterService(Component):
             if self.fleetq is not None:
                 self.fleetq.placed(rid, f.tenant, f.prompt_tokens)
         self.routing.assign(f, r, route)
+        f.placed_at = now
         self.counts[f"reason.{decision.reason}"] += 1
         if r.counts["routed"] == 1:
             log.info("replica_first_request", replica=r.spec.name,
@@ -423,6 +446,12 @@ class RouterService(Component):
                 r.counts["malformed"] += 1
                 continue
             await self._heard(r, body)
+            if isinstance(body, ConfigAnswer):
+                waiter = self.engine_answers.get(body.query_id)
+                if isinstance(waiter, anyio.Event):
+                    self.engine_answers[body.query_id] = body
+                    waiter.set()
+                continue
             wid = getattr(body, "request_id", None)
             if wid is None:
                 continue
@@ -437,6 +466,8 @@ class RouterService(Component):
                 continue
             prefilled = f.prefilled
             step = self.routing.answered(f, r, body, self.members, now)
+            if self.trial is not None:
+                self._observe(self.trial, f, r, body, step, now)
             self.freed |= f.prefilled and not prefilled     # its queue estimate fell
             if step == "reroute":
                 self.counts["rerouted"] += 1
@@ -473,12 +504,18 @@ class RouterService(Component):
         if isinstance(body, ServerHeartbeat) and self.members.up(r, body):
             r.up_at = r.up_at or time.monotonic()
             log.info("replica_up", replica=r.spec.name)
+            if self.trial is not None and r.spec.pool == self.trial.pool and not r.retiring:
+                self._tg.start_soon(self._join_trial, self.trial, r)
+            elif self.orphan is not None and r.spec.pool == self.orphan[1]:
+                self._tg.start_soon(self._undo_orphan, r)
 
     async def _lose(self, r: Replica, why: str) -> None:
         """``r`` is out (silent, or restarted): every request open on it continues on
         another replica (migration.py) or, if it cannot, fails; its cache view is dropped;
         new requests go elsewhere."""
         log.warning("replica_lost", replica=r.spec.name, why=why, open=len(r.open))
+        if self.trial is not None:
+            self.trial.applied.pop(r.spec.name, None)     # re-applied when it is up again
         self.budgets.lost(r.spec.name)
         for rid in self.members.lose(r):
             f = self.flights.get(rid)
@@ -610,8 +647,31 @@ class RouterService(Component):
     # ------------------------------------------------------------------ live config
     async def config_command(self, cmd: ConfigCommand) -> ConfigAnswer:
         """An operator's config command (``live_config.py``): a new version is in force
-        before the answer goes (saved first), from the next decision on."""
-        answer, new = self.live.command(cmd, self.keys.operator(cmd.api_key), time.time())
+        before the answer goes (saved first), from the next decision on. A canary by pool
+        (``[rollout] pool``) is in force on its pool's replicas before the answer goes;
+        while it runs, an apply is refused and a rollback ends it."""
+        who = self.keys.operator(cmd.api_key)
+        by = acting_operator(who, cmd.actor)
+        if by is not None and cmd.action != "history":
+            h = self.live.history
+            if self.trial is not None and cmd.action == "apply":
+                return ConfigAnswer(cmd.query_id, (
+                    f"config not applied: a canary by pool runs on pool {self.trial.pool!r} "
+                    f"(version {self.trial.version}): wait for the watchdog's verdict, or end "
+                    f"it with `weir config rollback`"), h.current)
+            if self.trial is not None:
+                made = await self._end_trial(self.trial, False, by,
+                                             "rolled back by an operator")
+                if isinstance(made, Refused):
+                    return ConfigAnswer(cmd.query_id, made.message, h.current)
+                return ConfigAnswer(cmd.query_id, None, made)
+            if cmd.action == "apply":
+                cand = pool_canary.parse(self.live.config, h.boot, cmd.toml)
+                if isinstance(cand, Refused):
+                    return ConfigAnswer(cmd.query_id, cand.message, h.current)
+                if cand is not None:
+                    return await self._begin_trial(cmd, cand, by)
+        answer, new = self.live.command(cmd, who, time.time())
         if new is not None:
             self._adopt(new)
             v = answer.current
@@ -634,6 +694,217 @@ class RouterService(Component):
         if self.fleetq is not None:
             self.fleetq.retune(rc.tenants, rc.fleet_queue_max)
             self.freed = True                   # a larger bound or weight may release some
+
+    # ------------------------------------------------------------------ canary by pool
+    async def _engine_config(self, r: Replica, action: Any, key: str | None, toml: str = "",
+                             version: int | None = None, actor: str = "",
+                             timeout: float = 5.0) -> ConfigAnswer:
+        """A config command sent to replica ``r`` over its link, and its answer (an error
+        answer if none came in ``timeout`` s or it has no link)."""
+        link = self.links.get(r.spec.name)
+        if link is None:
+            return ConfigAnswer("", f"replica {r.spec.name} is not connected")
+        self.config_serial += 1
+        qid = f"router-config:{self.nonce}:{self.config_serial}"
+        done = anyio.Event()
+        self.engine_answers[qid] = done
+        try:
+            await link.sock.send(ConfigCommand(qid, action, toml, version, actor, key))
+            with anyio.move_on_after(timeout):
+                await done.wait()
+            answer = self.engine_answers.get(qid)
+        finally:
+            self.engine_answers.pop(qid, None)
+        if not isinstance(answer, ConfigAnswer):
+            return ConfigAnswer(qid, f"replica {r.spec.name} did not answer in {timeout:g} s")
+        return answer
+
+    def _engine_keys(self, given: str | None) -> list[str | None]:
+        """The keys to send a replica the router's config commands with, in turn: the
+        operator's own (that of the command), the deployment's operator key, the service
+        key; the first a replica takes is kept for the trial."""
+        keys: list[str | None] = []
+        for k in (given, load_operator_key(), self.service_key):
+            if k not in keys:
+                keys.append(k)
+        return keys or [None]
+
+    async def _put_candidate(self, t: PoolTrial, r: Replica,
+                             keys: list[str | None]) -> str | None:
+        """The candidate in force on ``r`` (recorded in ``t.applied``), or why not. A
+        replica that runs it already (restarted with its history) is only recorded."""
+        inst = r.instance
+        answer = ConfigAnswer("", "no key to try")
+        for key in keys:
+            answer = await self._engine_config(r, "history", key)
+            if answer.error is None:
+                t.key = key
+                break
+        if answer.error is not None or answer.current is None:
+            return answer.error or "no history"
+        before = pool_canary.pre_trial_version(answer.history, t.actor)
+        if before is None:
+            answer = await self._engine_config(r, "apply", t.key, t.cand.engine_toml,
+                                               actor=t.actor)
+            if answer.error is not None or answer.current is None:
+                return answer.error or "no version"
+            before = answer.current.version - 1
+        t.applied[r.spec.name] = Placed(inst, before, time.monotonic())
+        return None
+
+    async def _begin_trial(self, cmd: ConfigCommand, cand: pool_canary.Candidate,
+                           by: str) -> ConfigAnswer:
+        """A canary by pool: the candidate in force on every replica of its pool (all or,
+        with the first refusal's reason, none), then its trial version, then the watch."""
+        h = self.live.history
+        pool = [r for r in self.members.pool(cand.pool) if r.healthy and not r.retiring]
+        base = [r for r in self.members if r.healthy and not r.retiring
+                and r.spec.pool != cand.pool]
+        why = (f"no healthy replica in pool {cand.pool!r} (pools: "
+               f"{', '.join(sorted(self.members.pools()))})" if not pool else
+               f"no healthy replica outside pool {cand.pool!r} to compare it with"
+               if not base else None)
+        if why is not None:
+            return ConfigAnswer(cmd.query_id, f"config not applied: {why}", h.current)
+        t = PoolTrial(len(h.versions), cand, None, Watchdog(cand.rollout, time.monotonic()))
+        keys = self._engine_keys(cmd.api_key)
+        for r in pool:
+            why = await self._put_candidate(t, r, keys)
+            if why is not None:
+                await self._roll_back_pool(t)
+                self.pool_counts["refused"] += 1
+                return ConfigAnswer(cmd.query_id, f"config not applied: replica "
+                                    f"{r.spec.name} refused it: {why}", h.current)
+        v = self.live.begin_trial(cand.config, by, time.time())
+        t.watchdog.started = time.monotonic()
+        self.trial = t
+        self.pool_counts["started"] += 1
+        self._pool_event("pool_canary_started", v, t, "")
+        return ConfigAnswer(cmd.query_id, None, v)
+
+    async def _join_trial(self, t: PoolTrial, r: Replica) -> None:
+        """A replica of the trial's pool up (added, found, or restarted): the candidate."""
+        if self.trial is not t or r.spec.name in t.applied:
+            return
+        why = await self._put_candidate(t, r, [t.key])
+        self.pool_counts["reapplied" if why is None else "pool_canary.join_errors"] += 1
+        log.info("pool_canary_joined", replica=r.spec.name, pool=t.pool, version=t.version,
+                 error=why)
+
+    async def _undo_orphan(self, r: Replica) -> None:
+        """The router restarted while a canary by pool ran (``live.orphan``): a replica of
+        its pool that still runs the candidate gets its version from before it back."""
+        assert self.orphan is not None
+        version, _ = self.orphan
+        by_actor = pool_canary.actor(version)
+        for key in self._engine_keys(None):
+            answer = await self._engine_config(r, "history", key)
+            if answer.error is None:
+                break
+        before = pool_canary.pre_trial_version(answer.history, by_actor)
+        if answer.error is not None or before is None:
+            return
+        done = await self._engine_config(r, "rollback", key, version=before, actor=by_actor)
+        self.pool_counts["orphan_rollbacks"] += 1
+        log.info("pool_canary_orphan_rolled_back", replica=r.spec.name, version=version,
+                 to=before, error=done.error)
+
+    async def _roll_back_pool(self, t: PoolTrial) -> int:
+        """Every replica that took the candidate (and has not restarted since) gets its
+        version from before it back; how many did not answer so."""
+        errors = 0
+        for name, p in list(t.applied.items()):
+            r = self.members.get(name)
+            if r is None or r.instance != p.instance:
+                continue
+            answer = await self._engine_config(r, "rollback", t.key, version=p.before,
+                                               actor=t.actor)
+            if answer.error is not None:
+                errors += 1
+                log.warning("pool_canary_rollback_refused", replica=name, error=answer.error)
+        return errors
+
+    async def _end_trial(self, t: PoolTrial, promote: bool, by: str,
+                         reason: str) -> ConfigVersion | Refused:
+        """The trial's verdict carried out: rolled back (the pool's replicas get their
+        version back) or promoted (every other replica gets the candidate); then the
+        router's version for it, logged, traced and counted."""
+        self.trial = None
+        errors = 0
+        if promote:
+            for r in [r for r in self.members if r.spec.pool != t.pool and r.healthy]:
+                answer = await self._engine_config(r, "apply", t.key, t.cand.engine_toml,
+                                                   actor=f"router promotion v{t.version}")
+                if answer.error is not None:
+                    errors += 1
+                    log.warning("pool_canary_promotion_refused", replica=r.spec.name,
+                                error=answer.error)
+        else:
+            errors = await self._roll_back_pool(t)
+            self.pool_rollbacks.append(time.monotonic() - t.watchdog.started)
+        made = self.live.end_trial(promote, by, time.time(), reason)
+        what = "promoted" if promote else "rolled_back"
+        self.pool_counts[f"{what}"] += 1
+        self.pool_counts["replica_errors"] += errors
+        if isinstance(made, ConfigVersion):
+            self._adopt(self.live.config)
+            self._pool_event(f"pool_canary_{what}", made, t, reason)
+        return made
+
+    def _pool_event(self, event: str, v: ConfigVersion, t: PoolTrial, reason: str) -> None:
+        attributes = {"weir.config.version": v.version, "weir.config.applied_by": v.applied_by,
+                      "weir.rollout.mode": "canary", "weir.rollout.pool": t.pool,
+                      "weir.rollout.trial": t.version, "weir.rollout.reason": reason,
+                      "weir.rollout.replicas": ",".join(sorted(t.applied)),
+                      "weir.rollout.elapsed_s": round(time.monotonic() - t.watchdog.started,
+                                                      3)}
+        with _TRACER.start_as_current_span(f"config.{event}", attributes=attributes):
+            log.info(event, version=v.version, sha256=v.sha256[:16], applied_by=v.applied_by,
+                     pool=t.pool, trial=t.version, replicas=sorted(t.applied),
+                     changed=list(v.changed), reason=reason or None,
+                     elapsed_s=attributes["weir.rollout.elapsed_s"])
+
+    def _observe(self, t: PoolTrial, f: Flight, r: Replica, body: Any, step: str,
+                 now: float) -> None:
+        """What one placement's answer tells the trial's watchdog (pool_canary.py)."""
+        canary = t.side(r.spec.name, r.spec.pool, f.placed_at)
+        if canary is None:
+            return
+        res = resolve(self.config.admission, f.tenant, f.submit.service_class,
+                      f.submit.deadline_ms)
+        if (d := pool_canary.placement_decision(body, now, canary, f.tenant,
+                                                res.label)) is not None:
+            t.watchdog.decided(d)
+        if step in ("reroute", "end") and (e := pool_canary.placement_end(
+                body, now, canary, res.label, f.arrival, f.first_token_at,
+                None if res.deadline_ms is None else res.deadline_ms / 1e3,
+                f.accepted)) is not None:
+            t.watchdog.ended(e)
+            self.pool_counts[f"observed.{'canary' if canary else 'baseline'}"] += 1
+
+    async def _pool_watch(self) -> None:
+        """Every 0.25 s while a canary by pool runs: the watchdog's verdict (with the
+        longest wait of requests still without a first token), carried out."""
+        while True:
+            await anyio.sleep(0.25)
+            t = self.trial
+            if t is None:
+                continue
+            now = time.monotonic()
+            waiting: dict[tuple[bool, str], float] = {}
+            for f in self.flights.values():
+                r = self.members.get(f.replica)
+                if r is None or f.first_token_at or f.cancelled:
+                    continue
+                canary = t.side(r.spec.name, r.spec.pool, f.placed_at)
+                if canary is not None:
+                    label = resolve(self.config.admission, f.tenant, f.submit.service_class,
+                                    f.submit.deadline_ms).label
+                    waiting = pool_canary.waiting(waiting, canary, label, now - f.arrival)
+            verdict = t.watchdog.verdict(now, waiting)
+            if verdict is not None and self.trial is t:
+                await self._end_trial(t, verdict.action == "promote", "watchdog",
+                                      verdict.reason)
 
     # ------------------------------------------------------------------ membership
     def change_replicas(self, c: ChangeReplicas) -> ReplicasChanged:
@@ -714,7 +985,25 @@ class RouterService(Component):
 
     def info(self) -> dict[str, str]:
         return {"config_sha256": self.live.history.current.sha256,
-                "router_policy": self.rc.policy}
+                "router_policy": self.rc.policy,
+                "pool_canary": "" if self.trial is None else self.trial.pool,
+                **self.members.info()}
+
+    def _pool_stats(self) -> dict[str, float]:
+        """The canary by pool running (its trial version, 0: none; each side's requests
+        ended in the window) and the time from the last trials' start to their rollback."""
+        t = self.trial
+        out = {**{f"pool_canary.{k}": v for k, v in self.pool_counts.items()},
+               "pool_canary.trial": 0.0 if t is None else t.version,
+               "pool_canary.rollback_s.last": self.pool_rollbacks[-1]
+               if self.pool_rollbacks else 0.0}
+        if t is not None:
+            base, can = t.watchdog.sides(time.monotonic())
+            out |= {"pool_canary.canary_ended": can.ended,
+                    "pool_canary.baseline_ended": base.ended,
+                    "pool_canary.replicas": len(t.applied),
+                    "pool_canary.elapsed_s": round(time.monotonic() - t.watchdog.started, 3)}
+        return out
 
     def stats(self) -> dict[str, float]:
         sessions = self.routing.sessions
@@ -732,6 +1021,7 @@ class RouterService(Component):
                     "discovery.wanted": len(disc.wanted)} if disc is not None else {}),
                 **{f"requests.{k}": v for k, v in self.counts.items()},
                 **config_stats(self.live),
+                **self._pool_stats(),
                 **self.budgets.stats(),
                 **(self.fleetq.stats(time.monotonic()) if self.fleetq is not None else {}),
                 **self.members.stats(),

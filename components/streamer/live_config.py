@@ -43,8 +43,8 @@ import msgspec
 import structlog
 
 from bus.identity import Identity, Refusal, acting_operator
-from components.streamer.watchdog import Decided, Ended, Verdict, Watchdog, resumed
 from components.tenancy.canary import in_canary
+from components.tenancy.watchdog import Decided, Ended, Verdict, Watchdog, resumed
 from schemas.client import ConfigAnswer, ConfigCommand
 from schemas.config import AdmissionConfig, WeirConfig
 from schemas.config_change import ENGINE, ConfigHistory, ConfigVersion, PolicySections

@@ -37,8 +37,8 @@ from components.streamer.live_config import LiveConfig, history_path
 from components.streamer.pinned import engine_version, pinned
 from components.streamer.registry import TERMINAL, Active, Registry
 from components.streamer.slo import RequestClock, SloStats
-from components.streamer.watchdog import Ended
 from components.tenancy.retry import DrainRate
+from components.tenancy.watchdog import Ended
 from schemas.client import (
     ChangeReplicas,
     ConfigAnswer,

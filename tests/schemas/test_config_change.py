@@ -281,9 +281,9 @@ def test_an_engine_started_with_a_rollout_mode_is_settled():
 
 
 # ------------------------------------------------------- a router's history and the trials
-def test_a_router_has_no_trials_and_refuses_the_rollout_section() -> None:
+def test_a_routers_only_trial_is_a_pool_canary_and_it_refuses_the_rollout_section() -> None:
     h = _router()
-    assert not h.sections[0].trial and not hasattr(h.sections[0], "rollout")
+    assert not h.sections[0].trial and h.sections[0].rollout.mode == "off"
     r = h.apply('[rollout]\nmode = "canary"\n', "op", 1.0)
     assert isinstance(r, Refused) and r.reasons == (
         "rollout.mode is an engine's: apply it to each replica with --endpoint naming it",)
@@ -308,3 +308,31 @@ def test_a_router_history_saved_before_the_trial_fields_resumes() -> None:
                                   RouterSections.of(ROUTER_BOOT).digest(), 9.0, ROUTER)
     assert (again.settled, again.trial) == (1, None)
     assert again.config.router.kv_high == 0.9 and again.versions == h.versions
+
+
+def test_a_router_records_a_pool_canary_as_a_trial_and_ends_it() -> None:
+    """begin_trial: the candidate (engine sections and its [rollout]) beside the settled
+    config; promote puts its admission in force at the router, rollback the settled one."""
+    h = _router()
+    new = candidate(h.config, '[admission]\nttft_headroom = 0.4\n[scheduler]\n'
+                              'fairness = "fcfs"\n[rollout]\nmode = "canary"\npool = "canary"\n')
+    v = h.begin_trial(new, "op", 5.0)
+    assert (v.version, v.rollout, h.trial, h.settled) == (1, "canary", 1, 0)
+    assert "rollout.pool" in v.changed and "scheduler.fairness" in v.changed
+    assert h.config.admission.ttft_headroom != 0.4            # the router's stays settled
+    p = h.promote("watchdog", 6.0, "held")
+    assert isinstance(p, ConfigVersion) and (p.promotion_of, p.reason) == (1, "held")
+    assert h.config.admission.ttft_headroom == 0.4 and h.config.rollout.mode == "off"
+    h.begin_trial(candidate(h.config, '[admission]\nttft_headroom = 0.1\n[rollout]\n'
+                                      'mode = "canary"\npool = "canary"\n'), "op", 7.0)
+    back = h.rollback(None, "watchdog", 8.0, "missed")
+    assert isinstance(back, ConfigVersion) and back.rollback_of == 2
+    assert h.config.admission.ttft_headroom == 0.4 and h.trial is None
+
+
+def test_an_engine_refuses_a_canary_by_pool() -> None:
+    h = ConfigHistory(BOOT, 0.0)
+    r = h.apply('[rollout]\nmode = "canary"\npool = "canary"\n', "op", 1.0)
+    assert isinstance(r, Refused) and r.reasons == (
+        "rollout.pool 'canary': a canary by replica pool is a router's (apply it with "
+        "--endpoint naming the router)",)

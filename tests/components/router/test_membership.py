@@ -156,4 +156,16 @@ def test_stats_per_replica():
     assert m.stats() == {"replica.r1.healthy": 0, "replica.r1.retiring": 0,
                          "replica.r1.open": 1, "replica.r1.index_blocks": 0,
                          "replica.r1.index_gaps": 0, "replica.r1.index_stored": 0,
-                         "replica.r1.index_snapshots": 0, "replica.r1.routed": 2}
+                         "replica.r1.index_snapshots": 0, "replica.r1.routed": 2,
+                         "pool.default.replicas": 1}
+    assert m.info() == {"replica.r1.pool": "default"}
+
+
+def test_pools_label_the_replicas():
+    m = Membership((ReplicaSpec("s0", "ipc:///a", pool="stable"),
+                    ReplicaSpec("c0", "ipc:///b", pool="canary"),
+                    ReplicaSpec("s1", "ipc:///c", pool="stable")))
+    assert [r.name for r in m.pool("stable")] == ["s0", "s1"]
+    assert m.pools() == {"stable": 2, "canary": 1}
+    assert m.stats()["pool.canary.replicas"] == 1
+    assert m.info()["replica.c0.pool"] == "canary"

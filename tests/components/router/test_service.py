@@ -134,7 +134,9 @@ async def test_the_router_service(tmp_path):
 
             await send(ChangeReplicas("c1", add=(ReplicaAddress("c", address["c"]),),
                                       remove=("b",)))
-            assert await replies(1) == [ReplicasChanged("c1", None, ("a", "c"), ("b",))]
+            assert await replies(1) == [ReplicasChanged("c1", None, ("a", "c"), ("b",),
+                                                          {"a": "default", "b": "default",
+                                                           "c": "default"})]
             with anyio.fail_after(10):           # b has nothing open: it is let go
                 while "b" in svc.links or not svc.members["c"].healthy:
                     await anyio.sleep(0.02)

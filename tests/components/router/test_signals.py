@@ -144,7 +144,7 @@ def test_the_router_service_stats_carry_the_signals():
         routing=SimpleNamespace(sessions=Sessions(), idempotent={},
                                 queue_s=lambda r, flights: 0.5 + len(flights)),
         counts=Counter(load_rejected=3), targets=TARGETS, handovers=[],
-        budgets=FleetBudgets(()), fleetq=FleetQueue((), 10),
+        budgets=FleetBudgets(()), fleetq=FleetQueue((), 10), _pool_stats=dict,
         live=SimpleNamespace(history=SimpleNamespace(current=SimpleNamespace(version=3)),
                              persist_errors=0))
     svc.fleetq.offer("q", "acme", 10, 0.0, 60.0)

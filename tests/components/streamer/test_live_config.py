@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bus.identity import Identity
 from components.streamer.live_config import LiveConfig
-from components.streamer.watchdog import Ended
+from components.tenancy.watchdog import Ended
 from schemas.client import ConfigCommand
 from schemas.config import load_config
 

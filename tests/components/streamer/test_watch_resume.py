@@ -14,7 +14,7 @@ from components.streamer.live_config import (
     WatchHead,
     WatchJournal,
 )
-from components.streamer.watchdog import Decided, Ended, Verdict, resumed
+from components.tenancy.watchdog import Decided, Ended, Verdict, resumed
 from schemas.client import ConfigCommand
 from schemas.config import RolloutConfig, load_config
 from schemas.config_change import ENGINE, ConfigHistory

@@ -1,10 +1,10 @@
-"""The canary's watchdog (``components/streamer/watchdog.py``): each threshold crossed
+"""The canary's watchdog (``components/tenancy/watchdog.py``): each threshold crossed
 exactly past its value and not at it, the windows forgetting, and promotion."""
 from __future__ import annotations
 
 import pytest
 
-from components.streamer.watchdog import Decided, Ended, Verdict, Watchdog
+from components.tenancy.watchdog import Decided, Ended, Verdict, Watchdog
 from schemas.config import RolloutConfig
 
 CFG = RolloutConfig(mode="canary", share=0.5, window_s=10.0, min_requests=4,
