@@ -27,7 +27,11 @@ service passes ``now``, sends the commands and feeds the watchdog).
   reason "deadline"``), the tokens computed (uncached prompt and output) per good output
   token, and admit/refuse decisions per tenant and class (``placement_decision``).
   Requests placed before the trial began, and placements on a pool replica that has not
-  yet taken the candidate, are not compared.
+  yet taken the candidate, are not compared. The watchdog's verdict is asked only once the
+  baseline has ``min_requests`` ended in the window: a request may be placed on both
+  sides (refused by one pool, rerouted to the other), and the refusals end first, so a
+  canary judged against a baseline still counting as empty was rolled back for the
+  refusals both pools make (a good candidate, in the e2e test, before this rule).
 """
 from __future__ import annotations
 
@@ -126,7 +130,8 @@ def placement_end(body: Any, now: float, canary: bool, service_class: str, arriv
                      wait_s=now - arrival if admitted else None)
     if not isinstance(body, Finished):
         return None
-    first = first_token_at or now
+    # a request not streamed to its client: its first token came ``decode_s`` before its end
+    first = first_token_at or (now - body.timing.decode_s if body.timing else now)
     late = ttft_deadline_s is not None and first - arrival > ttft_deadline_s + 1e-9
     missed = late or body.finish_reason == "deadline"
     u = body.usage

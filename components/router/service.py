@@ -901,6 +901,10 @@ class RouterService(Component):
                     label = resolve(self.config.admission, f.tenant, f.submit.service_class,
                                     f.submit.deadline_ms).label
                     waiting = pool_canary.waiting(waiting, canary, label, now - f.arrival)
+            # judged once the baseline has min_requests in the window (pool_canary.py)
+            base, _ = t.watchdog.sides(now)
+            if base.ended < t.cand.rollout.min_requests:
+                continue
             verdict = t.watchdog.verdict(now, waiting)
             if verdict is not None and self.trial is t:
                 await self._end_trial(t, verdict.action == "promote", "watchdog",

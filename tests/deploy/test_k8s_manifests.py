@@ -19,7 +19,8 @@ from tests.deploy.kustomize import render, render_kubectl, render_py
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu", "overlays/autoscaling"]
+KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu", "overlays/autoscaling",
+                  "overlays/pool-canary"]
 K8S_VERSION = "1.30"          # the oldest Kubernetes the manifests are checked against
 WORKLOADS = ("Deployment", "StatefulSet")
 
@@ -60,7 +61,8 @@ def test_fallback_renderer_matches_kubectl(kustomization):
 def test_every_object_is_valid(rendered):
     name, objects = rendered
     kinds = sorted(o["kind"] for o in objects)
-    extra = ["ConfigMap", "HorizontalPodAutoscaler"] if name == "overlays/autoscaling" else []
+    extra = ["ConfigMap", "HorizontalPodAutoscaler"] if name == "overlays/autoscaling" else \
+        ["Service", "StatefulSet"] if name == "overlays/pool-canary" else []
     assert kinds == sorted(["ConfigMap", "Deployment", "Service", "Service", "StatefulSet"]
                            + extra), name
     for obj in objects:
@@ -314,10 +316,12 @@ def consistency_problems(objects: list[dict]) -> list[str]:
         headlesses[svc_name] = (headless[0], zmq, events, cfg)
     for cfg in routers:
         rc = cfg.router
-        if rc.discovery == "dns":
-            found = headlesses.get(rc.discovery_name.split(".")[0])
+        names = ([rc.discovery_name] if rc.discovery_name else []) + sorted(
+            rc.discovery_pools.values())
+        for dns_name in names if rc.discovery == "dns" else []:     # one per replica pool
+            found = headlesses.get(dns_name.split(".")[0])
             if found is None:
-                problems.append(f"router: discovery_name {rc.discovery_name} is no headless "
+                problems.append(f"router: discovery_name {dns_name} is no headless "
                                 f"Service of a replica StatefulSet")
                 continue
             svc, zmq, events, rcfg = found
@@ -330,6 +334,7 @@ def consistency_problems(objects: list[dict]) -> list[str]:
                     (cfg.engine.model, cfg.kv.block_size, cfg.engine.max_model_len):
                 problems.append("router: engine.model / kv.block_size / max_model_len "
                                 "differ from the discovered replicas'")
+        if rc.discovery == "dns":
             continue
         listed = {}
         for rep in cfg.router.replicas:
@@ -537,3 +542,28 @@ def test_keys_secret_holds_what_weir_keys_generate_writes(tmp_path):
             (mounted / item["path"]).write_bytes((keys / item["key"]).read_bytes())
         loaded = curve.load(mounted)
         assert loaded.authorized is not None and any(loaded.authorized.glob("*.key"))
+
+
+def test_the_pool_canary_overlay_runs_two_pools_the_router_resolves_apart():
+    """overlays/pool-canary: the base's StatefulSet is the pool "stable", a second one the
+    pool "canary", each behind its own headless Service, whose selectors do not overlap
+    (a pod in both would be found under both names); the router names one per pool."""
+    objects = render(K8S / "overlays" / "pool-canary")
+    router = weir_toml.load(_router_toml(objects)[1], "route").router
+    assert router.discovery == "dns" and router.discovery_pools == {
+        "stable": "weir-replica", "canary": "weir-replica-canary"}
+    stable = one(objects, "StatefulSet", "weir-replica")
+    canary = one(objects, "StatefulSet", "weir-replica-canary")
+    assert canary["spec"]["replicas"] == 1
+    for svc, own in (("weir-replica", stable), ("weir-replica-canary", canary)):
+        sel = one(objects, "Service", svc)["spec"]["selector"]
+        for sts in (stable, canary):
+            labels = sts["spec"]["template"]["metadata"]["labels"]
+            assert (sel.items() <= labels.items()) == (sts is own), (svc, sts["metadata"])
+    # the same engine in both pools (the candidate is what differs, put on live)
+    assert stable["spec"]["template"]["spec"] == canary["spec"]["template"]["spec"]
+    broken = copy.deepcopy(objects)
+    cm, router_toml = _router_toml(broken)
+    cm["data"]["router.toml"] = router_toml.replace('"weir-replica-canary"', '"weir-canary"')
+    assert any("discovery_name weir-canary is no headless Service" in p
+               for p in consistency_problems(broken))

@@ -12,7 +12,15 @@ from components.router import pool_canary as pc
 from components.router.discovery import DnsResolver, Pools, resolver_for
 from components.router.live_config import RouterLiveConfig
 from components.tenancy.watchdog import Decided, Ended, Watchdog
-from schemas.client import Accepted, Cancelled, Failed, Finished, Rejected, Usage
+from schemas.client import (
+    Accepted,
+    Cancelled,
+    Failed,
+    Finished,
+    Rejected,
+    RequestTiming,
+    Usage,
+)
 from schemas.config import ConfigError, ReplicaSpec, RolloutConfig, load_config
 from schemas.config_change import ConfigVersion, Refused, candidate
 from weir.forms import replica_address
@@ -98,6 +106,10 @@ def test_a_placement_is_counted_by_its_answer():
     # 0.301 s: a miss, no good tokens
     assert pc.placement_end(done, 2.0, True, "c", 1.0, 1.301, 0.300, True) == \
         Ended(2.0, True, "c", True, False, pytest.approx(0.301), 76, 0)
+    # not streamed: its first token was decode_s before its end
+    timed = Finished("r", "length", Usage(100, 16, 40), timing=RequestTiming(decode_s=0.75))
+    assert pc.placement_end(timed, 2.0, True, "c", 1.0, 0.0, 0.3, True).wait_s == 0.25
+    assert pc.placement_end(timed, 2.1, True, "c", 1.0, 0.0, 0.3, True).missed
     # no deadline: good whatever its wait; cut at its end-to-end bound: a miss
     assert not pc.placement_end(done, 2.0, False, "c", 1.0, 1.9, None, True).missed
     cut = Finished("r", "deadline", Usage(100, 4, 0))
