@@ -137,6 +137,14 @@ def test_compose_router_profile():
         weir_toml.endpoint_port(router_cfg.topology.client_endpoint), router_cfg.gateway.port}
     listed = {weir_toml.endpoint_host(r.endpoint): r for r in router_cfg.router.replicas}
     assert set(listed) == {"replica-0", "replica-1"}
+    # two replica pools for a canary by pool (docs/operations.md): each replica's pool in
+    # the router's list is the label its service carries; both take the operator's key
+    assert {n: r.pool for n, r in listed.items()} == {
+        "replica-0": "stable", "replica-1": "canary"} == {
+        n: services[n]["labels"]["dev.weir.pool"] for n in listed}
+    for name in listed:
+        assert "WEIR_OPERATOR_KEY_FILE" in services[name]["environment"]
+    assert "WEIR_OPERATOR_KEY_FILE" in router["environment"]
 
     for name in ("replica-0", "replica-1"):
         svc = services[name]
