@@ -17,8 +17,8 @@ import anyio
 import pytest
 
 from components.streamer.live_config import WATCH_FILE, WatchJournal
-from components.tenancy.watchdog import Ended
 from components.tenancy.canary import in_canary
+from components.tenancy.watchdog import Ended
 from tests.e2e.engine import Engine, await_for, wait_for
 from tests.e2e.test_live_config import OPERATOR_KEY, _key
 from weir.errors import RequestFailed, RequestRejected
