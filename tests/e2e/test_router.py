@@ -396,7 +396,8 @@ def test_replicas_are_added_and_retired_while_the_router_runs(replicas, tmp_path
                              cwd=ROOT, capture_output=True, text=True, timeout=60,
                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert cli.returncode == 0, cli.stderr
-        assert json.loads(cli.stdout) == {"replicas": ["r0", "r1"], "retiring": []}
+        assert json.loads(cli.stdout) == {"replicas": ["r0", "r1"], "retiring": [],
+                                          "pools": {"r0": "default", "r1": "default"}}
         router.wait(lambda s: s.get("replica.r1.healthy") == 1, "r1 up")
         with router.client() as c:
             for i in range(4):                         # round robin: both get work
