@@ -63,16 +63,20 @@ class Load:
     async def one(self, client, tenant: str, doomed: bool) -> None:
         self.n += 1
         rid = f"{tenant}-{'doomed' if doomed else 'ok'}-{self.n}"
+        outcome = await self.ask(client, rid, self.n, tenant, doomed)
+        assert rid not in self.results                   # one answer per request
+        self.results[rid] = outcome
+
+    async def ask(self, client, rid: str, n: int, tenant: str, doomed: bool) -> str:
+        """One request's end, as a result string."""
         try:
-            done = await client.generate(f"Count to ten, number {self.n}:", request_id=rid,
+            done = await client.generate(f"Count to ten, number {n}:", request_id=rid,
                                          tenant=tenant, max_tokens=16, temperature=0,
                                          deadline_ms=DOOMED_MS if doomed else None,
                                          timeout=120)
-            outcome = f"finished:{done.finish_reason}"
+            return f"finished:{done.finish_reason}"
         except RequestRejected as exc:
-            outcome = f"rejected:{exc}"
-        assert rid not in self.results                   # one answer per request
-        self.results[rid] = outcome
+            return f"rejected:{exc}"
 
     async def waves(self, until, limit_s: float) -> None:
         """Waves until ``until()`` holds (checked between waves) or ``limit_s`` passed."""
@@ -200,23 +204,14 @@ class KilledLoad(Load):
         self.waves = 0
         self.resumed: dict[str, float] = {}
 
-    async def one(self, client, tenant: str, doomed: bool) -> None:
-        self.n += 1
-        rid = f"{tenant}-{'doomed' if doomed else 'ok'}-{self.n}"
+    async def ask(self, client, rid: str, n: int, tenant: str, doomed: bool) -> str:
         self.open.add(rid)
         try:
-            done = await client.generate(f"Count to ten, number {self.n}:", request_id=rid,
-                                         tenant=tenant, max_tokens=16, temperature=0,
-                                         deadline_ms=DOOMED_MS if doomed else None,
-                                         timeout=120)
-            outcome = f"finished:{done.finish_reason}"
-        except RequestRejected as exc:
-            outcome = f"rejected:{exc}"
+            return await super().ask(client, rid, n, tenant, doomed)
         except RequestFailed as exc:
-            outcome = f"failed:{exc.reason}"
-        self.open.discard(rid)
-        assert rid not in self.results                   # one answer per request
-        self.results[rid] = outcome
+            return f"failed:{exc.reason}"
+        finally:
+            self.open.discard(rid)
 
     async def waves_until(self, until, limit_s: float) -> None:
         """Waves from one client until ``until()``; after a wave with a failure (the
