@@ -114,6 +114,16 @@ def fit_relative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> l
     return [float(c) for c in coef]
 
 
+def prior_vote(ratios: Sequence[float]) -> float:
+    """The median of ``ratios`` (steps' measured ÷ the prior's prediction) with the prior's
+    own vote of 1 among them; an even count takes the geometric mean of the middle two. One
+    step alone moves the scale halfway (in log) from 1 to its ratio; from the third step on
+    the steps outvote the prior."""
+    r = sorted([1.0, *ratios])
+    n = len(r)
+    return r[n // 2] if n % 2 else float(np.sqrt(r[n // 2 - 1] * r[n // 2]))
+
+
 class StepCostModel:
     def __init__(self, window: int = 256, min_samples: int = 8,
                  prior: Sequence[float] | None = None,
@@ -242,7 +252,8 @@ class StepCostModel:
 
     def _refit(self) -> None:
         """Without a prior: least squares over the window. With one, fewer than
-        ``min_samples`` steps scale it (the median step's measured ÷ predicted, within
+        ``min_samples`` steps scale it (the median step's measured ÷ predicted, the prior
+        voting once at 1: :func:`prior_vote`; within
         ``PRIOR_SCALE_MAX`` either way);
         more fit ``coef = prior + delta``, each delta's square weighed ``PRIOR_STEPS`` ×
         the mean square of its feature over the window, or over the prior's own steps
@@ -262,13 +273,17 @@ class StepCostModel:
             return
         p = np.array(self.prior)
         if not self._fitted():
-            # the median step's measured ÷ predicted, within PRIOR_SCALE_MAX either way: the
-            # prior was measured on this machine, so one step far off it is a transient (an
-            # engine's first step, cold, read 8.5x and scaled every prediction of the
-            # burst behind it by that: a TTFT p99 of 2.5 s where 1.8 was the machine's)
+            # the median step's measured ÷ predicted, the prior voting once at 1 (an even
+            # count takes the geometric mean of the middle two), within PRIOR_SCALE_MAX
+            # either way: the prior was measured on this machine, so one step far off it is
+            # a transient (an engine's first step, cold, read 8.5x and scaled every
+            # prediction of the burst behind it by that: a TTFT p99 of 2.5 s where 1.8 was
+            # the machine's). Without the prior's vote a first step alone set the scale: at
+            # rate inf a 128-token first step ran 3.2x its prediction beside the burst's
+            # own arrival, and the next 771-token step, planned at 3x, ran in 296 ms of a
+            # predicted 447 (the steps after it ran 1.2-2.0x the prior)
             expected = x @ p
-            ratios = [yi / ei for yi, ei in zip(y, expected) if ei > 0]
-            ratio = float(np.median(ratios)) if ratios else 1.0
+            ratio = prior_vote([yi / ei for yi, ei in zip(y, expected) if ei > 0])
             ratio = min(max(ratio, 1 / PRIOR_SCALE_MAX), PRIOR_SCALE_MAX)
             self._coef = [float(c) for c in p * ratio]
             return

@@ -1,5 +1,7 @@
 """The step-cost model (components/costs/cost_model.py), exact: shapes, the attention
 term, the fit, and the prior it starts from (the executor's startup steps)."""
+import math
+
 import pytest
 
 from components.costs.cost_model import (
@@ -12,6 +14,7 @@ from components.costs.cost_model import (
     joined,
     plan_shape,
     prefill_shape,
+    prior_vote,
     row_pairs,
 )
 from schemas.wire import SeqStep, StepPlan
@@ -82,15 +85,33 @@ def test_first_steps_scale_the_prior():
 
 def test_a_cold_first_step_does_not_scale_the_prior_by_its_outlier():
     """An engine's first step ran 8.5x its prediction (cold), the next two 1.2x: the
-    median step scales the prior (1.2x), not the sum (which the outlier dominates); alone,
-    the outlier scales it by at most PRIOR_SCALE_MAX."""
+    median step, with the prior's vote of 1, scales the prior (1.2x), not the sum (which the
+    outlier dominates); alone, the outlier moves it halfway in log (sqrt 8.5), and a
+    larger one by at most PRIOR_SCALE_MAX."""
     m = StepCostModel(prior=TRUTH, min_samples=8)
     m.observe(prefill_shape(128), 8.5 * truth(prefill_shape(128)))
     assert m.predict(prefill_shape(512, 7000)) == pytest.approx(
-        PRIOR_SCALE_MAX * 4.006552, rel=1e-9)
+        math.sqrt(8.5) * 4.006552, rel=1e-9)
     m.observe(prefill_shape(256), 1.2 * truth(prefill_shape(256)))
     m.observe(decode_shape(8, 8000), 1.2 * truth(decode_shape(8, 8000)))
     assert m.predict(prefill_shape(512, 7000)) == pytest.approx(1.2 * 4.006552, rel=1e-9)
+    far = StepCostModel(prior=TRUTH, min_samples=8)
+    far.observe(prefill_shape(128), 20 * truth(prefill_shape(128)))
+    assert far.predict(prefill_shape(512, 7000)) == pytest.approx(
+        PRIOR_SCALE_MAX * 4.006552, rel=1e-9)
+
+
+def test_the_prior_votes_once_among_the_first_steps():
+    """The scale before the fit: the median of the steps' ratios and the prior's 1, the
+    geometric mean of the middle two for an even count. At rate inf a 128-token first step
+    ran 3.16x the prior beside the burst's own arrival and the steps after it 1.2-2.0x:
+    the first alone no longer sets the next step's scale to 3."""
+    assert prior_vote([]) == 1.0
+    assert prior_vote([3.16]) == pytest.approx(math.sqrt(3.16), rel=1e-12)
+    assert prior_vote([3.16, 1.99]) == 1.99
+    assert prior_vote([3.16, 1.99, 1.53]) == pytest.approx(math.sqrt(1.53 * 1.99), rel=1e-12)
+    assert prior_vote([0.5, 0.6]) == 0.6
+    assert prior_vote([1.5, 1.5]) == 1.5
 
 
 def test_a_window_that_cannot_tell_attention_keeps_the_prior():
