@@ -334,7 +334,9 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // dword. So the output is kept transposed, O^T = V^T.P (four tiles, tmm4-7, 16 dims x 16
 // queries each, over the whole key loop), and transposed back once per item. Each block's
 // scores go to the tile unit before the block before it runs its softmax (two score buffers),
-// and the probabilities are 2^x by 9 vector ops (exp2_softmax).
+// the probabilities are 2^x by 7 vector ops (exp2_bf16), their sums one vdpbf16ps a key pair
+// on the rounded pairs (against a ones pair: the sum of exactly what P.V multiplies), and Q^T
+// stays in two tiles over the head's key loop (9 tile loads a 32-key block, not 13).
 // The running max is lazy: it moves only when a block's max passes it by more than
 // kLazyRescale (e^8: P's bf16 and the fp32 sums have room), so the output tiles are stored,
 // rescaled (a query per lane: one multiply a dim row) and reloaded a few times per row, not
@@ -384,28 +386,15 @@ void pack_keys(const uint16_t* k_cache, const int32_t* table, int64_t block_size
     }
 }
 
-// 2^x for the prompt kernel's probabilities: f = x - floor(x) by one vreduceps, 2^f by a
-// degree-6 fit on [0, 1) (8.4e-8 relative, as weir::exp16's ~2 ulp), times 2^floor(x) by
-// vscalefps (which floors x itself): 9 vector ops with the argument's fmsub, against 17 for
-// exp16 (its clamps, its range reduction in two steps, its degree 5 in r and r^2). Below
-// -149 it is 0; +inf or NaN (a column's max still -inf) give NaN, which the caller checks.
-inline __m512 exp2_softmax(__m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
-    __m512 p = _mm512_set1_ps(2.1702231606468558e-4f);    // exception
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.2439694255590439e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.678840637207031e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5483341217041016e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022983014583588f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, x);
-}
-
-// 2^x for probabilities that are rounded to bf16 next: exp2_softmax with a degree-3 fit
-// (7.5e-5 relative, against bf16's 2^-9 rounding step): 6 vector ops
+// 2^x for the prompt kernel's probabilities, which are rounded to bf16 next: f = x - floor(x)
+// by one vreduceps, 2^f by a degree-3 fit on [0, 1) (7.5e-5 relative, against bf16's 2^-9
+// rounding step), times 2^floor(x) by vscalefps (which floors x itself): 6 vector ops, 7 with
+// the argument's fmsub, against 17 for exp16. The degree-6 fit (8.4e-8, 9 ops) it replaces
+// was the exp's precision, spent on values rounded to 8 bits. Below -149 it is 0; +inf or NaN
+// (a column's max still -inf) give NaN, which the caller checks.
 inline __m512 exp2_bf16(__m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, 0x09);
-    __m512 p = _mm512_set1_ps(0.07802382856607437f);
+    const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
+    __m512 p = _mm512_set1_ps(0.07802382856607437f);      // exception
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606651484966278f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958346366882324f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999250173568726f));
@@ -452,22 +441,18 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
         transpose16(qrows + 16, qt + 256, 32);
         zero_output_tiles();
         __m512 m = ninf, l = _mm512_setzero_ps();
-        // S^T of the keys [t0, t0 + KB), 16 at a time (tmm0 and tmm1 in turn), into sb:
-        // chunks past L are not read
+        // S^T of the keys [t0, t0 + KB), 16 at a time, into sb: Q^T stays in tmm2 and tmm3
+        // for the head's whole key loop, so a chunk is two key loads for its two products
+        // (loaded per chunk beside the keys, 13 tile loads a block, now 9); chunks past L are
+        // not read
+        _tile_loadd(2, qt, 64); _tile_loadd(3, qt + 256, 64);
         auto scores = [&](int64_t t0, float* sb) {
             for (int c = 0; c < KB / 16 && t0 + 16 * c < L; ++c) {
                 const uint32_t* kc = kpk + (t0 / 16 + c) * (D / 32) * 256;
-                if (c % 2 == 0) {
-                    _tile_zero(0);
-                    _tile_loadd(2, kc, 64); _tile_loadd(3, qt, 64); _tile_dpbf16ps(0, 2, 3);
-                    _tile_loadd(2, kc + 256, 64); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(0, 2, 3);
-                    _tile_stored(0, sb + c * 256, 64);
-                } else {
-                    _tile_zero(1);
-                    _tile_loadd(2, kc, 64); _tile_loadd(3, qt, 64); _tile_dpbf16ps(1, 2, 3);
-                    _tile_loadd(2, kc + 256, 64); _tile_loadd(3, qt + 256, 64); _tile_dpbf16ps(1, 2, 3);
-                    _tile_stored(1, sb + c * 256, 64);
-                }
+                _tile_zero(0);
+                _tile_loadd(1, kc, 64); _tile_dpbf16ps(0, 1, 2);
+                _tile_loadd(1, kc + 256, 64); _tile_dpbf16ps(0, 1, 3);
+                _tile_stored(0, sb + c * 256, 64);
             }
         };
         scores(0, sbufs[0]);
@@ -549,14 +534,15 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
                 }
             }
             l = _mm512_add_ps(l, bs);
-            // P.V, transposed: per 32 keys, the packed values are the A tiles, P the B tile
+            // P.V, transposed: per 32 keys, the packed values are the A tiles (tmm1), P the B
+            // tile (tmm0, free once the scores are stored)
             for (int j = 0; j < KB / 32 && t0 + 32 * j < L; ++j) {
-                _tile_loadd(3, pbuf + j * 256, 64);
+                _tile_loadd(0, pbuf + j * 256, 64);
                 const uint32_t* vt = vpk + (t0 / 32 + j) * (D / 16) * 256;
-                _tile_loadd(2, vt, 64); _tile_dpbf16ps(4, 2, 3);
-                _tile_loadd(2, vt + 256, 64); _tile_dpbf16ps(5, 2, 3);
-                _tile_loadd(2, vt + 512, 64); _tile_dpbf16ps(6, 2, 3);
-                _tile_loadd(2, vt + 768, 64); _tile_dpbf16ps(7, 2, 3);
+                _tile_loadd(1, vt, 64); _tile_dpbf16ps(4, 1, 0);
+                _tile_loadd(1, vt + 256, 64); _tile_dpbf16ps(5, 1, 0);
+                _tile_loadd(1, vt + 512, 64); _tile_dpbf16ps(6, 1, 0);
+                _tile_loadd(1, vt + 768, 64); _tile_dpbf16ps(7, 1, 0);
             }
         }
         // O^T normalized (a query per lane), transposed back to rows, 16 dims at a time
