@@ -329,8 +329,8 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // block to share. A work item is 16 consecutive rows of a run and one kv head; for each of its
 // G query heads the queries are one B tile pair (Q^T, transposed once), so S^T = K.Q^T lands
 // a key per vector, 16 queries across (the softmax is vertical: one vector op per key for all
-// 16 rows). P is then already in a B tile's layout: two neighbouring keys' rows, rounded to
-// bf16 by one vcvtne2ps2bf16 and interleaved by one vpermw, are a row of pairs, a query per
+// 16 rows). P is then already in a B tile's layout: two neighbouring keys' rows, cut to bf16
+// and interleaved by one shift and one vpternlogd (exp2_bf16), are a row of pairs, a query per
 // dword. So the output is kept transposed, O^T = V^T.P (four tiles, tmm4-7, 16 dims x 16
 // queries each, over the whole key loop), and transposed back once per item. Each block's
 // scores go to the tile unit before the block before it runs its softmax (two score buffers),
@@ -386,18 +386,23 @@ void pack_keys(const uint16_t* k_cache, const int32_t* table, int64_t block_size
     }
 }
 
-// 2^x for the prompt kernel's probabilities, which are rounded to bf16 next: f = x - floor(x)
-// by one vreduceps, 2^f by a degree-3 fit on [0, 1) (7.5e-5 relative, against bf16's 2^-9
-// rounding step), times 2^floor(x) by vscalefps (which floors x itself): 6 vector ops, 7 with
-// the argument's fmsub, against 17 for exp16. The degree-6 fit (8.4e-8, 9 ops) it replaces
-// was the exp's precision, spent on values rounded to 8 bits. Below -149 it is 0; +inf or NaN
-// (a column's max still -inf) give NaN, which the caller checks.
+// 2^x for the prompt kernel's probabilities, which go to bf16 next: f = x - floor(x) by one
+// vreduceps, 2^f by a degree-3 fit on [0, 1) (7.5e-5 relative, against bf16's 2^-8 step),
+// times 2^floor(x) by vscalefps (which floors x itself): 6 vector ops, 7 with the argument's
+// fmsub, against 17 for exp16 (the degree-6 fit before it, 8.4e-8 and 9 ops, spent an fp32
+// exp's precision on values kept to 8 bits). The fit is scaled by 1 + 2^-9 because the caller
+// truncates to bf16 (keeps the high half of the bits: one shift and one vpternlogd make a pair
+// row of two keys, where vcvtne2ps2bf16 and a vpermw took three uops), so the kept value is
+// within -0.75 .. +0.5 of a bf16 step of 2^x, as rounding's +-0.5; the row sums add those same
+// bf16 values, so P.V / sum has no bias from it. Below -149 it is 0; +inf or NaN (a column's
+// max still -inf) give NaN, which the caller checks.
 inline __m512 exp2_bf16(__m512 x) {
     const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
-    __m512 p = _mm512_set1_ps(0.07802382856607437f);      // exception
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606651484966278f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958346366882324f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999250173568726f));
+    constexpr float up = 1.0f + 1.0f / 512;      // truncated to bf16 next: see above
+    __m512 p = _mm512_set1_ps(0.07802382856607437f * up);      // exception
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606651484966278f * up));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958346366882324f * up));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999250173568726f * up));
     return _mm512_scalef_ps(p, x);
 }
 
@@ -424,11 +429,9 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
     const __m512 lazy_sum = _mm512_set1_ps(std::exp(kLazyRescale));
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);    // bf16 1.0 pairs
-    // words 2c and 2c + 1 of a pair row: query c's probability for the even key, the odd
-    const __m512i pair_idx = _mm512_setr_epi32(
-        0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006,
-        0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d,
-        0x001e000e, 0x001f000f);
+    // a pair row (dword c: query c, the even key's bf16 low, the odd key's high) is the odd
+    // key's fp32 bits' high half over the even key's high half shifted down
+    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for (int g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
         for (int c = 0; c < 16; ++c) {
@@ -479,8 +482,11 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
                         e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_OQ) & live_m,
                                                  exp2_bf16(_mm512_fmsub_ps(s1, log2e, m2)));
                     }
-                    const __m512i pp = _mm512_permutexvar_epi16(
-                        pair_idx, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                    // the pair row: e1's high half over e0's (vpternlogd: bits of the
+                    // first operand where the mask is set, else the third's)
+                    const __m512i pp = _mm512_ternarylogic_epi32(
+                        _mm512_castps_si512(e1), hi16, _mm512_srli_epi32(_mm512_castps_si512(e0), 16),
+                        0xE2);
                     bs = _mm512_dpbf16_ps(bs, (__m512bh)pp, ones);
                     _mm512_store_si512(pbuf + t / 2 * 16, pp);
                 }
