@@ -347,8 +347,10 @@ void attend_tile_amx(const uint16_t* q, const KT* k_cache, const KT* v_cache,
 // A tiles read from the cache, 384 bytes a row apart; O = P^T.V with P transposed every 32
 // keys and widened by vpmovzxwd on the shuffle port); 16.6 O^T = V^T.P; 12.9-13.6 the keys
 // packed (the loads from the cache were the kernel's largest stall); 13.0 the next block's
-// scores first; 9.6-11.2 2^x and the sum-checked max. Only D = 64 and bf16 caches; other
-// shapes take the tile kernel.
+// scores first; 9.6-11.2 2^x and the sum-checked max. Then with the call's 2 threads, wall
+// time (scripts/run bench/prompt_attention), 2,048 fresh / after 2,048: 3.6-3.8 / 11.1-11.8 ms;
+// 3.4 / 10.8 the degree-3 2^x and the sums by vdpbf16ps; 3.1 / 10.0 Q^T resident; 2.9 / 9.0-9.2
+// the pairs by vpternlogd. Only D = 64 and bf16 caches; other shapes take the tile kernel.
 inline void zero_output_tiles() { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
 inline void store_output_tiles(float* o) {      // O^T: [64 dims][16 queries], tile i at o + 256 i
     _tile_stored(4, o, 64); _tile_stored(5, o + 256, 64);
