@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import tuning_guard
 from kernels.machine import cpu_info
 
 VERSION = 15                     # bump when candidates, the timing method or the choice change
@@ -198,6 +199,11 @@ class KernelPlan:
     # is batch-invariant here), and the paged attention's tiles ("vector" or "amx")
     invariant_linear: dict[str, str] = field(default_factory=dict)
     invariant_tiles: str = "vector"
+    # what the measurement found (kernels/tuning_guard.py): per linear op, its timings that
+    # did not grow with the rows ("candidate@rows" -> status, ratio); and the guard's record
+    # (load, cores, window_s, provisional: why, "" when clean; attempts, measured_at)
+    anomalies: dict[str, dict] = field(default_factory=dict)
+    guard: dict[str, object] = field(default_factory=dict)
 
     def layouts(self, role: str) -> set[str]:
         return {c for _, c in self.linear.get(role, [])}
@@ -211,6 +217,10 @@ class KernelPlan:
         out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
                    fresh_prompts=self.fresh_prompts, attention_tiles=self.attention_tiles,
                    layer_loop=self.layer_loop, source=self.source)
+        if self.guard:
+            why = self.guard.get("provisional")
+            out["guard"] = f"provisional: {why}" if why else \
+                f"clean (load {float(self.guard.get('load', 0)):.0%})"
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -218,16 +228,19 @@ class KernelPlan:
                 "elementwise": self.elementwise, "sampling": self.sampling,
                 "attention": self.attention, "fresh_prompts": self.fresh_prompts,
                 "attention_tiles": self.attention_tiles, "layer_loop": self.layer_loop,
-                "timings": self.timings}
+                "timings": self.timings, "guard": {**self.guard, "anomalies": self.anomalies}}
 
     @classmethod
     def from_json(cls, data: Mapping[str, object], key: str) -> KernelPlan:
+        """A cached plan; one from before the guard has an empty ``guard``."""
+        guard = dict(data.get("guard") or {})
+        anomalies = dict(guard.pop("anomalies", {}))
         return cls({r: [(int(m), str(c)) for m, c in t] for r, t in data["linear"].items()},
                    str(data["elementwise"]), str(data["sampling"]), str(data["attention"]),
                    "cached", str(data.get("fresh_prompts", "native")),
                    str(data.get("attention_tiles", "vector")),
                    str(data.get("layer_loop", "native")), key, 0.0,
-                   dict(data.get("timings", {})))
+                   dict(data.get("timings", {})), anomalies=anomalies, guard=guard)
 
 
 def load_cached(path: Path) -> dict | None:
@@ -283,7 +296,7 @@ PRUNE_BUCKETS = 2
 def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int,
                 dtype: torch.dtype, buckets: Sequence[int],
                 timer: Callable[[Mapping[str, Callable[[], object]]], dict[str, float]]
-                | None = None) -> dict[str, dict[int, float]]:
+                | None = None, anomalies: dict | None = None) -> dict[str, dict[int, float]]:
     """``candidates``: name -> (fn(x, weight), copies of the weight in that layout, largest
     M it runs). Times each at every bucket it can run (``buckets`` ascending); returns seconds
     per candidate and bucket. Each call takes the next copy: in a real step every weight is
@@ -291,26 +304,36 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
     so a weight that stays in L2 between calls would favour the kernels that compute most
     per byte. A candidate left behind (PRUNE_RATIO, PRUNE_MIN_S, PRUNE_BUCKETS) has no
     times above the bucket where it was dropped, as one that cannot run them: it cannot win
-    them either.
+    them either. A candidate whose time does not grow with the rows is timed again at those
+    buckets (:func:`kernels.tuning_guard.recheck`); what that found goes into
+    ``anomalies`` (by "candidate@rows").
     ``timer``: :func:`time_interleaved` (tests inject their own)."""
     timer = timer or time_interleaved
     g = torch.Generator().manual_seed(0)
+
+    def fns_at(names: Sequence[str], m: int) -> dict[str, Callable[[], object]]:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        fns = {}
+        for name in names:
+            fn, copies, _ = candidates[name]
+            turn = iter(range(1 << 62))
+            fns[name] = (lambda fn=fn, copies=copies, turn=turn, x=x:
+                         fn(x, copies[next(turn) % len(copies)]))
+        return fns
+
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
     behind = {c: 0 for c in candidates}           # buckets in a row lost by PRUNE_RATIO
     for m in buckets:
-        x = torch.randn(m, k, generator=g).to(dtype)
-        fns = {}
-        for name, (fn, copies, max_m) in candidates.items():
-            if m <= max_m and behind[name] < PRUNE_BUCKETS:
-                turn = iter(range(1 << 62))
-                fns[name] = (lambda fn=fn, copies=copies, turn=turn, x=x:
-                             fn(x, copies[next(turn) % len(copies)]))
-        times = timer(fns)
+        times = timer(fns_at([name for name, (_, _, max_m) in candidates.items()
+                              if m <= max_m and behind[name] < PRUNE_BUCKETS], m))
         best = min(times.values(), default=0.0)
         for name, t in times.items():
             out[name][m] = t
             far = t >= PRUNE_MIN_S and t >= PRUNE_RATIO * best
             behind[name] = behind[name] + 1 if far else 0
+    found = tuning_guard.recheck(out, lambda names, m: timer(fns_at(names, m)))
+    if anomalies is not None:
+        anomalies.update(found)
     return out
 
 

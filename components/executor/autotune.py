@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
 import torch
 
 from components.executor import determinism
@@ -29,12 +30,14 @@ from components.executor.candidates import (
 )
 from components.executor.linear import GREEDY_HEAD
 from components.executor.measure import measure_plan
-from kernels import get_backend, native_lib, tuning
+from kernels import get_backend, native_lib, tuning, tuning_guard
 from kernels.tuning import KernelPlan
+from kernels.tuning_guard import LoadMeter
 
 if TYPE_CHECKING:
     from schemas.model import ModelSpec
 
+log = structlog.get_logger("executor")
 ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 # gate_up's candidates with SiLU x up in the epilogue, and the GEMM they fuse it into
 SILU_BASE = {"onednn_silu": "onednn", "fp32_onednn_silu": "fp32_onednn"}
@@ -78,23 +81,64 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
     skip = set(forced) | ({"attention"} if attention != "auto" else set())
     path = cache_dir / "tuning" / f"{key}.json" if cache_dir is not None and not skip \
         else None
-    plan = _cached_plan(path, key)
-    if plan is None:
-        with tuning.measuring(path) if path is not None else contextlib.nullcontext():
-            plan = _cached_plan(path, key)         # another executor measured meanwhile
-            if plan is None:
-                t0 = time.perf_counter()
-                plan = measure_plan(spec, dtype, shp, cands, native_ops, max_tokens, max_seqs,
-                                kv_block_size or 16, skip, kv_dtype)
-                plan.key, plan.seconds = key, round(time.perf_counter() - t0, 2)
-                if path is not None:
-                    tuning.store(path, {"key": key, "machine": machine, **plan.to_json()})
+    plan = cached_or_measured(
+        path, key, machine, lambda: measure_plan(spec, dtype, shp, cands, native_ops, max_tokens,
+                                                 max_seqs, kv_block_size or 16, skip, kv_dtype))
     plan = _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
                          max_tokens)
     # a deterministic step's kernels: derived from what runs here, not measured or cached
     plan.invariant_linear = determinism.invariant_linear(cands)
     plan.invariant_tiles = determinism.invariant_tiles(plan)
     return plan
+
+
+def cached_or_measured(path: Path | None, key: str, machine: Mapping[str, object],
+                       measure: Callable[[], KernelPlan],
+                       meter: Callable[[], LoadMeter] = LoadMeter) -> KernelPlan:
+    """The plan stored at ``path`` (None: keep nothing), or ``measure()``'s under a load
+    meter. A stored plan is measured again only where :func:`tuning_guard.due` says so (a
+    provisional one, the cores quieter now than then), and the new one replaces it where
+    :func:`tuning_guard.better` says so; otherwise the stored one stays and counts the
+    attempt. A provisional plan is used either way, with a warning naming the load."""
+    plan = _cached_plan(path, key)
+    if plan is not None and not tuning_guard.due(plan.guard or None, lambda: meter().probe()):
+        _warn_if_provisional(plan)
+        return plan
+    with tuning.measuring(path) if path is not None else contextlib.nullcontext():
+        again = _cached_plan(path, key)
+        if again is not None and (plan is None or again.guard != plan.guard):
+            _warn_if_provisional(again)
+            return again                    # another executor measured meanwhile
+        old = plan.guard if plan is not None and plan.guard else None
+        t0 = time.perf_counter()
+        with meter() as m:
+            new = measure()
+        new.key, new.seconds = key, round(time.perf_counter() - t0, 2)
+        attempts = int(old.get("attempts", 1)) + 1 if old and not old.get("remeasure") else 1
+        new.guard = {"load": round(m.load, 3), "cores": m.cores,
+                     "window_s": round(m.window_s, 2), "attempts": attempts,
+                     "provisional": tuning_guard.judge(m.load, new.anomalies, m.cores),
+                     "measured_at": round(time.time(), 1)}
+        if plan is not None and not tuning_guard.better(new.guard, old):
+            plan.guard = {**plan.guard, "attempts": attempts}
+            log.warning("kernel_plan_remeasure_kept_old", key=key, new_load=new.guard["load"],
+                        old_load=plan.guard.get("load"), why=new.guard["provisional"])
+            new = plan
+        if path is not None:
+            tuning.store(path, {"key": key, "machine": dict(machine), **new.to_json()})
+    _warn_if_provisional(new)
+    return new
+
+
+def _warn_if_provisional(plan: KernelPlan) -> None:
+    why = plan.guard.get("provisional")
+    if why:
+        attempts = int(plan.guard.get("attempts", 1))
+        log.warning("kernel_plan_provisional", key=plan.key, why=why,
+                    load=plan.guard.get("load"), attempts=attempts,
+                    next_start=("measures again if the cores are quieter"
+                                if attempts < tuning_guard.MAX_ATTEMPTS else
+                                "keeps it (weir plan --remeasure to measure again)"))
 
 
 def _cached_plan(path: Path | None, key: str) -> KernelPlan | None:

@@ -67,7 +67,10 @@ def measure_plan(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[in
             use.append(max_seqs)
         runs = {c: (run_as_used(role, c, native_ops), tuning.copies_for(w, PREPARE[c]), limit)
                 for c, limit in cands["lm_head" if head else role].items()}
-        timings = tuning.time_linear(runs, k, dtype, use)
+        found: dict = {}
+        timings = tuning.time_linear(runs, k, dtype, use, anomalies=found)
+        if found:
+            plan.anomalies[f"linear.{role}"] = found
         plan.linear[role] = tuning.choose_linear(timings)
         plan.timings[f"linear.{role}"] = {c: {str(m): round(s * 1e6, 1) for m, s in t.items()}
                                           for c, t in timings.items()}

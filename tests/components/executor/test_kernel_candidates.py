@@ -372,7 +372,7 @@ def test_the_lm_head_candidates_are_timed_with_float32_logits(monkeypatch):
     linear; either way the values are the bare linear's."""
     timed = []                                   # per role, in shapes() order
 
-    def time_linear(runs, k, dtype, buckets):
+    def time_linear(runs, k, dtype, buckets, anomalies=None):
         x = torch.randn(3, k).to(dtype)
         timed.append({c: (fn(x, copies[0]), linear_mod.RUN[c](x, copies[0]))
                       for c, (fn, copies, _) in runs.items()})
