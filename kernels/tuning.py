@@ -296,7 +296,8 @@ PRUNE_BUCKETS = 2
 def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int,
                 dtype: torch.dtype, buckets: Sequence[int],
                 timer: Callable[[Mapping[str, Callable[[], object]]], dict[str, float]]
-                | None = None, anomalies: dict | None = None) -> dict[str, dict[int, float]]:
+                | None = None, anomalies: dict | None = None,
+                meter: tuning_guard.LoadMeter | None = None) -> dict[str, dict[int, float]]:
     """``candidates``: name -> (fn(x, weight), copies of the weight in that layout, largest
     M it runs). Times each at every bucket it can run (``buckets`` ascending); returns seconds
     per candidate and bucket. Each call takes the next copy: in a real step every weight is
@@ -305,10 +306,13 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
     per byte. A candidate left behind (PRUNE_RATIO, PRUNE_MIN_S, PRUNE_BUCKETS) has no
     times above the bucket where it was dropped, as one that cannot run them: it cannot win
     them either. A candidate whose time does not grow with the rows is timed again at those
-    buckets (:func:`kernels.tuning_guard.recheck`); what that found goes into
-    ``anomalies`` (by "candidate@rows").
-    ``timer``: :func:`time_interleaved` (tests inject their own)."""
+    buckets (:func:`kernels.tuning_guard.recheck`: quiet cores are those ``meter`` finds
+    under LOAD_LIMIT since this call began); what that found goes into ``anomalies`` (by
+    "candidate@rows").
+    ``timer``: :func:`time_interleaved`; ``meter``: a LoadMeter (tests inject their own)."""
     timer = timer or time_interleaved
+    meter = meter or tuning_guard.LoadMeter()
+    since = meter.read()
     g = torch.Generator().manual_seed(0)
 
     def fns_at(names: Sequence[str], m: int) -> dict[str, Callable[[], object]]:
@@ -331,7 +335,10 @@ def time_linear(candidates: Mapping[str, tuple[Callable, Sequence, int]], k: int
             out[name][m] = t
             far = t >= PRUNE_MIN_S and t >= PRUNE_RATIO * best
             behind[name] = behind[name] + 1 if far else 0
-    found = tuning_guard.recheck(out, lambda names, m: timer(fns_at(names, m)))
+    found = tuning_guard.recheck(
+        out, lambda names, m: timer(fns_at(names, m)),
+        lambda: tuning_guard.load_between(since, meter.read(), meter.cores)
+        <= tuning_guard.LOAD_LIMIT)
     if anomalies is not None:
         anomalies.update(found)
     return out

@@ -13,10 +13,11 @@ torch's unpacked GEMM above 512 rows and the served tok/s fell from 1.23-1.32x v
 - **Growth** (:func:`violations`): from 256 rows on, each linear candidate's time must grow
   by :data:`MIN_GROWTH` per doubling of the rows. A pair that does not is timed again
   (:func:`recheck`, at most :data:`RETRIES` times) and each bucket keeps its least time
-  (other processes only add time). A pair that a re-timing reproduces within
-  :data:`REPRO` is the kernel's own behaviour, not noise (oneDNN's bf16 GEMM on the AMX Xeon
-  takes as long at 1024 rows as at 2048 for the down and qkv weights, in every plan measured
-  there), and is kept; one that keeps moving is *unsettled* and makes the plan provisional.
+  (other processes only add time). A pair still flat after a re-timing on quiet cores is
+  the kernel's own behaviour (oneDNN's bf16 GEMM on the AMX Xeon takes as long at 1024 rows
+  as at 2048 for the down and qkv weights, in every plan measured there): kept as measured.
+  One still flat after re-timings on busy cores only is *unsettled* and makes the plan
+  provisional.
 
 A provisional plan is used, logged with a warning, and measured again at the next start if
 the cores are quieter then than while it was measured (:func:`due`); the new plan replaces
@@ -48,9 +49,6 @@ LOAD_LIMIT = 0.10
 GROWTH_FROM = 256
 MIN_GROWTH = 1.3
 RETRIES = 2
-# A re-timing within 15% of the first is the same measurement: the same kernel's least time
-# at one bucket spread by 4-7% between the plans cached on a quiet machine.
-REPRO = 0.15
 MAX_ATTEMPTS = 3
 PROBE_S = 0.5                    # how long a start samples the load before re-measuring
 
@@ -143,13 +141,14 @@ def violations(times: Mapping[int, float]) -> list[tuple[int, int]]:
 
 def recheck(timings: dict[str, dict[int, float]],
             retime: Callable[[Collection[str], int], Mapping[str, float]],
-            retries: int = RETRIES) -> dict[str, dict[str, object]]:
+            quiet: Callable[[], bool], retries: int = RETRIES) -> dict[str, dict[str, object]]:
     """Times again, with ``retime(candidates, m)`` (seconds per candidate at ``m`` rows), the
     pairs of buckets that break the growth rule, up to ``retries`` times; each bucket keeps
     its least time (``timings`` is updated in place). Returns what was found, by
     ``"candidate@a"``: the ratio left and a status: ``settled`` (the re-timing restored the
-    growth: the first was disturbed), ``reproduced`` (the re-timing agreed within REPRO:
-    the kernel's own) or ``unsettled`` (still broken, and the timings kept moving)."""
+    growth: the first timing was disturbed), ``reproduced`` (still flat, timed again while
+    ``quiet()``: other processes only add time, so a plateau that quiet cores repeat is the
+    kernel's own) or ``unsettled`` (still flat, and the cores were busy each time)."""
     found: dict[str, dict[str, object]] = {}
     for _ in range(retries):
         bad = [(c, a, b) for c, t in sorted(timings.items()) for a, b in violations(t)
@@ -161,14 +160,13 @@ def recheck(timings: dict[str, dict[int, float]],
             want.setdefault(a, set()).add(c)
             want.setdefault(b, set()).add(c)
         new = {(c, m): s for m in sorted(want) for c, s in retime(sorted(want[m]), m).items()}
+        calm = quiet()
         for c, a, b in bad:
-            old = timings[c][a], timings[c][b]
-            got = new[(c, a)], new[(c, b)]
-            same = all(abs(g - o) <= REPRO * o for g, o in zip(got, old))
-            timings[c][a], timings[c][b] = min(old[0], got[0]), min(old[1], got[1])
+            timings[c][a] = min(timings[c][a], new[(c, a)])
+            timings[c][b] = min(timings[c][b], new[(c, b)])
             ok = timings[c][b] >= min_growth(a, b) * timings[c][a]
             found[f"{c}@{a}"] = {"status": "settled" if ok else
-                                 "reproduced" if same else "unsettled",
+                                 "reproduced" if calm else "unsettled",
                                  "ratio": round(timings[c][b] / timings[c][a], 3)}
     for c, t in timings.items():           # broken by a merge in the last round, or left
         for a, b in violations(t):
@@ -191,8 +189,8 @@ def judge(load: float, anomalies: Mapping[str, Mapping[str, Mapping[str, object]
     unsettled = sorted(f"{op}.{k}" for op, found in anomalies.items()
                        for k, v in found.items() if v.get("status") == "unsettled")
     if unsettled:
-        why.append("timings that do not grow with the rows and kept moving when timed "
-                   "again: " + ", ".join(unsettled))
+        why.append("timings that do not grow with the rows and stayed so when timed again "
+                   "on busy cores: " + ", ".join(unsettled))
     return "; ".join(why)
 
 

@@ -97,6 +97,19 @@ ROWS = (lambda x, w: x.shape[0], [None], 1 << 30)
 BUCKETS = [256, 512, 1024, 2048]
 
 
+def cores(*loads):
+    """A meter on 2 cores whose reads, after the first, find ``loads`` (each since the
+    first read); records how many reads were made."""
+    reads = []
+
+    def read():
+        i = len(reads)
+        reads.append(i)
+        wall = 10.0 * i
+        return LoadSample(wall, loads[i - 1] * 2 * wall if i else 0.0, 0.0)
+    return LoadMeter(read=read, cores=2), reads
+
+
 def test_a_bucket_that_breaks_the_growth_is_timed_again_and_keeps_its_least_time():
     """onednn's 1024-row time was taken under a burst: 2048 rows look barely slower. Timed
     again at both buckets, each keeps its least time, the growth is back and the choice
@@ -107,8 +120,9 @@ def test_a_bucket_that_breaks_the_growth_is_timed_again_and_keeps_its_least_time
     timer, calls = _scripted(first, {("onednn", 1024): [4.0 * ms],
                                      ("onednn", 2048): [7.6 * ms]})
     found = {}
+    meter, _ = cores(0.0)
     out = tuning.time_linear(dict.fromkeys(first, ROWS), 4, torch.float32, BUCKETS, timer,
-                             anomalies=found)
+                             anomalies=found, meter=meter)
     assert calls == [(m, ["onednn", "torch"]) for m in BUCKETS] + \
         [(1024, ["onednn"]), (2048, ["onednn"])]
     assert out["onednn"] == {256: 1 * ms, 512: 2 * ms, 1024: 4.0 * ms, 2048: 7.5 * ms}
@@ -119,36 +133,52 @@ def test_a_bucket_that_breaks_the_growth_is_timed_again_and_keeps_its_least_time
     assert tuning.choose_linear(out) == [(2048, "onednn")]
 
 
-def test_a_plateau_that_timing_again_reproduces_is_the_kernels_own_and_kept():
+def test_a_plateau_that_quiet_cores_repeat_is_the_kernels_own_and_kept():
     """oneDNN's bf16 GEMM on the AMX Xeon: as long at 1024 rows as at 2048, in every plan.
-    One re-timing agrees within REPRO: no second retry, not provisional."""
+    Other processes only add time, so a plateau still there when timed again on quiet cores
+    is the kernel's: no second retry, not provisional."""
     ms = 1e-3
     first = {"onednn": {256: 0.4 * ms, 512: 0.75 * ms, 1024: 1.56 * ms, 2048: 1.55 * ms}}
     timer, calls = _scripted(first, {("onednn", 1024): [1.50 * ms],
                                      ("onednn", 2048): [1.58 * ms]})
     found = {}
+    meter, reads = cores(0.02)
     out = tuning.time_linear({"onednn": ROWS}, 4, torch.float32, BUCKETS, timer,
-                             anomalies=found)
-    assert len(calls) == 6
+                             anomalies=found, meter=meter)
+    assert len(calls) == 6 and len(reads) == 2
     assert out["onednn"][1024] == 1.50 * ms and out["onednn"][2048] == 1.55 * ms
     assert found == {"onednn@1024": {"status": "reproduced", "ratio": 1.033}}
     assert tuning_guard.judge(0.02, {"linear.down": found}, 2) == ""
 
 
-def test_timings_that_keep_moving_are_unsettled_after_the_retries_and_provisional():
+def test_a_plateau_timed_again_on_busy_cores_is_timed_once_more():
+    ms = 1e-3
+    first = {"onednn": {256: 0.4 * ms, 512: 0.75 * ms, 1024: 1.56 * ms, 2048: 1.55 * ms}}
+    timer, calls = _scripted(first, {("onednn", 1024): [1.9 * ms, 1.52 * ms],
+                                     ("onednn", 2048): [1.6 * ms, 1.57 * ms]})
+    found = {}
+    meter, reads = cores(0.3, 0.05)
+    tuning.time_linear({"onednn": ROWS}, 4, torch.float32, BUCKETS, timer, anomalies=found,
+                       meter=meter)
+    assert [c[0] for c in calls[4:]] == [1024, 2048, 1024, 2048] and len(reads) == 3
+    assert found == {"onednn@1024": {"status": "reproduced", "ratio": 1.02}}
+
+
+def test_timings_still_flat_on_busy_cores_after_the_retries_are_unsettled_and_provisional():
     ms = 1e-3
     first = {"torch": {256: 1 * ms, 512: 2 * ms, 1024: 6.0 * ms, 2048: 6.0 * ms}}
     timer, calls = _scripted(first, {("torch", 1024): [5.0 * ms, 7.0 * ms],
                                      ("torch", 2048): [4.5 * ms, 3.0 * ms]})
     found = {}
+    meter, _ = cores(0.4, 0.35)
     out = tuning.time_linear({"torch": ROWS}, 4, torch.float32, BUCKETS, timer,
-                             anomalies=found)
+                             anomalies=found, meter=meter)
     assert [c[0] for c in calls[4:]] == [1024, 2048] * tuning_guard.RETRIES
     assert out["torch"] == {256: 1 * ms, 512: 2 * ms, 1024: 5.0 * ms, 2048: 3.0 * ms}
     assert found == {"torch@1024": {"status": "unsettled", "ratio": 0.6}}
     assert tuning_guard.judge(0.01, {"linear.qkv": found}, 2) == (
-        "timings that do not grow with the rows and kept moving when timed again: "
-        "linear.qkv.torch@1024")
+        "timings that do not grow with the rows and stayed so when timed again on busy "
+        "cores: linear.qkv.torch@1024")
 
 
 def test_clean_timings_are_timed_once():
@@ -156,8 +186,10 @@ def test_clean_timings_are_timed_once():
     first = {"amx": {256: 1 * ms, 512: 1.9 * ms, 1024: 3.8 * ms, 2048: 7.9 * ms}}
     timer, calls = _scripted(first, {})
     found = {}
-    tuning.time_linear({"amx": ROWS}, 4, torch.float32, BUCKETS, timer, anomalies=found)
-    assert len(calls) == 4 and found == {}
+    meter, reads = cores()
+    tuning.time_linear({"amx": ROWS}, 4, torch.float32, BUCKETS, timer, anomalies=found,
+                       meter=meter)
+    assert len(calls) == 4 and found == {} and len(reads) == 1
 
 
 def test_a_loaded_measurement_is_provisional_and_names_the_load():

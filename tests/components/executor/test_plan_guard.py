@@ -131,7 +131,7 @@ def test_a_plan_with_unsettled_timings_is_provisional_under_no_load(path):
         return plan
     m.measure = measure
     plan = m.start(path)
-    assert plan.guard["provisional"].endswith("kept moving when timed again: "
+    assert plan.guard["provisional"].endswith("timed again on busy cores: "
                                               "linear.qkv.torch@1024")
     assert autotune.tuning.load_cached(path)["guard"]["anomalies"] == plan.anomalies
     assert tuning_guard.due(plan.guard, lambda: 0.0)   # measured again at a quiet start
