@@ -217,10 +217,8 @@ class KernelPlan:
         out.update(elementwise=self.elementwise, sampling=self.sampling, attention=self.attention,
                    fresh_prompts=self.fresh_prompts, attention_tiles=self.attention_tiles,
                    layer_loop=self.layer_loop, source=self.source)
-        if self.guard:
-            why = self.guard.get("provisional")
-            out["guard"] = f"provisional: {why}" if why else \
-                f"clean (load {float(self.guard.get('load', 0)):.0%})"
+        if self.guard:                  # the load and the reasons: the plan file, the log
+            out["guard"] = "provisional" if self.guard.get("provisional") else "clean"
         return out
 
     def to_json(self) -> dict[str, object]:

@@ -454,6 +454,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """The kernel plans cached on this machine (``<cache>/tuning``): whether each is clean or
+    provisional (kernels/tuning_guard.py), and ``--remeasure`` to have the next start
+    measure one (``--key``) or all of them again."""
+    from components.executor.plan_cache import mark_remeasure, plans
+    from components.model.fetch import cache_dir
+
+    root = cache_dir() / "tuning"
+    found = plans(root)
+    if args.key:
+        found = [p for p in found if p["key"].startswith(args.key)]
+        if not found:
+            print(f"no cached kernel plan with key {args.key!r} under {root}", file=sys.stderr)
+            return 1
+    if args.remeasure:
+        for p in found:
+            mark_remeasure(root / f"{p['key']}.json")
+            p["status"] = "remeasure at next start"
+    if args.json:
+        print(json.dumps(found))
+        return 0
+    for p in found:
+        print(f"{p['key']}  {p['measured']:19}  load {p['load']:>5}  {p['status']}")
+    if not found:
+        print(f"no cached kernel plans under {root}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weir", description="Weir LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -591,6 +619,14 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--timeout", type=float, default=5.0)
     cf.add_argument("--endpoint", default=None, help=endpoint_help)
     cf.set_defaults(func=_config)
+
+    pl = sub.add_parser("plan", help="the executor's kernel plans cached on this machine: "
+                        "clean or provisional (measured under load), and --remeasure")
+    pl.add_argument("--key", default=None, help="only the plan whose key starts with this")
+    pl.add_argument("--remeasure", action="store_true",
+                    help="have the next executor start measure the plan(s) again")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)
 
     st = sub.add_parser("status", help="show components, queue and KV state")
     st.add_argument("--json", action="store_true")

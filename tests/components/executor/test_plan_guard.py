@@ -70,7 +70,7 @@ def test_a_loaded_plan_is_provisional_and_replaced_at_the_next_quieter_start(pat
     third = m.start(path)
     assert (m.measured, m.windows) == (2, 3)
     assert (third.source, third.linear["qkv"]) == ("cached", [(512, "amx"), (2048, "onednn")])
-    assert third.summary()["guard"] == "clean (load 2%)"
+    assert third.summary()["guard"] == "clean"
 
 
 def test_a_clean_plan_is_kept_and_never_measured_again(path):
@@ -135,3 +135,30 @@ def test_a_plan_with_unsettled_timings_is_provisional_under_no_load(path):
                                               "linear.qkv.torch@1024")
     assert autotune.tuning.load_cached(path)["guard"]["anomalies"] == plan.anomalies
     assert tuning_guard.due(plan.guard, lambda: 0.0)   # measured again at a quiet start
+
+
+def test_weir_plan_lists_the_plans_and_marks_one_to_measure_again(tmp_path, monkeypatch,
+                                                                   capsys):
+    from weir.cli import main
+
+    monkeypatch.setenv("WEIR_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "tuning" / f"{KEY}.json"
+    m = Machine()
+    m.loads, m.tables = [0.4], [[(2048, "torch")]]
+    m.start(path)
+    (tmp_path / "tuning" / "steps.json").write_text('{"key": "s", "samples": []}')
+    capsys.readouterr()                                  # the start's warning
+    assert main(["plan", "--json"]) == 0
+    [row] = __import__("json").loads(capsys.readouterr().out)
+    assert (row["key"], row["load"]) == (KEY, "40%")
+    assert row["status"] == ("provisional: other processes used 40% of the 2 cores while it "
+                             "was measured (limit 10%) (measured again at a quieter start)")
+    assert main(["plan", "--key", "zz"]) == 1
+    assert main(["plan", "--key", "kkk", "--remeasure"]) == 0
+    assert "remeasure at next start" in capsys.readouterr().out
+    # the next start measures it again whatever the load, and the new plan replaces it
+    m.loads, m.tables = [0.5], [[(2048, "onednn")]]
+    plan = m.start(path)
+    assert (m.measured, plan.linear["qkv"], plan.guard["attempts"]) == (2, [(2048, "onednn")],
+                                                                         1)
+    assert "remeasure" not in plan.guard
