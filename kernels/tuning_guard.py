@@ -34,18 +34,19 @@ import os
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Load: another process holding one of the 2 cores for the whole window is 0.5, and the
 # timings it leaves are wrong (torch's 2-thread GEMM waits for its slower thread every
-# call). Under the CPU lock with nothing else measuring, a plan's window reads 0.00-0.03
-# here (logging, the other engineers' idle servers), so 0.10 of the cores (a fifth of one
-# of the 2 cores, on average over the window) is well above a quiet machine's and well
-# below one neighbour busy for half the window.
+# call). Under the CPU lock with nothing else measuring, a bf16 plan's window read
+# 0.004-0.011 on the 2-core Xeon, and 0.36 with one busy loop beside it (docs/perf-log.md),
+# so 0.10 of the cores (a fifth of one of the 2, on average over the window) is well above
+# a quiet machine's and well below one neighbour busy for a third of the window.
 LOAD_LIMIT = 0.10
 # Growth: from 256 rows on, a GEMM's time is its arithmetic and its weight traffic; in the
-# 106 plans cached on the 2-core AMX Xeon (bf16 and fp32, 1,108 doubling pairs outside the
+# 103 plans cached on the 2-core AMX Xeon (bf16 and fp32, 1,108 doubling pairs outside the
 # kernels' own plateaus) the least growth per doubling was 1.35 and the typical 1.4-2.0;
-# a burst of load in the smaller bucket shows as 0.5-0.95.
+# a burst of load in the smaller bucket showed as 0.5-0.95.
 GROWTH_FROM = 256
 MIN_GROWTH = 1.3
 RETRIES = 2
@@ -194,7 +195,7 @@ def judge(load: float, anomalies: Mapping[str, Mapping[str, Mapping[str, object]
     return "; ".join(why)
 
 
-def due(guard: Mapping[str, object] | None, load_now: Callable[[], float]) -> bool:
+def due(guard: Mapping[str, Any] | None, load_now: Callable[[], float]) -> bool:
     """Whether a cached plan with this guard record is measured again at this start: never
     a clean one; a provisional one if the cores are quieter now than while it was measured
     (``load_now()`` samples them: only provisional plans pay for it), up to MAX_ATTEMPTS;
@@ -209,7 +210,7 @@ def due(guard: Mapping[str, object] | None, load_now: Callable[[], float]) -> bo
     return load_now() < max(LOAD_LIMIT, float(guard.get("load", 1.0)))
 
 
-def better(new: Mapping[str, object], old: Mapping[str, object] | None) -> bool:
+def better(new: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
     """Whether a new measurement's guard record replaces the cached plan's: a clean one
     always; a provisional one where the old was measured under more load, or has no record,
     or was marked by an operator."""

@@ -27,7 +27,7 @@ def plans(root: Path) -> list[dict[str, object]]:
         at = guard.get("measured_at") or path.stat().st_mtime
         rows.append({"key": str(data.get("key", path.stem)),
                      "measured": datetime.datetime.fromtimestamp(
-                         float(at), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                         float(at), datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
                      "load": f"{float(guard['load']):.0%}" if "load" in guard else "?",
                      "status": status(guard), "at": float(at)})
     rows.sort(key=lambda r: -r["at"])
@@ -52,7 +52,7 @@ def status(guard: dict) -> str:
 def mark_remeasure(path: Path) -> None:
     """The next start measures this plan again and replaces it (tuning_guard.due/better),
     under the lock executors measure under."""
-    from kernels import tuning                   # torch: only when a plan is changed
+    from kernels import tuning  # torch: only when a plan is changed
 
     with tuning.measuring(path):
         data = tuning.load_cached(path)
