@@ -28,7 +28,10 @@ here, at the model's own shapes, and keeps the fastest.
 
 The choice is cached per machine under ``<cache>/tuning/<key>.json``; the key hashes the
 CPU model, its flags, the cores and threads, the torch version, the dtype and the shapes
-(:func:`machine_key`), so a restart does not measure again and another machine does.
+(:func:`machine_key`), so a restart does not measure again and another machine does. A
+plan measured under load, or with timings that do not grow with the rows, is provisional
+and measured again at a quieter start (:mod:`kernels.tuning_guard`); one from before that
+guard has no record of it and is measured again once.
 ``engine.kernels`` in the config forces a candidate (reproducible runs); the executor logs
 the plan at startup and reports it in ``weir status --json``.
 

@@ -65,28 +65,37 @@ class LoadSample:
     own_s: float
 
 
-def busy_ticks(stat_text: str, cpus: Collection[int]) -> int:
-    """Busy clock ticks of ``cpus`` from ``/proc/stat``: user, nice, system, irq, softirq
-    and steal (a hypervisor's other guests take the core as surely as a process does);
-    not idle or iowait, and not guest time, which user already counts."""
+def busy_ticks(stat_text: str, cpus: Collection[int] | None) -> int:
+    """Busy clock ticks of ``cpus`` (None: every core) from ``/proc/stat``: user, nice,
+    system, irq, softirq and steal (a hypervisor's other guests take the core as surely as
+    a process does); not idle or iowait, and not guest time, which user already counts."""
     total = 0
     for line in stat_text.splitlines():
         name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+        if not name.startswith("cpu") or name == "cpu" or (
+                cpus is not None and int(name[3:]) not in cpus):
             continue
         f = [int(v) for v in rest.split()]
         total += f[0] + f[1] + f[2] + f[5] + f[6] + (f[7] if len(f) > 7 else 0)
     return total
 
 
+def _cpus() -> set[int] | None:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
 def read_sample(cpus: Collection[int] | None = None) -> LoadSample:
     """The real reader: ``/proc/stat`` for the cores this process may run on, ``os.times``
-    for its own CPU time (user + system, every thread; children not included)."""
-    cpus = cpus if cpus is not None else os.sched_getaffinity(0)
-    with open("/proc/stat") as f:
-        busy = busy_ticks(f.read(), cpus)
+    for its own CPU time (user + system, every thread; children not included). Without
+    ``/proc/stat`` (not Linux) the load reads 0: the growth check still runs."""
     t = os.times()
-    return LoadSample(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system)
+    own = t.user + t.system
+    try:
+        with open("/proc/stat") as f:
+            busy = busy_ticks(f.read(), cpus if cpus is not None else _cpus())
+    except OSError:
+        return LoadSample(time.monotonic(), own, own)
+    return LoadSample(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own)
 
 
 def load_between(a: LoadSample, b: LoadSample, cores: int) -> float:
@@ -103,7 +112,7 @@ class LoadMeter:
 
     def __init__(self, read: Callable[[], LoadSample] | None = None, cores: int | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        self.cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        self.cores = cores if cores is not None else len(_cpus() or range(os.cpu_count() or 1))
         self.read = read or read_sample
         self.sleep = sleep
         self.load = 0.0

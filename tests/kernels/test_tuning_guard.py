@@ -22,6 +22,7 @@ def test_busy_ticks_count_the_watched_cores_busy_fields_only():
     assert tuning_guard.busy_ticks(STAT, {0, 1}) == 134 + 200 + 2 + 60 + 0 + 4 + 2
     assert tuning_guard.busy_ticks(STAT, {2}) == 835
     assert tuning_guard.busy_ticks(STAT, set()) == 0
+    assert tuning_guard.busy_ticks(STAT, None) == 134 + 268 + 835     # every core
 
 
 def test_the_load_is_other_processes_cpu_time_over_the_cores():
