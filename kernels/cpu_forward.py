@@ -39,7 +39,7 @@ class StepArgs(ctypes.Structure):
 
 
 # what weir_forward_layers times into StepArgs.seconds (a float64 tensor of this many)
-LAYER_PARTS = ("qkv", "rope", "kv write", "attention", "o", "add+rmsnorm", "gate_up+silu",
+LAYER_PARTS = ("qkv", "rope+kv write", "attention", "o", "add+rmsnorm", "gate_up+silu",
                "down")
 
 

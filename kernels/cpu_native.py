@@ -175,6 +175,45 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
                      torch.get_num_threads())
 
 
+def rope_write_kv_(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """:func:`rope_` on the q and k heads of the fused qkv rows ``[T, (heads + 2 kv_heads)
+    x head_dim]`` (in place), then each row's k and v heads to its cache slot ``slots[t]``
+    (-1: none) of one layer's caches ``[num_blocks, block_size, kv_heads, head_dim]``, in one
+    pass over the rows (each row's keys stored while still in L1) and one parallel region:
+    the same bytes, in qkv and in the caches (fp8: rounded as :func:`write_kv` rounds), as
+    ``rope_`` then :func:`write_kv`. Layouts the kernel does not take go that way."""
+    row = kv_heads * head_dim
+    fp8 = is_fp8(k_cache.dtype)
+    if not (qkv.dtype in DTYPES and (k_cache.dtype == qkv.dtype or fp8)
+            and v_cache.dtype == k_cache.dtype and qkv.dim() == 2 and qkv.stride(1) == 1
+            and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and head_dim <= 256
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slots.dtype == torch.long and row == k_cache.shape[2] * k_cache.shape[3]):
+        rope_(qkv, heads + kv_heads, head_dim, positions, cos, sin)
+        n_q = heads * head_dim
+        k = qkv[:, n_q:n_q + row].view(-1, kv_heads, head_dim)
+        v = qkv[:, n_q + row:].view(-1, kv_heads, head_dim)
+        write_kv(k_cache, v_cache, k, v, _Slots(slots))
+        return
+    pos, slots = positions.contiguous(), slots.contiguous()
+    rc = load().weir_rope_write_kv(DTYPES[qkv.dtype], KV_DTYPES[k_cache.dtype], qkv.data_ptr(),
+                                   qkv.shape[0], qkv.stride(0), heads, kv_heads, head_dim,
+                                   pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                   torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"rope_write_kv_ does not store {qkv.dtype} rows in a "
+                         f"{k_cache.dtype} cache")
+
+
+@dataclasses.dataclass
+class _Slots:
+    """What :func:`write_kv` (and torch_ref's) reads of a step's metadata: its slots."""
+    slot_mapping: torch.Tensor
+
+
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous fused rows [T, 2 * inter], into ``out`` (contiguous
     [T, inter]) where given."""

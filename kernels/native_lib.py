@@ -157,6 +157,9 @@ def load() -> ctypes.CDLL:
         lib.weir_write_kv_fp8.restype = ctypes.c_int
         lib.weir_write_kv_fp8.argtypes = [ctypes.c_int, ctypes.c_int, vp, vp, i64, vp, vp, i64,
                                           vp, i64]
+        lib.weir_rope_write_kv.restype = ctypes.c_int
+        lib.weir_rope_write_kv.argtypes = ([ctypes.c_int, ctypes.c_int, vp] + [i64] * 5
+                                           + [vp] * 6 + [ctypes.c_int])
         lib.weir_silu_mul.restype = None
         lib.weir_silu_mul.argtypes = [ctypes.c_int, vp, vp, i64, i64, ctypes.c_int]
         lib.weir_forward_layers.restype = ctypes.c_int

@@ -63,9 +63,20 @@ class ElementwiseOps:
         self.fused.add_rms_norm(h, delta, weight, x, self.spec.rms_norm_eps)
         return h, x
 
-    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rope) -> tuple:
-        """q, k, v views of the fused projection rows, with RoPE applied to q and k."""
+    def split_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rope, kv=None) -> tuple:
+        """q, k, v views of the fused projection rows, with RoPE applied to q and k. ``kv``
+        ``(k_cache, v_cache, slots)``: also store the new keys and values at ``slots`` of one
+        layer's caches, in the same pass over the rows (the CPU's native ops only:
+        :func:`~kernels.cpu_native.rope_write_kv_`)."""
         s = self.spec
+        if kv is not None:
+            k_cache, v_cache, slots = kv
+            self.fused.rope_write_kv_(qkv, s.num_heads, s.num_kv_heads, s.head_dim, positions,
+                                      self.cos, self.sin, k_cache, v_cache, slots)
+            n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            return (qkv[:, :n_q].view(-1, s.num_heads, s.head_dim),
+                    qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim),
+                    qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim))
         n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
         v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)

@@ -81,6 +81,8 @@ class LlamaModel:
         # beside the Triton backend, whose write_kv it replaces
         self.rope_kv = hasattr(self.ops.fused, "rope_write_kv") \
             and getattr(backend, "name", "") == "triton" and not self._new_kv
+        # ... and the CPU's native ops beside the cpu backend (rope_write_kv_: in place)
+        self.native_rope_kv = self.native is not None and getattr(backend, "name", "") == "cpu"
         self.runs = dict(RUN)
         self.runs["amx+silu"] = cpu_linear.amx_silu_mul_linear   # gate_up fused (Linear)
         self.runs["amx+f32"] = amx_linear_f32                     # float32 logits (Linear)
@@ -181,14 +183,19 @@ class LlamaModel:
                     q = self.attention_input(i, x, positions, kv, meta.slot_mapping)
                     attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
                                                         **self._invariant_kw(invariant))
+                    h, x = self.mlp(i, h, attn)
+                    continue
+                if self.native_rope_kv:
+                    q, k, v = ops.split_qkv(layer.qkv(x), positions, rope,
+                                            kv=(k_cache, v_cache, meta.slot_mapping))
                 else:
                     q, k, v = ops.split_qkv(layer.qkv(x), positions, rope)
                     self.backend.write_kv(k_cache, v_cache, k, v, meta)
-                    attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                        new_kv=(k, v), invariant=invariant) \
-                        if self._new_kv else \
-                        self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                                     **self._invariant_kw(invariant))
+                attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                    new_kv=(k, v), invariant=invariant) \
+                    if self._new_kv else \
+                    self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
+                                                 **self._invariant_kw(invariant))
                 h, x = self.mlp(i, h, attn)
         return self.head(h, logits_indices, logits_out, greedy)
 

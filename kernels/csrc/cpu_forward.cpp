@@ -20,16 +20,12 @@ int weir_gemm_amx_bf16_silu_mul(const uint16_t* x, int64_t ldx, const uint16_t* 
                                 uint16_t* y, int64_t m, int64_t inter, int64_t k, int threads);
 void weir_add_rms_norm(int dtype, void* h, const void* delta, const void* weight, void* x,
                        int64_t rows, int64_t dim, float eps, int threads);
-void weir_rope(int dtype, void* qkv, int64_t rows, int64_t row_stride, int64_t heads,
-               int64_t dim, const int64_t* positions, const float* cos, const float* sin,
-               int threads);
 void weir_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,
                    int threads);
-void weir_write_kv(const void* k, const void* v, int64_t src_stride, void* k_cache,
-                   void* v_cache, int64_t row_bytes, const int64_t* slots, int64_t n);
-int weir_write_kv_fp8(int dtype, int kv_dtype, const void* k, const void* v,
-                      int64_t src_stride, void* k_cache, void* v_cache, int64_t row_elems,
-                      const int64_t* slots, int64_t n);
+int weir_rope_write_kv(int dtype, int kv_dtype, void* qkv, int64_t rows, int64_t row_stride,
+                       int64_t heads, int64_t kv_heads, int64_t dim, const int64_t* positions,
+                       const float* cos, const float* sin, void* k_cache, void* v_cache,
+                       const int64_t* slots, int threads);
 int weir_decode_attention(int dtype, int kv_dtype, const void* q, const void* k_cache,
                           const void* v_cache, void* out, const int64_t* seqs, int64_t n,
                           const int32_t* block_tables, int64_t table_width,
@@ -79,8 +75,8 @@ struct Step {
     float scale, eps;
     int32_t amx_attention;
     int32_t kv_dtype;          // the caches': dtype's own, or 2 fp8 E4M3, 3 fp8 E5M2
-    // null, or 8 accumulators for weir_forward_layers' parts (bench_step's breakdown): qkv,
-    // rope, kv write, attention, o, add+norm, gate_up, down (cpu_forward.LAYER_PARTS)
+    // null, or 7 accumulators for weir_forward_layers' parts (bench_step's breakdown): qkv,
+    // rope+kv write, attention, o, add+norm, gate_up, down (cpu_forward.LAYER_PARTS)
     double* seconds;
 };
 
@@ -114,45 +110,37 @@ int linear(const Step& s, const Linear& l, const void* x, int64_t ldx, void* y) 
 extern "C" {
 
 // Layers [0, num_layers) of one step, as LlamaModel.forward runs each: qkv, RoPE on q and
-// k, the new keys and values to the cache, paged attention, o, h += o and the MLP's norm,
-// gate_up and silu * up, down, h += down and the next layer's norm; the last layer's down
-// projection is left in `delta` (forward adds it and takes the final norm of the sampled
-// rows only). Returns 0, or the 1-based index of the layer whose kernel refused its shapes.
+// k with the new keys and values to the cache (one pass), paged attention, o, h += o and
+// the MLP's norm, gate_up and silu * up, down, h += down and the next layer's norm; the last
+// layer's down projection is left in `delta` (forward adds it and takes the final norm of
+// the sampled rows only). Returns 0, or the 1-based index of the layer whose kernel refused its shapes.
 int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* step) {
     const Step& s = *step;
-    const size_t elem = s.dtype == 0 ? 4 : 2;
     const int64_t n_q = s.heads * s.head_dim, n_kv = s.kv_heads * s.head_dim;
     const int64_t qkv_n = n_q + 2 * n_kv;
-    char* qkv = static_cast<char*>(s.qkv);
     Clock clock{s.seconds};
     for (int64_t i = 0; i < num_layers; ++i) {
         const Layer& l = layers[i];
         const int bad = static_cast<int>(i + 1);
         if (linear(s, l.qkv, s.x, s.hidden, s.qkv) != 0) return bad;
         clock.mark(0);
-        weir_rope(s.dtype, s.qkv, s.rows, qkv_n, s.heads + s.kv_heads, s.head_dim, s.positions,
-                  s.cos, s.sin, s.threads);
-        clock.mark(1);
-        if (s.kv_dtype == s.dtype)
-            weir_write_kv(qkv + n_q * elem, qkv + (n_q + n_kv) * elem,
-                          qkv_n * static_cast<int64_t>(elem), l.k_cache, l.v_cache,
-                          n_kv * static_cast<int64_t>(elem), s.slots, s.rows);
-        else if (weir_write_kv_fp8(s.dtype, s.kv_dtype, qkv + n_q * elem,
-                                   qkv + (n_q + n_kv) * elem, qkv_n, l.k_cache, l.v_cache,
-                                   n_kv, s.slots, s.rows) != 0)
+        // RoPE on q and k and the new keys and values to the cache in one pass
+        if (weir_rope_write_kv(s.dtype, s.kv_dtype, s.qkv, s.rows, qkv_n, s.heads, s.kv_heads,
+                               s.head_dim, s.positions, s.cos, s.sin, l.k_cache, l.v_cache,
+                               s.slots, s.threads) != 0)
             return bad;
-        clock.mark(2);
+        clock.mark(1);
         if (weir_decode_attention(s.dtype, s.kv_dtype, s.qkv, l.k_cache, l.v_cache, s.attn, s.seqs, s.rows,
                                   s.tables, s.table_width, s.row_lens, s.heads, qkv_n,
                                   s.kv_heads, s.head_dim, s.block_size, s.scale, s.threads,
                                   s.amx_attention) != 0)
             return bad;
-        clock.mark(3);
+        clock.mark(2);
         if (linear(s, l.o, s.attn, n_q, s.delta) != 0) return bad;
-        clock.mark(4);
+        clock.mark(3);
         weir_add_rms_norm(s.dtype, s.h, s.delta, l.mlp_norm, s.x, s.rows, s.hidden, s.eps,
                           s.threads);
-        clock.mark(5);
+        clock.mark(4);
         if (l.gate_up.kind == 1 && s.dtype == 1 && l.gate_up.bias == nullptr) {
             if (weir_gemm_amx_bf16_silu_mul(static_cast<const uint16_t*>(s.x), s.hidden,
                                             static_cast<const uint16_t*>(l.gate_up.w),
@@ -163,13 +151,13 @@ int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* ste
             if (linear(s, l.gate_up, s.x, s.hidden, s.gate_up) != 0) return bad;
             weir_silu_mul(s.dtype, s.gate_up, s.act, s.rows, s.inter, s.threads);
         }
-        clock.mark(6);
+        clock.mark(5);
         if (linear(s, l.down, s.act, s.inter, s.delta) != 0) return bad;
-        clock.mark(7);
+        clock.mark(6);
         if (l.next_norm != nullptr)
             weir_add_rms_norm(s.dtype, s.h, s.delta, l.next_norm, s.x, s.rows, s.hidden, s.eps,
                               s.threads);
-        clock.mark(5);
+        clock.mark(4);
     }
     return 0;
 }

@@ -3,11 +3,15 @@
 //   weir_add_rms_norm: h += delta (optional), x = rmsnorm(h) * weight
 //   weir_rope:         rotate-half RoPE in place on the q and k heads of the fused qkv rows
 //   weir_silu_mul:     out = silu(gate) * up from the fused gate_up rows
+//   weir_rope_write_kv: weir_rope, then each row's k and v to its KV cache slot, in one pass
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include <type_traits>
+
 #include "cpu_common.h"     // and <immintrin.h> where the CPU has AVX2 or AVX-512
+#include "cpu_fp8.h"
 
 namespace {
 
@@ -117,51 +121,116 @@ void add_rms_norm(T* __restrict__ h, const T* __restrict__ delta, const T* __res
     }
 }
 
+// Rotate-half RoPE in place on the first `heads` heads of one qkv row, from its
+// position's float32 cos and sin rows.
+template <typename T>
+inline void rope_row(T* row, int64_t heads, int64_t dim, const float* c, const float* s) {
+    const int64_t half = dim / 2;
+    int64_t hd = 0;
+#if defined(__AVX512F__)
+    // 16 lanes at a time where a half-head is whole vectors (head_dim 64, 128): the row's
+    // cos and sin rounded once, not per head and element (the scalar loop below was 0.4 ms
+    // for 2048 rows of 12 heads, every layer)
+    if (half % 16 == 0 && half <= 128) {
+        __m512 cv[16], sv[16];
+        for (int64_t d = 0; d < dim; d += 16) {
+            cv[d / 16] = rnd16(_mm512_loadu_ps(c + d), row);
+            sv[d / 16] = rnd16(_mm512_loadu_ps(s + d), row);
+        }
+        const int64_t hv = half / 16;
+        for (; hd < heads; ++hd) {
+            T* x = row + hd * dim;
+            for (int64_t v = 0; v < hv; ++v) {
+                const __m512 lo = load16(x + v * 16), hi = load16(x + half + v * 16);
+                const __m512 nhi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
+                store16(x + v * 16,
+                        _mm512_add_ps(rnd16(_mm512_mul_ps(lo, cv[v]), row),
+                                      rnd16(_mm512_mul_ps(nhi, sv[v]), row)));
+                store16(x + half + v * 16,
+                        _mm512_add_ps(rnd16(_mm512_mul_ps(hi, cv[hv + v]), row),
+                                      rnd16(_mm512_mul_ps(lo, sv[hv + v]), row)));
+            }
+        }
+    }
+#endif
+    for (; hd < heads; ++hd) {
+        T* x = row + hd * dim;
+        float tmp[256];
+        for (int64_t d = 0; d < dim; ++d) tmp[d] = load(x, d);
+        // as the torch path: cos/sin rounded to the model dtype, products in it too
+        for (int64_t d = 0; d < half; ++d)
+            store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(-tmp[d + half] * rnd<T>(s[d])));
+        for (int64_t d = half; d < dim; ++d)
+            store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(tmp[d - half] * rnd<T>(s[d])));
+    }
+}
+
 template <typename T>
 void rope(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t dim,
           const int64_t* positions, const float* cos, const float* sin, int threads) {
-    const int64_t half = dim / 2;
 #pragma omp parallel for num_threads(threads) if (rows > 8)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* c = cos + positions[r] * dim;
-        const float* s = sin + positions[r] * dim;
-        int64_t hd = 0;
+    for (int64_t r = 0; r < rows; ++r)
+        rope_row(qkv + r * row_stride, heads, dim, cos + positions[r] * dim,
+                 sin + positions[r] * dim);
+}
+
+// One row of `n` elements to its cache slot: the same bytes (streaming stores where whole
+// aligned cache lines: they do not read the destination lines first), or fp8 codes
+// (cpu_fp8.h's rounding: what weir_write_kv_fp8 stores).
+template <typename T>
+inline void store_kv_row(const T* src, T* dst, int64_t n, bool stream) {
 #if defined(__AVX512F__)
-        // 16 lanes at a time where a half-head is whole vectors (head_dim 64, 128): the
-        // row's cos and sin rounded once, not per head and element (the scalar loop below
-        // was 0.4 ms for 2048 rows of 12 heads, every layer)
-        if (half % 16 == 0 && half <= 128) {
-            __m512 cv[16], sv[16];
-            for (int64_t d = 0; d < dim; d += 16) {
-                cv[d / 16] = rnd16(_mm512_loadu_ps(c + d), qkv);
-                sv[d / 16] = rnd16(_mm512_loadu_ps(s + d), qkv);
-            }
-            const int64_t hv = half / 16;
-            for (; hd < heads; ++hd) {
-                T* x = qkv + r * row_stride + hd * dim;
-                for (int64_t v = 0; v < hv; ++v) {
-                    const __m512 lo = load16(x + v * 16), hi = load16(x + half + v * 16);
-                    const __m512 nhi = _mm512_sub_ps(_mm512_setzero_ps(), hi);
-                    store16(x + v * 16,
-                            _mm512_add_ps(rnd16(_mm512_mul_ps(lo, cv[v]), qkv),
-                                          rnd16(_mm512_mul_ps(nhi, sv[v]), qkv)));
-                    store16(x + half + v * 16,
-                            _mm512_add_ps(rnd16(_mm512_mul_ps(hi, cv[hv + v]), qkv),
-                                          rnd16(_mm512_mul_ps(lo, sv[hv + v]), qkv)));
-                }
-            }
-        }
+    if (stream) {
+        const char* a = reinterpret_cast<const char*>(src);
+        char* b = reinterpret_cast<char*>(dst);
+        for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64)
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(b + i),
+                                _mm512_loadu_si512(a + i));
+        return;
+    }
 #endif
-        for (; hd < heads; ++hd) {
-            T* x = qkv + r * row_stride + hd * dim;
-            float tmp[256];
-            for (int64_t d = 0; d < dim; ++d) tmp[d] = load(x, d);
-            // as the torch path: cos/sin rounded to the model dtype, products in it too
-            for (int64_t d = 0; d < half; ++d)
-                store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(-tmp[d + half] * rnd<T>(s[d])));
-            for (int64_t d = half; d < dim; ++d)
-                store(x, d, rnd<T>(tmp[d] * rnd<T>(c[d])) + rnd<T>(tmp[d - half] * rnd<T>(s[d])));
+    (void)stream;
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(T));
+}
+template <typename T, typename F>
+inline void store_kv_row(const T* src, F* dst, int64_t n, bool) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                         weir::fp8_encode16<F>(load16(src + d)));
+#endif
+    for (; d < n; ++d) dst[d].bits = weir::fp8_encode<F>(load(src, d));
+}
+
+// RoPE and the KV write in one pass over the rows: each row's q and k heads rotated in
+// place, then (the row still in L1) its k and v heads stored at its cache slot (-1: none).
+// The same results, bit for bit, as rope() then weir_write_kv / weir_write_kv_fp8, in one
+// parallel region instead of a parallel one and a serial one.
+template <typename T, typename C>
+void rope_write_kv(T* qkv, int64_t rows, int64_t row_stride, int64_t heads, int64_t kv_heads,
+                   int64_t dim, const int64_t* positions, const float* cos, const float* sin,
+                   C* k_cache, C* v_cache, const int64_t* slots, int threads) {
+    const int64_t n_kv = kv_heads * dim;
+    const bool stream = std::is_same_v<T, C>
+        && (n_kv * static_cast<int64_t>(sizeof(C))) % 64 == 0
+        && reinterpret_cast<uintptr_t>(k_cache) % 64 == 0
+        && reinterpret_cast<uintptr_t>(v_cache) % 64 == 0;
+#pragma omp parallel num_threads(threads) if (rows > 8)
+    {
+#pragma omp for
+        for (int64_t r = 0; r < rows; ++r) {
+            T* row = qkv + r * row_stride;
+            rope_row(row, heads + kv_heads, dim, cos + positions[r] * dim,
+                     sin + positions[r] * dim);
+            if (slots[r] < 0) continue;
+            store_kv_row(row + heads * dim, k_cache + slots[r] * n_kv, n_kv, stream);
+            store_kv_row(row + (heads + kv_heads) * dim, v_cache + slots[r] * n_kv, n_kv,
+                         stream);
         }
+#if defined(__AVX512F__)
+        _mm_sfence();      // this thread's streaming stores, before the attention reads them
+#endif
     }
 }
 
@@ -232,6 +301,38 @@ void weir_rope(int dtype, void* qkv, int64_t rows, int64_t row_stride, int64_t h
     else
         rope(static_cast<uint16_t*>(qkv), rows, row_stride, heads, dim, positions, cos, sin,
              threads);
+}
+
+// weir_rope on q and k, then weir_write_kv (or weir_write_kv_fp8) of k and v, in one
+// pass: heads q heads then kv_heads k and kv_heads v heads of head_dim `dim` per qkv row
+// (row_stride elements apart); the caches [slots, kv_heads, dim] of dtype's type or
+// kv_dtype 2 fp8 E4M3, 3 fp8 E5M2; slot -1 writes nothing. Returns 0, or -1 for a pair
+// of types it does not convert.
+int weir_rope_write_kv(int dtype, int kv_dtype, void* qkv, int64_t rows, int64_t row_stride,
+                       int64_t heads, int64_t kv_heads, int64_t dim, const int64_t* positions,
+                       const float* cos, const float* sin, void* k_cache, void* v_cache,
+                       const int64_t* slots, int threads) {
+    auto run = [&](auto tp, auto cp) {
+        using T = std::remove_pointer_t<decltype(tp)>;
+        using C = std::remove_pointer_t<decltype(cp)>;
+        rope_write_kv(static_cast<T*>(qkv), rows, row_stride, heads, kv_heads, dim, positions,
+                      cos, sin, static_cast<C*>(k_cache), static_cast<C*>(v_cache), slots,
+                      threads);
+        return 0;
+    };
+    using E4 = weir::fp8_e4m3*;
+    using E5 = weir::fp8_e5m2*;
+    if (dtype == 0) {
+        if (kv_dtype == 0) return run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+        if (kv_dtype == 2) return run(static_cast<float*>(nullptr), E4{});
+        if (kv_dtype == 3) return run(static_cast<float*>(nullptr), E5{});
+    } else if (dtype == 1) {
+        if (kv_dtype == 1)
+            return run(static_cast<uint16_t*>(nullptr), static_cast<uint16_t*>(nullptr));
+        if (kv_dtype == 2) return run(static_cast<uint16_t*>(nullptr), E4{});
+        if (kv_dtype == 3) return run(static_cast<uint16_t*>(nullptr), E5{});
+    }
+    return -1;
 }
 
 void weir_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t inter,

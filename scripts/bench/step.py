@@ -332,7 +332,8 @@ def time_parts(model: LlamaModel) -> dict[str, float]:
     if native is not None:
         for name, label in (("paged_attention", "attention"), ("add_rms_norm", "add+rmsnorm"),
                             ("rope_", "rope"), ("silu_mul", "silu*up"),
-                            ("argmax", "argmax"), ("write_kv", "kv write")):
+                            ("argmax", "argmax"), ("write_kv", "kv write"),
+                            ("rope_write_kv_", "rope+kv write")):
             setattr(native, name, timed(getattr(native, name), label))
         if getattr(model.backend, "name", "") == "cpu":
             model.backend.write_kv = native.write_kv

@@ -148,6 +148,50 @@ def test_write_kv_matches_reference_on_qkv_views(dtype):
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache", ["same", torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["same", "e4m3", "e5m2"])
+@pytest.mark.parametrize("dim,kv_heads", [(64, 2), (128, 1), (48, 3)])
+def test_rope_write_kv_is_rope_then_write_kv_to_the_bit(dtype, cache, dim, kv_heads):
+    """RoPE and the KV write in one pass: the same qkv rows (q and k rotated, v untouched)
+    and the same cache bytes as ``rope_`` then ``write_kv``, bit for bit, in bf16, float32
+    and fp8 caches; a slot of -1 writes nothing; serial (few rows) and parallel; cache
+    rows of whole cache lines (streaming stores) and not (48 x 3 bf16: 288 bytes)."""
+    kv_dtype = dtype if cache == "same" else cache
+    g = torch.Generator().manual_seed(dim + kv_heads)
+    theta = 1e4
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(256, dtype=torch.float32), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    heads, n_kv = 3 * kv_heads, kv_heads * dim
+    for rows in (1, 9, 70):
+        qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * 4).to(dtype)
+        pos = torch.randint(0, 256, (rows,), generator=g)
+        slots = torch.randperm(8 * 16, generator=g)[:rows]
+        slots[::4] = -1                                  # padding rows: stored nowhere
+        fill = torch.randint(0, 100, (8, 16, kv_heads, dim), generator=g, dtype=torch.uint8)
+        kc = fill.to(torch.float32).to(kv_dtype) if cache == "same" else fill.view(kv_dtype)
+        vc = kc.flip(0).contiguous()
+        want_qkv, want_k, want_v = qkv.clone(), kc.clone(), vc.clone()
+        cpu_native.rope_(want_qkv, heads + kv_heads, dim, pos, cos, sin)
+        n_q = heads * dim
+        cpu_native.write_kv(want_k, want_v,
+                            want_qkv[:, n_q:n_q + n_kv].view(-1, kv_heads, dim),
+                            want_qkv[:, n_q + n_kv:].view(-1, kv_heads, dim),
+                            cpu_native._Slots(slots))
+        got_qkv, got_k, got_v = qkv.clone(), kc.clone(), vc.clone()
+        cpu_native.rope_write_kv_(got_qkv, heads, kv_heads, dim, pos, cos, sin, got_k, got_v,
+                                  slots)
+        assert torch.equal(got_qkv, want_qkv), rows
+        assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8)), rows
+        assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8)), rows
+        skipped = slots < 0                               # (the fill left as it was)
+        kept = torch.ones(8 * 16, dtype=torch.bool)
+        kept[slots[~skipped]] = False
+        assert torch.equal(got_k.view(torch.uint8).flatten(0, 1)[kept],
+                           kc.view(torch.uint8).flatten(0, 1)[kept])
+
+
 def test_native_row_ops_take_no_rows():
     """The other per-row native ops accept an empty batch too."""
     assert cpu_native.argmax(torch.empty(0, 10)).shape == (0,)

@@ -270,6 +270,33 @@ def test_the_native_layer_loop_changes_no_bit(dtype, linear, tiles, monkeypatch)
     assert calls == [m for m in (26, 5) if m <= limit] and calls     # 26 + 5 rows: 2 steps
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", [
+    (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e5m2)], ids=["fp32", "bf16", "bf16-e4m3", "bf16-e5m2"])
+def test_rope_and_the_kv_write_in_one_pass_change_no_bit(dtype, kv_dtype, monkeypatch):
+    """The Python layer loop with the native ops and the cpu backend runs RoPE and the KV
+    write as one pass (``cpu_native.rope_write_kv_``, every layer): the same logits and
+    KV cache, to the bit, as RoPE then the backend's write, in the model's dtype and fp8."""
+    if not candidates.native_ops_possible(SHAPE, dtype, torch.device("cpu")):
+        pytest.skip("native CPU kernels unavailable (no C++ compiler)")
+    calls = []
+    real = cpu_native.rope_write_kv_
+    monkeypatch.setattr(cpu_native, "rope_write_kv_",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    forced = {"linear": "torch", "elementwise": "native", "fresh_prompts": "native",
+              "layer_loop": "python"}
+    model = build_model(SHAPE, random_weights(SHAPE, seed=4), dtype=dtype, backend="cpu",
+                        kernels=forced, kv_dtype=kv_dtype)
+    assert model.native_rope_kv
+    got, got_kv = _steps(model)
+    assert calls == [26] * SHAPE.num_layers + [5] * SHAPE.num_layers
+    model.native_rope_kv = False                         # RoPE, then backend.write_kv
+    want, want_kv = _steps(model)
+    assert len(calls) == 2 * SHAPE.num_layers
+    assert torch.equal(got, want)
+    assert torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8))
+
+
 def test_the_native_layer_loop_times_its_parts_only_when_asked():
     """``model.layer_seconds`` (a profiler's) gets every part's seconds from the native
     layer loop; without it nothing is timed, and the Python loop never touches it."""
