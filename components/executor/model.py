@@ -175,7 +175,7 @@ class LlamaModel:
         h, x = ops.add_norm(F.embedding(input_ids, self.embed), None, self.layers[0].attn_norm)
         layers = self._native_layers(input_ids.shape[0], kv, meta, invariant)
         if layers is not None:
-            h += self._run_native_layers(layers, h, x, kv, positions, meta, invariant)
+            down = self._run_native_layers(layers, h, x, kv, positions, meta, invariant)
         else:
             for i, layer in enumerate(self.layers):
                 k_cache, v_cache = kv.key(i), kv.value(i)
@@ -183,7 +183,7 @@ class LlamaModel:
                     q = self.attention_input(i, x, positions, kv, meta.slot_mapping)
                     attn = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
                                                         **self._invariant_kw(invariant))
-                    h, x = self.mlp(i, h, attn)
+                    h, x = self.mlp(i, h, attn, defer_last=True)
                     continue
                 if self.native_rope_kv:
                     q, k, v = ops.split_qkv(layer.qkv(x), positions, rope,
@@ -196,8 +196,10 @@ class LlamaModel:
                     if self._new_kv else \
                     self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale,
                                                  **self._invariant_kw(invariant))
-                h, x = self.mlp(i, h, attn)
-        return self.head(h, logits_indices, logits_out, greedy)
+                h, x = self.mlp(i, h, attn, defer_last=True)
+            down = x
+        # (the last layer's down projection: head adds the sampled rows' only)
+        return self.head(h, logits_indices, logits_out, greedy, down)
 
     def _invariant_kw(self, invariant: bool) -> dict[str, bool]:
         """The backend's argument for a deterministic step, where it has an invariant form
@@ -216,22 +218,30 @@ class LlamaModel:
             self.layers[i].qkv(x), s.num_heads, s.num_kv_heads, s.head_dim, positions,
             self.ops.cos, self.ops.sin, kv.key(i), kv.value(i), slots, q_out)
 
-    def mlp(self, i: int, h: torch.Tensor, attn: torch.Tensor
+    def mlp(self, i: int, h: torch.Tensor, attn: torch.Tensor, defer_last: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rest of layer ``i`` after attention: the o projection into the residual
         stream ``h``, the MLP, and the next layer's normed input (None after the last
-        layer). Returns ``(h, x)``; the fused ops update ``h`` in place."""
+        layer). Returns ``(h, x)``; the fused ops update ``h`` in place. ``defer_last``:
+        after the last layer, ``x`` is its down projection, not added to ``h`` (for
+        :meth:`head`, which adds only the sampled rows': a prefill step samples one row
+        of each sequence, and the full add was a pass over every row, 3 ms of an
+        8,192-token step)."""
         ops, layer = self.ops, self.layers[i]
         n_q = self.spec.num_heads * self.spec.head_dim
         h, x = ops.add_norm(h, layer.o(attn.reshape(-1, n_q)), layer.mlp_norm)
         down = layer.down(layer.gate_up.silu_mul(x, ops))
         following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+        if following is None and defer_last:
+            return h, down
         return ops.add_norm(h, down, following)
 
     def head(self, h: torch.Tensor, logits_indices: torch.Tensor,
-             logits_out: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+             logits_out: torch.Tensor | None = None, greedy: bool = False,
+             down: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm and the lm_head on the rows ``logits_indices`` of the residual
-        stream ``h``: what :meth:`forward` returns."""
+        stream ``h`` (plus the last layer's ``down`` projection where not yet added): what
+        :meth:`forward` returns."""
         s, ops = self.spec, self.ops
         if logits_indices.numel() == 0:
             # no row samples (a step of middle prefill chunks): the layers wrote the KV,
@@ -242,7 +252,8 @@ class LlamaModel:
             if greedy:
                 return torch.empty(0, dtype=torch.long, device=self.device)
             return torch.empty(0, s.vocab_size, dtype=torch.float32, device=self.device)
-        _, x = ops.add_norm(h[logits_indices].contiguous(), None, self.norm)
+        rows = h[logits_indices] if down is None else h[logits_indices] + down[logits_indices]
+        _, x = ops.add_norm(rows.contiguous(), None, self.norm)
         if greedy:
             return self.lm_head.argmax(x, self.plan.sampling == "native")
         if logits_out is not None:
@@ -294,7 +305,8 @@ class LlamaModel:
                            positions: torch.Tensor, meta: AttentionMetadata,
                            invariant: bool = False) -> torch.Tensor:
         """Run ``layers`` over the residual stream ``h`` (in place) from the first layer's
-        normed input ``x``; returns the last layer's down projection (forward adds it)."""
+        normed input ``x``; returns the last layer's down projection (head adds its sampled
+        rows')."""
         s, rows = self.spec, h.shape[0]
         n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         inter = s.intermediate_size

@@ -112,8 +112,9 @@ extern "C" {
 // Layers [0, num_layers) of one step, as LlamaModel.forward runs each: qkv, RoPE on q and
 // k with the new keys and values to the cache (one pass), paged attention, o, h += o and
 // the MLP's norm, gate_up and silu * up, down, h += down and the next layer's norm; the last
-// layer's down projection is left in `delta` (forward adds it and takes the final norm of
-// the sampled rows only). Returns 0, or the 1-based index of the layer whose kernel refused its shapes.
+// layer's down projection is left in `delta` (LlamaModel.head adds it to the sampled rows
+// only, then takes their final norm). Returns 0, or the 1-based index of the layer whose
+// kernel refused its shapes.
 int weir_forward_layers(const Layer* layers, int64_t num_layers, const Step* step) {
     const Step& s = *step;
     const int64_t n_q = s.heads * s.head_dim, n_kv = s.kv_heads * s.head_dim;

@@ -297,6 +297,26 @@ def test_rope_and_the_kv_write_in_one_pass_change_no_bit(dtype, kv_dtype, monkey
     assert torch.equal(got_kv.view(torch.uint8), want_kv.view(torch.uint8))
 
 
+@pytest.mark.parametrize("elementwise", ["native", "torch"])
+def test_the_last_residual_add_covers_the_sampled_rows_and_changes_no_bit(elementwise,
+                                                                          monkeypatch):
+    """The last layer's down projection is added to the sampled rows of the residual stream
+    only (LlamaModel.head), not to every row: the same logits, to the bit, as the full add."""
+    if elementwise == "native" and \
+            not candidates.native_ops_possible(SHAPE, torch.bfloat16, torch.device("cpu")):
+        pytest.skip("native CPU kernels unavailable (no C++ compiler)")
+    model = build_model(SHAPE, random_weights(SHAPE, seed=4), dtype=torch.bfloat16,
+                        backend="cpu" if native_lib.available() else "torch",
+                        kernels={"linear": "torch", "elementwise": elementwise,
+                                 "layer_loop": "python", "fresh_prompts": "native"})
+    got = _logits(model)
+    real = LlamaModel.mlp
+    monkeypatch.setattr(LlamaModel, "mlp",       # every layer's add over every row, as before
+                        lambda self, i, h, attn, defer_last=False: real(self, i, h, attn))
+    want = _logits(model)
+    assert torch.equal(got, want)
+
+
 def test_the_native_layer_loop_times_its_parts_only_when_asked():
     """``model.layer_seconds`` (a profiler's) gets every part's seconds from the native
     layer loop; without it nothing is timed, and the Python loop never touches it."""
