@@ -88,7 +88,8 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                          max_tokens)
     # a deterministic step's kernels: derived from what runs here, not measured or cached
     plan.invariant_linear = determinism.invariant_linear(cands)
-    plan.invariant_tiles = determinism.invariant_tiles(plan)
+    plan.invariant_tiles = determinism.invariant_tiles(
+        amx_possible(dtype, kv_block_size or 16), forced.get("attention_tiles", "auto"))
     return plan
 
 

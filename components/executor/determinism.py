@@ -48,15 +48,21 @@ def invariant_linear(cands: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
     return out
 
 
-def invariant_tiles(plan: KernelPlan) -> str:
-    """The paged attention's tiles in a deterministic step: the AMX tiles where the plan
-    measured them faster for the paged kernel, one row to a tile (a multi-row AMX tile
-    does P.V on the tile unit, a one-row tile by vdpbf16ps, so a row's bits would depend on
-    its tile); else the vector tiles (8 rows of a sequence share each key read, each row's
-    scores, softmax and P.V its own). On the 2-core AMX Xeon the one-row AMX tiles beat the
-    vector tiles at every shape timed, prompts included (scripts/bench/deterministic.py,
+def invariant_tiles(amx: bool, forced: str = "auto") -> str:
+    """The paged attention's tiles in a deterministic step: the AMX tiles where they can
+    run (``amx``: :func:`components.executor.candidates.amx_possible`), one row to a tile (a
+    multi-row AMX tile does P.V on the tile unit, a one-row tile by vdpbf16ps, so a row's
+    bits would depend on its tile); else the vector tiles (8 rows of a sequence share each
+    key read, each row's scores, softmax and P.V its own). ``forced``: the engine's
+    ``kernels.attention_tiles`` where it names one. Chosen from what the machine can run,
+    not from the plan's timings: a plan measured again (a provisional one, at a quieter
+    start) may time the tiles the other way, and a restart would then give other bits
+    under another pin. On the 2-core AMX Xeon the one-row AMX tiles beat the vector tiles
+    at every shape timed, prompts included (scripts/bench/deterministic.py,
     docs/perf-log.md)."""
-    return "amx" if plan.attention_tiles == "amx" else "vector"
+    if forced in ("amx", "vector"):
+        return forced
+    return "amx" if amx else "vector"
 
 
 def is_invariant(plan: KernelPlan, device: torch.device | str = "cpu") -> bool:

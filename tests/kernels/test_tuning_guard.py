@@ -195,7 +195,7 @@ def test_clean_timings_are_timed_once():
 
 def test_a_loaded_measurement_is_provisional_and_names_the_load():
     assert tuning_guard.judge(0.38, {}, 2) == (
-        "other processes used 38% of the 2 cores while it was measured (limit 10%)")
+        "other processes used 38% of the 2 cores while it was measured (limit 20%)")
     assert tuning_guard.judge(tuning_guard.LOAD_LIMIT, {}, 2) == ""
 
 

@@ -20,6 +20,7 @@ from components.executor.candidates import amx_possible
 from components.executor.runner import ModelRunner
 from components.executor.synthetic import ModelShape, random_weights
 from kernels import cpu_linear, native_lib
+from kernels.tuning import KernelPlan
 from schemas.wire import NewSeq, SeqStep, StepPlan
 
 # head_dim 64 and 3 query heads per kv head (SmolLM2's), so the native attention, its AMX
@@ -224,3 +225,22 @@ def test_plan_id_is_stable_and_says_what_runs(model):
     assert "onednn" not in kernels.values()
     other = determinism.plan_id(model.plan, torch.float16)     # another build or dtype:
     assert other != pid                                        # another id
+
+
+def test_the_pin_does_not_follow_the_plans_timings():
+    """A plan measured again (a provisional one, at a quieter start) may time the paged
+    tiles the other way round. The deterministic step's tiles come from what the machine
+    can run, so the restarted engine keeps the pin and the bits: in an end-to-end run the
+    plan's re-measurement flipped them, and a restart gave other bits under another pin."""
+    assert determinism.invariant_tiles(True) == "amx"
+    assert determinism.invariant_tiles(False) == "vector"
+    assert determinism.invariant_tiles(True, "vector") == "vector"     # the engine's forced
+    assert determinism.invariant_tiles(True, "auto") == "amx"
+    ids = set()
+    for measured in ("vector", "amx"):
+        plan = KernelPlan(source="measured", attention="cpu", attention_tiles=measured,
+                          elementwise="native", sampling="native")
+        plan.invariant_linear = {r: "native" for r in determinism.ROLES}
+        plan.invariant_tiles = determinism.invariant_tiles(True)
+        ids.add(determinism.plan_id(plan, torch.bfloat16))
+    assert len(ids) == 1
