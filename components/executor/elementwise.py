@@ -69,23 +69,20 @@ class ElementwiseOps:
         layer's caches, in the same pass over the rows (the CPU's native ops only:
         :func:`~kernels.cpu_native.rope_write_kv_`)."""
         s = self.spec
+        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
+        v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
         if kv is not None:
             k_cache, v_cache, slots = kv
             self.fused.rope_write_kv_(qkv, s.num_heads, s.num_kv_heads, s.head_dim, positions,
                                       self.cos, self.sin, k_cache, v_cache, slots)
-            n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            return (qkv[:, :n_q].view(-1, s.num_heads, s.head_dim),
-                    qkv[:, n_q:n_q + n_kv].view(-1, s.num_kv_heads, s.head_dim),
-                    qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim))
-        n_q, n_kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q, k = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv]
-        v = qkv[:, n_q + n_kv:].view(-1, s.num_kv_heads, s.head_dim)
-        if self.fused is None:
+        elif self.fused is None:
             cos, sin = rope
             return (self.rope(q.view(-1, s.num_heads, s.head_dim), cos, sin),
                     self.rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin), v)
-        self.fused.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions, self.cos,
-                          self.sin)
+        else:
+            self.fused.rope_(qkv, s.num_heads + s.num_kv_heads, s.head_dim, positions,
+                             self.cos, self.sin)
         return (q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim), v)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

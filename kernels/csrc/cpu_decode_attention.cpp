@@ -427,17 +427,8 @@ void write_fp8(const S* k, const S* v, int64_t src_stride, F* k_cache, F* v_cach
                int64_t row, const int64_t* slots, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         if (slots[i] < 0) continue;
-        for (int kv = 0; kv < 2; ++kv) {
-            const S* src = (kv == 0 ? k : v) + i * src_stride;
-            F* dst = (kv == 0 ? k_cache : v_cache) + slots[i] * row;
-            int64_t d = 0;
-#if defined(__AVX512F__)
-            for (; d + 16 <= row; d += 16)
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                                 weir::fp8_encode16<F>(weir::load16(src + d)));
-#endif
-            for (; d < row; ++d) dst[d].bits = weir::fp8_encode<F>(weir::load(src, d));
-        }
+        weir::fp8_encode_row(k + i * src_stride, k_cache + slots[i] * row, row);
+        weir::fp8_encode_row(v + i * src_stride, v_cache + slots[i] * row, row);
     }
 }
 

@@ -13,6 +13,7 @@
 // bits 7..13 (its sign to 15) is the value times 2^-8 in fp16 (subnormals included), so
 // vcvtph2ps widens either exactly; E4M3 then scales by 256. The values fit bf16 exactly.
 #pragma once
+#include "cpu_common.h"     // load, load16: float32 and bf16 widened alike
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -153,6 +154,17 @@ template <typename F> inline __m128i fp8_encode16(__m512 x) {
     return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
 }
 #endif
+
+// One row of n float32 or bf16 elements as fp8 codes (the KV writes: weir_write_kv_fp8,
+// weir_rope_write_kv)
+template <typename F, typename S> inline void fp8_encode_row(const S* src, F* dst, int64_t n) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= n; d += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), fp8_encode16<F>(load16(src + d)));
+#endif
+    for (; d < n; ++d) dst[d].bits = fp8_encode<F>(load(src, d));
+}
 
 #if defined(__AVX2__) && defined(__F16C__)
 // 8 codes widened to float32, exactly (the AVX2 kernel)

@@ -194,13 +194,7 @@ inline void store_kv_row(const T* src, T* dst, int64_t n, bool stream) {
 }
 template <typename T, typename F>
 inline void store_kv_row(const T* src, F* dst, int64_t n, bool) {
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    for (; d + 16 <= n; d += 16)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                         weir::fp8_encode16<F>(load16(src + d)));
-#endif
-    for (; d < n; ++d) dst[d].bits = weir::fp8_encode<F>(load(src, d));
+    weir::fp8_encode_row(src, dst, n);
 }
 
 // RoPE and the KV write in one pass over the rows: each row's q and k heads rotated in
