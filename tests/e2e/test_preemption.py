@@ -53,8 +53,10 @@ max_num_seqs = 16
 max_num_batched_tokens = 128
 [kv]
 """
+    # the host tier holds two 2-block victims: the first victims of a full pool are swapped,
+    # and once two wait there a third must be recomputed (12 blocks left that to timing)
     tiny = Engine(tmp_path_factory.mktemp("tiny"),
-                  base + "num_blocks = 32\nnum_cpu_blocks = 12\ngrow_blocks = 1\n", wait=False)
+                  base + "num_blocks = 32\nnum_cpu_blocks = 4\ngrow_blocks = 1\n", wait=False)
     roomy = Engine(tmp_path_factory.mktemp("roomy"), base + "num_blocks = 512\n", wait=False)
     with side_by_side(tiny, roomy):
         yield tiny, roomy
@@ -69,7 +71,8 @@ def test_tiny_pool_preempts_by_swap_and_recompute_and_loses_nothing(engines):
         assert len(constrained[p]) == MAX_TOKENS
         assert constrained[p] == reference[p], p
     sched = tiny.stats("scheduler")
-    assert sched["preemptions.swap"] > 0 and sched["preemptions.recompute"] > 0, sched
+    kinds = {k: v for k, v in sched.items() if k.startswith("preemptions")}
+    assert sched["preemptions.swap"] > 0 and sched["preemptions.recompute"] > 0, kinds
     assert sched["preemptions"] == sched["preemptions.swap"] + sched["preemptions.recompute"]
     assert sched["wasted_tokens"] > 0 and sched["swapped_out_blocks"] > 0
     assert roomy.stats("scheduler")["preemptions"] == 0
