@@ -388,26 +388,6 @@ void pack_keys(const uint16_t* k_cache, const int32_t* table, int64_t block_size
     }
 }
 
-// 2^x for the prompt kernel's probabilities, which go to bf16 next: f = x - floor(x) by one
-// vreduceps, 2^f by a degree-3 fit on [0, 1) (7.5e-5 relative, against bf16's 2^-8 step),
-// times 2^floor(x) by vscalefps (which floors x itself): 6 vector ops, 7 with the argument's
-// fmsub, against 17 for exp16 (the degree-6 fit before it, 8.4e-8 and 9 ops, spent an fp32
-// exp's precision on values kept to 8 bits). The fit is scaled by 1 + 2^-9 because the caller
-// truncates to bf16 (keeps the high half of the bits: one shift and one vpternlogd make a pair
-// row of two keys, where vcvtne2ps2bf16 and a vpermw took three uops), so the kept value is
-// within -0.75 .. +0.5 of a bf16 step of 2^x, as rounding's +-0.5; the row sums add those same
-// bf16 values, so P.V / sum has no bias from it. Below -149 it is 0; +inf or NaN (a column's
-// max still -inf) give NaN, which the caller checks.
-inline __m512 exp2_bf16(__m512 x) {
-    const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
-    constexpr float up = 1.0f + 1.0f / 512;      // truncated to bf16 next: see above
-    __m512 p = _mm512_set1_ps(0.07802382856607437f * up);      // exception
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606651484966278f * up));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958346366882324f * up));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999250173568726f * up));
-    return _mm512_scalef_ps(p, x);
-}
-
 // rows [row0, row0 + nr) of a run (nr <= 16), kv head h: every one of its G query heads,
 // KB keys (a multiple of 32) a block
 template <int D, int G, int KB = kFlashKeys>

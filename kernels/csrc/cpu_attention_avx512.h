@@ -343,25 +343,28 @@ constexpr int kFlashKeys = WEIR_FLASH_KEYS;  // keys a block: 32, 64 and 128 mea
 // 2,048 after 2,048
 
 // a run's values for kv head h as P.V's pairs (the AMX kernel's B tiles): for each 32 keys, D / 16 tiles of 16 key
-// pairs x 16 dims (dword: key 2j's element low, 2j + 1's high; keys past len zeros)
-template <int D>
+// pairs x 16 dims (dword j: key 2j's element low, 2j + 1's high; keys past len zeros). With
+// kHalves (the vector kernel, whose probabilities come a key a lane) pair j is keys j and
+// j + 16 of the 32 instead.
+template <int D, bool kHalves = false>
 void pack_values(const uint16_t* v_cache, const int32_t* table, int64_t block_size,
                  int64_t row_stride, int64_t h, int64_t len, uint32_t* dst) {
+    constexpr int64_t kNext = kHalves ? 16 : 1;     // the pair's second key, after its first
     for (int64_t t0 = 0; t0 < len; t0 += 32)
         for (int dt = 0; dt < D / 16; ++dt) {
             uint32_t* tile = dst + ((t0 / 32) * (D / 16) + dt) * 256;
             for (int j = 0; j < 16; ++j) {
-                const int64_t t = t0 + 2 * j;
+                const int64_t t = t0 + (kHalves ? j : 2 * j);
                 __m512i x0 = _mm512_setzero_si512(), x1 = _mm512_setzero_si512();
                 if (t < len) {
                     const uint16_t* v0 = v_cache + weir::slot_of(table, block_size, t) * row_stride
                                          + h * D + dt * 16;
                     x0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0)));
-                    if (t + 1 < len)
-                        x1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                            v_cache + weir::slot_of(table, block_size, t + 1) * row_stride + h * D
-                            + dt * 16)));
                 }
+                if (t + kNext < len)
+                    x1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                        v_cache + weir::slot_of(table, block_size, t + kNext) * row_stride + h * D
+                        + dt * 16)));
                 _mm512_store_si512(tile + j * 16, _mm512_or_si512(x0, _mm512_slli_epi32(x1, 16)));
             }
         }
@@ -387,15 +390,42 @@ void pack_keys_t(const uint16_t* k_cache, const int32_t* table, int64_t block_si
     }
 }
 
+// 2^x for the prompt kernels' probabilities (AMX and vector), which go to bf16 next: f = x - floor(x) by one
+// vreduceps, 2^f by a degree-3 fit on [0, 1) (7.5e-5 relative, against bf16's 2^-8 step),
+// times 2^floor(x) by vscalefps (which floors x itself): 6 vector ops, 7 with the argument's
+// fmsub, against 17 for exp16 (the degree-6 fit before it, 8.4e-8 and 9 ops, spent an fp32
+// exp's precision on values kept to 8 bits). The fit is scaled by 1 + 2^-9 because the caller
+// truncates to bf16 (keeps the high half of the bits: one shift and one vpternlogd make a pair
+// row of two keys, where vcvtne2ps2bf16 and a vpermw took three uops), so the kept value is
+// within -0.75 .. +0.5 of a bf16 step of 2^x, as rounding's +-0.5; the row sums add those same
+// bf16 values, so P.V / sum has no bias from it. Below -149 it is 0; +inf or NaN (a column's
+// max still -inf) give NaN, which the caller checks.
+inline __m512 exp2_bf16(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, 0x09);    // x - floor(x): round down, no precision
+    constexpr float up = 1.0f + 1.0f / 512;      // truncated to bf16 next: see above
+    __m512 p = _mm512_set1_ps(0.07802382856607437f * up);      // exception
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606651484966278f * up));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958346366882324f * up));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999250173568726f * up));
+    return _mm512_scalef_ps(p, x);
+}
+
 // The prompt kernel for CPUs with AVX512-BF16 and no AMX (Zen 4): flash attention by
 // vdpbf16ps. The decode tiles (kTile rows against every key, the scores reduced by a
 // transpose per 16 keys) ran a 2,048-token prompt at 0.05 TFLOP/s on one Xeon core, 7x
 // slower than the tiles. Here a run's keys (transposed, ``pack_keys_t``) and values (in
-// pairs, ``pack_values``) are packed once per kv head; 4 query rows of one head go together
-// over 32 keys a block: their scores are 8 accumulators (a key per lane: 32 vdpbf16ps each,
-// one key vector and one broadcast query pair), their outputs 16 (4 x 64 dims), and P.V
-// broadcasts each row's probability pair against a value pair row. The max is per row and
-// lazy (kLazyRescale), as the AMX kernel's; the output is normalized at the end.
+// pairs of keys j and j + 16 of each 32, ``pack_values<D, true>``) are packed once per kv
+// head; 4 query rows of one head go together over 32 keys a block: their scores are 8
+// accumulators (a key per lane: 32 vdpbf16ps each, one key vector and one broadcast query
+// pair), their outputs 16 (4 x 64 dims), and P.V broadcasts each row's probability pair
+// against a value pair row. The softmax is the AMX kernel's: 2^x by exp2_bf16 (14 -> 7 ops
+// a score vector against exp16 with its scale), the pairs cut by a shift and a vpternlogd,
+// the sums by one vdpbf16ps of those same pairs, and a lazy max (kLazyRescale) looked at
+// only where a lane's sum passes e^kLazyRescale; the output is normalized at the end. On 2
+// Zen 4 cores, one layer, medians of 15 in 3 alternating rounds (scripts/run
+// bench/prompt_attention): 2,048 fresh 16.8-18.1 -> 14.3-15.2 ms, 2,048 after 2,048
+// 49.3-53.5 -> 41.8-43.1, 512 after 2,048 9.3-11.0 -> 8.2-8.9 (0.27-0.29 -> 0.32-0.35
+// TFLOP/s; the bf16 GEMM's is 0.45).
 template <int D>
 void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0, int nq,
                     const int32_t* row_lens, const uint32_t* kt, const uint32_t* vp,
@@ -412,7 +442,11 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
     const int64_t L = row_lens[row0 + nq - 1];
     const int64_t full = row_lens[row0];
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 sc2 = _mm512_set1_ps(scale * weir::kLog2e);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 lazy_sum = _mm512_set1_ps(std::exp(kLazyRescale));
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);    // bf16 1.0 pairs
+    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     __m512 o[QG][4], l[QG];
     float m[QG];
     for (int i = 0; i < QG; ++i) {
@@ -437,41 +471,57 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
         }
         const bool edge = t0 + 32 > full;
         for (int i = 0; i < QG; ++i) {
-            __m512 x0 = _mm512_mul_ps(s[i][0], sc), x1 = _mm512_mul_ps(s[i][1], sc);
             __mmask16 live0 = 0xFFFF, live1 = 0xFFFF;
-            if (edge) {
+            if (edge) {                              // keys at or past the row's length
                 const __m512 len = _mm512_set1_ps(lenf[i]);
-                live0 = _mm512_cmp_ps_mask(_mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(t0))), len, _CMP_LT_OQ);
-                live1 = _mm512_cmp_ps_mask(_mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(t0 + 16))), len, _CMP_LT_OQ);
-                x0 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live0, x0);
-                x1 = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live1, x1);
+                const __m512 t = _mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(t0)));
+                live0 = _mm512_cmp_ps_mask(t, len, _CMP_LT_OQ);
+                live1 = _mm512_cmp_ps_mask(_mm512_add_ps(t, _mm512_set1_ps(16.0f)), len,
+                                           _CMP_LT_OQ);
             }
-            const float bm = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-            if (bm > m[i] + kLazyRescale) {          // the row's max moves: rescale its sums
-                const __m512 alpha = m[i] == -INFINITY ? _mm512_setzero_ps()
-                    : weir::exp16(_mm512_set1_ps(m[i] - bm));
-                for (int c = 0; c < 4; ++c) o[i][c] = _mm512_mul_ps(o[i][c], alpha);
-                l[i] = _mm512_mul_ps(l[i], alpha);
-                m[i] = bm;
+            // P at the max so far, as bf16 pairs (lane j: key j + 16's high half over key j's,
+            // as pack_values' halves pair them) and their sum per lane from those same values
+            __m512i pp;
+            __m512 bs;
+            auto probabilities = [&] {
+                const __m512 m2 = _mm512_set1_ps(m[i] * weir::kLog2e);
+                const __m512 e0 = _mm512_maskz_mov_ps(live0, exp2_bf16(_mm512_fmsub_ps(s[i][0], sc2, m2)));
+                const __m512 e1 = _mm512_maskz_mov_ps(live1, exp2_bf16(_mm512_fmsub_ps(s[i][1], sc2, m2)));
+                pp = _mm512_ternarylogic_epi32(_mm512_castps_si512(e1), hi16,
+                                               _mm512_srli_epi32(_mm512_castps_si512(e0), 16), 0xE2);
+                bs = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)pp, ones);
+            };
+            probabilities();
+            // the max is looked at only where a lane's sum passes e^kLazyRescale or is not a
+            // number (m is -inf before the row's first block): no probability passes it
+            // unnoticed, since each is at most its lane's sum
+            if (_mm512_cmp_ps_mask(bs, lazy_sum, _CMP_NLE_UQ)) {
+                const __m512 x = _mm512_max_ps(_mm512_mask_mov_ps(ninf, live0, s[i][0]),
+                                               _mm512_mask_mov_ps(ninf, live1, s[i][1]));
+                const float bm = _mm512_reduce_max_ps(x) * scale;
+                if (bm > m[i] + kLazyRescale) {      // the row's max moves: rescale its sums
+                    const __m512 alpha = m[i] == -INFINITY ? _mm512_setzero_ps()
+                        : weir::exp16(_mm512_set1_ps(m[i] - bm));
+                    for (int c = 0; c < 4; ++c) o[i][c] = _mm512_mul_ps(o[i][c], alpha);
+                    l[i] = _mm512_mul_ps(l[i], alpha);
+                    m[i] = bm;
+                    probabilities();
+                }
             }
-            const __m512 mv = _mm512_set1_ps(m[i]);
-            const __m512 e0 = _mm512_maskz_mov_ps(live0, weir::exp16(_mm512_sub_ps(x0, mv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(live1, weir::exp16(_mm512_sub_ps(x1, mv)));
-            l[i] = _mm512_add_ps(l[i], _mm512_add_ps(e0, e1));
-            _mm512_store_si512(pb[i], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));   // keys in order
+            l[i] = _mm512_add_ps(l[i], bs);
+            _mm512_store_si512(pb[i], pp);
         }
         const uint32_t* vt = vp + (t0 / 32) * (D / 16) * 256;
+        // each value vector loaded once for the 4 rows (the 4 rows' probability pairs held
+        // in registers): with all 4 value vectors held instead, 16 + 4 + 4 registers beside
+        // the constants, the compiler loaded each value vector again for every row
         for (int j = 0; j < 16; ++j) {
-            const __m512bh v0 = (__m512bh)_mm512_load_si512(vt + j * 16);
-            const __m512bh v1 = (__m512bh)_mm512_load_si512(vt + 256 + j * 16);
-            const __m512bh v2 = (__m512bh)_mm512_load_si512(vt + 512 + j * 16);
-            const __m512bh v3 = (__m512bh)_mm512_load_si512(vt + 768 + j * 16);
-            for (int i = 0; i < QG; ++i) {
-                const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[i][j]));
-                o[i][0] = _mm512_dpbf16_ps(o[i][0], v0, b);
-                o[i][1] = _mm512_dpbf16_ps(o[i][1], v1, b);
-                o[i][2] = _mm512_dpbf16_ps(o[i][2], v2, b);
-                o[i][3] = _mm512_dpbf16_ps(o[i][3], v3, b);
+            __m512bh b[QG];
+            for (int i = 0; i < QG; ++i)
+                b[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[i][j]));
+            for (int c = 0; c < 4; ++c) {
+                const __m512bh v = (__m512bh)_mm512_load_si512(vt + c * 256 + j * 16);
+                for (int i = 0; i < QG; ++i) o[i][c] = _mm512_dpbf16_ps(o[i][c], v, b[i]);
             }
         }
     }
@@ -510,7 +560,7 @@ void flash_runs_vec(const uint16_t* q, const uint16_t* k_cache, const uint16_t* 
     };
     auto pack = [&](const FlashRun& run, int64_t h) {
         const int32_t* table = block_tables + run.seq * table_width;
-        pack_values<D>(v_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 0));
+        pack_values<D, true>(v_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 0));
         pack_keys_t<D>(k_cache, table, block_size, kv_heads * D, h, run.len, at(run, h, 1));
         // the keys past len up to a whole 32 are zeros: pack_keys_t wrote the last 16
         if ((run.len + 15) / 16 % 2 == 1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, get_backend, torch_ref
+from kernels import AttentionMetadata, get_backend, machine, torch_ref
 from kernels.testing import random_paged_case, random_prompt_case
 
 try:
@@ -330,15 +330,17 @@ def test_prompt_kernels_match_the_reference(tiles, block_size, group, scale):
                            got)
 
 
-@pytest.mark.skipif(not native_lib.amx_supported(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("tiles", ["vector", "amx"])
 @pytest.mark.parametrize("scale", [0.125, 2.0], ids=["scale/8", "scale2"])
-def test_amx_prompt_kernel_long_chunks_at_the_causal_edge(scale):
-    """SmolLM2's shapes on the AMX prompt kernel over long chunks whose lengths are not
+def test_prompt_kernels_long_chunks_at_the_causal_edge(tiles, scale):
+    """SmolLM2's shapes on the prompt kernels over long chunks whose lengths are not
     multiples of 16 or 32 (301 rows after 777 cached keys, 95 fresh, 64 after 1,000), so
     the causal edge falls mid-block in every item, with an attention sink (key 0 of each
     sequence aligned with every query: one term far above the rest, many small ones beside
-    it, a max that moves): within the bf16 tolerance of the fp32 reference and of the
-    vector prompt kernel."""
+    it, a max that moves): within the bf16 tolerance of the fp32 reference, and the AMX
+    kernel within it of the vector prompt kernel."""
+    if tiles == "amx" and not native_lib.amx_supported():
+        pytest.skip("no AMX tiles on this CPU")
     rng = random.Random(int(scale * 8))
     q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", torch.bfloat16, 16, 3, 3,
                                               [301, 95, 64], [777, 0, 1000], 64)
@@ -349,28 +351,33 @@ def test_amx_prompt_kernel_long_chunks_at_the_causal_edge(scale):
     backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
     backend.tiles = "vector"
     vector = backend.paged_attention(q, kc, vc, meta, scale).float()
-    backend.tiles = "amx"
+    backend.tiles = tiles
     got = backend.paged_attention(q, kc, vc, meta, scale).float()
     assert torch.isfinite(got).all()
     assert ((got - want).abs().max() / want.abs().max()) <= 1e-2
     assert ((got - vector).abs().max() / vector.abs().max()) <= 1e-2
 
 
-@pytest.mark.skipif(not native_lib.amx_supported(), reason="no AMX tiles on this CPU")
-def test_amx_prompt_kernel_divides_by_the_sum_of_what_it_multiplies():
-    """The AMX prompt kernel sums each row's bf16 probabilities exactly as P.V multiplies
-    them, so where every key's value is the same vector the output is that vector to the
-    bit, whatever the scores (at a scale where the max moves along the rows)."""
+@pytest.mark.parametrize("tiles", ["vector", "amx"])
+def test_prompt_kernels_divide_by_the_sum_of_what_they_multiply(tiles):
+    """The prompt kernels (AMX, and the AVX512-BF16 vector one) sum each row's bf16
+    probabilities exactly as P.V multiplies them, so where every key's value is the same
+    vector the output is that vector to the bit, whatever the scores (at a scale where the
+    max moves along the rows)."""
+    if tiles == "amx" and not native_lib.amx_supported():
+        pytest.skip("no AMX tiles on this CPU")
+    if tiles == "vector" and ("avx512_bf16" not in machine.cpu_info()[1]
+                              or native_lib.variant() != "native"):
+        pytest.skip("the vector prompt kernel needs AVX512-BF16")
     rng = random.Random(3)
     q, _, _, kc, vc, meta = random_paged_case(rng, "cpu", torch.bfloat16, 16, 3, 3,
                                               [97, 40], [300, 0], 64)
     row = torch.randn(3, 64).bfloat16()
     vc[:] = row
     backend = get_backend("cpu", "cpu", dtype=torch.bfloat16)
-    backend.tiles = "amx"
+    backend.tiles = tiles
     got = backend.paged_attention(q, kc, vc, meta, 2.0)
     assert torch.equal(got.view(-1, 3, 3, 64), row.view(1, 3, 1, 64).expand(got.shape[0], 3, 3, 64))
-
 
 
 def test_avx2_prompt_kernel_matches_the_reference():
