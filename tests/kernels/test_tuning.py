@@ -169,3 +169,26 @@ def test_no_candidate_is_dropped_for_losing_only_short_calls_or_by_less_than_the
     noop = (lambda x, w: None, [None], 1 << 30)
     out = tuning.time_linear({c: noop for c in table_s}, 4, torch.float32, buckets, timer)
     assert asked == [["native", "torch"]] * 3 and sorted(out["torch"]) == buckets
+
+
+def test_one_machine_measures_one_thing_at_a_time_whatever_its_key(tmp_path):
+    """Inside ``measuring`` of any key (a plan, or step costs) the cache's machine-wide lock
+    is held: another config's executor cannot time beside it; outside, it is free."""
+    import fcntl
+
+    def machine_lock_free() -> bool:
+        with open(tmp_path / "measuring.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    for path in (tmp_path / "tuning" / "a.json", tmp_path / "step_costs" / "b.json"):
+        with tuning.measuring(path):
+            assert not machine_lock_free()
+            with open(path.with_suffix(".lock"), "a") as f:        # and its key's own lock
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert machine_lock_free()
