@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from components.executor import determinism
+from components.executor import determinism, plan_cut
 from components.executor.candidates import (
     amx_possible,
     linear_candidates,
@@ -83,7 +83,8 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
         else None
     plan = cached_or_measured(
         path, key, machine, lambda: measure_plan(spec, dtype, shp, cands, native_ops, max_tokens,
-                                                 max_seqs, kv_block_size or 16, skip, kv_dtype))
+                                                 max_seqs, kv_block_size or 16, skip, kv_dtype),
+        scope=plan_cut.scope_of(dtypes, shp, max_tokens, max_seqs, kv_block_size or 16))
     plan = _apply_forced(plan, forced, cands, native_ops, attention, kv_block_size, dtype,
                          max_tokens)
     # a deterministic step's kernels: derived from what runs here, not measured or cached
@@ -95,12 +96,17 @@ def plan_kernels(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
 
 def cached_or_measured(path: Path | None, key: str, machine: Mapping[str, object],
                        measure: Callable[[], KernelPlan],
-                       meter: Callable[[], LoadMeter] = LoadMeter) -> KernelPlan:
+                       meter: Callable[[], LoadMeter] = LoadMeter,
+                       scope: Mapping[str, object] | None = None) -> KernelPlan:
     """The plan stored at ``path`` (None: keep nothing), or ``measure()``'s under a load
     meter. A stored plan is measured again only where :func:`tuning_guard.due` says so (a
     provisional one, the cores quieter now than then), and the new one replaces it where
     :func:`tuning_guard.better` says so; otherwise the stored one stays and counts the
-    attempt. A provisional plan is used either way, with a warning naming the load."""
+    attempt. A provisional plan is used either way, with a warning naming the load.
+    ``scope`` (:func:`plan_cut.scope_of`: the budget, rows, shapes it is for) is stored
+    with the plan; where none is stored at ``path``, a plan cut from one cached beside it
+    for a larger budget (:mod:`components.executor.plan_cut`) is stored and used instead of
+    measuring."""
     plan = _cached_plan(path, key)
     if plan is not None and not tuning_guard.due(plan.guard or None, lambda: meter().probe()):
         _warn_if_provisional(plan)
@@ -110,6 +116,15 @@ def cached_or_measured(path: Path | None, key: str, machine: Mapping[str, object
         if again is not None and (plan is None or again.guard != plan.guard):
             _warn_if_provisional(again)
             return again                    # another executor measured meanwhile
+        if plan is None and path is not None and scope is not None and \
+                (got := plan_cut.find(path.parent, machine, scope)) is not None:
+            got.key = key
+            tuning.store(path, {"key": key, "machine": dict(machine), "scope": dict(scope),
+                                **got.to_json()})
+            log.info("kernel_plan_cut", key=key, cut_from=got.guard["cut_from"],
+                     max_m=scope["max_m"])
+            _warn_if_provisional(got)
+            return got
         old = plan.guard if plan is not None and plan.guard else None
         t0 = time.perf_counter()
         with meter() as m:
@@ -126,7 +141,9 @@ def cached_or_measured(path: Path | None, key: str, machine: Mapping[str, object
                         old_load=plan.guard.get("load"), why=new.guard["provisional"])
             new = plan
         if path is not None:
-            tuning.store(path, {"key": key, "machine": dict(machine), **new.to_json()})
+            tuning.store(path, {"key": key, "machine": dict(machine),
+                                **({"scope": dict(scope)} if scope is not None else {}),
+                                **new.to_json()})
     _warn_if_provisional(new)
     return new
 

@@ -12,6 +12,7 @@ import torch
 from components.executor.candidates import amx_possible
 from components.executor.elementwise import ElementwiseOps
 from components.executor.linear import GREEDY_HEAD, PREPARE, RUN, SILU_FUSED, amx_linear_f32
+from components.executor.plan_cut import linear_buckets
 from components.executor.sampling import greedy, sample
 from kernels import AttentionMetadata, KVCache, cpu_linear, cpu_native, get_backend, tuning
 from kernels.kv_cache import quantize
@@ -55,16 +56,13 @@ def measure_plan(spec: ModelSpec, dtype: torch.dtype, shp: Mapping[str, tuple[in
     g = torch.Generator().manual_seed(0)
     kv_dtype = kv_dtype or dtype
     plan = KernelPlan(source="measured", layer_loop="native" if native_ops else "python")
-    buckets = [b for b in tuning.M_BUCKETS if b < max_tokens] + [max_tokens]
     roles = {**shp, **({GREEDY_HEAD: shp["lm_head"]} if "lm_head" in shp else {})}
     for role, (n, k) in roles.items():
         if "linear" in skip:
             break
         head = role in ("lm_head", GREEDY_HEAD)      # its rows: the sampled ones, <= max_seqs
         w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
-        use = [b for b in buckets if b <= max(max_seqs, 1)] if head else buckets
-        if head and use[-1] < max_seqs:
-            use.append(max_seqs)
+        use = linear_buckets(max_tokens, max_seqs, head)
         runs = {c: (run_as_used(role, c, native_ops), tuning.copies_for(w, PREPARE[c]), limit)
                 for c, limit in cands["lm_head" if head else role].items()}
         found: dict = {}
