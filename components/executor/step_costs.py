@@ -17,10 +17,18 @@ Measured once per machine and cached under ``<cache>/step_costs/<key>.json``, as
 plan is (:mod:`kernels.tuning`: executors started together measure one at a time under the
 same file lock, and the file is replaced atomically). The key hashes what a step's time
 depends on: the machine (CPU model, flags, cores, threads, torch; the GPU's name), the
-model's shape, the dtypes, the attention backend and kernel plan chosen, and the probe's
+model's shape, the dtypes, the attention backend and the kernels the plan chose (not whether
+it was measured, read back or provisional: :func:`plan_choices`), and the probe's
 shapes (clipped to the engine's budget, context, sequences and pool). ``engine.kernels.cache
 = false`` measures at each start, as for the kernel plan; so does a measurement whose steps
 did not grow with their work (``scales_with_work``: a stalled, busy machine).
+
+A config with a key of its own measures only the probe steps no other config has stored:
+each file records, per step, :func:`probe_key` (its shape and the kernels that step runs)
+and :func:`base_key` (the machine, model, dtypes, block, backend), and a step another
+config of the same base timed under the same kernels is taken from it (the fresh chunks
+and the decodes that every config probes alike, where the budgets, pools and contexts
+differ).
 
 Timed in the executor, a step leaves out the bus round trip and the scheduler's planning
 that the scheduler's own samples include; the scheduler's model scales its prior by its
@@ -128,20 +136,68 @@ def measure(runner, shapes: list[Probe], vocab: int, reps: int = REPS) -> list[S
     return [sample_of(p, min(t)) for p, t in zip(shapes, times)]
 
 
-def cache_key(model, runner, shapes: list[Probe]) -> str:
+def _base(model, runner) -> dict[str, object]:
+    """What every probe step's time depends on besides its shape and its kernels."""
     machine = tuning.machine_info()
     if runner.kv.device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(runner.kv.device)
     spec = model.spec
-    blob = json.dumps({
-        "v": VERSION, "machine": machine,
-        "model": [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_heads,
-                  spec.num_kv_heads, spec.head_dim, spec.vocab_size],
-        "dtype": str(model.dtype), "kv": str(runner.kv.dtype), "block": runner.block_size,
-        "backend": model.backend.name, "plan": model.plan.summary() if model.plan else {},
-        "graphs": runner.graphs is not None, "shapes": [list(p) for p in shapes]},
-        sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    return {"v": VERSION, "machine": machine,
+            "model": [spec.num_layers, spec.hidden_size, spec.intermediate_size,
+                      spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size],
+            "dtype": str(model.dtype), "kv": str(runner.kv.dtype), "block": runner.block_size,
+            "backend": model.backend.name, "graphs": runner.graphs is not None}
+
+
+def _hash(blob: object) -> str:
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cache_key(model, runner, shapes: list[Probe]) -> str:
+    return _hash({**_base(model, runner), "plan": plan_choices(model.plan),
+                  "shapes": [list(p) for p in shapes]})
+
+
+def base_key(model, runner) -> str:
+    """The key of the steps another config may share: same machine, model, dtypes, block,
+    backend."""
+    return _hash(_base(model, runner))
+
+
+def probe_key(plan, p: Probe) -> str:
+    """One probe step under ``plan``: its shape and the kernels that step runs (each
+    linear's pick at the step's rows, the lm_head's at its sampled rows, the other ops).
+    Two configs whose plans differ only at step sizes this probe does not reach (a larger
+    budget's last buckets) run it alike."""
+    kernels = {k: v for k, v in plan_choices(plan).items() if not k.startswith("linear.")}
+    if plan is not None:
+        kernels.update({f"linear.{role}": tuning.pick(table, p.rows if role.startswith(
+            "lm_head") else p.rows * p.tokens) for role, table in sorted(plan.linear.items())})
+    return _hash({"probe": list(p), "kernels": kernels})
+
+
+def _known(root: Path, base: str) -> dict[str, StepSample]:
+    """The probe steps stored by other configs of this ``base``, by :func:`probe_key`."""
+    out: dict[str, StepSample] = {}
+    for path in sorted(root.glob("*.json"), key=lambda f: f.stat().st_mtime):
+        data = tuning.load_cached(path)
+        if not isinstance(data, dict) or data.get("base") != base:
+            continue
+        try:
+            out.update({k: StepSample(*row) for k, row in zip(data["probes"], data["steps"],
+                                                              strict=True)})
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def plan_choices(plan) -> dict[str, str]:
+    """What a kernel plan runs (its summary less how it was had): the start that measured
+    the plan and every start that reads it back time the same kernels, so they share one
+    probe; a provisional plan measured again to the same choices keeps it too."""
+    if plan is None:
+        return {}
+    return {k: v for k, v in plan.summary().items() if k not in ("source", "guard")}
 
 
 def _cached(path: Path | None, key: str) -> list[StepSample] | None:
@@ -168,16 +224,24 @@ def step_costs(runner, model, budget: int, max_len: int, max_seqs: int,
     with tuning.measuring(path) if path is not None else contextlib.nullcontext():
         if (got := _cached(path, key)) is not None:        # another executor measured
             return got, "cached", 0.0
+        base = base_key(model, runner)
+        keys = [probe_key(model.plan, p) for p in shapes]
+        known = _known(path.parent, base) if path is not None else {}
+        todo = [p for p, k in zip(shapes, keys) if k not in known]
         t0 = time.perf_counter()
-        samples = measure(runner, shapes, model.spec.vocab_size)
+        fresh = iter(measure(runner, todo, model.spec.vocab_size) if todo else [])
         seconds = round(time.perf_counter() - t0, 2)
+        samples = [known[k] if k in known else next(fresh) for k in keys]
+        reused = len(shapes) - len(todo)
+        how = "measured" if not reused else "taken from other configs' probes" if not todo \
+            else f"measured {len(todo)}, {reused} from other configs' probes"
         if not scales_with_work(samples):
-            return samples, "measured, stalled: not kept", seconds
+            return samples, f"{how}, stalled: not kept", seconds
         if path is not None:
-            tuning.store(path, {"key": key, "seconds": seconds,
+            tuning.store(path, {"key": key, "seconds": seconds, "base": base, "probes": keys,
                                 "steps": [[s.tokens, s.context, s.seqs, s.pairs, s.seconds]
                                           for s in samples]})
-    return samples, "measured", seconds
+    return samples, how, seconds
 
 
 def scales_with_work(samples: list[StepSample]) -> bool:

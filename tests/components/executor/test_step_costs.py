@@ -3,7 +3,9 @@ shapes, clipped to the engine; its samples, real steps on a small model; and the
 machine, read back by the next start and measured again where the key changes."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from components.executor.build import build_model
 from components.executor.runner import ModelRunner
 from components.executor.step_costs import (
     Probe,
+    base_key,
     cache_key,
+    probe_key,
     probe_plan,
     probe_shapes,
     sample_of,
@@ -96,6 +100,90 @@ def test_the_next_start_reads_them_back_by_key(tiny, tmp_path):
     assert cache_key(model, runner, probe_shapes(128, 1024, 16, 160, BLOCK)) != key
     assert step_costs(runner, model, 128, 1024, 16, tmp_path)[1] != "cached"
     assert step_costs(runner, model, 256, 1024, 16, None)[1].startswith("measured")
+
+
+def test_the_key_follows_the_plans_choices_not_how_it_was_had(tiny):
+    """The start that measured the plan and the next one, which reads it back, time the
+    same kernels: one key (a measured plan's key was the cached one's twin, and the second
+    start of every engine probed its steps again). Another kernel choice: another key."""
+    model, runner = tiny
+    shapes = probe_shapes(256, 1024, 16, 160, BLOCK)
+
+    def key_with(**changes):
+        plan = dataclasses.replace(model.plan, **changes)
+        return cache_key(SimpleNamespace(spec=model.spec, dtype=model.dtype,
+                                         backend=model.backend, plan=plan), runner, shapes)
+
+    measured = key_with(source="measured", guard={"load": 0.4, "provisional": "loaded"})
+    assert measured == cache_key(model, runner, shapes)
+    assert key_with(source="cached", guard={"load": 0.01, "provisional": ""}) == measured
+    assert key_with(source="cached", guard={}) == measured
+    other = "native" if model.plan.elementwise == "torch" else "torch"
+    assert key_with(elementwise=other) != measured
+
+
+def test_a_probe_step_is_keyed_by_its_shape_and_the_kernels_it_runs(tiny):
+    """Two plans that differ only above a step's rows run it alike (one key); where the
+    step's pick differs, or its shape, the key does."""
+    model, _ = tiny
+    plan = dataclasses.replace(model.plan, linear={"qkv": [(64, "torch"), (2048, "fp32")],
+                                                   "lm_head": [(128, "torch")]})
+    bigger = dataclasses.replace(plan, linear={**plan.linear,
+                                               "qkv": [(64, "torch"), (256, "fp32"),
+                                                       (4096, "onednn")]})
+    p = Probe(1, 128, 0)
+    assert probe_key(plan, p) == probe_key(bigger, p)
+    assert probe_key(plan, Probe(1, 512, 0)) != probe_key(bigger, Probe(1, 512, 0))
+    assert probe_key(plan, Probe(1, 16, 0)) != probe_key(plan, p)
+    # the lm_head runs the sampled rows: a 2-row decode picks its table at 2, not 2 x 1
+    narrow = dataclasses.replace(plan, linear={**plan.linear,
+                                               "lm_head": [(1, "fp32"), (128, "torch")]})
+    assert probe_key(narrow, Probe(2, 1, 255)) == probe_key(plan, Probe(2, 1, 255))
+    assert probe_key(narrow, Probe(1, 16, 0)) != probe_key(plan, Probe(1, 16, 0))
+    other = "native" if plan.elementwise == "torch" else "torch"
+    assert probe_key(dataclasses.replace(plan, elementwise=other), p) != probe_key(plan, p)
+
+
+def test_another_config_measures_only_the_steps_no_config_has_stored(tiny, tmp_path):
+    """A 256-token config's steps are stored; a 128-token config (another key: its budget
+    steps and clipped shapes differ) takes the steps both probe alike from that file,
+    exactly, and measures only its own; each is stored under its key for the next start."""
+    model, runner = tiny
+    shapes = probe_shapes(256, 1024, 16, 160, BLOCK)
+    stored = [sample_of(p, 0.001 * (p.rows * p.tokens + 10)) for p in shapes]
+    key = cache_key(model, runner, shapes)
+    (tmp_path / "step_costs").mkdir()
+    (tmp_path / "step_costs" / f"{key}.json").write_text(json.dumps(
+        {"key": key, "base": base_key(model, runner),
+         "probes": [probe_key(model.plan, p) for p in shapes],
+         "steps": [list(astuple(s)) for s in stored]}))
+    # 128 tokens at 1024 of context: every step is one the 256-token config probed
+    samples, how, seconds = step_costs(runner, model, 128, 1024, 16, tmp_path)
+    small = probe_shapes(128, 1024, 16, 160, BLOCK)
+    assert (how, seconds) == ("taken from other configs' probes", 0.0)
+    assert samples == [stored[shapes.index(p)] for p in small]
+    # at 512 of context the long-context steps are its own
+    small = probe_shapes(128, 512, 16, 160, BLOCK)
+    shared = [p for p in small if p in shapes]
+    assert shared and len(shared) < len(small)
+    samples, how, seconds = step_costs(runner, model, 128, 512, 16, tmp_path)
+    assert seconds > 0 and how.startswith(
+        f"measured {len(small) - len(shared)}, {len(shared)} from other configs' probes")
+    by_shape = dict(zip(small, samples))
+    for p in shared:                                   # taken as stored, not measured
+        assert by_shape[p] == stored[shapes.index(p)]
+    assert all(by_shape[p].seconds > 0 for p in small if p not in shapes)
+    if "not kept" not in how:
+        assert step_costs(runner, model, 128, 512, 16, tmp_path) == (samples, "cached", 0.0)
+    # another machine (or model, dtypes, block, backend) shares nothing
+    other = tmp_path / "elsewhere" / "step_costs"
+    other.mkdir(parents=True)
+    (other / "x.json").write_text(json.dumps(
+        {"key": "x", "base": "another base", "probes": [probe_key(model.plan, p)
+                                                         for p in shapes],
+         "steps": [list(astuple(s)) for s in stored]}))
+    how = step_costs(runner, model, 128, 1024, 16, other.parent)[1]
+    assert how.startswith("measured") and "from other configs" not in how
 
 
 def test_a_stalled_measurement_is_not_kept():
