@@ -453,7 +453,8 @@ def test_penalties_bias_and_min_tokens_with_speculation(model, plain):
                         NgramDrafter(min_n=1), None):
             fast = run(model, [new_seq(1, penalties=pen)], drafter=drafter,
                        k=lambda step, sid: 2 + step % 3)
-            assert len(fast.tokens[1]) == N and not banned(fast.tokens[1]), drafter
+            # its last step may accept drafts past N (run() stops once a row has N)
+            assert len(fast.tokens[1]) >= N and not banned(fast.tokens[1]), drafter
     # the exact future, drafted whole, is accepted whole: penalties see the drafts ahead
     got = run(model, [seq], drafter=Oracle({1: want}), k=4)
     assert all(d == a for d, a in got.drafts[1]) and got.steps <= 1 + math.ceil((N - 1) / 5)
