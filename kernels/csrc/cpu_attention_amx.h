@@ -411,9 +411,6 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
     const __m512 lazy_sum = _mm512_set1_ps(std::exp(kLazyRescale));
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);    // bf16 1.0 pairs
-    // a pair row (dword c: query c, the even key's bf16 low, the odd key's high) is the odd
-    // key's fp32 bits' high half over the even key's high half shifted down
-    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     for (int g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
         for (int c = 0; c < 16; ++c) {
@@ -464,11 +461,8 @@ void flash_block_amx(const uint16_t* q, const uint32_t* kpk, uint16_t* out, int6
                         e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_OQ) & live_m,
                                                  exp2_bf16(_mm512_fmsub_ps(s1, log2e, m2)));
                     }
-                    // the pair row: e1's high half over e0's (vpternlogd: bits of the
-                    // first operand where the mask is set, else the third's)
-                    const __m512i pp = _mm512_ternarylogic_epi32(
-                        _mm512_castps_si512(e1), hi16, _mm512_srli_epi32(_mm512_castps_si512(e0), 16),
-                        0xE2);
+                    // the pair row (dword c: query c, the even key's bf16 low, the odd's high)
+                    const __m512i pp = bf16_pairs(e0, e1);
                     bs = _mm512_dpbf16_ps(bs, (__m512bh)pp, ones);
                     _mm512_store_si512(pbuf + t / 2 * 16, pp);
                 }

@@ -410,6 +410,15 @@ inline __m512 exp2_bf16(__m512 x) {
     return _mm512_scalef_ps(p, x);
 }
 
+// lo and hi truncated to bf16 (exp2_bf16's values) and paired by lane: dword c is hi[c]'s
+// fp32 bits' high half over lo[c]'s high half shifted down (vpternlogd: bits of the first
+// operand where the mask is set, else the third's)
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    return _mm512_ternarylogic_epi32(_mm512_castps_si512(hi),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)),
+                                     _mm512_srli_epi32(_mm512_castps_si512(lo), 16), 0xE2);
+}
+
 // The prompt kernel for CPUs with AVX512-BF16 and no AMX (Zen 4): flash attention by
 // vdpbf16ps. The decode tiles (kTile rows against every key, the scores reduced by a
 // transpose per 16 keys) ran a 2,048-token prompt at 0.05 TFLOP/s on one Xeon core, 7x
@@ -418,10 +427,11 @@ inline __m512 exp2_bf16(__m512 x) {
 // head; 4 query rows of one head go together over 32 keys a block: their scores are 8
 // accumulators (a key per lane: 32 vdpbf16ps each, one key vector and one broadcast query
 // pair), their outputs 16 (4 x 64 dims), and P.V broadcasts each row's probability pair
-// against a value pair row. The softmax is the AMX kernel's: 2^x by exp2_bf16 (14 -> 7 ops
-// a score vector against exp16 with its scale), the pairs cut by a shift and a vpternlogd,
-// the sums by one vdpbf16ps of those same pairs, and a lazy max (kLazyRescale) looked at
-// only where a lane's sum passes e^kLazyRescale; the output is normalized at the end. On 2
+// against a value pair row. The softmax is the AMX kernel's: 2^x by exp2_bf16 (7 ops a score
+// vector with its scale, against exp16's 17 and a multiply), the pairs cut by a shift and a
+// vpternlogd (bf16_pairs), the sums by one vdpbf16ps of those same pairs, and a lazy max
+// (kLazyRescale) looked at only where a lane's sum passes e^kLazyRescale; the output is
+// normalized at the end. On 2
 // Zen 4 cores, one layer, medians of 15 in 3 alternating rounds (scripts/run
 // bench/prompt_attention): 2,048 fresh 16.8-18.1 -> 14.3-15.2 ms, 2,048 after 2,048
 // 49.3-53.5 -> 41.8-43.1, 512 after 2,048 9.3-11.0 -> 8.2-8.9 (0.27-0.29 -> 0.32-0.35
@@ -446,7 +456,6 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512 lazy_sum = _mm512_set1_ps(std::exp(kLazyRescale));
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);    // bf16 1.0 pairs
-    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
     __m512 o[QG][4], l[QG];
     float m[QG];
     for (int i = 0; i < QG; ++i) {
@@ -487,8 +496,7 @@ void flash_rows_vec(const uint16_t* q, int64_t q_row, int64_t head, int64_t row0
                 const __m512 m2 = _mm512_set1_ps(m[i] * weir::kLog2e);
                 const __m512 e0 = _mm512_maskz_mov_ps(live0, exp2_bf16(_mm512_fmsub_ps(s[i][0], sc2, m2)));
                 const __m512 e1 = _mm512_maskz_mov_ps(live1, exp2_bf16(_mm512_fmsub_ps(s[i][1], sc2, m2)));
-                pp = _mm512_ternarylogic_epi32(_mm512_castps_si512(e1), hi16,
-                                               _mm512_srli_epi32(_mm512_castps_si512(e0), 16), 0xE2);
+                pp = bf16_pairs(e0, e1);
                 bs = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)pp, ones);
             };
             probabilities();
