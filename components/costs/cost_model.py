@@ -179,10 +179,11 @@ class StepCostModel:
             # nothing to compare with yet (no prior, no fast step): the fit learns the
             # step as the fast plan would have run it, at the factor known now
             seconds /= self.deterministic_factor()
-        if self._fitted():                   # how the step compares with what was predicted
+        if self.prior is not None or self._fitted():   # how it compares with its prediction
             predicted = self.predict(shape)
             if predicted > 0:
-                self._ratios.append(seconds / predicted)
+                # (rounded: a fit's float noise is no slowdown)
+                self._ratios.append(round(seconds / predicted, 6))
         self._x.append(shape.row())
         self._y.append(seconds)
         self._dirty = True
@@ -192,10 +193,19 @@ class StepCostModel:
 
     def slowdown(self, q: float = 0.9) -> float:
         """How much slower than predicted recent steps ran, at quantile ``q`` (at least 1):
-        what a step must be planned against to finish in time that often."""
-        if len(self._ratios) < 8:
+        what a step must be planned against to finish in time that often. Over fewer than 8
+        steps, the slowest of them: a quantile of so few is no estimate, and the first live
+        steps are the ones a prior fitted on the startup probe knows least (on a 2-core Zen
+        4 the first mixed steps beside 16 streams ran 1.04-1.13x the prior-led prediction,
+        and planned at 1.0 they took 596-677 ms against a 600 ms gap cap). Ratios are kept
+        from the first step where a prior predicts, not only once the window is fitted. A
+        cold first step far over (8.5x seen) counts as ``PRIOR_SCALE_MAX``, the most the
+        prior itself is scaled by."""
+        if not self._ratios:
             return 1.0
         ordered = sorted(self._ratios)
+        if len(ordered) < 8:
+            return min(max(ordered[-1], 1.0), PRIOR_SCALE_MAX)
         return max(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 1.0)
 
     def mean_per_token(self) -> float:

@@ -28,7 +28,6 @@ from weir.replay.report import percentile, summarize
 from weir.replay.types import COMPLETED, Slo, TraceRequest
 
 TPOT_SLO_MS = 400.0
-MEAN_SLACK = 1.1          # the slack engine's worst stream mean against the SLO: see below
 
 # linear = "torch": one kernel for every step size, so the measured ITL is scheduling,
 # not which kernel the plan picked for each varying chunk size; no speculation, so that
@@ -56,6 +55,15 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
     seconds on this CPU.
     (Until 2026-12-06 each step was held within 80% of the SLO itself: 90% of the gaps
     within it, but a burst's prompts waited on steps shorter than the streams needed.)
+
+    A stream's TPOT is the mean of all its gaps, from its first token: the SLO's measure and
+    the scheduler's, which lends time a stream banked before the burst to the burst's
+    prompts. Until 2026-12-07 this test took the mean of the gaps after the burst's arrival
+    only, which that lending puts over the SLO by design (417-424 ms on a 2-core Zen 4,
+    where the whole-stream TPOT read 319 ms against the 320 ms the budget plans); and the
+    banked streams' gaps rode the 1.5x cap, and the first steps of the burst, planned before
+    the cost model had seen 8 live steps (no slowdown yet), ran 4-13% over it (gap p90
+    612-626 ms). The slowdown is now the slowest of those first steps (p90 525-564 ms).
 
     The worst gap is one step's time against its prediction, so it moves with the machine's
     noise: 395-489 ms here against a 500 ms SLO. It was this test's bar, and a neighbour's
@@ -90,12 +98,7 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
         worst[chunking] = max(gaps) * 1e3
     report = {"worst stream TPOT": tpot, "gap p90": p90, "worst gap": worst}
     print("stall-free chunking, ms:", report)
-    # On a 2-core Zen 4 the slack engine's worst stream read 417-424 ms in four runs, before
-    # and after this round's changes (its gaps within their bars: p90 550-584, worst
-    # 580-681), though the budget plans each stream's mean at 80% of the SLO: the streams
-    # there run about a third slower than planned, a miss of the scheduler's (not yet
-    # found) that this bar records rather than hides. The fixed engine read 656-823 ms.
-    assert tpot["slack"] <= MEAN_SLACK * TPOT_SLO_MS < tpot["fixed"], report
+    assert tpot["slack"] <= TPOT_SLO_MS < tpot["fixed"], report
     assert p90["slack"] <= 1.5 * TPOT_SLO_MS < p90["fixed"], report
     assert worst["slack"] <= 2.0 * TPOT_SLO_MS < worst["fixed"], report
 

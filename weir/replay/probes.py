@@ -17,8 +17,9 @@ async def decode_through_burst(endpoint: str, api_key: str, *, streams: int = 16
     once. Returns the streams' inter-token gaps (seconds) from the burst's arrival on, and
     the burst's TTFTs (seconds; only those that finished). ``cancel_burst``: cancel the
     burst when the last stream ends (the gaps are all that is wanted). ``stream_gaps``: each
-    stream's own gaps from the burst on are appended to it, one list per stream (a stream's
-    TPOT is their mean)."""
+    stream's own gaps from its first token on are appended to it, one list per stream: its
+    TPOT as the SLO measures it is their mean (from the first token, so time a stream banked
+    before the burst counts, as the scheduler counts it)."""
     from weir.client import AsyncClient
 
     rng = random.Random(seed)
@@ -38,9 +39,10 @@ async def decode_through_burst(endpoint: str, api_key: str, *, streams: int = 16
                     started[0] += 1
                     if started[0] == streams:
                         decoding.set()
-                elif burst_sent.is_set():
-                    gaps.append(now - last)
+                else:
                     mine.append(now - last)
+                    if burst_sent.is_set():
+                        gaps.append(now - last)
                 last = now
             if stream_gaps is not None:
                 stream_gaps.append(mine)

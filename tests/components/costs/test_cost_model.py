@@ -101,6 +101,25 @@ def test_a_cold_first_step_does_not_scale_the_prior_by_its_outlier():
         PRIOR_SCALE_MAX * 4.006552, rel=1e-9)
 
 
+def test_the_first_steps_plan_against_the_slowest_of_them():
+    """Until 8 steps are seen the slowdown (what step budgets are planned against) is the
+    slowest step's measured / predicted, from the first step a prior predicts; a cold
+    outlier counts as PRIOR_SCALE_MAX at most; from 8 steps on, the p90 of the window."""
+    m = StepCostModel(prior=TRUTH, min_samples=8)
+    assert m.slowdown() == 1.0
+    m.observe(prefill_shape(256), truth(prefill_shape(256)))            # as predicted
+    assert m.slowdown() == 1.0
+    m.observe(decode_shape(8, 8000), 1.3 * truth(decode_shape(8, 8000)))
+    m.observe(prefill_shape(128), truth(prefill_shape(128)))   # the prior's scale: still 1
+    assert m.slowdown() == 1.3
+    for n in (32, 48, 64, 80, 96, 112, 128, 144):
+        m.observe(prefill_shape(n), truth(prefill_shape(n)))
+    assert m.slowdown() == pytest.approx(1.0, abs=0.02)   # one step in 11: under the p90
+    cold = StepCostModel(prior=TRUTH, min_samples=8)
+    cold.observe(prefill_shape(128), 8.5 * truth(prefill_shape(128)))
+    assert cold.slowdown() == PRIOR_SCALE_MAX
+
+
 def test_the_prior_votes_once_among_the_first_steps():
     """The scale before the fit: the median of the steps' ratios and the prior's 1, the
     geometric mean of the middle two for an even count. At rate inf a 128-token first step
