@@ -194,18 +194,18 @@ class StepCostModel:
     def slowdown(self, q: float = 0.9) -> float:
         """How much slower than predicted recent steps ran, at quantile ``q`` (at least 1):
         what a step must be planned against to finish in time that often. Over fewer than 8
-        steps, the slowest of them: a quantile of so few is no estimate, and the first live
-        steps are the ones a prior fitted on the startup probe knows least (on a 2-core Zen
-        4 the first mixed steps beside 16 streams ran 1.04-1.13x the prior-led prediction,
-        and planned at 1.0 they took 596-677 ms against a 600 ms gap cap). Ratios are kept
-        from the first step where a prior predicts, not only once the window is fitted. A
-        cold first step far over (8.5x seen) counts as ``PRIOR_SCALE_MAX``, the most the
-        prior itself is scaled by."""
-        if not self._ratios:
+        steps, the slowest but one of them (1 for one step): a quantile of so few is no
+        estimate, and the first live steps are the ones a prior fitted on the startup probe
+        knows least (on a 2-core Zen 4 the first mixed steps beside 16 streams ran
+        1.04-1.13x the prior-led prediction, and planned at 1.0 they took 596-677 ms
+        against a 600 ms gap cap); but not the slowest, which is an engine's first step,
+        cold (2.5x and 8.5x seen). Ratios are kept from the first step where a prior
+        predicts, not only once the window is fitted; at most ``PRIOR_SCALE_MAX``."""
+        if len(self._ratios) < 2:
             return 1.0
         ordered = sorted(self._ratios)
         if len(ordered) < 8:
-            return min(max(ordered[-1], 1.0), PRIOR_SCALE_MAX)
+            return min(max(ordered[-2], 1.0), PRIOR_SCALE_MAX)
         return max(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 1.0)
 
     def mean_per_token(self) -> float:
@@ -265,12 +265,15 @@ class StepCostModel:
         ``min_samples`` steps scale it (the median step's measured ÷ predicted, the prior
         voting once at 1: :func:`prior_vote`; within
         ``PRIOR_SCALE_MAX`` either way);
-        more fit ``coef = prior + delta``, each delta's square weighed ``PRIOR_STEPS`` ×
-        the mean square of its feature over the window, or over the prior's own steps
-        where larger: a direction the window pins down follows the window, one it cannot
-        tell (a feature it never varies, or two it only sees move together, or a feature
-        it sees only small: the window's short prompts say little about a long prompt's
-        attention) stays at the prior."""
+        more fit ``coef = prior × (1 + e) + delta``: the prior scaled as a whole (within
+        ``PRIOR_SCALE_MAX`` either way) and moved by a delta per feature, each of ``e`` and
+        the deltas weighed ``PRIOR_STEPS`` × its square in seconds of a typical step (for a
+        delta, over the mean square of its feature over the window, or over the prior's
+        own steps where larger; for ``e``, of the prior's prediction over the window): a
+        direction the window pins down follows the window, one it cannot tell (a feature it
+        never varies, or two it only sees move together, or a feature it sees only small:
+        the window's short prompts say little about a long prompt's attention) stays at the
+        prior, scaled with the rest."""
         x, y = np.array(self._x), np.array(self._y)
         self._dirty = False
         # each feature in units of its own size over the window (pairs run to millions,
@@ -297,8 +300,25 @@ class StepCostModel:
             ratio = min(max(ratio, 1 / PRIOR_SCALE_MAX), PRIOR_SCALE_MAX)
             self._coef = [float(c) for c in p * ratio]
             return
+        # coef = p * (1 + e) + delta: the prior scaled as a whole for free (e), and each
+        # delta paid for. A live engine's steps share the cores with its other processes
+        # and its clients, which slows every term alike; with the deltas alone that went
+        # to the terms the window moves freely (the constant, the sequences) and not to a
+        # token's cost, which the prior's long steps pin: at rate inf on a 2-core Zen 4
+        # the burst's mixed steps ran ~1.5x the prior and the fit priced 64 decodes at
+        # 150-300 ms where they took 75-85, so the stall-free budget, pacing the streams'
+        # next tokens at that, cut the burst into ~300-token chunks
         held = np.maximum(scale, self._prior_scale)
-        a = np.vstack([x / held, np.sqrt(PRIOR_STEPS) * np.eye(len(p))])
-        b = np.concatenate([y - x @ p, np.zeros(len(p))])
-        delta = np.linalg.lstsq(a, b, rcond=None)[0] / held
-        self._coef = [float(c) for c in p + delta]
+        base = x @ p
+        unit = float(np.sqrt((base * base).mean())) or 1.0
+        a = np.vstack([np.column_stack([x / held, base / unit]),
+                       np.sqrt(PRIOR_STEPS) * np.eye(len(p) + 1)])
+        b = np.concatenate([y - base, np.zeros(len(p) + 1)])
+        sol = np.linalg.lstsq(a, b, rcond=None)[0]
+        grow = 1.0 + sol[-1] / unit
+        if not 1 / PRIOR_SCALE_MAX <= grow <= PRIOR_SCALE_MAX:   # the deltas about the bound
+            grow = min(max(grow, 1 / PRIOR_SCALE_MAX), PRIOR_SCALE_MAX)
+            a = np.vstack([x / held, np.sqrt(PRIOR_STEPS) * np.eye(len(p))])
+            b = np.concatenate([y - grow * base, np.zeros(len(p))])
+            sol = np.append(np.linalg.lstsq(a, b, rcond=None)[0], 0.0)
+        self._coef = [float(c) for c in p * grow + sol[:-1] / held]

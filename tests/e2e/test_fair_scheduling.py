@@ -63,7 +63,8 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
     where the whole-stream TPOT read 319 ms against the 320 ms the budget plans); and the
     banked streams' gaps rode the 1.5x cap, and the first steps of the burst, planned before
     the cost model had seen 8 live steps (no slowdown yet), ran 4-13% over it (gap p90
-    612-626 ms). The slowdown is now the slowest of those first steps (p90 525-564 ms).
+    612-626 ms). The slowdown now counts from the first step the startup prior predicts
+    (p90 525-564 ms), and the cost model scales the prior as a whole (p90 463 ms).
 
     The worst gap is one step's time against its prediction, so it moves with the machine's
     noise: 395-489 ms here against a 500 ms SLO. It was this test's bar, and a neighbour's
