@@ -58,7 +58,7 @@ def test_stall_free_chunking_keeps_the_streams_tpot_through_a_burst(tmp_path_fac
 
     A stream's TPOT is the mean of all its gaps, from its first token: the SLO's measure and
     the scheduler's, which lends time a stream banked before the burst to the burst's
-    prompts. Until 2026-12-07 this test took the mean of the gaps after the burst's arrival
+    prompts. Until 2026-12-06 this test took the mean of the gaps after the burst's arrival
     only, which that lending puts over the SLO by design (417-424 ms on a 2-core Zen 4,
     where the whole-stream TPOT read 319 ms against the 320 ms the budget plans); and the
     banked streams' gaps rode the 1.5x cap, and the first steps of the burst, planned before

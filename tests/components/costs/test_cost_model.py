@@ -198,7 +198,7 @@ def test_a_machine_slowed_alike_scales_the_prior_and_prices_decodes_by_it():
     its other processes and its clients), and the window holds only mixed steps (a chunk
     beside decodes, as while a burst is prefilled): a step of decodes alone, which it has
     not seen, is priced at 1.5x the prior's within 10%, and a long prompt within 20%. With
-    deltas alone (before 2026-12-07) the slowdown went to the terms the window moves freely,
+    deltas alone (until 2026-12-06) the slowdown went to the terms the window moves freely,
     and on a 2-core Zen 4's served burst 64 decodes were priced at 150-300 ms where they
     took 75-85; here 1.11x and 0.69x."""
     m = StepCostModel()
