@@ -300,14 +300,14 @@ class StepCostModel:
             ratio = min(max(ratio, 1 / PRIOR_SCALE_MAX), PRIOR_SCALE_MAX)
             self._coef = [float(c) for c in p * ratio]
             return
-        # coef = p * (1 + e) + delta: the prior scaled as a whole for free (e), and each
-        # delta paid for. A live engine's steps share the cores with its other processes
-        # and its clients, which slows every term alike; with the deltas alone that went
-        # to the terms the window moves freely (the constant, the sequences) and not to a
-        # token's cost, which the prior's long steps pin: at rate inf on a 2-core Zen 4
-        # the burst's mixed steps ran ~1.5x the prior and the fit priced 64 decodes at
-        # 150-300 ms where they took 75-85, so the stall-free budget, pacing the streams'
-        # next tokens at that, cut the burst into ~300-token chunks
+        # coef = p * (1 + e) + delta: the prior scaled as a whole (e) and moved a term at a
+        # time (delta), both held alike. A served engine shares its cores with its other
+        # processes and its clients, which slows every term alike; with deltas alone that
+        # went to the terms the window moves freely (the constant, the sequences), not to
+        # a token's cost, which the prior's long steps pin: on a 2-core Zen 4 a burst's
+        # mixed steps ran ~1.5x the prior, and the step of 64 decodes after it (which the
+        # stall-free budget paces the streams' next tokens at) was priced at 130-300 ms
+        # where it took 75-100
         held = np.maximum(scale, self._prior_scale)
         base = x @ p
         unit = float(np.sqrt((base * base).mean())) or 1.0
