@@ -199,8 +199,8 @@ def test_a_machine_slowed_alike_scales_the_prior_and_prices_decodes_by_it():
     beside decodes, as while a burst is prefilled): a step of decodes alone, which it has
     not seen, is priced at 1.5x the prior's within 10%, and a long prompt within 20%. With
     deltas alone (until 2026-12-06) the slowdown went to the terms the window moves freely,
-    and on a 2-core Zen 4's served burst 64 decodes were priced at 150-300 ms where they
-    took 75-85; here 1.11x and 0.69x."""
+    and on a 2-core Zen 4's served burst 64 decodes were priced at 150-300 ms where such a
+    step took 73-102 (two traced runs); here 1.11x and 0.69x."""
     m = StepCostModel()
     assert m.prior_from((s, truth(s)) for s in SEEN)
     rng = random.Random(0)
