@@ -15,7 +15,7 @@ from components.executor.elementwise import ElementwiseOps
 from components.executor.linear import Linear
 from components.executor.model import LlamaModel
 from components.executor.synthetic import ModelShape, random_weights
-from kernels import AttentionMetadata, cpu_forward, cpu_linear, cpu_native, native_lib, tuning_guard
+from kernels import AttentionMetadata, cpu_forward, cpu_linear, cpu_native, native_lib
 from kernels.tuning import KernelPlan
 
 # head_dim 64 (the native attention kernel's shapes); every weight's rows a multiple of 16
@@ -546,19 +546,10 @@ def test_the_model_runs_the_plan_it_is_given_and_plans_nothing(monkeypatch):
     assert torch.equal(_logits(model), want)
 
 
-def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch):
+def test_the_plan_is_measured_once_per_machine(tmp_path, monkeypatch, quiet_cores):
     """A clean plan is read back at the next start; another CPU model measures its own.
-    The load meter reads the cores as quiet (no other process's time): under the suite's
-    two workers a real reading made the first plan provisional (33% of the cores busy
-    beside it), and a provisional plan is rightly measured again at a quieter start
-    (tests/components/executor/test_plan_guard.py covers that gate)."""
-    real_read = tuning_guard.read_sample
-
-    def quiet() -> tuning_guard.LoadSample:
-        got = real_read()
-        return tuning_guard.LoadSample(got.wall_s, got.own_s, got.own_s)
-
-    monkeypatch.setattr(tuning_guard, "read_sample", quiet)
+    The cores read as quiet (conftest's quiet_cores): a plan measured beside the suite's
+    other worker is provisional, and measured again at the next start."""
     weights = random_weights(SHAPE, seed=3)
     first = build_model(SHAPE, weights, tuning_cache=tmp_path)
     again = build_model(SHAPE, weights, tuning_cache=tmp_path)
@@ -596,7 +587,7 @@ def test_the_native_build_key_follows_the_kernel_sources(tmp_path, monkeypatch):
     assert native_lib.build_key() != key
 
 
-def test_executors_started_together_measure_once(tmp_path, monkeypatch):
+def test_executors_started_together_measure_once(tmp_path, monkeypatch, quiet_cores):
     """Two executors of one machine asking for the same plan: the second waits for the
     first's measurement and reads it, instead of timing its kernels beside the first's.
     The first is held inside its measurement until the second has found no plan cached, so
