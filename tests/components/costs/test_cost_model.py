@@ -123,6 +123,22 @@ def test_the_first_steps_plan_against_the_slowest_but_one():
     assert cold.slowdown() == pytest.approx(1.1)
 
 
+def test_the_cold_first_step_never_sets_the_slowdown():
+    """An engine's first step ran 2.05x its prediction on a 2-core Zen 4 at rate inf, every
+    later one 0.75-1.12x. The slowdown is the slowest but one at every window size: the
+    p90's index over 8-10 ratios is the window's last, which made the 9th-11th steps of
+    that burst plan at 2.05x (budgets of 283-288 tokens between steps of 510-540)."""
+    m = StepCostModel(prior=TRUTH, min_samples=8)
+    m.observe(prefill_shape(128), 2.05 * truth(prefill_shape(128)))
+    seen = []
+    for i in range(15):
+        shape = joined(decode_shape(4 + i, 1000 + 200 * i), prefill_shape(400 + 8 * i))
+        m.observe(shape, (1.12 if i == 3 else 1.0) * m.predict(shape))
+        seen.append(m.slowdown())
+    assert max(seen) == pytest.approx(1.12, abs=1e-6), seen
+    assert seen[-1] == pytest.approx(1.12, abs=1e-6)    # p90 of 16: still the second slowest
+
+
 def test_the_prior_votes_once_among_the_first_steps():
     """The scale before the fit: the median of the steps' ratios and the prior's 1, the
     geometric mean of the middle two for an even count. At rate inf a 128-token first step
