@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from datetime import UTC
@@ -128,14 +129,29 @@ def _env_int(name: str) -> int | None:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from weir.trace_view import load, render, timeline
+    from weir.trace_view import load, render, render_steps, steps, timeline
 
+    if not args.steps and not args.request_id:
+        print("weir trace: give a REQUEST_ID, or --steps for the scheduler's steps",
+              file=sys.stderr)
+        return 2
+    ids = re.fullmatch(r"(\d*)(\.\.(\d*))?", args.step_ids)
+    if ids is None or (ids[2] and not (ids[1] or ids[3])):
+        print(f"weir trace: --step-ids wants FIRST..LAST, FIRST.., ..LAST or one step id, not "
+              f"{args.step_ids!r}", file=sys.stderr)
+        return 2
+    first = int(ids[1] or 0)
+    last = int(ids[3]) if ids[3] else None if ids[2] or not ids[1] else first
     try:
-        rows = timeline(load(args.file), args.request_id)
+        spans = load(args.file)
+        if args.steps:
+            text = render_steps(steps(spans, first, last), min(s["start_ns"] for s in spans))
+        else:
+            text = render(timeline(spans, args.request_id), args.request_id)
     except (OSError, LookupError, ValueError) as exc:
         print(f"weir trace: {exc}", file=sys.stderr)
         return 1
-    print(render(rows, args.request_id))
+    print(text)
     return 0
 
 
@@ -573,9 +589,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--config", required=True, help="a TOML config with a tcp topology")
     comp.set_defaults(func=_component)
 
-    tr = sub.add_parser("trace", help="print a request's timeline from a JSONL span export")
-    tr.add_argument("request_id")
+    tr = sub.add_parser("trace", help="print a request's timeline, or the scheduler's steps, "
+                                      "from a JSONL span export")
+    tr.add_argument("request_id", nargs="?", default="")
     tr.add_argument("--file", required=True, help="spans.jsonl written by telemetry.exporter=jsonl")
+    tr.add_argument("--steps", action="store_true",
+                    help="one line a scheduler step: its token budget and why, the step's "
+                         "predicted and measured ms, running and waiting; start ms from the "
+                         "file's first span")
+    tr.add_argument("--step-ids", default="", metavar="FIRST..LAST",
+                    help="with --steps: only these step ids (e.g. 8..12, or 20..)")
     tr.set_defaults(func=_trace)
 
     hk = sub.add_parser("hash-key", help="print the SHA-256 to store for an API key")

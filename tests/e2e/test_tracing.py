@@ -197,6 +197,20 @@ def test_jsonl_export_and_weir_trace(tmp_path, model_path):
                          cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert bad.returncode == 1 and "no request" in bad.stderr
+    table = subprocess.run([sys.executable, "-m", "weir.cli", "trace", "--steps", "--file",
+                            str(spans)], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True).stdout
+    head, *lines = table.splitlines()
+    assert head.split()[:9] == ["start", "ms", "step", "decode", "prefill", "budget", "used",
+                                "reason", "tpot_ms"], head
+    n_steps = sum('"scheduler.step"' in line for line in spans.read_text().splitlines())
+    assert len(lines) == n_steps >= 2, table     # a prefill and a decode at least (ngram
+    #                                                speculation may take several tokens a step)
+    for line in lines:
+        _, _, _, _, budget, used, reason, *_ = line.split()
+        assert 0 < int(used) <= int(budget) and reason in (
+            "full", "no_decodes", "no_tpot_slo", "cost_unknown", "tpot_slo",
+            "tpot_slo_mean"), line
 
 
 def test_admission_predicts_ttft_and_records_the_deadline(traced):
