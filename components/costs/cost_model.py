@@ -209,8 +209,8 @@ class StepCostModel:
         if len(ordered) < 8:
             return min(max(ordered[-2], 1.0), PRIOR_SCALE_MAX)
         # never the slowest of the window: at 8-10 steps the p90's index is the last, which
-        # was the cold first step again (a 2.05x step made the 9th-11th steps of a rate-inf
-        # burst plan at half the budget of the steps either side); from 11 on it is not
+        # was the cold first step again (2.0-5.9x: the 9th-11th steps of a rate-inf burst
+        # took 39-233 tokens between steps of 420-660); from 11 on it is below the last
         return max(ordered[min(int(q * len(ordered)), len(ordered) - 2)], 1.0)
 
     def mean_per_token(self) -> float:
