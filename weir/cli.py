@@ -141,7 +141,10 @@ def _trace(args: argparse.Namespace) -> int:
               f"{args.step_ids!r}", file=sys.stderr)
         return 2
     first = int(ids[1] or 0)
-    last = int(ids[3]) if ids[3] else None if ids[2] or not ids[1] else first
+    if ids[2]:                                              # a range: FIRST..LAST
+        last = int(ids[3]) if ids[3] else None
+    else:                                                   # one id, or all
+        last = first if ids[1] else None
     try:
         spans = load(args.file)
         if args.steps:

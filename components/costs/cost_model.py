@@ -206,12 +206,12 @@ class StepCostModel:
         if len(self._ratios) < 2:
             return 1.0
         ordered = sorted(self._ratios)
-        if len(ordered) < 8:
-            return min(max(ordered[-2], 1.0), PRIOR_SCALE_MAX)
-        # never the slowest of the window: at 8-10 steps the p90's index is the last, which
-        # was the cold first step again (2.0-5.9x: the 9th-11th steps of a rate-inf burst
-        # took 39-233 tokens between steps of 420-660); from 11 on it is below the last
-        return max(ordered[min(int(q * len(ordered)), len(ordered) - 2)], 1.0)
+        # never the slowest of the window: below 11 steps the p90's index would be the last,
+        # the cold first step (2.0-5.9x: at 8-10 steps it held the 9th-11th steps of a
+        # rate-inf burst to 39-233 tokens between steps of 420-660); below 8 this is the
+        # slowest but one
+        got = max(ordered[min(int(q * len(ordered)), len(ordered) - 2)], 1.0)
+        return min(got, PRIOR_SCALE_MAX) if len(ordered) < 8 else got
 
     def mean_per_token(self) -> float:
         """Seconds per token over the window, fixed costs included: an upper bound on the
